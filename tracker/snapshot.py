@@ -1,0 +1,55 @@
+"""The immutable view of the swarm that route selection and placement read.
+
+Pure data: no I/O, no clocks, no database. The tracker builds a
+:class:`SwarmSnapshot` from its registry; the discrete-event simulator in
+``sim/`` builds one from its simulated nodes. Both then call the same pure
+functions (``tracker.routing.select_routes`` and
+``tracker.placement.recommend_span``).
+
+Layer ranges are half-open: a shard ``[start, end)`` holds blocks
+``start .. end-1``; a model has layers ``0 .. n_layers-1`` and a route tiles
+boundaries ``0 = b0 < b1 < ... < bk = n_layers`` with one shard per hop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    fingerprint: str  # sha256 of the source GGUF, hex
+    name: str
+    n_layers: int
+    n_embd: int
+    architecture: str = "llama"
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One live shard served by one node."""
+
+    node_id: str
+    model_fingerprint: str
+    start: int  # first layer, inclusive
+    end: int  # last layer, exclusive
+    # Measured on the node at start-up for this shard (whole shard, one token):
+    decode_ms_per_token: float
+    prefill_tokens_per_s: float
+    # Live load from heartbeats:
+    active_sessions: int = 0
+    max_sessions: int = 1
+    queue_depth: int = 0
+    relayed: bool = False  # reached through a gateway's WebSocket relay
+    address: str = ""  # host:port for direct gRPC, or relay id
+    region: str = ""  # free-form locality hint for latency estimates
+
+
+@dataclass(frozen=True)
+class SwarmSnapshot:
+    models: tuple[ModelInfo, ...]
+    shards: tuple[ShardView, ...]
+    # Known one-way latency between two node ids (ms); missing pairs use the default.
+    latency_ms: dict[tuple[str, str], float] = field(default_factory=dict)
+    default_latency_ms: float = 5.0
+    relay_penalty_ms: float = 10.0
