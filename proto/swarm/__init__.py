@@ -1,0 +1,1 @@
+"""Protocol buffers of the swarm wire protocol (package ``swarm.v1``)."""

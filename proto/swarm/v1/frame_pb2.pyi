@@ -1,0 +1,270 @@
+from proto.swarm.v1 import status_pb2 as _status_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_OPEN: _ClassVar[Phase]
+    PHASE_PREFILL: _ClassVar[Phase]
+    PHASE_DECODE: _ClassVar[Phase]
+    PHASE_RELEASE: _ClassVar[Phase]
+    PHASE_CANCEL: _ClassVar[Phase]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_UNSPECIFIED: _ClassVar[Encoding]
+    ENCODING_F32: _ClassVar[Encoding]
+    ENCODING_F16: _ClassVar[Encoding]
+    ENCODING_INT8_BLOCK: _ClassVar[Encoding]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+
+class ByteOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BYTE_ORDER_UNSPECIFIED: _ClassVar[ByteOrder]
+    BYTE_ORDER_LITTLE: _ClassVar[ByteOrder]
+    BYTE_ORDER_BIG: _ClassVar[ByteOrder]
+
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_CRC32: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_BLAKE2B_128: _ClassVar[ChecksumAlgorithm]
+PHASE_UNSPECIFIED: Phase
+PHASE_OPEN: Phase
+PHASE_PREFILL: Phase
+PHASE_DECODE: Phase
+PHASE_RELEASE: Phase
+PHASE_CANCEL: Phase
+ENCODING_UNSPECIFIED: Encoding
+ENCODING_F32: Encoding
+ENCODING_F16: Encoding
+ENCODING_INT8_BLOCK: Encoding
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+BYTE_ORDER_UNSPECIFIED: ByteOrder
+BYTE_ORDER_LITTLE: ByteOrder
+BYTE_ORDER_BIG: ByteOrder
+CHECKSUM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_CRC32: ChecksumAlgorithm
+CHECKSUM_BLAKE2B_128: ChecksumAlgorithm
+
+class LayerRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class PositionRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "encoding", "byte_order", "data", "scales", "block_size", "checksum_algorithm", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BYTE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    encoding: Encoding
+    byte_order: ByteOrder
+    data: bytes
+    scales: bytes
+    block_size: int
+    checksum_algorithm: ChecksumAlgorithm
+    checksum: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., byte_order: _Optional[_Union[ByteOrder, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., checksum: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "count")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "penalty_last_n", "frequency_penalty", "presence_penalty", "n_top_logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    N_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    penalty_last_n: int
+    frequency_penalty: float
+    presence_penalty: float
+    n_top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ...) -> None: ...
+
+class KvBudget(_message.Message):
+    __slots__ = ("max_tokens",)
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes")
+    ROUTE_TICKET_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    route_ticket: bytes
+    kv_budget: KvBudget
+    sampling: SamplingParams
+    output_encoding: Encoding
+    output_block_size: int
+    max_frame_bytes: int
+    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenAck(_message.Message):
+    __slots__ = ("node_id", "kv_tokens_granted", "max_frame_bytes", "max_step_tokens", "reattached")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kv_tokens_granted: int
+    max_frame_bytes: int
+    max_step_tokens: int
+    reattached: bool
+    def __init__(self, node_id: _Optional[str] = ..., kv_tokens_granted: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
+
+class Activation(_message.Message):
+    __slots__ = ("token_ids", "tensors", "sample")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    sample: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs", "end_of_generation")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    END_OF_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    end_of_generation: bool
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., end_of_generation: _Optional[bool] = ...) -> None: ...
+
+class ActivationResult(_message.Message):
+    __slots__ = ("tensors", "sampled", "compute_us")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    compute_us: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Closed(_message.Message):
+    __slots__ = ("freed_kv_tokens",)
+    FREED_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    freed_kv_tokens: int
+    def __init__(self, freed_kv_tokens: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("schema_version", "request_id", "session_id", "route_epoch", "model_fingerprint", "recipe_fingerprint", "shard", "phase", "positions", "step_id", "expected_kv_len", "kv_len", "chunk", "open", "open_ack", "activation", "result", "release", "cancel", "closed", "error")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_KV_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_LEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ACK_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    request_id: str
+    session_id: str
+    route_epoch: int
+    model_fingerprint: str
+    recipe_fingerprint: str
+    shard: LayerRange
+    phase: Phase
+    positions: PositionRange
+    step_id: int
+    expected_kv_len: int
+    kv_len: int
+    chunk: Chunk
+    open: OpenSession
+    open_ack: OpenAck
+    activation: Activation
+    result: ActivationResult
+    release: Release
+    cancel: Cancel
+    closed: Closed
+    error: _status_pb2.Error
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., recipe_fingerprint: _Optional[str] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Union[PositionRange, _Mapping]] = ..., step_id: _Optional[int] = ..., expected_kv_len: _Optional[int] = ..., kv_len: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., open_ack: _Optional[_Union[OpenAck, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., result: _Optional[_Union[ActivationResult, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Error, _Mapping]] = ...) -> None: ...
