@@ -43,6 +43,8 @@ class ShardView:
     relayed: bool = False  # reached through a gateway's WebSocket relay
     address: str = ""  # host:port for direct gRPC, or relay id
     region: str = ""  # free-form locality hint for latency estimates
+    # Free KV cache room reported by the last heartbeat (tokens); None = not reported.
+    kv_free_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,10 @@ class SwarmSnapshot:
     latency_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     default_latency_ms: float = 5.0
     relay_penalty_ms: float = 10.0
+
+    def model(self, fingerprint: str) -> ModelInfo | None:
+        """The model with this fingerprint, or None."""
+        for m in self.models:
+            if m.fingerprint == fingerprint:
+                return m
+        return None

@@ -1,0 +1,62 @@
+"""The tracker's exception tree, in one place.
+
+::
+
+    TrackerError                 base; carries ``status_hint`` (an HTTP status) and a stable ``code``
+    ├── BadRequest               400  malformed JSON, wrong types, values out of range
+    │   └── SignatureRefused     401  forged signature, stale timestamp, replayed nonce, key/node mismatch
+    │                                 (raised as proto.signing.SignatureError and mapped to this)
+    ├── NotFound                 404
+    │   ├── UnknownModel         404  no model with that fingerprint or name
+    │   └── UnknownNode          404  heartbeat from a node that never announced ("announce first")
+    ├── PayloadTooLarge          413  request body over the configured limit
+    └── Conflict                 409  e.g. announce for a model whose layer count disagrees with the registry
+
+Pure module: imported by the routing and placement functions, so it imports
+nothing but the standard library. The HTTP layer (``tracker.app``) maps these to
+responses in exactly one place.
+"""
+
+from __future__ import annotations
+
+
+class TrackerError(Exception):
+    status_hint: int = 500
+    code: str = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(TrackerError):
+    status_hint = 400
+    code = "bad_request"
+
+
+class SignatureRefused(BadRequest):
+    status_hint = 401
+    code = "signature_refused"
+
+
+class NotFound(TrackerError):
+    status_hint = 404
+    code = "not_found"
+
+
+class UnknownModel(NotFound, LookupError):
+    code = "unknown_model"
+
+
+class UnknownNode(NotFound):
+    code = "unknown_node"
+
+
+class PayloadTooLarge(TrackerError):
+    status_hint = 413
+    code = "payload_too_large"
+
+
+class Conflict(TrackerError):
+    status_hint = 409
+    code = "conflict"

@@ -1,0 +1,128 @@
+"""Shard placement: which layer span a joining node should serve.
+
+Pure function over a :class:`~tracker.snapshot.SwarmSnapshot`; no I/O, no clock,
+ties broken with the injected ``random.Random``.
+
+Coverage
+    The throughput of a shard is ``1000 / decode_ms_per_token`` tokens per second
+    through its whole span; a layer's coverage is the sum over the shards that
+    hold it. Load is ignored on purpose: placement is a long-lived decision and
+    load moves by the second.
+
+Choice
+    Candidate spans are at most ``capacity_layers`` long and anchored on existing
+    boundaries: starting at 0 or where some shard ends, ending at ``L`` or where
+    some shard starts, and spans anchored at both ends. Each candidate scores the
+    sum of ``1 / (coverage + epsilon)`` over its layers, so uncovered layers
+    dominate, then the weakest ones. A span whose two ends both meet existing
+    boundaries (so a route can actually pass through it) keeps its full score; a
+    span anchored at one end only is scaled by ``half_aligned_weight``. Exact
+    ties go to the lower start, then to the rng.
+
+Invariants
+    ``0 <= start < end <= L`` and ``end - start <= capacity_layers``; with no
+    shards for the model the answer is ``(0, min(capacity_layers, L))``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tracker.errors import UnknownModel
+from tracker.snapshot import SwarmSnapshot
+
+
+@dataclass(frozen=True)
+class PlacementWeights:
+    epsilon_tokens_per_s: float = 1e-3  # keeps uncovered layers finite but dominant
+    half_aligned_weight: float = 0.6  # a span meeting the existing boundaries at one end only
+    min_decode_ms_per_token: float = 0.001
+
+
+DEFAULT_WEIGHTS = PlacementWeights()
+
+
+def layer_coverage(snapshot: SwarmSnapshot, model_fingerprint: str, n_layers: int,
+                   weights: PlacementWeights = DEFAULT_WEIGHTS) -> list[float]:
+    """Tokens per second available at each layer ``0..n_layers-1``."""
+    diff = [0.0] * (n_layers + 1)
+    count = [0] * (n_layers + 1)  # exact, so float residue never hides an uncovered layer
+    for s in snapshot.shards:
+        if s.model_fingerprint != model_fingerprint or not 0 <= s.start < s.end <= n_layers:
+            continue
+        tps = 1000.0 / max(s.decode_ms_per_token, weights.min_decode_ms_per_token)
+        diff[s.start] += tps
+        diff[s.end] -= tps
+        count[s.start] += 1
+        count[s.end] -= 1
+    cover: list[float] = []
+    run, holders = 0.0, 0
+    for i in range(n_layers):
+        run += diff[i]
+        holders += count[i]
+        cover.append(max(run, 0.0) if holders else 0.0)
+    return cover
+
+
+def recommend_span(
+    snapshot: SwarmSnapshot,
+    model_fingerprint: str,
+    capacity_layers: int,
+    *,
+    rng: random.Random,
+    weights: PlacementWeights = DEFAULT_WEIGHTS,
+) -> tuple[int, int]:
+    """The half-open span ``(start, end)`` a node holding ``capacity_layers`` layers should serve.
+
+    Raises :class:`tracker.errors.UnknownModel` for a model not in the snapshot and
+    ``ValueError`` for ``capacity_layers < 1``.
+    """
+    if capacity_layers < 1:
+        raise ValueError(f"capacity_layers must be >= 1, got {capacity_layers}")
+    model = snapshot.model(model_fingerprint)
+    if model is None:
+        raise UnknownModel(f"unknown model fingerprint {model_fingerprint!r}")
+    n = model.n_layers
+    if n < 1:
+        raise ValueError(f"model {model_fingerprint!r} has no layers")
+    cap = min(capacity_layers, n)
+
+    cover = layer_coverage(snapshot, model_fingerprint, n, weights)
+    prefix = [0.0]
+    for c in cover:
+        prefix.append(prefix[-1] + 1.0 / (c + weights.epsilon_tokens_per_s))
+
+    # Boundaries a route can continue from (a span may start there) and lead into (a span may end there).
+    open_starts = {0}
+    open_ends = {n}
+    for s in snapshot.shards:
+        if s.model_fingerprint == model_fingerprint and 0 <= s.start < s.end <= n:
+            open_starts.add(s.end)
+            open_ends.add(s.start)
+    open_starts.discard(n)
+    open_ends.discard(0)
+
+    candidates: set[tuple[int, int]] = set()
+    for a in open_starts:
+        candidates.add((a, min(a + cap, n)))
+        for b in open_ends:
+            if a < b <= a + cap:
+                candidates.add((a, b))
+    for b in open_ends:
+        candidates.add((max(b - cap, 0), b))
+
+    best: tuple[float, int, float] | None = None
+    choice = (0, cap)
+    for a, b in sorted(candidates):
+        aligned = (a in open_starts) + (b in open_ends)
+        score = prefix[b] - prefix[a]
+        if aligned < 2:
+            score *= weights.half_aligned_weight
+        key = (score, -a, rng.random())
+        if best is None or key > best:
+            best, choice = key, (a, b)
+    return choice
+
+
+__all__ = ["PlacementWeights", "DEFAULT_WEIGHTS", "layer_coverage", "recommend_span"]
