@@ -1,0 +1,60 @@
+"""The runtime-recipe fingerprint every stage of a route must share (pure).
+
+Two stages only compose into the whole model bit for bit if they run the same
+llama.cpp build, the same source model, the same KV cache type and the same
+attention kernel (docs ENGINE_NOTES: flash attention on/off changed greedy
+output after 12 tokens). The fingerprint is sha256 over a canonical JSON
+object of exactly those fields, so every party computes the same hex string
+without depending on protobuf serialization order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from proto.swarm.v1 import shard_service_pb2
+
+RECIPE_FORMAT = 1  # bump if the set of fields or their canonical form changes
+
+
+@dataclass(frozen=True)
+class Recipe:
+    llama_cpp_build: str
+    model_fingerprint: str
+    kv_type: str
+    flash_attention: bool
+
+    def canonical_json(self) -> bytes:
+        fields = {
+            "format": RECIPE_FORMAT,
+            "llama_cpp_build": self.llama_cpp_build,
+            "model_fingerprint": self.model_fingerprint.lower(),
+            "kv_type": self.kv_type.lower(),
+            "flash_attention": self.flash_attention,
+        }
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+    def fingerprint(self) -> str:
+        """sha256 (lowercase hex) of :meth:`canonical_json`."""
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    def to_wire(self) -> shard_service_pb2.RuntimeRecipe:
+        return shard_service_pb2.RuntimeRecipe(
+            llama_cpp_build=self.llama_cpp_build,
+            model_fingerprint=self.model_fingerprint,
+            kv_type=self.kv_type,
+            flash_attention=self.flash_attention,
+            fingerprint=self.fingerprint(),
+        )
+
+    @classmethod
+    def from_wire(cls, message: shard_service_pb2.RuntimeRecipe) -> Recipe:
+        """The recipe a peer described (its ``fingerprint`` field is not trusted: recompute it)."""
+        return cls(
+            llama_cpp_build=message.llama_cpp_build,
+            model_fingerprint=message.model_fingerprint,
+            kv_type=message.kv_type,
+            flash_attention=message.flash_attention,
+        )
