@@ -1,0 +1,72 @@
+"""A client request and the Route Session that serves it.
+
+Phases (``Session.phase``)::
+
+    queued --admit--> prefill --last chunk back--> decode --last token--> done
+       |                 |  \\                        |
+       |                 |   +--stage lost--> recovering --replacement, replay--> (prefill | decode)
+       +--timeout/full--> failed <--no replacement in time--+
+
+A request ends exactly once, as ``done`` or ``failed`` (with a reason);
+whatever has not ended when the simulation stops is counted as in flight.
+``epoch`` grows whenever in-flight work must be abandoned (a stage was lost),
+so frames of the old epoch are ignored wherever they land.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sim.des.node import SimNode
+
+QUEUED, PREFILL, DECODE, RECOVERING, REPLAY, DONE, FAILED = (
+    "queued", "prefill", "decode", "recovering", "replay", "done", "failed")
+
+
+class Session:
+    __slots__ = (
+        "id", "model_index", "gateway", "arrival_s", "prompt_tokens", "output_tokens",
+        "phase", "epoch", "route", "chunks_sent", "chunks_done", "prefill_tokens_done",
+        "tokens_out", "first_token_s", "last_token_s", "end_s", "fail_reason",
+        "failure_s", "resume_phase", "recoveries", "recovery_lost_s", "replay_chunks_left",
+        "recovery_attempts",
+    )
+
+    def __init__(self, sid: int, model_index: int, gateway: int, arrival_s: float,
+                 prompt_tokens: int, output_tokens: int) -> None:
+        self.id = sid
+        self.model_index = model_index
+        self.gateway = gateway
+        self.arrival_s = arrival_s
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.phase = QUEUED
+        self.epoch = 0
+        self.route: list[SimNode] = []
+        self.chunks_sent = 0
+        self.chunks_done = 0
+        self.prefill_tokens_done = 0  # prompt tokens that went through every stage
+        self.tokens_out = 0
+        self.first_token_s: float | None = None
+        self.last_token_s = 0.0
+        self.end_s: float | None = None
+        self.fail_reason = ""
+        self.failure_s: float | None = None  # when the current outage began
+        self.resume_phase = ""
+        self.recoveries = 0
+        self.recovery_lost_s = 0.0
+        self.replay_chunks_left = 0
+        self.recovery_attempts = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == DONE or self.phase == FAILED
+
+    @property
+    def committed_context(self) -> int:
+        """Positions every stage has processed end to end (what a new stage must replay)."""
+        if self.tokens_out == 0:
+            return self.prefill_tokens_done
+        # The newest sampled token is the input of the step in progress, not yet in any KV.
+        return self.prompt_tokens + self.tokens_out - 1

@@ -1,0 +1,205 @@
+"""One simulated run: wire the parts, play the scenario, summarise.
+
+:func:`run` is a pure function of the scenario (seeds included): the same
+scenario gives the same ``result["metrics"]``, ``["timeseries"]`` and
+``["requests"]``, byte for byte once serialised. Only ``result["performance"]``
+(wall time, events per second of this machine) differs between runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tracker.snapshot import ModelInfo
+
+from sim.des.config import Scenario
+from sim.des.events import EventLoop
+from sim.des.gateway import Gateways
+from sim.des.geography import PRESETS, Geography
+from sim.des.metrics import Metrics, gini, percentiles
+from sim.des.policies import Placement, Routing
+from sim.des.session import Session
+from sim.des.snapshots import SnapshotCache
+from sim.des.swarm import Swarm
+from sim.des.workload import Request, poisson_requests, trace_requests
+
+
+def _rng(seed: int, stream: str) -> random.Random:
+    # str seeds hash with SHA-512 inside random: stable across processes and PYTHONHASHSEED.
+    return random.Random(f"{seed}/{stream}")
+
+
+def _fingerprint(name: str) -> str:
+    return hashlib.sha256(f"sim-model:{name}".encode()).hexdigest()
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario) -> None:
+        sc = scenario
+        self.sc = sc
+        seed = sc.run.seed
+        self.loop = EventLoop()
+        self.metrics = Metrics(len(sc.models))
+        self.fingerprints = [_fingerprint(m.name) for m in sc.models]
+        region_model = PRESETS[sc.network.preset]
+        self.geo = Geography(region_model, sc.network.access_latency_ms_min, sc.network.access_latency_ms_max,
+                             _rng(seed, "geography"))
+        gw_regions = sc.network.gateway_regions or (region_model.regions[0],)
+        self.gateway_endpoints = [self.geo.place_in(r) for r in gw_regions]
+        infos = tuple(ModelInfo(fingerprint=fp, name=m.name, n_layers=m.n_layers, n_embd=m.n_embd)
+                      for fp, m in zip(self.fingerprints, sc.models, strict=True))
+        # What the tracker assumes for a hop it has no measurement for: the median one-way
+        # latency between two random volunteers, doubled because every hop passes the gateway.
+        typical = statistics.median(
+            self.geo.one_way_ms(self.geo.place_node(), self.gateway_endpoints[0]) for _ in range(101))
+        self.cache = SnapshotCache(infos, default_latency_ms=round(2 * typical, 3),
+                                   single_gateway=len(self.gateway_endpoints) == 1)
+        self.swarm = Swarm(sc, self.fingerprints, self.loop, self.geo, self.gateway_endpoints,
+                           Placement(sc.policy.placement), self.cache, _rng(seed, "nodes"), _rng(seed, "churn"))
+        self.routing = Routing(sc.policy.routing, self._latency_to_gateway)
+        self.gateways = Gateways(
+            sc.gateway, sc.models, self.fingerprints, len(self.gateway_endpoints),
+            sc.network.gateway_bandwidth_mbps, sc.nodes.heartbeat_interval_s, self.loop, self.swarm.nodes,
+            self.cache, self.routing, self.metrics, _rng(seed, "routing"), self.swarm.session_left)
+        self.swarm.on_output = self.gateways.on_output
+        self.swarm.on_stage_lost = self.gateways.stage_lost
+        self.swarm.on_capacity = self.gateways.drain_queues
+        self._requests = self._workload(_rng(seed, "workload"))
+        self._rng_clients = _rng(seed, "clients")
+        self._next_sid = 0
+
+    def _latency_to_gateway(self, node_id: str, gateway: int) -> float:
+        return self.swarm.nodes[node_id].gateway_latency_s[gateway] * 1000.0
+
+    def _workload(self, rng: random.Random):  # type: ignore[no-untyped-def]
+        w = self.sc.workload
+        if w.kind == "trace":
+            path = Path(w.trace_file)
+            if not path.is_absolute():
+                path = Path(self.sc.source_dir or ".") / path
+            return trace_requests(path, [m.name for m in self.sc.models], self.sc.run.duration_s)
+        return poisson_requests(w, [m.request_share for m in self.sc.models], self.sc.run.duration_s, rng)
+
+    # -- events ---------------------------------------------------------------
+    def _schedule_next_request(self) -> None:
+        req: Request | None = next(self._requests, None)
+        if req is not None:
+            self.loop.schedule_at(req.t_s, self._arrive, req)
+
+    def _arrive(self, req: Request) -> None:
+        self._next_sid += 1
+        # Clients are spread like volunteers; each uses its nearest gateway.
+        g = 0
+        if len(self.gateway_endpoints) > 1:
+            client = self.geo.place_node()
+            g = min(range(len(self.gateway_endpoints)),
+                    key=lambda i: self.geo.one_way_ms(client, self.gateway_endpoints[i]))
+        s = Session(self._next_sid, req.model_index, g, self.loop.now, req.prompt_tokens, req.output_tokens)
+        self.gateways.submit(s)
+        self._schedule_next_request()
+
+    def _heartbeat(self) -> None:
+        self.cache.refresh_load()
+        self.gateways.drain_queues()
+        self.loop.schedule_in(self.sc.nodes.heartbeat_interval_s, self._heartbeat)
+
+    def _sample(self) -> None:
+        dt = self.sc.run.sample_interval_s
+        self.metrics.sample(
+            self.loop.now, dt, self.gateways.active_count(), self.gateways.queued_count(),
+            self.gateways.recovering_count(), self.swarm.serving, [list(row) for row in self.swarm.coverage])
+        if self.loop.now + dt <= self.sc.run.duration_s + 1e-9:
+            self.loop.schedule_in(dt, self._sample)
+
+    # -- the run ---------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        wall0 = time.perf_counter()
+        self.swarm.start()
+        self._schedule_next_request()
+        self.loop.schedule_in(self.sc.nodes.heartbeat_interval_s, self._heartbeat)
+        self.loop.schedule_in(self.sc.run.sample_interval_s, self._sample)
+        self.loop.run_until(self.sc.run.duration_s)
+        wall = time.perf_counter() - wall0
+        result = self._summarise()
+        events = self.loop.events_processed
+        result["performance"] = {
+            "wall_time_s": round(wall, 3),
+            "events": events,
+            "events_per_s": round(events / wall, 1) if wall > 0 else None,
+        }
+        return result
+
+    def _summarise(self) -> dict[str, Any]:
+        sc, m = self.sc, self.metrics
+        end = sc.run.duration_s
+        served = [n for n in self.swarm.nodes.values() if n.state != "loading"]
+        util = [n.utilization(end) for n in served]
+        mean_util = sum(util) / len(util) if util else 0.0
+        counts = m.request_counts(self.gateways.in_flight_by_phase())
+        cov = m.series.coverage
+        coverage_summary = []
+        for i, model in enumerate(sc.models):
+            rows = cov[i]
+            mins = [min(r) for r in rows] if rows else []
+            coverage_summary.append({
+                "model": model.name,
+                "min_layer_coverage_mean": round(sum(mins) / len(mins), 3) if mins else None,
+                "min_layer_coverage_worst": min(mins) if mins else None,
+                "share_of_samples_fully_covered": round(sum(1 for x in mins if x > 0) / len(mins), 4)
+                if mins else None,
+            })
+        return {
+            "scenario": sc.run.name,
+            "policy": {"placement": sc.policy.placement, "routing": sc.policy.routing},
+            "seed": sc.run.seed,
+            "duration_s": end,
+            "requests": counts,
+            "metrics": {
+                "throughput_tokens_per_s": round(m.tokens_delivered / end, 4),
+                "tokens_delivered": m.tokens_delivered,
+                "ttft_s": percentiles(m.ttft_s),
+                "per_token_latency_ms": percentiles(m.inter_token_s, 1000.0),
+                "end_to_end_s": percentiles(m.e2e_s),
+                "recovery": {
+                    "recoveries": m.recoveries,
+                    "attempts": m.recovery_attempts,
+                    "time_lost_s": round(m.recovery_lost_s, 4),
+                    "outage_s": percentiles(m.recovery_durations_s),
+                    "replayed_token_layers_stages": m.replayed_tokens,
+                },
+                "load_balance": {
+                    "nodes": len(util),
+                    "utilization_mean": round(mean_util, 6),
+                    "utilization_gini": gini(util),
+                    "utilization_max_over_mean": round(max(util) / mean_util, 4) if mean_util > 0 else None,
+                },
+                "coverage": coverage_summary,
+                "swarm": {
+                    "joins": self.swarm.joins,
+                    "crashes": self.swarm.crashes,
+                    "graceful_leaves": self.swarm.graceful_leaves,
+                    "serving_at_end": self.swarm.serving,
+                },
+                "route_selector_calls": self.routing.calls,
+                "snapshot_builds": self.cache.builds,
+                "events_processed": self.loop.events_processed,
+            },
+            "timeseries": {
+                "t_s": m.series.t_s,
+                "tokens_per_s": [round(x, 4) for x in m.series.tokens_per_s],
+                "active_sessions": m.series.active_sessions,
+                "queued": m.series.queued,
+                "recovering": m.series.recovering,
+                "serving_nodes": m.series.serving_nodes,
+                "coverage_by_model": {model.name: cov[i] for i, model in enumerate(sc.models)},
+            },
+        }
+
+
+def run(scenario: Scenario) -> dict[str, Any]:
+    return Simulation(scenario).run()

@@ -1,0 +1,118 @@
+"""Builds the tracker's :class:`~tracker.snapshot.SwarmSnapshot` from simulated nodes, cheaply.
+
+A real tracker sees membership at once (announcements) and load only at
+heartbeats. So does this cache:
+
+* every node has one immutable :class:`ShardView`; it is re-made only when
+  that node's load is refreshed (``refresh_load``, called once per heartbeat
+  interval) -- never per request;
+* membership changes (join, leave, start serving) only mark the snapshot
+  stale; the tuple of views is rebuilt lazily, once, the next time someone
+  asks, which is an O(n) copy of pointers;
+* two snapshots exist: *routable* (nodes that serve now) for route
+  selection, and *placed* (also nodes still loading their shard) for
+  placement, so joiners that arrive together do not all pick the same gap.
+
+Latency hints: the snapshot's ``latency_ms`` is keyed by node pairs, which
+cannot scale to thousands of nodes (n^2 entries). The cache fills it only
+for small swarms (``max_latency_pairs_nodes``) with the real single-gateway
+star cost of a hop ``a -> b`` (``a -> gateway -> b``); larger swarms get the
+swarm's median one-way latency as ``default_latency_ms``.
+"""
+
+from __future__ import annotations
+
+from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
+
+from sim.des.node import LOADING, SERVING, SimNode
+
+
+class SnapshotCache:
+    def __init__(self, models: tuple[ModelInfo, ...], default_latency_ms: float,
+                 single_gateway: bool, max_latency_pairs_nodes: int = 150) -> None:
+        self.models = models
+        self.default_latency_ms = default_latency_ms
+        self._single_gateway = single_gateway
+        self._max_pairs_nodes = max_latency_pairs_nodes
+        self._nodes: dict[str, SimNode] = {}  # serving or loading
+        self._views: dict[str, ShardView] = {}  # current view of every known node (also draining)
+        self._routable: SwarmSnapshot | None = None
+        self._placed: SwarmSnapshot | None = None
+        self.version = 0  # grows whenever the routable snapshot's content changes
+        self.builds = 0  # how many times a snapshot tuple was actually rebuilt
+
+    # -- membership ---------------------------------------------------------
+    def add(self, node: SimNode) -> None:
+        self._nodes[node.node_id] = node
+        self._views[node.node_id] = self._view(node)
+        self._placed = None
+        if node.state == SERVING:
+            self._routable = None
+            self.version += 1
+
+    def started_serving(self, node: SimNode) -> None:
+        self._views[node.node_id] = self._view(node)
+        self._routable = None
+        self.version += 1
+
+    def remove(self, node: SimNode) -> None:
+        """The node stops being routable (crash, or graceful leave begins)."""
+        if self._nodes.pop(node.node_id, None) is not None:
+            self._routable = None
+            self._placed = None
+            self.version += 1
+
+    def refresh_load(self) -> None:
+        """Heartbeat: every live node's load reaches the tracker."""
+        for nid, node in self._nodes.items():
+            if node.state == SERVING:
+                self._views[nid] = self._view(node)
+        self._routable = None
+        self._placed = None
+        self.version += 1
+
+    # -- snapshots ------------------------------------------------------------
+    def view(self, node_id: str) -> ShardView:
+        return self._views[node_id]
+
+    def routable(self) -> SwarmSnapshot:
+        if self._routable is None:
+            views = self._views
+            shards = tuple(views[nid] for nid, n in self._nodes.items() if n.state == SERVING)
+            self._routable = SwarmSnapshot(
+                models=self.models, shards=shards, latency_ms=self._latency_pairs(shards),
+                default_latency_ms=self.default_latency_ms)
+            self.builds += 1
+        return self._routable
+
+    def placed(self) -> SwarmSnapshot:
+        if self._placed is None:
+            views = self._views
+            shards = tuple(views[nid] for nid in self._nodes)
+            self._placed = SwarmSnapshot(models=self.models, shards=shards,
+                                         default_latency_ms=self.default_latency_ms)
+            self.builds += 1
+        return self._placed
+
+    def _latency_pairs(self, shards: tuple[ShardView, ...]) -> dict[tuple[str, str], float]:
+        if not self._single_gateway or len(shards) > self._max_pairs_nodes:
+            return {}
+        to_gw = {s.node_id: self._nodes[s.node_id].gateway_latency_s[0] * 1000.0 for s in shards}
+        return {(a, b): to_gw[a] + to_gw[b] for a in to_gw for b in to_gw if a != b}
+
+    @staticmethod
+    def _view(node: SimNode) -> ShardView:
+        loading = node.state == LOADING
+        return ShardView(
+            node_id=node.node_id,
+            model_fingerprint=node.model_fingerprint,
+            start=node.start,
+            end=node.end,
+            decode_ms_per_token=node.cost.single_token_ms,
+            prefill_tokens_per_s=node.cost.prefill_tokens_per_s,
+            active_sessions=0 if loading else len(node.sessions),
+            max_sessions=node.profile.max_sessions,
+            queue_depth=0 if loading else node.queue_depth,
+            address=node.node_id,
+            region=node.endpoint.region,
+        )
