@@ -1,0 +1,297 @@
+"""Payloads nodes and gateways send the tracker: announce, heartbeat, usage report.
+
+Pure: standard library only. Each payload type is a frozen dataclass with
+``from_json(obj)`` (validates a decoded, already signature-checked payload and
+raises :class:`PayloadError` naming the offending field) and ``to_json()``
+(the body a client signs; the envelope fields ``kind``, signer id,
+``timestamp`` and ``nonce`` are added by ``proto.signing.make_payload``).
+
+Validation is strict: unknown keys are refused (a typo must not silently drop
+data), numbers must be finite and in range, strings and lists are bounded. The
+JSON schema is written out in ``docs/tracker.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENVELOPE_FIELDS = frozenset({"kind", "timestamp", "nonce"})
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-_]+):([0-9]{1,5})$")
+
+MAX_ADDRESSES = 8
+MAX_LIST = 32
+MAX_NAME = 200
+MAX_LAYERS = 100_000
+MAX_USAGE_ENTRIES = 256
+
+
+class PayloadError(ValueError):
+    """A payload field is missing, of the wrong type, or out of range."""
+
+
+# --- field readers -----------------------------------------------------------------------------
+
+
+def _check_keys(obj: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    extra = set(obj) - allowed
+    if extra:
+        raise PayloadError(f"{where}: unknown field(s) {sorted(extra)}")
+
+
+def _obj(obj: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise PayloadError(f"{where} must be a JSON object")
+    return obj
+
+
+def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PayloadError(f"{where}.{key} must be an integer")
+    if not lo <= v <= hi:
+        raise PayloadError(f"{where}.{key} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _num(obj: Mapping[str, Any], key: str, lo: float, hi: float, where: str, *, open_lo: bool = False) -> float:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise PayloadError(f"{where}.{key} must be a finite number")
+    if v > hi or v < lo or (open_lo and v == lo):
+        raise PayloadError(f"{where}.{key} must be in {'(' if open_lo else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _str(obj: Mapping[str, Any], key: str, where: str, *, max_len: int = MAX_NAME, min_len: int = 1) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not min_len <= len(v) <= max_len:
+        raise PayloadError(f"{where}.{key} must be a string of {min_len}..{max_len} characters")
+    return v
+
+
+def _hex64(obj: Mapping[str, Any], key: str, where: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not _HEX64.match(v):
+        raise PayloadError(f"{where}.{key} must be 64 lowercase hex characters")
+    return v
+
+
+def _bool(obj: Mapping[str, Any], key: str, where: str) -> bool:
+    v = obj.get(key)
+    if not isinstance(v, bool):
+        raise PayloadError(f"{where}.{key} must be true or false")
+    return v
+
+
+def _str_list(obj: Mapping[str, Any], key: str, where: str, max_items: int = MAX_LIST) -> tuple[str, ...]:
+    v = obj.get(key)
+    if not isinstance(v, list) or len(v) > max_items:
+        raise PayloadError(f"{where}.{key} must be a list of at most {max_items} strings")
+    for item in v:
+        if not isinstance(item, str) or not 1 <= len(item) <= MAX_NAME:
+            raise PayloadError(f"{where}.{key} must contain strings of 1..{MAX_NAME} characters")
+    return tuple(v)
+
+
+def check_address(addr: str) -> str:
+    m = _HOSTPORT.match(addr)
+    if not m or not 1 <= int(m.group(2)) <= 65535 or len(addr) > 255:
+        raise PayloadError(f"address {addr!r} must be host:port with a port in 1..65535")
+    return addr
+
+
+# --- announce ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Gpu:
+        o = _obj(obj, "hardware.gpus[]")
+        _check_keys(o, frozenset({"name", "memory_bytes"}), "hardware.gpus[]")
+        return cls(_str(o, "name", "hardware.gpus[]"), _int(o, "memory_bytes", 0, 1 << 50, "hardware.gpus[]"))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    cpu_cores: int
+    ram_bytes: int
+    gpus: tuple[Gpu, ...]
+    backends: tuple[str, ...]  # e.g. "cpu", "cuda", "metal", "vulkan"
+    free_disk_bytes: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Hardware:
+        w = "hardware"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"cpu_cores", "ram_bytes", "gpus", "backends", "free_disk_bytes"}), w)
+        gpus = o.get("gpus")
+        if not isinstance(gpus, list) or len(gpus) > MAX_LIST:
+            raise PayloadError(f"{w}.gpus must be a list of at most {MAX_LIST} objects")
+        return cls(
+            cpu_cores=_int(o, "cpu_cores", 1, 1 << 20, w),
+            ram_bytes=_int(o, "ram_bytes", 0, 1 << 60, w),
+            gpus=tuple(Gpu.from_json(g) for g in gpus),
+            backends=_str_list(o, "backends", w),
+            free_disk_bytes=_int(o, "free_disk_bytes", 0, 1 << 62, w),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cpu_cores": self.cpu_cores, "ram_bytes": self.ram_bytes,
+                "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
+                "backends": list(self.backends), "free_disk_bytes": self.free_disk_bytes}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    fingerprint: str  # sha256 of the source GGUF, hex
+    name: str
+    architecture: str
+    n_layers: int
+    n_embd: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ModelSpec:
+        w = "model"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"fingerprint", "name", "architecture", "n_layers", "n_embd"}), w)
+        return cls(_hex64(o, "fingerprint", w), _str(o, "name", w), _str(o, "architecture", w, max_len=64),
+                   _int(o, "n_layers", 1, MAX_LAYERS, w), _int(o, "n_embd", 1, 1 << 20, w))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "name": self.name, "architecture": self.architecture,
+                "n_layers": self.n_layers, "n_embd": self.n_embd}
+
+
+_ANNOUNCE_KEYS = frozenset({
+    "node_id", "addresses", "relay", "relay_via", "hardware", "software_version", "model",
+    "shard_start", "shard_end", "decode_ms_per_token", "prefill_tokens_per_s", "max_sessions",
+}) | ENVELOPE_FIELDS
+
+
+@dataclass(frozen=True)
+class Announce:
+    node_id: str
+    addresses: tuple[str, ...]  # gRPC host:port the node listens on (may be empty when relayed)
+    relay: bool  # reachable only through a gateway's WebSocket relay
+    relay_via: str | None  # id of that gateway, when relayed
+    hardware: Hardware
+    software_version: str
+    model: ModelSpec
+    shard_start: int
+    shard_end: int
+    decode_ms_per_token: float
+    prefill_tokens_per_s: float
+    max_sessions: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Announce:
+        w = "announce"
+        o = _obj(obj, w)
+        _check_keys(o, _ANNOUNCE_KEYS, w)
+        addresses = tuple(check_address(a) for a in _str_list(o, "addresses", w, MAX_ADDRESSES))
+        relay = _bool(o, "relay", w)
+        relay_via = o.get("relay_via")
+        if relay_via is not None and (not isinstance(relay_via, str) or not 1 <= len(relay_via) <= MAX_NAME):
+            raise PayloadError(f"{w}.relay_via must be null or a string")
+        if not relay and not addresses:
+            raise PayloadError(f"{w}.addresses must not be empty for a node that is not relayed")
+        model = ModelSpec.from_json(o.get("model"))
+        start = _int(o, "shard_start", 0, model.n_layers - 1, w)
+        end = _int(o, "shard_end", start + 1, model.n_layers, w)
+        return cls(
+            node_id=_hex64(o, "node_id", w), addresses=addresses, relay=relay, relay_via=relay_via,
+            hardware=Hardware.from_json(o.get("hardware")),
+            software_version=_str(o, "software_version", w, max_len=64),
+            model=model, shard_start=start, shard_end=end,
+            decode_ms_per_token=_num(o, "decode_ms_per_token", 0.0, 1e7, w, open_lo=True),
+            prefill_tokens_per_s=_num(o, "prefill_tokens_per_s", 0.0, 1e9, w, open_lo=True),
+            max_sessions=_int(o, "max_sessions", 1, 1 << 20, w),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "addresses": list(self.addresses), "relay": self.relay,
+                "relay_via": self.relay_via, "hardware": self.hardware.to_json(),
+                "software_version": self.software_version, "model": self.model.to_json(),
+                "shard_start": self.shard_start, "shard_end": self.shard_end,
+                "decode_ms_per_token": self.decode_ms_per_token,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_sessions": self.max_sessions}
+
+
+# --- heartbeat ---------------------------------------------------------------------------------
+
+_HEARTBEAT_KEYS = frozenset({"node_id", "active_sessions", "queue_depth", "kv_free_tokens",
+                             "tokens_served"}) | ENVELOPE_FIELDS
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node_id: str
+    active_sessions: int
+    queue_depth: int
+    kv_free_tokens: int
+    tokens_served: int  # tokens processed since the previous heartbeat
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Heartbeat:
+        w = "heartbeat"
+        o = _obj(obj, w)
+        _check_keys(o, _HEARTBEAT_KEYS, w)
+        big = 1 << 40
+        return cls(_hex64(o, "node_id", w), _int(o, "active_sessions", 0, 1 << 20, w),
+                   _int(o, "queue_depth", 0, 1 << 20, w), _int(o, "kv_free_tokens", 0, big, w),
+                   _int(o, "tokens_served", 0, big, w))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "active_sessions": self.active_sessions,
+                "queue_depth": self.queue_depth, "kv_free_tokens": self.kv_free_tokens,
+                "tokens_served": self.tokens_served}
+
+
+# --- usage report (gateway -> tracker) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UsageEntry:
+    node_id: str
+    tokens: int
+    steps: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> UsageEntry:
+        w = "usage.entries[]"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"node_id", "tokens", "steps"}), w)
+        return cls(_hex64(o, "node_id", w), _int(o, "tokens", 0, 1 << 40, w), _int(o, "steps", 0, 1 << 40, w))
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    gateway_id: str
+    request_id: str
+    model_fingerprint: str
+    entries: tuple[UsageEntry, ...]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> UsageReport:
+        w = "usage"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"gateway_id", "request_id", "model_fingerprint", "entries"}) | ENVELOPE_FIELDS, w)
+        entries = o.get("entries")
+        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_USAGE_ENTRIES:
+            raise PayloadError(f"{w}.entries must be a list of 1..{MAX_USAGE_ENTRIES} objects")
+        return cls(_hex64(o, "gateway_id", w), _str(o, "request_id", w, max_len=128),
+                   _hex64(o, "model_fingerprint", w), tuple(UsageEntry.from_json(e) for e in entries))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gateway_id": self.gateway_id, "request_id": self.request_id,
+                "model_fingerprint": self.model_fingerprint,
+                "entries": [{"node_id": e.node_id, "tokens": e.tokens, "steps": e.steps} for e in self.entries]}

@@ -1,0 +1,151 @@
+"""The tracker's HTTP API: a thin quart-trio router over :class:`tracker.service.Registry`.
+
+Every error leaves through :func:`_error_response`, the one place exceptions
+become HTTP statuses::
+
+    TrackerError (tracker.errors)      -> its status_hint (400/401/404/409/413)
+    SignatureError (proto.signing)     -> 400 malformed_envelope, 503 nonce_cache_full, else 401
+    RequestEntityTooLarge              -> 413 payload_too_large
+    other HTTPException (404/405 ...)  -> its own code
+
+Error bodies are ``{"error": {"code": "...", "message": "..."}}`` (plus
+``"reason"`` for signature refusals). Endpoints are documented in docs/tracker.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from proto.signing import SignatureError
+from tracker.errors import BadRequest, PayloadTooLarge, TrackerError
+from tracker.logs import event
+from tracker.service import Registry
+
+log = logging.getLogger("swarm.tracker")
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status=status, mimetype="application/json")
+
+
+def _error_response(err: BaseException) -> Response:
+    if isinstance(err, SignatureError):
+        status = {"malformed_envelope": 400, "nonce_cache_full": 503}.get(err.reason, 401)
+        return _json({"error": {"code": "signature_refused", "reason": err.reason, "message": err.message}}, status)
+    if isinstance(err, TrackerError):
+        return _json({"error": {"code": err.code, "message": err.message}}, err.status_hint)
+    if isinstance(err, RequestEntityTooLarge):
+        return _json({"error": {"code": PayloadTooLarge.code, "message": "request body too large"}}, 413)
+    if isinstance(err, HTTPException):
+        code = err.code or 500
+        return _json({"error": {"code": (err.name or "error").lower().replace(" ", "_"),
+                                "message": err.description or ""}}, code)
+    event(log, "internal_error", level=logging.ERROR, error=repr(err))
+    return _json({"error": {"code": "internal", "message": "internal error"}}, 500)
+
+
+def create_app(registry: Registry) -> QuartTrio:
+    app = QuartTrio("swarm_tracker")
+    limit = registry.config.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = limit
+    metrics = registry.metrics
+
+    async def read_json() -> Any:
+        length = request.content_length
+        if length is not None and length > limit:
+            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {limit}-byte limit")
+        body = await request.get_data(cache=False)
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, ValueError) as err:
+            raise BadRequest("request body is not valid JSON") from err
+
+    @app.errorhandler(Exception)
+    async def _on_error(err: Exception) -> Response:
+        return _error_response(err)
+
+    @app.after_request
+    async def _count(response: Response) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        metrics.inc("swarm_tracker_http_requests_total", endpoint=rule, status=str(response.status_code))
+        return response
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok", "tracker_id": registry.tracker_id})
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        text = metrics.render(await registry.gauges())
+        return Response(text, mimetype="text/plain; version=0.0.4")
+
+    @app.post("/v1/announce")
+    async def announce() -> Response:
+        return _json(await registry.announce(await read_json()))
+
+    @app.post("/v1/heartbeat")
+    async def heartbeat() -> Response:
+        return _json(await registry.heartbeat(await read_json()))
+
+    @app.post("/v1/usage")
+    async def usage() -> Response:
+        return _json(await registry.report_usage(await read_json()))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(await registry.list_models())
+
+    @app.get("/v1/swarm")
+    async def swarm() -> Response:
+        return _json(await registry.swarm_state())
+
+    @app.route("/v1/routes", methods=["GET", "POST"])
+    async def routes() -> Response:
+        if request.method == "POST":
+            body = await read_json()
+            if not isinstance(body, dict):
+                raise BadRequest("body must be a JSON object")
+            unknown = set(body) - {"model", "k", "exclude"}
+            if unknown:
+                raise BadRequest(f"unknown field(s) {sorted(unknown)}")
+            model, k, exclude = body.get("model"), body.get("k", 1), body.get("exclude", [])
+        else:
+            model = request.args.get("model")
+            k = _int_arg("k", request.args.get("k", "1"))
+            raw = request.args.get("exclude", "")
+            exclude = [x for x in raw.split(",") if x]
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model (fingerprint or name) is required")
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise BadRequest("k must be an integer")
+        if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude) or len(exclude) > 1024:
+            raise BadRequest("exclude must be a list of at most 1024 node ids")
+        result = await registry.routes(model, k, frozenset(exclude))
+        return _json(result, 200 if result["routes"] else 503)
+
+    @app.get("/v1/recommend")
+    async def recommend() -> Response:
+        model = request.args.get("model")
+        if not model:
+            raise BadRequest("model (fingerprint or name) is required")
+        capacity = _int_arg("capacity_layers", request.args.get("capacity_layers"))
+        return _json(await registry.recommend(model, capacity))
+
+    return app
+
+
+def _int_arg(name: str, value: str | None) -> int:
+    if value is None:
+        raise BadRequest(f"{name} is required")
+    try:
+        return int(value)
+    except ValueError as err:
+        raise BadRequest(f"{name} must be an integer") from err

@@ -1,0 +1,150 @@
+"""The tracker's one configuration object.
+
+Precedence, lowest to highest: defaults < TOML file (``--config`` or
+``SWARM_TRACKER_CONFIG``) < environment (``SWARM_TRACKER_<FIELD>``) < command
+line flags. Unknown keys in the file and unknown ``SWARM_TRACKER_*`` variables
+are errors, so a typo never silently falls back to a default. Every field says
+what it is and carries its unit in its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SWARM_TRACKER_"
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    host: str = _f("0.0.0.0", "interface to listen on")
+    port: int = _f(7460, "TCP port to listen on; 0 picks a free one (see port_file)")
+    data_dir: str = _f("~/.swarm/tracker", "directory for the tracker key and the default SQLite database")
+    db_url: str = _f("", "SQLAlchemy URL; empty = sqlite:///<data_dir>/tracker.sqlite3")
+    port_file: str = _f("", "if set, the bound port is written here once the server listens")
+    heartbeat_interval_s: float = _f(10.0, "how often nodes are told to heartbeat")
+    heartbeat_timeout_s: float = _f(30.0, "a node silent this long expires and leaves routing")
+    expiry_check_interval_s: float = _f(2.0, "how often the tracker looks for silent nodes")
+    signature_skew_s: float = _f(60.0, "accepted clock difference for signed messages; also the nonce memory")
+    nonce_cache_max_entries: int = _f(200_000, "bound on remembered nonces; when full, signed requests get 503")
+    max_body_bytes: int = _f(64 * 1024, "largest accepted request body; larger gets 413")
+    route_ticket_ttl_s: float = _f(300.0, "lifetime of a route ticket")
+    max_routes_k: int = _f(16, "largest k a route request may ask for")
+    snapshot_ttl_s: float = _f(1.0, "how stale the cached routing snapshot may be (load figures only)")
+    default_latency_ms: float = _f(5.0, "assumed one-way latency between two nodes")
+    relay_penalty_ms: float = _f(10.0, "extra cost of a hop through a gateway relay")
+    db_threads: int = _f(0, "worker threads for the database; 0 = 1 for SQLite, 4 otherwise")
+    zeroconf: bool = _f(True, "advertise _swarm-tracker._tcp.local. on the LAN")
+    log_level: str = _f("info", "debug, info, warning or error")
+
+    def resolved_data_dir(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    def resolved_db_url(self) -> str:
+        return self.db_url or f"sqlite:///{self.resolved_data_dir() / 'tracker.sqlite3'}"
+
+    def resolved_db_threads(self) -> int:
+        if self.db_threads > 0:
+            return self.db_threads
+        return 1 if self.resolved_db_url().startswith("sqlite") else 4
+
+    def validate(self) -> TrackerConfig:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "expiry_check_interval_s",
+                     "signature_skew_s", "route_ticket_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.heartbeat_timeout_s < self.heartbeat_interval_s:
+            raise ConfigError("heartbeat_timeout_s must be at least heartbeat_interval_s")
+        for name in ("nonce_cache_max_entries", "max_body_bytes", "max_routes_k"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:
+            raise ConfigError("snapshot_ttl_s, default_latency_ms and relay_penalty_ms must be >= 0")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        return self
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrackerConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
+
+
+def load_config(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> TrackerConfig:
+    """Merge the layers; ``flags`` entries that are None mean "not given"."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = file or env.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            with open(Path(path).expanduser(), "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from err
+        # Either top-level keys or one [tracker] table.
+        section = data["tracker"] if set(data) == {"tracker"} and isinstance(data["tracker"], dict) else data
+        for key, value in section.items():
+            if key not in FIELDS:
+                raise ConfigError(f"config file {path}: unknown key {key!r}")
+            values[key] = _coerce(key, value, f"config file {path}")
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key not in FIELDS:
+            raise ConfigError(f"unknown environment variable {var}")
+        values[key] = _coerce(key, value, f"environment {var}")
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in FIELDS:
+            raise ConfigError(f"unknown option {key!r}")
+        values[key] = _coerce(key, value, "command line")
+    return TrackerConfig(**values).validate()

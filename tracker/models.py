@@ -1,0 +1,112 @@
+"""SQLAlchemy table definitions for the tracker registry.
+
+The schema is created and changed only by the alembic migrations in
+``migrations/``; a test checks these models match the migrated schema exactly
+(``alembic.autogenerate.compare_metadata`` finds no differences). Times are
+UNIX seconds stored as double precision, so the injected clock and the database
+agree without time-zone handling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, identical on SQLite and PostgreSQL, so migrations can refer to them.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+NODE_LIVE = "live"
+NODE_EXPIRED = "expired"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Model(Base):
+    __tablename__ = "models"
+
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), index=True)
+    architecture: Mapped[str] = mapped_column(String(64))
+    n_layers: Mapped[int] = mapped_column(Integer)
+    n_embd: Mapped[int] = mapped_column(Integer)
+    first_seen_s: Mapped[float] = mapped_column(Double)
+
+
+class Gateway(Base):
+    __tablename__ = "gateways"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # hex ed25519 public key
+    first_seen_s: Mapped[float] = mapped_column(Double)
+    last_seen_s: Mapped[float] = mapped_column(Double)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # hex ed25519 public key
+    addresses: Mapped[list[str]] = mapped_column(JSON)
+    relay: Mapped[bool] = mapped_column(Boolean)
+    relay_via: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    hardware: Mapped[dict[str, Any]] = mapped_column(JSON)
+    software_version: Mapped[str] = mapped_column(String(64))
+    first_seen_s: Mapped[float] = mapped_column(Double)
+    last_seen_s: Mapped[float] = mapped_column(Double)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("node_id", "model_fingerprint"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.id", ondelete="CASCADE"))
+    model_fingerprint: Mapped[str] = mapped_column(String(64), ForeignKey("models.fingerprint"), index=True)
+    layer_start: Mapped[int] = mapped_column(Integer)
+    layer_end: Mapped[int] = mapped_column(Integer)
+    decode_ms_per_token: Mapped[float] = mapped_column(Double)
+    prefill_tokens_per_s: Mapped[float] = mapped_column(Double)
+    active_sessions: Mapped[int] = mapped_column(Integer)
+    max_sessions: Mapped[int] = mapped_column(Integer)
+    queue_depth: Mapped[int] = mapped_column(Integer)
+    kv_free_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_served_total: Mapped[int] = mapped_column(BigInteger)
+    updated_s: Mapped[float] = mapped_column(Double)
+
+
+class Usage(Base):
+    """The ledger: which node served how much of which request, as reported by a gateway."""
+
+    __tablename__ = "usage"
+    __table_args__ = (
+        UniqueConstraint("gateway_id", "request_id", "node_id"),
+        Index("ix_usage_node_id_at_s", "node_id", "at_s"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    gateway_id: Mapped[str] = mapped_column(String(64), ForeignKey("gateways.id"))
+    node_id: Mapped[str] = mapped_column(String(64))
+    model_fingerprint: Mapped[str] = mapped_column(String(64))
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(BigInteger)
+    at_s: Mapped[float] = mapped_column(Double)

@@ -1,0 +1,98 @@
+"""``swarm-tracker serve``: one root nursery holding hypercorn, the expiry loop and zeroconf.
+
+:func:`serve_tracker` is started with ``nursery.start`` and reports readiness
+with a :class:`RunningTracker` (bound port, URL, the registry) once the socket
+listens, the schema is at head and the port file is written. Cancel the
+surrounding scope, or set ``shutdown``, to stop it; hypercorn then drains
+connections within its graceful timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import hypercorn.config
+import hypercorn.trio
+import nacl.signing
+import trio
+
+from tracker.app import create_app
+from tracker.config import TrackerConfig
+from tracker.discovery import advertise
+from tracker.keys import load_or_create_key
+from tracker.logs import event
+from tracker.service import Registry
+from tracker.store import Store, make_engine
+
+log = logging.getLogger("swarm.tracker")
+
+
+@dataclass(frozen=True)
+class RunningTracker:
+    port: int
+    url: str
+    registry: Registry
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    """Atomically, so a launcher polling the file never reads half a number."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
+    key = load_or_create_key(config.resolved_data_dir())
+    return Store(make_engine(config.resolved_db_url())), key
+
+
+async def serve_tracker(
+    config: TrackerConfig,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[RunningTracker] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    store, key = await trio.to_thread.run_sync(_open_store, config)
+    try:
+        registry = Registry(store, config, key)
+        await registry.start()
+        app = create_app(registry)
+        hc = hypercorn.config.Config()
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        hc.bind = [f"{host}:{config.port}"]
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")  # through our JSON handler, not hypercorn's own
+        hc.graceful_timeout = 5.0
+        async with trio.open_nursery() as nursery:
+            trigger = shutdown.wait if shutdown is not None else None
+            binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
+            port = int(binds[0].rsplit(":", 1)[1])
+            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            if config.port_file:
+                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
+            helpers = trio.CancelScope()
+
+            async def run_helpers(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                with helpers:
+                    async with trio.open_nursery() as inner:
+                        await inner.start(registry.run_expiry)
+                        if config.zeroconf:
+                            await inner.start(advertise, port, registry.tracker_id, config.host)
+                        task_status.started()
+
+            await nursery.start(run_helpers)
+            event(log, "tracker_listening", port=port, url=url, binds=binds, tracker_id=registry.tracker_id,
+                  db=store.dialect, port_file=config.port_file or None)
+            task_status.started(RunningTracker(port=port, url=url, registry=registry))
+            if shutdown is not None:
+                await shutdown.wait()
+                helpers.cancel()  # hypercorn drains and returns by itself once the trigger fired
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(store.close)
+        event(log, "tracker_stopped")
