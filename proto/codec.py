@@ -359,6 +359,8 @@ def validate_frame(frame: frame_pb2.Frame, limits: FrameLimits = DEFAULT_LIMITS)
     for name in ("model_fingerprint", "recipe_fingerprint"):
         if not _FINGERPRINT.fullmatch(getattr(frame, name)):
             raise BadFrameError(f"{name} is not 64 lowercase hex digits")
+    if frame.route_epoch < 1 or frame.step_id < 1:
+        raise BadFrameError(f"route_epoch {frame.route_epoch} and step_id {frame.step_id} start at 1")
     if frame.shard.end <= frame.shard.start:
         raise BadFrameError(f"empty shard range [{frame.shard.start}, {frame.shard.end})")
     if frame.HasField("chunk") and kind not in ("activation", "result"):

@@ -279,6 +279,8 @@ def _mutated(mutate: Callable[[frame_pb2.Frame], object]) -> frame_pb2.Frame:
         (lambda f: setattr(f, "model_fingerprint", "A" * 64), errors.BadFrameError),
         (lambda f: setattr(f, "recipe_fingerprint", "b" * 63), errors.BadFrameError),
         (lambda f: setattr(f.shard, "end", 0), errors.BadFrameError),
+        (lambda f: setattr(f, "route_epoch", 0), errors.BadFrameError),
+        (lambda f: setattr(f, "step_id", 0), errors.BadFrameError),
         (lambda f: setattr(f.positions, "end", 0), errors.BadFrameError),
         (lambda f: setattr(f, "expected_kv_len", 1), errors.BadFrameError),
         (lambda f: setattr(f, "phase", DECODE), errors.BadFrameError),
