@@ -120,13 +120,26 @@ class Swarm:
     def _leave(self, node: SimNode) -> None:
         if node.state != SERVING:
             return
+        if self.rng_churn.random() < self.cfg.crash_fraction:
+            self.crash(node)
+        else:
+            self.leave_gracefully(node)
+
+    def crash(self, node: SimNode) -> None:
+        """The node vanishes now (also used by tests and fault injection)."""
+        if node.state != SERVING:
+            return
         self._cover(node, -1)
         self.cache.remove(node)
-        if self.rng_churn.random() < self.cfg.crash_fraction:
-            self.crashes += 1
-            node.crash()
-            self.on_stage_lost(node, self.cfg.failure_detect_s)
+        self.crashes += 1
+        node.crash()
+        self.on_stage_lost(node, self.cfg.failure_detect_s)
+
+    def leave_gracefully(self, node: SimNode) -> None:
+        if node.state != SERVING:
             return
+        self._cover(node, -1)
+        self.cache.remove(node)
         self.graceful_leaves += 1
         node.state = DRAINING
         if not node.sessions:
