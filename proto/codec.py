@@ -109,7 +109,7 @@ class SessionHeader:
 
     def frame(
         self,
-        phase: int,
+        phase: frame_pb2.Phase,
         *,
         step_id: int = 0,
         expected_kv_len: int = 0,
@@ -149,7 +149,8 @@ class SessionHeader:
 
 def body_kind(frame: frame_pb2.Frame) -> str | None:
     """Name of the frame's body (``"open"``, ``"activation"``, ``"error"``...), or None."""
-    return frame.WhichOneof("body")
+    kind = frame.WhichOneof("body")
+    return None if kind is None else str(kind)
 
 
 def is_reply(frame: frame_pb2.Frame) -> bool:
@@ -176,11 +177,13 @@ def expect_route(
     """Raise unless the frame is for the model, recipe and shard a node serves."""
     if frame.model_fingerprint != model_fingerprint:
         raise FingerprintMismatchError(
-            f"model fingerprint {frame.model_fingerprint[:16]}... is not this node's {model_fingerprint[:16]}..."
+            f"model fingerprint {frame.model_fingerprint[:16]}... is not this node's "
+            f"{model_fingerprint[:16]}..."
         )
     if frame.recipe_fingerprint != recipe_fingerprint:
         raise FingerprintMismatchError(
-            f"recipe fingerprint {frame.recipe_fingerprint[:16]}... is not this node's {recipe_fingerprint[:16]}..."
+            f"recipe fingerprint {frame.recipe_fingerprint[:16]}... is not this node's "
+            f"{recipe_fingerprint[:16]}..."
         )
     if (frame.shard.start, frame.shard.end) != (shard_start, shard_end):
         raise ShardMismatchError(
@@ -234,7 +237,10 @@ def sampling_settings(params: frame_pb2.SamplingParams) -> SamplingSettings:
         (math.isfinite(settings.temperature) and settings.temperature >= 0, "temperature must be >= 0"),
         (0 < settings.top_p <= 1, "top_p must be in (0, 1]"),
         (0 <= settings.min_p <= 1, "min_p must be in [0, 1]"),
-        (math.isfinite(settings.repetition_penalty) and settings.repetition_penalty > 0, "repetition_penalty > 0"),
+        (
+            math.isfinite(settings.repetition_penalty) and settings.repetition_penalty > 0,
+            "repetition_penalty > 0",
+        ),
         (abs(settings.frequency_penalty) <= 2, "frequency_penalty must be in [-2, 2]"),
         (abs(settings.presence_penalty) <= 2, "presence_penalty must be in [-2, 2]"),
         (settings.n_top_logprobs <= MAX_TOP_LOGPROBS, f"n_top_logprobs must be <= {MAX_TOP_LOGPROBS}"),
@@ -253,9 +259,7 @@ def _check_text(value: str, limit: int, what: str) -> None:
         raise BadFrameError(f"{what} longer than {limit} characters")
 
 
-def _check_tensors(
-    tensors: Sequence[frame_pb2.Tensor], rows: int, limits: FrameLimits
-) -> None:
+def _check_tensors(tensors: Sequence[frame_pb2.Tensor], rows: int, limits: FrameLimits) -> None:
     if len(tensors) > limits.max_tensors_per_frame:
         raise TooLargeError(f"{len(tensors)} tensors in one frame (limit {limits.max_tensors_per_frame})")
     names: set[str] = set()
@@ -314,7 +318,8 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
         for token in result.sampled:
             if token.token_id < 0 or len(token.top_logprobs) > MAX_TOP_LOGPROBS:
                 raise BadFrameError("bad sampled token")
-            if any(math.isnan(p.logprob) or p.logprob > 0 for p in [token, *token.top_logprobs]):
+            logprobs = [token.logprob, *(p.logprob for p in token.top_logprobs)]
+            if any(math.isnan(p) or p > 0 for p in logprobs):
                 raise BadFrameError("logprobs must be <= 0 and not NaN")
         _check_tensors(result.tensors, rows, limits)
 
@@ -323,7 +328,9 @@ def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
     if not body.route_ticket:
         raise BadFrameError("OPEN without a route ticket")
     if len(body.route_ticket) > limits.max_ticket_bytes:
-        raise TooLargeError(f"route ticket of {len(body.route_ticket)} bytes (limit {limits.max_ticket_bytes})")
+        raise TooLargeError(
+            f"route ticket of {len(body.route_ticket)} bytes (limit {limits.max_ticket_bytes})"
+        )
     if body.kv_budget.max_tokens < 1:
         raise BadFrameError("OPEN asks for no KV budget")
     if body.output_encoding != frame_pb2.ENCODING_UNSPECIFIED and body.output_encoding not in ENCODINGS:
@@ -410,7 +417,7 @@ def open_frame(
     route_ticket: bytes,
     kv_budget_tokens: int,
     sampling: SamplingSettings | None = None,
-    output_encoding: int = frame_pb2.ENCODING_F32,
+    output_encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32,
     output_block_size: int = 0,
     max_frame_bytes: int = 0,
     keep_kv_len: int = 0,
@@ -463,7 +470,9 @@ def closed_frame(request: frame_pb2.Frame, *, freed_kv_tokens: int) -> frame_pb2
     return frame
 
 
-def error_frame(exc: ProtocolError, request: frame_pb2.Frame | None = None, *, kv_len: int = 0) -> frame_pb2.Frame:
+def error_frame(
+    exc: ProtocolError, request: frame_pb2.Frame | None = None, *, kv_len: int = 0
+) -> frame_pb2.Frame:
     """The error reply to ``request`` (None when the request could not be parsed)."""
     if request is None:
         frame = frame_pb2.Frame(schema_version=SCHEMA_VERSION, kv_len=kv_len)
@@ -485,7 +494,9 @@ def _row_chunks(n_rows: int, row_bytes: int, fixed_bytes: int, max_frame_bytes: 
     return [(a, min(a + per_chunk, n_rows)) for a in range(0, n_rows, per_chunk)]
 
 
-def _hidden_rows(hidden: npt.ArrayLike | None, n_rows: int | None) -> tuple[npt.NDArray[np.float32] | None, int]:
+def _hidden_rows(
+    hidden: npt.ArrayLike | None, n_rows: int | None
+) -> tuple[npt.NDArray[np.float32] | None, int]:
     if hidden is None:
         if n_rows is None:
             raise EncodeError("a step needs token ids or hidden states")
@@ -505,9 +516,9 @@ def _split(
     *,
     token_ids: Sequence[int] | None,
     hidden: npt.ArrayLike | None,
-    encoding: int,
+    encoding: frame_pb2.Encoding,
     block_size: int,
-    checksum_algorithm: int,
+    checksum_algorithm: frame_pb2.ChecksumAlgorithm,
     max_frame_bytes: int,
 ) -> list[frame_pb2.Frame]:
     tokens = None if token_ids is None or len(token_ids) == 0 else [int(t) for t in token_ids]
@@ -541,16 +552,16 @@ def _split(
 
 def step_frames(
     header: SessionHeader,
-    phase: int,
+    phase: frame_pb2.Phase,
     *,
     step_id: int,
     start: int,
     token_ids: Sequence[int] | None = None,
     hidden: npt.ArrayLike | None = None,
     sample: bool = False,
-    encoding: int = frame_pb2.ENCODING_F32,
+    encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    checksum_algorithm: int = frame_pb2.CHECKSUM_CRC32,
+    checksum_algorithm: frame_pb2.ChecksumAlgorithm = frame_pb2.CHECKSUM_CRC32,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> list[frame_pb2.Frame]:
     """A PREFILL or DECODE step starting at position ``start`` (= the KV length expected).
@@ -583,9 +594,9 @@ def result_frames(
     hidden: npt.ArrayLike | None = None,
     sampled: Sequence[frame_pb2.SampledToken] = (),
     compute_us: int = 0,
-    encoding: int = frame_pb2.ENCODING_F32,
+    encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    checksum_algorithm: int = frame_pb2.CHECKSUM_CRC32,
+    checksum_algorithm: frame_pb2.ChecksumAlgorithm = frame_pb2.CHECKSUM_CRC32,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> list[frame_pb2.Frame]:
     """The node's reply to a reassembled ``step``: output hidden states (chunked) or a sampled token."""
@@ -610,7 +621,9 @@ def result_frames(
             max_frame_bytes=max_frame_bytes,
         )
         if frames[-1].positions.end != step.end:
-            raise EncodeError(f"{frames[-1].positions.end - step.start} hidden rows for {step.n_tokens} positions")
+            raise EncodeError(
+                f"{frames[-1].positions.end - step.start} hidden rows for {step.n_tokens} positions"
+            )
     frames[-1].result.sampled.extend(sampled)
     frames[-1].result.compute_us = compute_us
     return frames
@@ -653,7 +666,7 @@ class Step:
     """A whole PREFILL/DECODE step (request or reply), decoded, from one or more frames."""
 
     header: SessionHeader
-    phase: int
+    phase: frame_pb2.Phase
     kind: str  # "activation" (gateway -> node) or "result" (node -> gateway)
     step_id: int
     start: int
@@ -718,7 +731,9 @@ class StepAssembler:
         if frame.chunk.index != self._next_index:
             raise ChunkSequenceError(f"chunk {frame.chunk.index} arrived, expected chunk {self._next_index}")
         if frame.positions.start != self._end:
-            raise ChunkSequenceError(f"chunk starts at position {frame.positions.start}, expected {self._end}")
+            raise ChunkSequenceError(
+                f"chunk starts at position {frame.positions.start}, expected {self._end}"
+            )
 
     def add(self, frame: frame_pb2.Frame) -> Step | None:
         if self._done:
@@ -748,8 +763,10 @@ class StepAssembler:
             values = decode_tensor(tensor, self.limits.max_tensor_bytes)
             parts = self._parts.setdefault(tensor.name, [])
             if parts and parts[0].shape[1:] != values.shape[1:]:
-                raise ShapeError(f"tensor {tensor.name!r}: chunk rows of shape {values.shape[1:]} after "
-                                 f"{parts[0].shape[1:]}")
+                raise ShapeError(
+                    f"tensor {tensor.name!r}: chunk rows of shape {values.shape[1:]} after "
+                    f"{parts[0].shape[1:]}"
+                )
             self._decoded_bytes += values.nbytes
             if self._decoded_bytes > self.limits.max_step_bytes:
                 raise TooLargeError(f"step exceeds {self.limits.max_step_bytes} decoded bytes")
@@ -768,7 +785,8 @@ class StepAssembler:
             raise ChunkSequenceError("no chunk yet")
         self._done = True
         tensors = {
-            name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0) for name, parts in self._parts.items()
+            name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            for name, parts in self._parts.items()
         }
         return Step(
             header=SessionHeader.of(first),

@@ -46,8 +46,8 @@ RetryHint = status_pb2.RetryHint
 class ProtocolError(Exception):
     """A frame or request that cannot be handled, with the status to report."""
 
-    status: int = status_pb2.STATUS_INTERNAL
-    retry: int = status_pb2.RETRY_NONE
+    status: status_pb2.Status = status_pb2.STATUS_INTERNAL
+    retry: status_pb2.RetryHint = status_pb2.RETRY_NONE
     # Default for "does the receiver drop the session because of this error".
     closes_session: bool = False
 
@@ -55,7 +55,7 @@ class ProtocolError(Exception):
         self,
         message: str,
         *,
-        retry: int | None = None,
+        retry: status_pb2.RetryHint | None = None,
         retry_after_ms: int = 0,
         session_closed: bool | None = None,
     ) -> None:
@@ -68,7 +68,11 @@ class ProtocolError(Exception):
 
     @property
     def status_name(self) -> str:
-        return status_pb2.Status.Name(self.status) if self.status in status_pb2.Status.values() else str(self.status)
+        return (
+            status_pb2.Status.Name(self.status)
+            if self.status in status_pb2.Status.values()
+            else str(self.status)
+        )
 
     def __str__(self) -> str:
         return f"{self.status_name}: {self.message}"
@@ -195,10 +199,10 @@ class RemoteError(ProtocolError):
 
     def __init__(
         self,
-        status: int,
+        status: status_pb2.Status,
         message: str,
         *,
-        retry: int,
+        retry: status_pb2.RetryHint,
         retry_after_ms: int = 0,
         session_closed: bool = False,
     ) -> None:
@@ -238,7 +242,7 @@ def error_class(status: int) -> type[ProtocolError]:
     return _BY_STATUS.get(status, InternalError)
 
 
-def default_retry(status: int) -> int:
+def default_retry(status: int) -> status_pb2.RetryHint:
     """The retry hint docs/protocol.md gives for ``status``."""
     return error_class(status).retry
 
@@ -261,10 +265,9 @@ def error_from_body(body: status_pb2.Error) -> RemoteError:
     kept as a number (a newer peer) and treated like STATUS_INTERNAL by
     :func:`default_retry`.
     """
-    status = int(body.status)
-    retry = int(body.retry) if body.retry != status_pb2.RETRY_UNSPECIFIED else default_retry(status)
+    retry = body.retry if body.retry != status_pb2.RETRY_UNSPECIFIED else default_retry(body.status)
     return RemoteError(
-        status,
+        body.status,
         body.message,
         retry=retry,
         retry_after_ms=int(body.retry_after_ms),

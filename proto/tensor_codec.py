@@ -49,8 +49,12 @@ _F16_OVERFLOW = 65520.0  # binary16 rounds values at or above this to infinity
 
 ENCODINGS = (frame_pb2.ENCODING_F32, frame_pb2.ENCODING_F16, frame_pb2.ENCODING_INT8_BLOCK)
 CHECKSUM_ALGORITHMS = (frame_pb2.CHECKSUM_CRC32, frame_pb2.CHECKSUM_BLAKE2B_128)
-_CHECKSUM_LENGTH = {frame_pb2.CHECKSUM_CRC32: 4, frame_pb2.CHECKSUM_BLAKE2B_128: 16}
-_ITEMSIZE = {frame_pb2.ENCODING_F32: 4, frame_pb2.ENCODING_F16: 2, frame_pb2.ENCODING_INT8_BLOCK: 1}
+_CHECKSUM_LENGTH: dict[int, int] = {frame_pb2.CHECKSUM_CRC32: 4, frame_pb2.CHECKSUM_BLAKE2B_128: 16}
+_ITEMSIZE: dict[int, int] = {
+    frame_pb2.ENCODING_F32: 4,
+    frame_pb2.ENCODING_F16: 2,
+    frame_pb2.ENCODING_INT8_BLOCK: 1,
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class TensorLayout:
     decoded_bytes: int  # size of the float32 result
 
 
-def checksum(algorithm: int, data: bytes, scales: bytes = b"") -> bytes:
+def checksum(algorithm: frame_pb2.ChecksumAlgorithm, data: bytes, scales: bytes = b"") -> bytes:
     """The checksum of ``data`` followed by ``scales``."""
     if algorithm == frame_pb2.CHECKSUM_CRC32:
         return zlib.crc32(scales, zlib.crc32(data)).to_bytes(4, "big")
@@ -103,7 +107,9 @@ def tensor_layout(tensor: frame_pb2.Tensor, max_decoded_bytes: int) -> TensorLay
         raise DTypeError(f"tensor {tensor.name!r}: unsupported encoding {tensor.encoding}")
     _float_order(tensor.byte_order, 4)
     if tensor.checksum_algorithm not in CHECKSUM_ALGORITHMS:
-        raise DTypeError(f"tensor {tensor.name!r}: unsupported checksum algorithm {tensor.checksum_algorithm}")
+        raise DTypeError(
+            f"tensor {tensor.name!r}: unsupported checksum algorithm {tensor.checksum_algorithm}"
+        )
     if len(tensor.checksum) != _CHECKSUM_LENGTH[tensor.checksum_algorithm]:
         raise BadFrameError(f"tensor {tensor.name!r}: checksum has {len(tensor.checksum)} bytes")
     shape = tuple(int(d) for d in tensor.shape)
@@ -120,16 +126,21 @@ def tensor_layout(tensor: frame_pb2.Tensor, max_decoded_bytes: int) -> TensorLay
     scales_bytes = 0
     if tensor.encoding == frame_pb2.ENCODING_INT8_BLOCK:
         if not 1 <= tensor.block_size <= MAX_BLOCK_SIZE:
-            raise BadFrameError(f"tensor {tensor.name!r}: block_size {tensor.block_size} not in 1..{MAX_BLOCK_SIZE}")
+            raise BadFrameError(
+                f"tensor {tensor.name!r}: block_size {tensor.block_size} not in 1..{MAX_BLOCK_SIZE}"
+            )
         scales_bytes = rows * math.ceil(cols / tensor.block_size) * 4
     elif tensor.scales or tensor.block_size:
         raise BadFrameError(f"tensor {tensor.name!r}: scales/block_size set for a non-int8 encoding")
     if len(tensor.data) != data_bytes:
         raise ShapeError(
-            f"tensor {tensor.name!r}: shape {list(shape)} needs {data_bytes} data bytes, got {len(tensor.data)}"
+            f"tensor {tensor.name!r}: shape {list(shape)} needs {data_bytes} data bytes, "
+            f"got {len(tensor.data)}"
         )
     if len(tensor.scales) != scales_bytes:
-        raise ShapeError(f"tensor {tensor.name!r}: needs {scales_bytes} scale bytes, got {len(tensor.scales)}")
+        raise ShapeError(
+            f"tensor {tensor.name!r}: needs {scales_bytes} scale bytes, got {len(tensor.scales)}"
+        )
     return TensorLayout(shape, rows, cols, data_bytes, scales_bytes, count * 4)
 
 
@@ -137,7 +148,9 @@ def verify_checksum(tensor: frame_pb2.Tensor) -> None:
     """Raise :class:`ChecksumError` unless the checksum matches ``data`` + ``scales``."""
     actual = checksum(tensor.checksum_algorithm, tensor.data, tensor.scales)
     if actual != tensor.checksum:
-        raise ChecksumError(f"tensor {tensor.name!r}: checksum {tensor.checksum.hex()} != computed {actual.hex()}")
+        raise ChecksumError(
+            f"tensor {tensor.name!r}: checksum {tensor.checksum.hex()} != computed {actual.hex()}"
+        )
 
 
 def decode_tensor(tensor: frame_pb2.Tensor, max_decoded_bytes: int) -> npt.NDArray[np.float32]:
@@ -192,11 +205,11 @@ def _quantize_int8(name: str, x: npt.NDArray[np.float32], block_size: int) -> tu
 def encode_tensor(
     name: str,
     array: npt.ArrayLike,
-    encoding: int = frame_pb2.ENCODING_F32,
+    encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    checksum_algorithm: int = frame_pb2.CHECKSUM_CRC32,
-    byte_order: int = frame_pb2.BYTE_ORDER_LITTLE,
+    checksum_algorithm: frame_pb2.ChecksumAlgorithm = frame_pb2.CHECKSUM_CRC32,
+    byte_order: frame_pb2.ByteOrder = frame_pb2.BYTE_ORDER_LITTLE,
 ) -> frame_pb2.Tensor:
     """A wire tensor holding ``array`` (any floating dtype, cast to float32)."""
     x = _as_float32(name, array)

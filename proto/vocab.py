@@ -13,7 +13,13 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from proto.errors import BadFrameError, ChecksumError, ChunkSequenceError, FingerprintMismatchError, TooLargeError
+from proto.errors import (
+    BadFrameError,
+    ChecksumError,
+    ChunkSequenceError,
+    FingerprintMismatchError,
+    TooLargeError,
+)
 from proto.swarm.v1 import shard_service_pb2
 
 DEFAULT_VOCAB_CHUNK_BYTES = 1024 * 1024
@@ -62,7 +68,9 @@ class VocabAssembler:
         elif (chunk.total_size, chunk.sha256) != (self._total, self._sha256):
             raise ChunkSequenceError("vocabulary chunks disagree on size or sha256")
         if chunk.offset != len(self._buffer):
-            raise ChunkSequenceError(f"vocabulary chunk at offset {chunk.offset}, expected {len(self._buffer)}")
+            raise ChunkSequenceError(
+                f"vocabulary chunk at offset {chunk.offset}, expected {len(self._buffer)}"
+            )
         if not chunk.data and self._total > 0:
             raise ChunkSequenceError("empty vocabulary chunk")
         if len(self._buffer) + len(chunk.data) > self._total:

@@ -32,10 +32,18 @@ def _wire(frames: list[frame_pb2.Frame], limits: FrameLimits = codec.DEFAULT_LIM
     return [codec.parse_frame(codec.serialize_frame(f, limits), limits) for f in frames]
 
 
-def _prefill(rows: int = 40, cols: int = 16, max_frame_bytes: int = 1500, start: int = 0) -> list[frame_pb2.Frame]:
+def _prefill(
+    rows: int = 40, cols: int = 16, max_frame_bytes: int = 1500, start: int = 0
+) -> list[frame_pb2.Frame]:
     x = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
     return codec.step_frames(
-        HEADER, PREFILL, step_id=5, start=start, hidden=x, token_ids=range(rows), sample=True,
+        HEADER,
+        PREFILL,
+        step_id=5,
+        start=start,
+        hidden=x,
+        token_ids=range(rows),
+        sample=True,
         max_frame_bytes=max_frame_bytes,
     )
 
@@ -56,8 +64,15 @@ def test_chunk_and_reassemble_round_trip(
 ) -> None:
     tokens = list(range(100, 100 + x.shape[0])) if with_tokens else None
     frames = codec.step_frames(
-        HEADER, PREFILL, step_id=9, start=start, hidden=x, token_ids=tokens, sample=True,
-        encoding=encoding, max_frame_bytes=max_frame_bytes,
+        HEADER,
+        PREFILL,
+        step_id=9,
+        start=start,
+        hidden=x,
+        token_ids=tokens,
+        sample=True,
+        encoding=encoding,
+        max_frame_bytes=max_frame_bytes,
     )
     assert all(len(codec.serialize_frame(f)) <= max_frame_bytes for f in frames)
     assert [f.activation.sample for f in frames] == [False] * (len(frames) - 1) + [True]
@@ -77,14 +92,22 @@ def test_chunk_and_reassemble_round_trip(
 def test_result_chunks_relay_to_the_next_stage(x: npt.NDArray[np.float32], max_frame_bytes: int) -> None:
     rows = x.shape[0]
     request = codec.reassemble(
-        codec.step_frames(HEADER, PREFILL, step_id=4, start=7, token_ids=range(rows), max_frame_bytes=max_frame_bytes)
+        codec.step_frames(
+            HEADER, PREFILL, step_id=4, start=7, token_ids=range(rows), max_frame_bytes=max_frame_bytes
+        )
     )
-    replies = _wire(codec.result_frames(request, kv_len=7 + rows, hidden=x, compute_us=12, max_frame_bytes=max_frame_bytes))
+    replies = _wire(
+        codec.result_frames(
+            request, kv_len=7 + rows, hidden=x, compute_us=12, max_frame_bytes=max_frame_bytes
+        )
+    )
     reply = codec.reassemble(replies)
     assert reply.kind == "result" and reply.kv_len == 7 + rows and reply.compute_us == 12
     assert reply.tensors[codec.HIDDEN].tobytes() == x.tobytes()
     relayed = [
-        codec.relay_frame(r, NEXT, step_id=11, token_ids=range(r.positions.start - 7, r.positions.end - 7), sample=True)
+        codec.relay_frame(
+            r, NEXT, step_id=11, token_ids=range(r.positions.start - 7, r.positions.end - 7), sample=True
+        )
         for r in replies
     ]
     forwarded = codec.reassemble(_wire(relayed))
@@ -94,7 +117,9 @@ def test_result_chunks_relay_to_the_next_stage(x: npt.NDArray[np.float32], max_f
 
 
 def test_last_stage_reply_carries_the_sampled_token() -> None:
-    request = codec.reassemble(codec.step_frames(HEADER, DECODE, step_id=8, start=12, token_ids=[42], sample=True))
+    request = codec.reassemble(
+        codec.step_frames(HEADER, DECODE, step_id=8, start=12, token_ids=[42], sample=True)
+    )
     token = frame_pb2.SampledToken(
         token_id=7, logprob=-0.25, top_logprobs=[frame_pb2.TokenLogprob(token_id=7, logprob=-0.25)]
     )
@@ -105,14 +130,19 @@ def test_last_stage_reply_carries_the_sampled_token() -> None:
 
 def test_session_frames_round_trip() -> None:
     opened = codec.open_frame(
-        HEADER, step_id=1, route_ticket=b"signed", kv_budget_tokens=512,
-        sampling=codec.SamplingSettings(temperature=0.7, top_k=40, n_top_logprobs=5), output_encoding=F16,
+        HEADER,
+        step_id=1,
+        route_ticket=b"signed",
+        kv_budget_tokens=512,
+        sampling=codec.SamplingSettings(temperature=0.7, top_k=40, n_top_logprobs=5),
+        output_encoding=F16,
     )
     (parsed,) = _wire([opened])
     assert codec.sampling_settings(parsed.open.sampling).top_k == 40
     assert codec.sampling_settings(frame_pb2.SamplingParams()) == codec.SamplingSettings()
-    ack = codec.open_ack_frame(parsed, kv_len=0, node_id="n1", kv_tokens_granted=512, max_frame_bytes=1 << 22,
-                               max_step_tokens=4096)
+    ack = codec.open_ack_frame(
+        parsed, kv_len=0, node_id="n1", kv_tokens_granted=512, max_frame_bytes=1 << 22, max_step_tokens=4096
+    )
     closed = codec.closed_frame(codec.release_frame(HEADER, step_id=9), freed_kv_tokens=40)
     cancel = codec.cancel_frame(HEADER, step_id=10, reason="client went away")
     for frame in _wire([ack, closed, cancel]):
@@ -183,9 +213,7 @@ def test_inconsistent_chunk(mutate: Callable[[frame_pb2.Frame], None]) -> None:
 def test_chunk_with_other_width() -> None:
     frames = _prefill()
     rows = frames[1].positions.end - frames[1].positions.start
-    frames[1].activation.tensors[0].CopyFrom(
-        encode_tensor(codec.HIDDEN, np.zeros((rows, 8), np.float32))
-    )
+    frames[1].activation.tensors[0].CopyFrom(encode_tensor(codec.HIDDEN, np.zeros((rows, 8), np.float32)))
     with pytest.raises(errors.ShapeError):
         codec.reassemble(frames)
 
@@ -215,7 +243,9 @@ def test_garbage_bytes_raise_protocol_errors_only(data: bytes) -> None:
         codec.parse_frame(data)
 
 
-@pytest.mark.parametrize("data", [b"", b"\xff", b"\x0a\x05ab", b"\x08" + b"\xff" * 11, b"\x9a\x01\x03\x0a\x01"])
+@pytest.mark.parametrize(
+    "data", [b"", b"\xff", b"\x0a\x05ab", b"\x08" + b"\xff" * 11, b"\x9a\x01\x03\x0a\x01"]
+)
 def test_malformed_protobuf_is_bad_frame(data: bytes) -> None:
     with pytest.raises(errors.BadFrameError):
         codec.parse_frame(data)
@@ -247,16 +277,18 @@ def test_oversized_frame_is_rejected_before_parsing() -> None:
 
 def test_a_row_wider_than_the_frame_cannot_be_chunked() -> None:
     with pytest.raises(errors.TooLargeError):
-        codec.step_frames(HEADER, PREFILL, step_id=1, start=0, hidden=np.zeros((2, 4096), np.float32),
-                          max_frame_bytes=4096)
+        codec.step_frames(
+            HEADER, PREFILL, step_id=1, start=0, hidden=np.zeros((2, 4096), np.float32), max_frame_bytes=4096
+        )
 
 
 # --------------------------------------------------------------------------- validation
 
 
 def _single() -> frame_pb2.Frame:
-    (frame,) = codec.step_frames(HEADER, PREFILL, step_id=2, start=0, hidden=np.ones((3, 4), np.float32),
-                                 token_ids=[1, 2, 3])
+    (frame,) = codec.step_frames(
+        HEADER, PREFILL, step_id=2, start=0, hidden=np.ones((3, 4), np.float32), token_ids=[1, 2, 3]
+    )
     return frame
 
 
@@ -289,14 +321,22 @@ def _mutated(mutate: Callable[[frame_pb2.Frame], object]) -> frame_pb2.Frame:
         (lambda f: setattr(f.positions, "end", 4), errors.ShapeError),
         (lambda f: f.activation.tensors.append(f.activation.tensors[0]), errors.BadFrameError),
         (lambda f: setattr(f.activation.tensors[0], "dtype", 9), errors.DTypeError),
-        (lambda f: (f.activation.ClearField("token_ids"), f.activation.ClearField("tensors")), errors.BadFrameError),
+        (
+            lambda f: (f.activation.ClearField("token_ids"), f.activation.ClearField("tensors")),
+            errors.BadFrameError,
+        ),
         (lambda f: setattr(f.positions, "end", 40000), errors.TooLargeError),
         (lambda f: (setattr(f.chunk, "count", 2), setattr(f.chunk, "index", 2)), errors.BadFrameError),
-        (lambda f: (setattr(f.chunk, "count", 2), setattr(f.activation, "sample", True)), errors.BadFrameError),
+        (
+            lambda f: (setattr(f.chunk, "count", 2), setattr(f.activation, "sample", True)),
+            errors.BadFrameError,
+        ),
         (lambda f: setattr(f.chunk, "count", 10**6), errors.TooLargeError),
     ],
 )
-def test_invalid_frames(mutate: Callable[[frame_pb2.Frame], object], error: type[errors.ProtocolError]) -> None:
+def test_invalid_frames(
+    mutate: Callable[[frame_pb2.Frame], object], error: type[errors.ProtocolError]
+) -> None:
     frame = _mutated(mutate)
     with pytest.raises(error):
         codec.parse_frame(frame.SerializeToString())
@@ -321,8 +361,11 @@ def test_invalid_open(sampling: frame_pb2.SamplingParams) -> None:
 
 
 def test_open_needs_ticket_and_budget() -> None:
-    for ticket, budget, error in [(b"", 8, errors.BadFrameError), (b"t", 0, errors.BadFrameError),
-                                  (b"t" * 20000, 8, errors.TooLargeError)]:
+    for ticket, budget, error in [
+        (b"", 8, errors.BadFrameError),
+        (b"t", 0, errors.BadFrameError),
+        (b"t" * 20000, 8, errors.TooLargeError),
+    ]:
         frame = codec.open_frame(HEADER, step_id=1, route_ticket=ticket, kv_budget_tokens=budget)
         with pytest.raises(error):
             codec.parse_frame(frame.SerializeToString())
@@ -330,13 +373,21 @@ def test_open_needs_ticket_and_budget() -> None:
 
 def test_expect_route() -> None:
     frame = _single()
-    codec.expect_route(frame, model_fingerprint="a" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=15)
+    codec.expect_route(
+        frame, model_fingerprint="a" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=15
+    )
     with pytest.raises(errors.FingerprintMismatchError):
-        codec.expect_route(frame, model_fingerprint="c" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=15)
+        codec.expect_route(
+            frame, model_fingerprint="c" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=15
+        )
     with pytest.raises(errors.FingerprintMismatchError):
-        codec.expect_route(frame, model_fingerprint="a" * 64, recipe_fingerprint="c" * 64, shard_start=0, shard_end=15)
+        codec.expect_route(
+            frame, model_fingerprint="a" * 64, recipe_fingerprint="c" * 64, shard_start=0, shard_end=15
+        )
     with pytest.raises(errors.ShardMismatchError):
-        codec.expect_route(frame, model_fingerprint="a" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=16)
+        codec.expect_route(
+            frame, model_fingerprint="a" * 64, recipe_fingerprint="b" * 64, shard_start=0, shard_end=16
+        )
 
 
 # --------------------------------------------------------------------------- errors on the wire

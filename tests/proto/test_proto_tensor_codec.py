@@ -71,7 +71,10 @@ def test_int8_round_trip_within_block_bound(x: npt.NDArray[np.float32], block: i
 def test_int8_row_split_equals_separate_encoding() -> None:
     x = np.random.default_rng(7).standard_normal((6, 50)).astype(np.float32)
     whole = encode_tensor("hidden", x, INT8, block_size=16)
-    top, bottom = encode_tensor("hidden", x[:2], INT8, block_size=16), encode_tensor("hidden", x[2:], INT8, block_size=16)
+    top, bottom = (
+        encode_tensor("hidden", x[:2], INT8, block_size=16),
+        encode_tensor("hidden", x[2:], INT8, block_size=16),
+    )
     assert whole.data == top.data + bottom.data and whole.scales == top.scales + bottom.scales
 
 
@@ -96,7 +99,9 @@ def test_unencodable_values_raise_encode_error(values: npt.NDArray[np.generic], 
     encoding=st.sampled_from([F32, F16, INT8]),
     data=st.data(),
 )
-def test_flipped_payload_byte_is_a_checksum_error(x: npt.NDArray[np.float32], encoding: int, data: st.DataObject) -> None:
+def test_flipped_payload_byte_is_a_checksum_error(
+    x: npt.NDArray[np.float32], encoding: int, data: st.DataObject
+) -> None:
     tensor = encode_tensor("hidden", x, encoding)
     field = data.draw(st.sampled_from(["data", "scales"] if tensor.scales else ["data"]))
     payload = bytearray(getattr(tensor, field))
