@@ -9,9 +9,11 @@ discovery returns None after its timeout instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import socket
-import threading
+import time
 
 import trio
 
@@ -91,8 +93,11 @@ async def advertise(
             await trio.to_thread.run_sync(ad.close, limiter=limiter, abandon_on_cancel=True)
 
 
-def discover_tracker(timeout_s: float) -> str | None:
-    """Blocking: the URL (``http://host:port``) of the first tracker seen on the LAN within ``timeout_s``."""
+def discover_tracker(timeout_s: float, tracker_id: str | None = None) -> str | None:
+    """Blocking: the URL (``http://host:port``) of the first tracker seen on the LAN within ``timeout_s``.
+
+    With ``tracker_id``, only a tracker advertising that id (hex public key) counts.
+    """
     try:
         from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 
@@ -100,34 +105,40 @@ def discover_tracker(timeout_s: float) -> str | None:
     except Exception as err:
         event(log, "zeroconf_unavailable", level=logging.WARNING, error=repr(err))
         return None
-    found: list[str] = []
-    seen = threading.Event()
+    names: queue.Queue[str] = queue.Queue(maxsize=256)
 
     def on_change(zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Added:
-            found.append(name)
-            seen.set()
+            with contextlib.suppress(queue.Full):
+                names.put_nowait(name)
 
+    deadline = time.monotonic() + timeout_s
     try:
         browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
         try:
-            if not seen.wait(timeout_s):
-                return None
-            info = zc.get_service_info(SERVICE_TYPE, found[0], timeout=max(100, int(timeout_s * 1000)))
-            if info is None or not info.port:
-                return None
-            addrs = info.parsed_addresses()
-            v4 = [a for a in addrs if ":" not in a]
-            if not (v4 or addrs):
-                return None
-            host = (v4 or [f"[{addrs[0]}]"])[0]
-            return f"http://{host}:{info.port}"
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    name = names.get(timeout=left)
+                except queue.Empty:
+                    return None
+                info = zc.get_service_info(SERVICE_TYPE, name, timeout=max(100, int(left * 1000)))
+                if info is None or not info.port:
+                    continue
+                if tracker_id is not None and info.properties.get(b"tracker_id") != tracker_id.encode():
+                    continue
+                addrs = info.parsed_addresses()
+                v4 = [a for a in addrs if ":" not in a]
+                if v4:
+                    return f"http://{v4[0]}:{info.port}"
+                if addrs:
+                    return f"http://[{addrs[0]}]:{info.port}"
+            return None
         finally:
             browser.cancel()
     finally:
         zc.close()
 
 
-async def discover_tracker_async(timeout_s: float) -> str | None:
+async def discover_tracker_async(timeout_s: float, tracker_id: str | None = None) -> str | None:
     """Trio wrapper around :func:`discover_tracker` (runs it in a worker thread)."""
-    return await trio.to_thread.run_sync(discover_tracker, timeout_s)
+    return await trio.to_thread.run_sync(discover_tracker, timeout_s, tracker_id)
