@@ -61,6 +61,7 @@ HIDDEN = "hidden"  # name of the hidden-state tensor, float32 [n_tokens, n_embd]
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # gRPC's default receive limit
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+_LOGPROB_SLACK = 1e-4
 _REQUEST_BODIES = frozenset({"open", "activation", "release", "cancel"})
 _BODIES_BY_PHASE: dict[int, frozenset[str]] = {
     frame_pb2.PHASE_OPEN: frozenset({"open", "open_ack", "error"}),
@@ -319,7 +320,8 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             if token.token_id < 0 or len(token.top_logprobs) > MAX_TOP_LOGPROBS:
                 raise BadFrameError("bad sampled token")
             logprobs = [token.logprob, *(p.logprob for p in token.top_logprobs)]
-            if any(math.isnan(p) or p > 0 for p in logprobs):
+            # Tolerate rounding noise above 0 (log-softmax of the top token).
+            if any(math.isnan(p) or p > _LOGPROB_SLACK for p in logprobs):
                 raise BadFrameError("logprobs must be <= 0 and not NaN")
         _check_tensors(result.tensors, rows, limits)
 

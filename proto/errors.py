@@ -39,6 +39,10 @@ from __future__ import annotations
 
 from proto.swarm.v1 import status_pb2
 
+# Longer messages are cut on the way out, so a receiver (limit 4096
+# characters, proto.codec.FrameLimits.max_text_chars) never rejects an error.
+MAX_MESSAGE_CHARS = 1024
+
 Status = status_pb2.Status
 RetryHint = status_pb2.RetryHint
 
@@ -251,7 +255,7 @@ def error_body(exc: ProtocolError) -> status_pb2.Error:
     """The wire ``Error`` message reporting ``exc``."""
     return status_pb2.Error(
         status=exc.status,
-        message=exc.message,
+        message=exc.message[:MAX_MESSAGE_CHARS],
         retry=exc.retry,
         retry_after_ms=exc.retry_after_ms,
         session_closed=exc.session_closed,

@@ -416,3 +416,8 @@ def test_error_frames_round_trip() -> None:
     assert errors.InternalError("x").session_closed and not errors.EncodeError("x").session_closed
     with pytest.raises(errors.BadFrameError):
         codec.parse_frame(frame_pb2.Frame(schema_version=1, error=status_pb2.Error()).SerializeToString())
+
+
+def test_long_error_messages_are_cut_not_rejected() -> None:
+    (reply,) = _wire([codec.error_frame(errors.InternalError("x" * 100_000), _single())])
+    assert len(reply.error.message) == errors.MAX_MESSAGE_CHARS
