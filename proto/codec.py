@@ -762,17 +762,17 @@ class StepAssembler:
         if self._next_index > 0 and {t.name for t in body.tensors} != set(self._parts):
             raise ChunkSequenceError("chunks carry different tensor names")
         for tensor in body.tensors:
-            values = decode_tensor(tensor, self.limits.max_tensor_bytes)
+            layout = tensor_layout(tensor, self.limits.max_tensor_bytes)
             parts = self._parts.setdefault(tensor.name, [])
-            if parts and parts[0].shape[1:] != values.shape[1:]:
+            if parts and parts[0].shape[1:] != layout.shape[1:]:
                 raise ShapeError(
-                    f"tensor {tensor.name!r}: chunk rows of shape {values.shape[1:]} after "
+                    f"tensor {tensor.name!r}: chunk rows of shape {layout.shape[1:]} after "
                     f"{parts[0].shape[1:]}"
                 )
-            self._decoded_bytes += values.nbytes
+            self._decoded_bytes += layout.decoded_bytes  # bounded before decoding allocates it
             if self._decoded_bytes > self.limits.max_step_bytes:
                 raise TooLargeError(f"step exceeds {self.limits.max_step_bytes} decoded bytes")
-            parts.append(values)
+            parts.append(decode_tensor(tensor, self.limits.max_tensor_bytes))
         if kind == "activation":
             self._tokens.extend(frame.activation.token_ids)
         self._end = frame.positions.end
