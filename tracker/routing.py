@@ -42,6 +42,7 @@ import random
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from tracker.errors import UnknownModel
 from tracker.snapshot import ShardView, SwarmSnapshot
@@ -80,11 +81,15 @@ DEFAULT_COSTS = RoutingCosts()
 
 def shard_cost_ms(shard: ShardView, snapshot: SwarmSnapshot, costs: RoutingCosts = DEFAULT_COSTS) -> float:
     """Expected compute (+ relay) time of one token through this shard under its current load."""
-    decode = max(shard.decode_ms_per_token, costs.min_decode_ms_per_token)
-    capacity = max(shard.max_sessions, 1)
-    load = (max(shard.active_sessions, 0) + max(shard.queue_depth, 0)) / capacity
-    cost = decode * (1.0 + load)
-    if shard.active_sessions >= capacity or shard.kv_free_tokens == 0:
+    # Written without max()/min() calls: this runs once per shard per request (10 000s of times).
+    decode = shard.decode_ms_per_token
+    if decode < costs.min_decode_ms_per_token:
+        decode = costs.min_decode_ms_per_token
+    capacity = shard.max_sessions if shard.max_sessions > 1 else 1
+    active = shard.active_sessions if shard.active_sessions > 0 else 0
+    queued = shard.queue_depth if shard.queue_depth > 0 else 0
+    cost = decode * (1.0 + (active + queued) / capacity)
+    if active >= capacity or shard.kv_free_tokens == 0:
         cost += costs.saturated_penalty_ms
     if shard.relayed:
         cost += snapshot.relay_penalty_ms
@@ -119,7 +124,7 @@ def select_routes(
             and 0 <= s.start < s.end <= n_layers
             and s.node_id not in exclude_nodes
         ),
-        key=lambda s: (s.start, s.end, s.node_id),
+        key=attrgetter("start"),  # stable: equal starts keep the snapshot's order
     )
     # One draw per eligible shard in canonical order: deterministic for a given seed.
     ties = [rng.random() for _ in shards]
@@ -176,9 +181,13 @@ class _Graph:
         self.default_ms = snapshot.default_latency_ms
         self.latency = snapshot.latency_ms
         self.min_hop_ms = min([self.default_ms, *self.latency.values()]) if self.latency else self.default_ms
+        self.start_of = [s.start for s in shards]
+        self.end_of = [s.end for s in shards]
+        # Only the pairwise-latency search needs shards grouped by start boundary.
         self.by_start: dict[int, list[int]] = {}
-        for i, s in enumerate(shards):
-            self.by_start.setdefault(s.start, []).append(i)
+        if self.latency:
+            for i, x in enumerate(self.start_of):
+                self.by_start.setdefault(x, []).append(i)
         self.starts = sorted(self.by_start)
 
     def hop_ms(self, a: int, b: int) -> float:
@@ -197,18 +206,48 @@ class _Graph:
         return total + self.default_ms  # last stage -> gateway
 
     def shortest(self, cost: list[float]) -> tuple[int, ...] | None:
+        """Least-cost 0 -> L path (shard indices) under ``cost``, exact ties to the lower tie key."""
+        if self.latency:
+            return self._shortest_pairwise(cost)
+        # Every hop costs the default: the best way into boundary x does not depend on the next
+        # shard, so one pass in start order settles it (shards ending at x all start before x).
+        hop = self.default_ms
+        starts, ends, ties = self.start_of, self.end_of, self.ties
+        reach: dict[int, tuple[float, float, int]] = {0: (0.0, -1.0, -1)}  # boundary -> (dist, tie, last shard)
+        pred = [-1] * len(cost)
+        for j, x in enumerate(starts):
+            r = reach.get(x)
+            if r is None:
+                continue
+            pred[j] = r[2]
+            d = r[0] + hop + cost[j]  # the hop into j: from the gateway when x == 0
+            e = ends[j]
+            cur = reach.get(e)
+            if cur is None or d < cur[0] or (d == cur[0] and ties[j] < cur[1]):
+                reach[e] = (d, ties[j], j)
+        last = reach.get(self.n_layers)
+        if last is None:
+            return None
+        path = []
+        j = last[2]
+        while j >= 0:
+            path.append(j)
+            j = pred[j]
+        return tuple(reversed(path))
+
+    def _shortest_pairwise(self, cost: list[float]) -> tuple[int, ...] | None:
+        """As :meth:`shortest` when some node pairs have their own latency: the state is the last shard."""
         shards, ties = self.shards, self.ties
-        dist: dict[int, float] = {}
-        pred: dict[int, int] = {}
+        n = len(cost)
+        dist = [_INF] * n
+        pred = [-1] * n
         ends_at: dict[int, list[int]] = {}
-        explicit = bool(self.latency)
         min_hop = self.min_hop_ms
         for x in self.starts:
             here = self.by_start[x]
             if x == 0:
                 for j in here:
                     dist[j] = self.default_ms + cost[j]
-                    pred[j] = -1
                     ends_at.setdefault(shards[j].end, []).append(j)
                 continue
             preds = ends_at.get(x)
@@ -216,29 +255,25 @@ class _Graph:
                 continue
             preds.sort(key=lambda p: (dist[p], ties[p]))
             for j in here:
-                if explicit:
-                    best_p, best_d = -1, _INF
-                    for p in preds:
-                        dp = dist[p]
-                        if dp + min_hop > best_d:
-                            break
-                        d = dp + self.hop_ms(p, j)
-                        if d < best_d or (d == best_d and ties[p] < ties[best_p]):
-                            best_p, best_d = p, d
-                else:
-                    best_p = preds[0]
-                    best_d = dist[best_p] + self.default_ms
+                best_p, best_d = -1, _INF
+                for p in preds:
+                    dp = dist[p]
+                    if dp + min_hop > best_d:
+                        break  # sorted by dist: nobody further down can win
+                    d = dp + self.hop_ms(p, j)
+                    if d < best_d or (d == best_d and ties[p] < ties[best_p]):
+                        best_p, best_d = p, d
                 dist[j] = best_d + cost[j]
                 pred[j] = best_p
                 ends_at.setdefault(shards[j].end, []).append(j)
         last = ends_at.get(self.n_layers)
         if not last:
             return None
-        end = min(last, key=lambda p: (dist[p], ties[p]))
+        j = min(last, key=lambda p: (dist[p], ties[p]))
         path = []
-        while end >= 0:
-            path.append(end)
-            end = pred[end]
+        while j >= 0:
+            path.append(j)
+            j = pred[j]
         return tuple(reversed(path))
 
 
