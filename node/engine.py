@@ -1,0 +1,492 @@
+"""The layer-range engine: one llama.cpp context runs one Shard for many sessions at once.
+
+Each Route Session owns a llama.cpp sequence id and the KV cells of that
+sequence (its Hot KV State). One :meth:`ShardEngine.step` takes pieces of work
+from any number of sessions -- prefill chunks and decode steps mixed -- and runs
+them as one batch (split into several ``llama_decode`` calls only when the
+tokens exceed ``n_batch``).
+
+Work in: token ids (first stage, embeddings are looked up here from the source
+model's ``token_embd``) or hidden states ``[n, n_embd]`` float32 (other stages).
+Work out: the pre-norm residual stream after the shard's last layer for every
+token (stages that are not last), or a sampled token with logprobs (last stage).
+
+Invariants
+----------
+* A session's KV holds exactly positions ``0 .. kv_len-1``; work must start at
+  ``kv_len`` (``PositionError`` otherwise) and may not grow past the session's
+  budget (``KVBudgetError``).
+* A whole step is validated before any KV is touched; a refused item gets an
+  error result and the other items run. If llama.cpp fails a decode, every
+  session of that step is truncated back to where it was: no partial KV.
+* KV is per sequence (``kv_unified = False``): llama.cpp then forms ubatches
+  per sequence group, and captured rows come back in ubatch order; they are
+  put back in batch order with :func:`node.llama_runtime.ubatch_plan`, whose
+  per-ubatch row counts are checked against what the callback saw.
+* Not thread-safe: one engine belongs to one thread (the node's compute thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from node.errors import (
+    DecodeError,
+    EngineError,
+    InputShapeError,
+    KVBudgetError,
+    PositionError,
+    SessionLimitError,
+    UnknownSessionError,
+)
+from node.llama_runtime import (
+    BatchBuffer,
+    ContextSettings,
+    TensorCapture,
+    free_model,
+    load_model,
+    new_context,
+    ubatch_plan,
+)
+from node.sampling import SampledToken, SamplingParams, sample
+from node.shard import ShardFiles, TokenEmbeddings
+
+log = logging.getLogger("swarm.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_threads_count: int = 1
+    max_sessions: int = 8
+    session_kv_tokens: int = 2048  # KV budget of one session (llama.cpp rounds up to 256)
+    n_batch_tokens: int = 512  # most tokens one llama_decode takes
+    flash_attn: bool = True
+    kv_type: str = "f16"
+    kv_unified: bool = False
+    capture: str = "auto"  # "auto": compiled C callback if possible; "python": ctypes callback
+
+    def context_settings(self) -> ContextSettings:
+        if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
+            raise EngineError(
+                f"max_sessions must be in [1, {llama_cpp.llama_max_parallel_sequences()}], got {self.max_sessions}"
+            )
+        if self.session_kv_tokens < 16:
+            raise EngineError(f"session_kv_tokens must be >= 16, got {self.session_kv_tokens}")
+        return ContextSettings(
+            n_threads=self.n_threads_count,
+            n_seq_max=self.max_sessions,
+            n_ctx=self.max_sessions * self.session_kv_tokens,
+            n_batch=self.n_batch_tokens,
+            n_ubatch=self.n_batch_tokens,
+            flash_attn=self.flash_attn,
+            kv_type=self.kv_type,
+            kv_unified=self.kv_unified,
+        )
+
+
+def recipe_fingerprint(model_fingerprint: str, config: EngineConfig) -> str:
+    """Everything that changes the numbers a stage computes; every stage of a route must agree."""
+    recipe = {
+        "llama_cpp_python": llama_cpp.__version__,
+        "model": model_fingerprint,
+        "kv_type": config.kv_type,
+        "flash_attn": config.flash_attn,
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Work:
+    """One session's piece of a step: ``n`` tokens starting at position ``start_pos``."""
+
+    session_id: str
+    start_pos: int
+    tokens: np.ndarray | None = None  # int32 [n], first stage
+    hidden: np.ndarray | None = None  # float32 [n, n_embd], other stages
+    sample: bool = False  # last stage: sample a token after this piece's last position
+    return_logits: bool = False  # last stage: also return the raw logits of the last position
+    history: np.ndarray | None = None  # token ids for the repetition penalty (last stage)
+
+    @property
+    def n_tokens(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return 0 if data is None else int(len(data))
+
+
+@dataclass(frozen=True)
+class WorkResult:
+    session_id: str
+    start_pos: int
+    n_tokens: int
+    kv_len: int  # the session's KV length after this step
+    hidden: np.ndarray | None = None
+    sampled: SampledToken | None = None
+    logits: np.ndarray | None = None
+    error: EngineError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Session:
+    session_id: str
+    seq: int
+    budget: int
+    sampling: SamplingParams
+    kv_len: int = 0
+    last_used_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    sessions: int
+    max_sessions: int
+    kv_tokens_used: int
+    kv_tokens_capacity: int
+    steps: int
+    decodes: int
+    tokens_processed: int
+    compute_s: float
+    capture: str
+
+
+class ShardEngine:
+    def __init__(self, files: ShardFiles, config: EngineConfig, cache_dir: Path | None = None) -> None:
+        self.files = files
+        self.config = config
+        self.is_first = files.is_first
+        self.is_last = files.is_last
+        self.n_embd = files.model.n_embd
+        settings = config.context_settings()
+        self._embeddings = (
+            TokenEmbeddings(files.embeddings_path, self.n_embd) if files.embeddings_path is not None else None
+        )
+        if self.is_first and self._embeddings is None:
+            raise EngineError("first-stage shard has no token embeddings file")
+        self._model = load_model(files.path)
+        self._capture: TensorCapture | None = None
+        if not self.is_last:
+            n_layer = llama_cpp.llama_model_n_layer(self._model)
+            self._capture = TensorCapture(
+                f"l_out-{n_layer - 1}",
+                self.n_embd,
+                settings.n_batch,
+                cache_dir if config.capture == "auto" else None,
+            )
+        try:
+            self._ctx = new_context(
+                self._model,
+                settings,
+                cb_eval=self._capture.callback_ptr if self._capture else None,
+                cb_user_data=self._capture.user_data if self._capture else None,
+            )
+        except Exception:
+            free_model(self._model)
+            raise
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.session_kv_limit = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        self.n_batch = settings.n_batch
+        self._batch = BatchBuffer(settings.n_batch, self.n_embd)
+        self._batch.use_embeddings(True)
+        self._sessions: dict[str, _Session] = {}
+        self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
+        self.recipe = recipe_fingerprint(files.model.fingerprint, config)
+        self._steps = 0
+        self._decodes = 0
+        self._tokens = 0
+        self._compute_s = 0.0
+        log.info(
+            "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d capture=%s",
+            files.start,
+            files.end,
+            self.is_first,
+            self.is_last,
+            config.max_sessions,
+            self.session_kv_limit,
+            "none" if self._capture is None else ("c" if self._capture.compiled else "python"),
+        )
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open_session(
+        self, session_id: str, *, sampling: SamplingParams | None = None, kv_budget: int | None = None
+    ) -> int:
+        """Reserve a sequence for ``session_id``; returns its KV budget in tokens."""
+        if session_id in self._sessions:
+            raise EngineError(f"session {session_id!r} is already open")
+        if not self._free_seqs:
+            raise SessionLimitError(f"all {self.config.max_sessions} session slots are in use")
+        budget = self.session_kv_limit if kv_budget is None else int(kv_budget)
+        if budget < 1 or budget > self.session_kv_limit:
+            raise KVBudgetError(
+                f"requested KV budget {budget} tokens; this node allows 1..{self.session_kv_limit} per session"
+            )
+        params = (sampling or SamplingParams()).validate()
+        seq = self._free_seqs.pop(0)
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._sessions[session_id] = _Session(session_id, seq, budget, params)
+        return budget
+
+    def release(self, session_id: str) -> None:
+        sess = self._sessions.pop(session_id, None)
+        if sess is None:
+            raise UnknownSessionError(f"unknown session {session_id!r}")
+        llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, -1, -1)
+        self._free_seqs.append(sess.seq)
+        self._free_seqs.sort()
+
+    def truncate(self, session_id: str, position: int) -> None:
+        """Forget KV at positions >= ``position`` (recovery replays from there)."""
+        sess = self._session(session_id)
+        if position < 0 or position > sess.kv_len:
+            raise PositionError(f"cannot truncate session {session_id!r} of KV length {sess.kv_len} to {position}")
+        llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, position, -1)
+        sess.kv_len = position
+
+    def kv_len(self, session_id: str) -> int:
+        return self._session(session_id).kv_len
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def session_ids(self) -> list[str]:
+        return list(self._sessions)
+
+    def set_sampling(self, session_id: str, sampling: SamplingParams) -> None:
+        self._session(session_id).sampling = sampling.validate()
+
+    def _session(self, session_id: str) -> _Session:
+        sess = self._sessions.get(session_id)
+        if sess is None:
+            raise UnknownSessionError(f"unknown session {session_id!r}")
+        return sess
+
+    # -- the batch step ----------------------------------------------------------------------
+
+    def _validate(self, work: Work, seen: set[str]) -> EngineError | None:
+        sess = self._sessions.get(work.session_id)
+        if sess is None:
+            return UnknownSessionError(f"unknown session {work.session_id!r}")
+        if work.session_id in seen:
+            return EngineError(f"session {work.session_id!r} appears twice in one step")
+        if (work.tokens is None) == (work.hidden is None):
+            return InputShapeError("work must carry exactly one of token ids or hidden states")
+        if self.is_first and work.tokens is None:
+            return InputShapeError("the first stage takes token ids, not hidden states")
+        if not self.is_first and work.hidden is None:
+            return InputShapeError("this stage takes hidden states, not token ids")
+        if work.tokens is not None:
+            t = work.tokens
+            if t.ndim != 1 or t.size == 0 or t.dtype.kind not in "iu":
+                return InputShapeError(f"token ids must be a non-empty 1-D integer array, got {t.dtype} {t.shape}")
+            if t.min() < 0 or t.max() >= self._embeddings.n_vocab:  # type: ignore[union-attr]
+                return InputShapeError(f"token id outside the vocabulary [0, {self._embeddings.n_vocab})")  # type: ignore[union-attr]
+        else:
+            h = work.hidden
+            assert h is not None
+            if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.n_embd or h.dtype != np.float32:
+                return InputShapeError(
+                    f"hidden states must be float32 [n>0, {self.n_embd}], got {h.dtype} {list(h.shape)}"
+                )
+            if not np.isfinite(h).all():
+                return InputShapeError("hidden states contain NaN or infinity")
+        if work.start_pos != sess.kv_len:
+            return PositionError(
+                f"session {work.session_id!r}: work starts at position {work.start_pos} "
+                f"but its KV holds {sess.kv_len} positions"
+            )
+        if sess.kv_len + work.n_tokens > sess.budget:
+            return KVBudgetError(
+                f"session {work.session_id!r}: {sess.kv_len} + {work.n_tokens} tokens exceed its KV budget "
+                f"of {sess.budget}"
+            )
+        if (work.sample or work.return_logits) and not self.is_last:
+            return InputShapeError("only the last stage samples or returns logits")
+        return None
+
+    def step(self, works: list[Work]) -> list[WorkResult]:
+        """Run one batch made of every session's piece; results come back in the same order."""
+        self._steps += 1
+        errors: list[EngineError | None] = []
+        seen: set[str] = set()
+        for w in works:
+            err = self._validate(w, seen)
+            errors.append(err)
+            if err is None:
+                seen.add(w.session_id)
+        accepted = [i for i, e in enumerate(errors) if e is None]
+        hidden_out: dict[int, np.ndarray] = {}
+        sampled: dict[int, SampledToken] = {}
+        logits_out: dict[int, np.ndarray] = {}
+        if accepted:
+            try:
+                self._run(works, accepted, hidden_out, sampled, logits_out)
+            except EngineError as err:
+                for i in accepted:
+                    w = works[i]
+                    sess = self._sessions[w.session_id]
+                    llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, w.start_pos, -1)
+                    sess.kv_len = w.start_pos
+                    errors[i] = err
+        results = []
+        now = time.monotonic()
+        for i, w in enumerate(works):
+            err = errors[i]
+            sess = self._sessions.get(w.session_id)
+            if err is None and sess is not None:
+                sess.last_used_s = now
+            results.append(
+                WorkResult(
+                    session_id=w.session_id,
+                    start_pos=w.start_pos,
+                    n_tokens=w.n_tokens,
+                    kv_len=sess.kv_len if sess is not None else 0,
+                    hidden=hidden_out.get(i),
+                    sampled=sampled.get(i),
+                    logits=logits_out.get(i),
+                    error=err,
+                )
+            )
+        return results
+
+    def _run(
+        self,
+        works: list[Work],
+        accepted: list[int],
+        hidden_out: dict[int, np.ndarray],
+        sampled: dict[int, SampledToken],
+        logits_out: dict[int, np.ndarray],
+    ) -> None:
+        # Sessions in ascending sequence id: llama.cpp puts consecutive sequence ids in one ubatch.
+        order = sorted(accepted, key=lambda i: self._sessions[works[i].session_id].seq)
+        if not self.is_last:
+            for i in order:
+                hidden_out[i] = np.empty((works[i].n_tokens, self.n_embd), dtype=np.float32)
+        # Cut the step into decodes of at most n_batch tokens: (work index, offset, count) segments.
+        decodes: list[list[tuple[int, int, int]]] = [[]]
+        room = self.n_batch
+        for i in order:
+            off, n = 0, works[i].n_tokens
+            while off < n:
+                if room == 0:
+                    decodes.append([])
+                    room = self.n_batch
+                take = min(room, n - off)
+                decodes[-1].append((i, off, take))
+                off += take
+                room -= take
+        for segments in decodes:
+            self._decode(works, segments, hidden_out, sampled, logits_out)
+
+    def _decode(
+        self,
+        works: list[Work],
+        segments: list[tuple[int, int, int]],
+        hidden_out: dict[int, np.ndarray],
+        sampled: dict[int, SampledToken],
+        logits_out: dict[int, np.ndarray],
+    ) -> None:
+        b = self._batch
+        n = 0
+        outputs: list[tuple[int, int]] = []  # (work index, batch row) for last-stage outputs
+        for i, off, take in segments:
+            w = works[i]
+            sess = self._sessions[w.session_id]
+            rows = slice(n, n + take)
+            if w.tokens is not None:
+                b.embd[rows] = self._embeddings.lookup(w.tokens[off : off + take])  # type: ignore[union-attr,index]
+            else:
+                b.embd[rows] = w.hidden[off : off + take]  # type: ignore[index]
+            b.pos[rows] = np.arange(w.start_pos + off, w.start_pos + off + take, dtype=np.int32)
+            b.seq[rows] = sess.seq
+            if self.is_last:
+                b.logits[rows] = 0
+                if off + take == w.n_tokens and (w.sample or w.return_logits):
+                    b.logits[n + take - 1] = 1
+                    outputs.append((i, n + take - 1))
+            else:
+                b.logits[rows] = 1  # every row must be an output or llama.cpp drops it in the last layer
+            n += take
+        b.batch.n_tokens = n
+        if self._capture is not None:
+            self._capture.reset()
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_decode(self._ctx, b.batch)
+        self._compute_s += time.perf_counter() - t0
+        self._decodes += 1
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed with code {rc}; the step was rolled back")
+        self._tokens += n
+        for i, off, take in segments:
+            self._sessions[works[i].session_id].kv_len += take
+        if self._capture is not None:
+            err = self._capture.error()
+            if err:
+                raise DecodeError(f"hidden-state capture failed: {err}")
+            plan = ubatch_plan(b.seq[:n], self.n_batch, self.config.kv_unified)
+            seen_rows = self._capture.ubatch_rows()
+            if seen_rows != [len(p) for p in plan]:
+                raise DecodeError(
+                    f"llama.cpp split the batch as {seen_rows}, not as planned {[len(p) for p in plan]}; "
+                    "the pinned llama.cpp changed its batch splitting"
+                )
+            rows = self._capture.rows()
+            in_batch_order = np.empty((n, self.n_embd), dtype=np.float32)
+            in_batch_order[np.concatenate(plan)] = rows
+            pos = 0
+            for i, off, take in segments:
+                hidden_out[i][off : off + take] = in_batch_order[pos : pos + take]
+                pos += take
+        for i, row in outputs:
+            w = works[i]
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+            if not ptr:
+                raise DecodeError(f"llama.cpp returned no logits for batch row {row}")
+            logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+            if w.return_logits:
+                logits_out[i] = logits.copy()
+            if w.sample:
+                sess = self._sessions[w.session_id]
+                sampled[i] = sample(logits, sess.sampling, w.start_pos + w.n_tokens, w.history)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStats:
+        return EngineStats(
+            sessions=len(self._sessions),
+            max_sessions=self.config.max_sessions,
+            kv_tokens_used=sum(s.kv_len for s in self._sessions.values()),
+            kv_tokens_capacity=self.session_kv_limit * self.config.max_sessions,
+            steps=self._steps,
+            decodes=self._decodes,
+            tokens_processed=self._tokens,
+            compute_s=self._compute_s,
+            capture="none" if self._capture is None else ("c" if self._capture.compiled else "python"),
+        )
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            free_model(self._model)
+            self._model = None
+
+    def __enter__(self) -> ShardEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

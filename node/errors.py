@@ -1,0 +1,68 @@
+"""Every exception the node raises on purpose.
+
+    NodeError                      base; ``status`` names the wire status it maps to
+    ├── ShardError                 shard extraction / loading refused (bad file, bad range, ...)
+    │   ├── NotGGUFError           the file is not a GGUF model
+    │   ├── UnsupportedArchitecture architecture not in SUPPORTED_ARCHITECTURES
+    │   └── LayerRangeError        empty range, or outside the model's layers
+    └── EngineError                the layer-range engine refused a piece of work
+        ├── SessionLimitError      no free sequence slot (RESOURCE_EXHAUSTED)
+        ├── KVBudgetError          the session would exceed its KV budget (RESOURCE_EXHAUSTED)
+        ├── PositionError          work does not start at the session's KV length (POSITION_MISMATCH)
+        ├── UnknownSessionError    no such session, or already released (UNKNOWN_SESSION)
+        ├── InputShapeError        hidden states / tokens of the wrong shape or kind (SHAPE)
+        └── DecodeError            llama.cpp failed a decode; the batch was rolled back (INTERNAL)
+
+Errors about one session never affect other sessions: the engine validates a
+whole batch before it touches any KV and rejects only the offending items.
+"""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    status = "INTERNAL"
+
+
+class ShardError(NodeError):
+    status = "BAD_SHARD"
+
+
+class NotGGUFError(ShardError):
+    pass
+
+
+class UnsupportedArchitecture(ShardError):
+    pass
+
+
+class LayerRangeError(ShardError):
+    pass
+
+
+class EngineError(NodeError):
+    status = "INTERNAL"
+
+
+class SessionLimitError(EngineError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class KVBudgetError(EngineError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class PositionError(EngineError):
+    status = "POSITION_MISMATCH"
+
+
+class UnknownSessionError(EngineError):
+    status = "UNKNOWN_SESSION"
+
+
+class InputShapeError(EngineError):
+    status = "SHAPE"
+
+
+class DecodeError(EngineError):
+    status = "INTERNAL"

@@ -1,0 +1,427 @@
+"""The one adapter between this project and llama.cpp (through llama-cpp-python's ctypes layer).
+
+Everything that touches llama.cpp pointers lives here or in ``node.engine``:
+backend start-up, log routing, model and context creation, batch buffers, and
+the compiled capture callback. Nothing here is thread-safe: a context belongs
+to the one thread that runs its engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+log = logging.getLogger("swarm.llama")
+llama_log = logging.getLogger("llama.cpp")
+
+KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
+_LLAMA_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+_backend_ready = False
+_log_callback = None  # keeps the ctypes callback alive for the life of the process
+_log_pending: list[str] = []
+_log_level = [logging.INFO]
+
+
+class LlamaError(RuntimeError):
+    pass
+
+
+def _route_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp sends partial lines (continuations have level 5 / CONT); join until a newline.
+    try:
+        piece = text.decode("utf-8", errors="replace")
+    except Exception:  # never let an exception cross back into C
+        return
+    if level != 5 or not _log_pending:
+        _log_level[0] = _LLAMA_LEVELS.get(level, _log_level[0])
+    _log_pending.append(piece)
+    if not piece.endswith("\n"):
+        return
+    line = "".join(_log_pending).rstrip()
+    _log_pending.clear()
+    if line:
+        llama_log.log(_log_level[0], line)
+
+
+def init_backend() -> None:
+    """Start llama.cpp's backend once per process and route its output into ``logging``."""
+    global _backend_ready, _log_callback
+    if _backend_ready:
+        return
+    _log_callback = llama_cpp.llama_log_callback(_route_log)
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _backend_ready = True
+
+
+def llama_build_info() -> str:
+    """What identifies the compute: package version and llama.cpp's system info string."""
+    init_backend()
+    info = llama_cpp.llama_print_system_info()
+    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+    return f"llama-cpp-python {llama_cpp.__version__}; {text.strip()}"
+
+
+def load_model(path: Path, *, vocab_only: bool = False, n_gpu_layers: int = 0) -> ctypes.c_void_p:
+    init_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    params.n_gpu_layers = n_gpu_layers
+    params.use_mmap = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise LlamaError(f"llama.cpp could not load {path} (see the llama.cpp log lines above)")
+    return model
+
+
+def free_model(model: ctypes.c_void_p) -> None:
+    if model:
+        llama_cpp.llama_model_free(model)
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """llama.cpp context parameters that matter to us. Attention and KV settings are part of the
+    runtime recipe: every stage of a route (and any parity reference) must use the same."""
+
+    n_threads: int = 1
+    n_seq_max: int = 8
+    n_ctx: int = 8 * 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    flash_attn: bool = True
+    kv_type: str = "f16"
+    kv_unified: bool = False
+
+
+def new_context(
+    model: ctypes.c_void_p,
+    settings: ContextSettings,
+    *,
+    cb_eval: object | None = None,
+    cb_user_data: int | None = None,
+) -> ctypes.c_void_p:
+    if settings.kv_type not in KV_TYPES:
+        raise LlamaError(f"unknown KV type {settings.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = settings.n_ctx
+    params.n_batch = settings.n_batch
+    params.n_ubatch = settings.n_ubatch
+    params.n_seq_max = settings.n_seq_max
+    params.n_threads = settings.n_threads
+    params.n_threads_batch = settings.n_threads
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    params.type_k = KV_TYPES[settings.kv_type]
+    params.type_v = KV_TYPES[settings.kv_type]
+    params.kv_unified = settings.kv_unified
+    params.embeddings = False
+    params.no_perf = True
+    if cb_eval is not None:
+        params.cb_eval = ctypes.cast(cb_eval, llama_cpp.ggml_backend_sched_eval_callback)
+        params.cb_eval_user_data = ctypes.c_void_p(cb_user_data)
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise LlamaError("llama.cpp could not create a context (see the llama.cpp log lines above)")
+    return ctx
+
+
+class BatchBuffer:
+    """A ``llama_batch`` whose arrays are numpy buffers we own, so filling it is vectorised.
+
+    Every token belongs to exactly one sequence (``n_seq_id = 1``); ``seq_id[i]``
+    points at ``seq[i]``.
+    """
+
+    def __init__(self, capacity: int, n_embd: int) -> None:
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.embd = np.zeros((capacity, n_embd), dtype=np.float32) if n_embd else None
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = np.array([base + 4 * i for i in range(capacity)], dtype=np.uintp)
+        self.batch = llama_cpp.llama_batch()
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        self.batch.token = self.token.ctypes.data_as(i32p)
+        self.batch.pos = self.pos.ctypes.data_as(i32p)
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32p)
+        self.batch.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._embd_ptr = (
+            self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if self.embd is not None else None
+        )
+        self._null_i32 = ctypes.cast(None, i32p)
+        self._null_f32 = ctypes.cast(None, ctypes.POINTER(ctypes.c_float))
+
+    def use_embeddings(self, yes: bool) -> None:
+        if yes:
+            if self._embd_ptr is None:
+                raise LlamaError("this batch buffer has no embedding storage")
+            self.batch.embd = self._embd_ptr
+            self.batch.token = self._null_i32
+        else:
+            self.batch.embd = self._null_f32
+            self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled capture callback (node/capture.c)
+# ---------------------------------------------------------------------------------------------
+
+
+def _llama_lib_dir() -> Path:
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def _include_dirs() -> list[Path]:
+    """Where llama-cpp-python installed ggml's headers (they vary by build layout)."""
+    roots = [Path(llama_cpp.__file__).parent, Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["data"])]
+    found: list[Path] = []
+    for root in roots:
+        for candidate in (root / "include", root / "lib" / "include", root):
+            if (candidate / "ggml.h").is_file() and candidate not in found:
+                found.append(candidate)
+    return found
+
+
+class CaptureUnavailable(RuntimeError):
+    pass
+
+
+class CaptureStruct(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 64),
+        ("buf", ctypes.POINTER(ctypes.c_float)),
+        ("capacity", ctypes.c_int64),
+        ("used", ctypes.c_int64),
+        ("width", ctypes.c_int64),
+        ("n_ubatches", ctypes.c_int32),
+        ("error", ctypes.c_int32),
+        ("rows", ctypes.c_int32 * 1024),
+    ]
+
+
+CAPTURE_ERRORS = {
+    1: "captured tensor is not f32",
+    2: "captured tensor is not contiguous",
+    3: "capture buffer overflow",
+    4: "captured tensor has the wrong width",
+    5: "too many ubatches in one decode",
+}
+
+
+def compile_capture_library(cache_dir: Path) -> Path:
+    """Compile node/capture.c against the installed ggml headers, once per source+build.
+
+    The result is cached under ``cache_dir/capture`` keyed by the source, the
+    llama-cpp-python version and the compiler, so nodes start in milliseconds
+    after the first time. Raises :class:`CaptureUnavailable` when no compiler or
+    headers are present; the engine then falls back to a Python callback.
+    """
+    source = resources.files("node").joinpath("capture.c").read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CaptureUnavailable("no C compiler (cc/gcc) on PATH")
+    includes = _include_dirs()
+    if not includes:
+        raise CaptureUnavailable("llama-cpp-python did not install ggml.h")
+    lib_dir = _llama_lib_dir()
+    key = hashlib.sha256(source + llama_cpp.__version__.encode() + cc.encode() + str(lib_dir).encode()).hexdigest()[:16]
+    out_dir = Path(cache_dir) / "capture"
+    out = out_dir / f"swarm_capture-{key}.so"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / "capture.c"
+        src.write_bytes(source)
+        obj = Path(tmp) / "capture.so"
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src)]
+        cmd += [f"-I{d}" for d in includes]
+        cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lggml-base"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise CaptureUnavailable(f"compiling capture.c failed: {proc.stderr.strip()[:2000]}")
+        os.replace(obj, out)
+    log.info("compiled capture callback %s", out)
+    return out
+
+
+class TensorCapture:
+    """Owns a capture struct and its float buffer; hands llama.cpp a callback pointer."""
+
+    def __init__(self, name: str, width: int, capacity_rows: int, cache_dir: Path | None) -> None:
+        self.width = width
+        self.buffer = np.zeros(capacity_rows * width, dtype=np.float32)
+        self.struct = CaptureStruct()
+        self.struct.name = name.encode()
+        self.struct.buf = self.buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        self.struct.capacity = self.buffer.size
+        self.struct.width = width
+        self.compiled = False
+        self._lib = None
+        self._py_cb = None
+        if cache_dir is not None:
+            try:
+                self._lib = ctypes.CDLL(str(compile_capture_library(cache_dir)))
+                self.compiled = True
+            except (CaptureUnavailable, OSError) as err:
+                log.warning("C capture callback unavailable, using the slower Python one: %s", err)
+        if self._lib is not None:
+            self._lib.swarm_capture_sizeof.restype = ctypes.c_size_t
+            if self._lib.swarm_capture_sizeof() != ctypes.sizeof(CaptureStruct):
+                raise CaptureUnavailable("capture struct layout mismatch between C and Python")
+            self.callback_ptr = ctypes.cast(self._lib.swarm_capture_cb, ctypes.c_void_p).value
+        else:
+            self._py_cb = llama_cpp.ggml_backend_sched_eval_callback(self._python_callback)
+            self.callback_ptr = ctypes.cast(self._py_cb, ctypes.c_void_p).value
+        self.user_data = ctypes.addressof(self.struct)
+
+    def _python_callback(self, tensor_p: int, ask: bool, _user: int) -> bool:
+        # Same contract as swarm_capture_cb, for machines without a compiler.
+        import llama_cpp._ggml as ggml  # noqa: F401  (only to assert the module exists)
+
+        t = ctypes.cast(tensor_p, ctypes.POINTER(_GgmlTensorHead)).contents
+        if t.name != self.struct.name:
+            return not ask
+        if ask:
+            return True
+        n_rows = int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
+        n = n_rows * int(t.ne[0])
+        s = self.struct
+        if s.error:
+            return True
+        if t.type != 0:
+            s.error = 1
+            return True
+        if int(t.ne[0]) != self.width:
+            s.error = 4
+            return True
+        if s.used + n > s.capacity:
+            s.error = 3
+            return True
+        _ggml_backend_tensor_get()(tensor_p, ctypes.c_void_p(self.buffer.ctypes.data + 4 * s.used), 0, 4 * n)
+        s.rows[s.n_ubatches] = n_rows
+        s.n_ubatches += 1
+        s.used += n
+        return True
+
+    def reset(self) -> None:
+        self.struct.used = 0
+        self.struct.n_ubatches = 0
+        self.struct.error = 0
+
+    def rows(self) -> np.ndarray:
+        """Captured rows so far, in ubatch order (a view; copy before the next decode)."""
+        n = int(self.struct.used) // self.width
+        return self.buffer[: n * self.width].reshape(n, self.width)
+
+    def ubatch_rows(self) -> list[int]:
+        return [int(self.struct.rows[i]) for i in range(int(self.struct.n_ubatches))]
+
+    def error(self) -> str | None:
+        code = int(self.struct.error)
+        return CAPTURE_ERRORS.get(code, f"capture error {code}") if code else None
+
+
+class _GgmlTensorHead(ctypes.Structure):
+    """The leading fields of ``struct ggml_tensor`` (for the Python fallback only)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+_tensor_get = None
+
+
+def _ggml_backend_tensor_get():  # pragma: no cover - only without a C compiler
+    global _tensor_get
+    if _tensor_get is None:
+        lib = ctypes.CDLL(str(_llama_lib_dir() / "libggml-base.so"))
+        fn = lib.ggml_backend_tensor_get
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        fn.restype = None
+        _tensor_get = fn
+    return _tensor_get
+
+
+# ---------------------------------------------------------------------------------------------
+# How llama.cpp splits a batch into ubatches (pinned llama.cpp; checked at run time)
+# ---------------------------------------------------------------------------------------------
+
+
+def ubatch_plan(seq_ids: np.ndarray, n_ubatch: int, kv_unified: bool) -> list[np.ndarray]:
+    """The batch indices of each ubatch, in the order llama.cpp computes them.
+
+    Mirrors ``llama_batch_allocr::split_simple`` (unified KV: one stream) and
+    ``split_equal(n_ubatch, sequential=true)`` (per-sequence KV streams) of the
+    pinned llama.cpp. The engine needs it because a graph callback sees rows in
+    ubatch order; it verifies the per-ubatch row counts after every decode, so
+    a llama.cpp change that breaks this mirror fails loudly, never silently.
+    """
+    n = len(seq_ids)
+    if kv_unified:
+        return [np.arange(s, min(s + n_ubatch, n)) for s in range(0, n, n_ubatch)]
+    per_seq: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_ids.tolist()):
+        per_seq.setdefault(s, []).append(i)
+    cursor = {s: 0 for s in per_seq}  # tokens of each sequence are consumed in batch order
+    used = np.zeros(n, dtype=bool)
+    plan: list[np.ndarray] = []
+    while not used.all():
+        chosen: list[int] = []
+        last = -1
+        for i in np.flatnonzero(~used).tolist():
+            s = int(seq_ids[i])
+            if s in chosen:
+                continue
+            if chosen and s != last + 1:
+                continue
+            chosen.append(s)
+            last = s
+            if len(chosen) > n_ubatch:
+                break
+        idxs: list[list[int]] = [[] for _ in chosen]
+        while True:
+            if any(cursor[s] >= len(per_seq[s]) for s in chosen):
+                break
+            for k, s in enumerate(chosen):
+                idx = per_seq[s][cursor[s]]
+                idxs[k].append(idx)
+                used[idx] = True
+                cursor[s] += 1
+            if (len(idxs[0]) + 1) * len(chosen) > n_ubatch:
+                break
+        plan.append(np.array([i for group in idxs for i in group], dtype=np.int64))
+    return plan

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.engine import EngineConfig
+from node.reference import ReferenceModel
+from node.vocab import Vocabulary
+
+# Small contexts keep the KV allocation (and the test) cheap; one thread each.
+ENGINE_CONFIG = EngineConfig(n_threads_count=1, max_sessions=6, session_kv_tokens=512, n_batch_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def engine_config() -> EngineConfig:
+    return ENGINE_CONFIG
+
+
+@pytest.fixture(scope="session")
+def vocab(model_path: Path) -> Vocabulary:
+    with Vocabulary(model_path) as v:
+        yield v
+
+
+@pytest.fixture(scope="session")
+def reference(model_path: Path) -> ReferenceModel:
+    """The whole model with the engine's context settings (flash attention, KV type)."""
+    with ReferenceModel(model_path, ENGINE_CONFIG.context_settings()) as ref:
+        yield ref
