@@ -1,8 +1,9 @@
 """``swarm-tracker serve``: one root nursery holding hypercorn, the expiry loop and zeroconf.
 
 :func:`serve_tracker` is started with ``nursery.start`` and reports readiness
-with a :class:`RunningTracker` (bound port, URL, the registry) once the socket
-listens, the schema is at head and the port file is written. Cancel the
+with the bound port (an int) once the socket listens, the schema is at head and
+the port file is written; pass ``on_ready`` to also receive the
+:class:`RunningTracker` (port, URL, the registry), e.g. in tests. Cancel the
 surrounding scope, or set ``shutdown``, to stop it; hypercorn then drains
 connections within its graceful timeout.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +57,8 @@ async def serve_tracker(
     config: TrackerConfig,
     *,
     shutdown: trio.Event | None = None,
-    task_status: trio.TaskStatus[RunningTracker] = trio.TASK_STATUS_IGNORED,
+    on_ready: Callable[[RunningTracker], None] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     store, key = await trio.to_thread.run_sync(_open_store, config)
     try:
@@ -88,7 +91,9 @@ async def serve_tracker(
             await nursery.start(run_helpers)
             event(log, "tracker_listening", port=port, url=url, binds=binds, tracker_id=registry.tracker_id,
                   db=store.dialect, port_file=config.port_file or None)
-            task_status.started(RunningTracker(port=port, url=url, registry=registry))
+            if on_ready is not None:
+                on_ready(RunningTracker(port=port, url=url, registry=registry))
+            task_status.started(port)
             if shutdown is not None:
                 await shutdown.wait()
                 helpers.cancel()  # hypercorn drains and returns by itself once the trigger fired

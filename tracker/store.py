@@ -118,21 +118,22 @@ class Store:
         return AnnounceResult(created=created, restored=restored)
 
     def heartbeat(self, h: Heartbeat, now_s: float) -> bool:
-        """Record load; returns True when the node was expired and is now restored."""
-        with Session(self.engine) as s, s.begin():
-            node = s.get(Node, h.node_id)
-            if node is None:
+        """Record load; returns True when the node was expired and is now restored.
+
+        Core statements rather than the ORM: this is the hottest write path.
+        """
+        with self.engine.begin() as conn:
+            state = conn.execute(select(Node.state).where(Node.id == h.node_id)).scalar_one_or_none()
+            if state is None:
                 raise UnknownNode(f"node {h.node_id} is not registered: announce first")
-            restored = node.state != NODE_LIVE
-            node.last_seen_s = now_s
-            node.state = NODE_LIVE
-            s.execute(
+            conn.execute(update(Node).where(Node.id == h.node_id).values(last_seen_s=now_s, state=NODE_LIVE))
+            conn.execute(
                 update(Shard).where(Shard.node_id == h.node_id).values(
                     active_sessions=h.active_sessions, queue_depth=h.queue_depth,
                     kv_free_tokens=h.kv_free_tokens,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
                     updated_s=now_s))
-        return restored
+        return state != NODE_LIVE
 
     def expire(self, now_s: float, timeout_s: float) -> list[str]:
         """Mark live nodes silent for longer than ``timeout_s`` as expired; returns their ids."""

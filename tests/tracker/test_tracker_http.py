@@ -28,8 +28,11 @@ async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url
     shutdown = trio.Event()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            running: RunningTracker = await nursery.start(functools.partial(serve_tracker, config, shutdown=shutdown))
-            assert running.port > 0
+            ready: list[RunningTracker] = []
+            port = await nursery.start(functools.partial(serve_tracker, config, shutdown=shutdown,
+                                                         on_ready=ready.append))
+            (running,) = ready
+            assert port == running.port > 0 and running.url == f"http://127.0.0.1:{port}"
             assert (tmp_path / "port").read_text().strip() == str(running.port)
             k1, k2 = key(1), key(2)
             async with TrackerClient(running.url, k1) as c1, TrackerClient(running.url, k2) as c2:
