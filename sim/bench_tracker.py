@@ -7,7 +7,7 @@ Usage::
 Part 1 times the pure functions (``select_routes`` k=1 and k=4, ``recommend_span``)
 on synthetic swarms of 10, 1 000 and 10 000 nodes, one shard each, spans drawn
 on a 30-layer and an 80-layer model with boundaries on a coarse grid (as
-placement produces). Part 2 starts ``swarm-tracker serve`` on SQLite in a child
+placement produces); the first nodes always form one complete chain. Part 2 starts ``swarm-tracker serve`` on SQLite in a child
 process (port 0, learnt from ``--port-file``), then this process announces
 ``--nodes`` nodes and sends heartbeats from ``--concurrency`` trio tasks over
 loopback HTTP for ``--duration-s`` seconds each, and reports requests per second.
@@ -45,10 +45,13 @@ def synthetic_swarm(n_nodes: int, n_layers: int, seed: int) -> SwarmSnapshot:
     rng = random.Random(seed)
     grid = max(1, n_layers // 10)
     shards = []
+    chain = n_layers // grid  # the first nodes form one complete chain, so every size has a route
     for i in range(n_nodes):
-        start = rng.randrange(0, n_layers // grid) * grid
-        length = rng.choice([1, 2, 3, 5]) * grid
-        end = min(n_layers, start + length)
+        if i < chain:
+            start, end = i * grid, (n_layers if i == chain - 1 else (i + 1) * grid)
+        else:
+            start = rng.randrange(0, n_layers // grid) * grid
+            end = min(n_layers, start + rng.choice([1, 2, 3, 5]) * grid)
         max_sessions = rng.choice([2, 4, 8])
         shards.append(ShardView(
             node_id=f"{i:064x}", model_fingerprint=FP, start=start, end=end,

@@ -67,6 +67,7 @@ class Registry:
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
         self._snapshot_stale = True
+        self._snapshot_lock = trio.Lock()
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -167,6 +168,12 @@ class Registry:
                  and now - self._snapshot_at <= self.config.snapshot_ttl_s)
         if fresh and self._snapshot is not None:
             return self._snapshot
+        async with self._snapshot_lock:  # one refresh at a time; the others reuse its result
+            if self._snapshot is not None and self._snapshot_at >= now and not self._snapshot_stale:
+                return self._snapshot
+            return await self._refresh_snapshot(now)
+
+    async def _refresh_snapshot(self, now: float) -> SwarmSnapshot:
         self._snapshot_stale = False
         snap = await self._db(functools.partial(
             self.store.snapshot, now, self.config.heartbeat_timeout_s,
