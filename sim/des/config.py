@@ -99,6 +99,7 @@ class Burst:
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str = "poisson"  # "poisson" or "trace"
+    start_s: float = 0.0  # no requests before this (lets a swarm form first); traces are shifted by it
     rate_per_s: float = 1.0
     trace_file: str = ""  # JSON lines {"t": s, "prompt_tokens": n, "output_tokens": n[, "model": name]}
     # Lengths are log-normal around the median, clipped to [1, max].
@@ -252,6 +253,7 @@ def _validate(s: Scenario) -> None:
         need(ps.share >= 0, "profile share must be >= 0")
     need(s.workload.kind in ("poisson", "trace"), "workload.kind must be 'poisson' or 'trace'")
     need(s.workload.kind != "trace" or bool(s.workload.trace_file), "workload.trace_file is needed for kind='trace'")
+    need(0 <= s.workload.start_s < s.run.duration_s, "workload.start_s must be in [0, run.duration_s)")
     need(s.gateway.routes_k >= 1, "gateway.routes_k must be >= 1")
     need(s.gateway.prefill_chunk_tokens >= 1, "gateway.prefill_chunk_tokens must be >= 1")
     need(s.gateway.step_token_budget >= s.gateway.prefill_chunk_tokens,

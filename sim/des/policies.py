@@ -23,6 +23,7 @@ whole new route from the full snapshot (stages that stay on it keep their KV).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,11 +45,18 @@ LatencyFn = Callable[[str, int], float]
 class Placement:
     def __init__(self, kind: str) -> None:
         self.kind = kind
+        self.calls = 0
+        self.wall_s = 0.0  # time spent inside the placement function (machine-dependent)
 
     def choose(self, snapshot: SwarmSnapshot, fingerprint: str, n_layers: int, capacity: int,
                rng: random.Random) -> tuple[int, int]:
+        self.calls += 1
         if self.kind == "tracker":
-            return recommend_span(snapshot, fingerprint, capacity, rng=rng)
+            t0 = time.perf_counter()
+            try:
+                return recommend_span(snapshot, fingerprint, capacity, rng=rng)
+            finally:
+                self.wall_s += time.perf_counter() - t0
         cap = min(capacity, n_layers)
         start = rng.randint(0, n_layers - cap)
         return start, start + cap
@@ -59,12 +67,15 @@ class Routing:
         self.kind = kind
         self._latency_ms = latency_ms
         self.calls = 0  # how many times a route selector ran
+        self.wall_s = 0.0  # time spent inside route selection (machine-dependent)
 
     def select(self, snapshot: SwarmSnapshot, fingerprint: str, k: int, gateway: int,
                rng: random.Random, exclude: frozenset[str] = frozenset()) -> list[PlannedRoute]:
         self.calls += 1
         if self.kind == "tracker":
+            t0 = time.perf_counter()
             sel = select_routes(snapshot, fingerprint, k, exclude_nodes=exclude, rng=rng)
+            self.wall_s += time.perf_counter() - t0
             return [PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token)
                     for r in sel.routes]
         shards = [s for s in snapshot.shards if s.model_fingerprint == fingerprint and s.node_id not in exclude]
@@ -88,7 +99,9 @@ class Routing:
                                        latency_ms=snapshot.latency_ms,
                                        default_latency_ms=snapshot.default_latency_ms,
                                        relay_penalty_ms=snapshot.relay_penalty_ms)
+            t0 = time.perf_counter()
             sel = select_routes(restricted, fingerprint, 1, exclude_nodes=exclude, rng=rng)
+            self.wall_s += time.perf_counter() - t0
             if sel.routes:
                 r = sel.routes[0]
                 return PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token)

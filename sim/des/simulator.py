@@ -82,7 +82,7 @@ class Simulation:
             path = Path(w.trace_file)
             if not path.is_absolute():
                 path = Path(self.sc.source_dir or ".") / path
-            return trace_requests(path, [m.name for m in self.sc.models], self.sc.run.duration_s)
+            return trace_requests(path, [m.name for m in self.sc.models], self.sc.run.duration_s, w.start_s)
         return poisson_requests(w, [m.request_share for m in self.sc.models], self.sc.run.duration_s, rng)
 
     # -- events ---------------------------------------------------------------
@@ -127,10 +127,15 @@ class Simulation:
         wall = time.perf_counter() - wall0
         result = self._summarise()
         events = self.loop.events_processed
+        tracker_s = self.swarm.placement.wall_s + self.routing.wall_s
         result["performance"] = {
             "wall_time_s": round(wall, 3),
             "events": events,
             "events_per_s": round(events / wall, 1) if wall > 0 else None,
+            # wall time inside the tracker's pure functions (placement, route selection)
+            "placement_wall_s": round(self.swarm.placement.wall_s, 3),
+            "route_selection_wall_s": round(self.routing.wall_s, 3),
+            "events_per_s_excluding_tracker": round(events / (wall - tracker_s), 1) if wall > tracker_s else None,
         }
         return result
 
@@ -143,8 +148,10 @@ class Simulation:
         counts = m.request_counts(self.gateways.in_flight_by_phase())
         cov = m.series.coverage
         coverage_summary = []
+        t_series = m.series.t_s
         for i, model in enumerate(sc.models):
-            rows = cov[i]
+            # From the first request on: the swarm forming before then is in the time series only.
+            rows = [r for t, r in zip(t_series, cov[i], strict=True) if t >= sc.workload.start_s]
             mins = [min(r) for r in rows] if rows else []
             coverage_summary.append({
                 "model": model.name,

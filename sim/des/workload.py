@@ -1,6 +1,7 @@
 """Client requests: when they arrive, for which model, how long prompts and answers are.
 
-Poisson arrivals at ``rate_per_s`` plus any bursts (a flash crowd adds its rate
+Requests start at ``start_s`` (so a swarm can form first). Poisson arrivals
+at ``rate_per_s`` plus any bursts (a flash crowd adds its rate
 for its window); since Poisson is memoryless, the next arrival is drawn at
 the current rate and redrawn from a rate boundary if it would cross one.
 Lengths are log-normal around a median, clipped. A trace file (JSON lines)
@@ -46,7 +47,7 @@ def poisson_requests(cfg: WorkloadConfig, model_shares: list[float], end_s: floa
         return math.inf
 
     models = list(range(len(model_shares)))
-    t = 0.0
+    t = cfg.start_s
     while t < end_s:
         r = rate(t)
         boundary = next_change(t)
@@ -66,7 +67,7 @@ def poisson_requests(cfg: WorkloadConfig, model_shares: list[float], end_s: floa
         )
 
 
-def trace_requests(path: Path, model_names: list[str], end_s: float) -> Iterator[Request]:
+def trace_requests(path: Path, model_names: list[str], end_s: float, start_s: float = 0.0) -> Iterator[Request]:
     rows: list[Request] = []
     with path.open() as fh:
         for lineno, line in enumerate(fh, 1):
@@ -86,7 +87,7 @@ def trace_requests(path: Path, model_names: list[str], end_s: float) -> Iterator
                 raise ScenarioError(f"{path}:{lineno}: unknown model {name!r}")
             if prompt < 1 or output < 1 or t < 0:
                 raise ScenarioError(f"{path}:{lineno}: lengths must be >= 1 and t >= 0")
-            if t < end_s:
-                rows.append(Request(t, model_names.index(name), prompt, output))
+            if t + start_s < end_s:
+                rows.append(Request(t + start_s, model_names.index(name), prompt, output))
     rows.sort(key=lambda r: r.t_s)
     return iter(rows)
