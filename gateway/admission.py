@@ -1,0 +1,138 @@
+"""Admission policy: how many Route Sessions run, how many requests wait, who is refused (pure).
+
+State machine of one request::
+
+    arrive --decide()--> ADMIT  (a session slot is free and nobody waits)
+                     --> QUEUE  (all slots busy, queue has room, client under its limit)
+                     --> REJECT (queue full -> 503 "overloaded"; client at its limit -> 429)
+    QUEUE  --promote()--> ADMIT  (first in line when a slot frees: FIFO)
+           --abandon()--> gone   (queue wait timed out -> 503, or the client went away)
+    ADMIT  --release()--> gone
+
+Invariants: ``active <= max_sessions``; ``len(queue) <= max_queue``; a client
+never holds more than ``max_per_client`` admitted plus queued requests (0 = no
+limit); no waiting request is skipped while a slot is free. ``Retry-After``
+estimates when a slot frees from the mean session time.
+
+No clock and no event loop: the trio shell (``gateway.gate``) owns waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "admit", "queue" or "reject"
+    status: int = 200  # for "reject": 503 or 429
+    reason: str = ""
+    retry_after_s: int = 0
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    active: int
+    queued: int
+    max_sessions: int
+    max_queue: int
+    admitted_total: int
+    rejected_total: int
+
+
+class AdmissionPolicy:
+    def __init__(self, max_sessions: int, max_queue: int, max_per_client: int = 0,
+                 mean_session_s: float = 5.0) -> None:
+        if max_sessions < 1 or max_queue < 0 or max_per_client < 0:
+            raise ValueError("max_sessions >= 1, max_queue >= 0, max_per_client >= 0")
+        self.max_sessions = max_sessions
+        self.max_queue = max_queue
+        self.max_per_client = max_per_client
+        self._active: dict[int, str] = {}  # ticket -> client
+        self._queue: OrderedDict[int, str] = OrderedDict()
+        self._per_client: dict[str, int] = {}
+        self._mean_s = mean_session_s
+        self._admitted = 0
+        self._rejected = 0
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(len(self._active), len(self._queue), self.max_sessions, self.max_queue,
+                              self._admitted, self._rejected)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot plausibly frees for one more request: waves of sessions ahead of it."""
+        waves = (len(self._queue) + 1) / self.max_sessions
+        return max(1, min(60, math.ceil(self._mean_s * waves)))
+
+    def decide(self, ticket: int, client: str) -> Decision:
+        if self.max_per_client and self._per_client.get(client, 0) >= self.max_per_client:
+            self._rejected += 1
+            return Decision("reject", 429, f"client has {self.max_per_client} requests in flight (the limit)",
+                            self.retry_after_s())
+        if len(self._active) < self.max_sessions and not self._queue:
+            self._take(ticket, client)
+            return Decision("admit")
+        if len(self._queue) >= self.max_queue:
+            self._rejected += 1
+            return Decision("reject", 503, f"{len(self._active)} sessions running and {len(self._queue)} "
+                            f"requests queued (limits {self.max_sessions} and {self.max_queue})",
+                            self.retry_after_s())
+        self._queue[ticket] = client
+        self._per_client[client] = self._per_client.get(client, 0) + 1
+        return Decision("queue")
+
+    def _take(self, ticket: int, client: str) -> None:
+        self._active[ticket] = client
+        self._per_client[client] = self._per_client.get(client, 0) + 1
+        self._admitted += 1
+
+    def promote(self) -> list[int]:
+        """Move waiting requests into free slots, first come first served; returns their tickets."""
+        moved: list[int] = []
+        while self._queue and len(self._active) < self.max_sessions:
+            ticket, client = self._queue.popitem(last=False)
+            self._active[ticket] = client
+            self._admitted += 1
+            moved.append(ticket)
+        return moved
+
+    def _drop_client(self, client: str) -> None:
+        left = self._per_client.get(client, 0) - 1
+        if left > 0:
+            self._per_client[client] = left
+        else:
+            self._per_client.pop(client, None)
+
+    def abandon(self, ticket: int) -> None:
+        """A queued request gives up (timeout or disconnect); it never ran."""
+        client = self._queue.pop(ticket, None)
+        if client is not None:
+            self._rejected += 1
+            self._drop_client(client)
+
+    def release(self, ticket: int, session_s: float | None = None) -> None:
+        """An admitted request ends; ``session_s`` feeds the Retry-After estimate."""
+        client = self._active.pop(ticket, None)
+        if client is None:
+            return
+        self._drop_client(client)
+        if session_s is not None and session_s >= 0:
+            self._mean_s = 0.8 * self._mean_s + 0.2 * session_s
+
+    def is_active(self, ticket: int) -> bool:
+        return ticket in self._active
+
+
+def least_loaded(routes: Sequence[R], inflight: Mapping[str, int], key: Callable[[R], str],
+                 cost: Callable[[R], float]) -> R:
+    """The route with the fewest sessions in flight; ties go to the cheaper route, then the first listed."""
+    if not routes:
+        raise ValueError("no routes to choose from")
+    best = min(range(len(routes)), key=lambda i: (inflight.get(key(routes[i]), 0), cost(routes[i]), i))
+    return routes[best]

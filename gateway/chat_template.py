@@ -1,0 +1,62 @@
+"""Render a model's chat template (GGUF ``tokenizer.chat_template``, Jinja2) in a sandbox.
+
+The template comes from the model file, i.e. from whoever published the model:
+it is rendered with jinja2's ``ImmutableSandboxedEnvironment`` (no attribute
+access to Python internals, no mutation of the inputs), with the helpers
+Hugging Face templates expect (``raise_exception``, ``strftime_now``) and the
+same whitespace settings as ``transformers`` (``trim_blocks``,
+``lstrip_blocks``). Pure: jinja2 and the standard library.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway.errors import InvalidRequest
+
+# Used when a GGUF carries no template: ChatML, which most small instruct models use.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MAX_RENDERED_CHARS = 4 * 1024 * 1024
+
+
+class TemplateError(InvalidRequest):
+    """The messages cannot be rendered with the model's template (the template raised)."""
+
+
+def _raise(message: str) -> NoReturn:
+    raise TemplateError(f"chat template refused the messages: {message}", param="messages")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now(datetime.UTC).strftime(fmt)
+
+
+class ChatTemplate:
+    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        self.source = source or FALLBACK_TEMPLATE
+        self._template = env.from_string(self.source)
+        self._bos, self._eos = bos_token, eos_token
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        try:
+            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos, eos_token=self._eos)
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+            raise TemplateError(f"chat template failed: {err}", param="messages") from err
+        if len(text) > MAX_RENDERED_CHARS:
+            raise InvalidRequest("rendered prompt is too long", param="messages")
+        return text

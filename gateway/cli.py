@@ -1,0 +1,80 @@
+"""``swarm-gateway``: serve the OpenAI-compatible API in front of a swarm."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+from typing import Any
+
+import click
+import trio
+
+from gateway.config import FIELDS, ConfigError, GatewayConfig, load_config
+
+
+def _config(config_file: str | None, **flags: Any) -> GatewayConfig:
+    try:
+        return load_config(file=config_file, flags=flags)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from err
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Swarm inference gateway: OpenAI-compatible API over Route Sessions."""
+
+
+def _help(name: str) -> str:
+    return str(FIELDS[name].metadata["doc"])
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="TOML file with gateway settings (also SWARM_GATEWAY_CONFIG).")
+@click.option("--tracker", "tracker_url", default=None, help=_help("tracker_url"))
+@click.option("--host", default=None, help=_help("host"))
+@click.option("--port", type=int, default=None, help=_help("port"))
+@click.option("--port-file", default=None, help=_help("port_file"))
+@click.option("--data-dir", default=None, help=_help("data_dir"))
+@click.option("--max-sessions", type=int, default=None, help=_help("max_sessions"))
+@click.option("--max-queue", type=int, default=None, help=_help("max_queue"))
+@click.option("--max-sessions-per-client", type=int, default=None, help=_help("max_sessions_per_client"))
+@click.option("--queue-timeout-s", type=float, default=None, help=_help("queue_timeout_s"))
+@click.option("--routes-k", type=int, default=None, help=_help("routes_k"))
+@click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
+@click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
+@click.option("--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker.")
+@click.option("--log-level", default=None, help=_help("log_level"))
+def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
+    """Run the gateway until SIGINT or SIGTERM."""
+    from gateway.server import serve_gateway
+    from tracker import logs
+
+    if no_usage:
+        flags["report_usage"] = False
+    config = _config(config_file, **flags)
+    logs.configure(config.log_level)
+
+    async def run() -> None:
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            async def on_signals(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    task_status.started()
+                    async for _ in signals:
+                        shutdown.set()
+                        return
+
+            await nursery.start(on_signals)
+            await nursery.start(functools.partial(serve_gateway, config, shutdown=shutdown))
+            await shutdown.wait()
+
+    try:
+        trio.run(run)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from err
+
+
+if __name__ == "__main__":
+    sys.exit(main())

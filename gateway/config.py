@@ -1,0 +1,148 @@
+"""The gateway's one configuration object.
+
+Precedence, lowest to highest: defaults < TOML file (``--config`` or
+``SWARM_GATEWAY_CONFIG``; top-level keys or one ``[gateway]`` table) <
+environment (``SWARM_GATEWAY_<FIELD>``) < command-line flags. Unknown keys in
+the file and unknown ``SWARM_GATEWAY_*`` variables are errors. Every field
+says what it is and carries its unit in its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SWARM_GATEWAY_"
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    tracker_url: str = _f("", "tracker base URL, e.g. http://10.0.0.2:7460; empty = discover on the LAN")
+    host: str = _f("127.0.0.1", "interface the OpenAI API listens on")
+    port: int = _f(8000, "TCP port of the OpenAI API; 0 picks a free one (see port_file)")
+    port_file: str = _f("", "if set, the bound port is written here once the server listens")
+    data_dir: str = _f("~/.swarm/gateway", "directory for the gateway key and the vocabulary cache")
+    max_sessions: int = _f(16, "Route Sessions running at once; more requests wait in the queue")
+    max_queue: int = _f(32, "requests waiting for a session slot; more get 503")
+    max_sessions_per_client: int = _f(0, "running plus queued requests per client (API key, else address); "
+                                         "0 = no limit; more get 429")
+    queue_timeout_s: float = _f(30.0, "longest wait for a session slot before 503")
+    routes_k: int = _f(2, "data-parallel routes asked of the tracker per model")
+    route_ttl_s: float = _f(10.0, "how long cached routes are used before asking the tracker again")
+    node_info_ttl_s: float = _f(30.0, "how long a node's Info (recipe, limits) is cached")
+    prefill_step_tokens: int = _f(256, "prompt positions per prefill step (capped by each node's max_step_tokens)")
+    max_request_bytes: int = _f(1024 * 1024, "largest request body; larger gets 413")
+    max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted from a node")
+    stage_reply_timeout_s: float = _f(120.0, "longest wait for one node reply before the request fails")
+    tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
+    close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
+    grpc_threads: int = _f(64, "worker threads bridging blocking gRPC calls (bounds concurrent waits)")
+    report_usage: bool = _f(True, "report per-node token counts of each request to the tracker")
+    usage_queue_max: int = _f(1024, "usage reports waiting to be sent; more are dropped (counted in metrics)")
+    discovery_timeout_s: float = _f(5.0, "how long to look for a tracker on the LAN when tracker_url is empty")
+    log_level: str = _f("info", "debug, info, warning or error")
+
+    def resolved_data_dir(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    def validate(self) -> GatewayConfig:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_sessions", "routes_k", "prefill_step_tokens", "max_request_bytes", "max_frame_bytes",
+                     "grpc_threads", "usage_queue_max"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        for name in ("max_queue", "max_sessions_per_client"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        for name in ("queue_timeout_s", "route_ttl_s", "node_info_ttl_s", "stage_reply_timeout_s",
+                     "tracker_timeout_s", "close_timeout_s", "discovery_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.tracker_url and not self.tracker_url.startswith(("http://", "https://")):
+            raise ConfigError(f"tracker_url must start with http:// or https://, got {self.tracker_url!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        return self
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(GatewayConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
+
+
+def load_config(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> GatewayConfig:
+    """Merge the layers; ``flags`` entries that are None mean "not given"."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = file or env.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            with open(Path(path).expanduser(), "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from err
+        section = data["gateway"] if set(data) == {"gateway"} and isinstance(data["gateway"], dict) else data
+        for key, value in section.items():
+            if key not in FIELDS:
+                raise ConfigError(f"config file {path}: unknown key {key!r}")
+            values[key] = _coerce(key, value, f"config file {path}")
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key not in FIELDS:
+            raise ConfigError(f"unknown environment variable {var}")
+        values[key] = _coerce(key, value, f"environment {var}")
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in FIELDS:
+            raise ConfigError(f"unknown option {key!r}")
+        values[key] = _coerce(key, value, "command line")
+    return GatewayConfig(**values).validate()

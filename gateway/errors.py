@@ -1,0 +1,119 @@
+"""The gateway's exceptions, each carrying the HTTP status and OpenAI error type it maps to.
+
+Exception tree::
+
+    GatewayError                     base; .status, .type, .param, .code, .retry_after_s
+    ├── InvalidRequest               400 invalid_request_error   bad JSON, bad or unsupported parameter
+    │   └── ContextLengthExceeded    400 invalid_request_error   prompt (+ max_tokens) past the KV budget
+    ├── AuthenticationFailed         401 authentication_error    (not raised by default: no API keys)
+    ├── ModelNotFound                404 invalid_request_error   no such model in the swarm
+    ├── NotFound                     404 invalid_request_error   unknown path
+    ├── MethodNotAllowed             405 invalid_request_error
+    ├── PayloadTooLarge              413 invalid_request_error   request body over max_request_bytes
+    ├── RateLimited                  429 rate_limit_error        per-client concurrency limit
+    ├── Overloaded                   503 server_error            session slots and queue full, or queue wait timed out
+    ├── NoRoute                      503 server_error            the tracker has no complete route right now
+    ├── UpstreamFailed               502 server_error            a node or the tracker failed mid-request
+    └── InternalFailure              500 server_error            a bug in the gateway
+
+Pure module: the standard library only. ``gateway.app`` turns any of these
+into the OpenAI error body with :func:`error_body`, in exactly one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class Overloaded(GatewayError):
+    status = 503
+    type = "server_error"
+    default_code = "overloaded"
+
+
+class NoRoute(GatewayError):
+    status = 503
+    type = "server_error"
+    default_code = "no_route"
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "server_error"
+    default_code = "upstream_failed"
+
+
+class InternalFailure(GatewayError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+def error_body(err: GatewayError) -> dict[str, Any]:
+    """The OpenAI-shaped error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

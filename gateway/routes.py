@@ -1,0 +1,252 @@
+"""Routes from the tracker, cached per model, and what each node of a route told us (Info).
+
+:class:`RouteCache` asks the tracker for ``routes_k`` data-parallel routes of a
+model and keeps them for ``route_ttl_s`` (or until their tickets come within
+:data:`TICKET_MARGIN_S` of expiry, or a session on them failed); one look-up
+per model at a time, concurrent requests wait for it. :meth:`RouteCache.acquire`
+hands out the route with the fewest sessions in flight
+(``gateway.admission.least_loaded``), counted per route identity (its node
+chain), so a refresh that returns the same chains keeps the counts.
+
+:class:`NodeInfoCache` keeps each node's ``Info`` (recipe fingerprint, width,
+limits) for ``node_info_ttl_s``; a route's stages must agree on the recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+from gateway.admission import least_loaded
+from gateway.errors import ModelNotFound, NoRoute, UpstreamFailed
+from gateway.grpc_bridge import NodeChannels, StreamError
+from gateway.metrics import Metrics
+from proto.recipe import Recipe
+from proto.signing import canonical_json
+from tracker.client import TrackerClient, TrackerClientError
+
+log = logging.getLogger("swarm.gateway")
+TICKET_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Hop:
+    node_id: str
+    start: int
+    end: int
+    address: str
+    relay: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    route_id: str  # the node chain, short ids joined by ">", e.g. "3fa2c1d0[0:15)>9bd1e2f3[15:30)"
+    model_fingerprint: str
+    model_name: str
+    n_layers: int
+    hops: tuple[Hop, ...]
+    ticket: bytes  # canonical JSON of the tracker-signed envelope, passed to every stage in OPEN
+    expires_at_s: float
+    expected_ms_per_token: float
+
+
+@dataclass(frozen=True)
+class ModelRoutes:
+    fingerprint: str
+    name: str
+    routes: tuple[Route, ...]
+    fetched_at_s: float
+
+
+def route_id(hops: Sequence[Hop]) -> str:
+    return ">".join(f"{h.node_id[:8]}[{h.start}:{h.end})" for h in hops)
+
+
+def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
+    """A ``/v1/routes`` answer (docs/tracker.md) -> :class:`ModelRoutes` (UpstreamFailed if malformed)."""
+    try:
+        model = body["model"]
+        routes: list[Route] = []
+        for r in body["routes"]:
+            hops = tuple(Hop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"]),
+                             bool(h.get("relay", False))) for h in r["hops"])
+            routes.append(Route(route_id(hops), str(model["fingerprint"]), str(model["name"]),
+                                int(model["n_layers"]), hops, canonical_json(r["ticket"]),
+                                float(r["expires_at"]), float(r["expected_ms_per_token"])))
+        return ModelRoutes(str(model["fingerprint"]), str(model["name"]), tuple(routes), now_s)
+    except (KeyError, TypeError, ValueError) as err:
+        raise UpstreamFailed(f"the tracker's route answer is malformed: {err!r}") from err
+
+
+class RouteCache:
+    def __init__(self, tracker: TrackerClient, *, k: int, ttl_s: float, tracker_timeout_s: float,
+                 metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
+        self._tracker = tracker
+        self._k = k
+        self._ttl_s = ttl_s
+        self._timeout_s = tracker_timeout_s
+        self._metrics = metrics
+        self._clock = clock
+        self._models: dict[str, ModelRoutes] = {}  # by the name or fingerprint clients use
+        self._locks: dict[str, trio.Lock] = {}
+        self._inflight: dict[str, int] = {}
+
+    def _fresh(self, cached: ModelRoutes | None) -> bool:
+        if cached is None or not cached.routes:
+            return False
+        now = self._clock()
+        if now - cached.fetched_at_s > self._ttl_s:
+            return False
+        return all(r.expires_at_s - now > TICKET_MARGIN_S for r in cached.routes)
+
+    async def routes(self, model: str) -> ModelRoutes:
+        cached = self._models.get(model)
+        if self._fresh(cached):
+            assert cached is not None
+            return cached
+        lock = self._locks.setdefault(model, trio.Lock())
+        async with lock:
+            cached = self._models.get(model)
+            if self._fresh(cached):
+                assert cached is not None
+                return cached
+            fetched = await self._fetch(model)
+            self._models[model] = fetched
+            if len(self._models) > 256:  # bounded: forget the oldest look-ups
+                oldest = min(self._models, key=lambda m: self._models[m].fetched_at_s)
+                self._models.pop(oldest, None)
+                self._locks.pop(oldest, None)
+            return fetched
+
+    async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+        try:
+            with trio.fail_after(self._timeout_s):
+                body = await self._tracker.routes(model, k=self._k, exclude=exclude)
+        except TrackerClientError as err:
+            self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))
+            if err.status == 404:
+                raise ModelNotFound(f"The model '{model}' does not exist or no node serves it",
+                                    param="model") from err
+            if err.status == 400:
+                raise ModelNotFound(f"The model '{model}' is not a valid model name", param="model") from err
+            raise UpstreamFailed(f"the tracker refused the route request: {err}") from err
+        except (httpx.HTTPError, trio.TooSlowError) as err:
+            self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="unreachable")
+            raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
+        parsed = parse_routes(body, self._clock()) if body.get("routes") else None
+        if parsed is None:
+            self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="no_route")
+            uncovered = body.get("uncovered", [])
+            raise NoRoute(f"no complete route for model '{model}' right now (layers not covered: {uncovered})",
+                          retry_after_s=5)
+        self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="ok")
+        return parsed
+
+    async def fetch_excluding(self, model: str, exclude: frozenset[str]) -> ModelRoutes:
+        """Fresh routes that avoid ``exclude`` (after a refusal at OPEN); not cached."""
+        return await self._fetch(model, exclude)
+
+    def invalidate(self, model: str) -> None:
+        self._models.pop(model, None)
+
+    def acquire(self, routes: Sequence[Route]) -> Route:
+        route = least_loaded(routes, self._inflight, lambda r: r.route_id, lambda r: r.expected_ms_per_token)
+        self._inflight[route.route_id] = self._inflight.get(route.route_id, 0) + 1
+        return route
+
+    def release(self, route: Route) -> None:
+        left = self._inflight.get(route.route_id, 0) - 1
+        if left > 0:
+            self._inflight[route.route_id] = left
+        else:
+            self._inflight.pop(route.route_id, None)
+
+    def inflight(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    def cached_counts(self) -> dict[str, int]:
+        return {m.name: len(m.routes) for m in self._models.values()}
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a route needs to know about one node (from its Info)."""
+
+    node_id: str
+    address: str
+    recipe_fingerprint: str
+    n_embd: int
+    n_layers: int
+    n_ctx_train: int
+    is_last: bool
+    serves_vocab: bool
+    max_frame_bytes: int
+    max_step_tokens: int
+    max_kv_tokens_per_session: int
+    fetched_at_s: float
+
+
+class NodeInfoCache:
+    def __init__(self, channels: NodeChannels, *, ttl_s: float, timeout_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._channels = channels
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._infos: dict[tuple[str, str], StageInfo] = {}
+
+    async def get(self, hop: Hop, model_fingerprint: str) -> StageInfo:
+        key = (hop.node_id, hop.address)
+        cached = self._infos.get(key)
+        if cached is not None and self._clock() - cached.fetched_at_s <= self._ttl_s:
+            return cached
+        try:
+            with trio.fail_after(self._timeout_s):
+                info = await self._channels.info(hop.address)
+        except (StreamError, trio.TooSlowError) as err:
+            raise UpstreamFailed(f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}") from err
+        if info.node_id != hop.node_id:
+            raise UpstreamFailed(f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed")
+        if info.model.fingerprint != model_fingerprint or (info.shard.start, info.shard.end) != (hop.start, hop.end):
+            raise UpstreamFailed(f"node {hop.node_id[:8]} serves another model or shard than routed")
+        limits = info.limits
+        stage = StageInfo(
+            node_id=info.node_id, address=hop.address,
+            recipe_fingerprint=Recipe.from_wire(info.recipe).fingerprint(),
+            n_embd=int(info.model.n_embd), n_layers=int(info.model.n_layers),
+            n_ctx_train=int(info.model.n_ctx_train), is_last=bool(info.is_last),
+            serves_vocab=bool(info.serves_vocab),
+            max_frame_bytes=int(limits.max_frame_bytes) or 4 * 1024 * 1024,
+            max_step_tokens=int(limits.max_step_tokens) or 512,
+            max_kv_tokens_per_session=int(limits.max_kv_tokens_per_session) or int(info.model.n_ctx_train)
+            or 2048,
+            fetched_at_s=self._clock(),
+        )
+        if len(self._infos) > 4096:
+            self._infos.clear()  # bounded; refilled on demand
+        self._infos[key] = stage
+        return stage
+
+    def forget(self, hop: Hop) -> None:
+        self._infos.pop((hop.node_id, hop.address), None)
+
+
+def kv_limit(stages: Sequence[StageInfo]) -> int:
+    """The most positions a session may hold on this route: the smallest grant any stage allows."""
+    values = [s.max_kv_tokens_per_session for s in stages]
+    return min(values) if values else 0
+
+
+def step_limit(stages: Sequence[StageInfo], wanted: int) -> int:
+    return max(1, min([wanted, *(s.max_step_tokens for s in stages)]))
+
+
+def frame_limit(stages: Sequence[StageInfo], own: int) -> int:
+    return min([own, *(s.max_frame_bytes for s in stages)])
+

@@ -1,0 +1,128 @@
+"""``swarm-gateway serve``: one root nursery holding the service (jobs, usage reporter) and hypercorn.
+
+:func:`serve_gateway` is started with ``nursery.start`` and reports the bound
+port (an int) once the socket listens and the port file is written; pass
+``on_ready`` to also get the :class:`RunningGateway` (port, URL, service), e.g.
+in tests. Set ``shutdown`` (or cancel the surrounding scope) to stop it:
+hypercorn drains connections within its graceful timeout, then every gRPC
+channel and the tracker client are closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import hypercorn.config
+import hypercorn.trio
+import nacl.signing
+import trio
+
+from gateway.app import create_app
+from gateway.config import ConfigError, GatewayConfig
+from gateway.grpc_bridge import NodeChannels
+from gateway.serving import GatewayService
+from tracker.client import TrackerClient
+from tracker.logs import event
+
+log = logging.getLogger("swarm.gateway")
+KEY_FILE = "gateway.key"
+
+
+@dataclass(frozen=True)
+class RunningGateway:
+    port: int
+    url: str
+    service: GatewayService
+
+
+def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
+    """The gateway's ed25519 identity (signs usage reports): ``<data_dir>/gateway.key``, mode 0600."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = data_dir / KEY_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            raise ConfigError(f"{path} is readable by others; chmod 600 it") from None
+        try:
+            seed = bytes.fromhex(path.read_text().strip())
+        except ValueError as err:
+            raise ConfigError(f"{path} does not hold a hex ed25519 seed") from err
+        if len(seed) != 32:
+            raise ConfigError(f"{path} must hold a 32-byte seed")
+        return nacl.signing.SigningKey(seed)
+    key = nacl.signing.SigningKey.generate()
+    with os.fdopen(fd, "w") as fh:
+        fh.write(bytes(key).hex() + "\n")
+    return key
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def _tracker_url(config: GatewayConfig) -> str:
+    if config.tracker_url:
+        return config.tracker_url
+    from tracker.discovery import discover_tracker_async
+
+    url = await discover_tracker_async(config.discovery_timeout_s)
+    if url is None:
+        raise ConfigError(f"no tracker_url given and none found on the LAN within {config.discovery_timeout_s:g} s")
+    return url
+
+
+async def serve_gateway(
+    config: GatewayConfig,
+    *,
+    shutdown: trio.Event | None = None,
+    on_ready: Callable[[RunningGateway], None] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    key = await trio.to_thread.run_sync(load_or_create_key, config.resolved_data_dir())
+    tracker_url = await _tracker_url(config)
+    channels = NodeChannels(max_frame_bytes=config.max_frame_bytes, threads=config.grpc_threads)
+    tracker = TrackerClient(tracker_url, key)
+    try:
+        service = GatewayService(config, tracker, key, channels)
+        app = create_app(service)
+        hc = hypercorn.config.Config()
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        hc.bind = [f"{host}:{config.port}"]
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")
+        hc.graceful_timeout = 5.0
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            trigger = shutdown.wait if shutdown is not None else None
+            binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
+            port = int(binds[0].rsplit(":", 1)[1])
+            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            if config.port_file:
+                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
+            event(log, "gateway_listening", port=port, url=url, tracker_url=tracker_url,
+                  gateway_id=service.gateway_id, port_file=config.port_file or None)
+            if on_ready is not None:
+                on_ready(RunningGateway(port=port, url=url, service=service))
+            task_status.started(port)
+            if shutdown is not None:
+                await shutdown.wait()
+                # hypercorn returns by itself once the trigger fired and connections drained
+                with trio.move_on_after(hc.graceful_timeout + 1):
+                    while len(nursery.child_tasks) > 1:
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await channels.aclose()
+            await tracker.aclose()
+        event(log, "gateway_stopped")

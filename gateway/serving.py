@@ -1,0 +1,384 @@
+"""The gateway's logic: one OpenAI request -> admission -> route -> Route Session -> events.
+
+Each request runs as a *job*, a task in the service's own nursery, started
+with ``nursery.start``: everything that can refuse the request (admission,
+unknown model, no route, prompt past the context, OPEN refused on every
+route) happens before the job reports ``started``, so it reaches the HTTP
+handler as an exception and becomes a status code. After that the job sends
+events (text deltas with their logprobs, then one final event) through a
+bounded memory channel; the handler streams them out (SSE) or collects them.
+If the client goes away the handler cancels the job, and leaving the Route
+Session sends CANCEL to every stage (their KV is freed at once).
+
+After every session the per-node token counts go to a bounded queue that a
+background task reports to the tracker (signed usage reports).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import nacl.signing
+import trio
+
+from gateway import protocol
+from gateway.admission import AdmissionPolicy
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    InternalFailure,
+    InvalidRequest,
+    Overloaded,
+    UpstreamFailed,
+)
+from gateway.gate import Gate
+from gateway.grpc_bridge import NodeChannels
+from gateway.metrics import Labels, Metrics
+from gateway.protocol import GenerationRequest, TokenLogprob
+from gateway.route_session import RouteSession, Sampled, StageFailed, open_route_session
+from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
+from gateway.textstream import TextStream
+from gateway.vocab_store import LoadedVocab, VocabStore
+from proto import codec
+from proto.announce import UsageEntry, UsageReport
+from proto.signing import public_key_hex
+from tracker.client import TrackerClient, TrackerClientError
+from tracker.logs import event
+
+log = logging.getLogger("swarm.gateway")
+EVENT_BUFFER = 16
+OPEN_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: GatewayError
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    client: str
+    request_id: str
+    events: trio.MemoryReceiveChannel[Event]
+    cancel_scope: trio.CancelScope
+    system_fingerprint: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def cancel(self) -> None:
+        self.cancel_scope.cancel()
+
+
+@dataclass
+class _Prepared:
+    route: Route
+    stages: list[StageInfo]
+    vocab: LoadedVocab
+    prompt: list[int]
+    max_new: int
+    kv_budget: int
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, tracker: TrackerClient, key: nacl.signing.SigningKey,
+                 channels: NodeChannels, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.tracker = tracker
+        self.gateway_id = public_key_hex(key)
+        self.channels = channels
+        self.metrics = metrics or Metrics()
+        self.gate = Gate(AdmissionPolicy(config.max_sessions, config.max_queue, config.max_sessions_per_client),
+                         queue_timeout_s=config.queue_timeout_s)
+        self.routes = RouteCache(tracker, k=config.routes_k, ttl_s=config.route_ttl_s,
+                                 tracker_timeout_s=config.tracker_timeout_s, metrics=self.metrics)
+        self.node_infos = NodeInfoCache(channels, ttl_s=config.node_info_ttl_s,
+                                        timeout_s=config.stage_reply_timeout_s)
+        self.vocabs = VocabStore(config.resolved_data_dir() / "vocab", channels,
+                                 timeout_s=config.stage_reply_timeout_s)
+        self._usage_send, self._usage_receive = trio.open_memory_channel[UsageReport](config.usage_queue_max)
+        self._nursery: trio.Nursery | None = None
+        self._active = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the jobs and the usage reporter until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                if self.config.report_usage:
+                    nursery.start_soon(self._report_usage_loop)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self.vocabs.close()
+
+    async def _report_usage_loop(self) -> None:
+        async for report in self._usage_receive:
+            try:
+                with trio.fail_after(self.config.tracker_timeout_s):
+                    await self.tracker.report_usage(report)
+                self.metrics.inc("swarm_gateway_usage_reports_total", outcome="ok")
+            except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
+                self.metrics.inc("swarm_gateway_usage_reports_total", outcome="failed")
+                event(log, "usage_report_failed", level=logging.WARNING, request_id=report.request_id,
+                      error=repr(err))
+
+    def gauges(self) -> dict[str, dict[Labels, float]]:
+        stats = self.gate.statistics()
+        inflight = {(("route", self.metrics.route_label(r)),): float(n) for r, n in self.routes.inflight().items()}
+        return {
+            "swarm_gateway_sessions_active": {(): float(stats.active)},
+            "swarm_gateway_requests_queued": {(): float(stats.queued)},
+            "swarm_gateway_route_inflight_sessions": inflight,
+            "swarm_gateway_routes_cached": {(("model", m),): float(n) for m, n in self.routes.cached_counts().items()},
+        }
+
+    # ------------------------------------------------------------------ models
+
+    async def list_models(self) -> dict[str, Any]:
+        try:
+            with trio.fail_after(self.config.tracker_timeout_s):
+                models = await self.tracker.models()
+        except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
+            raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
+        return protocol.model_list([m for m in models if m.get("routable")], int(time.time()))
+
+    # ------------------------------------------------------------------ jobs
+
+    async def start_job(self, request: GenerationRequest, client: str) -> Job:
+        """Admit and open the request's Route Session; raises GatewayError if it cannot start."""
+        if self._nursery is None:
+            raise Overloaded("the gateway is shutting down", retry_after_s=5)
+        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
+        send, receive = trio.open_memory_channel[Event](EVENT_BUFFER)
+        job = Job(request=request, client=client, request_id=prefix + secrets.token_hex(12), events=receive,
+                  cancel_scope=trio.CancelScope())
+        try:
+            await self._nursery.start(self._run_job, job, send)
+        except BaseException:
+            receive.close()
+            raise
+        return job
+
+    async def _prepare(self, request: GenerationRequest, route: Route) -> _Prepared:
+        async with trio.open_nursery() as nursery:
+            infos: dict[int, StageInfo] = {}
+
+            async def fetch(i: int) -> None:
+                infos[i] = await self.node_infos.get(route.hops[i], route.model_fingerprint)
+
+            for i in range(len(route.hops)):
+                nursery.start_soon(fetch, i)
+        stages = [infos[i] for i in range(len(route.hops))]
+        vocab = await self.vocabs.get(route.model_fingerprint, stages)
+        if request.kind == "chat":
+            text = vocab.template.render([m.to_template() for m in request.messages], add_generation_prompt=True)
+            prompt = await vocab.tokenize(text, add_special=False)
+        elif request.prompt_tokens is not None:
+            vocab.check_ids(request.prompt_tokens)
+            prompt = list(request.prompt_tokens)
+        else:
+            prompt = await vocab.tokenize(request.prompt_text or "", add_special=True)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        limit = min(kv_limit(stages), max((s.n_ctx_train for s in stages), default=0) or kv_limit(stages))
+        where = "messages" if request.kind == "chat" else "prompt"
+        if request.max_tokens is not None:
+            wanted = len(prompt) + request.max_tokens
+            if wanted > limit:
+                raise ContextLengthExceeded(
+                    f"This model's context limit on the current route is {limit} tokens (prompt plus completion), "
+                    f"but {wanted} were requested: {len(prompt)} in the {where} and {request.max_tokens} for the "
+                    f"completion. Shorten the {where} or lower max_tokens.", param=where)
+            max_new = request.max_tokens
+        else:
+            max_new = limit - len(prompt)
+            if max_new < 1:
+                raise ContextLengthExceeded(
+                    f"This model's context limit on the current route is {limit} tokens, but the {where} "
+                    f"alone has {len(prompt)} tokens. Shorten the {where}.", param=where)
+        return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new)
+
+    @asynccontextmanager
+    async def _open(self, job: Job, request: GenerationRequest) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
+        """Pick the least loaded route, prepare, OPEN; on a refusal at OPEN try another route once."""
+        model_routes = await self.routes.routes(request.model)
+        tried: set[str] = set()
+        last_error: GatewayError | None = None
+        for _attempt in range(OPEN_ATTEMPTS):
+            candidates = [r for r in model_routes.routes if r.route_id not in tried] or list(model_routes.routes)
+            route = self.routes.acquire(candidates)
+            tried.add(route.route_id)
+            label = self.metrics.route_label(route.route_id)
+            entered = False
+            try:
+                prepared = await self._prepare(request, route)
+                seed = request.seed if request.seed is not None else secrets.randbits(63)
+                sampling = codec.SamplingSettings(
+                    temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                    min_p=request.min_p, seed=seed, repetition_penalty=request.repetition_penalty,
+                    frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+                    n_top_logprobs=request.n_top_logprobs)
+                async with open_route_session(
+                    self.channels, route, prepared.stages, session_id=secrets.token_hex(16),
+                    request_id=job.request_id, sampling=sampling, kv_budget_tokens=prepared.kv_budget,
+                    step_tokens=step_limit(prepared.stages, self.config.prefill_step_tokens),
+                    max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
+                    reply_timeout_s=self.config.stage_reply_timeout_s,
+                    close_timeout_s=self.config.close_timeout_s,
+                ) as session:
+                    entered = True
+                    job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
+                    try:
+                        yield session, prepared
+                    finally:
+                        self._report(job, session, route)
+                return
+            except StageFailed as err:
+                if entered:
+                    raise  # failed mid-generation: not retried (no replay yet)
+                # Refused at OPEN (full, gone, stale): forget the cached routes and try another one.
+                self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="open_failed")
+                self.routes.invalidate(request.model)
+                for hop in route.hops:
+                    self.node_infos.forget(hop)
+                last_error = err
+                if len(model_routes.routes) <= 1 or err.remote is None:
+                    model_routes = await self.routes.routes(request.model)
+            finally:
+                self.routes.release(route)
+        assert last_error is not None
+        raise last_error
+
+    def _report(self, job: Job, session: RouteSession, route: Route) -> None:
+        if not self.config.report_usage:
+            return
+        entries = tuple(UsageEntry(node_id, tokens, steps) for node_id, tokens, steps in session.usage().entries
+                        if tokens > 0)
+        if not entries:
+            return
+        report = UsageReport(self.gateway_id, job.request_id, route.model_fingerprint, entries)
+        try:
+            self._usage_send.send_nowait(report)
+        except trio.WouldBlock:
+            self.metrics.inc("swarm_gateway_usage_reports_total", outcome="dropped")
+
+    async def _run_job(self, job: Job, send: trio.MemorySendChannel[Event], *,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        request = job.request
+        arrived = trio.current_time()
+        started = False
+        prompt_tokens = completion = 0
+        endpoint = request.kind
+        async with send:
+            with job.cancel_scope:
+                try:
+                    async with self.gate.slot(job.client), self._open(job, request) as (session, prepared):
+                        started = True
+                        task_status.started()
+                        prompt_tokens = len(prepared.prompt)
+                        label = self.metrics.route_label(session.route.route_id)
+                        self.metrics.inc("swarm_gateway_prompt_tokens_total", prompt_tokens)
+                        reason, completion = await self._generate(job, session, prepared, send, arrived)
+                        session.finished = True
+                        self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="ok")
+                        self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                    await send.send(Finished(reason, prompt_tokens, completion))
+                    return
+                except GatewayError as err:
+                    if not started:
+                        self.metrics.inc("swarm_gateway_rejections_total", reason=err.code or err.type)
+                        raise
+                    failure: GatewayError = err
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the client stopped reading
+                except Exception as err:
+                    event(log, "job_failed", level=logging.ERROR, request_id=job.request_id, error=repr(err))
+                    log.exception("job %s failed", job.request_id)
+                    if not started:
+                        raise InternalFailure("internal error while starting the request") from err
+                    failure = InternalFailure("internal error while generating")
+            if job.cancel_scope.cancelled_caught:
+                self.metrics.inc("swarm_gateway_client_disconnects_total")
+                event(log, "client_disconnected", request_id=job.request_id)
+                return
+            if started:
+                self.metrics.inc("swarm_gateway_route_sessions_total", route="any", outcome="failed")
+                with trio.move_on_after(1):
+                    try:
+                        await send.send(Failed(failure, prompt_tokens, completion))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+    async def _generate(self, job: Job, session: RouteSession, prepared: _Prepared,
+                        send: trio.MemorySendChannel[Event], arrived: float) -> tuple[str, int]:
+        request = job.request
+        vocab = prepared.vocab
+        text: TextStream[TokenLogprob | None] = TextStream(request.stop)
+        want_logprobs = request.logprobs
+        sampled: Sampled = await session.prefill(prepared.prompt)
+        self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
+        generated = 0
+        while True:
+            generated += 1
+            self.metrics.inc("swarm_gateway_completion_tokens_total")
+            token = sampled.token_id
+            if sampled.end_of_generation or token in vocab.eog:
+                tail = text.finish()
+                await self._emit(send, tail.text, tail.tokens)
+                return "stop", generated
+            piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
+            entry = _logprob_entry(vocab, sampled) if want_logprobs else None
+            out = text.push(piece, entry)
+            await self._emit(send, out.text, out.tokens)
+            if out.stopped:
+                return "stop", generated
+            if generated >= prepared.max_new:
+                tail = text.finish()
+                await self._emit(send, tail.text, tail.tokens)
+                return "length", generated
+            sampled = await session.decode(token)
+
+    @staticmethod
+    async def _emit(send: trio.MemorySendChannel[Event], text: str,
+                    entries: tuple[TokenLogprob | None, ...]) -> None:
+        logprobs = tuple(e for e in entries if e is not None)
+        if text or logprobs:
+            await send.send(Delta(text, logprobs))
+
+
+def _logprob_entry(vocab: LoadedVocab, sampled: Sampled) -> TokenLogprob:
+    def piece(token: int) -> bytes:
+        return vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
+
+    raw = piece(sampled.token_id)
+    top = tuple((piece(t).decode("utf-8", "replace"), piece(t), lp) for t, lp in sampled.top_logprobs)
+    return TokenLogprob(raw.decode("utf-8", "replace"), raw, sampled.logprob, top)
