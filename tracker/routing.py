@@ -137,14 +137,20 @@ def select_routes(
 
     paths: list[tuple[int, ...]] = [first]
     uses = [0] * len(shards)
-    while len(paths) < k:
-        for i in paths[-1]:
+    last = first
+    # A search that returns an existing route makes that route dearer again and retries, so a
+    # distinct alternative wins once one exists; the bound keeps a tiny swarm from looping.
+    for _ in range(3 * k):
+        if len(paths) >= k:
+            break
+        for i in last:
             uses[i] += 1
         penalised = [_penalised(base[i], shards[i], u, costs) if u else base[i] for i, u in enumerate(uses)]
-        nxt = graph.shortest(penalised)
-        if nxt is None or nxt in paths:
-            break
-        paths.append(nxt)
+        last = graph.shortest(penalised) or first
+        if last not in paths:
+            paths.append(last)
+    if len(paths) < k:
+        _fill_by_banning(graph, paths, k, uses, base, shards, costs)
 
     if k > 1 and not _node_disjoint(paths, shards):
         disjoint = _disjoint_by_flow(shards, base, snapshot.default_latency_ms, n_layers, k)
@@ -162,6 +168,37 @@ def _penalised(base: float, shard: ShardView, uses: int, costs: RoutingCosts) ->
     more session of load, plus a flat penalty so disjoint alternatives win."""
     decode = max(shard.decode_ms_per_token, costs.min_decode_ms_per_token)
     return base + decode * uses / max(shard.max_sessions, 1) + costs.reuse_penalty_ms * uses
+
+
+def _fill_by_banning(graph: _Graph, paths: list[tuple[int, ...]], k: int, uses: list[int], base: list[float],
+                     shards: list[ShardView], costs: RoutingCosts, max_searches: int = 64) -> None:
+    """Add distinct routes by banning one shard of an existing route at a time (appends to ``paths``).
+
+    Any route not yet chosen omits at least one shard of every chosen route (two
+    tilings of 0..L that share all of one's shards are equal), so banning single
+    shards reaches most of them; bounded by ``max_searches``.
+    """
+    searches = 0
+    while len(paths) < k and searches < max_searches:
+        penalised = [_penalised(base[i], shards[i], u, costs) if u else base[i] for i, u in enumerate(uses)]
+        best: tuple[float, tuple[int, ...]] | None = None
+        for banned in sorted({i for p in paths for i in p}):
+            if searches >= max_searches:
+                break
+            searches += 1
+            saved, penalised[banned] = penalised[banned], _INF
+            cand = graph.shortest(penalised)
+            penalised[banned] = saved
+            if cand is None or banned in cand or cand in paths:
+                continue
+            cost = graph.path_cost(cand, penalised)
+            if best is None or cost < best[0]:
+                best = (cost, cand)
+        if best is None:
+            return
+        paths.append(best[1])
+        for i in best[1]:
+            uses[i] += 1
 
 
 class _Graph:
@@ -217,7 +254,7 @@ class _Graph:
         pred = [-1] * len(cost)
         for j, x in enumerate(starts):
             r = reach.get(x)
-            if r is None:
+            if r is None or cost[j] == _INF:  # infinite cost = banned shard
                 continue
             pred[j] = r[2]
             d = r[0] + hop + cost[j]  # the hop into j: from the gateway when x == 0
@@ -247,14 +284,17 @@ class _Graph:
             here = self.by_start[x]
             if x == 0:
                 for j in here:
-                    dist[j] = self.default_ms + cost[j]
-                    ends_at.setdefault(shards[j].end, []).append(j)
+                    if cost[j] < _INF:  # infinite cost = banned shard
+                        dist[j] = self.default_ms + cost[j]
+                        ends_at.setdefault(shards[j].end, []).append(j)
                 continue
             preds = ends_at.get(x)
             if not preds:
                 continue
             preds.sort(key=lambda p: (dist[p], ties[p]))
             for j in here:
+                if cost[j] == _INF:
+                    continue
                 best_p, best_d = -1, _INF
                 for p in preds:
                     dp = dist[p]
