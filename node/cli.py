@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -62,6 +64,149 @@ def shard_vocab(model_path: Path, cache_dir: Path | None) -> None:
     except NodeError as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(path))
+
+
+def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
+    from node.config import ConfigError, load_config
+
+    try:
+        return load_config(file=config_file, flags=flags)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from err
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="TOML file with node settings (also SWARM_NODE_CONFIG).")
+@click.option("--model", default=None, help="Whole-model GGUF file.")
+@click.option("--layers", default=None, help="START:END to serve, or 'auto' (ask the tracker).")
+@click.option("--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take.")
+@click.option("--tracker", "tracker_url", default=None, help="Tracker URL; default: discover it with zeroconf.")
+@click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
+@click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
+@click.option("--insecure-no-tickets", is_flag=True, default=None,
+              help="Accept OPEN without a valid route ticket. Local tests only.")
+@click.option("--host", default=None, help="gRPC listen interface (default 0.0.0.0).")
+@click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one (default 7470).")
+@click.option("--advertise-host", default=None, help="Host/IP announced to the tracker.")
+@click.option("--port-file", default=None, help="Write the bound gRPC port here once serving.")
+@click.option("--admin-host", default=None, help="Admin HTTP interface (default 127.0.0.1).")
+@click.option("--admin-port", type=int, default=None, help="Admin HTTP port; 0 = any free one; -1 = off.")
+@click.option("--admin-port-file", default=None, help="Write the bound admin port here.")
+@click.option("--threads", type=int, default=None, help="llama.cpp compute threads (default: physical cores).")
+@click.option("--max-sessions", type=int, default=None, help="Most concurrent Route Sessions.")
+@click.option("--session-kv-tokens", type=int, default=None, help="KV positions per session.")
+@click.option("--batch-tokens", type=int, default=None, help="Most positions per engine batch.")
+@click.option("--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch.")
+@click.option("--max-queued-steps", type=int, default=None, help="Most steps waiting for the engine.")
+@click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
+@click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
+@click.option("--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark.")
+@click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
+@click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")
+@click.option("--log-level", default=None, help="debug, info, warning or error.")
+def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
+    """Serve a shard: gRPC ShardService, admin HTTP, announce and heartbeats; until SIGINT/SIGTERM."""
+    import signal
+
+    import trio
+
+    from node import logs
+    from node.daemon import run_node
+
+    if no_benchmark:
+        flags["benchmark"] = False
+    config = _load(config_file, flags)
+    logs.configure(config.log_level)
+
+    async def run() -> None:
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        shutdown.set()
+                        return
+
+            nursery.start_soon(on_signals)
+            await nursery.start(functools.partial(run_node, config, shutdown=shutdown))
+            await shutdown.wait()
+            nursery.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s + 10
+
+    try:
+        trio.run(run)
+    except NodeError as err:
+        raise click.ClickException(str(err)) from err
+
+
+@main.command()
+@click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
+def keygen(data_dir: str | None) -> None:
+    """Create the node key if it does not exist yet; print the node id."""
+    from node.identity import load_or_create_key, node_id
+
+    config = _load(None, {"data_dir": data_dir})
+    try:
+        key, created = load_or_create_key(config.resolved_data_dir())
+    except NodeError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(node_id(key))
+    click.echo(f"{'created' if created else 'exists '} {config.resolved_data_dir() / 'node.key'}", err=True)
+
+
+@main.command("id")
+@click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
+def show_id(data_dir: str | None) -> None:
+    """Print the node id (hex ed25519 public key); fails if there is no key yet."""
+    from node.identity import key_path, load_key, node_id
+
+    config = _load(None, {"data_dir": data_dir})
+    path = key_path(config.resolved_data_dir())
+    if not path.exists():
+        raise click.ClickException(f"no node key at {path}; run 'swarm-node keygen' or 'swarm-node start'")
+    try:
+        click.echo(node_id(load_key(path)))
+    except NodeError as err:
+        raise click.ClickException(str(err)) from err
+
+
+@main.command()
+@click.option("--admin-url", default=None, help="Admin HTTP base URL (default http://127.0.0.1:7471).")
+@click.option("--address", default=None, help="Ask a node's gRPC Info at HOST:PORT instead.")
+@click.option("--timeout-s", type=float, default=5.0, show_default=True)
+def status(admin_url: str | None, address: str | None, timeout_s: float) -> None:
+    """Show a running node's state (admin /status, or gRPC Info with --address)."""
+    import json
+
+    if address:
+        import grpc
+        from google.protobuf.json_format import MessageToDict
+
+        from proto.swarm.v1 import shard_service_pb2
+
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(
+                "/swarm.v1.ShardService/Info",
+                request_serializer=shard_service_pb2.InfoRequest.SerializeToString,
+                response_deserializer=shard_service_pb2.NodeInfo.FromString,
+            )
+            try:
+                info = call(shard_service_pb2.InfoRequest(), timeout=timeout_s)
+            except grpc.RpcError as err:
+                raise click.ClickException(f"{address}: {err.code().name} {err.details()}") from err
+        click.echo(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
+        return
+    import httpx
+
+    url = (admin_url or "http://127.0.0.1:7471").rstrip("/") + "/status"
+    try:
+        response = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as err:
+        raise click.ClickException(f"{url}: {err!r}") from err
+    if response.status_code != 200:
+        raise click.ClickException(f"{url}: HTTP {response.status_code}")
+    click.echo(json.dumps(response.json(), indent=2))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ Invariants
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -59,6 +57,7 @@ from node.llama_runtime import (
 )
 from node.sampling import SampledToken, SamplingParams, sample
 from node.shard import ShardFiles, TokenEmbeddings
+from proto.recipe import Recipe
 
 log = logging.getLogger("swarm.engine")
 
@@ -93,15 +92,14 @@ class EngineConfig:
         )
 
 
-def recipe_fingerprint(model_fingerprint: str, config: EngineConfig) -> str:
+def runtime_recipe(model_fingerprint: str, config: EngineConfig) -> Recipe:
     """Everything that changes the numbers a stage computes; every stage of a route must agree."""
-    recipe = {
-        "llama_cpp_python": llama_cpp.__version__,
-        "model": model_fingerprint,
-        "kv_type": config.kv_type,
-        "flash_attn": config.flash_attn,
-    }
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:32]
+    return Recipe(
+        llama_cpp_build=f"llama-cpp-python {llama_cpp.__version__}",
+        model_fingerprint=model_fingerprint,
+        kv_type=config.kv_type,
+        flash_attention=config.flash_attn,
+    )
 
 
 @dataclass
@@ -196,6 +194,7 @@ class ShardEngine:
             raise
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._vocab = vocab
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self.session_kv_limit = int(llama_cpp.llama_n_ctx_seq(self._ctx))
         self.n_batch = settings.n_batch
@@ -203,7 +202,8 @@ class ShardEngine:
         self._batch.use_embeddings(True)
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
-        self.recipe = recipe_fingerprint(files.model.fingerprint, config)
+        self.recipe = runtime_recipe(files.model.fingerprint, config)
+        self.recipe_fingerprint = self.recipe.fingerprint()
         self._steps = 0
         self._decodes = 0
         self._tokens = 0
@@ -264,6 +264,10 @@ class ShardEngine:
 
     def session_ids(self) -> list[str]:
         return list(self._sessions)
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (last stage; other stages have a 1-token dummy vocabulary)."""
+        return self.is_last and bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def set_sampling(self, session_id: str, sampling: SamplingParams) -> None:
         self._session(session_id).sampling = sampling.validate()

@@ -1,0 +1,195 @@
+"""The node daemon's one configuration object.
+
+Layers, lowest to highest: defaults < TOML file (``--config FILE`` or
+``SWARM_NODE_CONFIG``; top-level keys or a single ``[node]`` table) <
+environment ``SWARM_NODE_<FIELD>`` < command-line flags. An unknown key in the
+file or an unknown ``SWARM_NODE_*`` variable is an error, so a typo never falls
+back to a default silently. Each field documents itself (``NodeConfig.describe``)
+and carries its unit in its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SWARM_NODE_"
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+def _xdg(var: str, fallback: str, leaf: str) -> str:
+    return str(Path(os.environ.get(var) or Path.home() / fallback) / leaf)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    model: str = _f("", "path of the whole-model GGUF file (required for start)")
+    layers: str = _f("auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)")
+    capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
+    tracker_url: str = _f("", "tracker base URL; empty = discover it on the LAN with zeroconf")
+    tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
+    no_tracker: bool = _f(False, "serve without a tracker (tests, benchmarks); needs insecure_no_tickets")
+    insecure_no_tickets: bool = _f(False, "accept OPEN without verifying the route ticket (local tests only)")
+    host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
+    port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
+    advertise_host: str = _f("", "host name/IP announced to the tracker; empty = a local non-loopback IP")
+    port_file: str = _f("", "write the bound gRPC port here once serving (for launchers)")
+    admin_host: str = _f("127.0.0.1", "interface of the admin HTTP server (/healthz, /metrics, /status)")
+    admin_port: int = _f(7471, "admin HTTP port; 0 picks a free one; -1 disables the admin server")
+    admin_port_file: str = _f("", "write the bound admin port here once serving")
+    threads: int = _f(0, "llama.cpp compute threads; 0 = the machine's physical cores")
+    max_sessions: int = _f(8, "most Route Sessions held at once (KV sequences)")
+    session_kv_tokens: int = _f(2048, "KV positions one session may hold (prompt plus generation)")
+    batch_tokens: int = _f(512, "most positions one engine batch takes (llama.cpp n_batch)")
+    prefill_chunk_tokens: int = _f(256, "most positions of one prefill step per batch, so decodes keep moving")
+    max_queued_steps: int = _f(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
+    max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
+    idle_lease_s: float = _f(300.0, "a session without any frame this long is evicted and its KV freed")
+    reattach_window_s: float = _f(30.0, "a session whose stream ended without RELEASE waits this long for re-OPEN")
+    lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
+    heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
+    tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
+    discovery_timeout_s: float = _f(3.0, "how long zeroconf discovery of the tracker may take")
+    benchmark: bool = _f(True, "measure prefill and decode speed of the shard at start-up")
+    shutdown_grace_s: float = _f(5.0, "how long streams may drain on SIGINT/SIGTERM")
+    data_dir: str = _f("~/.swarm/node", "directory of the node key (node.key, mode 0600)")
+    cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
+    log_level: str = _f("info", "debug, info, warning or error")
+
+    def resolved_data_dir(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return Path(_xdg("XDG_CACHE_HOME", ".cache", "swarm-node"))
+
+    def resolved_threads(self) -> int:
+        if self.threads > 0:
+            return self.threads
+        try:
+            import psutil
+
+            return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+        except ImportError:  # pragma: no cover - psutil is a declared dependency
+            return max(1, os.cpu_count() or 1)
+
+    def validate(self) -> NodeConfig:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.admin_port <= 65535:
+            raise ConfigError(f"admin_port must be in -1..65535, got {self.admin_port}")
+        for name in ("max_sessions", "session_kv_tokens", "batch_tokens", "prefill_chunk_tokens",
+                     "max_queued_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.session_kv_tokens < 16:
+            raise ConfigError("session_kv_tokens must be >= 16")
+        if self.max_frame_bytes < 64 * 1024:
+            raise ConfigError("max_frame_bytes must be >= 65536")
+        for name in ("idle_lease_s", "reattach_window_s", "lease_check_interval_s", "tracker_retry_s",
+                     "discovery_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.heartbeat_interval_s < 0 or self.shutdown_grace_s < 0 or self.threads < 0:
+            raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
+        if self.capacity_layers < 0:
+            raise ConfigError("capacity_layers must be >= 0")
+        if self.tracker_id and (len(self.tracker_id) != 64 or any(c not in "0123456789abcdef" for c in self.tracker_id)):
+            raise ConfigError("tracker_id must be 64 lowercase hex characters")
+        if self.no_tracker and not self.insecure_no_tickets and not self.tracker_id:
+            raise ConfigError("no_tracker needs a pinned tracker_id or insecure_no_tickets: tickets are verified")
+        if self.no_tracker and self.layers == "auto":
+            raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        return self
+
+    @staticmethod
+    def describe() -> dict[str, str]:
+        return {f.name: f.metadata["doc"] for f in dataclasses.fields(NodeConfig)}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    elif isinstance(value, Path):
+        return str(value)
+    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
+
+
+def load_config(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> NodeConfig:
+    """Merge the layers; a flag whose value is None was not given."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = file or env.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            with open(Path(path).expanduser(), "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from err
+        section = data["node"] if set(data) == {"node"} and isinstance(data["node"], dict) else data
+        for key, value in section.items():
+            if key not in FIELDS:
+                raise ConfigError(f"config file {path}: unknown key {key!r}")
+            values[key] = _coerce(key, value, f"config file {path}")
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key not in FIELDS:
+            raise ConfigError(f"unknown environment variable {var}")
+        values[key] = _coerce(key, value, f"environment {var}")
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in FIELDS:
+            raise ConfigError(f"unknown option {key!r}")
+        values[key] = _coerce(key, value, "command line")
+    return NodeConfig(**values).validate()

@@ -1,0 +1,491 @@
+"""``swarm-node start``: one trio run, one root nursery, readiness through ``nursery.start``.
+
+Start-up, in order (each step logs one event):
+
+1. identity (``node.key`` in the data dir, created on first start);
+2. the tracker: ``tracker_url`` or zeroconf discovery; ``layers=auto`` asks its
+   recommend endpoint;
+3. the shard files (extracted once, then cached) and the vocabulary file;
+4. the engine, then a short benchmark of it, then the hardware probe;
+5. the scheduler, the lease timer, the gRPC server (port written to
+   ``port_file``), the admin HTTP server;
+6. announce + heartbeats in the background (retrying while the tracker is away).
+
+:func:`run_node` reports a :class:`NodeReady` once the gRPC port serves.
+Shutdown (``shutdown`` event, or SIGINT/SIGTERM in the CLI): new sessions are
+refused, every session's KV is freed, gRPC streams get ``shutdown_grace_s`` to
+finish, the engine is closed. The tracker has no "leave" endpoint: the node
+stops heartbeating and expires there after the tracker's timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from node.admin import AdminServer, prometheus
+from node.config import ConfigError, NodeConfig
+from node.hub import Hub
+from node.identity import load_or_create_key, node_id
+from node.logs import event
+from node.session_machine import FrameServer, ServingSpec
+from node.tickets import TicketVerifier
+from proto import codec
+from proto.announce import Announce, Heartbeat, ModelSpec
+from proto.swarm.v1 import frame_pb2, shard_service_pb2
+
+log = logging.getLogger("swarm.node")
+TRACKER_CALL_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    node_id: str
+    grpc_port: int
+    admin_port: int | None
+    shard_start: int
+    shard_end: int
+    model_fingerprint: str
+    recipe_fingerprint: str
+
+
+def software_version() -> str:
+    try:
+        return importlib.metadata.version("swarm-inference")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a plain checkout
+        return "0.0.0"
+
+
+def _write_port_file(path: str, port: int) -> None:
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, target)
+
+
+def advertise_address(config: NodeConfig, port: int) -> str:
+    host = config.advertise_host
+    if not host:
+        host = config.host
+        if host in ("", "0.0.0.0", "::"):
+            host = _first_lan_ipv4() or "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _first_lan_ipv4() -> str | None:
+    try:
+        import psutil
+
+        for entries in psutil.net_if_addrs().values():
+            for e in entries:
+                if e.family == socket.AF_INET and not e.address.startswith("127."):
+                    return str(e.address)
+    except Exception:  # pragma: no cover - best effort
+        return None
+    return None
+
+
+@dataclass
+class _Counters:
+    started_s: float = field(default_factory=time.monotonic)
+    tokens_at_last_heartbeat: int = 0
+    announces: int = 0
+    heartbeats: int = 0
+    tracker_failures: int = 0
+
+
+class NodeDaemon:
+    """Everything one running node holds; built by :func:`run_node`."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.counters = _Counters()
+        self.ready: NodeReady | None = None
+        self.tracker_url = ""
+        self.draining = False
+
+    # -- start-up ----------------------------------------------------------------------------------
+
+    async def run(self, shutdown: trio.Event, *, task_status: trio.TaskStatus[NodeReady]) -> None:
+        from node.backend import EngineBackend
+        from node.engine import EngineConfig, ShardEngine
+        from node.grpc_server import GrpcSettings, ShardServiceAdapter
+        from node.hardware import probe
+        from node.scheduler import Scheduler
+        from node.shard import extract_shard, extract_vocab, parse_layers, read_model_meta
+        from node.startup_bench import run_benchmark
+
+        cfg = self.config
+        if not cfg.model:
+            raise ConfigError("model is required: --model FILE (or model = ... in the config file)")
+        key, created = load_or_create_key(cfg.resolved_data_dir())
+        self.key = key
+        self.node_id = node_id(key)
+        event(log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir()))
+        cache = cfg.resolved_cache_dir()
+        model_path = Path(cfg.model).expanduser()
+        meta = await trio.to_thread.run_sync(read_model_meta, model_path, cache)
+        self.meta = meta
+        if not cfg.no_tracker:
+            self.tracker_url = await self._find_tracker()
+        if cfg.layers == "auto":
+            start, end = await self._recommend(meta.fingerprint, meta.n_layers)
+        else:
+            start, end = parse_layers(cfg.layers, meta.n_layers)
+        event(log, "shard_chosen", model=meta.name, fingerprint=meta.fingerprint, start=start, end=end,
+              auto=cfg.layers == "auto")
+        files = await trio.to_thread.run_sync(extract_shard, model_path, start, end, cache)
+        vocab_path = await trio.to_thread.run_sync(extract_vocab, model_path, cache)
+        vocab_bytes = await trio.to_thread.run_sync(vocab_path.read_bytes)
+        engine_config = EngineConfig(
+            n_threads_count=cfg.resolved_threads(),
+            max_sessions=cfg.max_sessions,
+            session_kv_tokens=cfg.session_kv_tokens,
+            n_batch_tokens=cfg.batch_tokens,
+        )
+        engine = await trio.to_thread.run_sync(ShardEngine, files, engine_config, cache)
+        try:
+            if cfg.benchmark:
+                bench = await trio.to_thread.run_sync(run_benchmark, engine)
+                self.decode_ms, self.prefill_tps = bench.decode_ms_per_token, bench.prefill_tokens_per_s
+            else:
+                self.decode_ms, self.prefill_tps = 10.0, 1000.0  # placeholders until measured
+            event(log, "benchmark", decode_ms_per_token=round(self.decode_ms, 3),
+                  prefill_tokens_per_s=round(self.prefill_tps, 1), measured=cfg.benchmark)
+            self.hardware = await trio.to_thread.run_sync(probe, cache)
+            event(log, "hardware", **self.hardware.to_json())
+            self.engine = engine
+            limits = codec.FrameLimits(max_frame_bytes=cfg.max_frame_bytes)
+            self.spec = ServingSpec(
+                node_id=self.node_id,
+                model_fingerprint=meta.fingerprint,
+                recipe_fingerprint=engine.recipe_fingerprint,
+                shard_start=start,
+                shard_end=end,
+                n_embd=meta.n_embd,
+                n_vocab=meta.n_vocab,
+                is_first=engine.is_first,
+                is_last=engine.is_last,
+                max_sessions=cfg.max_sessions,
+                session_kv_tokens=engine.session_kv_limit,
+                n_ctx_train=meta.context_length or engine.session_kv_limit,
+                max_queued_steps=cfg.max_queued_steps,
+                idle_lease_s=cfg.idle_lease_s,
+                reattach_window_s=cfg.reattach_window_s,
+                limits=limits,
+            )
+            self.verifier = TicketVerifier(
+                node_id=self.node_id,
+                model_fingerprint=meta.fingerprint,
+                shard=(start, end),
+                tracker_public_key=cfg.tracker_id or None,
+                insecure_accept_all=cfg.insecure_no_tickets,
+            )
+            if cfg.insecure_no_tickets:
+                event(log, "tickets_not_verified", level=logging.WARNING,
+                      message="insecure_no_tickets: any OPEN is accepted; never use this on a network")
+            self.machine = FrameServer(self.spec, self.verifier)
+            self.hub = Hub(self.machine)
+            self.scheduler = Scheduler(
+                EngineBackend(engine),
+                self.hub.on_outcome,
+                max_batch_tokens=cfg.batch_tokens,
+                prefill_chunk_tokens=min(cfg.prefill_chunk_tokens, cfg.batch_tokens),
+            )
+            self.hub.attach(self.scheduler)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.scheduler.run)
+                await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
+                self.grpc = ShardServiceAdapter(
+                    self.hub,
+                    GrpcSettings(cfg.host, cfg.port, cfg.max_frame_bytes, vocab_bytes, meta.fingerprint,
+                                 cfg.shutdown_grace_s),
+                    self.info,
+                    self.health,
+                )
+                port = await nursery.start(self.grpc.serve)
+                self.address = advertise_address(cfg, port)
+                if cfg.port_file:
+                    _write_port_file(cfg.port_file, port)
+                admin_port = None
+                if cfg.admin_port >= 0:
+                    admin = AdminServer(cfg.admin_host, cfg.admin_port, health=self.healthz,
+                                        metrics=self.metrics_text, status=self.status)
+                    admin_port = await nursery.start(admin.serve)
+                    if cfg.admin_port_file:
+                        _write_port_file(cfg.admin_port_file, admin_port)
+                if self.tracker_url:
+                    nursery.start_soon(self._tracker_loop)
+                self.ready = NodeReady(self.node_id, port, admin_port, start, end, meta.fingerprint,
+                                       engine.recipe_fingerprint)
+                event(log, "node_serving", node_id=self.node_id, grpc_port=port, admin_port=admin_port,
+                      address=self.address, shard=[start, end], tracker=self.tracker_url or None)
+                task_status.started(self.ready)
+                await shutdown.wait()
+                await self._stop(nursery)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(engine.close)
+            event(log, "node_stopped", node_id=self.node_id)
+
+    async def _stop(self, nursery: trio.Nursery) -> None:
+        self.draining = True
+        stats = self.machine.statistics()
+        event(log, "node_stopping", sessions=stats.sessions, kv_tokens_used=stats.kv_tokens_used)
+        with trio.move_on_after(self.config.shutdown_grace_s + 5) as scope:
+            scope.shield = True
+            await self.hub.drain()
+            await self.grpc.stop()
+        nursery.cancel_scope.cancel()
+
+    # -- tracker ----------------------------------------------------------------------------------------
+
+    async def _find_tracker(self) -> str:
+        if self.config.tracker_url:
+            return self.config.tracker_url.rstrip("/")
+        from tracker.discovery import discover_tracker_async
+
+        while True:
+            url = await discover_tracker_async(self.config.discovery_timeout_s, self.config.tracker_id or None)
+            if url:
+                event(log, "tracker_discovered", url=url)
+                return url
+            event(log, "tracker_not_found", level=logging.WARNING, retry_s=self.config.tracker_retry_s)
+            await trio.sleep(self.config.tracker_retry_s)
+
+    async def _recommend(self, fingerprint: str, n_layers: int) -> tuple[int, int]:
+        from tracker.client import TrackerClient, TrackerClientError
+
+        capacity = self.config.capacity_layers or n_layers
+        async with TrackerClient(self.tracker_url, self.key) as client:
+            while True:
+                try:
+                    with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
+                        return await client.recommend(fingerprint, capacity)
+                except TrackerClientError as err:
+                    if err.status == 404:  # a model the swarm does not know yet: start at layer 0
+                        return 0, min(capacity, n_layers)
+                    raise
+                except (httpx.TransportError, trio.TooSlowError) as err:
+                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    await trio.sleep(self.config.tracker_retry_s)
+
+    def _announce(self) -> Announce:
+        meta = self.meta
+        return Announce(
+            node_id=self.node_id,
+            addresses=(self.address,),
+            relay=False,
+            relay_via=None,
+            hardware=self.hardware,
+            software_version=software_version(),
+            model=ModelSpec(meta.fingerprint, (meta.name or meta.path.stem)[:200], meta.architecture,
+                            meta.n_layers, meta.n_embd),
+            shard_start=self.spec.shard_start,
+            shard_end=self.spec.shard_end,
+            decode_ms_per_token=self.decode_ms,
+            prefill_tokens_per_s=self.prefill_tps,
+            max_sessions=self.spec.max_sessions,
+        )
+
+    def _heartbeat(self) -> Heartbeat:
+        stats = self.machine.statistics()
+        tokens = self.scheduler.statistics().tokens_processed
+        served = tokens - self.counters.tokens_at_last_heartbeat
+        self.counters.tokens_at_last_heartbeat = tokens
+        return Heartbeat(
+            node_id=self.node_id,
+            active_sessions=stats.sessions,
+            queue_depth=self.scheduler.queue_depth,
+            kv_free_tokens=max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted),
+            tokens_served=max(0, served),
+        )
+
+    async def _tracker_loop(self) -> None:
+        from tracker.client import TrackerClient, TrackerClientError
+
+        async with TrackerClient(self.tracker_url, self.key) as client:
+            announced = False
+            interval = self.config.heartbeat_interval_s or 10.0
+            while True:
+                try:
+                    with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
+                        if not announced:
+                            answer = await client.announce(self._announce())
+                            self.counters.announces += 1
+                            announced = True
+                            tracker_id = str(answer.get("tracker_id", ""))
+                            if self.config.tracker_id and tracker_id != self.config.tracker_id:
+                                event(log, "tracker_key_mismatch", level=logging.ERROR, pinned=self.config.tracker_id,
+                                      answered=tracker_id)
+                            elif tracker_id:
+                                self.verifier.trust(tracker_id)
+                            if not self.config.heartbeat_interval_s:
+                                interval = float(answer.get("heartbeat_interval_s", interval))
+                            event(log, "announced", tracker=self.tracker_url, tracker_id=tracker_id,
+                                  state=answer.get("state"), heartbeat_interval_s=interval)
+                        else:
+                            await client.heartbeat(self._heartbeat())
+                            self.counters.heartbeats += 1
+                    await trio.sleep(interval)
+                except TrackerClientError as err:
+                    self.counters.tracker_failures += 1
+                    if err.status == 404:
+                        announced = False  # the tracker forgot us (restart, new database): announce again
+                    event(log, "tracker_refused", level=logging.WARNING, status=err.status, code=err.code,
+                          reason=err.reason, message=str(err))
+                    await trio.sleep(self.config.tracker_retry_s)
+                except (httpx.TransportError, trio.TooSlowError) as err:
+                    self.counters.tracker_failures += 1
+                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    await trio.sleep(self.config.tracker_retry_s)
+
+    # -- introspection -----------------------------------------------------------------------------------
+
+    def _load(self) -> shard_service_pb2.NodeLoad:
+        stats = self.machine.statistics()
+        sched = self.scheduler.statistics()
+        decode_ms = sched.decode_ms_per_token if not math.isnan(sched.decode_ms_per_token) else self.decode_ms
+        return shard_service_pb2.NodeLoad(
+            active_sessions=stats.sessions,
+            queued_steps=sched.queued_jobs,
+            kv_tokens_used=stats.kv_tokens_used,
+            kv_tokens_total=stats.kv_tokens_capacity,
+            decode_ms_per_token=decode_ms,
+        )
+
+    def info(self) -> shard_service_pb2.NodeInfo:
+        meta, spec = self.meta, self.spec
+        return shard_service_pb2.NodeInfo(
+            node_id=self.node_id,
+            model=shard_service_pb2.ModelInfo(
+                fingerprint=meta.fingerprint, name=meta.name, architecture=meta.architecture,
+                n_layers=meta.n_layers, n_embd=meta.n_embd, n_vocab=meta.n_vocab, n_ctx_train=meta.context_length,
+            ),
+            shard=frame_pb2.LayerRange(start=spec.shard_start, end=spec.shard_end),
+            recipe=self.engine.recipe.to_wire(),
+            load=self._load(),
+            limits=shard_service_pb2.NodeLimits(
+                max_frame_bytes=spec.limits.max_frame_bytes,
+                max_step_tokens=spec.limits.max_step_tokens,
+                max_sessions=spec.max_sessions,
+                max_kv_tokens_per_session=spec.session_kv_tokens,
+                encodings=[frame_pb2.ENCODING_F32, frame_pb2.ENCODING_F16, frame_pb2.ENCODING_INT8_BLOCK],
+                min_schema_version=codec.SCHEMA_VERSION,
+                max_schema_version=codec.SCHEMA_VERSION,
+            ),
+            is_last=spec.is_last,
+            serves_vocab=True,
+        )
+
+    def health(self) -> shard_service_pb2.HealthResponse:
+        status = shard_service_pb2.SERVING_STATUS_DRAINING if self.draining else shard_service_pb2.SERVING_STATUS_SERVING
+        return shard_service_pb2.HealthResponse(
+            status=status, uptime_ms=int((time.monotonic() - self.counters.started_s) * 1000), load=self._load()
+        )
+
+    def healthz(self) -> tuple[int, dict[str, Any]]:
+        body = {"status": "draining" if self.draining else "serving", "node_id": self.node_id}
+        return (503 if self.draining else 200), body
+
+    def status(self) -> dict[str, Any]:
+        stats = self.machine.statistics()
+        sched = self.scheduler.statistics()
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "model": {"name": self.meta.name, "fingerprint": self.meta.fingerprint, "n_layers": self.meta.n_layers},
+            "shard": [self.spec.shard_start, self.spec.shard_end],
+            "recipe_fingerprint": self.spec.recipe_fingerprint,
+            "is_first": self.spec.is_first,
+            "is_last": self.spec.is_last,
+            "tracker": self.tracker_url or None,
+            "tracker_key_known": self.verifier.tracker_public_key is not None or self.verifier.insecure_accept_all,
+            "draining": self.draining,
+            "uptime_s": round(time.monotonic() - self.counters.started_s, 1),
+            "sessions": stats.sessions,
+            "max_sessions": self.spec.max_sessions,
+            "queued_steps": sched.queued_jobs,
+            "kv_tokens_used": stats.kv_tokens_used,
+            "kv_tokens_granted": stats.kv_tokens_granted,
+            "kv_tokens_capacity": stats.kv_tokens_capacity,
+            "tokens_processed": sched.tokens_processed,
+            "decode_ms_per_token_startup": round(self.decode_ms, 3),
+            "prefill_tokens_per_s_startup": round(self.prefill_tps, 1),
+            "errors_by_status": stats.errors_by_status,
+            "announces": self.counters.announces,
+            "heartbeats": self.counters.heartbeats,
+            "tracker_failures": self.counters.tracker_failures,
+        }
+
+    def metrics_text(self) -> str:
+        stats = self.machine.statistics()
+        sched = self.scheduler.statistics()
+        tps = sched.tokens_processed / sched.compute_s if sched.compute_s > 0 else 0.0
+        buckets = []
+        running = 0
+        for bound, count in sched.batch_size_counts:
+            running += count
+            buckets.append(({"le": "+Inf" if bound < 0 else str(bound)}, float(running)))
+        m: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
+            ("swarm_node_sessions", "gauge", "Route Sessions held", [({}, stats.sessions)]),
+            ("swarm_node_sessions_max", "gauge", "session slots", [({}, self.spec.max_sessions)]),
+            ("swarm_node_busy_sessions", "gauge", "sessions with a step in flight", [({}, stats.busy_sessions)]),
+            ("swarm_node_queue_depth", "gauge", "steps waiting for or in the engine", [({}, sched.queued_jobs)]),
+            ("swarm_node_connections", "gauge", "open Session streams", [({}, stats.connections)]),
+            ("swarm_node_kv_tokens_used", "gauge", "KV positions held by sessions", [({}, stats.kv_tokens_used)]),
+            ("swarm_node_kv_tokens_granted", "gauge", "KV positions granted to sessions",
+             [({}, stats.kv_tokens_granted)]),
+            ("swarm_node_kv_tokens_capacity", "gauge", "KV positions of all slots", [({}, stats.kv_tokens_capacity)]),
+            ("swarm_node_tokens_processed_total", "counter", "positions through the engine",
+             [({"phase": "decode"}, sched.decode_tokens), ({"phase": "prefill"}, sched.prefill_tokens)]),
+            ("swarm_node_engine_seconds_total", "counter", "time spent in engine batches", [({}, sched.compute_s)]),
+            ("swarm_node_tokens_per_second", "gauge", "positions per second of engine time (busy throughput)",
+             [({}, tps)]),
+            ("swarm_node_decode_ms_per_token", "gauge", "smoothed time of decode-only batches per step",
+             [({}, sched.decode_ms_per_token)]),
+            ("swarm_node_batches_total", "counter", "engine batches", [({}, sched.batches)]),
+            ("swarm_node_frames_total", "counter", "Session frames",
+             [({"direction": "in"}, stats.frames_in), ({"direction": "out"}, stats.frames_out)]),
+            ("swarm_node_replays_total", "counter", "replies re-sent from the idempotency cache",
+             [({}, stats.replays)]),
+            ("swarm_node_evictions_total", "counter", "sessions evicted by lease or re-attach window",
+             [({}, stats.evictions)]),
+            ("swarm_node_refusals_total", "counter", "error replies by status",
+             [({"status": k}, v) for k, v in sorted(stats.errors_by_status.items())]),
+            ("swarm_node_tickets_total", "counter", "route tickets checked",
+             [({"outcome": "accepted"}, self.verifier.accepted), ({"outcome": "refused"}, self.verifier.refused)]),
+            ("swarm_node_tracker_failures_total", "counter", "failed tracker calls",
+             [({}, self.counters.tracker_failures)]),
+        ]
+        hist = [
+            "# HELP swarm_node_batch_tokens positions per engine batch",
+            "# TYPE swarm_node_batch_tokens histogram",
+            *(f'swarm_node_batch_tokens_bucket{{le="{lab["le"]}"}} {int(v)}' for lab, v in buckets),
+            f"swarm_node_batch_tokens_count {sched.batches}",
+            f"swarm_node_batch_tokens_sum {sched.tokens_processed}",
+        ]
+        return prometheus(m) + "\n".join(hist) + "\n"
+
+async def run_node(
+    config: NodeConfig,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[NodeReady] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a node until ``shutdown`` is set (or the surrounding scope is cancelled)."""
+    daemon = NodeDaemon(config)
+    await daemon.run(trio.Event() if shutdown is None else shutdown, task_status=task_status)

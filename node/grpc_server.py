@@ -1,0 +1,262 @@
+"""The gRPC adapter: ``swarm.v1.ShardService`` on grpc's asyncio server, in its own thread.
+
+grpcio has no trio support, so this module is the one place where the two
+event loops meet. The grpc ``aio`` server runs in an asyncio loop on a thread
+started with ``trio.to_thread.run_sync``; each call into trio goes through
+:class:`TrioBridge` (``TrioToken.run_sync_soon`` to start a trio task, and
+``loop.call_soon_threadsafe`` to hand the result back), so neither loop ever
+blocks on the other. Frames stay bytes here: ``Session`` is registered with no
+(de)serializer (docs/protocol.md, Transport) and every message goes to
+:meth:`node.hub.Hub.feed`; replies come from the connection's bounded outbound
+queue. ``Info``/``Health`` ask the trio side for a fresh snapshot; ``GetVocab``
+streams the metadata-only GGUF held in memory.
+
+Flow control: a stream reads its next message only after the hub accepted the
+previous one, and writes as fast as the peer reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import trio
+
+from node.hub import Connection, Hub
+from proto.swarm.v1 import shard_service_pb2
+from proto.vocab import vocab_chunks
+
+log = logging.getLogger("swarm.node.grpc")
+T = TypeVar("T")
+SERVICE = "swarm.v1.ShardService"
+
+
+class TrioBridge:
+    """Call trio code from the asyncio thread without blocking either loop."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, nursery: trio.Nursery) -> None:
+        self.token = token
+        self.nursery = nursery
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def resolve(ok: bool, value: Any) -> None:
+            if not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        async def runner() -> None:
+            try:
+                value = await fn(*args)
+            except trio.Cancelled:
+                loop.call_soon_threadsafe(resolve, False, ConnectionAbortedError("node shutting down"))
+                raise
+            except BaseException as err:  # handed to the asyncio side, which owns the call
+                loop.call_soon_threadsafe(resolve, False, err)
+            else:
+                loop.call_soon_threadsafe(resolve, True, value)
+
+        try:
+            self.token.run_sync_soon(self.nursery.start_soon, runner)
+        except trio.RunFinishedError as err:
+            raise ConnectionAbortedError("node stopped") from err
+        return await fut
+
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        async def wrapper() -> T:
+            return fn(*args)
+
+        return self.call(wrapper)
+
+    def fire(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a sync trio-side function soon; never waits (used from finally blocks)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self.token.run_sync_soon(fn, *args)
+
+
+@dataclass(frozen=True)
+class GrpcSettings:
+    host: str
+    port: int
+    max_frame_bytes: int
+    vocab_bytes: bytes
+    model_fingerprint: str
+    shutdown_grace_s: float = 5.0
+
+
+class ShardServiceAdapter:
+    """Runs the grpc server; :meth:`serve` is started with ``nursery.start`` and reports the port."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        settings: GrpcSettings,
+        info: Callable[[], shard_service_pb2.NodeInfo],
+        health: Callable[[], shard_service_pb2.HealthResponse],
+    ) -> None:
+        self.hub = hub
+        self.settings = settings
+        self._info = info
+        self._health = health
+        self._bridge: TrioBridge | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.streams_opened = 0
+
+    # -- trio side -------------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        token = trio.lowlevel.current_trio_token()
+        bound: list[int] = []
+        failed: list[BaseException] = []
+        ready = trio.Event()
+
+        def report(port: int | None, err: BaseException | None) -> None:
+            if port is not None:
+                bound.append(port)
+            if err is not None:
+                failed.append(err)
+            ready.set()
+
+        async with trio.open_nursery() as bridge_nursery:
+            self._bridge = TrioBridge(token, bridge_nursery)
+
+            async def thread() -> None:
+                try:
+                    await trio.to_thread.run_sync(self._thread_main, token, report)
+                finally:
+                    if not ready.is_set():
+                        report(None, RuntimeError("gRPC thread ended before serving"))
+
+            async with trio.open_nursery() as thread_nursery:
+                thread_nursery.start_soon(thread)
+                await ready.wait()
+                if failed:
+                    raise failed[0]
+                log.info("grpc listening host=%s port=%d", self.settings.host, bound[0])
+                task_status.started(bound[0])
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self._request_stop()
+            bridge_nursery.cancel_scope.cancel()
+
+    async def stop(self) -> None:
+        """Stop accepting streams and let open ones drain for ``shutdown_grace_s``."""
+        self._request_stop()
+
+    def _request_stop(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(stop.set)
+
+    # -- asyncio thread ------------------------------------------------------------------------------
+
+    def _thread_main(self, token: trio.lowlevel.TrioToken, report: Callable[..., None]) -> None:
+        asyncio.run(self._aio_main(token, report))
+
+    async def _aio_main(self, token: trio.lowlevel.TrioToken, report: Callable[..., None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        limit = self.settings.max_frame_bytes + 1024 * 1024  # so an oversized frame gets TOO_LARGE, not a reset
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        handlers = {
+            "Session": grpc.stream_stream_rpc_method_handler(self._session),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                self._info_rpc,
+                request_deserializer=shard_service_pb2.InfoRequest.FromString,
+                response_serializer=shard_service_pb2.NodeInfo.SerializeToString,
+            ),
+            "Health": grpc.unary_unary_rpc_method_handler(
+                self._health_rpc,
+                request_deserializer=shard_service_pb2.HealthRequest.FromString,
+                response_serializer=shard_service_pb2.HealthResponse.SerializeToString,
+            ),
+            "GetVocab": grpc.unary_stream_rpc_method_handler(
+                self._vocab_rpc,
+                request_deserializer=shard_service_pb2.VocabRequest.FromString,
+                response_serializer=shard_service_pb2.VocabChunk.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        try:
+            port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+            if port == 0:
+                raise OSError(f"cannot bind {self.settings.host}:{self.settings.port}")
+            await server.start()
+        except BaseException as err:
+            token.run_sync_soon(report, None, err)
+            return
+        token.run_sync_soon(report, port, None)
+        await self._stop.wait()
+        await server.stop(self.settings.shutdown_grace_s)
+
+    async def _session(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        bridge = self._bridge
+        assert bridge is not None
+        self.streams_opened += 1
+        conn: Connection = await bridge.call_sync(self.hub.open_connection)
+
+        async def writer() -> None:
+            while True:
+                try:
+                    data = await bridge.call(conn.outbound.receive)
+                except (trio.EndOfChannel, trio.ClosedResourceError, ConnectionAbortedError):
+                    return
+                await context.write(data)
+
+        write_task = asyncio.create_task(writer())
+        try:
+            async for data in requests:
+                await bridge.call(self.hub.feed, conn, data)
+                if write_task.done():
+                    break
+            bridge.fire(self.hub.input_ended, conn)
+            await write_task
+        finally:
+            write_task.cancel()
+            bridge.fire(self.hub.close_connection, conn)
+
+    async def _info_rpc(
+        self, request: shard_service_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> shard_service_pb2.NodeInfo:
+        assert self._bridge is not None
+        return await self._bridge.call_sync(self._info)
+
+    async def _health_rpc(
+        self, request: shard_service_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> shard_service_pb2.HealthResponse:
+        assert self._bridge is not None
+        return await self._bridge.call_sync(self._health)
+
+    async def _vocab_rpc(
+        self, request: shard_service_pb2.VocabRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[shard_service_pb2.VocabChunk]:
+        if request.model_fingerprint and request.model_fingerprint != self.settings.model_fingerprint:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this node serves model {self.settings.model_fingerprint}, not {request.model_fingerprint}",
+            )
+        for chunk in vocab_chunks(
+            self.settings.vocab_bytes,
+            model_fingerprint=self.settings.model_fingerprint,
+            chunk_bytes=request.max_chunk_bytes,
+        ):
+            yield chunk

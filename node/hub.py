@@ -1,0 +1,181 @@
+"""The trio shell around the session machine: connections, outbound queues, effects.
+
+A transport (gRPC today, a WebSocket relay later) does three things:
+
+    conn = hub.open_connection()           # per stream / socket
+    await hub.feed(conn, frame_bytes)      # for every received message, in order
+    data = await conn.outbound.receive()   # reply bytes to write, until EndOfChannel
+    hub.input_ended(conn)                  # peer half-closed: finish pending replies, then end
+    hub.close_connection(conn)             # transport gone
+
+The hub runs the :class:`~node.session_machine.FrameServer` actions: engine
+effects go to the :class:`~node.scheduler.Scheduler` in emission order, and a
+``Send`` that follows an engine effect waits for it (an OPEN is acknowledged
+only once its KV is reserved). Outbound queues are bounded; a peer that stops
+reading until its queue is full loses its connection (its sessions then wait
+for a re-attach), so a slow gateway never blocks the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from node.scheduler import ControlDone, Scheduler
+from node.session_machine import Action, FrameServer, OpenKv, Send, StepOutcome
+from proto import codec
+from proto.errors import InternalError, ProtocolError
+
+log = logging.getLogger("swarm.node.hub")
+
+OUTBOUND_FRAMES = 512
+
+
+@dataclass(eq=False)
+class Connection:
+    conn_id: int
+    outbound: trio.MemoryReceiveChannel[bytes]
+    _send: trio.MemorySendChannel[bytes]
+    input_closed: bool = False
+    closed: bool = False
+    frames_out: int = 0
+    opened_s: float = field(default_factory=time.monotonic)
+
+
+class Hub:
+    def __init__(self, server: FrameServer, clock: Callable[[], float] = time.monotonic) -> None:
+        self.server = server
+        self.clock = clock
+        self.scheduler: Scheduler | None = None
+        self._conns: dict[int, Connection] = {}
+        self.dropped_slow_connections = 0
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    # -- transport API ---------------------------------------------------------------------------
+
+    def open_connection(self) -> Connection:
+        conn_id = self.server.connect()
+        send, recv = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
+        conn = Connection(conn_id, recv, send)
+        self._conns[conn_id] = conn
+        return conn
+
+    async def feed(self, conn: Connection, data: bytes) -> None:
+        if conn.closed:
+            return
+        actions = self.server.handle(conn.conn_id, data, self.clock())
+        await self.execute(actions)
+
+    def input_ended(self, conn: Connection) -> None:
+        conn.input_closed = True
+        self._maybe_finish(conn)
+
+    def close_connection(self, conn: Connection) -> None:
+        if conn.conn_id not in self._conns:
+            return
+        del self._conns[conn.conn_id]
+        conn.closed = True
+        conn._send.close()
+        self.server.disconnect(conn.conn_id, self.clock())
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    async def execute(self, actions: list[Action]) -> None:
+        waiting: list[ControlDone] = []
+        for action in actions:
+            if isinstance(action, Send):
+                if waiting:
+                    for done in waiting:
+                        await done.event.wait()
+                    failed = [d for d in waiting if d.error is not None]
+                    waiting = []
+                    if failed:
+                        self._effects_failed(failed, action)
+                        continue
+                self._deliver(action)
+            else:
+                done = self._submit(action)
+                if done is not None:
+                    waiting.append(done)
+        for done in waiting:  # effects with no reply after them (cancel of a busy session...)
+            await done.event.wait()
+
+    def execute_nowait(self, actions: list[Action]) -> None:
+        """For scheduler callbacks and timers: effects are queued, replies delivered at once."""
+        for action in actions:
+            if isinstance(action, Send):
+                self._deliver(action)
+            else:
+                self._submit(action)
+
+    def on_outcome(self, outcome: StepOutcome) -> None:
+        self.execute_nowait(self.server.complete(outcome, self.clock()))
+
+    def _submit(self, action: Action) -> ControlDone | None:
+        if self.scheduler is None:
+            raise RuntimeError("hub has no scheduler attached")
+        return self.scheduler.submit(action)  # type: ignore[arg-type]
+
+    def _effects_failed(self, failed: list[ControlDone], reply: Send) -> None:
+        for done in failed:
+            effect = done.effect
+            if isinstance(effect, OpenKv):
+                self.execute_nowait(self.server.fail_session(effect.session_id, done.error or "engine refused"))
+        request = reply.frames[0] if reply.frames else None
+        exc = InternalError(f"the engine refused the session: {failed[0].error}")
+        frame = codec.error_frame(exc, request, kv_len=0)
+        frame.error.session_closed = True
+        self._deliver(Send(reply.conn, (frame,)))
+
+    def _deliver(self, send: Send) -> None:
+        conn = self._conns.get(send.conn)
+        if conn is None or conn.closed:
+            return  # the reply stays cached in the session for a replay after re-attach
+        try:
+            for frame in send.frames:
+                conn._send.send_nowait(codec.serialize_frame(frame, self.server.spec.limits))
+                conn.frames_out += 1
+        except trio.WouldBlock:
+            log.warning("connection dropped conn=%d: peer does not read its replies", conn.conn_id)
+            self.dropped_slow_connections += 1
+            self.close_connection(conn)
+            return
+        except ProtocolError as exc:  # a bug: we built a frame the codec refuses
+            log.error("reply not sent conn=%d: %s", conn.conn_id, exc)
+            return
+        self._maybe_finish(conn)
+
+    def _maybe_finish(self, conn: Connection) -> None:
+        if conn.input_closed and not conn.closed and self.server.busy_on(conn.conn_id) == 0:
+            # Peer sent everything and every reply is out: end the stream (after the queued bytes).
+            conn._send.close()
+            conn.closed = True
+            self._conns.pop(conn.conn_id, None)
+            self.server.disconnect(conn.conn_id, self.clock())
+
+    # -- timers -------------------------------------------------------------------------------------
+
+    async def run_leases(self, interval_s: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(interval_s)
+            self.execute_nowait(self.server.tick(self.clock()))
+
+    async def drain(self) -> None:
+        """Shutdown: free every session's KV now and wait until the engine did it."""
+        actions = self.server.drain()
+        waiting = [d for d in (self._submit(a) for a in actions) if d is not None]
+        for done in waiting:
+            await done.event.wait()
+        for conn in list(self._conns.values()):
+            self.close_connection(conn)

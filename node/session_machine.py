@@ -1,0 +1,788 @@
+"""The node's Route Session state machine: frame bytes in, actions out (sans-IO).
+
+No trio, no grpc, no llama.cpp: a transport (the gRPC adapter, a WebSocket
+relay, a test) calls :meth:`FrameServer.handle` with the bytes of one frame and
+the connection they came on, and carries out the returned actions in order:
+
+    Send(conn, frames)            put these reply frames on that connection
+    OpenKv(session, budget, ...)  reserve a KV sequence on the engine
+    TruncateKv(session, pos)      drop KV positions >= pos (re-attach)
+    FreeKv(session)               release the session's KV at once
+    Compute(job)                  run one step on the engine (the scheduler batches it)
+    Drop(job_id)                  forget a queued job (cancel); a running one finishes and is ignored
+
+Engine effects must reach the engine in the order they were emitted (the
+scheduler keeps one FIFO for them), and a ``Send`` that follows an engine
+effect in the same list must wait for that effect. When the scheduler finishes
+a job, the transport calls :meth:`FrameServer.complete` with its
+:class:`StepOutcome` and carries out the actions it returns the same way.
+
+Checks, in the order of docs/protocol.md ("What a node checks, in order")::
+
+    1 parse            TOO_LARGE BAD_FRAME SCHEMA_VERSION SHAPE DTYPE      (codec.parse_frame)
+    2 route            FINGERPRINT_MISMATCH SHARD_MISMATCH                 (codec.expect_route)
+    3 OPEN             TICKET_INVALID RESOURCE_EXHAUSTED CONTEXT_EXCEEDED UNAVAILABLE
+      else             UNKNOWN_SESSION SESSION_CLOSED
+    4 epoch            ROUTE_EPOCH
+    5 step id          == last applied: re-send the cached reply; < : STEP_CONFLICT
+    6 KV               POSITION_MISMATCH CONTEXT_EXCEEDED
+    7 chunks/payload   CHUNK_SEQUENCE CHECKSUM TOO_LARGE SHAPE             (codec.StepAssembler)
+    8 compute          RESOURCE_EXHAUSTED (queue full) INTERNAL
+
+Session states::
+
+    (none) --OPEN ok--> IDLE --step--> BUSY --outcome--> IDLE
+    IDLE|BUSY --RELEASE/CANCEL/lease expiry--> closed (remembered, bounded)
+    closed --OPEN--> IDLE (a fresh session under the same id)
+
+Invariants:
+
+* Nothing is sent to the engine before check 8 passes, so every refusal leaves
+  the session exactly as it was.
+* A session has at most one job in flight; a second step meanwhile is refused
+  with RESOURCE_EXHAUSTED (retry SAME), CANCEL and RELEASE are answered at once.
+* The reply frames of the last applied step are kept per session (one step),
+  so a re-sent step id is answered from the cache and never touches the KV twice.
+* The number of queued jobs never exceeds ``max_queued_steps``; the number of
+  sessions never exceeds ``max_sessions``; a session's positions never pass
+  its granted budget.
+* A session whose connection ends without RELEASE/CANCEL is kept for
+  ``reattach_window_s``; any session idle for ``idle_lease_s`` is evicted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from node.logs import event
+from proto import codec
+from proto.errors import (
+    BadFrameError,
+    ChunkSequenceError,
+    ContextExceededError,
+    InternalError,
+    PositionMismatchError,
+    ProtocolError,
+    ResourceExhaustedError,
+    RouteEpochError,
+    SessionClosedError,
+    ShapeError,
+    StepConflictError,
+    TicketInvalidError,
+    UnavailableError,
+    UnknownSessionError,
+    error_class,
+)
+from proto.swarm.v1 import frame_pb2, status_pb2
+from proto.tensor_codec import DEFAULT_BLOCK_SIZE
+
+log = logging.getLogger("swarm.node.session")
+
+MAX_CLOSED_REMEMBERED = 4096
+
+
+# --------------------------------------------------------------------------- what the node serves
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """What this node serves and the bounds it enforces (from the engine and the config)."""
+
+    node_id: str
+    model_fingerprint: str
+    recipe_fingerprint: str
+    shard_start: int
+    shard_end: int
+    n_embd: int
+    n_vocab: int
+    is_first: bool
+    is_last: bool
+    max_sessions: int
+    session_kv_tokens: int  # most positions one session may hold (the engine's per-sequence KV)
+    n_ctx_train: int  # the model's trained context; a larger budget is CONTEXT_EXCEEDED
+    max_queued_steps: int = 64
+    idle_lease_s: float = 300.0
+    reattach_window_s: float = 30.0
+    busy_retry_after_ms: int = 50
+    limits: codec.FrameLimits = codec.DEFAULT_LIMITS
+
+
+# --------------------------------------------------------------------------- actions and outcomes
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling settings of a session (last stage), already range-checked."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    penalty_last_n: int = 64
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """One step for the engine: ``n`` positions of one session starting at ``start``."""
+
+    job_id: int
+    session_id: str
+    start: int
+    tokens: npt.NDArray[np.int32] | None  # first stage
+    hidden: npt.NDArray[np.float32] | None  # other stages, [n, n_embd]
+    sample: bool
+    history: npt.NDArray[np.int32] | None  # last stage with a repetition penalty: tokens so far
+    is_decode: bool
+
+    @property
+    def n_tokens(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return 0 if data is None else int(len(data))
+
+
+@dataclass(frozen=True)
+class SampledOut:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    end_of_generation: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the engine made of a job. ``error_status`` is a wire status name (``"SHAPE"``...)."""
+
+    job_id: int
+    kv_len: int
+    hidden: npt.NDArray[np.float32] | None = None
+    sampled: SampledOut | None = None
+    compute_us: int = 0
+    error_status: str | None = None
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class Send:
+    conn: int
+    frames: tuple[frame_pb2.Frame, ...]
+
+
+@dataclass(frozen=True)
+class OpenKv:
+    session_id: str
+    budget: int
+    sampling: SamplingSpec
+
+
+@dataclass(frozen=True)
+class TruncateKv:
+    session_id: str
+    position: int
+
+
+@dataclass(frozen=True)
+class FreeKv:
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Compute:
+    job: StepJob
+
+
+@dataclass(frozen=True)
+class Drop:
+    job_id: int
+
+
+Action = Send | OpenKv | TruncateKv | FreeKv | Compute | Drop
+EngineEffect = OpenKv | TruncateKv | FreeKv | Compute | Drop
+
+# Checks a route ticket (the raw OpenSession.route_ticket bytes) for this node;
+# raises TicketInvalidError. Injected so the machine stays free of keys and clocks.
+TicketCheck = Callable[[bytes, str], None]
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class _Session:
+    session_id: str
+    conn: int | None
+    epoch: int
+    budget: int
+    sampling: SamplingSpec
+    out_encoding: frame_pb2.Encoding
+    out_block_size: int
+    out_max_frame_bytes: int
+    kv_len: int = 0
+    last_step_id: int = 0
+    last_reply: tuple[frame_pb2.Frame, ...] = ()
+    history: list[int] = field(default_factory=list)  # last stage: applied token ids, = its KV
+    busy_job: int | None = None
+    busy_step: codec.Step | None = None
+    busy_frame: frame_pb2.Frame | None = None
+    assembler: codec.StepAssembler | None = None
+    assembling_step: int = 0
+    assembling_first: frame_pb2.Frame | None = None
+    ignore_step: int = 0  # chunks (index > 0) of this step id are ignored silently
+    expires_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Closed:
+    reason: str  # "released", "cancelled", "evicted", "failed"
+    last_step_id: int
+    reply: tuple[frame_pb2.Frame, ...]
+
+
+@dataclass(frozen=True)
+class MachineStats:
+    sessions: int
+    busy_sessions: int
+    queued_jobs: int
+    kv_tokens_used: int
+    kv_tokens_granted: int
+    kv_tokens_capacity: int
+    connections: int
+    frames_in: int
+    frames_out: int
+    replays: int
+    evictions: int
+    errors_by_status: dict[str, int]
+    draining: bool
+
+
+class FrameServer:
+    """All Route Sessions of one node; transport-independent (see the module docstring)."""
+
+    def __init__(self, spec: ServingSpec, check_ticket: TicketCheck) -> None:
+        self.spec = spec
+        self._check_ticket = check_ticket
+        self._sessions: dict[str, _Session] = {}
+        self._closed: OrderedDict[str, _Closed] = OrderedDict()
+        self._jobs: dict[int, str] = {}  # job id -> session id, for queued or running jobs
+        self._job_ids = itertools.count(1)
+        self._conn_ids = itertools.count(1)
+        self._conns: set[int] = set()
+        self._frames_in = 0
+        self._frames_out = 0
+        self._replays = 0
+        self._evictions = 0
+        self._errors: dict[str, int] = {}
+        self.draining = False
+        self._route = {
+            "model_fingerprint": spec.model_fingerprint,
+            "recipe_fingerprint": spec.recipe_fingerprint,
+            "shard_start": spec.shard_start,
+            "shard_end": spec.shard_end,
+        }
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def connect(self) -> int:
+        conn = next(self._conn_ids)
+        self._conns.add(conn)
+        return conn
+
+    def disconnect(self, conn: int, now: float) -> list[Action]:
+        """The connection ended: its sessions wait ``reattach_window_s`` for a re-OPEN."""
+        self._conns.discard(conn)
+        for sess in self._sessions.values():
+            if sess.conn == conn:
+                sess.conn = None
+                sess.assembler = None
+                sess.expires_at = min(sess.expires_at, now + self.spec.reattach_window_s)
+        return []
+
+    # -- frames in -----------------------------------------------------------------------------
+
+    def handle(self, conn: int, data: bytes, now: float) -> list[Action]:
+        """One frame's bytes from ``conn``: the actions that answer it (maybe none yet)."""
+        self._frames_in += 1
+        try:
+            frame = codec.parse_frame(data, self.spec.limits)
+        except ProtocolError as exc:
+            return [self._error(conn, exc, None, 0)]
+        try:
+            if codec.is_reply(frame):
+                raise BadFrameError(f"a node does not accept {codec.body_kind(frame)!r} frames")
+            codec.expect_route(frame, **self._route)
+            kind = codec.body_kind(frame)
+            if kind == "open":
+                return self._open(conn, frame, now)
+            return self._existing(conn, frame, kind, now)
+        except ProtocolError as exc:
+            sess = self._sessions.get(frame.session_id)
+            return [self._error(conn, exc, frame, sess.kv_len if sess else 0)]
+
+    def _error(
+        self, conn: int, exc: ProtocolError, frame: frame_pb2.Frame | None, kv_len: int
+    ) -> Send:
+        name = exc.status_name
+        self._errors[name] = self._errors.get(name, 0) + 1
+        reply = codec.error_frame(exc, frame, kv_len=kv_len)
+        reply.error.session_closed = exc.session_closed
+        event(log, "frame_refused", level=logging.DEBUG, status=name,
+              session_id=frame.session_id if frame else "", message=exc.message)
+        return self._send(conn, (reply,))
+
+    def _send(self, conn: int, frames: tuple[frame_pb2.Frame, ...]) -> Send:
+        self._frames_out += len(frames)
+        return Send(conn, frames)
+
+    # -- OPEN ----------------------------------------------------------------------------------
+
+    def _open(self, conn: int, frame: frame_pb2.Frame, now: float) -> list[Action]:
+        sid = frame.session_id
+        sess = self._sessions.get(sid)
+        if sess is not None and frame.route_epoch <= sess.epoch:
+            if frame.route_epoch == sess.epoch and frame.step_id == sess.last_step_id and sess.last_reply:
+                return self._replay(conn, sess)  # a re-sent OPEN
+            raise RouteEpochError(
+                f"OPEN for an existing session needs an epoch above {sess.epoch}, got {frame.route_epoch}"
+            )
+        if self.draining:
+            raise UnavailableError("node is shutting down", retry_after_ms=0)
+        try:
+            self._check_ticket(frame.open.route_ticket, sid)
+        except TicketInvalidError:
+            raise
+        except ProtocolError as exc:  # a verifier that raised something else: still a ticket problem
+            raise TicketInvalidError(exc.message) from exc
+        budget = int(frame.open.kv_budget.max_tokens)
+        if budget > self.spec.n_ctx_train:
+            raise ContextExceededError(
+                f"KV budget of {budget} tokens passes the model's context of {self.spec.n_ctx_train}"
+            )
+        if budget > self.spec.session_kv_tokens:
+            raise ResourceExhaustedError(
+                f"KV budget of {budget} tokens asked; this node grants at most "
+                f"{self.spec.session_kv_tokens} per session"
+            )
+        sampling = self._sampling(frame.open.sampling)
+        max_out = self.spec.limits.max_frame_bytes
+        if frame.open.max_frame_bytes:
+            max_out = min(max_out, int(frame.open.max_frame_bytes))
+        encoding = frame.open.output_encoding or frame_pb2.ENCODING_F32
+        block = int(frame.open.output_block_size) or DEFAULT_BLOCK_SIZE
+        if sess is not None:
+            return self._reattach(conn, frame, sess, budget, sampling, encoding, block, max_out, now)
+        if len(self._sessions) >= self.spec.max_sessions:
+            raise ResourceExhaustedError(
+                f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
+            )
+        self._closed.pop(sid, None)
+        sess = _Session(
+            session_id=sid,
+            conn=conn,
+            epoch=int(frame.route_epoch),
+            budget=budget,
+            sampling=sampling,
+            out_encoding=encoding,
+            out_block_size=block,
+            out_max_frame_bytes=max_out,
+            last_step_id=int(frame.step_id),
+            expires_at=now + self.spec.idle_lease_s,
+        )
+        reply = self._ack(frame, sess, reattached=False)
+        self._sessions[sid] = sess
+        event(log, "session_opened", session_id=sid, epoch=sess.epoch, kv_budget=budget, conn=conn)
+        return [OpenKv(sid, budget, sampling), self._send(conn, reply)]
+
+    def _reattach(
+        self,
+        conn: int,
+        frame: frame_pb2.Frame,
+        sess: _Session,
+        budget: int,
+        sampling: SamplingSpec,
+        encoding: frame_pb2.Encoding,
+        block: int,
+        max_out: int,
+        now: float,
+    ) -> list[Action]:
+        if sess.busy_job is not None:
+            raise ResourceExhaustedError(
+                "a step of this session is still running; re-send the OPEN shortly",
+                retry=status_pb2.RETRY_SAME,
+                retry_after_ms=self.spec.busy_retry_after_ms,
+            )
+        keep = int(frame.expected_kv_len)
+        actions: list[Action] = []
+        if keep < sess.kv_len:
+            actions.append(TruncateKv(sess.session_id, keep))
+            sess.kv_len = keep
+            del sess.history[keep:]
+        sess.conn = conn
+        sess.epoch = int(frame.route_epoch)
+        sess.budget = max(budget, sess.kv_len)
+        sess.sampling = sampling
+        sess.out_encoding, sess.out_block_size, sess.out_max_frame_bytes = encoding, block, max_out
+        sess.last_step_id = int(frame.step_id)
+        sess.assembler = None
+        sess.ignore_step = 0
+        sess.expires_at = now + self.spec.idle_lease_s
+        reply = self._ack(frame, sess, reattached=True)
+        event(log, "session_reattached", session_id=sess.session_id, epoch=sess.epoch, kv_len=sess.kv_len, conn=conn)
+        actions.append(self._send(conn, reply))
+        return actions
+
+    def _ack(self, frame: frame_pb2.Frame, sess: _Session, *, reattached: bool) -> tuple[frame_pb2.Frame, ...]:
+        reply = codec.open_ack_frame(
+            frame,
+            kv_len=sess.kv_len,
+            node_id=self.spec.node_id,
+            kv_tokens_granted=sess.budget,
+            max_frame_bytes=self.spec.limits.max_frame_bytes,
+            max_step_tokens=self.spec.limits.max_step_tokens,
+            reattached=reattached,
+        )
+        sess.last_reply = (reply,)
+        return (reply,)
+
+    def _sampling(self, params: frame_pb2.SamplingParams) -> SamplingSpec:
+        s = codec.sampling_settings(params)
+        if not self.spec.is_last:
+            return SamplingSpec()
+        if s.frequency_penalty or s.presence_penalty:
+            raise BadFrameError("frequency_penalty and presence_penalty are not supported by this node")
+        if s.temperature > 100:
+            raise BadFrameError("sampling: temperature must be <= 100")
+        if s.min_p >= 1:
+            raise BadFrameError("sampling: min_p must be < 1")
+        if s.seed >= 2**63:
+            raise BadFrameError("sampling: seed must be < 2**63")
+        if s.repetition_penalty > 10:
+            raise BadFrameError("sampling: repetition_penalty must be <= 10")
+        return SamplingSpec(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            seed=s.seed,
+            repetition_penalty=s.repetition_penalty,
+            penalty_last_n=s.penalty_last_n,
+            top_logprobs=s.n_top_logprobs,
+        )
+
+    # -- frames of an existing session ----------------------------------------------------------
+
+    def _existing(self, conn: int, frame: frame_pb2.Frame, kind: str | None, now: float) -> list[Action]:
+        sid = frame.session_id
+        sess = self._sessions.get(sid)
+        if sess is None:
+            closed = self._closed.get(sid)
+            if closed is None:
+                raise UnknownSessionError(f"no session {sid!r} on this node")
+            if kind == "cancel":
+                return [self._send(conn, (codec.closed_frame(frame, freed_kv_tokens=0),))]
+            if kind == "release" and frame.step_id == closed.last_step_id and closed.reply:
+                self._replays += 1
+                return [self._send(conn, closed.reply)]
+            if frame.HasField("chunk") and frame.chunk.index > 0:
+                return []  # the rest of a step whose first chunk was already refused
+            raise SessionClosedError(f"session {sid!r} was {closed.reason}")
+        if frame.route_epoch != sess.epoch:
+            raise RouteEpochError(f"frame of route epoch {frame.route_epoch}; the session is at epoch {sess.epoch}")
+        if kind == "cancel":
+            return self._close(conn, frame, sess, "cancelled")
+        if frame.step_id == sess.last_step_id:
+            if frame.HasField("chunk") and frame.chunk.index > 0:
+                return []  # chunks after chunk 0 of a replayed step
+            if kind == "activation" and frame.HasField("chunk"):
+                sess.ignore_step = int(frame.step_id)
+            return self._replay(conn, sess)
+        if frame.step_id < sess.last_step_id:
+            raise StepConflictError(f"step id {frame.step_id} is not above the last applied {sess.last_step_id}")
+        if kind == "release":
+            return self._close(conn, frame, sess, "released")
+        return self._step(conn, frame, sess, now)
+
+    def _replay(self, conn: int, sess: _Session) -> list[Action]:
+        self._replays += 1
+        frames = []
+        for cached in sess.last_reply:
+            copy = frame_pb2.Frame()
+            copy.CopyFrom(cached)
+            copy.route_epoch = sess.epoch
+            frames.append(copy)
+        return [self._send(conn, tuple(frames))]
+
+    def _close(self, conn: int, frame: frame_pb2.Frame, sess: _Session, reason: str) -> list[Action]:
+        actions: list[Action] = []
+        if sess.busy_job is not None:
+            actions.append(Drop(sess.busy_job))
+            self._jobs.pop(sess.busy_job, None)  # its result is dropped, never sent
+        freed = sess.kv_len
+        del self._sessions[sess.session_id]
+        actions.append(FreeKv(sess.session_id))
+        reply = (codec.closed_frame(frame, freed_kv_tokens=freed),)
+        self._remember_closed(sess.session_id, _Closed(reason, int(frame.step_id), reply))
+        event(log, f"session_{reason}", session_id=sess.session_id, freed_kv_tokens=freed)
+        actions.append(self._send(conn, reply))
+        return actions
+
+    def _remember_closed(self, sid: str, closed: _Closed) -> None:
+        self._closed[sid] = closed
+        self._closed.move_to_end(sid)
+        while len(self._closed) > MAX_CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _step(self, conn: int, frame: frame_pb2.Frame, sess: _Session, now: float) -> list[Action]:
+        chunked = frame.HasField("chunk")
+        first_chunk = not chunked or frame.chunk.index == 0
+        actions: list[Action] = []
+        if sess.assembler is not None and (first_chunk or frame.step_id != sess.assembling_step):
+            # The step being assembled was abandoned: a retry of it (chunk 0 again) starts afresh
+            # silently; anything else ends it with one CHUNK_SEQUENCE reply for that step.
+            abandoned = sess.assembling_first
+            same_retry = frame.step_id == sess.assembling_step and first_chunk
+            sess.assembler = None
+            sess.assembling_first = None
+            if abandoned is not None and not same_retry:
+                actions.append(
+                    self._error(
+                        conn,
+                        ChunkSequenceError(f"step {sess.assembling_step} abandoned before its last chunk"),
+                        abandoned,
+                        sess.kv_len,
+                    )
+                )
+        if not first_chunk and sess.assembler is None:
+            if frame.step_id == sess.ignore_step:
+                return actions  # rest of an attempt that was already answered
+            sess.ignore_step = int(frame.step_id)
+            actions.append(
+                self._error(
+                    conn,
+                    ChunkSequenceError(f"chunk {frame.chunk.index} of step {frame.step_id} without chunk 0"),
+                    frame,
+                    sess.kv_len,
+                )
+            )
+            return actions
+        try:
+            step = self._assemble(frame, sess, first_chunk)
+        except ProtocolError as exc:
+            sess.assembler = None
+            sess.assembling_first = None
+            if chunked:
+                sess.ignore_step = int(frame.step_id)
+            actions.append(self._error(conn, exc, frame, sess.kv_len))
+            return actions
+        if step is None:
+            return actions
+        sess.assembler = None
+        sess.assembling_first = None
+        try:
+            job = self._job(step, sess)
+        except ProtocolError as exc:
+            if chunked:
+                sess.ignore_step = int(frame.step_id)
+            actions.append(self._error(conn, exc, frame, sess.kv_len))
+            return actions
+        sess.busy_job = job.job_id
+        sess.busy_step = step
+        sess.busy_frame = frame
+        sess.conn = conn
+        sess.expires_at = now + self.spec.idle_lease_s
+        self._jobs[job.job_id] = sess.session_id
+        actions.append(Compute(job))
+        return actions
+
+    def _assemble(self, frame: frame_pb2.Frame, sess: _Session, first_chunk: bool) -> codec.Step | None:
+        if sess.busy_job is not None:
+            raise ResourceExhaustedError(
+                "a step of this session is still running; steps of one session go one at a time",
+                retry=status_pb2.RETRY_SAME,
+                retry_after_ms=self.spec.busy_retry_after_ms,
+            )
+        if first_chunk:
+            if frame.expected_kv_len != sess.kv_len:
+                raise PositionMismatchError(
+                    f"step expects KV length {frame.expected_kv_len}; the node holds {sess.kv_len}"
+                )
+        if frame.positions.end > sess.budget:
+            raise ContextExceededError(
+                f"position {frame.positions.end} passes the session's KV budget of {sess.budget}"
+            )
+        if first_chunk:
+            sess.assembler = codec.StepAssembler(self.spec.limits)
+            sess.assembling_step = int(frame.step_id)
+            sess.assembling_first = frame
+        assert sess.assembler is not None  # set just above for chunk 0; checked by the caller otherwise
+        return sess.assembler.add(frame)
+
+    def _job(self, step: codec.Step, sess: _Session) -> StepJob:
+        n = step.n_tokens
+        tokens: npt.NDArray[np.int32] | None = None
+        hidden: npt.NDArray[np.float32] | None = None
+        extra = set(step.tensors) - {codec.HIDDEN}
+        if extra:
+            raise ShapeError(f"unexpected tensors {sorted(extra)}; this node takes {codec.HIDDEN!r} only")
+        if self.spec.is_first:
+            if len(step.token_ids) != n:
+                raise ShapeError("the first stage takes token ids, one per position")
+            if step.tensors:
+                raise ShapeError("the first stage takes token ids, not hidden states")
+            if int(step.token_ids.max()) >= self.spec.n_vocab:
+                raise ShapeError(f"token id outside the vocabulary [0, {self.spec.n_vocab})")
+            tokens = step.token_ids
+        else:
+            h = step.tensors.get(codec.HIDDEN)
+            if h is None:
+                raise ShapeError(f"this stage takes a {codec.HIDDEN!r} tensor [n_tokens, {self.spec.n_embd}]")
+            if h.ndim != 2 or h.shape[1] != self.spec.n_embd:
+                raise ShapeError(f"hidden states of shape {list(h.shape)}; this node needs [n, {self.spec.n_embd}]")
+            if not np.isfinite(h).all():
+                raise ShapeError("hidden states contain NaN or infinity")
+            hidden = np.ascontiguousarray(h, dtype=np.float32)
+        if step.sample and not self.spec.is_last:
+            raise BadFrameError("sample is set on a stage that is not last")
+        history: npt.NDArray[np.int32] | None = None
+        if self.spec.is_last and sess.sampling.repetition_penalty != 1.0:
+            history = np.asarray([*sess.history, *step.token_ids.tolist()], dtype=np.int32)
+        if len(self._jobs) >= self.spec.max_queued_steps:
+            raise ResourceExhaustedError(
+                f"step queue full ({self.spec.max_queued_steps} steps)",
+                retry=status_pb2.RETRY_SAME,
+                retry_after_ms=self.spec.busy_retry_after_ms,
+            )
+        return StepJob(
+            job_id=next(self._job_ids),
+            session_id=sess.session_id,
+            start=step.start,
+            tokens=tokens,
+            hidden=hidden,
+            sample=step.sample,
+            history=history,
+            is_decode=step.phase == frame_pb2.PHASE_DECODE,
+        )
+
+    # -- outcomes ----------------------------------------------------------------------------------
+
+    def complete(self, outcome: StepOutcome, now: float) -> list[Action]:
+        """A job finished on the engine: the reply for its session (if the session still wants it)."""
+        sid = self._jobs.pop(outcome.job_id, None)
+        sess = self._sessions.get(sid) if sid is not None else None
+        if sess is None or sess.busy_job != outcome.job_id or sess.busy_step is None or sess.busy_frame is None:
+            return []  # cancelled or released meanwhile
+        step, frame = sess.busy_step, sess.busy_frame
+        sess.busy_job = sess.busy_step = sess.busy_frame = None
+        sess.expires_at = now + self.spec.idle_lease_s
+        sess.kv_len = outcome.kv_len
+        if outcome.error_status is not None:
+            cls = error_class(getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL))
+            exc = cls(outcome.error_message or outcome.error_status)
+            if step.n_frames > 1:
+                sess.ignore_step = step.step_id
+            return [] if sess.conn is None else [self._error(sess.conn, exc, frame, sess.kv_len)]
+        sampled = []
+        if outcome.sampled is not None:
+            s = outcome.sampled
+            token = frame_pb2.SampledToken(
+                token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
+            )
+            token.top_logprobs.extend(frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs)
+            sampled.append(token)
+        try:
+            replies = codec.result_frames(
+                step,
+                kv_len=sess.kv_len,
+                hidden=outcome.hidden,
+                sampled=sampled,
+                compute_us=outcome.compute_us,
+                encoding=sess.out_encoding,
+                block_size=sess.out_block_size,
+                max_frame_bytes=sess.out_max_frame_bytes,
+            )
+        except ProtocolError as exc:
+            # Could not encode the output (e.g. f16 overflow): the KV advanced, so report it as applied
+            # but failed; the gateway re-opens to truncate.
+            err = InternalError(f"cannot encode the step's output: {exc.message}", session_closed=False)
+            return [] if sess.conn is None else [self._error(sess.conn, err, frame, sess.kv_len)]
+        sess.last_step_id = step.step_id
+        sess.last_reply = tuple(replies)
+        if self.spec.is_last and len(step.token_ids):
+            sess.history.extend(step.token_ids.tolist())
+        return [] if sess.conn is None else [self._send(sess.conn, tuple(replies))]
+
+    def fail_session(self, session_id: str, message: str) -> list[Action]:
+        """The engine could not carry out an effect for this session (it should not happen): drop it."""
+        sess = self._sessions.pop(session_id, None)
+        if sess is None:
+            return []
+        if sess.busy_job is not None:
+            self._jobs.pop(sess.busy_job, None)
+        self._remember_closed(session_id, _Closed("failed", sess.last_step_id, ()))
+        event(log, "session_failed", level=logging.ERROR, session_id=session_id, message=message)
+        return [FreeKv(session_id)]
+
+    # -- time and shutdown ---------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Action]:
+        """Evict sessions whose lease or re-attach window has passed."""
+        actions: list[Action] = []
+        for sid, sess in list(self._sessions.items()):
+            if sess.busy_job is None and now >= sess.expires_at:
+                del self._sessions[sid]
+                self._evictions += 1
+                self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
+                event(log, "session_evicted", session_id=sid, freed_kv_tokens=sess.kv_len)
+                actions.append(FreeKv(sid))
+        return actions
+
+    def drain(self) -> list[Action]:
+        """Shutting down: refuse new sessions, free every session's KV."""
+        self.draining = True
+        actions: list[Action] = []
+        for sid, sess in list(self._sessions.items()):
+            if sess.busy_job is not None:
+                actions.append(Drop(sess.busy_job))
+                self._jobs.pop(sess.busy_job, None)
+            del self._sessions[sid]
+            self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
+            actions.append(FreeKv(sid))
+        return actions
+
+    # -- introspection -------------------------------------------------------------------------------
+
+    def busy_on(self, conn: int) -> int:
+        """Steps of sessions on ``conn`` whose replies are still to come."""
+        return sum(1 for s in self._sessions.values() if s.conn == conn and s.busy_job is not None)
+
+    def kv_len(self, session_id: str) -> int | None:
+        sess = self._sessions.get(session_id)
+        return None if sess is None else sess.kv_len
+
+    def statistics(self) -> MachineStats:
+        sessions = list(self._sessions.values())
+        return MachineStats(
+            sessions=len(sessions),
+            busy_sessions=sum(1 for s in sessions if s.busy_job is not None),
+            queued_jobs=len(self._jobs),
+            kv_tokens_used=sum(s.kv_len for s in sessions),
+            kv_tokens_granted=sum(s.budget for s in sessions),
+            kv_tokens_capacity=self.spec.max_sessions * self.spec.session_kv_tokens,
+            connections=len(self._conns),
+            frames_in=self._frames_in,
+            frames_out=self._frames_out,
+            replays=self._replays,
+            evictions=self._evictions,
+            errors_by_status=dict(self._errors),
+            draining=self.draining,
+        )
