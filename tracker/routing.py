@@ -150,7 +150,7 @@ def select_routes(
         if last not in paths:
             paths.append(last)
     if len(paths) < k:
-        _fill_by_banning(graph, paths, k, uses, base, shards, costs)
+        _fill_by_banning(graph, paths, k, uses, base, shards, costs, max_searches=4 * k)
 
     if k > 1 and not _node_disjoint(paths, shards):
         disjoint = _disjoint_by_flow(shards, base, snapshot.default_latency_ms, n_layers, k)
@@ -171,7 +171,7 @@ def _penalised(base: float, shard: ShardView, uses: int, costs: RoutingCosts) ->
 
 
 def _fill_by_banning(graph: _Graph, paths: list[tuple[int, ...]], k: int, uses: list[int], base: list[float],
-                     shards: list[ShardView], costs: RoutingCosts, max_searches: int = 64) -> None:
+                     shards: list[ShardView], costs: RoutingCosts, max_searches: int) -> None:
     """Add distinct routes by banning one shard of an existing route at a time (appends to ``paths``).
 
     Any route not yet chosen omits at least one shard of every chosen route (two
