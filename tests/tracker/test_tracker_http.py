@@ -15,6 +15,7 @@ import pytest
 import trio
 from tracker_helpers import MODEL, announce_for, heartbeat_for, key, test_config
 
+from proto.announce import UsageEntry, UsageReport
 from proto.signing import public_key_hex, verify_route_ticket
 from tracker.client import TrackerClient, TrackerClientError
 from tracker.server import RunningTracker, serve_tracker
@@ -70,6 +71,12 @@ async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url
                 # Heartbeat again: restored, routable again.
                 assert (await c1.heartbeat(heartbeat_for(k1)))["restored"] is True
                 assert len((await c1.routes(MODEL.fingerprint))["routes"]) == 1
+                # A gateway reports usage with its own key.
+                report = UsageReport(gateway_id=public_key_hex(key(40)), request_id="r-1",
+                                     model_fingerprint=MODEL.fingerprint,
+                                     entries=(UsageEntry(public_key_hex(k1), 10, 8),))
+                async with TrackerClient(running.url, key(40)) as gw:
+                    assert await gw.report_usage(report) == {"recorded": 1, "duplicates": 0}
                 # A body over the limit is refused by the real server too.
                 raw = httpx.AsyncClient(base_url=running.url)
                 async with raw:
