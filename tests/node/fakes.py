@@ -24,6 +24,7 @@ class FakeBackend:
         self.kv: dict[str, int] = {}
         self.batches: list[list[tuple[str, int, int]]] = []
         self.fail_next: str | None = None
+        self.fail_at_offset: tuple[str, int] | None = None  # fail this session's slice at this offset
         self.log: list[tuple[str, str]] = []
 
     def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None:
@@ -35,6 +36,8 @@ class FakeBackend:
         self.log.append(("open", session_id))
 
     def truncate(self, session_id: str, position: int) -> None:
+        if session_id not in self.kv:
+            raise KeyError(session_id)
         self.kv[session_id] = position
         self.log.append(("truncate", session_id))
 
@@ -61,7 +64,7 @@ class FakeBackend:
             if self.kv[sid] != start:
                 out.append(SliceResult(self.kv[sid], error_status="POSITION_MISMATCH", error_message="pos"))
                 continue
-            if self.fail_next == sid:
+            if self.fail_next == sid or self.fail_at_offset == (sid, s.offset):
                 self.fail_next = None
                 out.append(SliceResult(self.kv[sid], error_status="INTERNAL", error_message="boom"))
                 continue

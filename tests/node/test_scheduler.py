@@ -1,0 +1,126 @@
+"""Batch planning (pure) and the scheduler loop with a fake engine backend (trio, no llama.cpp)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from node.batching import PendingJob, plan_batch
+from node.scheduler import Scheduler
+from node.session_machine import Compute, Drop, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome, TruncateKv
+from tests.node.fakes import N_EMBD, FakeBackend
+
+
+def job(job_id: int, sid: str, start: int, n: int, *, decode: bool = False) -> StepJob:
+    return StepJob(job_id, sid, start, np.arange(n, dtype=np.int32), None, False, None, decode)
+
+
+# --------------------------------------------------------------------------- plan_batch
+
+
+def test_decode_steps_go_first_and_prefill_is_chunked() -> None:
+    pending = [PendingJob(job(1, "p", 0, 100)), PendingJob(job(2, "d1", 5, 1, decode=True)),
+               PendingJob(job(3, "q", 0, 10)), PendingJob(job(4, "d2", 9, 1, decode=True))]
+    plan = plan_batch(pending, max_tokens=40, prefill_chunk=32)
+    assert [(s.pending.job.session_id, s.offset, s.count) for s in plan] == [
+        ("d1", 0, 1), ("d2", 0, 1), ("p", 0, 32), ("q", 0, 6)]
+
+
+def test_plan_resumes_partial_prefill_and_skips_dropped() -> None:
+    p = PendingJob(job(1, "p", 0, 100), done=64)
+    d = PendingJob(job(2, "x", 0, 5), dropped=True)
+    plan = plan_batch([p, d], max_tokens=512, prefill_chunk=256)
+    assert [(s.offset, s.count, s.last) for s in plan] == [(64, 36, True)]
+    assert plan_batch([], 10, 10) == []
+    with pytest.raises(ValueError):
+        plan_batch([p], 0, 1)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 64])
+def test_plan_never_exceeds_the_batch(max_tokens: int) -> None:
+    rng = np.random.default_rng(max_tokens)
+    pending = [PendingJob(job(i, f"s{i}", 0, int(rng.integers(1, 50)), decode=bool(rng.integers(0, 2))))
+               for i in range(12)]
+    plan = plan_batch(pending, max_tokens, 16)
+    assert sum(s.count for s in plan) <= max_tokens
+    assert len({s.pending.job.session_id for s in plan}) == len(plan)  # one slice per session
+    assert all(s.count <= 16 for s in plan if not s.pending.job.is_decode)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.outcomes: list[StepOutcome] = []
+        self.event = trio.Event()
+        self.want = 0
+
+    def __call__(self, outcome: StepOutcome) -> None:
+        self.outcomes.append(outcome)
+        if len(self.outcomes) >= self.want:
+            self.event.set()
+
+    async def wait(self, n: int) -> None:
+        self.want = n
+        if len(self.outcomes) < n:
+            self.event = trio.Event()
+            with trio.fail_after(5):
+                await self.event.wait()
+
+
+async def test_scheduler_runs_controls_in_order_then_batches() -> None:
+    backend = FakeBackend(max_sessions=4)
+    got = Collector()
+    sched = Scheduler(backend, got, max_batch_tokens=32, prefill_chunk_tokens=8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        sched.submit(OpenKv("a", 64, SamplingSpec()))
+        sched.submit(OpenKv("b", 64, SamplingSpec()))
+        sched.submit(Compute(job(1, "a", 0, 20)))
+        sched.submit(Compute(job(2, "b", 0, 1, decode=True)))
+        await got.wait(2)
+        by_id = {o.job_id: o for o in got.outcomes}
+        assert by_id[1].error_status is None and by_id[1].kv_len == 20 and by_id[1].hidden.shape == (20, N_EMBD)
+        assert np.array_equal(by_id[1].hidden[:, 0], np.arange(20) * 2.0)  # slices joined in order
+        assert by_id[2].kv_len == 1
+        # the 20-token prefill went in slices of at most 8, the decode rode in the first batch
+        assert backend.batches[0][0] == ("b", 0, 1)
+        assert all(c <= 8 for batch in backend.batches for sid, _, c in batch if sid == "a")
+        stats = sched.statistics()
+        assert stats.tokens_processed == 21 and stats.decode_tokens == 1 and stats.batches >= 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_failed_slice_rolls_the_whole_step_back() -> None:
+    backend = FakeBackend()
+    got = Collector()
+    sched = Scheduler(backend, got, max_batch_tokens=8, prefill_chunk_tokens=8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        backend.fail_at_offset = ("a", 8)  # the second slice fails
+        sched.submit(Compute(job(1, "a", 0, 20)))
+        await got.wait(1)
+        (out,) = got.outcomes
+        assert out.error_status == "INTERNAL" and out.kv_len == 0
+        assert backend.kv["a"] == 0  # the first slice was truncated away
+        nursery.cancel_scope.cancel()
+
+
+async def test_drop_forgets_a_queued_job_and_free_releases() -> None:
+    backend = FakeBackend()
+    got = Collector()
+    sched = Scheduler(backend, got, max_batch_tokens=8, prefill_chunk_tokens=8)
+    sched.submit(OpenKv("a", 64, SamplingSpec()))
+    sched.submit(Compute(job(1, "a", 0, 4)))
+    sched.submit(Drop(1))
+    sched.submit(FreeKv("a"))
+    assert sched.queue_depth == 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        assert await sched.run_control(TruncateKv("zzz", 0)) is not None  # unknown session: reported, loop lives
+        assert backend.log == [("open", "a"), ("free", "a")]
+        assert got.outcomes == []
+        nursery.cancel_scope.cancel()
