@@ -173,7 +173,7 @@ def open_envelope(
     payload_bytes, pk = verify_envelope(envelope, max_payload_bytes=max_payload_bytes)
     try:
         payload = json.loads(payload_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise SignatureError("malformed_envelope", "payload is not UTF-8 JSON") from err
     if not isinstance(payload, dict):
         raise SignatureError("malformed_envelope", "payload must be a JSON object")
@@ -260,7 +260,7 @@ def verify_route_ticket(
                              issued_at_s=float(p["timestamp"]), expires_at_s=float(p["expires_at"]))
     except SignatureError:
         raise
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise SignatureError("malformed_envelope", "route ticket payload is malformed") from err
     if ticket.tracker_id != pk:
         raise SignatureError("key_mismatch", "tracker_id does not match the signing key")

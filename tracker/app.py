@@ -65,7 +65,7 @@ def create_app(registry: Registry) -> QuartTrio:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
         try:
             return json.loads(body)
-        except (UnicodeDecodeError, ValueError) as err:
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurd nesting
             raise BadRequest("request body is not valid JSON") from err
 
     @app.errorhandler(Exception)

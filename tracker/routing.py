@@ -126,7 +126,8 @@ def select_routes(
         ),
         key=attrgetter("start"),  # stable: equal starts keep the snapshot's order
     )
-    # One draw per eligible shard in canonical order: deterministic for a given seed.
+    # One draw per eligible shard, in start order (the snapshot's order among equal starts):
+    # the same snapshot and seed always give the same answer.
     ties = [rng.random() for _ in shards]
     base = [shard_cost_ms(s, snapshot, costs) for s in shards]
     graph = _Graph(shards, base, ties, snapshot, n_layers)

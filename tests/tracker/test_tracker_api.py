@@ -102,6 +102,7 @@ async def test_refusals_write_nothing(env: Env) -> None:
         "heartbeat signed as announce": ("/v1/announce", good_hb, 401, "wrong_kind"),
         "oversized body": ("/v1/announce", b"{" + b" " * 9000 + b"}", 413, ""),
         "not json": ("/v1/announce", b"{nope", 400, ""),
+        "absurdly nested json": ("/v1/announce", b"[" * 4000 + b"]" * 4000, 400, ""),
         "not an envelope": ("/v1/announce", {"node_id": public_key_hex(k2)}, 400, "malformed_envelope"),
         "shard past the model": ("/v1/announce",
                                  signed(k2, "announce", {**announce_for(k2, 15, 30).to_json(), "shard_end": 31},
