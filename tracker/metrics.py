@@ -6,6 +6,7 @@ Label sets are bounded by construction (endpoint names, status codes, refusal re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 Labels = tuple[tuple[str, str], ...]
@@ -38,7 +39,11 @@ def _fmt_labels(labels: Labels) -> str:
 
 
 def _fmt_value(v: float) -> str:
-    return repr(float(v)) if v != int(v) else str(int(v))
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return str(int(v)) if v == int(v) else repr(float(v))
 
 
 class Metrics:

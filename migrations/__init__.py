@@ -1,0 +1,1 @@
+"""Alembic migrations for the tracker database (run through ``swarm-tracker db``)."""
