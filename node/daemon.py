@@ -458,6 +458,8 @@ class NodeDaemon:
             ("swarm_node_decode_ms_per_token", "gauge", "smoothed time of decode-only batches per step",
              [({}, sched.decode_ms_per_token)]),
             ("swarm_node_batches_total", "counter", "engine batches", [({}, sched.batches)]),
+            ("swarm_node_multi_session_batches_total", "counter", "batches carrying several sessions' work",
+             [({}, sched.multi_session_batches)]),
             ("swarm_node_frames_total", "counter", "Session frames",
              [({"direction": "in"}, stats.frames_in), ({"direction": "out"}, stats.frames_out)]),
             ("swarm_node_replays_total", "counter", "replies re-sent from the idempotency cache",

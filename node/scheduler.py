@@ -59,6 +59,7 @@ class SchedulerStats:
     last_batch_tokens: int
     batch_size_counts: tuple[tuple[int, int], ...]  # (bucket upper bound, count), cumulative-free
     decode_ms_per_token: float  # smoothed time of a batch that held only decode steps, per step
+    multi_session_batches: int  # batches that carried work of more than one session
 
 
 class Scheduler:
@@ -88,6 +89,7 @@ class Scheduler:
         self._last_batch = 0
         self._buckets = [0] * (len(BATCH_SIZE_BUCKETS) + 1)
         self._decode_ms = math.nan
+        self._multi = 0
         self._stopped = False
 
     # -- trio side: submissions ----------------------------------------------------------------
@@ -191,6 +193,8 @@ class Scheduler:
         self._batches += 1
         self._tokens += n
         self._last_batch = n
+        if len(plan) > 1:
+            self._multi += 1
         self._compute_s += elapsed
         decode = sum(s.count for s in plan if s.pending.job.is_decode)
         self._decode_tokens += decode
@@ -258,4 +262,5 @@ class Scheduler:
             last_batch_tokens=self._last_batch,
             batch_size_counts=tuple(zip(bounds, self._buckets, strict=True)),
             decode_ms_per_token=self._decode_ms,
+            multi_session_batches=self._multi,
         )

@@ -1,0 +1,159 @@
+"""Node configuration layering, identity files, keygen/id CLI, route-ticket checks, admin rendering."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nacl.signing
+import pytest
+import trio
+
+from node.admin import AdminServer, prometheus
+from node.config import ConfigError, NodeConfig, load_config
+from node.identity import KeyFileError, load_key, load_or_create_key, node_id
+from node.tickets import TicketVerifier
+from proto.errors import TicketInvalidError
+from proto.signing import RouteTicket, TicketHop, canonical_json, public_key_hex, sign_route_ticket
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_layers_defaults_file_env_flags(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "node.toml"
+    cfg_file.write_text('[node]\nmax_sessions = 3\nport = 9000\nlayers = "0:10"\n')
+    cfg = load_config(file=cfg_file, env={"SWARM_NODE_PORT": "9001", "SWARM_NODE_BENCHMARK": "false"},
+                      flags={"port": 9002, "threads": None})
+    assert (cfg.max_sessions, cfg.port, cfg.layers, cfg.benchmark, cfg.threads) == (3, 9002, "0:10", False, 0)
+    assert load_config(env={}).port == NodeConfig().port
+    with pytest.raises(dataclasses_frozen_error()):
+        cfg.port = 1  # type: ignore[misc]
+
+
+def dataclasses_frozen_error() -> type[Exception]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+    ("file_text", "env", "message"),
+    [
+        ("max_sesions = 3\n", {}, "unknown key 'max_sesions'"),
+        ("", {"SWARM_NODE_PORTT": "1"}, "unknown environment variable SWARM_NODE_PORTT"),
+        ("port = 'x'\n", {}, "port must be a int"),
+        ("port = 70000\n", {}, "port must be in 0..65535"),
+        ("no_tracker = true\nlayers = '0:5'\n", {}, "no_tracker needs"),
+        ("tracker_id = 'abc'\n", {}, "tracker_id must be 64"),
+    ],
+)
+def test_config_errors(tmp_path: Path, file_text: str, env: dict[str, str], message: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(file_text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(file=path, env=env)
+
+
+def test_every_field_is_documented() -> None:
+    docs = NodeConfig.describe()
+    assert all(docs.values()) and "session_kv_tokens" in docs
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_key_created_once_with_mode_0600(tmp_path: Path) -> None:
+    key, created = load_or_create_key(tmp_path / "d")
+    assert created
+    path = tmp_path / "d" / "node.key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again, created2 = load_or_create_key(tmp_path / "d")
+    assert not created2 and node_id(again) == node_id(key) == public_key_hex(key)
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_key(path)
+
+
+def test_keygen_and_id_cli(tmp_path: Path) -> None:
+    run = lambda *a: subprocess.run([sys.executable, "-m", "node.cli", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=ROOT, timeout=60, check=False)
+    missing = run("id", "--data-dir", str(tmp_path))
+    assert missing.returncode != 0 and "keygen" in missing.stderr
+    made = run("keygen", "--data-dir", str(tmp_path))
+    assert made.returncode == 0 and len(made.stdout.strip()) == 64
+    shown = run("id", "--data-dir", str(tmp_path))
+    assert shown.stdout.strip() == made.stdout.strip()
+
+
+# --------------------------------------------------------------------------- tickets
+
+
+def _ticket(key: nacl.signing.SigningKey, node: str, *, start: int = 0, end: int = 15, model: str = "f" * 64,
+            expires_in: float = 300.0) -> bytes:
+    now = time.time()
+    hop = TicketHop(node, start, end, "127.0.0.1:1")
+    return canonical_json(sign_route_ticket(key, RouteTicket("x", "s" * 32, model, (hop,), now, now + expires_in)))
+
+
+def test_ticket_verifier() -> None:
+    tracker = nacl.signing.SigningKey.generate()
+    me = "1" * 64
+    v = TicketVerifier(node_id=me, model_fingerprint="f" * 64, shard=(0, 15), tracker_public_key=None)
+    with pytest.raises(TicketInvalidError, match="does not know its tracker"):
+        v(_ticket(tracker, me), "s")
+    v.trust(public_key_hex(tracker))
+    v(_ticket(tracker, me), "s")
+    cases = {
+        "untrusted_key": _ticket(nacl.signing.SigningKey.generate(), me),
+        "expired": _ticket(tracker, me, expires_in=-60),
+        "not a hop": _ticket(tracker, "2" * 64),
+        "another model": _ticket(tracker, me, model="e" * 64),
+        "serves": _ticket(tracker, me, start=0, end=10),
+        "not a JSON": b"\xff",
+    }
+    for reason, ticket in cases.items():
+        with pytest.raises(TicketInvalidError, match=reason):
+            v(ticket, "s")
+    assert v.accepted == 1 and v.refused == len(cases) + 1
+    # trust() never replaces a pinned/learned key
+    v.trust("0" * 64)
+    assert v.tracker_public_key == public_key_hex(tracker)
+
+
+# --------------------------------------------------------------------------- admin
+
+
+def test_prometheus_rendering() -> None:
+    text = prometheus([("x_total", "counter", "things", [({"a": 'q"z'}, 3.0), ({}, 0.5)])])
+    assert text == '# HELP x_total things\n# TYPE x_total counter\nx_total{a="q\\"z"} 3\nx_total 0.5\n'
+
+
+async def test_admin_server_routes() -> None:
+    server = AdminServer("127.0.0.1", 0, health=lambda: (200, {"status": "serving"}), metrics=lambda: "m 1\n",
+                         status=lambda: {"node_id": "n"})
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve)
+
+        async def get(path: str, method: str = "GET") -> tuple[int, bytes]:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(f"{method} {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+            await stream.aclose()
+            head, _, body = data.partition(b"\r\n\r\n")
+            return int(head.split()[1]), body
+
+        assert await get("/healthz") == (200, b'{"status": "serving"}')
+        assert await get("/metrics") == (200, b"m 1\n")
+        assert (await get("/status"))[0] == 200
+        assert (await get("/nope"))[0] == 404
+        assert (await get("/status", "POST"))[0] == 405
+        nursery.cancel_scope.cancel()
