@@ -63,7 +63,21 @@ def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
             await nursery.start(functools.partial(serve_tracker, config, shutdown=shutdown))
             await shutdown.wait()
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except (OSError, BaseExceptionGroup) as err:
+        # Startup failures (port taken, unreadable key, database unreachable) are operator
+        # errors: one clear line instead of a nursery traceback.
+        leaf = _first_leaf(err)
+        if isinstance(leaf, OSError | ConfigError):
+            raise click.ClickException(f"cannot serve on {config.host}:{config.port}: {leaf}") from err
+        raise
+
+
+def _first_leaf(err: BaseException) -> BaseException:
+    while isinstance(err, BaseExceptionGroup) and err.exceptions:
+        err = err.exceptions[0]
+    return err
 
 
 @main.group()
