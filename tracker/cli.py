@@ -68,8 +68,10 @@ def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
     except (OSError, BaseExceptionGroup) as err:
         # Startup failures (port taken, unreadable key, database unreachable) are operator
         # errors: one clear line instead of a nursery traceback.
+        from sqlalchemy.exc import SQLAlchemyError
+
         leaf = _first_leaf(err)
-        if isinstance(leaf, OSError | ConfigError):
+        if isinstance(leaf, OSError | ConfigError | SQLAlchemyError):
             raise click.ClickException(f"cannot serve on {config.host}:{config.port}: {leaf}") from err
         raise
 
