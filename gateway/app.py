@@ -39,6 +39,7 @@ from gateway.serving import Delta, Failed, Finished, GatewayService, Job
 from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
+DRAIN_FACTOR = 4
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -74,14 +75,16 @@ def client_key() -> str:
 def create_app(service: GatewayService) -> QuartTrio:
     app = QuartTrio("swarm_gateway")
     limit = service.config.max_request_bytes
-    app.config["MAX_CONTENT_LENGTH"] = limit
+    # Bodies up to DRAIN_FACTOR x the limit are read (and dropped) so the client can read the 413;
+    # beyond that the request is refused without reading, and the client may only see the connection close.
+    app.config["MAX_CONTENT_LENGTH"] = DRAIN_FACTOR * limit
     app.config["RESPONSE_TIMEOUT"] = None  # generations stream for as long as they take
     app.config["BODY_TIMEOUT"] = 60
     metrics = service.metrics
 
     async def read_json() -> Any:
         length = request.content_length
-        if length is not None and length > limit:
+        if length is not None and length > DRAIN_FACTOR * limit:
             raise PayloadTooLarge(f"request body of {length} bytes exceeds the {limit}-byte limit")
         body = await request.get_data(cache=False)
         if len(body) > limit:

@@ -1,0 +1,57 @@
+"""Shared builders for the gateway tests: a tracker process, announced nodes, a gateway process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import nacl.signing
+import trio
+
+from gateway.testing import Proc
+from proto.announce import Announce, Hardware, ModelSpec
+from proto.signing import public_key_hex
+from tracker.client import TrackerClient
+
+HARDWARE = Hardware(cpu_cores=2, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=10 << 30)
+
+
+def announce(tracker_url: str, key: nacl.signing.SigningKey, model: ModelSpec, start: int, end: int, port: int,
+             max_sessions: int = 8) -> None:
+    async def run() -> None:
+        async with TrackerClient(tracker_url, key) as client:
+            with trio.fail_after(10):
+                await client.announce(Announce(node_id=public_key_hex(key), addresses=(f"127.0.0.1:{port}",),
+                                               relay=False, relay_via=None, hardware=HARDWARE,
+                                               software_version="test", model=model, shard_start=start,
+                                               shard_end=end, decode_ms_per_token=10.0,
+                                               prefill_tokens_per_s=500.0, max_sessions=max_sessions))
+
+    trio.run(run)
+
+
+def url(proc: Proc) -> str:
+    return f"http://127.0.0.1:{proc.port}"
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def metric_lines(base_url: str, name: str) -> list[str]:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith(name)]
+
+
+def vocab_bytes(model_path: Path, cache: Path) -> bytes:
+    from node.shard import extract_vocab
+
+    return extract_vocab(model_path, cache).read_bytes()

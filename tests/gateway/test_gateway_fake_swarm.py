@@ -1,0 +1,245 @@
+"""The whole gateway over real HTTP and real gRPC, with scripted nodes (no model) and a real tracker.
+
+Four ``FakeNode`` servers ([0,15) and [15,30), twice: two data-parallel
+routes), a ``swarm-tracker serve`` process and a ``swarm-gateway serve``
+process; the official ``openai`` client talks to the gateway. The nodes
+"sample" a fixed script, so the expected text is known exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fake_node import FakeNode
+from swarm_fixtures import announce, metric_lines, url, vocab_bytes, wait_until
+
+from gateway.testing import Proc, start_gateway, start_tracker
+from node.vocab import Vocabulary
+from proto.announce import ModelSpec
+
+FINGERPRINT = "fa" * 32
+MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-model", architecture="llama", n_layers=30, n_embd=576)
+SCRIPT_TEXT = "Hello world! Streaming through a fake swarm: é€😀 done."
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("fake-swarm")
+    with Vocabulary(model_path) as vocab:
+        script = vocab.tokenize(SCRIPT_TEXT)
+        eos = vocab.eos
+        expected = vocab.detokenize(script)
+    data = vocab_bytes(model_path, tmp / "cache")
+    nodes = [FakeNode(seed=10 + i, fingerprint=FINGERPRINT, start=a, end=b, n_layers=30, vocab=data,
+                      script=script, eos=eos)
+             for i, (a, b) in enumerate([(0, 15), (15, 30), (0, 15), (15, 30)])]
+    tracker: Proc | None = None
+    gateway: Proc | None = None
+    try:
+        tracker = start_tracker(tmp)
+        for node in nodes:
+            announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
+        gateway = start_gateway(tmp, url(tracker), "--max-sessions", "8", "--max-queue", "8")
+        yield {"tmp": tmp, "nodes": nodes, "tracker": tracker, "gateway": gateway, "script": script, "eos": eos,
+               "expected": expected}
+    finally:
+        for proc in (gateway, tracker):
+            if proc is not None:
+                proc.stop()
+        for node in nodes:
+            node.stop()
+
+
+@pytest.fixture
+def client(swarm: dict) -> openai.OpenAI:
+    # Nodes expire after 30 s without heartbeats: re-announce before each test.
+    for node in swarm["nodes"]:
+        announce(url(swarm["tracker"]), node.key, MODEL, node.start, node.end, node.port)
+    return openai.OpenAI(base_url=url(swarm["gateway"]) + "/v1", api_key="sk-test", max_retries=0, timeout=30)
+
+
+def no_sessions_left(swarm: dict) -> bool:
+    return all(not n.state.sessions for n in swarm["nodes"])
+
+
+def test_chat_non_streaming_and_streaming(client: openai.OpenAI, swarm: dict) -> None:
+    messages = [{"role": "user", "content": "Say hello"}]
+    full = client.chat.completions.create(model="fake-model", messages=messages, temperature=0)
+    assert full.choices[0].message.content == swarm["expected"]
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens == len(swarm["script"]) + 1  # the end-of-generation token counts
+    assert full.id.startswith("chatcmpl-") and full.system_fingerprint.startswith("swarm-")
+    stream = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == swarm["expected"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    wait_until(lambda: no_sessions_left(swarm), 5, "nodes to free every session")
+
+
+def test_completions_length_logprobs_and_stop(client: openai.OpenAI, swarm: dict, model_path: Path) -> None:
+    with Vocabulary(model_path) as vocab:
+        first3 = vocab.detokenize(swarm["script"][:3])
+    r = client.completions.create(model="fake-model", prompt="Once upon", max_tokens=3, temperature=0, logprobs=2)
+    assert r.choices[0].text == first3 and r.choices[0].finish_reason == "length"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and lp.token_logprobs == [-0.25] * 3 and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == first3 and len(lp.top_logprobs[0]) == 2
+    stopped = client.completions.create(model="fake-model", prompt="x", max_tokens=50, temperature=0,
+                                        stop=["world", "zzz"])
+    assert stopped.choices[0].text == "Hello " and stopped.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="fake-model", prompt="x", max_tokens=50, temperature=0,
+                                         stop="fake", stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "Hello world! Streaming through a "
+    chat = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=2, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 2 and content[0].logprob == -0.25 and len(content[0].top_logprobs) == 2
+    assert chat.choices[0].finish_reason == "length"
+
+
+def test_models_health_metrics(client: openai.OpenAI, swarm: dict) -> None:
+    assert [m.id for m in client.models.list().data] == ["fake-model"]
+    base = url(swarm["gateway"])
+    health = httpx.get(base + "/healthz", timeout=10).json()
+    assert health["status"] == "ok" and len(health["gateway_id"]) == 64
+    assert metric_lines(base, "swarm_gateway_http_requests_total")
+
+
+@pytest.mark.parametrize(("kwargs", "status", "param"), [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"n": 2}, 400, "n"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"top_p": 2}, 400, "top_p"),
+    ({"model": "no-such-model"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "word " * 700}]}, 400, "messages"),  # past the 512-token budget
+    ({"max_tokens": 100000}, 400, "messages"),
+])
+def test_bad_requests_get_openai_errors(client: openai.OpenAI, kwargs: dict, status: int, param: str) -> None:
+    args = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**args)
+    assert info.value.status_code == status
+    body = info.value.body
+    assert set(body) == {"message", "type", "param", "code"} and body["param"] == param
+    assert client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "ok"}],
+                                          max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_malformed_bodies_and_paths(swarm: dict) -> None:
+    base = url(swarm["gateway"])
+    with httpx.Client(base_url=base, timeout=10) as http:
+        r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = http.post("/v1/completions", content=b"x" * (2 << 20))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = http.get("/v1/chat/completions")
+        assert r.status_code == 405
+        assert http.get("/healthz").status_code == 200
+
+
+def test_disconnect_cancels_every_stage(client: openai.OpenAI, swarm: dict) -> None:
+    for node in swarm["nodes"]:
+        node.step_delay_s = 0.05
+    try:
+        cancelled_before = sum(n.state.cancelled for n in swarm["nodes"])
+        stream = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)
+        it = iter(stream)
+        next(it)
+        next(it)
+        assert not no_sessions_left(swarm)
+        stream.close()  # the client goes away mid-generation
+        wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the cancelled session")
+        assert sum(n.state.cancelled for n in swarm["nodes"]) - cancelled_before == 2  # both stages of the route
+        assert metric_lines(url(swarm["gateway"]), "swarm_gateway_client_disconnects_total")
+    finally:
+        for node in swarm["nodes"]:
+            node.step_delay_s = 0.0
+
+
+def test_concurrent_clients_spread_over_both_routes(client: openai.OpenAI, swarm: dict) -> None:
+    for node in swarm["nodes"]:
+        node.step_delay_s = 0.01
+    results: list[str] = []
+    failures: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            r = client.chat.completions.create(model="fake-model", temperature=0,
+                                               messages=[{"role": "user", "content": f"client {i}"}])
+            results.append(r.choices[0].message.content or "")
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        for node in swarm["nodes"]:
+            node.step_delay_s = 0.0
+    assert not failures and results == [swarm["expected"]] * 8
+    routes = [line for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+              if 'outcome="ok"' in line]
+    assert len(routes) == 2, routes
+    assert all(n.state.opened > 0 for n in swarm["nodes"])
+    wait_until(lambda: no_sessions_left(swarm), 5, "nodes to free every session")
+
+
+def test_over_capacity_gets_503_with_retry_after(swarm: dict) -> None:
+    gateway = start_gateway(swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "0",
+                            name="small-gateway")
+    for node in swarm["nodes"]:
+        announce(url(swarm["tracker"]), node.key, MODEL, node.start, node.end, node.port)
+        node.step_delay_s = 0.1
+    try:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.Client(base_url=url(gateway), timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as held:
+                assert held.status_code == 200
+                lines = held.iter_lines()
+                next(lines)
+                r = http.post("/v1/chat/completions", json={**body, "stream": False})
+                assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["code"] == "overloaded"
+            for node in swarm["nodes"]:
+                node.step_delay_s = 0.0
+            # The held stream's client went away: its slot frees once every stage confirmed the CANCEL.
+            wait_until(lambda: http.get("/healthz").json()["sessions_active"] == 0, 10, "the slot to free")
+            ok = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+            rejected = metric_lines(url(gateway), "swarm_gateway_rejections_total")
+            assert any("overloaded" in line for line in rejected)
+    finally:
+        for node in swarm["nodes"]:
+            node.step_delay_s = 0.0
+        gateway.stop()
+    wait_until(lambda: no_sessions_left(swarm), 10, "nodes to free every session")
+
+
+def test_usage_reported_to_tracker(client: openai.OpenAI, swarm: dict) -> None:
+    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "count me"}],
+                                   max_tokens=3)
+    tracker = url(swarm["tracker"])
+
+    def recorded() -> float:
+        text = httpx.get(tracker + "/metrics", timeout=10).text
+        values = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("swarm_tracker_usage_tokens_total")]
+        return sum(values)
+
+    assert wait_until(recorded, 10, "the tracker to record usage") > 0
+    assert json.loads(httpx.get(url(swarm["gateway"]) + "/healthz", timeout=10).text)["sessions_active"] == 0
