@@ -1,9 +1,9 @@
 """Route-ticket checks for OPEN (pure: pynacl via proto.signing, an injected clock).
 
 ``OpenSession.route_ticket`` carries the tracker's signed envelope (the
-``ticket`` object of a ``/v1/routes`` answer) as its canonical JSON bytes
-(``proto.signing.canonical_json``; any JSON encoding of the same object is
-accepted). A node accepts a ticket only if
+``ticket`` object of a ``/v1/routes`` answer) as JSON bytes
+(``proto.signing.route_ticket_bytes``; any JSON encoding of the same object is
+accepted, the signature covers the payload inside). A node accepts a ticket only if
 
 * it is signed by the tracker key the node trusts (pinned in the config, or
   learned from the tracker's announce answer over the configured URL),
@@ -17,12 +17,11 @@ broken stream reuses its ticket), so no nonce is remembered here.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
 from proto.errors import TicketInvalidError
-from proto.signing import SignatureError, verify_route_ticket
+from proto.signing import SignatureError, route_ticket_envelope, verify_route_ticket
 
 
 class TicketVerifier:
@@ -67,12 +66,8 @@ class TicketVerifier:
         if self.tracker_public_key is None:
             raise TicketInvalidError("this node does not know its tracker's key yet (not announced)")
         try:
-            envelope = json.loads(ticket.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:
-            raise TicketInvalidError("route ticket is not a JSON envelope") from err
-        try:
             parsed = verify_route_ticket(
-                envelope,
+                route_ticket_envelope(ticket),
                 tracker_public_key=self.tracker_public_key,
                 now_s=self.clock(),
                 node_id=self.node_id,

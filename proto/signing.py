@@ -230,6 +230,19 @@ def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict
     return sign_envelope(key, payload)
 
 
+def route_ticket_bytes(envelope: Mapping[str, Any]) -> bytes:
+    """How a ticket travels in ``OpenSession.route_ticket``: the envelope's canonical JSON bytes."""
+    return canonical_json(dict(envelope))
+
+
+def route_ticket_envelope(data: bytes) -> Any:
+    """The envelope back from ``OpenSession.route_ticket`` bytes (not verified yet)."""
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise SignatureError("malformed_envelope", "route ticket is not a JSON envelope") from err
+
+
 def verify_route_ticket(
     envelope: Any,
     *,

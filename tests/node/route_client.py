@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import codec
-from proto.signing import canonical_json
+from proto.signing import route_ticket_bytes
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc
 from tests.node.grpc_client import StageStream
 
@@ -36,7 +36,7 @@ def node_info(address: str) -> shard_service_pb2.NodeInfo:
 
 
 def ticket_bytes(ticket: dict[str, str]) -> bytes:
-    return canonical_json(ticket)
+    return route_ticket_bytes(ticket)
 
 
 class RouteSession:
