@@ -10,7 +10,8 @@
     │   ├── UnknownModel         404  no model with that fingerprint or name
     │   └── UnknownNode          404  heartbeat from a node that never announced ("announce first")
     ├── PayloadTooLarge          413  request body over the configured limit
-    └── Conflict                 409  e.g. announce for a model whose layer count disagrees with the registry
+    ├── Conflict                 409  e.g. announce for a model whose layer count disagrees with the registry
+    └── StorageUnavailable       503  the database cannot be reached right now (retry later)
 
 Pure module: imported by the routing and placement functions, so it imports
 nothing but the standard library. The HTTP layer (``tracker.app``) maps these to
@@ -60,3 +61,8 @@ class PayloadTooLarge(TrackerError):
 class Conflict(TrackerError):
     status_hint = 409
     code = "conflict"
+
+
+class StorageUnavailable(TrackerError):
+    status_hint = 503
+    code = "storage_unavailable"

@@ -20,11 +20,12 @@ from typing import Any, TypeVar
 
 import nacl.signing
 import trio
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from proto.announce import Announce, Heartbeat, PayloadError, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker.config import TrackerConfig
-from tracker.errors import BadRequest, UnknownModel
+from tracker.errors import BadRequest, StorageUnavailable, UnknownModel
 from tracker.logs import event
 from tracker.metrics import Labels, Metrics
 from tracker.placement import layer_coverage, recommend_span
@@ -72,7 +73,11 @@ class Registry:
     # --- plumbing -------------------------------------------------------------------------------
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+        try:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+        except (OperationalError, InterfaceError) as err:  # connection-level: the database is away
+            event(log, "storage_unavailable", level=logging.ERROR, error=str(err).splitlines()[0][:300])
+            raise StorageUnavailable("the tracker's database is unavailable; retry later") from err
 
     def _open(self, envelope: Any, kind: str, signer_field: str = "node_id") -> dict[str, Any]:
         try:
@@ -158,7 +163,10 @@ class Registry:
         task_status.started()
         while True:
             await trio.sleep(self.config.expiry_check_interval_s)
-            await self.expire_once()
+            try:
+                await self.expire_once()
+            except StorageUnavailable:
+                pass  # logged by _db; the next round retries, and routing filters on last_seen anyway
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -175,9 +183,17 @@ class Registry:
 
     async def _refresh_snapshot(self, now: float) -> SwarmSnapshot:
         self._snapshot_stale = False
-        snap = await self._db(functools.partial(
-            self.store.snapshot, now, self.config.heartbeat_timeout_s,
-            default_latency_ms=self.config.default_latency_ms, relay_penalty_ms=self.config.relay_penalty_ms))
+        try:
+            snap = await self._db(functools.partial(
+                self.store.snapshot, now, self.config.heartbeat_timeout_s,
+                default_latency_ms=self.config.default_latency_ms, relay_penalty_ms=self.config.relay_penalty_ms))
+        except StorageUnavailable:
+            # Ride out a short database outage on the last snapshot, but never on one older than
+            # the heartbeat timeout: past that it may list nodes that have since died.
+            if self._snapshot is not None and now - self._snapshot_at <= self.config.heartbeat_timeout_s:
+                self._snapshot_stale = True
+                return self._snapshot
+            raise
         self._snapshot, self._snapshot_at = snap, now
         return snap
 

@@ -16,6 +16,7 @@ from tracker_helpers import MODEL, FakeClock, announce_for, heartbeat_for, key, 
 from proto.announce import UsageEntry, UsageReport
 from proto.signing import make_payload, public_key_hex, sign_envelope, verify_route_ticket
 from tracker.app import create_app
+from tracker.errors import StorageUnavailable
 from tracker.service import Registry
 from tracker.store import Store, make_engine
 
@@ -218,3 +219,27 @@ async def test_health_metrics_and_unknown_path(env: Env) -> None:
     assert 'swarm_tracker_nodes{state="live"} 1' in text
     status, body = await env.get("/v2/nothing")
     assert status == 404 and body["error"]["code"] == "not_found"
+
+
+async def test_database_outage_is_503_and_routes_ride_it_out(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    await env.post("/v1/announce", env.announce_env(1, 0, 30))
+    assert (await env.post("/v1/routes", {"model": MODEL.fingerprint}))[0] == 200
+
+    def down(*_args: object, **_kw: object) -> None:
+        raise OperationalError("SELECT 1", {}, ConnectionError("connection refused"))
+
+    for name in ("heartbeat", "snapshot", "expire"):
+        monkeypatch.setattr(env.store, name, down)
+    env.registry._snapshot_stale = True  # force a refresh attempt
+    status, body = await env.post("/v1/heartbeat", env.heartbeat_env(1))
+    assert status == 503 and body["error"]["code"] == "storage_unavailable"
+    # Routes keep coming from the last snapshot while it is younger than the heartbeat timeout ...
+    assert (await env.post("/v1/routes", {"model": MODEL.fingerprint}))[0] == 200
+    with pytest.raises(StorageUnavailable):
+        await env.registry.expire_once()
+    # ... and stop once it is older.
+    env.clock.advance(env.registry.config.heartbeat_timeout_s + 1)
+    status, body = await env.post("/v1/routes", {"model": MODEL.fingerprint})
+    assert status == 503 and body["error"]["code"] == "storage_unavailable"
