@@ -221,7 +221,7 @@ class Registry:
         selection = select_routes(snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng)
         self.metrics.observe("swarm_tracker_route_selection_seconds", time.perf_counter() - t0)
         now = self.clock()
-        relay_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
+        shard_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
         routes = []
         for route in selection.routes:
             ticket = RouteTicket(
@@ -232,7 +232,7 @@ class Registry:
                 "session_id": ticket.session_id,
                 "expected_ms_per_token": round(route.expected_ms_per_token, 3),
                 "hops": [{"node_id": h.node_id, "start": h.start, "end": h.end, "address": h.address,
-                          "relay": relay_of[h.node_id].relayed} for h in route.hops],
+                          "relay": shard_of[h.node_id].relayed} for h in route.hops],
                 "ticket": sign_route_ticket(self.key, ticket),
                 "expires_at": ticket.expires_at_s,
             })
