@@ -29,8 +29,8 @@ from proto import codec
 from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2
 from proto.vocab import VocabAssembler
-from tests.node.grpc_client import StageStream
-from tests.node.route_client import GRPC_OPTIONS, RouteSession, Stage, node_info, ticket_bytes
+from node.loopback_client import StageStream
+from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, node_info, ticket_bytes
 from tests.node.swarm_procs import Proc, http_json, start_node, start_tracker, wait_for_route
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from node.session_machine import FrameServer, ServingSpec
 from proto import codec
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, status_pb2
 from proto.vocab import VocabAssembler
-from tests.node.grpc_client import StageStream
+from node.loopback_client import StageStream
 from tests.node.fakes import MODEL_FP, N_EMBD, RECIPE_FP, FakeBackend
 
 VOCAB = bytes(range(256)) * 50

@@ -1,0 +1,186 @@
+"""Per-hop overhead of the node daemon: one decode step through two nodes on loopback vs in-process.
+
+    python3 -m sim.bench_hop [--steps 64] [--out bench-results/hop.json]
+
+Both setups run the test model split [0,15) + [15,30) with the same engine
+settings (1 compute thread each, flash attention, per-sequence KV):
+
+* ``in-process``: two ``ShardEngine`` objects in this process; a decode step is
+  ``engine_a.step`` then ``engine_b.step`` with the hidden state handed over
+  directly;
+* ``loopback``: two ``swarm-node start`` processes (port 0, no tracker,
+  ``--insecure-no-tickets``), driven over gRPC by a minimal client that relays
+  stage A's frames to stage B like a gateway (f32 hidden states, one stream
+  per stage).
+
+The same prompt is prefilled in both, then ``--steps`` greedy decode steps are
+timed one by one; the table shows the median and p90 per step. Per-hop
+overhead = (loopback - in-process) / 2, a hop being one stage's round trip
+(client -> node -> client). All processes started here are stopped by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_SESSIONS = 6
+SESSION_KV = 512
+BATCH = 256
+PROMPT = "The capital of France is"
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def in_process(model: Path, cache: Path, prompt: list[int], steps: int) -> tuple[list[float], list[int]]:
+    from node.engine import EngineConfig, ShardEngine, Work
+    from node.shard import extract_shard
+
+    config = EngineConfig(n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV,
+                          n_batch_tokens=BATCH)
+    with ShardEngine(extract_shard(model, 0, 15, cache), config, cache) as a, \
+            ShardEngine(extract_shard(model, 15, 30, cache), config, cache) as b:
+        a.open_session("bench")
+        b.open_session("bench")
+
+        def step(pos: int, tokens: list[int]) -> int:
+            (ra,) = a.step([Work("bench", pos, tokens=np.asarray(tokens, dtype=np.int32))])
+            (rb,) = b.step([Work("bench", pos, hidden=ra.hidden, sample=True)])
+            assert rb.sampled is not None
+            return rb.sampled.token
+
+        out = [step(0, prompt)]
+        pos = len(prompt)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out.append(step(pos, [out[-1]]))
+            times.append(time.perf_counter() - t0)
+            pos += 1
+    return times, out
+
+
+def _start_node(workdir: Path, name: str, model: Path, layers: str, cache: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port_file = workdir / f"{name}.port"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_NODE_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.cli", "start", "--model", str(model), "--layers", layers,
+         "--no-tracker", "--insecure-no-tickets", "--host", "127.0.0.1", "--port", "0",
+         "--port-file", str(port_file), "--admin-port", "-1", "--threads", "1",
+         "--max-sessions", str(MAX_SESSIONS), "--session-kv-tokens", str(SESSION_KV), "--batch-tokens", str(BATCH),
+         "--no-benchmark", "--data-dir", str(workdir / f"{name}-data"), "--cache-dir", str(cache),
+         "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return proc, int(port_file.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited: {(workdir / f'{name}.log').read_text()[-3000:]}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{name} did not start")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def loopback(model: Path, cache: Path, prompt: list[int], steps: int) -> tuple[list[float], list[int]]:
+    from node.loopback_client import RouteSession, Stage, node_info
+
+    with tempfile.TemporaryDirectory(prefix="bench-hop-") as tmp:
+        workdir = Path(tmp)
+        procs = []
+        try:
+            for name, layers in (("a", "0:15"), ("b", "15:30")):
+                procs.append(_start_node(workdir, name, model, layers, cache))
+            stages = [Stage(f"127.0.0.1:{port}", node_info(f"127.0.0.1:{port}")) for _, port in procs]
+            session = RouteSession(stages, b"{}", budget=SESSION_KV)
+            try:
+                out = [session.step(prompt).token_id]  # type: ignore[union-attr]
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    out.append(session.step([out[-1]]).token_id)  # type: ignore[union-attr]
+                    times.append(time.perf_counter() - t0)
+                session.release()
+            finally:
+                session.close()
+        finally:
+            for proc, _ in procs:
+                _stop(proc)
+    return times, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="node cache (shards); default: a temp dir")
+    args = parser.parse_args(argv)
+
+    from node.testmodel import test_model_path
+    from node.vocab import Vocabulary
+
+    model = test_model_path()
+    with Vocabulary(model) as vocab:
+        prompt = vocab.tokenize(PROMPT, add_special=True)
+    with tempfile.TemporaryDirectory(prefix="bench-hop-cache-") as tmp_cache:
+        cache = args.cache_dir or Path(tmp_cache)
+        inproc_t, inproc_tokens = in_process(model, cache, prompt, args.steps)
+        loop_t, loop_tokens = loopback(model, cache, prompt, args.steps)
+    same = inproc_tokens == loop_tokens
+    rows = {
+        "in-process": {"median_ms": statistics.median(inproc_t) * 1e3, "p90_ms": _pct(inproc_t, 90) * 1e3},
+        "loopback": {"median_ms": statistics.median(loop_t) * 1e3, "p90_ms": _pct(loop_t, 90) * 1e3},
+    }
+    overhead_ms = (rows["loopback"]["median_ms"] - rows["in-process"]["median_ms"]) / 2
+    ratio = rows["loopback"]["median_ms"] / rows["in-process"]["median_ms"]
+    print(f"decode step, test model split [0,15)+[15,30), 1 thread per stage, {args.steps} steps")
+    print(f"{'setup':<12} {'median ms':>10} {'p90 ms':>10}")
+    for name, r in rows.items():
+        print(f"{name:<12} {r['median_ms']:>10.2f} {r['p90_ms']:>10.2f}")
+    print(f"per-hop overhead (median): {overhead_ms:.2f} ms   loopback / in-process: {ratio:.2f}x   "
+          f"same tokens: {same}")
+    result: dict[str, Any] = {
+        "benchmark": "bench_hop",
+        "steps": args.steps,
+        "prompt_tokens": len(prompt),
+        "rows": rows,
+        "per_hop_overhead_ms": overhead_ms,
+        "ratio": ratio,
+        "same_tokens": same,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "time": time.time(),
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
