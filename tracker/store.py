@@ -40,6 +40,14 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+def _route_address(relay: bool, addresses: list[str], relay_via: str | None) -> str:
+    """Where a gateway reaches the node: ``relay:<gateway id>`` for relayed nodes (they accept no
+    inbound connections, whatever addresses they list), else the first announced gRPC address."""
+    if relay:
+        return f"relay:{relay_via or ''}"
+    return addresses[0] if addresses else ""
+
+
 @dataclass(frozen=True)
 class AnnounceResult:
     created: bool  # first time this node was seen
@@ -187,8 +195,7 @@ class Store:
         shards = tuple(
             ShardView(node_id=r[0], model_fingerprint=r[1], start=r[2], end=r[3], decode_ms_per_token=r[4],
                       prefill_tokens_per_s=r[5], active_sessions=r[6], max_sessions=r[7], queue_depth=r[8],
-                      kv_free_tokens=r[9], relayed=r[10],
-                      address=(r[11][0] if r[11] else (f"relay:{r[12]}" if r[12] else "")))
+                      kv_free_tokens=r[9], relayed=r[10], address=_route_address(r[10], r[11], r[12]))
             for r in rows)
         return SwarmSnapshot(models=models, shards=shards, default_latency_ms=default_latency_ms,
                              relay_penalty_ms=relay_penalty_ms)

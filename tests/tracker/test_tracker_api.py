@@ -243,3 +243,15 @@ async def test_database_outage_is_503_and_routes_ride_it_out(env: Env, monkeypat
     env.clock.advance(env.registry.config.heartbeat_timeout_s + 1)
     status, body = await env.post("/v1/routes", {"model": MODEL.fingerprint})
     assert status == 503 and body["error"]["code"] == "storage_unavailable"
+
+
+async def test_relayed_node_is_reached_through_its_gateway(env: Env) -> None:
+    k = key(7)
+    relayed = replace(announce_for(k, 0, 30), relay=True, relay_via="gw-1", addresses=("10.9.9.9:1",))
+    assert (await env.post("/v1/announce", signed(k, "announce", relayed.to_json(), env.clock())))[0] == 200
+    status, body = await env.post("/v1/routes", {"model": MODEL.fingerprint})
+    assert status == 200
+    (hop,) = body["routes"][0]["hops"]
+    assert hop["address"] == "relay:gw-1" and hop["relay"] is True
+    # The relay penalty is part of the expected cost (default latency 5 ms in and out, penalty 10 ms).
+    assert body["routes"][0]["expected_ms_per_token"] == pytest.approx(5 + 10.0 + 10 + 5)
