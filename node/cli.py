@@ -101,6 +101,8 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--max-queued-steps", type=int, default=None, help="Most steps waiting for the engine.")
 @click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
 @click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
+@click.option("--heartbeat-interval-s", type=float, default=None,
+              help="Seconds between heartbeats; default: what the tracker asks for.")
 @click.option("--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark.")
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 @click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")

@@ -87,7 +87,7 @@ def start_node(
     cmd = [sys.executable, "-m", "node.cli", "start", "--model", str(model), "--layers", layers,
            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
            "--admin-port", "0", "--admin-port-file", str(admin_file),
-           "--threads", "1", "--max-sessions", "6", "--session-kv-tokens", "512", "--batch-tokens", "256",
+           "--threads", "1", "--heartbeat-interval-s", "1", "--max-sessions", "6", "--session-kv-tokens", "512", "--batch-tokens", "256",
            "--data-dir", str(workdir / f"{name}-data"), "--cache-dir", str(cache_dir)]
     cmd += ["--tracker", tracker_url] if tracker_url else ["--no-tracker", "--insecure-no-tickets"]
     cmd += extra or []

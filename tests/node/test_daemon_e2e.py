@@ -287,10 +287,36 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     assert f'"node_id": "{swarm.stages[0].info.node_id}"' in done.stdout and '"shard": [' in done.stdout
     status, body = http_json(f"{admin}/healthz")
     assert status == 200 and body["status"] == "serving"
+    # announce once, then signed heartbeats (every second in these tests) accepted by the tracker
+    deadline = time.monotonic() + 10
+    while (state := http_json(f"{admin}/status")[1])["heartbeats"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert state["announces"] == 1 and state["heartbeats"] >= 1 and state["tracker_failures"] == 0
+    assert state["tracker_key_known"]
     # the tracker knows both nodes, with their measured speed
     status, state = http_json(f"{swarm.tracker_url}/v1/swarm")
     shards = {n["node_id"]: n["shard"] for n in state["nodes"]}
     assert shards[swarm.stages[0].info.node_id]["decode_ms_per_token"] > 0
+
+
+def test_layers_auto_takes_the_span_the_tracker_recommends(swarm: Swarm, model_path: Path, node_cache: Path) -> None:
+    c = start_node(swarm.workdir, "node-c", model_path, "auto", tracker_url=swarm.tracker_url, cache_dir=node_cache,
+                   extra=["--capacity-layers", "10", "--no-benchmark"])
+    try:
+        info = node_info(f"127.0.0.1:{c.ports['grpc']}")
+        start, end = info.shard.start, info.shard.end
+        assert 0 <= start < end <= 30 and end - start <= 10
+        assert '"auto":true' in c.log()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            nodes = {n["node_id"]: n for n in http_json(f"{swarm.tracker_url}/v1/swarm")[1]["nodes"]}
+            if info.node_id in nodes:
+                break
+            time.sleep(0.2)
+        shard = nodes[info.node_id]["shard"]
+        assert (shard["start"], shard["end"]) == (start, end)
+    finally:
+        assert c.stop() == 0
 
 
 def test_sigterm_frees_sessions_and_stops(swarm: Swarm) -> None:
