@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -129,10 +129,10 @@ class AdmissionPolicy:
         return ticket in self._active
 
 
-def least_loaded(routes: Sequence[R], inflight: Mapping[str, int], key: Callable[[R], str],
-                 cost: Callable[[R], float]) -> R:
-    """The route with the fewest sessions in flight; ties go to the cheaper route, then the first listed."""
+def least_loaded(routes: Sequence[R], load: Callable[[R], int], cost: Callable[[R], float]) -> R:
+    """The route with the least load (sessions in flight on its nodes); ties go to the cheaper route,
+    then the first listed."""
     if not routes:
         raise ValueError("no routes to choose from")
-    best = min(range(len(routes)), key=lambda i: (inflight.get(key(routes[i]), 0), cost(routes[i]), i))
+    best = min(range(len(routes)), key=lambda i: (load(routes[i]), cost(routes[i]), i))
     return routes[best]

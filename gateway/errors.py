@@ -13,7 +13,9 @@ Exception tree::
     ├── RateLimited                  429 rate_limit_error        per-client concurrency limit
     ├── Overloaded                   503 server_error            session slots and queue full, or queue wait timed out
     ├── NoRoute                      503 server_error            the tracker has no complete route right now
-    ├── UpstreamFailed               502 server_error            a node or the tracker failed mid-request
+    ├── UpstreamFailed               502 server_error            a node or the tracker failed
+    │   └── StageFailed              502 server_error            one node failed (.node_id, .remote: its wire error)
+    │       └── StageBusy            503 server_error            one node is full (RESOURCE_EXHAUSTED)
     └── InternalFailure              500 server_error            a bug in the gateway
 
 Pure module: the standard library only. ``gateway.app`` turns any of these
@@ -106,6 +108,29 @@ class UpstreamFailed(GatewayError):
     status = 502
     type = "server_error"
     default_code = "upstream_failed"
+
+
+class StageFailed(UpstreamFailed):
+    """A node answered with an error, broke its stream or did not answer; ``node_id`` says which.
+
+    ``remote`` is the node's wire error (``proto.errors.RemoteError``) when it sent one.
+    """
+
+    def __init__(self, message: str, *, node_id: str, remote: object | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.node_id = node_id
+        self.remote = remote
+
+
+class StageBusy(StageFailed):
+    status = 503
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, node_id: str, remote: object | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, node_id=node_id, remote=remote, retry_after_s=retry_after_s)
+        self.code = self.default_code
 
 
 class InternalFailure(GatewayError):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from gateway.errors import ContextLengthExceeded, GatewayError, Overloaded, UpstreamFailed
+from gateway.errors import ContextLengthExceeded, GatewayError, StageBusy, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
 from gateway.routes import Route, StageInfo
 from proto import codec
@@ -39,16 +39,6 @@ from proto.errors import ProtocolError, RemoteError, error_from_body
 from proto.swarm.v1 import frame_pb2, status_pb2
 
 log = logging.getLogger("swarm.gateway")
-
-
-class StageFailed(UpstreamFailed):
-    """A stage answered with an error or broke its stream; ``node_id`` and ``remote`` say which and why."""
-
-    def __init__(self, message: str, *, node_id: str, remote: RemoteError | None = None,
-                 retry_after_s: int | None = None) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
-        self.node_id = node_id
-        self.remote = remote
 
 
 @dataclass(frozen=True)
@@ -224,10 +214,9 @@ def _remote_failure(stage: _Stage, remote: RemoteError) -> GatewayError:
     retry_s = max(1, math.ceil(remote.retry_after_ms / 1000)) if remote.retry_after_ms else None
     if remote.status == status_pb2.STATUS_CONTEXT_EXCEEDED:
         return ContextLengthExceeded(f"{who}: {remote.message}", param="messages")
-    if remote.status == status_pb2.STATUS_RESOURCE_EXHAUSTED:
-        failure = StageFailed(f"{who} is full: {remote.message}", node_id=stage.info.node_id, remote=remote,
-                              retry_after_s=retry_s or 2)
-        return failure
+    if remote.status in (status_pb2.STATUS_RESOURCE_EXHAUSTED, status_pb2.STATUS_UNAVAILABLE):
+        return StageBusy(f"{who} is full or draining: {remote.message}", node_id=stage.info.node_id,
+                         remote=remote, retry_after_s=retry_s or 2)
     return StageFailed(f"{who} failed: {remote}", node_id=stage.info.node_id, remote=remote,
                        retry_after_s=retry_s)
 
@@ -293,8 +282,9 @@ async def open_route_session(
             stage.granted = int(ack.open_ack.kv_tokens_granted)
             opened.append(stage)
             if stage.granted < kv_budget_tokens:
-                failures.append(Overloaded(f"node {stage.info.node_id[:8]} granted {stage.granted} KV positions, "
-                                           f"{kv_budget_tokens} were asked", retry_after_s=2))
+                failures.append(StageBusy(f"node {stage.info.node_id[:8]} granted {stage.granted} KV positions, "
+                                          f"{kv_budget_tokens} were asked", node_id=stage.info.node_id,
+                                          retry_after_s=2))
 
         async with trio.open_nursery() as nursery:
             for i, stage in enumerate(built):

@@ -4,9 +4,9 @@
 model and keeps them for ``route_ttl_s`` (or until their tickets come within
 :data:`TICKET_MARGIN_S` of expiry, or a session on them failed); one look-up
 per model at a time, concurrent requests wait for it. :meth:`RouteCache.acquire`
-hands out the route with the fewest sessions in flight
-(``gateway.admission.least_loaded``), counted per route identity (its node
-chain), so a refresh that returns the same chains keeps the counts.
+hands out the route whose nodes carry the fewest of this gateway's sessions
+(``gateway.admission.least_loaded``); counting per node rather than per route
+keeps the balance when a refresh pairs the same nodes differently.
 
 :class:`NodeInfoCache` keeps each node's ``Info`` (recipe fingerprint, width,
 limits) for ``node_info_ttl_s``; a route's stages must agree on the recipe.
@@ -24,7 +24,7 @@ import httpx
 import trio
 
 from gateway.admission import least_loaded
-from gateway.errors import ModelNotFound, NoRoute, UpstreamFailed
+from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.metrics import Metrics
 from proto.recipe import Recipe
@@ -95,7 +95,8 @@ class RouteCache:
         self._clock = clock
         self._models: dict[str, ModelRoutes] = {}  # by the name or fingerprint clients use
         self._locks: dict[str, trio.Lock] = {}
-        self._inflight: dict[str, int] = {}
+        self._inflight: dict[str, int] = {}  # by route id (for metrics)
+        self._node_inflight: dict[str, int] = {}  # by node id (for balancing)
 
     def _fresh(self, cached: ModelRoutes | None) -> bool:
         if cached is None or not cached.routes:
@@ -155,17 +156,29 @@ class RouteCache:
     def invalidate(self, model: str) -> None:
         self._models.pop(model, None)
 
+    def route_load(self, route: Route) -> int:
+        """Sessions this gateway runs on the route's nodes (a refresh may pair the same nodes differently)."""
+        return sum(self._node_inflight.get(h.node_id, 0) for h in route.hops)
+
     def acquire(self, routes: Sequence[Route]) -> Route:
-        route = least_loaded(routes, self._inflight, lambda r: r.route_id, lambda r: r.expected_ms_per_token)
+        route = least_loaded(routes, self.route_load, lambda r: r.expected_ms_per_token)
         self._inflight[route.route_id] = self._inflight.get(route.route_id, 0) + 1
+        for hop in route.hops:
+            self._node_inflight[hop.node_id] = self._node_inflight.get(hop.node_id, 0) + 1
         return route
 
-    def release(self, route: Route) -> None:
-        left = self._inflight.get(route.route_id, 0) - 1
+    @staticmethod
+    def _decrement(counts: dict[str, int], key: str) -> None:
+        left = counts.get(key, 0) - 1
         if left > 0:
-            self._inflight[route.route_id] = left
+            counts[key] = left
         else:
-            self._inflight.pop(route.route_id, None)
+            counts.pop(key, None)
+
+    def release(self, route: Route) -> None:
+        self._decrement(self._inflight, route.route_id)
+        for hop in route.hops:
+            self._decrement(self._node_inflight, hop.node_id)
 
     def inflight(self) -> dict[str, int]:
         return dict(self._inflight)
@@ -210,11 +223,14 @@ class NodeInfoCache:
             with trio.fail_after(self._timeout_s):
                 info = await self._channels.info(hop.address)
         except (StreamError, trio.TooSlowError) as err:
-            raise UpstreamFailed(f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}") from err
+            raise StageFailed(f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}",
+                              node_id=hop.node_id) from err
         if info.node_id != hop.node_id:
-            raise UpstreamFailed(f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed")
+            raise StageFailed(f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed",
+                              node_id=hop.node_id)
         if info.model.fingerprint != model_fingerprint or (info.shard.start, info.shard.end) != (hop.start, hop.end):
-            raise UpstreamFailed(f"node {hop.node_id[:8]} serves another model or shard than routed")
+            raise StageFailed(f"node {hop.node_id[:8]} serves another model or shard than routed",
+                              node_id=hop.node_id)
         limits = info.limits
         stage = StageInfo(
             node_id=info.node_id, address=hop.address,

@@ -104,23 +104,20 @@ async def serve_gateway(
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             trigger = shutdown.wait if shutdown is not None else None
-            binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
-            port = int(binds[0].rsplit(":", 1)[1])
-            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
-            if config.port_file:
-                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
-            event(log, "gateway_listening", port=port, url=url, tracker_url=tracker_url,
-                  gateway_id=service.gateway_id, port_file=config.port_file or None)
-            if on_ready is not None:
-                on_ready(RunningGateway(port=port, url=url, service=service))
-            task_status.started(port)
-            if shutdown is not None:
-                await shutdown.wait()
-                # hypercorn returns by itself once the trigger fired and connections drained
-                with trio.move_on_after(hc.graceful_timeout + 1):
-                    while len(nursery.child_tasks) > 1:
-                        await trio.sleep(0.05)
-                nursery.cancel_scope.cancel()
+            async with trio.open_nursery() as http:
+                binds = await http.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
+                port = int(binds[0].rsplit(":", 1)[1])
+                url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+                if config.port_file:
+                    await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
+                event(log, "gateway_listening", port=port, url=url, tracker_url=tracker_url,
+                      gateway_id=service.gateway_id, port_file=config.port_file or None)
+                if on_ready is not None:
+                    on_ready(RunningGateway(port=port, url=url, service=service))
+                task_status.started(port)
+            # hypercorn returned: the shutdown trigger fired and open responses drained (or were cut
+            # after graceful_timeout, which cancelled their jobs: their stages got CANCEL).
+            nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
             await channels.aclose()

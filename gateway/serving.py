@@ -36,14 +36,17 @@ from gateway.errors import (
     GatewayError,
     InternalFailure,
     InvalidRequest,
+    NoRoute,
     Overloaded,
+    StageBusy,
+    StageFailed,
     UpstreamFailed,
 )
 from gateway.gate import Gate
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.protocol import GenerationRequest, TokenLogprob
-from gateway.route_session import RouteSession, Sampled, StageFailed, open_route_session
+from gateway.route_session import RouteSession, Sampled, open_route_session
 from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
 from gateway.textstream import TextStream
 from gateway.vocab_store import LoadedVocab, VocabStore
@@ -55,7 +58,7 @@ from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
-OPEN_ATTEMPTS = 2
+OPEN_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Job:
     events: trio.MemoryReceiveChannel[Event]
     cancel_scope: trio.CancelScope
     system_fingerprint: str = ""
+    route_label: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def cancel(self) -> None:
@@ -229,14 +233,26 @@ class GatewayService:
 
     @asynccontextmanager
     async def _open(self, job: Job, request: GenerationRequest) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
-        """Pick the least loaded route, prepare, OPEN; on a refusal at OPEN try another route once."""
+        """Pick the least loaded route, prepare, OPEN on every stage.
+
+        A node that fails before the session is open (unreachable, full, stale
+        Info, refused OPEN) is excluded and the request moves to another route:
+        first the other cached routes, then a fresh look-up without the
+        excluded nodes; at most ``OPEN_ATTEMPTS`` routes are tried. Nothing was
+        streamed yet, so this is invisible to the client.
+        """
         model_routes = await self.routes.routes(request.model)
-        tried: set[str] = set()
-        last_error: GatewayError | None = None
+        excluded: set[str] = set()
+        last_error: StageFailed | None = None
         for _attempt in range(OPEN_ATTEMPTS):
-            candidates = [r for r in model_routes.routes if r.route_id not in tried] or list(model_routes.routes)
+            candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
+            if not candidates:
+                try:
+                    model_routes = await self.routes.fetch_excluding(request.model, frozenset(excluded))
+                except NoRoute:
+                    break
+                candidates = list(model_routes.routes)
             route = self.routes.acquire(candidates)
-            tried.add(route.route_id)
             label = self.metrics.route_label(route.route_id)
             entered = False
             try:
@@ -256,6 +272,7 @@ class GatewayService:
                     close_timeout_s=self.config.close_timeout_s,
                 ) as session:
                     entered = True
+                    job.route_label = label
                     job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
                     try:
                         yield session, prepared
@@ -264,18 +281,20 @@ class GatewayService:
                 return
             except StageFailed as err:
                 if entered:
-                    raise  # failed mid-generation: not retried (no replay yet)
-                # Refused at OPEN (full, gone, stale): forget the cached routes and try another one.
+                    raise  # failed mid-generation: not retried (no replay yet, docs/gateway.md)
                 self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="open_failed")
+                event(log, "route_open_failed", request_id=job.request_id, route=route.route_id,
+                      node_id=err.node_id, error=err.message)
                 self.routes.invalidate(request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
+                excluded.add(err.node_id)
                 last_error = err
-                if len(model_routes.routes) <= 1 or err.remote is None:
-                    model_routes = await self.routes.routes(request.model)
             finally:
                 self.routes.release(route)
-        assert last_error is not None
+        if isinstance(last_error, StageBusy) or last_error is None:
+            raise Overloaded("every route tried is full right now; retry later",
+                             retry_after_s=(last_error.retry_after_s if last_error else None) or 2)
         raise last_error
 
     def _report(self, job: Job, session: RouteSession, route: Route) -> None:
@@ -297,7 +316,6 @@ class GatewayService:
         arrived = trio.current_time()
         started = False
         prompt_tokens = completion = 0
-        endpoint = request.kind
         async with send:
             with job.cancel_scope:
                 try:
@@ -331,7 +349,7 @@ class GatewayService:
                 event(log, "client_disconnected", request_id=job.request_id)
                 return
             if started:
-                self.metrics.inc("swarm_gateway_route_sessions_total", route="any", outcome="failed")
+                self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="failed")
                 with trio.move_on_after(1):
                     try:
                         await send.send(Failed(failure, prompt_tokens, completion))

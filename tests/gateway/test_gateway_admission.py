@@ -69,11 +69,11 @@ def test_invariants_under_random_operations() -> None:
 def test_least_loaded() -> None:
     routes = ["r1", "r2", "r3"]
     cost = {"r1": 2.0, "r2": 1.0, "r3": 1.0}
-    assert least_loaded(routes, {}, str, cost.__getitem__) == "r2"
-    assert least_loaded(routes, {"r2": 1}, str, cost.__getitem__) == "r3"
-    assert least_loaded(routes, {"r2": 1, "r3": 1}, str, cost.__getitem__) == "r1"
+    assert least_loaded(routes, lambda r: 0, cost.__getitem__) == "r2"
+    assert least_loaded(routes, {"r1": 0, "r2": 1, "r3": 0}.__getitem__, cost.__getitem__) == "r3"
+    assert least_loaded(routes, {"r1": 0, "r2": 1, "r3": 1}.__getitem__, cost.__getitem__) == "r1"
     with pytest.raises(ValueError):
-        least_loaded([], {}, str, cost.__getitem__)
+        least_loaded([], lambda r: 0, cost.__getitem__)
 
 
 async def test_gate_queues_times_out_and_wakes() -> None:
