@@ -125,7 +125,7 @@ class NodeDaemon:
         from node.grpc_server import GrpcSettings, ShardServiceAdapter
         from node.hardware import probe
         from node.scheduler import Scheduler
-        from node.shard import extract_shard, extract_vocab, parse_layers, read_model_meta
+        from node.shard import extract_shard, parse_layers, read_model_meta, shard_dir
         from node.startup_bench import run_benchmark
 
         cfg = self.config
@@ -137,19 +137,24 @@ class NodeDaemon:
         event(log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir()))
         cache = cfg.resolved_cache_dir()
         model_path = Path(cfg.model).expanduser()
-        meta = await trio.to_thread.run_sync(read_model_meta, model_path, cache)
-        self.meta = meta
         if not cfg.no_tracker:
             self.tracker_url = await self._find_tracker()
         if cfg.layers == "auto":
+            meta = await trio.to_thread.run_sync(read_model_meta, model_path, cache)
             start, end = await self._recommend(meta.fingerprint, meta.n_layers)
         else:
-            start, end = parse_layers(cfg.layers, meta.n_layers)
-        event(log, "shard_chosen", model=meta.name, fingerprint=meta.fingerprint, start=start, end=end,
-              auto=cfg.layers == "auto")
+            # Syntax only here; extract_shard checks the range against the model. A restart with
+            # the same range reuses the shard's manifest without parsing or hashing the model.
+            start, end = parse_layers(cfg.layers, 1 << 30)
         files = await trio.to_thread.run_sync(extract_shard, model_path, start, end, cache)
-        vocab_path = await trio.to_thread.run_sync(extract_vocab, model_path, cache)
-        vocab_bytes = await trio.to_thread.run_sync(vocab_path.read_bytes)
+        meta = files.model
+        self.meta = meta
+        event(log, "shard_ready", model=meta.name, fingerprint=meta.fingerprint, start=start, end=end,
+              n_layers=meta.n_layers, auto=cfg.layers == "auto", path=str(files.path))
+        self._vocab_bytes: bytes | None = None
+        cached_vocab = shard_dir(cache, meta.fingerprint) / "vocab.gguf"
+        if cached_vocab.is_file():
+            self._vocab_bytes = await trio.to_thread.run_sync(cached_vocab.read_bytes)
         engine_config = EngineConfig(
             n_threads_count=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
@@ -211,8 +216,8 @@ class NodeDaemon:
                 await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
                 self.grpc = ShardServiceAdapter(
                     self.hub,
-                    GrpcSettings(cfg.host, cfg.port, cfg.max_frame_bytes, vocab_bytes, meta.fingerprint,
-                                 cfg.shutdown_grace_s),
+                    GrpcSettings(cfg.host, cfg.port, cfg.max_frame_bytes, lambda: self._vocab_bytes,
+                                 meta.fingerprint, cfg.shutdown_grace_s),
                     self.info,
                     self.health,
                 )
@@ -229,6 +234,8 @@ class NodeDaemon:
                         _write_port_file(cfg.admin_port_file, admin_port)
                 if self.tracker_url:
                     nursery.start_soon(self._tracker_loop)
+                if self._vocab_bytes is None:
+                    nursery.start_soon(self._prepare_vocab, model_path, cache)
                 self.ready = NodeReady(self.node_id, port, admin_port, start, end, meta.fingerprint,
                                        engine.recipe_fingerprint)
                 event(log, "node_serving", node_id=self.node_id, grpc_port=port, admin_port=admin_port,
@@ -240,6 +247,14 @@ class NodeDaemon:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(engine.close)
             event(log, "node_stopped", node_id=self.node_id)
+
+    async def _prepare_vocab(self, model_path: Path, cache: Path) -> None:
+        """First start only: write the vocabulary file in the background (parsing the GGUF takes seconds)."""
+        from node.shard import extract_vocab
+
+        path = await trio.to_thread.run_sync(extract_vocab, model_path, cache)
+        self._vocab_bytes = await trio.to_thread.run_sync(path.read_bytes)
+        event(log, "vocab_ready", path=str(path), bytes=len(self._vocab_bytes))
 
     async def _stop(self, nursery: trio.Nursery) -> None:
         self.draining = True

@@ -89,7 +89,7 @@ class GrpcSettings:
     host: str
     port: int
     max_frame_bytes: int
-    vocab_bytes: bytes
+    vocab_bytes: Callable[[], bytes | None]  # None while the file is still being written
     model_fingerprint: str
     shutdown_grace_s: float = 5.0
 
@@ -222,15 +222,22 @@ class ShardServiceAdapter:
                     return
                 await context.write(data)
 
-        write_task = asyncio.create_task(writer())
-        try:
+        async def reader() -> None:
             async for data in requests:
                 await bridge.call(self.hub.feed, conn, data)
-                if write_task.done():
-                    break
-            bridge.fire(self.hub.input_ended, conn)
-            await write_task
+            bridge.fire(self.hub.input_ended, conn)  # replies still pending go out, then the stream ends
+
+        write_task = asyncio.create_task(writer())
+        read_task = asyncio.create_task(reader())
+        try:
+            done, _ = await asyncio.wait({read_task, write_task}, return_when=asyncio.FIRST_COMPLETED)
+            if write_task in done:
+                read_task.cancel()  # the node ended the connection (shutdown, slow reader)
+            else:
+                read_task.result()  # a failed feed ends the stream with its error
+                await write_task
         finally:
+            read_task.cancel()
             write_task.cancel()
             bridge.fire(self.hub.close_connection, conn)
 
@@ -254,8 +261,12 @@ class ShardServiceAdapter:
                 grpc.StatusCode.NOT_FOUND,
                 f"this node serves model {self.settings.model_fingerprint}, not {request.model_fingerprint}",
             )
+        data = self.settings.vocab_bytes()
+        if data is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the vocabulary file is still being prepared; retry")
+            return
         for chunk in vocab_chunks(
-            self.settings.vocab_bytes,
+            data,
             model_fingerprint=self.settings.model_fingerprint,
             chunk_bytes=request.max_chunk_bytes,
         ):

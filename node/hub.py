@@ -173,8 +173,12 @@ class Hub:
 
     async def drain(self) -> None:
         """Shutdown: free every session's KV now and wait until the engine did it."""
-        actions = self.server.drain()
-        waiting = [d for d in (self._submit(a) for a in actions) if d is not None]
+        waiting = []
+        for action in self.server.drain():
+            if isinstance(action, Send):
+                self._deliver(action)
+            elif (done := self._submit(action)) is not None:
+                waiting.append(done)
         for done in waiting:
             await done.event.wait()
         for conn in list(self._conns.values()):

@@ -78,6 +78,7 @@ from proto.errors import (
     TicketInvalidError,
     UnavailableError,
     UnknownSessionError,
+    error_body,
     error_class,
 )
 from proto.swarm.v1 import frame_pb2, status_pb2
@@ -754,6 +755,15 @@ class FrameServer:
             if sess.busy_job is not None:
                 actions.append(Drop(sess.busy_job))
                 self._jobs.pop(sess.busy_job, None)
+            if sess.conn is not None:
+                # Unsolicited: tells the gateway at once to replace this stage and replay.
+                notice = codec.SessionHeader(
+                    sid, sess.epoch, self.spec.model_fingerprint, self.spec.recipe_fingerprint,
+                    self.spec.shard_start, self.spec.shard_end,
+                ).frame(frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=0)
+                notice.error.CopyFrom(error_body(UnavailableError("node is shutting down; the session was freed")))
+                notice.error.session_closed = True
+                actions.append(self._send(sess.conn, (notice,)))
             del self._sessions[sid]
             self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
             actions.append(FreeKv(sid))

@@ -26,6 +26,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     ports: dict[str, int] = field(default_factory=dict)
+    port_files: tuple[Path, Path] = (Path(), Path())
 
     def log(self) -> str:
         try:
@@ -79,7 +80,7 @@ def start_tracker(workdir: Path, *, timeout_s: float = 60.0) -> Proc:
 
 def start_node(
     workdir: Path, name: str, model: Path, layers: str, *, tracker_url: str | None, cache_dir: Path,
-    extra: list[str] | None = None, timeout_s: float = 180.0,
+    extra: list[str] | None = None, timeout_s: float = 180.0, wait: bool = True,
 ) -> Proc:
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, admin_file = workdir / f"{name}.port", workdir / f"{name}.admin"
@@ -94,7 +95,15 @@ def start_node(
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     proc = Proc(name, popen, log_path)
-    proc.ports["grpc"] = _wait_port(proc, port_file, timeout_s)
+    proc.port_files = (port_file, admin_file)
+    if wait:
+        wait_node(proc, timeout_s)
+    return proc
+
+
+def wait_node(proc: Proc, timeout_s: float = 180.0) -> Proc:
+    grpc_file, admin_file = proc.port_files
+    proc.ports["grpc"] = _wait_port(proc, grpc_file, timeout_s)
     proc.ports["admin"] = _wait_port(proc, admin_file, 30)
     return proc
 

@@ -31,7 +31,8 @@ from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc,
 from proto.vocab import VocabAssembler
 from node.loopback_client import StageStream
 from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, node_info, ticket_bytes
-from tests.node.swarm_procs import Proc, http_json, start_node, start_tracker, wait_for_route
+from node.shard import extract_shard, extract_vocab
+from tests.node.swarm_procs import Proc, http_json, start_node, start_tracker, wait_for_route, wait_node
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +73,16 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         tracker = start_tracker(workdir)
         procs.append(tracker)
         url = f"http://127.0.0.1:{tracker.ports['http']}"
-        # The first node computes the model fingerprint and the shard files into the shared cache.
-        a = start_node(workdir, "node-a", model_path, "0:15", tracker_url=url, cache_dir=node_cache)
+        # Fingerprint and shard files into the shared cache first, so both nodes start in parallel.
+        for start, end in ((0, 15), (15, 30)):
+            extract_shard(model_path, start, end, node_cache)
+        extract_vocab(model_path, node_cache)
+        a = start_node(workdir, "node-a", model_path, "0:15", tracker_url=url, cache_dir=node_cache, wait=False)
         procs.append(a)
-        b = start_node(workdir, "node-b", model_path, "15:30", tracker_url=url, cache_dir=node_cache)
+        b = start_node(workdir, "node-b", model_path, "15:30", tracker_url=url, cache_dir=node_cache, wait=False)
         procs.append(b)
+        wait_node(a)
+        wait_node(b)
         stages = [Stage(f"127.0.0.1:{p.ports['grpc']}", node_info(f"127.0.0.1:{p.ports['grpc']}")) for p in (a, b)]
         route = wait_for_route(url, stages[0].info.model.fingerprint)["routes"][0]
         assert [h["node_id"] for h in route["hops"]] == [s.info.node_id for s in stages]
@@ -301,11 +307,11 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
 
 def test_layers_auto_takes_the_span_the_tracker_recommends(swarm: Swarm, model_path: Path, node_cache: Path) -> None:
     c = start_node(swarm.workdir, "node-c", model_path, "auto", tracker_url=swarm.tracker_url, cache_dir=node_cache,
-                   extra=["--capacity-layers", "10", "--no-benchmark"])
+                   extra=["--capacity-layers", "15", "--no-benchmark"])
     try:
         info = node_info(f"127.0.0.1:{c.ports['grpc']}")
         start, end = info.shard.start, info.shard.end
-        assert 0 <= start < end <= 30 and end - start <= 10
+        assert 0 <= start < end <= 30 and end - start <= 15
         assert '"auto":true' in c.log()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -325,7 +331,9 @@ def test_sigterm_frees_sessions_and_stops(swarm: Swarm) -> None:
     session.step([1, 2, 3], sample=False)
     a = swarm.nodes[0]
     code = a.stop(grace_s=30)
+    notice = session.streams[0].recv()  # the node says so before it goes
     session.close()
     assert code == 0, a.log()
+    assert notice.error.status == S.STATUS_UNAVAILABLE and notice.error.session_closed
     log = a.log()
     assert '"event":"node_stopping"' in log and '"event":"node_stopped"' in log

@@ -74,7 +74,7 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
     hub.attach(scheduler)
     adapter = ShardServiceAdapter(
         hub,
-        GrpcSettings("127.0.0.1", 0, codec.DEFAULT_MAX_FRAME_BYTES, VOCAB, MODEL_FP, 1.0),
+        GrpcSettings("127.0.0.1", 0, codec.DEFAULT_MAX_FRAME_BYTES, lambda: VOCAB, MODEL_FP, 1.0),
         lambda: shard_service_pb2.NodeInfo(node_id="n" * 64),
         lambda: shard_service_pb2.HealthResponse(status=shard_service_pb2.SERVING_STATUS_SERVING),
     )

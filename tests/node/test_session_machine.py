@@ -374,6 +374,10 @@ def test_drain_frees_everything_and_refuses_new_sessions() -> None:
     h.open("b")
     actions = h.m.drain()
     assert Drop(c.job.job_id) in actions and FreeKv("a") in actions and FreeKv("b") in actions
+    notices = sends(actions)
+    assert [f.session_id for f in notices] == ["a", "b"]
+    assert all(f.error.status == S.STATUS_UNAVAILABLE and f.error.session_closed for f in notices)
+    assert all(codec.parse_frame(f.SerializeToString()) for f in notices)
     assert status_of(h.open("c")) == S.STATUS_UNAVAILABLE
 
 
