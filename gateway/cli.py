@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 import sys
 from typing import Any
@@ -55,6 +56,8 @@ def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
         flags["report_usage"] = False
     config = _config(config_file, **flags)
     logs.configure(config.log_level)
+    # llama.cpp narrates every vocabulary load line by line at info level.
+    logging.getLogger("llama.cpp").setLevel(max(logging.WARNING, logging.getLogger().level))
 
     async def run() -> None:
         shutdown = trio.Event()

@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 import grpc
 import trio
 
+from gateway.groups import single_exception
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
 from proto.vocab import VocabAssembler
 
@@ -162,15 +163,16 @@ class NodeChannels:
             except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError, trio.Cancelled):
                 pass  # the session stopped listening; the call is being cancelled
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(trio.to_thread.run_sync, reader, limiter=self.limiter,
-                                                 abandon_on_cancel=True))
-            try:
-                yield StageStream(requests, receive, self.limiter)
-            finally:
-                _close_requests(requests)
-                call.cancel()
-                receive.close()
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, reader, limiter=self.limiter,
+                                                     abandon_on_cancel=True))
+                try:
+                    yield StageStream(requests, receive, self.limiter)
+                finally:
+                    _close_requests(requests)
+                    call.cancel()
+                    receive.close()
 
     async def aclose(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -44,6 +44,7 @@ from gateway.errors import (
 )
 from gateway.gate import Gate
 from gateway.grpc_bridge import NodeChannels
+from gateway.groups import single_exception
 from gateway.metrics import Labels, Metrics
 from gateway.protocol import GenerationRequest, TokenLogprob
 from gateway.route_session import RouteSession, Sampled, open_route_session
@@ -193,14 +194,15 @@ class GatewayService:
         return job
 
     async def _prepare(self, request: GenerationRequest, route: Route) -> _Prepared:
-        async with trio.open_nursery() as nursery:
-            infos: dict[int, StageInfo] = {}
+        infos: dict[int, StageInfo] = {}
 
-            async def fetch(i: int) -> None:
-                infos[i] = await self.node_infos.get(route.hops[i], route.model_fingerprint)
+        async def fetch(i: int) -> None:
+            infos[i] = await self.node_infos.get(route.hops[i], route.model_fingerprint)
 
-            for i in range(len(route.hops)):
-                nursery.start_soon(fetch, i)
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                for i in range(len(route.hops)):
+                    nursery.start_soon(fetch, i)
         stages = [infos[i] for i in range(len(route.hops))]
         vocab = await self.vocabs.get(route.model_fingerprint, stages)
         if request.kind == "chat":

@@ -218,7 +218,8 @@ def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, sw
         with httpx.Client(base_url=url(small), timeout=60) as http:
             with http.stream("POST", "/v1/chat/completions", json=body) as held:
                 assert held.status_code == 200
-                next(held.iter_lines())
+                lines = held.iter_lines()  # keep a reference: a collected iterator closes the stream
+                next(lines)
                 r = http.post("/v1/chat/completions", json={**body, "stream": False})
                 assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}

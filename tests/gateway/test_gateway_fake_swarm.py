@@ -199,34 +199,39 @@ def test_concurrent_clients_spread_over_both_routes(client: openai.OpenAI, swarm
     wait_until(lambda: no_sessions_left(swarm), 5, "nodes to free every session")
 
 
-def test_over_capacity_gets_503_with_retry_after(swarm: dict) -> None:
-    gateway = start_gateway(swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "0",
-                            name="small-gateway")
+def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(swarm: dict) -> None:
+    gateway = start_gateway(swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "1",
+                            "--max-sessions-per-client", "1", "--queue-timeout-s", "0.5", name="small-gateway")
     for node in swarm["nodes"]:
         announce(url(swarm["tracker"]), node.key, MODEL, node.start, node.end, node.port)
         node.step_delay_s = 0.1
     try:
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        alice, bob = {"authorization": "Bearer alice"}, {"authorization": "Bearer bob"}
         with httpx.Client(base_url=url(gateway), timeout=30) as http:
-            with http.stream("POST", "/v1/chat/completions", json=body) as held:
+            with http.stream("POST", "/v1/chat/completions", json=body, headers=alice) as held:
                 assert held.status_code == 200
-                lines = held.iter_lines()
+                lines = held.iter_lines()  # keep a reference: a collected iterator closes the stream
                 next(lines)
-                r = http.post("/v1/chat/completions", json={**body, "stream": False})
+                r = http.post("/v1/chat/completions", json={**body, "stream": False}, headers=alice)
+                assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+                r = http.post("/v1/chat/completions", json={**body, "stream": False}, headers=bob)
                 assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-                assert r.json()["error"]["code"] == "overloaded"
+                assert r.json()["error"]["code"] == "overloaded" and "0.5 s" in r.json()["error"]["message"]
             for node in swarm["nodes"]:
                 node.step_delay_s = 0.0
             # The held stream's client went away: its slot frees once every stage confirmed the CANCEL.
             wait_until(lambda: http.get("/healthz").json()["sessions_active"] == 0, 10, "the slot to free")
-            ok = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+            ok = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, headers=bob)
             assert ok.status_code == 200, ok.text
             rejected = metric_lines(url(gateway), "swarm_gateway_rejections_total")
-            assert any("overloaded" in line for line in rejected)
+            assert any("overloaded" in line for line in rejected) and any("rate_limit" in line for line in rejected)
     finally:
         for node in swarm["nodes"]:
             node.step_delay_s = 0.0
         gateway.stop()
+    assert gateway.popen.returncode == 0 and "gateway_stopped" in gateway.log_tail()
     wait_until(lambda: no_sessions_left(swarm), 10, "nodes to free every session")
 
 
@@ -243,3 +248,16 @@ def test_usage_reported_to_tracker(client: openai.OpenAI, swarm: dict) -> None:
 
     assert wait_until(recorded, 10, "the tracker to record usage") > 0
     assert json.loads(httpx.get(url(swarm["gateway"]) + "/healthz", timeout=10).text)["sessions_active"] == 0
+
+
+def test_dead_node_before_open_moves_the_request_to_the_other_route(client: openai.OpenAI, swarm: dict) -> None:
+    """Last in the module: it stops a node for good."""
+    dead = swarm["nodes"][0]
+    dead.stop()
+    for _ in range(4):  # whichever route the balancer picks first, every request completes
+        r = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                           temperature=0)
+        assert r.choices[0].message.content == swarm["expected"]
+    failed = [line for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+              if 'outcome="open_failed"' in line]
+    assert failed and dead.node_id[:8] in failed[0]
