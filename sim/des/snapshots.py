@@ -35,7 +35,10 @@ class SnapshotCache:
         self._single_gateway = single_gateway
         self._max_pairs_nodes = max_latency_pairs_nodes
         self._nodes: dict[str, SimNode] = {}  # serving or loading
-        self._views: dict[str, ShardView] = {}  # current view of every known node (also draining)
+        self._views: dict[str, ShardView] = {}  # latest view of every node ever seen (also draining, gone)
+        # The two snapshots' contents, kept current so a rebuild is a C-level tuple(dict.values()).
+        self._placed_views: dict[str, ShardView] = {}  # loading or serving
+        self._routable_views: dict[str, ShardView] = {}  # serving
         self._routable: SwarmSnapshot | None = None
         self._placed: SwarmSnapshot | None = None
         self.version = 0  # grows whenever the routable snapshot's content changes
@@ -43,30 +46,37 @@ class SnapshotCache:
 
     # -- membership ---------------------------------------------------------
     def add(self, node: SimNode) -> None:
-        self._nodes[node.node_id] = node
-        self._views[node.node_id] = self._view(node)
+        nid = node.node_id
+        self._nodes[nid] = node
+        view = self._views[nid] = self._placed_views[nid] = self._view(node)
         self._placed = None
         if node.state == SERVING:
+            self._routable_views[nid] = view
             self._routable = None
             self.version += 1
 
     def started_serving(self, node: SimNode) -> None:
-        self._views[node.node_id] = self._view(node)
+        nid = node.node_id
+        self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = self._view(node)
         self._routable = None
+        self._placed = None
         self.version += 1
 
     def remove(self, node: SimNode) -> None:
         """The node stops being routable (crash, or graceful leave begins)."""
-        if self._nodes.pop(node.node_id, None) is not None:
+        nid = node.node_id
+        if self._nodes.pop(nid, None) is not None:
+            self._placed_views.pop(nid, None)
+            self._routable_views.pop(nid, None)
             self._routable = None
             self._placed = None
             self.version += 1
 
     def refresh_load(self) -> None:
         """Heartbeat: every live node's load reaches the tracker."""
-        for nid, node in self._nodes.items():
-            if node.state == SERVING:
-                self._views[nid] = self._view(node)
+        nodes = self._nodes
+        for nid in self._routable_views:
+            self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = self._view(nodes[nid])
         self._routable = None
         self._placed = None
         self.version += 1
@@ -77,8 +87,7 @@ class SnapshotCache:
 
     def routable(self) -> SwarmSnapshot:
         if self._routable is None:
-            views = self._views
-            shards = tuple(views[nid] for nid, n in self._nodes.items() if n.state == SERVING)
+            shards = tuple(self._routable_views.values())
             self._routable = SwarmSnapshot(
                 models=self.models, shards=shards, latency_ms=self._latency_pairs(shards),
                 default_latency_ms=self.default_latency_ms)
@@ -87,9 +96,7 @@ class SnapshotCache:
 
     def placed(self) -> SwarmSnapshot:
         if self._placed is None:
-            views = self._views
-            shards = tuple(views[nid] for nid in self._nodes)
-            self._placed = SwarmSnapshot(models=self.models, shards=shards,
+            self._placed = SwarmSnapshot(models=self.models, shards=tuple(self._placed_views.values()),
                                          default_latency_ms=self.default_latency_ms)
             self.builds += 1
         return self._placed
