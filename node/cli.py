@@ -31,7 +31,9 @@ def shard() -> None:
 
 
 @shard.command("extract")
-@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="Whole-model GGUF file.")
+@click.option(
+    "--model", "model_path", required=True, type=click.Path(path_type=Path), help="Whole-model GGUF file."
+)
 @click.option("--layers", required=True, help="Half-open layer range START:END, e.g. 0:15.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where shards are written.")
 def shard_extract(model_path: Path, layers: str, cache_dir: Path | None) -> None:
@@ -76,16 +78,27 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="TOML file with node settings (also SWARM_NODE_CONFIG).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML file with node settings (also SWARM_NODE_CONFIG).",
+)
 @click.option("--model", default=None, help="Whole-model GGUF file.")
 @click.option("--layers", default=None, help="START:END to serve, or 'auto' (ask the tracker).")
 @click.option("--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take.")
-@click.option("--tracker", "tracker_url", default=None, help="Tracker URL; default: discover it with zeroconf.")
+@click.option(
+    "--tracker", "tracker_url", default=None, help="Tracker URL; default: discover it with zeroconf."
+)
 @click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
 @click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
-@click.option("--insecure-no-tickets", is_flag=True, default=None,
-              help="Accept OPEN without a valid route ticket. Local tests only.")
+@click.option(
+    "--insecure-no-tickets",
+    is_flag=True,
+    default=None,
+    help="Accept OPEN without a valid route ticket. Local tests only.",
+)
 @click.option("--host", default=None, help="gRPC listen interface (default 0.0.0.0).")
 @click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one (default 7470).")
 @click.option("--advertise-host", default=None, help="Host/IP announced to the tracker.")
@@ -93,17 +106,27 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--admin-host", default=None, help="Admin HTTP interface (default 127.0.0.1).")
 @click.option("--admin-port", type=int, default=None, help="Admin HTTP port; 0 = any free one; -1 = off.")
 @click.option("--admin-port-file", default=None, help="Write the bound admin port here.")
-@click.option("--threads", type=int, default=None, help="llama.cpp compute threads (default: physical cores).")
+@click.option(
+    "--threads", type=int, default=None, help="llama.cpp compute threads (default: physical cores)."
+)
 @click.option("--max-sessions", type=int, default=None, help="Most concurrent Route Sessions.")
 @click.option("--session-kv-tokens", type=int, default=None, help="KV positions per session.")
 @click.option("--batch-tokens", type=int, default=None, help="Most positions per engine batch.")
-@click.option("--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch.")
+@click.option(
+    "--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch."
+)
 @click.option("--max-queued-steps", type=int, default=None, help="Most steps waiting for the engine.")
 @click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
 @click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
-@click.option("--heartbeat-interval-s", type=float, default=None,
-              help="Seconds between heartbeats; default: what the tracker asks for.")
-@click.option("--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark.")
+@click.option(
+    "--heartbeat-interval-s",
+    type=float,
+    default=None,
+    help="Seconds between heartbeats; default: what the tracker asks for.",
+)
+@click.option(
+    "--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark."
+)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 @click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")
 @click.option("--log-level", default=None, help="debug, info, warning or error.")

@@ -37,7 +37,9 @@ def _xdg(var: str, fallback: str, leaf: str) -> str:
 @dataclass(frozen=True)
 class NodeConfig:
     model: str = _f("", "path of the whole-model GGUF file (required for start)")
-    layers: str = _f("auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)")
+    layers: str = _f(
+        "auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)"
+    )
     capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
     tracker_url: str = _f("", "tracker base URL; empty = discover it on the LAN with zeroconf")
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
@@ -54,11 +56,15 @@ class NodeConfig:
     max_sessions: int = _f(8, "most Route Sessions held at once (KV sequences)")
     session_kv_tokens: int = _f(2048, "KV positions one session may hold (prompt plus generation)")
     batch_tokens: int = _f(512, "most positions one engine batch takes (llama.cpp n_batch)")
-    prefill_chunk_tokens: int = _f(256, "most positions of one prefill step per batch, so decodes keep moving")
+    prefill_chunk_tokens: int = _f(
+        256, "most positions of one prefill step per batch, so decodes keep moving"
+    )
     max_queued_steps: int = _f(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
     max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
     idle_lease_s: float = _f(300.0, "a session without any frame this long is evicted and its KV freed")
-    reattach_window_s: float = _f(30.0, "a session whose stream ended without RELEASE waits this long for re-OPEN")
+    reattach_window_s: float = _f(
+        30.0, "a session whose stream ended without RELEASE waits this long for re-OPEN"
+    )
     lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
     heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
     tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
@@ -68,6 +74,9 @@ class NodeConfig:
     data_dir: str = _f("~/.swarm/node", "directory of the node key (node.key, mode 0600)")
     cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
     log_level: str = _f("info", "debug, info, warning or error")
+
+    def resolved_model_path(self) -> Path:
+        return Path(self.model).expanduser()
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
@@ -92,26 +101,40 @@ class NodeConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be in -1..65535, got {self.admin_port}")
-        for name in ("max_sessions", "session_kv_tokens", "batch_tokens", "prefill_chunk_tokens",
-                     "max_queued_steps"):
+        for name in (
+            "max_sessions",
+            "session_kv_tokens",
+            "batch_tokens",
+            "prefill_chunk_tokens",
+            "max_queued_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.session_kv_tokens < 16:
             raise ConfigError("session_kv_tokens must be >= 16")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError("max_frame_bytes must be >= 65536")
-        for name in ("idle_lease_s", "reattach_window_s", "lease_check_interval_s", "tracker_retry_s",
-                     "discovery_timeout_s"):
+        for name in (
+            "idle_lease_s",
+            "reattach_window_s",
+            "lease_check_interval_s",
+            "tracker_retry_s",
+            "discovery_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.heartbeat_interval_s < 0 or self.shutdown_grace_s < 0 or self.threads < 0:
             raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
         if self.capacity_layers < 0:
             raise ConfigError("capacity_layers must be >= 0")
-        if self.tracker_id and (len(self.tracker_id) != 64 or any(c not in "0123456789abcdef" for c in self.tracker_id)):
+        if self.tracker_id and (
+            len(self.tracker_id) != 64 or any(c not in "0123456789abcdef" for c in self.tracker_id)
+        ):
             raise ConfigError("tracker_id must be 64 lowercase hex characters")
         if self.no_tracker and not self.insecure_no_tickets and not self.tracker_id:
-            raise ConfigError("no_tracker needs a pinned tracker_id or insecure_no_tickets: tickets are verified")
+            raise ConfigError(
+                "no_tracker needs a pinned tracker_id or insecure_no_tickets: tickets are verified"
+            )
         if self.no_tracker and self.layers == "auto":
             raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -182,7 +205,7 @@ def load_config(
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
             continue
-        key = var[len(ENV_PREFIX):].lower()
+        key = var[len(ENV_PREFIX) :].lower()
         if key not in FIELDS:
             raise ConfigError(f"unknown environment variable {var}")
         values[key] = _coerce(key, value, f"environment {var}")

@@ -134,9 +134,11 @@ class NodeDaemon:
         key, created = load_or_create_key(cfg.resolved_data_dir())
         self.key = key
         self.node_id = node_id(key)
-        event(log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir()))
+        event(
+            log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir())
+        )
         cache = cfg.resolved_cache_dir()
-        model_path = Path(cfg.model).expanduser()
+        model_path = cfg.resolved_model_path()
         if not cfg.no_tracker:
             self.tracker_url = await self._find_tracker()
         if cfg.layers == "auto":
@@ -149,8 +151,17 @@ class NodeDaemon:
         files = await trio.to_thread.run_sync(extract_shard, model_path, start, end, cache)
         meta = files.model
         self.meta = meta
-        event(log, "shard_ready", model=meta.name, fingerprint=meta.fingerprint, start=start, end=end,
-              n_layers=meta.n_layers, auto=cfg.layers == "auto", path=str(files.path))
+        event(
+            log,
+            "shard_ready",
+            model=meta.name,
+            fingerprint=meta.fingerprint,
+            start=start,
+            end=end,
+            n_layers=meta.n_layers,
+            auto=cfg.layers == "auto",
+            path=str(files.path),
+        )
         self._vocab_bytes: bytes | None = None
         cached_vocab = shard_dir(cache, meta.fingerprint) / "vocab.gguf"
         if cached_vocab.is_file():
@@ -168,8 +179,13 @@ class NodeDaemon:
                 self.decode_ms, self.prefill_tps = bench.decode_ms_per_token, bench.prefill_tokens_per_s
             else:
                 self.decode_ms, self.prefill_tps = 10.0, 1000.0  # placeholders until measured
-            event(log, "benchmark", decode_ms_per_token=round(self.decode_ms, 3),
-                  prefill_tokens_per_s=round(self.prefill_tps, 1), measured=cfg.benchmark)
+            event(
+                log,
+                "benchmark",
+                decode_ms_per_token=round(self.decode_ms, 3),
+                prefill_tokens_per_s=round(self.prefill_tps, 1),
+                measured=cfg.benchmark,
+            )
             self.hardware = await trio.to_thread.run_sync(probe, cache)
             event(log, "hardware", **self.hardware.to_json())
             self.engine = engine
@@ -200,8 +216,12 @@ class NodeDaemon:
                 insecure_accept_all=cfg.insecure_no_tickets,
             )
             if cfg.insecure_no_tickets:
-                event(log, "tickets_not_verified", level=logging.WARNING,
-                      message="insecure_no_tickets: any OPEN is accepted; never use this on a network")
+                event(
+                    log,
+                    "tickets_not_verified",
+                    level=logging.WARNING,
+                    message="insecure_no_tickets: any OPEN is accepted; never use this on a network",
+                )
             self.machine = FrameServer(self.spec, self.verifier)
             self.hub = Hub(self.machine)
             self.scheduler = Scheduler(
@@ -216,8 +236,14 @@ class NodeDaemon:
                 await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
                 self.grpc = ShardServiceAdapter(
                     self.hub,
-                    GrpcSettings(cfg.host, cfg.port, cfg.max_frame_bytes, lambda: self._vocab_bytes,
-                                 meta.fingerprint, cfg.shutdown_grace_s),
+                    GrpcSettings(
+                        cfg.host,
+                        cfg.port,
+                        cfg.max_frame_bytes,
+                        lambda: self._vocab_bytes,
+                        meta.fingerprint,
+                        cfg.shutdown_grace_s,
+                    ),
                     self.info,
                     self.health,
                 )
@@ -227,8 +253,13 @@ class NodeDaemon:
                     _write_port_file(cfg.port_file, port)
                 admin_port = None
                 if cfg.admin_port >= 0:
-                    admin = AdminServer(cfg.admin_host, cfg.admin_port, health=self.healthz,
-                                        metrics=self.metrics_text, status=self.status)
+                    admin = AdminServer(
+                        cfg.admin_host,
+                        cfg.admin_port,
+                        health=self.healthz,
+                        metrics=self.metrics_text,
+                        status=self.status,
+                    )
                     admin_port = await nursery.start(admin.serve)
                     if cfg.admin_port_file:
                         _write_port_file(cfg.admin_port_file, admin_port)
@@ -236,10 +267,19 @@ class NodeDaemon:
                     nursery.start_soon(self._tracker_loop)
                 if self._vocab_bytes is None:
                     nursery.start_soon(self._prepare_vocab, model_path, cache)
-                self.ready = NodeReady(self.node_id, port, admin_port, start, end, meta.fingerprint,
-                                       engine.recipe_fingerprint)
-                event(log, "node_serving", node_id=self.node_id, grpc_port=port, admin_port=admin_port,
-                      address=self.address, shard=[start, end], tracker=self.tracker_url or None)
+                self.ready = NodeReady(
+                    self.node_id, port, admin_port, start, end, meta.fingerprint, engine.recipe_fingerprint
+                )
+                event(
+                    log,
+                    "node_serving",
+                    node_id=self.node_id,
+                    grpc_port=port,
+                    admin_port=admin_port,
+                    address=self.address,
+                    shard=[start, end],
+                    tracker=self.tracker_url or None,
+                )
                 task_status.started(self.ready)
                 await shutdown.wait()
                 await self._stop(nursery)
@@ -274,7 +314,9 @@ class NodeDaemon:
         from tracker.discovery import discover_tracker_async
 
         while True:
-            url = await discover_tracker_async(self.config.discovery_timeout_s, self.config.tracker_id or None)
+            url = await discover_tracker_async(
+                self.config.discovery_timeout_s, self.config.tracker_id or None
+            )
             if url:
                 event(log, "tracker_discovered", url=url)
                 return url
@@ -307,8 +349,13 @@ class NodeDaemon:
             relay_via=None,
             hardware=self.hardware,
             software_version=software_version(),
-            model=ModelSpec(meta.fingerprint, (meta.name or meta.path.stem)[:200], meta.architecture,
-                            meta.n_layers, meta.n_embd),
+            model=ModelSpec(
+                meta.fingerprint,
+                (meta.name or meta.path.stem)[:200],
+                meta.architecture,
+                meta.n_layers,
+                meta.n_embd,
+            ),
             shard_start=self.spec.shard_start,
             shard_end=self.spec.shard_end,
             decode_ms_per_token=self.decode_ms,
@@ -344,14 +391,25 @@ class NodeDaemon:
                             announced = True
                             tracker_id = str(answer.get("tracker_id", ""))
                             if self.config.tracker_id and tracker_id != self.config.tracker_id:
-                                event(log, "tracker_key_mismatch", level=logging.ERROR, pinned=self.config.tracker_id,
-                                      answered=tracker_id)
+                                event(
+                                    log,
+                                    "tracker_key_mismatch",
+                                    level=logging.ERROR,
+                                    pinned=self.config.tracker_id,
+                                    answered=tracker_id,
+                                )
                             elif tracker_id:
                                 self.verifier.trust(tracker_id)
                             if not self.config.heartbeat_interval_s:
                                 interval = float(answer.get("heartbeat_interval_s", interval))
-                            event(log, "announced", tracker=self.tracker_url, tracker_id=tracker_id,
-                                  state=answer.get("state"), heartbeat_interval_s=interval)
+                            event(
+                                log,
+                                "announced",
+                                tracker=self.tracker_url,
+                                tracker_id=tracker_id,
+                                state=answer.get("state"),
+                                heartbeat_interval_s=interval,
+                            )
                         else:
                             await client.heartbeat(self._heartbeat())
                             self.counters.heartbeats += 1
@@ -360,8 +418,15 @@ class NodeDaemon:
                     self.counters.tracker_failures += 1
                     if err.status == 404:
                         announced = False  # the tracker forgot us (restart, new database): announce again
-                    event(log, "tracker_refused", level=logging.WARNING, status=err.status, code=err.code,
-                          reason=err.reason, message=str(err))
+                    event(
+                        log,
+                        "tracker_refused",
+                        level=logging.WARNING,
+                        status=err.status,
+                        code=err.code,
+                        reason=err.reason,
+                        message=str(err),
+                    )
                     await trio.sleep(self.config.tracker_retry_s)
                 except (httpx.TransportError, trio.TooSlowError) as err:
                     self.counters.tracker_failures += 1
@@ -387,8 +452,13 @@ class NodeDaemon:
         return shard_service_pb2.NodeInfo(
             node_id=self.node_id,
             model=shard_service_pb2.ModelInfo(
-                fingerprint=meta.fingerprint, name=meta.name, architecture=meta.architecture,
-                n_layers=meta.n_layers, n_embd=meta.n_embd, n_vocab=meta.n_vocab, n_ctx_train=meta.context_length,
+                fingerprint=meta.fingerprint,
+                name=meta.name,
+                architecture=meta.architecture,
+                n_layers=meta.n_layers,
+                n_embd=meta.n_embd,
+                n_vocab=meta.n_vocab,
+                n_ctx_train=meta.context_length,
             ),
             shard=frame_pb2.LayerRange(start=spec.shard_start, end=spec.shard_end),
             recipe=self.engine.recipe.to_wire(),
@@ -407,9 +477,15 @@ class NodeDaemon:
         )
 
     def health(self) -> shard_service_pb2.HealthResponse:
-        status = shard_service_pb2.SERVING_STATUS_DRAINING if self.draining else shard_service_pb2.SERVING_STATUS_SERVING
+        status = (
+            shard_service_pb2.SERVING_STATUS_DRAINING
+            if self.draining
+            else shard_service_pb2.SERVING_STATUS_SERVING
+        )
         return shard_service_pb2.HealthResponse(
-            status=status, uptime_ms=int((time.monotonic() - self.counters.started_s) * 1000), load=self._load()
+            status=status,
+            uptime_ms=int((time.monotonic() - self.counters.started_s) * 1000),
+            load=self._load(),
         )
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
@@ -422,13 +498,18 @@ class NodeDaemon:
         return {
             "node_id": self.node_id,
             "address": self.address,
-            "model": {"name": self.meta.name, "fingerprint": self.meta.fingerprint, "n_layers": self.meta.n_layers},
+            "model": {
+                "name": self.meta.name,
+                "fingerprint": self.meta.fingerprint,
+                "n_layers": self.meta.n_layers,
+            },
             "shard": [self.spec.shard_start, self.spec.shard_end],
             "recipe_fingerprint": self.spec.recipe_fingerprint,
             "is_first": self.spec.is_first,
             "is_last": self.spec.is_last,
             "tracker": self.tracker_url or None,
-            "tracker_key_known": self.verifier.tracker_public_key is not None or self.verifier.insecure_accept_all,
+            "tracker_key_known": self.verifier.tracker_public_key is not None
+            or self.verifier.insecure_accept_all,
             "draining": self.draining,
             "uptime_s": round(time.monotonic() - self.counters.started_s, 1),
             "sessions": stats.sessions,
@@ -458,35 +539,107 @@ class NodeDaemon:
         m: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
             ("swarm_node_sessions", "gauge", "Route Sessions held", [({}, stats.sessions)]),
             ("swarm_node_sessions_max", "gauge", "session slots", [({}, self.spec.max_sessions)]),
-            ("swarm_node_busy_sessions", "gauge", "sessions with a step in flight", [({}, stats.busy_sessions)]),
-            ("swarm_node_queue_depth", "gauge", "steps waiting for or in the engine", [({}, sched.queued_jobs)]),
+            (
+                "swarm_node_busy_sessions",
+                "gauge",
+                "sessions with a step in flight",
+                [({}, stats.busy_sessions)],
+            ),
+            (
+                "swarm_node_queue_depth",
+                "gauge",
+                "steps waiting for or in the engine",
+                [({}, sched.queued_jobs)],
+            ),
             ("swarm_node_connections", "gauge", "open Session streams", [({}, stats.connections)]),
-            ("swarm_node_kv_tokens_used", "gauge", "KV positions held by sessions", [({}, stats.kv_tokens_used)]),
-            ("swarm_node_kv_tokens_granted", "gauge", "KV positions granted to sessions",
-             [({}, stats.kv_tokens_granted)]),
-            ("swarm_node_kv_tokens_capacity", "gauge", "KV positions of all slots", [({}, stats.kv_tokens_capacity)]),
-            ("swarm_node_tokens_processed_total", "counter", "positions through the engine",
-             [({"phase": "decode"}, sched.decode_tokens), ({"phase": "prefill"}, sched.prefill_tokens)]),
-            ("swarm_node_engine_seconds_total", "counter", "time spent in engine batches", [({}, sched.compute_s)]),
-            ("swarm_node_tokens_per_second", "gauge", "positions per second of engine time (busy throughput)",
-             [({}, tps)]),
-            ("swarm_node_decode_ms_per_token", "gauge", "smoothed time of decode-only batches per step",
-             [({}, sched.decode_ms_per_token)]),
+            (
+                "swarm_node_kv_tokens_used",
+                "gauge",
+                "KV positions held by sessions",
+                [({}, stats.kv_tokens_used)],
+            ),
+            (
+                "swarm_node_kv_tokens_granted",
+                "gauge",
+                "KV positions granted to sessions",
+                [({}, stats.kv_tokens_granted)],
+            ),
+            (
+                "swarm_node_kv_tokens_capacity",
+                "gauge",
+                "KV positions of all slots",
+                [({}, stats.kv_tokens_capacity)],
+            ),
+            (
+                "swarm_node_tokens_processed_total",
+                "counter",
+                "positions through the engine",
+                [({"phase": "decode"}, sched.decode_tokens), ({"phase": "prefill"}, sched.prefill_tokens)],
+            ),
+            (
+                "swarm_node_engine_seconds_total",
+                "counter",
+                "time spent in engine batches",
+                [({}, sched.compute_s)],
+            ),
+            (
+                "swarm_node_tokens_per_second",
+                "gauge",
+                "positions per second of engine time (busy throughput)",
+                [({}, tps)],
+            ),
+            (
+                "swarm_node_decode_ms_per_token",
+                "gauge",
+                "smoothed time of decode-only batches per step",
+                [({}, sched.decode_ms_per_token)],
+            ),
             ("swarm_node_batches_total", "counter", "engine batches", [({}, sched.batches)]),
-            ("swarm_node_multi_session_batches_total", "counter", "batches carrying several sessions' work",
-             [({}, sched.multi_session_batches)]),
-            ("swarm_node_frames_total", "counter", "Session frames",
-             [({"direction": "in"}, stats.frames_in), ({"direction": "out"}, stats.frames_out)]),
-            ("swarm_node_replays_total", "counter", "replies re-sent from the idempotency cache",
-             [({}, stats.replays)]),
-            ("swarm_node_evictions_total", "counter", "sessions evicted by lease or re-attach window",
-             [({}, stats.evictions)]),
-            ("swarm_node_refusals_total", "counter", "error replies by status",
-             [({"status": k}, v) for k, v in sorted(stats.errors_by_status.items())]),
-            ("swarm_node_tickets_total", "counter", "route tickets checked",
-             [({"outcome": "accepted"}, self.verifier.accepted), ({"outcome": "refused"}, self.verifier.refused)]),
-            ("swarm_node_tracker_failures_total", "counter", "failed tracker calls",
-             [({}, self.counters.tracker_failures)]),
+            (
+                "swarm_node_multi_session_batches_total",
+                "counter",
+                "batches carrying several sessions' work",
+                [({}, sched.multi_session_batches)],
+            ),
+            (
+                "swarm_node_frames_total",
+                "counter",
+                "Session frames",
+                [({"direction": "in"}, stats.frames_in), ({"direction": "out"}, stats.frames_out)],
+            ),
+            (
+                "swarm_node_replays_total",
+                "counter",
+                "replies re-sent from the idempotency cache",
+                [({}, stats.replays)],
+            ),
+            (
+                "swarm_node_evictions_total",
+                "counter",
+                "sessions evicted by lease or re-attach window",
+                [({}, stats.evictions)],
+            ),
+            (
+                "swarm_node_refusals_total",
+                "counter",
+                "error replies by status",
+                [({"status": k}, v) for k, v in sorted(stats.errors_by_status.items())],
+            ),
+            (
+                "swarm_node_tickets_total",
+                "counter",
+                "route tickets checked",
+                [
+                    ({"outcome": "accepted"}, self.verifier.accepted),
+                    ({"outcome": "refused"}, self.verifier.refused),
+                ],
+            ),
+            (
+                "swarm_node_tracker_failures_total",
+                "counter",
+                "failed tracker calls",
+                [({}, self.counters.tracker_failures)],
+            ),
         ]
         hist = [
             "# HELP swarm_node_batch_tokens positions per engine batch",
@@ -496,6 +649,7 @@ class NodeDaemon:
             f"swarm_node_batch_tokens_sum {sched.tokens_processed}",
         ]
         return prometheus(m) + "\n".join(hist) + "\n"
+
 
 async def run_node(
     config: NodeConfig,

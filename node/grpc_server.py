@@ -169,7 +169,9 @@ class ShardServiceAdapter:
     async def _aio_main(self, token: trio.lowlevel.TrioToken, report: Callable[..., None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        limit = self.settings.max_frame_bytes + 1024 * 1024  # so an oversized frame gets TOO_LARGE, not a reset
+        limit = (
+            self.settings.max_frame_bytes + 1024 * 1024
+        )  # so an oversized frame gets TOO_LARGE, not a reset
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -263,7 +265,9 @@ class ShardServiceAdapter:
             )
         data = self.settings.vocab_bytes()
         if data is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the vocabulary file is still being prepared; retry")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the vocabulary file is still being prepared; retry"
+            )
             return
         for chunk in vocab_chunks(
             data,

@@ -130,7 +130,9 @@ class Hub:
         for done in failed:
             effect = done.effect
             if isinstance(effect, OpenKv):
-                self.execute_nowait(self.server.fail_session(effect.session_id, done.error or "engine refused"))
+                self.execute_nowait(
+                    self.server.fail_session(effect.session_id, done.error or "engine refused")
+                )
         request = reply.frames[0] if reply.frames else None
         exc = InternalError(f"the engine refused the session: {failed[0].error}")
         frame = codec.error_frame(exc, request, kv_len=0)
@@ -165,7 +167,9 @@ class Hub:
 
     # -- timers -------------------------------------------------------------------------------------
 
-    async def run_leases(self, interval_s: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run_leases(
+        self, interval_s: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         task_status.started()
         while True:
             await trio.sleep(interval_s)

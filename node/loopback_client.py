@@ -52,8 +52,10 @@ class StageStream:
     def recv_step(self) -> list[frame_pb2.Frame]:
         """The reply frames of one step: an error, or result chunks up to the last one."""
         frames = [self.recv()]
-        while codec.body_kind(frames[-1]) == "result" and frames[-1].HasField("chunk") and (
-            frames[-1].chunk.index < frames[-1].chunk.count - 1
+        while (
+            codec.body_kind(frames[-1]) == "result"
+            and frames[-1].HasField("chunk")
+            and (frames[-1].chunk.index < frames[-1].chunk.count - 1)
         ):
             frames.append(self.recv())
         return frames
@@ -69,8 +71,11 @@ class StageStream:
     def cancel(self) -> None:
         self._replies.cancel()
 
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,9 @@ class Stage:
 
 def node_info(address: str) -> shard_service_pb2.NodeInfo:
     with grpc.insecure_channel(address) as channel:
-        return shard_service_pb2_grpc.ShardServiceStub(channel).Info(shard_service_pb2.InfoRequest(), timeout=10)
+        return shard_service_pb2_grpc.ShardServiceStub(channel).Info(
+            shard_service_pb2.InfoRequest(), timeout=10
+        )
 
 
 def ticket_bytes(ticket: dict[str, str]) -> bytes:
@@ -99,23 +106,44 @@ def ticket_bytes(ticket: dict[str, str]) -> bytes:
 class RouteSession:
     """One Route Session over a chain of stages: greedy/sampled generation with f32 hidden states."""
 
-    def __init__(self, stages: list[Stage], ticket: bytes, *, budget: int = 256,
-                 sampling: codec.SamplingSettings | None = None, session_id: str | None = None,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        stages: list[Stage],
+        ticket: bytes,
+        *,
+        budget: int = 256,
+        sampling: codec.SamplingSettings | None = None,
+        session_id: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
         self.stages = stages
         self.session_id = session_id or secrets.token_hex(16)
         self.channels = [grpc.insecure_channel(s.address, options=GRPC_OPTIONS) for s in stages]
         self.streams = [StageStream(c, timeout_s) for c in self.channels]
         self.headers = [
-            codec.SessionHeader(self.session_id, 1, s.info.model.fingerprint, s.info.recipe.fingerprint,
-                                s.start, s.end, request_id="test")
+            codec.SessionHeader(
+                self.session_id,
+                1,
+                s.info.model.fingerprint,
+                s.info.recipe.fingerprint,
+                s.start,
+                s.end,
+                request_id="test",
+            )
             for s in stages
         ]
         self.step_id = 1
         self.kv = 0
         for stream, header in zip(self.streams, self.headers, strict=True):
-            stream.send(codec.open_frame(header, step_id=self.step_id, route_ticket=ticket, kv_budget_tokens=budget,
-                                         sampling=sampling or codec.SamplingSettings(temperature=0.0)))
+            stream.send(
+                codec.open_frame(
+                    header,
+                    step_id=self.step_id,
+                    route_ticket=ticket,
+                    kv_budget_tokens=budget,
+                    sampling=sampling or codec.SamplingSettings(temperature=0.0),
+                )
+            )
         for stream in self.streams:
             ack = stream.recv()
             if codec.body_kind(ack) != "open_ack":
@@ -125,8 +153,14 @@ class RouteSession:
         """One step (prefill of ``tokens`` or one decode) through every stage; returns the sampled token."""
         self.step_id += 1
         phase = frame_pb2.PHASE_DECODE if len(tokens) == 1 and self.kv > 0 else frame_pb2.PHASE_PREFILL
-        frames = codec.step_frames(self.headers[0], phase, step_id=self.step_id, start=self.kv, token_ids=tokens,
-                                   sample=sample and len(self.stages) == 1)
+        frames = codec.step_frames(
+            self.headers[0],
+            phase,
+            step_id=self.step_id,
+            start=self.kv,
+            token_ids=tokens,
+            sample=sample and len(self.stages) == 1,
+        )
         for k, stream in enumerate(self.streams):
             stream.send(*frames)
             replies = stream.recv_step()
@@ -134,11 +168,18 @@ class RouteSession:
                 raise RuntimeError(f"stage {k} refused step {self.step_id}: {replies[0].error}")
             if k + 1 < len(self.streams):
                 last_next = k + 1 == len(self.streams) - 1
-                frames = [codec.relay_frame(r, self.headers[k + 1], step_id=self.step_id,
-                                            token_ids=tokens[r.positions.start - self.kv: r.positions.end - self.kv]
-                                            if last_next else (),
-                                            sample=sample and last_next)
-                          for r in replies]
+                frames = [
+                    codec.relay_frame(
+                        r,
+                        self.headers[k + 1],
+                        step_id=self.step_id,
+                        token_ids=tokens[r.positions.start - self.kv : r.positions.end - self.kv]
+                        if last_next
+                        else (),
+                        sample=sample and last_next,
+                    )
+                    for r in replies
+                ]
         self.kv += len(tokens)
         sampled = replies[-1].result.sampled
         return sampled[0] if sampled else None

@@ -181,7 +181,11 @@ class Scheduler:
             return []
         results = self.backend.run(plan)
         for s, r in zip(plan, results, strict=True):
-            if r.error_status is not None and s.offset > 0 and self.backend.has_session(s.pending.job.session_id):
+            if (
+                r.error_status is not None
+                and s.offset > 0
+                and self.backend.has_session(s.pending.job.session_id)
+            ):
                 # Earlier slices of this step are in the KV: take them out, the step failed as a whole.
                 self.backend.truncate(s.pending.job.session_id, s.pending.job.start)
         return list(zip(plan, results, strict=True))

@@ -328,15 +328,19 @@ class FrameServer:
             sess = self._sessions.get(frame.session_id)
             return [self._error(conn, exc, frame, sess.kv_len if sess else 0)]
 
-    def _error(
-        self, conn: int, exc: ProtocolError, frame: frame_pb2.Frame | None, kv_len: int
-    ) -> Send:
+    def _error(self, conn: int, exc: ProtocolError, frame: frame_pb2.Frame | None, kv_len: int) -> Send:
         name = exc.status_name
         self._errors[name] = self._errors.get(name, 0) + 1
         reply = codec.error_frame(exc, frame, kv_len=kv_len)
         reply.error.session_closed = exc.session_closed
-        event(log, "frame_refused", level=logging.DEBUG, status=name,
-              session_id=frame.session_id if frame else "", message=exc.message)
+        event(
+            log,
+            "frame_refused",
+            level=logging.DEBUG,
+            status=name,
+            session_id=frame.session_id if frame else "",
+            message=exc.message,
+        )
         return self._send(conn, (reply,))
 
     def _send(self, conn: int, frames: tuple[frame_pb2.Frame, ...]) -> Send:
@@ -436,11 +440,20 @@ class FrameServer:
         sess.ignore_step = 0
         sess.expires_at = now + self.spec.idle_lease_s
         reply = self._ack(frame, sess, reattached=True)
-        event(log, "session_reattached", session_id=sess.session_id, epoch=sess.epoch, kv_len=sess.kv_len, conn=conn)
+        event(
+            log,
+            "session_reattached",
+            session_id=sess.session_id,
+            epoch=sess.epoch,
+            kv_len=sess.kv_len,
+            conn=conn,
+        )
         actions.append(self._send(conn, reply))
         return actions
 
-    def _ack(self, frame: frame_pb2.Frame, sess: _Session, *, reattached: bool) -> tuple[frame_pb2.Frame, ...]:
+    def _ack(
+        self, frame: frame_pb2.Frame, sess: _Session, *, reattached: bool
+    ) -> tuple[frame_pb2.Frame, ...]:
         reply = codec.open_ack_frame(
             frame,
             kv_len=sess.kv_len,
@@ -496,7 +509,9 @@ class FrameServer:
                 return []  # the rest of a step whose first chunk was already refused
             raise SessionClosedError(f"session {sid!r} was {closed.reason}")
         if frame.route_epoch != sess.epoch:
-            raise RouteEpochError(f"frame of route epoch {frame.route_epoch}; the session is at epoch {sess.epoch}")
+            raise RouteEpochError(
+                f"frame of route epoch {frame.route_epoch}; the session is at epoch {sess.epoch}"
+            )
         if kind == "cancel":
             return self._close(conn, frame, sess, "cancelled")
         if frame.step_id == sess.last_step_id:
@@ -506,7 +521,9 @@ class FrameServer:
                 sess.ignore_step = int(frame.step_id)
             return self._replay(conn, sess)
         if frame.step_id < sess.last_step_id:
-            raise StepConflictError(f"step id {frame.step_id} is not above the last applied {sess.last_step_id}")
+            raise StepConflictError(
+                f"step id {frame.step_id} is not above the last applied {sess.last_step_id}"
+            )
         if kind == "release":
             return self._close(conn, frame, sess, "released")
         return self._step(conn, frame, sess, now)
@@ -648,7 +665,9 @@ class FrameServer:
             if h is None:
                 raise ShapeError(f"this stage takes a {codec.HIDDEN!r} tensor [n_tokens, {self.spec.n_embd}]")
             if h.ndim != 2 or h.shape[1] != self.spec.n_embd:
-                raise ShapeError(f"hidden states of shape {list(h.shape)}; this node needs [n, {self.spec.n_embd}]")
+                raise ShapeError(
+                    f"hidden states of shape {list(h.shape)}; this node needs [n, {self.spec.n_embd}]"
+                )
             if not np.isfinite(h).all():
                 raise ShapeError("hidden states contain NaN or infinity")
             hidden = np.ascontiguousarray(h, dtype=np.float32)
@@ -680,14 +699,21 @@ class FrameServer:
         """A job finished on the engine: the reply for its session (if the session still wants it)."""
         sid = self._jobs.pop(outcome.job_id, None)
         sess = self._sessions.get(sid) if sid is not None else None
-        if sess is None or sess.busy_job != outcome.job_id or sess.busy_step is None or sess.busy_frame is None:
+        if (
+            sess is None
+            or sess.busy_job != outcome.job_id
+            or sess.busy_step is None
+            or sess.busy_frame is None
+        ):
             return []  # cancelled or released meanwhile
         step, frame = sess.busy_step, sess.busy_frame
         sess.busy_job = sess.busy_step = sess.busy_frame = None
         sess.expires_at = now + self.spec.idle_lease_s
         sess.kv_len = outcome.kv_len
         if outcome.error_status is not None:
-            cls = error_class(getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL))
+            cls = error_class(
+                getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL)
+            )
             exc = cls(outcome.error_message or outcome.error_status)
             if step.n_frames > 1:
                 sess.ignore_step = step.step_id
@@ -698,7 +724,9 @@ class FrameServer:
             token = frame_pb2.SampledToken(
                 token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
             )
-            token.top_logprobs.extend(frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs)
+            token.top_logprobs.extend(
+                frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs
+            )
             sampled.append(token)
         try:
             replies = codec.result_frames(
@@ -758,10 +786,16 @@ class FrameServer:
             if sess.conn is not None:
                 # Unsolicited: tells the gateway at once to replace this stage and replay.
                 notice = codec.SessionHeader(
-                    sid, sess.epoch, self.spec.model_fingerprint, self.spec.recipe_fingerprint,
-                    self.spec.shard_start, self.spec.shard_end,
+                    sid,
+                    sess.epoch,
+                    self.spec.model_fingerprint,
+                    self.spec.recipe_fingerprint,
+                    self.spec.shard_start,
+                    self.spec.shard_end,
                 ).frame(frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=0)
-                notice.error.CopyFrom(error_body(UnavailableError("node is shutting down; the session was freed")))
+                notice.error.CopyFrom(
+                    error_body(UnavailableError("node is shutting down; the session was freed"))
+                )
                 notice.error.session_closed = True
                 actions.append(self._send(sess.conn, (notice,)))
             del self._sessions[sid]

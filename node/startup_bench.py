@@ -29,7 +29,9 @@ class BenchResult:
 
 def _work(engine: ShardEngine, pos: int, n: int, rng: np.random.Generator) -> Work:
     if engine.is_first:
-        return Work(BENCH_SESSION, pos, tokens=rng.integers(0, 1000, n, dtype=np.int32), sample=engine.is_last)
+        return Work(
+            BENCH_SESSION, pos, tokens=rng.integers(0, 1000, n, dtype=np.int32), sample=engine.is_last
+        )
     hidden = rng.standard_normal((n, engine.n_embd), dtype=np.float32) * 0.1
     return Work(BENCH_SESSION, pos, hidden=hidden, sample=engine.is_last)
 
@@ -37,7 +39,9 @@ def _work(engine: ShardEngine, pos: int, n: int, rng: np.random.Generator) -> Wo
 def run_benchmark(engine: ShardEngine, prefill_tokens: int = 64, decode_steps: int = 16) -> BenchResult:
     rng = np.random.default_rng(0)
     prefill_tokens = max(1, min(prefill_tokens, engine.session_kv_limit - decode_steps - 1, engine.n_batch))
-    engine.open_session(BENCH_SESSION, kv_budget=min(engine.session_kv_limit, prefill_tokens + decode_steps + 1))
+    engine.open_session(
+        BENCH_SESSION, kv_budget=min(engine.session_kv_limit, prefill_tokens + decode_steps + 1)
+    )
     try:
         t0 = time.perf_counter()
         (res,) = engine.step([_work(engine, 0, prefill_tokens, rng)])

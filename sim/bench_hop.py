@@ -51,10 +51,13 @@ def in_process(model: Path, cache: Path, prompt: list[int], steps: int) -> tuple
     from node.engine import EngineConfig, ShardEngine, Work
     from node.shard import extract_shard
 
-    config = EngineConfig(n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV,
-                          n_batch_tokens=BATCH)
-    with ShardEngine(extract_shard(model, 0, 15, cache), config, cache) as a, \
-            ShardEngine(extract_shard(model, 15, 30, cache), config, cache) as b:
+    config = EngineConfig(
+        n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, n_batch_tokens=BATCH
+    )
+    with (
+        ShardEngine(extract_shard(model, 0, 15, cache), config, cache) as a,
+        ShardEngine(extract_shard(model, 15, 30, cache), config, cache) as b,
+    ):
         a.open_session("bench")
         b.open_session("bench")
 
@@ -75,19 +78,54 @@ def in_process(model: Path, cache: Path, prompt: list[int], steps: int) -> tuple
     return times, out
 
 
-def _start_node(workdir: Path, name: str, model: Path, layers: str, cache: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_node(
+    workdir: Path, name: str, model: Path, layers: str, cache: Path
+) -> tuple[subprocess.Popen[bytes], int]:
     port_file = workdir / f"{name}.port"
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_NODE_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.cli", "start", "--model", str(model), "--layers", layers,
-         "--no-tracker", "--insecure-no-tickets", "--host", "127.0.0.1", "--port", "0",
-         "--port-file", str(port_file), "--admin-port", "-1", "--threads", "1",
-         "--max-sessions", str(MAX_SESSIONS), "--session-kv-tokens", str(SESSION_KV), "--batch-tokens", str(BATCH),
-         "--no-benchmark", "--data-dir", str(workdir / f"{name}-data"), "--cache-dir", str(cache),
-         "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "start",
+            "--model",
+            str(model),
+            "--layers",
+            layers,
+            "--no-tracker",
+            "--insecure-no-tickets",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--admin-port",
+            "-1",
+            "--threads",
+            "1",
+            "--max-sessions",
+            str(MAX_SESSIONS),
+            "--session-kv-tokens",
+            str(SESSION_KV),
+            "--batch-tokens",
+            str(BATCH),
+            "--no-benchmark",
+            "--data-dir",
+            str(workdir / f"{name}-data"),
+            "--cache-dir",
+            str(cache),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
@@ -139,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="node cache (shards); default: a temp dir")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="node cache (shards); default: a temp dir"
+    )
     args = parser.parse_args(argv)
 
     from node.testmodel import test_model_path
@@ -163,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'setup':<12} {'median ms':>10} {'p90 ms':>10}")
     for name, r in rows.items():
         print(f"{name:<12} {r['median_ms']:>10.2f} {r['p90_ms']:>10.2f}")
-    print(f"per-hop overhead (median): {overhead_ms:.2f} ms   loopback / in-process: {ratio:.2f}x   "
-          f"same tokens: {same}")
+    print(
+        f"per-hop overhead (median): {overhead_ms:.2f} ms   loopback / in-process: {ratio:.2f}x   "
+        f"same tokens: {same}"
+    )
     result: dict[str, Any] = {
         "benchmark": "bench_hop",
         "steps": args.steps,
@@ -173,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         "per_hop_overhead_ms": overhead_ms,
         "ratio": ratio,
         "same_tokens": same,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "time": time.time(),
     }
     if args.out:

@@ -14,7 +14,7 @@ RECIPE_FP = "b" * 64
 
 
 class FakeBackend:
-    """Hidden out = hidden in + position (or token id + position on the first stage); KV tracked per session."""
+    """Hidden out = hidden in (or token id, first stage) + position; KV tracked per session."""
 
     def __init__(self, *, is_first: bool = True, is_last: bool = False, max_sessions: int = 4) -> None:
         self.is_first = is_first
@@ -71,7 +71,9 @@ class FakeBackend:
             self.kv[sid] += s.count
             pos = np.arange(start, start + s.count, dtype=np.float32)[:, None]
             if job.tokens is not None:
-                base = np.repeat(job.tokens[s.offset : s.offset + s.count, None].astype(np.float32), N_EMBD, 1)
+                base = np.repeat(
+                    job.tokens[s.offset : s.offset + s.count, None].astype(np.float32), N_EMBD, 1
+                )
             else:
                 assert job.hidden is not None
                 base = job.hidden[s.offset : s.offset + s.count]

@@ -68,9 +68,23 @@ def start_tracker(workdir: Path, *, timeout_s: float = 60.0) -> Proc:
     workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / "tracker.port"
     log_path = workdir / "tracker.log"
-    cmd = [sys.executable, "-m", "tracker.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--port-file", str(port_file), "--data-dir", str(workdir / "tracker-data"),
-           "--db-url", f"sqlite:///{workdir / 'tracker.sqlite3'}", "--no-zeroconf"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tracker.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--data-dir",
+        str(workdir / "tracker-data"),
+        "--db-url",
+        f"sqlite:///{workdir / 'tracker.sqlite3'}",
+        "--no-zeroconf",
+    ]
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     proc = Proc("tracker", popen, log_path)
@@ -79,17 +93,54 @@ def start_tracker(workdir: Path, *, timeout_s: float = 60.0) -> Proc:
 
 
 def start_node(
-    workdir: Path, name: str, model: Path, layers: str, *, tracker_url: str | None, cache_dir: Path,
-    extra: list[str] | None = None, timeout_s: float = 180.0, wait: bool = True,
+    workdir: Path,
+    name: str,
+    model: Path,
+    layers: str,
+    *,
+    tracker_url: str | None,
+    cache_dir: Path,
+    extra: list[str] | None = None,
+    timeout_s: float = 180.0,
+    wait: bool = True,
 ) -> Proc:
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, admin_file = workdir / f"{name}.port", workdir / f"{name}.admin"
     log_path = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "node.cli", "start", "--model", str(model), "--layers", layers,
-           "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
-           "--admin-port", "0", "--admin-port-file", str(admin_file),
-           "--threads", "1", "--heartbeat-interval-s", "1", "--max-sessions", "6", "--session-kv-tokens", "512", "--batch-tokens", "256",
-           "--data-dir", str(workdir / f"{name}-data"), "--cache-dir", str(cache_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "start",
+        "--model",
+        str(model),
+        "--layers",
+        layers,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--admin-port",
+        "0",
+        "--admin-port-file",
+        str(admin_file),
+        "--threads",
+        "1",
+        "--heartbeat-interval-s",
+        "1",
+        "--max-sessions",
+        "6",
+        "--session-kv-tokens",
+        "512",
+        "--batch-tokens",
+        "256",
+        "--data-dir",
+        str(workdir / f"{name}-data"),
+        "--cache-dir",
+        str(cache_dir),
+    ]
     cmd += ["--tracker", tracker_url] if tracker_url else ["--no-tracker", "--insecure-no-tickets"]
     cmd += extra or []
     with open(log_path, "wb") as log:

@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_layers_defaults_file_env_flags(tmp_path: Path) -> None:
     cfg_file = tmp_path / "node.toml"
     cfg_file.write_text('[node]\nmax_sessions = 3\nport = 9000\nlayers = "0:10"\n')
-    cfg = load_config(file=cfg_file, env={"SWARM_NODE_PORT": "9001", "SWARM_NODE_BENCHMARK": "false"},
-                      flags={"port": 9002, "threads": None})
+    cfg = load_config(
+        file=cfg_file,
+        env={"SWARM_NODE_PORT": "9001", "SWARM_NODE_BENCHMARK": "false"},
+        flags={"port": 9002, "threads": None},
+    )
     assert (cfg.max_sessions, cfg.port, cfg.layers, cfg.benchmark, cfg.threads) == (3, 9002, "0:10", False, 0)
     assert load_config(env={}).port == NodeConfig().port
     with pytest.raises(dataclasses_frozen_error()):
@@ -82,8 +85,16 @@ def test_key_created_once_with_mode_0600(tmp_path: Path) -> None:
 
 
 def test_keygen_and_id_cli(tmp_path: Path) -> None:
-    run = lambda *a: subprocess.run([sys.executable, "-m", "node.cli", *a], capture_output=True, text=True,  # noqa: E731
-                                    cwd=ROOT, timeout=60, check=False)
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "node.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            check=False,
+        )
+
     missing = run("id", "--data-dir", str(tmp_path))
     assert missing.returncode != 0 and "keygen" in missing.stderr
     made = run("keygen", "--data-dir", str(tmp_path))
@@ -95,11 +106,20 @@ def test_keygen_and_id_cli(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- tickets
 
 
-def _ticket(key: nacl.signing.SigningKey, node: str, *, start: int = 0, end: int = 15, model: str = "f" * 64,
-            expires_in: float = 300.0) -> bytes:
+def _ticket(
+    key: nacl.signing.SigningKey,
+    node: str,
+    *,
+    start: int = 0,
+    end: int = 15,
+    model: str = "f" * 64,
+    expires_in: float = 300.0,
+) -> bytes:
     now = time.time()
     hop = TicketHop(node, start, end, "127.0.0.1:1")
-    return canonical_json(sign_route_ticket(key, RouteTicket("x", "s" * 32, model, (hop,), now, now + expires_in)))
+    return canonical_json(
+        sign_route_ticket(key, RouteTicket("x", "s" * 32, model, (hop,), now, now + expires_in))
+    )
 
 
 def test_ticket_verifier() -> None:
@@ -136,8 +156,13 @@ def test_prometheus_rendering() -> None:
 
 
 async def test_admin_server_routes() -> None:
-    server = AdminServer("127.0.0.1", 0, health=lambda: (200, {"status": "serving"}), metrics=lambda: "m 1\n",
-                         status=lambda: {"node_id": "n"})
+    server = AdminServer(
+        "127.0.0.1",
+        0,
+        health=lambda: (200, {"status": "serving"}),
+        metrics=lambda: "m 1\n",
+        status=lambda: {"node_id": "n"},
+    )
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve)
 

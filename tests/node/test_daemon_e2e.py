@@ -8,7 +8,6 @@ other; every bad input gets its status and leaves the nodes serving.
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import sys
@@ -23,15 +22,14 @@ import nacl.signing
 import numpy as np
 import pytest
 
+from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, StageStream, node_info, ticket_bytes
 from node.reference import ReferenceModel
+from node.shard import extract_shard, extract_vocab
 from node.vocab import Vocabulary
 from proto import codec
 from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2
 from proto.vocab import VocabAssembler
-from node.loopback_client import StageStream
-from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, node_info, ticket_bytes
-from node.shard import extract_shard, extract_vocab
 from tests.node.swarm_procs import Proc, http_json, start_node, start_tracker, wait_for_route, wait_node
 
 pytestmark = pytest.mark.slow
@@ -59,8 +57,9 @@ class Swarm:
         return ticket_bytes(self.route["ticket"])
 
     def fresh_ticket(self) -> bytes:
-        status, body = http_json(f"{self.tracker_url}/v1/routes",
-                                 {"model": self.stages[0].info.model.fingerprint, "k": 1})
+        status, body = http_json(
+            f"{self.tracker_url}/v1/routes", {"model": self.stages[0].info.model.fingerprint, "k": 1}
+        )
         assert status == 200, body
         return ticket_bytes(body["routes"][0]["ticket"])
 
@@ -77,13 +76,19 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         for start, end in ((0, 15), (15, 30)):
             extract_shard(model_path, start, end, node_cache)
         extract_vocab(model_path, node_cache)
-        a = start_node(workdir, "node-a", model_path, "0:15", tracker_url=url, cache_dir=node_cache, wait=False)
+        a = start_node(
+            workdir, "node-a", model_path, "0:15", tracker_url=url, cache_dir=node_cache, wait=False
+        )
         procs.append(a)
-        b = start_node(workdir, "node-b", model_path, "15:30", tracker_url=url, cache_dir=node_cache, wait=False)
+        b = start_node(
+            workdir, "node-b", model_path, "15:30", tracker_url=url, cache_dir=node_cache, wait=False
+        )
         procs.append(b)
         wait_node(a)
         wait_node(b)
-        stages = [Stage(f"127.0.0.1:{p.ports['grpc']}", node_info(f"127.0.0.1:{p.ports['grpc']}")) for p in (a, b)]
+        stages = [
+            Stage(f"127.0.0.1:{p.ports['grpc']}", node_info(f"127.0.0.1:{p.ports['grpc']}")) for p in (a, b)
+        ]
         route = wait_for_route(url, stages[0].info.model.fingerprint)["routes"][0]
         assert [h["node_id"] for h in route["hops"]] == [s.info.node_id for s in stages]
         yield Swarm(tracker, [a, b], url, stages, route, workdir)
@@ -104,8 +109,9 @@ def expected(reference: ReferenceModel, vocab: Vocabulary) -> dict[str, list[int
 # --------------------------------------------------------------------------- parity and isolation
 
 
-def test_two_nodes_give_the_whole_models_greedy_tokens(swarm: Swarm, vocab: Vocabulary,
-                                                       expected: dict[str, list[int]]) -> None:
+def test_two_nodes_give_the_whole_models_greedy_tokens(
+    swarm: Swarm, vocab: Vocabulary, expected: dict[str, list[int]]
+) -> None:
     prompt = PROMPTS[0]
     session = RouteSession(swarm.stages, swarm.ticket())
     try:
@@ -118,8 +124,9 @@ def test_two_nodes_give_the_whole_models_greedy_tokens(swarm: Swarm, vocab: Voca
     assert closed[0].closed.freed_kv_tokens == len(vocab.tokenize(prompt, add_special=True)) + N_NEW - 1
 
 
-def test_four_concurrent_sessions_do_not_cross_talk(swarm: Swarm, vocab: Vocabulary,
-                                                    expected: dict[str, list[int]]) -> None:
+def test_four_concurrent_sessions_do_not_cross_talk(
+    swarm: Swarm, vocab: Vocabulary, expected: dict[str, list[int]]
+) -> None:
     ticket = swarm.ticket()
 
     def run(prompt: str) -> list[int]:
@@ -155,9 +162,14 @@ class Raw:
         self.stream = StageStream(self.channel, 60)
 
     def header(self, sid: str, epoch: int = 1, **kw: object) -> codec.SessionHeader:
-        fields = dict(session_id=sid, route_epoch=epoch, model_fingerprint=self.stage.info.model.fingerprint,
-                      recipe_fingerprint=self.stage.info.recipe.fingerprint, shard_start=self.stage.start,
-                      shard_end=self.stage.end)
+        fields = dict(
+            session_id=sid,
+            route_epoch=epoch,
+            model_fingerprint=self.stage.info.model.fingerprint,
+            recipe_fingerprint=self.stage.info.recipe.fingerprint,
+            shard_start=self.stage.start,
+            shard_end=self.stage.end,
+        )
         fields.update(kw)
         return codec.SessionHeader(**fields)  # type: ignore[arg-type]
 
@@ -169,13 +181,23 @@ class Raw:
         return self.stream.recv()
 
     def open(self, sid: str, ticket: bytes, epoch: int = 1, step_id: int = 1) -> frame_pb2.Frame:
-        return self.ask(codec.open_frame(self.header(sid, epoch), step_id=step_id, route_ticket=ticket,
-                                         kv_budget_tokens=64))
+        return self.ask(
+            codec.open_frame(
+                self.header(sid, epoch), step_id=step_id, route_ticket=ticket, kv_budget_tokens=64
+            )
+        )
 
-    def hidden_step(self, sid: str, step_id: int, start: int, n: int, width: int | None = None) -> frame_pb2.Frame:
-        x = np.random.default_rng(step_id).standard_normal((n, width or self.stage.info.model.n_embd)).astype(np.float32)
-        (frame,) = codec.step_frames(self.header(sid), frame_pb2.PHASE_PREFILL, step_id=step_id, start=start,
-                                     hidden=x * 0.1)
+    def hidden_step(
+        self, sid: str, step_id: int, start: int, n: int, width: int | None = None
+    ) -> frame_pb2.Frame:
+        x = (
+            np.random.default_rng(step_id)
+            .standard_normal((n, width or self.stage.info.model.n_embd))
+            .astype(np.float32)
+        )
+        (frame,) = codec.step_frames(
+            self.header(sid), frame_pb2.PHASE_PREFILL, step_id=step_id, start=start, hidden=x * 0.1
+        )
         return frame
 
     def close(self) -> None:
@@ -204,12 +226,42 @@ def test_bad_inputs_get_their_status_and_the_node_keeps_serving(
         frame.schema_version = 9
         assert _status(raw.ask(frame)) == S.STATUS_SCHEMA_VERSION
         # model and recipe fingerprints, shard
-        assert _status(raw.ask(codec.open_frame(raw.header("bad-1", model_fingerprint="0" * 64), step_id=1,
-                                                route_ticket=ticket, kv_budget_tokens=8))) == S.STATUS_FINGERPRINT_MISMATCH
-        assert _status(raw.ask(codec.open_frame(raw.header("bad-1", recipe_fingerprint="0" * 64), step_id=1,
-                                                route_ticket=ticket, kv_budget_tokens=8))) == S.STATUS_FINGERPRINT_MISMATCH
-        assert _status(raw.ask(codec.open_frame(raw.header("bad-1", shard_start=0), step_id=1,
-                                                route_ticket=ticket, kv_budget_tokens=8))) == S.STATUS_SHARD_MISMATCH
+        assert (
+            _status(
+                raw.ask(
+                    codec.open_frame(
+                        raw.header("bad-1", model_fingerprint="0" * 64),
+                        step_id=1,
+                        route_ticket=ticket,
+                        kv_budget_tokens=8,
+                    )
+                )
+            )
+            == S.STATUS_FINGERPRINT_MISMATCH
+        )
+        assert (
+            _status(
+                raw.ask(
+                    codec.open_frame(
+                        raw.header("bad-1", recipe_fingerprint="0" * 64),
+                        step_id=1,
+                        route_ticket=ticket,
+                        kv_budget_tokens=8,
+                    )
+                )
+            )
+            == S.STATUS_FINGERPRINT_MISMATCH
+        )
+        assert (
+            _status(
+                raw.ask(
+                    codec.open_frame(
+                        raw.header("bad-1", shard_start=0), step_id=1, route_ticket=ticket, kv_budget_tokens=8
+                    )
+                )
+            )
+            == S.STATUS_SHARD_MISMATCH
+        )
         # garbage and an oversized frame
         assert _status(raw.ask(b"\x08\x01\xff\xff\xff")) == S.STATUS_BAD_FRAME
         assert _status(raw.ask(b"\x00" * (codec.DEFAULT_MAX_FRAME_BYTES + 1000))) == S.STATUS_TOO_LARGE
@@ -236,21 +288,29 @@ def test_bad_inputs_get_their_status_and_the_node_keeps_serving(
         assert codec.body_kind(closed) == "closed" and closed.closed.freed_kv_tokens == 3
         assert _status(raw.ask(raw.hidden_step("bad-2", 4, 3, 1))) == S.STATUS_SESSION_CLOSED
         assert codec.body_kind(raw.open("bad-3", ticket)) == "open_ack"
-        assert codec.body_kind(raw.ask(codec.cancel_frame(raw.header("bad-3"), step_id=2, reason="bye"))) == "closed"
+        assert (
+            codec.body_kind(raw.ask(codec.cancel_frame(raw.header("bad-3"), step_id=2, reason="bye")))
+            == "closed"
+        )
         assert _status(raw.ask(raw.hidden_step("bad-3", 3, 0, 1))) == S.STATUS_SESSION_CLOSED
         # forged ticket: signed by another key; expired ticket: signed by the real tracker key
         forged_key = nacl.signing.SigningKey.generate()
         hops = tuple(TicketHop(h["node_id"], h["start"], h["end"], h["address"]) for h in swarm.route["hops"])
         fp = swarm.stages[0].info.model.fingerprint
         now = time.time()
-        forged = canonical_json(sign_route_ticket(forged_key, RouteTicket(
-            "x", secrets.token_hex(16), fp, hops, now, now + 300)))
+        forged = canonical_json(
+            sign_route_ticket(forged_key, RouteTicket("x", secrets.token_hex(16), fp, hops, now, now + 300))
+        )
         reply = raw.open("bad-4", forged)
         assert _status(reply) == S.STATUS_TICKET_INVALID and reply.error.session_closed
-        tracker_key = nacl.signing.SigningKey(bytes.fromhex(
-            (swarm.workdir / "tracker-data" / "tracker.key").read_text().strip()))
-        expired = canonical_json(sign_route_ticket(tracker_key, RouteTicket(
-            "x", secrets.token_hex(16), fp, hops, now - 600, now - 300)))
+        tracker_key = nacl.signing.SigningKey(
+            bytes.fromhex((swarm.workdir / "tracker-data" / "tracker.key").read_text().strip())
+        )
+        expired = canonical_json(
+            sign_route_ticket(
+                tracker_key, RouteTicket("x", secrets.token_hex(16), fp, hops, now - 600, now - 300)
+            )
+        )
         assert _status(raw.open("bad-5", expired)) == S.STATUS_TICKET_INVALID
         tampered = bytearray(ticket)
         tampered[ticket.index(b'"signature":"') + 14] ^= 1
@@ -281,14 +341,23 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
         assert health.status == shard_service_pb2.SERVING_STATUS_SERVING
         assembler = VocabAssembler(b.info.model.fingerprint)
         data = None
-        for chunk in stub.GetVocab(shard_service_pb2.VocabRequest(model_fingerprint=b.info.model.fingerprint,
-                                                                   max_chunk_bytes=512 * 1024), timeout=30):
+        for chunk in stub.GetVocab(
+            shard_service_pb2.VocabRequest(
+                model_fingerprint=b.info.model.fingerprint, max_chunk_bytes=512 * 1024
+            ),
+            timeout=30,
+        ):
             data = assembler.add(chunk)
     assert data is not None and data[:4] == b"GGUF"
     # swarm-node status against the admin server
     admin = f"http://127.0.0.1:{swarm.nodes[0].ports['admin']}"
-    done = subprocess.run([sys.executable, "-m", "node.cli", "status", "--admin-url", admin],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "node.cli", "status", "--admin-url", admin],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert f'"node_id": "{swarm.stages[0].info.node_id}"' in done.stdout and '"shard": [' in done.stdout
     status, body = http_json(f"{admin}/healthz")
@@ -305,9 +374,18 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     assert shards[swarm.stages[0].info.node_id]["decode_ms_per_token"] > 0
 
 
-def test_layers_auto_takes_the_span_the_tracker_recommends(swarm: Swarm, model_path: Path, node_cache: Path) -> None:
-    c = start_node(swarm.workdir, "node-c", model_path, "auto", tracker_url=swarm.tracker_url, cache_dir=node_cache,
-                   extra=["--capacity-layers", "15", "--no-benchmark"])
+def test_layers_auto_takes_the_span_the_tracker_recommends(
+    swarm: Swarm, model_path: Path, node_cache: Path
+) -> None:
+    c = start_node(
+        swarm.workdir,
+        "node-c",
+        model_path,
+        "auto",
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra=["--capacity-layers", "15", "--no-benchmark"],
+    )
     try:
         info = node_info(f"127.0.0.1:{c.ports['grpc']}")
         start, end = info.shard.start, info.shard.end

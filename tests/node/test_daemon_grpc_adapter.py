@@ -7,19 +7,18 @@ a BAD_FRAME error on the same stream, Info/Health/GetVocab answer.
 
 from __future__ import annotations
 
-import numpy as np
 import grpc
-import pytest
+import numpy as np
 import trio
 
 from node.grpc_server import GrpcSettings, ShardServiceAdapter
 from node.hub import Hub
+from node.loopback_client import StageStream
 from node.scheduler import Scheduler
 from node.session_machine import FrameServer, ServingSpec
 from proto import codec
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, status_pb2
 from proto.vocab import VocabAssembler
-from node.loopback_client import StageStream
 from tests.node.fakes import MODEL_FP, N_EMBD, RECIPE_FP, FakeBackend
 
 VOCAB = bytes(range(256)) * 50
@@ -27,8 +26,17 @@ VOCAB = bytes(range(256)) * 50
 
 def _spec() -> ServingSpec:
     return ServingSpec(
-        node_id="n" * 64, model_fingerprint=MODEL_FP, recipe_fingerprint=RECIPE_FP, shard_start=0, shard_end=4,
-        n_embd=N_EMBD, n_vocab=1000, is_first=True, is_last=False, max_sessions=4, session_kv_tokens=256,
+        node_id="n" * 64,
+        model_fingerprint=MODEL_FP,
+        recipe_fingerprint=RECIPE_FP,
+        shard_start=0,
+        shard_end=4,
+        n_embd=N_EMBD,
+        n_vocab=1000,
+        is_first=True,
+        is_last=False,
+        max_sessions=4,
+        session_kv_tokens=256,
         n_ctx_train=2048,
     )
 
@@ -59,8 +67,9 @@ def _client_unary(port: int) -> tuple[shard_service_pb2.NodeInfo, shard_service_
         health = stub.Health(shard_service_pb2.HealthRequest(), timeout=10)
         assembler = VocabAssembler(MODEL_FP)
         data = None
-        for chunk in stub.GetVocab(shard_service_pb2.VocabRequest(model_fingerprint=MODEL_FP, max_chunk_bytes=3000),
-                                   timeout=10):
+        for chunk in stub.GetVocab(
+            shard_service_pb2.VocabRequest(model_fingerprint=MODEL_FP, max_chunk_bytes=3000), timeout=10
+        ):
             data = assembler.add(chunk)
         assert data is not None
         return info, health, data
@@ -85,10 +94,15 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
         frames = [
             codec.serialize_frame(codec.open_frame(h, step_id=1, route_ticket=b"t", kv_budget_tokens=100)),
             b"\xff\x00garbage",
-            *(codec.serialize_frame(f) for f in codec.step_frames(
-                h, frame_pb2.PHASE_PREFILL, step_id=2, start=0, token_ids=list(range(40)))),
-            codec.serialize_frame(codec.step_frames(h, frame_pb2.PHASE_DECODE, step_id=3, start=40,
-                                                    token_ids=[7])[0]),
+            *(
+                codec.serialize_frame(f)
+                for f in codec.step_frames(
+                    h, frame_pb2.PHASE_PREFILL, step_id=2, start=0, token_ids=list(range(40))
+                )
+            ),
+            codec.serialize_frame(
+                codec.step_frames(h, frame_pb2.PHASE_DECODE, step_id=3, start=40, token_ids=[7])[0]
+            ),
         ]
         replies = await trio.to_thread.run_sync(_client_session, port, frames)
         kinds = [codec.body_kind(r) for r in replies]

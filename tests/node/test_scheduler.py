@@ -20,11 +20,19 @@ def job(job_id: int, sid: str, start: int, n: int, *, decode: bool = False) -> S
 
 
 def test_decode_steps_go_first_and_prefill_is_chunked() -> None:
-    pending = [PendingJob(job(1, "p", 0, 100)), PendingJob(job(2, "d1", 5, 1, decode=True)),
-               PendingJob(job(3, "q", 0, 10)), PendingJob(job(4, "d2", 9, 1, decode=True))]
+    pending = [
+        PendingJob(job(1, "p", 0, 100)),
+        PendingJob(job(2, "d1", 5, 1, decode=True)),
+        PendingJob(job(3, "q", 0, 10)),
+        PendingJob(job(4, "d2", 9, 1, decode=True)),
+    ]
     plan = plan_batch(pending, max_tokens=40, prefill_chunk=32)
     assert [(s.pending.job.session_id, s.offset, s.count) for s in plan] == [
-        ("d1", 0, 1), ("d2", 0, 1), ("p", 0, 32), ("q", 0, 6)]
+        ("d1", 0, 1),
+        ("d2", 0, 1),
+        ("p", 0, 32),
+        ("q", 0, 6),
+    ]
 
 
 def test_plan_resumes_partial_prefill_and_skips_dropped() -> None:
@@ -40,8 +48,10 @@ def test_plan_resumes_partial_prefill_and_skips_dropped() -> None:
 @pytest.mark.parametrize("max_tokens", [1, 7, 64])
 def test_plan_never_exceeds_the_batch(max_tokens: int) -> None:
     rng = np.random.default_rng(max_tokens)
-    pending = [PendingJob(job(i, f"s{i}", 0, int(rng.integers(1, 50)), decode=bool(rng.integers(0, 2))))
-               for i in range(12)]
+    pending = [
+        PendingJob(job(i, f"s{i}", 0, int(rng.integers(1, 50)), decode=bool(rng.integers(0, 2))))
+        for i in range(12)
+    ]
     plan = plan_batch(pending, max_tokens, 16)
     assert sum(s.count for s in plan) <= max_tokens
     assert len({s.pending.job.session_id for s in plan}) == len(plan)  # one slice per session
@@ -82,7 +92,9 @@ async def test_scheduler_runs_controls_in_order_then_batches() -> None:
         sched.submit(Compute(job(2, "b", 0, 1, decode=True)))
         await got.wait(2)
         by_id = {o.job_id: o for o in got.outcomes}
-        assert by_id[1].error_status is None and by_id[1].kv_len == 20 and by_id[1].hidden.shape == (20, N_EMBD)
+        assert (
+            by_id[1].error_status is None and by_id[1].kv_len == 20 and by_id[1].hidden.shape == (20, N_EMBD)
+        )
         assert np.array_equal(by_id[1].hidden[:, 0], np.arange(20) * 2.0)  # slices joined in order
         assert by_id[2].kv_len == 1
         # the 20-token prefill went in slices of at most 8, the decode rode in the first batch
@@ -120,7 +132,9 @@ async def test_drop_forgets_a_queued_job_and_free_releases() -> None:
     assert sched.queue_depth == 0
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        assert await sched.run_control(TruncateKv("zzz", 0)) is not None  # unknown session: reported, loop lives
+        assert (
+            await sched.run_control(TruncateKv("zzz", 0)) is not None
+        )  # unknown session: reported, loop lives
         assert backend.log == [("open", "a"), ("free", "a")]
         assert got.outcomes == []
         nursery.cancel_scope.cancel()

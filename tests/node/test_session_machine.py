@@ -30,9 +30,21 @@ S = status_pb2
 
 def spec(**kw: object) -> ServingSpec:
     base = dict(
-        node_id="n" * 64, model_fingerprint=MODEL_FP, recipe_fingerprint=RECIPE_FP, shard_start=4, shard_end=8,
-        n_embd=N_EMBD, n_vocab=100, is_first=False, is_last=False, max_sessions=2, session_kv_tokens=64,
-        n_ctx_train=128, max_queued_steps=8, idle_lease_s=100.0, reattach_window_s=10.0,
+        node_id="n" * 64,
+        model_fingerprint=MODEL_FP,
+        recipe_fingerprint=RECIPE_FP,
+        shard_start=4,
+        shard_end=8,
+        n_embd=N_EMBD,
+        n_vocab=100,
+        is_first=False,
+        is_last=False,
+        max_sessions=2,
+        session_kv_tokens=64,
+        n_ctx_train=128,
+        max_queued_steps=8,
+        idle_lease_s=100.0,
+        reattach_window_s=10.0,
     )
     base.update(kw)
     return ServingSpec(**base)  # type: ignore[arg-type]
@@ -54,8 +66,14 @@ class Harness:
         self.now = 0.0
 
     def header(self, sid: str = "s1", epoch: int = 1, **kw: object) -> codec.SessionHeader:
-        fields = dict(session_id=sid, route_epoch=epoch, model_fingerprint=MODEL_FP, recipe_fingerprint=RECIPE_FP,
-                      shard_start=self.spec.shard_start, shard_end=self.spec.shard_end)
+        fields = dict(
+            session_id=sid,
+            route_epoch=epoch,
+            model_fingerprint=MODEL_FP,
+            recipe_fingerprint=RECIPE_FP,
+            shard_start=self.spec.shard_start,
+            shard_end=self.spec.shard_end,
+        )
         fields.update(kw)
         return codec.SessionHeader(**fields)  # type: ignore[arg-type]
 
@@ -63,16 +81,46 @@ class Harness:
         data = frame if isinstance(frame, bytes) else frame.SerializeToString()
         return self.m.handle(self.conn if conn is None else conn, data, self.now)
 
-    def open(self, sid: str = "s1", epoch: int = 1, step_id: int = 1, budget: int = 32, keep: int = 0,
-             ticket: bytes = b"good") -> list:
-        return self.feed(codec.open_frame(self.header(sid, epoch), step_id=step_id, route_ticket=ticket,
-                                          kv_budget_tokens=budget, keep_kv_len=keep))
+    def open(
+        self,
+        sid: str = "s1",
+        epoch: int = 1,
+        step_id: int = 1,
+        budget: int = 32,
+        keep: int = 0,
+        ticket: bytes = b"good",
+    ) -> list:
+        return self.feed(
+            codec.open_frame(
+                self.header(sid, epoch),
+                step_id=step_id,
+                route_ticket=ticket,
+                kv_budget_tokens=budget,
+                keep_kv_len=keep,
+            )
+        )
 
-    def step_frames(self, sid: str, step_id: int, start: int, n: int, *, epoch: int = 1, phase=frame_pb2.PHASE_PREFILL,
-                    max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES, width: int = N_EMBD) -> list[frame_pb2.Frame]:
+    def step_frames(
+        self,
+        sid: str,
+        step_id: int,
+        start: int,
+        n: int,
+        *,
+        epoch: int = 1,
+        phase=frame_pb2.PHASE_PREFILL,
+        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+        width: int = N_EMBD,
+    ) -> list[frame_pb2.Frame]:
         hidden = np.arange(n * width, dtype=np.float32).reshape(n, width)
-        return codec.step_frames(self.header(sid, epoch), phase, step_id=step_id, start=start, hidden=hidden,
-                                 max_frame_bytes=max_frame_bytes)
+        return codec.step_frames(
+            self.header(sid, epoch),
+            phase,
+            step_id=step_id,
+            start=start,
+            hidden=hidden,
+            max_frame_bytes=max_frame_bytes,
+        )
 
     def step(self, sid: str, step_id: int, start: int, n: int, **kw: object) -> list:
         actions: list = []
@@ -81,7 +129,9 @@ class Harness:
         return actions
 
     def complete(self, job_id: int, kv_len: int, n: int) -> list:
-        return self.m.complete(StepOutcome(job_id, kv_len=kv_len, hidden=np.ones((n, N_EMBD), np.float32)), self.now)
+        return self.m.complete(
+            StepOutcome(job_id, kv_len=kv_len, hidden=np.ones((n, N_EMBD), np.float32)), self.now
+        )
 
     def run_step(self, sid: str, step_id: int, start: int, n: int) -> frame_pb2.Frame:
         (compute,) = [a for a in self.step(sid, step_id, start, n) if isinstance(a, Compute)]
@@ -110,7 +160,12 @@ def test_open_step_release_lifecycle() -> None:
     assert ack.open_ack.kv_tokens_granted == 32 and ack.kv_len == 0 and ack.open_ack.node_id == "n" * 64
     compute = h.step("s1", 2, 0, 5)
     (c,) = compute
-    assert isinstance(c, Compute) and c.job.start == 0 and c.job.hidden is not None and c.job.hidden.shape == (5, N_EMBD)
+    assert (
+        isinstance(c, Compute)
+        and c.job.start == 0
+        and c.job.hidden is not None
+        and c.job.hidden.shape == (5, N_EMBD)
+    )
     reply = sends(h.complete(c.job.job_id, 5, 5))
     assert [codec.body_kind(f) for f in reply] == ["result"] and reply[0].kv_len == 5
     assert codec.reassemble(reply).tensors[codec.HIDDEN].shape == (5, N_EMBD)
@@ -145,9 +200,17 @@ def test_older_step_id_is_a_conflict() -> None:
 def test_last_stage_samples_and_keeps_history_for_penalties() -> None:
     h = Harness(is_last=True)
     sampling = codec.SamplingSettings(temperature=0.0, repetition_penalty=1.3, n_top_logprobs=2)
-    h.feed(codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=32, sampling=sampling))
-    frames = codec.step_frames(h.header(), frame_pb2.PHASE_PREFILL, step_id=2, start=0,
-                               hidden=np.zeros((3, N_EMBD), np.float32), sample=True)
+    h.feed(
+        codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=32, sampling=sampling)
+    )
+    frames = codec.step_frames(
+        h.header(),
+        frame_pb2.PHASE_PREFILL,
+        step_id=2,
+        start=0,
+        hidden=np.zeros((3, N_EMBD), np.float32),
+        sample=True,
+    )
     frames[0].activation.token_ids.extend([5, 6, 7])
     (c,) = h.feed(frames[0])
     assert c.job.sample and list(c.job.history) == [5, 6, 7]
@@ -155,8 +218,14 @@ def test_last_stage_samples_and_keeps_history_for_penalties() -> None:
     (reply,) = sends(h.m.complete(out, 0.0))
     (tok,) = reply.result.sampled
     assert tok.token_id == 9 and tok.end_of_generation and [t.token_id for t in tok.top_logprobs] == [9, 3]
-    frames = codec.step_frames(h.header(), frame_pb2.PHASE_DECODE, step_id=3, start=3,
-                               hidden=np.zeros((1, N_EMBD), np.float32), sample=True)
+    frames = codec.step_frames(
+        h.header(),
+        frame_pb2.PHASE_DECODE,
+        step_id=3,
+        start=3,
+        hidden=np.zeros((1, N_EMBD), np.float32),
+        sample=True,
+    )
     frames[0].activation.token_ids.append(9)
     (c,) = h.feed(frames[0])
     assert list(c.job.history) == [5, 6, 7, 9]
@@ -178,8 +247,9 @@ def test_first_stage_takes_token_ids() -> None:
 def test_sampling_refused_when_unsupported() -> None:
     h = Harness(is_last=True)
     sampling = codec.SamplingSettings(frequency_penalty=0.5)
-    actions = h.feed(codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=8,
-                                      sampling=sampling))
+    actions = h.feed(
+        codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=8, sampling=sampling)
+    )
     assert status_of(actions) == S.STATUS_BAD_FRAME
 
 
@@ -319,7 +389,9 @@ def test_engine_error_is_reported_with_the_kv_it_left() -> None:
     h = Harness()
     h.open()
     (c,) = h.step("s1", 2, 0, 3)
-    (err,) = sends(h.m.complete(StepOutcome(c.job.job_id, kv_len=0, error_status="INTERNAL", error_message="x"), 0))
+    (err,) = sends(
+        h.m.complete(StepOutcome(c.job.job_id, kv_len=0, error_status="INTERNAL", error_message="x"), 0)
+    )
     assert err.error.status == S.STATUS_INTERNAL and err.kv_len == 0
     assert h.run_step("s1", 2, 0, 3).kv_len == 3  # the same step id may be retried: it was never applied
 
@@ -335,8 +407,9 @@ def test_epochs_and_reattach() -> None:
     assert status_of(h.open(step_id=3)) == S.STATUS_ROUTE_EPOCH
     # re-attach on another connection with epoch 2, keeping 4 positions
     conn2 = h.m.connect()
-    data = codec.open_frame(h.header(epoch=2), step_id=3, route_ticket=b"good", kv_budget_tokens=32,
-                            keep_kv_len=4).SerializeToString()
+    data = codec.open_frame(
+        h.header(epoch=2), step_id=3, route_ticket=b"good", kv_budget_tokens=32, keep_kv_len=4
+    ).SerializeToString()
     actions = h.m.handle(conn2, data, 0.0)
     assert actions[0] == TruncateKv("s1", 4)
     (ack,) = sends(actions)
@@ -386,8 +459,11 @@ def test_drain_frees_everything_and_refuses_new_sessions() -> None:
 
 def test_chunked_step_assembles_into_one_job_and_chunked_reply() -> None:
     h = Harness()
-    h.feed(codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=64,
-                            max_frame_bytes=1400))
+    h.feed(
+        codec.open_frame(
+            h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=64, max_frame_bytes=1400
+        )
+    )
     frames = h.step_frames("s1", 2, 0, 40, max_frame_bytes=1400)
     assert len(frames) > 2
     actions: list = []
@@ -447,7 +523,8 @@ def test_errors_on_one_session_leave_others_alone() -> None:
 def test_pure_modules_import_no_io_runtime() -> None:
     code = (
         "import sys; import node.session_machine, node.batching, node.tickets, node.config, node.logs; "
-        "bad = [m for m in ('trio', 'grpc', 'llama_cpp') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+        "bad = [m for m in ('trio', 'grpc', 'llama_cpp') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
