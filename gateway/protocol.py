@@ -170,6 +170,11 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         if unknown:
             raise _bad(f"unknown stream option(s) {sorted(unknown)}", "stream_options")
         include_usage = _boolean(options, "include_usage")
+    for name in ("frequency_penalty", "presence_penalty"):
+        # The nodes' samplers do not apply these yet (node/sampling.py): refuse rather than ignore.
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise _bad(f"'{name}' other than 0 is not supported by this swarm yet; use 'repetition_penalty'",
+                       name, "unsupported_value")
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         top_p = 1e-9  # OpenAI accepts 0: keep only the most likely token

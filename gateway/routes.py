@@ -215,6 +215,9 @@ class NodeInfoCache:
         self._infos: dict[tuple[str, str], StageInfo] = {}
 
     async def get(self, hop: Hop, model_fingerprint: str) -> StageInfo:
+        if hop.relay:
+            raise StageFailed(f"node {hop.node_id[:8]} is reachable only through a relay, which this gateway "
+                              "does not serve yet", node_id=hop.node_id)
         key = (hop.node_id, hop.address)
         cached = self._infos.get(key)
         if cached is not None and self._clock() - cached.fetched_at_s <= self._ttl_s:

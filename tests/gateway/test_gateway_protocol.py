@@ -28,6 +28,7 @@ def test_chat_defaults() -> None:
 
 def test_chat_full() -> None:
     r = parse_chat_request(chat(max_completion_tokens=5, max_tokens=9, temperature=0, top_p=0.5, seed=-1,
+                                frequency_penalty=0, presence_penalty=0.0,
                                 stop="\n", n=1, stream=True, stream_options={"include_usage": True},
                                 logprobs=True, top_logprobs=3, user="u",
                                 messages=[{"role": "system", "content": [{"type": "text", "text": "a"},
@@ -57,6 +58,7 @@ def test_chat_full() -> None:
     (chat(tools=[{"type": "function"}]), "tools"),
     (chat(frobnicate=1), "frobnicate"),
     (chat(presence_penalty=3), "presence_penalty"),
+    (chat(frequency_penalty=0.5), "frequency_penalty"),  # in range, but the nodes do not apply it
     (chat(seed=1.5), "seed"),
     (chat(stream="yes"), "stream"),
     ({"messages": CHAT["messages"]}, "model"),
