@@ -43,7 +43,7 @@ class NodeConfig:
     capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
     tracker_url: str = _f("", "tracker base URL; empty = discover it on the LAN with zeroconf")
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
-    no_tracker: bool = _f(False, "serve without a tracker (tests, benchmarks); needs insecure_no_tickets")
+    no_tracker: bool = _f(False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets")
     insecure_no_tickets: bool = _f(False, "accept OPEN without verifying the route ticket (local tests only)")
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
