@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from node.config import ConfigError
 from node.errors import NodeError
 
 
@@ -161,8 +162,25 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
 
     try:
         trio.run(run)
-    except NodeError as err:
+    except BaseExceptionGroup as group:
+        # Start-up refusals (bad model file, layer range, key file, config) end with one clear line.
+        clear = _first_clear_error(group)
+        if clear is None:
+            raise
+        raise click.ClickException(str(clear)) from group
+    except (NodeError, ConfigError) as err:
         raise click.ClickException(str(err)) from err
+
+
+def _first_clear_error(group: BaseExceptionGroup) -> Exception | None:  # type: ignore[type-arg]
+    for exc in group.exceptions:
+        if isinstance(exc, NodeError | ConfigError | OSError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_clear_error(exc)
+            if found is not None:
+                return found
+    return None
 
 
 @main.command()
