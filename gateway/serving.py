@@ -331,7 +331,8 @@ class GatewayService:
                         session.finished = True
                         self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="ok")
                         self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
-                    await send.send(Finished(reason, prompt_tokens, completion))
+                        # The client gets its last chunk now; RELEASE to the stages follows on the way out.
+                        await send.send(Finished(reason, prompt_tokens, completion))
                     return
                 except GatewayError as err:
                     if not started:

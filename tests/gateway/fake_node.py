@@ -48,6 +48,7 @@ class FakeNode:
         self.recipe = Recipe("fake", fingerprint, "f16", True)
         self.vocab, self.script, self.eos = vocab, script, eos
         self.step_delay_s = step_delay_s
+        self.fail_decode_after: int | None = None  # answer INTERNAL to decode steps after this many samples
         self.kv_per_session = kv_per_session
         self.state = FakeState()
         self.is_last = end == n_layers
@@ -130,6 +131,9 @@ class FakeNode:
             raise errors.PositionMismatchError("kv mismatch")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        if (self.fail_decode_after is not None and step.phase == frame_pb2.PHASE_DECODE
+                and st.sampled.get(sid, 0) >= self.fail_decode_after):
+            raise errors.InternalError("scripted failure")
         with st.lock:
             st.sessions[sid] = step.end
         if not self.is_last:

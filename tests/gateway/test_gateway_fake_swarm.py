@@ -250,14 +250,56 @@ def test_usage_reported_to_tracker(client: openai.OpenAI, swarm: dict) -> None:
     assert json.loads(httpx.get(url(swarm["gateway"]) + "/healthz", timeout=10).text)["sessions_active"] == 0
 
 
+def test_failure_mid_stream_is_an_error_event_and_frees_every_stage(client: openai.OpenAI, swarm: dict) -> None:
+    lasts = [n for n in swarm["nodes"] if n.is_last]
+    for node in lasts:
+        node.fail_decode_after = 3
+    try:
+        stream = client.chat.completions.create(model="fake-model", stream=True,
+                                                messages=[{"role": "user", "content": "hi"}])
+        texts: list[str] = []
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                texts.append(chunk.choices[0].delta.content or "")
+        assert "scripted failure" in str(info.value.message)
+        assert "".join(texts)  # the tokens before the failure were streamed
+        with pytest.raises(openai.APIStatusError) as plain:
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+        assert plain.value.status_code == 502 and plain.value.body["code"] == "upstream_failed"
+    finally:
+        for node in lasts:
+            node.fail_decode_after = None
+    wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the failed sessions")
+
+
 def test_dead_node_before_open_moves_the_request_to_the_other_route(client: openai.OpenAI, swarm: dict) -> None:
-    """Last in the module: it stops a node for good."""
+    """Last in the module: it stops a node for good. Concurrent requests reach both cached routes, so one of
+    them meets the dead node at OPEN time and must be moved to a live route."""
     dead = swarm["nodes"][0]
     dead.stop()
-    for _ in range(4):  # whichever route the balancer picks first, every request completes
-        r = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                           temperature=0)
-        assert r.choices[0].message.content == swarm["expected"]
+    for node in swarm["nodes"]:
+        node.step_delay_s = 0.01
+    results: list[str] = []
+    failures: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            r = client.chat.completions.create(model="fake-model", temperature=0,
+                                               messages=[{"role": "user", "content": "hi"}])
+            results.append(r.choices[0].message.content or "")
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        for node in swarm["nodes"]:
+            node.step_delay_s = 0.0
+    assert not failures and results == [swarm["expected"]] * 6
     failed = [line for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
               if 'outcome="open_failed"' in line]
-    assert failed and dead.node_id[:8] in failed[0]
+    assert failed and all(dead.node_id[:8] in line for line in failed), failed
