@@ -8,6 +8,7 @@ other; every bad input gets its status and leaves the nodes serving.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import subprocess
 import sys
@@ -148,6 +149,48 @@ def test_four_concurrent_sessions_do_not_cross_talk(
         metrics = r.read().decode()
     (line,) = [x for x in metrics.splitlines() if x.startswith("swarm_node_multi_session_batches_total ")]
     assert int(line.split()[1]) > 0
+
+
+def test_broken_stream_reattach_with_a_new_epoch_continues_exactly(
+    swarm: Swarm, vocab: Vocabulary, expected: dict[str, list[int]]
+) -> None:
+    prompt = PROMPTS[3]
+    session = RouteSession(swarm.stages, swarm.ticket())
+    try:
+        out = [session.step(vocab.tokenize(prompt, add_special=True)).token_id]  # type: ignore[union-attr]
+        for _ in range(5):
+            out.append(session.step([out[-1]]).token_id)  # type: ignore[union-attr]
+        # The stream to the last stage breaks; the gateway re-opens every stage with epoch 2.
+        session.streams[1].cancel()
+        session.streams[1] = StageStream(session.channels[1], 60)
+        session.headers = [dataclasses.replace(h, route_epoch=2) for h in session.headers]
+        session.step_id += 1
+        for stream, header in zip(session.streams, session.headers, strict=True):
+            stream.send(
+                codec.open_frame(
+                    header,
+                    step_id=session.step_id,
+                    route_ticket=swarm.ticket(),
+                    kv_budget_tokens=256,
+                    keep_kv_len=session.kv,
+                    sampling=codec.SamplingSettings(temperature=0.0),
+                )
+            )
+        acks = [stream.recv() for stream in session.streams]
+        assert all(a.open_ack.reattached and a.kv_len == session.kv for a in acks), acks
+        while len(out) < N_NEW:
+            out.append(session.step([out[-1]]).token_id)  # type: ignore[union-attr]
+        # a frame of the old epoch is refused now
+        stale = Raw(swarm.stages[1])
+        try:
+            frame = stale.hidden_step(session.session_id, session.step_id + 1, session.kv, 1)
+            assert _status(stale.ask(frame)) == S.STATUS_ROUTE_EPOCH
+        finally:
+            stale.close()
+        session.release()
+    finally:
+        session.close()
+    assert out == expected[prompt]
 
 
 # --------------------------------------------------------------------------- refusals over real gRPC
@@ -360,6 +403,14 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert f'"node_id": "{swarm.stages[0].info.node_id}"' in done.stdout and '"shard": [' in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "node.cli", "status", "--address", b.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0 and '"is_last": true' in done.stdout, done.stderr
     status, body = http_json(f"{admin}/healthz")
     assert status == 200 and body["status"] == "serving"
     # announce once, then signed heartbeats (every second in these tests) accepted by the tracker
