@@ -362,10 +362,9 @@ class FrameServer:
             raise UnavailableError("node is shutting down", retry_after_ms=0)
         try:
             self._check_ticket(frame.open.route_ticket, sid)
-        except TicketInvalidError:
-            raise
-        except ProtocolError as exc:  # a verifier that raised something else: still a ticket problem
-            raise TicketInvalidError(exc.message) from exc
+        except ProtocolError as exc:
+            # A refused re-attach leaves the existing session as it was (its lease still runs).
+            raise TicketInvalidError(exc.message, session_closed=sess is None) from exc
         budget = int(frame.open.kv_budget.max_tokens)
         if budget > self.spec.n_ctx_train:
             raise ContextExceededError(

@@ -414,6 +414,13 @@ def test_epochs_and_reattach() -> None:
     assert actions[0] == TruncateKv("s1", 4)
     (ack,) = sends(actions)
     assert ack.open_ack.reattached and ack.kv_len == 4
+    # a re-attach with a bad ticket is refused and leaves the session alone
+    data = codec.open_frame(
+        h.header(epoch=3), step_id=4, route_ticket=b"forged", kv_budget_tokens=32
+    ).SerializeToString()
+    (err,) = sends(h.m.handle(conn2, data, 0.0))
+    assert err.error.status == S.STATUS_TICKET_INVALID and not err.error.session_closed
+    assert h.m.kv_len("s1") == 4
     # frames of the old epoch are stale now
     assert status_of(h.step("s1", 4, 4, 1)) == S.STATUS_ROUTE_EPOCH
     (frame,) = h.step_frames("s1", 4, 4, 1, epoch=2)

@@ -1,0 +1,98 @@
+"""The trio hub between transports and the session machine (fake engine, no gRPC, no llama.cpp)."""
+
+from __future__ import annotations
+
+import trio
+
+from node.hub import OUTBOUND_FRAMES, Hub
+from node.scheduler import Scheduler
+from node.session_machine import FrameServer, ServingSpec
+from proto import codec
+from proto.swarm.v1 import frame_pb2, status_pb2
+from tests.node.fakes import MODEL_FP, N_EMBD, RECIPE_FP, FakeBackend
+
+
+def _spec() -> ServingSpec:
+    return ServingSpec(
+        node_id="n" * 64,
+        model_fingerprint=MODEL_FP,
+        recipe_fingerprint=RECIPE_FP,
+        shard_start=0,
+        shard_end=4,
+        n_embd=N_EMBD,
+        n_vocab=1000,
+        is_first=True,
+        is_last=False,
+        max_sessions=4,
+        session_kv_tokens=256,
+        n_ctx_train=2048,
+    )
+
+
+def _open(sid: str) -> bytes:
+    header = codec.SessionHeader(sid, 1, MODEL_FP, RECIPE_FP, 0, 4)
+    return codec.serialize_frame(codec.open_frame(header, step_id=1, route_ticket=b"t", kv_budget_tokens=64))
+
+
+def _step(sid: str, step_id: int, start: int, tokens: list[int]) -> bytes:
+    header = codec.SessionHeader(sid, 1, MODEL_FP, RECIPE_FP, 0, 4)
+    (frame,) = codec.step_frames(
+        header, frame_pb2.PHASE_PREFILL, step_id=step_id, start=start, token_ids=tokens
+    )
+    return codec.serialize_frame(frame)
+
+
+def _make() -> tuple[Hub, FakeBackend, Scheduler]:
+    hub = Hub(FrameServer(_spec(), lambda ticket, sid: None))
+    backend = FakeBackend()
+    scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=32)
+    hub.attach(scheduler)
+    return hub, backend, scheduler
+
+
+async def test_ack_only_after_the_kv_is_reserved_and_half_close_delivers_pending_replies() -> None:
+    hub, backend, scheduler = _make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        conn = hub.open_connection()
+        await hub.feed(conn, _open("s"))
+        assert backend.log == [("open", "s")]  # feed returned after the engine reserved the sequence
+        ack = codec.parse_frame(conn.outbound.receive_nowait())
+        assert codec.body_kind(ack) == "open_ack"
+        await hub.feed(conn, _step("s", 2, 0, [1, 2, 3]))
+        hub.input_ended(conn)  # the peer half-closes right after its last step
+        replies = [codec.parse_frame(data) async for data in conn.outbound]  # ends after the reply
+        assert [codec.body_kind(r) for r in replies] == ["result"] and replies[0].kv_len == 3
+        assert hub.connections == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_does_not_read_loses_its_connection_not_the_engine() -> None:
+    hub, backend, scheduler = _make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        lazy = hub.open_connection()
+        busy = hub.open_connection()
+        await hub.feed(busy, _open("b"))
+        for _ in range(OUTBOUND_FRAMES + 5):
+            await hub.feed(lazy, b"\x00garbage")  # each gets a BAD_FRAME reply nobody reads
+        assert lazy.closed and hub.dropped_slow_connections == 1
+        # the other connection is unaffected
+        await hub.feed(busy, _step("b", 2, 0, [4]))
+        received = [codec.parse_frame(await busy.outbound.receive()) for _ in range(2)]
+        assert [codec.body_kind(r) for r in received] == ["open_ack", "result"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_drain_notifies_open_sessions_and_frees_their_kv() -> None:
+    hub, backend, scheduler = _make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        conn = hub.open_connection()
+        await hub.feed(conn, _open("d"))
+        await hub.drain()
+        assert "d" not in backend.kv
+        frames = [codec.parse_frame(data) async for data in conn.outbound]
+        assert [codec.body_kind(f) for f in frames] == ["open_ack", "error"]
+        assert frames[1].error.status == status_pb2.STATUS_UNAVAILABLE
+        nursery.cancel_scope.cancel()
