@@ -713,7 +713,15 @@ class FrameServer:
             cls = error_class(
                 getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL)
             )
-            exc = cls(outcome.error_message or outcome.error_status)
+            if outcome.error_status == "UNKNOWN_SESSION":  # the engine lost the sequence: drop ours too
+                conn = sess.conn
+                actions = self.fail_session(
+                    sess.session_id, outcome.error_message or "engine lost the session"
+                )
+                lost = cls(outcome.error_message or "the engine lost this session", session_closed=True)
+                return actions + ([] if conn is None else [self._error(conn, lost, frame, 0)])
+            # The engine rolled the step back; the session is intact and the step may be retried.
+            exc = cls(outcome.error_message or outcome.error_status, session_closed=False)
             if step.n_frames > 1:
                 sess.ignore_step = step.step_id
             return [] if sess.conn is None else [self._error(sess.conn, exc, frame, sess.kv_len)]

@@ -392,7 +392,7 @@ def test_engine_error_is_reported_with_the_kv_it_left() -> None:
     (err,) = sends(
         h.m.complete(StepOutcome(c.job.job_id, kv_len=0, error_status="INTERNAL", error_message="x"), 0)
     )
-    assert err.error.status == S.STATUS_INTERNAL and err.kv_len == 0
+    assert err.error.status == S.STATUS_INTERNAL and err.kv_len == 0 and not err.error.session_closed
     assert h.run_step("s1", 2, 0, 3).kv_len == 3  # the same step id may be retried: it was never applied
 
 
@@ -535,3 +535,15 @@ def test_pure_modules_import_no_io_runtime() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_engine_that_lost_the_session_closes_it() -> None:
+    h = Harness()
+    h.open()
+    (c,) = h.step("s1", 2, 0, 1)
+    out = StepOutcome(c.job.job_id, kv_len=0, error_status="UNKNOWN_SESSION", error_message="gone")
+    actions = h.m.complete(out, 0.0)
+    assert FreeKv("s1") in actions
+    (err,) = sends(actions)
+    assert err.error.status == S.STATUS_UNKNOWN_SESSION and err.error.session_closed
+    assert h.m.statistics().sessions == 0
