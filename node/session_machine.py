@@ -382,7 +382,7 @@ class FrameServer:
         encoding = frame.open.output_encoding or frame_pb2.ENCODING_F32
         block = int(frame.open.output_block_size) or DEFAULT_BLOCK_SIZE
         if sess is not None:
-            return self._reattach(conn, frame, sess, budget, sampling, encoding, block, max_out, now)
+            return self._reattach(conn, frame, sess, encoding, block, max_out, now)
         if len(self._sessions) >= self.spec.max_sessions:
             raise ResourceExhaustedError(
                 f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
@@ -410,8 +410,6 @@ class FrameServer:
         conn: int,
         frame: frame_pb2.Frame,
         sess: _Session,
-        budget: int,
-        sampling: SamplingSpec,
         encoding: frame_pb2.Encoding,
         block: int,
         max_out: int,
@@ -431,8 +429,8 @@ class FrameServer:
             del sess.history[keep:]
         sess.conn = conn
         sess.epoch = int(frame.route_epoch)
-        sess.budget = max(budget, sess.kv_len)
-        sess.sampling = sampling
+        # The KV budget and the sampling settings were fixed when the engine opened the sequence; a
+        # re-attach keeps them (the ack reports the budget that holds).
         sess.out_encoding, sess.out_block_size, sess.out_max_frame_bytes = encoding, block, max_out
         sess.last_step_id = int(frame.step_id)
         sess.assembler = None
