@@ -547,3 +547,22 @@ def test_engine_that_lost_the_session_closes_it() -> None:
     (err,) = sends(actions)
     assert err.error.status == S.STATUS_UNKNOWN_SESSION and err.error.session_closed
     assert h.m.statistics().sessions == 0
+
+
+def test_output_encoding_from_open_is_used_for_results() -> None:
+    h = Harness()
+    h.feed(
+        codec.open_frame(
+            h.header(),
+            step_id=1,
+            route_ticket=b"good",
+            kv_budget_tokens=32,
+            output_encoding=frame_pb2.ENCODING_INT8_BLOCK,
+            output_block_size=4,
+        )
+    )
+    (c,) = h.step("s1", 2, 0, 3)
+    (reply,) = sends(h.complete(c.job.job_id, 3, 3))
+    (tensor,) = reply.result.tensors
+    assert tensor.encoding == frame_pb2.ENCODING_INT8_BLOCK and tensor.block_size == 4
+    assert np.allclose(codec.reassemble([reply]).tensors[codec.HIDDEN], 1.0, atol=0.01)
