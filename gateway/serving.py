@@ -54,12 +54,14 @@ from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
 from proto.signing import public_key_hex
+from proto.swarm.v1 import status_pb2
 from tracker.client import TrackerClient, TrackerClientError
 from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
+MAX_RECOVERIES = 2
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,26 @@ class Job:
 
     def cancel(self) -> None:
         self.cancel_scope.cancel()
+
+
+@dataclass
+class _Progress:
+    """What a request has produced so far; survives a move to another route."""
+
+    text: TextStream[TokenLogprob | None]
+    generated: list[int] = field(default_factory=list)  # every sampled token, streamed or end-of-generation
+    prompt_tokens: int = 0
+    recoveries: int = 0
+    last_failure: StageFailed | None = None
+    started: bool = False
+
+
+def _recoverable(err: StageFailed) -> bool:
+    """A failure another route can fix: the stream broke or timed out, or the node's hint is not NONE."""
+    remote = err.remote
+    if remote is None:
+        return True
+    return getattr(remote, "retry", status_pb2.RETRY_NONE) != status_pb2.RETRY_NONE
 
 
 @dataclass
@@ -234,7 +256,8 @@ class GatewayService:
         return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new)
 
     @asynccontextmanager
-    async def _open(self, job: Job, request: GenerationRequest) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
+    async def _open(self, job: Job, request: GenerationRequest,
+                    avoid: frozenset[str] = frozenset()) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
         """Pick the least loaded route, prepare, OPEN on every stage.
 
         A node that fails before the session is open (unreachable, full, stale
@@ -244,7 +267,7 @@ class GatewayService:
         streamed yet, so this is invisible to the client.
         """
         model_routes = await self.routes.routes(request.model)
-        excluded: set[str] = set()
+        excluded: set[str] = set(avoid)
         last_error: StageFailed | None = None
         for _attempt in range(OPEN_ATTEMPTS):
             candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
@@ -252,6 +275,8 @@ class GatewayService:
                 try:
                     model_routes = await self.routes.fetch_excluding(request.model, frozenset(excluded))
                 except NoRoute:
+                    if last_error is None:
+                        raise
                     break
                 candidates = list(model_routes.routes)
             route = self.routes.acquire(candidates)
@@ -294,9 +319,10 @@ class GatewayService:
                 last_error = err
             finally:
                 self.routes.release(route)
-        if isinstance(last_error, StageBusy) or last_error is None:
-            raise Overloaded("every route tried is full right now; retry later",
-                             retry_after_s=(last_error.retry_after_s if last_error else None) or 2)
+        assert last_error is not None  # the loop either returned, raised, or recorded a failure
+        if isinstance(last_error, StageBusy):
+            raise Overloaded(f"every route tried is full right now ({last_error.message}); retry later",
+                             retry_after_s=last_error.retry_after_s or 2)
         raise last_error
 
     def _report(self, job: Job, session: RouteSession, route: Route) -> None:
@@ -316,76 +342,114 @@ class GatewayService:
                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         request = job.request
         arrived = trio.current_time()
-        started = False
-        prompt_tokens = completion = 0
+        progress = _Progress(TextStream(request.stop))
+        failure: GatewayError | None = None
         async with send:
             with job.cancel_scope:
                 try:
-                    async with self.gate.slot(job.client), self._open(job, request) as (session, prepared):
-                        started = True
-                        task_status.started()
-                        prompt_tokens = len(prepared.prompt)
-                        label = self.metrics.route_label(session.route.route_id)
-                        self.metrics.inc("swarm_gateway_prompt_tokens_total", prompt_tokens)
-                        reason, completion = await self._generate(job, session, prepared, send, arrived)
-                        session.finished = True
-                        self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="ok")
-                        self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
-                        # The client gets its last chunk now; RELEASE to the stages follows on the way out.
-                        await send.send(Finished(reason, prompt_tokens, completion))
+                    async with self.gate.slot(job.client):
+                        await self._run_sessions(job, send, progress, arrived, task_status)
                     return
                 except GatewayError as err:
-                    if not started:
+                    if not progress.started:
                         self.metrics.inc("swarm_gateway_rejections_total", reason=err.code or err.type)
                         raise
-                    failure: GatewayError = err
+                    failure = err
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return  # the client stopped reading
                 except Exception as err:
                     event(log, "job_failed", level=logging.ERROR, request_id=job.request_id, error=repr(err))
                     log.exception("job %s failed", job.request_id)
-                    if not started:
+                    if not progress.started:
                         raise InternalFailure("internal error while starting the request") from err
                     failure = InternalFailure("internal error while generating")
             if job.cancel_scope.cancelled_caught:
                 self.metrics.inc("swarm_gateway_client_disconnects_total")
                 event(log, "client_disconnected", request_id=job.request_id)
                 return
-            if started:
+            if failure is not None:
                 self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="failed")
                 with trio.move_on_after(1):
                     try:
-                        await send.send(Failed(failure, prompt_tokens, completion))
+                        await send.send(Failed(failure, progress.prompt_tokens, len(progress.generated)))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
+    async def _run_sessions(self, job: Job, send: trio.MemorySendChannel[Event], progress: _Progress,
+                            arrived: float, task_status: trio.TaskStatus[None]) -> None:
+        """Run the request on a route; if a stage fails mid-generation, continue on another route.
+
+        Recovery replays the token history (prompt and every token streamed so
+        far) as prefill on a route without the failed node, then decoding
+        continues where it stopped: the client's stream just pauses. At most
+        ``MAX_RECOVERIES`` times per request, and only for failures a new
+        route can fix (a broken stream, a node error whose hint is not NONE).
+        """
+        request = job.request
+        avoid: set[str] = set()
+        while True:
+            in_body = False
+            failed_before = progress.last_failure
+            try:
+                async with self._open(job, request, frozenset(avoid)) as (session, prepared):
+                    in_body = True
+                    if not progress.started:
+                        progress.started = True
+                        progress.prompt_tokens = len(prepared.prompt)
+                        self.metrics.inc("swarm_gateway_prompt_tokens_total", progress.prompt_tokens)
+                        task_status.started()
+                    reason = await self._generate(job, session, prepared, send, arrived, progress)
+                    session.finished = True
+                    self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok")
+                    self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                    # The client gets its last chunk now; RELEASE to the stages follows on the way out.
+                    await send.send(Finished(reason, progress.prompt_tokens, len(progress.generated)))
+                return
+            except GatewayError as err:
+                if not in_body and failed_before is not None:
+                    # No route to continue on: the client hears about the failure that stopped it.
+                    raise failed_before from err
+                if (not isinstance(err, StageFailed) or not in_body or progress.recoveries >= MAX_RECOVERIES
+                        or not _recoverable(err)):
+                    raise
+                progress.last_failure = err
+                progress.recoveries += 1
+                avoid.add(err.node_id)
+                self.routes.invalidate(request.model)
+                self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered")
+                event(log, "session_recovering", request_id=job.request_id, node_id=err.node_id,
+                      tokens_so_far=len(progress.generated), error=err.message)
+
     async def _generate(self, job: Job, session: RouteSession, prepared: _Prepared,
-                        send: trio.MemorySendChannel[Event], arrived: float) -> tuple[str, int]:
+                        send: trio.MemorySendChannel[Event], arrived: float, progress: _Progress) -> str:
         request = job.request
         vocab = prepared.vocab
-        text: TextStream[TokenLogprob | None] = TextStream(request.stop)
-        want_logprobs = request.logprobs
-        sampled: Sampled = await session.prefill(prepared.prompt)
-        self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
-        generated = 0
+        if progress.generated:
+            # Recovery: the new route has seen nothing; the history (including the last token streamed,
+            # which was about to be decoded) goes in as prefill and yields the next token.
+            sampled: Sampled = await session.prefill([*prepared.prompt, *progress.generated])
+        else:
+            sampled = await session.prefill(prepared.prompt)
+            self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
+        text = progress.text
         while True:
-            generated += 1
-            self.metrics.inc("swarm_gateway_completion_tokens_total")
             token = sampled.token_id
+            progress.generated.append(token)
+            self.metrics.inc("swarm_gateway_completion_tokens_total")
             if sampled.end_of_generation or token in vocab.eog:
                 tail = text.finish()
                 await self._emit(send, tail.text, tail.tokens)
-                return "stop", generated
+                return "stop"
             piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
-            entry = _logprob_entry(vocab, sampled) if want_logprobs else None
+            entry = _logprob_entry(vocab, sampled) if request.logprobs else None
             out = text.push(piece, entry)
             await self._emit(send, out.text, out.tokens)
             if out.stopped:
-                return "stop", generated
-            if generated >= prepared.max_new:
+                return "stop"
+            if len(progress.generated) >= prepared.max_new:
                 tail = text.finish()
                 await self._emit(send, tail.text, tail.tokens)
-                return "length", generated
+                return "length"
             sampled = await session.decode(token)
 
     @staticmethod

@@ -3,7 +3,9 @@
 It speaks the Session protocol exactly (OPEN/steps/RELEASE/CANCEL with KV
 length and step checks), answers Info and GetVocab (the test model's real
 vocabulary file), and instead of computing, a last stage "samples" the next
-token of a fixed script. Used for the gateway's in-process tests: HTTP API,
+token of a fixed script (the next one after the part of the script the
+session's history ends with, so a session replayed on another route
+continues the same text). Used for the gateway's in-process tests: HTTP API,
 SSE, errors, admission and disconnect handling without llama.cpp. Tests that
 check the numbers use real ``swarm-node`` processes instead.
 """
@@ -27,12 +29,15 @@ from proto.swarm.v1 import frame_pb2, shard_service_pb2
 from proto.vocab import vocab_chunks
 
 N_EMBD = 576
+# Scripted failures shared by every fake node of a test: the next ``left`` decode steps that find a session
+# past ``after`` generated tokens get INTERNAL.
+FAILURES: dict[str, int] = {"left": 0, "after": 0}
 
 
 @dataclass
 class FakeState:
     sessions: dict[str, int] = field(default_factory=dict)  # session id -> kv_len
-    sampled: dict[str, int] = field(default_factory=dict)
+    history: dict[str, list[int]] = field(default_factory=dict)  # last stage: token ids seen per session
     opened: int = 0
     released: int = 0
     cancelled: int = 0
@@ -48,7 +53,6 @@ class FakeNode:
         self.recipe = Recipe("fake", fingerprint, "f16", True)
         self.vocab, self.script, self.eos = vocab, script, eos
         self.step_delay_s = step_delay_s
-        self.fail_decode_after: int | None = None  # answer INTERNAL to decode steps after this many samples
         self.kv_per_session = kv_per_session
         self.state = FakeState()
         self.is_last = end == n_layers
@@ -101,6 +105,13 @@ class FakeNode:
             for reply in replies:
                 yield codec.serialize_frame(reply)
 
+    def _generated(self, history: list[int]) -> int:
+        """How much of the script the history already ends with: a "model" that is the same on every route."""
+        for k in range(min(len(self.script), len(history)), 0, -1):
+            if history[-k:] == self.script[:k]:
+                return k
+        return 0
+
     def _handle(self, frame: frame_pb2.Frame, assembler: codec.StepAssembler) -> list[frame_pb2.Frame] | None:
         st, sid, kind = self.state, frame.session_id, codec.body_kind(frame)
         if kind == "open":
@@ -108,7 +119,7 @@ class FakeNode:
                 raise errors.ResourceExhaustedError("budget too large")
             with st.lock:
                 st.sessions[sid] = 0
-                st.sampled[sid] = 0
+                st.history[sid] = []
                 st.opened += 1
             return [codec.open_ack_frame(frame, kv_len=0, node_id=self.node_id,
                                          kv_tokens_granted=frame.open.kv_budget.max_tokens,
@@ -116,7 +127,7 @@ class FakeNode:
         if kind in ("release", "cancel"):
             with st.lock:
                 freed = st.sessions.pop(sid, 0)
-                st.sampled.pop(sid, None)
+                st.history.pop(sid, None)
                 if kind == "release":
                     st.released += 1
                 else:
@@ -131,9 +142,13 @@ class FakeNode:
             raise errors.PositionMismatchError("kv mismatch")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        if (self.fail_decode_after is not None and step.phase == frame_pb2.PHASE_DECODE
-                and st.sampled.get(sid, 0) >= self.fail_decode_after):
-            raise errors.InternalError("scripted failure")
+        with st.lock:
+            generated = self._generated(st.history[sid])
+            if (self.is_last and step.phase == frame_pb2.PHASE_DECODE and FAILURES["left"] > 0
+                    and generated >= FAILURES["after"]):
+                FAILURES["left"] -= 1
+                raise errors.InternalError("scripted failure")
+            st.history[sid].extend(int(t) for t in step.token_ids)
         with st.lock:
             st.sessions[sid] = step.end
         if not self.is_last:
@@ -141,9 +156,8 @@ class FakeNode:
         sampled: list[frame_pb2.SampledToken] = []
         if step.sample:
             with st.lock:
-                i = st.sampled[sid]
-                st.sampled[sid] = i + 1
-            token = self.script[i] if i < len(self.script) else self.eos
+                k = self._generated(st.history[sid])
+            token = self.script[k] if k < len(self.script) else self.eos
             sampled.append(frame_pb2.SampledToken(
                 token_id=token, logprob=-0.25,
                 top_logprobs=[frame_pb2.TokenLogprob(token_id=token, logprob=-0.25),

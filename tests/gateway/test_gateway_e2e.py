@@ -245,3 +245,28 @@ def test_single_stream_speed(client: openai.OpenAI, swarm: dict) -> None:
     end = time.monotonic()
     assert first is not None and n > 1
     print(f"\nsingle stream: TTFT {first - started:.3f} s, {(n - 1) / (end - first):.1f} tokens/s decode ({n} tokens)")
+
+
+def test_node_killed_mid_stream_the_stream_continues_on_the_other_route(client: openai.OpenAI, swarm: dict,
+                                                                        reference) -> None:
+    """Last in the module: SIGKILL one node of the route serving a stream; the gateway replays the tokens so
+    far on the other route and the client still gets the whole model's greedy text."""
+    question = "Explain why the sky is blue."
+    want = chat_reference(reference, question, 40)
+    stream = client.chat.completions.create(model=swarm["model"], temperature=0, max_tokens=40, stream=True,
+                                            messages=[{"role": "user", "content": question}])
+    it = iter(stream)
+    texts = [next(it).choices[0].delta.content or "" for _ in range(4)]
+    busy = [p for p in swarm["nodes"] if node_load(p).active_sessions > 0]
+    assert len(busy) == 2, "one route (two nodes) serves the stream"
+    victim = busy[0]
+    victim.popen.kill()
+    victim.popen.wait(timeout=10)
+    for chunk in it:
+        if chunk.choices:
+            texts.append(chunk.choices[0].delta.content or "")
+    assert "".join(texts) == want
+    assert any('outcome="recovered"' in line
+               for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total"))
+    survivors = {**swarm, "nodes": [p for p in swarm["nodes"] if p is not victim]}
+    wait_until(lambda: no_kv_held(survivors), 15, "the surviving nodes to free every session")
