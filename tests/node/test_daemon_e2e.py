@@ -372,6 +372,30 @@ def test_bad_inputs_get_their_status_and_the_node_keeps_serving(
     assert produced == expected[PROMPTS[2]]
 
 
+def test_admission_refuses_clearly_when_slots_or_budget_run_out(swarm: Swarm) -> None:
+    raw = Raw(swarm.stages[1])
+    ticket = swarm.ticket()
+    try:
+        too_big = raw.ask(
+            codec.open_frame(raw.header("big"), step_id=1, route_ticket=ticket, kv_budget_tokens=4096)
+        )
+        assert _status(too_big) == S.STATUS_RESOURCE_EXHAUSTED and "per session" in too_big.error.message
+        opened = []
+        for i in range(swarm.stages[1].info.limits.max_sessions + 1):
+            reply = raw.open(f"slot-{i}", ticket)
+            if codec.body_kind(reply) != "open_ack":
+                break
+            opened.append(f"slot-{i}")
+        assert _status(reply) == S.STATUS_RESOURCE_EXHAUSTED and "slots" in reply.error.message
+        assert len(opened) == swarm.stages[1].info.limits.max_sessions
+        for sid in opened:
+            assert codec.body_kind(raw.ask(codec.release_frame(raw.header(sid), step_id=2))) == "closed"
+        assert codec.body_kind(raw.open("slot-again", ticket)) == "open_ack"  # freed at once
+        raw.ask(codec.release_frame(raw.header("slot-again"), step_id=2))
+    finally:
+        raw.close()
+
+
 def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     b = swarm.stages[1]
     assert b.info.is_last and not swarm.stages[0].info.is_last
