@@ -143,5 +143,10 @@ def compare(scenario: str, policy_a: str, policy_b: str, out_dir: str | None, se
     click.echo(f"wrote {out / 'compare.json'}")
 
 
+# The local multi-process swarm (tracker, nodes, gateway as real processes).
+from sim.launcher import up  # noqa: E402
+
+main.add_command(up)
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

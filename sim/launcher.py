@@ -1,0 +1,211 @@
+"""``swarm-sim up``: a real swarm on this machine -- tracker, nodes and gateway as separate processes.
+
+Placement is the tracker's: unless ``--layers`` is given, nodes start one
+after another with ``--layers auto`` and take the span the tracker
+recommends (so N nodes split the model, and spare nodes double the weakest
+spans). Readiness comes from each service's health endpoint. Ctrl-C stops
+every process, newest first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import httpx
+
+from node.testmodel import test_model_path
+from sim.procs import LaunchError, Service, Supervisor, wait_http
+
+
+@dataclass
+class LocalSwarm:
+    supervisor: Supervisor
+    tracker: Service
+    nodes: list[Service]
+    gateway: Service
+    model_name: str
+
+    @property
+    def tracker_url(self) -> str:
+        return f"http://127.0.0.1:{self.tracker.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.port}/v1"
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        click.echo(text, err=True)
+
+
+def _node_spans(n_nodes: int, n_layers: int) -> list[str]:
+    """Even contiguous spans, used only when the caller asks for fixed layers with ``--layers even``."""
+    bounds = [round(i * n_layers / n_nodes) for i in range(n_nodes + 1)]
+    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+
+
+def _wait_announced(sup_tracker: Service, tracker_url: str, node: Service, timeout_s: float) -> dict:
+    """Wait until the tracker lists this node as live; return its swarm entry."""
+    def announced(resp: httpx.Response) -> bool:
+        if resp.status_code != 200:
+            return False
+        return any(n.get("state") == "live" and str(node.port) in " ".join(n.get("addresses", []))
+                   for n in resp.json().get("nodes", []))
+
+    resp = wait_http(node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
+    return next(n for n in resp.json()["nodes"] if str(node.port) in " ".join(n.get("addresses", [])))
+
+
+def start_local_swarm(
+    workdir: Path,
+    *,
+    model: Path,
+    n_nodes: int = 2,
+    spare: int = 0,
+    layers: list[str] | None = None,
+    threads: int = 1,
+    gateway_port: int = 0,
+    max_sessions: int = 8,
+    session_kv_tokens: int = 2048,
+    node_cache: Path | None = None,
+    gateway_args: list[str] | None = None,
+    node_args: list[str] | None = None,
+    timeout_s: float = 300.0,
+    quiet: bool = True,
+) -> LocalSwarm:
+    """Start tracker, nodes and gateway; return once the gateway can route the model."""
+    sup = Supervisor(workdir)
+    try:
+        t0 = time.monotonic()
+        tracker = sup.start_tracker()
+        tracker.wait_port(timeout_s)
+        tracker_url = f"http://127.0.0.1:{tracker.port}"
+        wait_http(tracker, f"{tracker_url}/healthz", timeout_s)
+        _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
+        from node.shard import read_model_meta  # parses the GGUF once; the nodes reuse the cache
+
+        cache = node_cache or (Path(workdir) / "node-cache")
+        meta = read_model_meta(model, cache)
+        total = n_nodes + spare
+        capacity = math.ceil(meta.n_layers / max(1, n_nodes))
+        nodes: list[Service] = []
+        for i in range(total):
+            span = layers[i] if layers and i < len(layers) else "auto"
+            name = f"node{i + 1}"
+            _say(quiet, f"  {name}    loading {'layers ' + span if span != 'auto' else 'the span the tracker recommends'} ...")
+            node = sup.start_node(
+                name, model=model, layers=span, tracker_url=tracker_url, threads=threads,
+                capacity_layers=capacity if span == "auto" else None, max_sessions=max_sessions,
+                session_kv_tokens=session_kv_tokens, cache_dir=cache, extra_args=node_args,
+            )
+            node.wait_port(timeout_s)
+            wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
+            entry = _wait_announced(tracker, tracker_url, node, timeout_s)
+            shard = entry.get("shard") or {}
+            node.extra["span"] = (shard.get("start"), shard.get("end"))
+            _say(quiet, f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) on 127.0.0.1:{node.port}"
+                        f"  ({shard.get('decode_ms_per_token', 0):.1f} ms/token, pid {node.pid})")
+            nodes.append(node)
+        gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
+        gateway.wait_port(timeout_s)
+        gw_url = f"http://127.0.0.1:{gateway.port}"
+        wait_http(gateway, f"{gw_url}/healthz", timeout_s)
+
+        def routable(resp: httpx.Response) -> bool:
+            return resp.status_code == 200 and any(m.get("fingerprint") == meta.fingerprint for m in resp.json().get("data", []))
+
+        models = wait_http(gateway, f"{gw_url}/v1/models", timeout_s, ok=routable).json()["data"]
+        name = next(m["id"] for m in models if m.get("fingerprint") == meta.fingerprint)
+        _say(quiet, f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)")
+        return LocalSwarm(sup, tracker, nodes, gateway, name)
+    except BaseException:
+        sup.stop_all()
+        raise
+
+
+def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
+    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0}
+    curl = (f"curl -s {base_url}/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{json.dumps(body)}'")
+    return curl, body
+
+
+@click.command("up")
+@click.option("--nodes", "n_nodes", default=2, show_default=True, help="Nodes that split the model between them.")
+@click.option("--spare", default=0, show_default=True, help="Extra nodes placed where coverage is weakest (redundancy).")
+@click.option("--relay-nodes", default=0, show_default=True, help="Nodes reached through the gateway's WebSocket relay.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="GGUF model (default: the bundled test model).")
+@click.option("--layers", default=None, help="Fixed spans instead of the tracker's placement, e.g. 0:15,15:30.")
+@click.option("--threads", default=1, show_default=True, help="llama.cpp threads per node.")
+@click.option("--port", "gateway_port", default=8000, show_default=True, help="Gateway port (0: any free port).")
+@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Where keys, the tracker database and logs go (default: a new temporary directory).")
+@click.option("--check", is_flag=True, help="Send the sample request, print the answer, stop the swarm and exit.")
+def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, layers: str | None, threads: int,
+       gateway_port: int, workdir: Path | None, check: bool) -> None:
+    """Start a local swarm: tracker, nodes and gateway on loopback, with an OpenAI endpoint."""
+    if n_nodes < 1:
+        raise click.BadParameter("need at least one node", param_hint="--nodes")
+    if relay_nodes:
+        raise click.ClickException("--relay-nodes: the WebSocket relay is not implemented yet (issue 6)")
+    model = model_path or test_model_path()
+    spans = [s.strip() for s in layers.split(",")] if layers else None
+    if spans is not None and len(spans) != n_nodes + spare:
+        raise click.BadParameter(f"give one span per node ({n_nodes + spare})", param_hint="--layers")
+    work = workdir or Path(tempfile.mkdtemp(prefix="swarm-sim-"))
+    click.echo(f"starting a local swarm in {work} (logs in {work / 'logs'}) ...", err=True)
+    try:
+        swarm = start_local_swarm(work, model=model, n_nodes=n_nodes, spare=spare, layers=spans, threads=threads,
+                                  gateway_port=gateway_port, node_cache=None, quiet=False)
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from err
+    curl, body = _sample_request(swarm.base_url, swarm.model_name)
+    try:
+        click.echo("")
+        click.echo(f"OpenAI base URL:  {swarm.base_url}")
+        click.echo(f"model:            {swarm.model_name}")
+        click.echo(f"try:              {curl}")
+        if check:
+            resp = httpx.post(f"{swarm.base_url}/chat/completions", json=body, timeout=120)
+            resp.raise_for_status()
+            click.echo(f"answer:           {resp.json()['choices'][0]['message']['content']!r}")
+            return
+        click.echo("Ctrl-C stops the swarm.")
+        stop = {"flag": False}
+
+        def _stop(*_: object) -> None:
+            stop["flag"] = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            while not stop["flag"]:
+                for svc in [swarm.tracker, *swarm.nodes, swarm.gateway]:
+                    if not svc.alive():
+                        click.echo(f"{svc.name} exited (code {svc.proc.returncode}); last log lines:\n{svc.log_tail()}",
+                                   err=True)
+                        stop["flag"] = True
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    finally:
+        click.echo("stopping ...", err=True)
+        swarm.stop()
+        click.echo("stopped.", err=True)
+
+
+if __name__ == "__main__":
+    sys.exit(up())
