@@ -172,7 +172,7 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
         raise click.ClickException(str(err)) from err
 
 
-def _first_clear_error(group: BaseExceptionGroup) -> Exception | None:  # type: ignore[type-arg]
+def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | None:
     for exc in group.exceptions:
         if isinstance(exc, NodeError | ConfigError | OSError):
             return exc

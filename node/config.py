@@ -43,7 +43,9 @@ class NodeConfig:
     capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
     tracker_url: str = _f("", "tracker base URL; empty = discover it on the LAN with zeroconf")
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
-    no_tracker: bool = _f(False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets")
+    no_tracker: bool = _f(
+        False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
+    )
     insecure_no_tickets: bool = _f(False, "accept OPEN without verifying the route ticket (local tests only)")
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
@@ -152,7 +154,7 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
-    kind = type(FIELDS[name].default)
+    kind: Any = type(FIELDS[name].default)
     if kind is bool:
         if isinstance(value, bool):
             return value

@@ -104,9 +104,9 @@ class Hub:
                         continue
                 self._deliver(action)
             else:
-                done = self._submit(action)
-                if done is not None:
-                    waiting.append(done)
+                submitted = self._submit(action)
+                if submitted is not None:
+                    waiting.append(submitted)
         for done in waiting:  # effects with no reply after them (cancel of a busy session...)
             await done.event.wait()
 

@@ -18,7 +18,7 @@ import grpc
 
 from proto import codec
 from proto.signing import route_ticket_bytes
-from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc
+from proto.swarm.v1 import frame_pb2, shard_service_pb2
 
 _END = object()
 
@@ -94,9 +94,14 @@ class Stage:
 
 def node_info(address: str) -> shard_service_pb2.NodeInfo:
     with grpc.insecure_channel(address) as channel:
-        return shard_service_pb2_grpc.ShardServiceStub(channel).Info(
-            shard_service_pb2.InfoRequest(), timeout=10
-        )
+        info = channel.unary_unary(
+            "/swarm.v1.ShardService/Info",
+            request_serializer=shard_service_pb2.InfoRequest.SerializeToString,
+            response_deserializer=shard_service_pb2.NodeInfo.FromString,
+        )(shard_service_pb2.InfoRequest(), timeout=10)
+    if not isinstance(info, shard_service_pb2.NodeInfo):
+        raise TypeError("Info answered something else than a NodeInfo")
+    return info
 
 
 def ticket_bytes(ticket: dict[str, str]) -> bytes:

@@ -283,12 +283,6 @@ class FrameServer:
         self._evictions = 0
         self._errors: dict[str, int] = {}
         self.draining = False
-        self._route = {
-            "model_fingerprint": spec.model_fingerprint,
-            "recipe_fingerprint": spec.recipe_fingerprint,
-            "shard_start": spec.shard_start,
-            "shard_end": spec.shard_end,
-        }
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -319,7 +313,13 @@ class FrameServer:
         try:
             if codec.is_reply(frame):
                 raise BadFrameError(f"a node does not accept {codec.body_kind(frame)!r} frames")
-            codec.expect_route(frame, **self._route)
+            codec.expect_route(
+                frame,
+                model_fingerprint=self.spec.model_fingerprint,
+                recipe_fingerprint=self.spec.recipe_fingerprint,
+                shard_start=self.spec.shard_start,
+                shard_end=self.spec.shard_end,
+            )
             kind = codec.body_kind(frame)
             if kind == "open":
                 return self._open(conn, frame, now)
