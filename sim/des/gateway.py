@@ -173,6 +173,7 @@ class Gateways:
         s.route = list(route)
         for n in route:
             n.sessions[s.id] = s
+        self.metrics.stages_per_session[len(route)] += 1
         s.phase = PREFILL
         self._send_prefill(s)
         return True

@@ -40,6 +40,7 @@ class Metrics:
         self.recovery_durations_s = array("d")
         self.recovery_attempts = 0
         self.replayed_tokens = 0
+        self.stages_per_session: Counter[int] = Counter()  # route length at admission
         self.series = Series(coverage=[[] for _ in range(n_models)])
         self._tokens_at_last_sample = 0
 

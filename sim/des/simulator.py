@@ -192,6 +192,7 @@ class Simulation:
                     "graceful_leaves": self.swarm.graceful_leaves,
                     "serving_at_end": self.swarm.serving,
                 },
+                "stages_per_session": {str(k): v for k, v in sorted(m.stages_per_session.items())},
                 "route_selector_calls": self.routing.calls,
                 "snapshot_builds": self.cache.builds,
                 "events_processed": self.loop.events_processed,
