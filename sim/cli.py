@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from sim.des.config import Scenario, ScenarioError, load_scenario, with_policy
 
-POLICY_HELP = ("a policy: 'ours' (tracker placement and routing), 'random-placement', 'nearest-routing', "
-               "'baseline' (both baselines), or 'placement=tracker|random,routing=tracker|nearest'")
+POLICY_HELP = (
+    "a policy: 'ours' (tracker placement and routing), 'random-placement', 'nearest-routing', "
+    "'baseline' (both baselines), or 'placement=tracker|random,routing=tracker|nearest'"
+)
 
 _NAMED = {
     "ours": ("tracker", "tracker"),
@@ -55,7 +58,7 @@ def _load(path: str, seed: int | None, duration_s: float | None) -> Scenario:
     return dataclasses.replace(sc, run=run)
 
 
-def _print_perf(label: str, result: dict) -> None:
+def _print_perf(label: str, result: dict[str, Any]) -> None:
     perf = result["performance"]
     req = result["requests"]
     m = result["metrics"]
@@ -75,14 +78,25 @@ def main() -> None:
 
 @main.command()
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="directory for result.json and plots (default: sim-out/<scenario name>)")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="directory for result.json and plots (default: sim-out/<scenario name>)",
+)
 @click.option("--policy", default=None, help=POLICY_HELP + " (default: the scenario's [policy])")
 @click.option("--seed", type=int, default=None, help="override the scenario's seed")
 @click.option("--duration-s", type=float, default=None, help="override the simulated duration (s)")
 @click.option("--no-plots", is_flag=True, help="write result.json only")
-def run(scenario: str, out_dir: str | None, policy: str | None, seed: int | None, duration_s: float | None,
-        no_plots: bool) -> None:
+def run(
+    scenario: str,
+    out_dir: str | None,
+    policy: str | None,
+    seed: int | None,
+    duration_s: float | None,
+    no_plots: bool,
+) -> None:
     """Run SCENARIO.toml once and write result.json and PNG plots."""
     from sim.des.report import plot_run, write_json
     from sim.des.simulator import run as simulate
@@ -106,13 +120,25 @@ def run(scenario: str, out_dir: str | None, policy: str | None, seed: int | None
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
 @click.option("--policy-a", default="ours", show_default=True, help=POLICY_HELP)
 @click.option("--policy-b", default="baseline", show_default=True, help=POLICY_HELP)
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="directory for compare.json and plots (default: sim-out/<scenario name>-compare)")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="directory for compare.json and plots (default: sim-out/<scenario name>-compare)",
+)
 @click.option("--seed", type=int, default=None, help="override the scenario's seed (same for both)")
 @click.option("--duration-s", type=float, default=None, help="override the simulated duration (s)")
 @click.option("--no-plots", is_flag=True, help="write compare.json only")
-def compare(scenario: str, policy_a: str, policy_b: str, out_dir: str | None, seed: int | None,
-            duration_s: float | None, no_plots: bool) -> None:
+def compare(
+    scenario: str,
+    policy_a: str,
+    policy_b: str,
+    out_dir: str | None,
+    seed: int | None,
+    duration_s: float | None,
+    no_plots: bool,
+) -> None:
     """Run SCENARIO.toml under two policies with the same seed and compare them."""
     from sim.des.report import comparison, key_figures, plot_compare, plot_run, write_json
     from sim.des.simulator import run as simulate

@@ -156,7 +156,7 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def parse_scenario(data: dict[str, Any]) -> Scenario:
-    scenario = _build(Scenario, data, "")
+    scenario: Scenario = _build(Scenario, data, "")
     _validate(scenario)
     return scenario
 
@@ -178,15 +178,19 @@ def _build(cls: type, data: Any, where: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ScenarioError(f"{where or 'scenario'}: unknown key(s) {', '.join(unknown)}; known: {sorted(known)}")
-    kwargs = {name: _convert(hints[name], value, f"{where}.{name}" if where else name)
-              for name, value in data.items()}
+        raise ScenarioError(
+            f"{where or 'scenario'}: unknown key(s) {', '.join(unknown)}; known: {sorted(known)}"
+        )
+    kwargs = {
+        name: _convert(hints[name], value, f"{where}.{name}" if where else name)
+        for name, value in data.items()
+    }
     return cls(**kwargs)
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if origin is tuple:
         (item_tp, _ellipsis) = typing.get_args(tp)
@@ -242,8 +246,10 @@ def _validate(s: Scenario) -> None:
     regions = PRESETS[s.network.preset].regions
     for g in s.network.gateway_regions:
         need(g in regions, f"network.gateway_regions: {g!r} is not a region of preset {s.network.preset!r}")
-    need(0 <= s.network.access_latency_ms_min <= s.network.access_latency_ms_max,
-         "network: need 0 <= access_latency_ms_min <= access_latency_ms_max")
+    need(
+        0 <= s.network.access_latency_ms_min <= s.network.access_latency_ms_max,
+        "network: need 0 <= access_latency_ms_min <= access_latency_ms_max",
+    )
     need(s.nodes.initial >= 0, "nodes.initial must be >= 0")
     need(0.0 <= s.nodes.crash_fraction <= 1.0, "nodes.crash_fraction must be in [0, 1]")
     need(s.nodes.heartbeat_interval_s > 0, "nodes.heartbeat_interval_s must be > 0")
@@ -252,10 +258,15 @@ def _validate(s: Scenario) -> None:
         need(ps.profile in PROFILES, f"unknown hardware profile {ps.profile!r}; known: {sorted(PROFILES)}")
         need(ps.share >= 0, "profile share must be >= 0")
     need(s.workload.kind in ("poisson", "trace"), "workload.kind must be 'poisson' or 'trace'")
-    need(s.workload.kind != "trace" or bool(s.workload.trace_file), "workload.trace_file is needed for kind='trace'")
+    need(
+        s.workload.kind != "trace" or bool(s.workload.trace_file),
+        "workload.trace_file is needed for kind='trace'",
+    )
     need(0 <= s.workload.start_s < s.run.duration_s, "workload.start_s must be in [0, run.duration_s)")
     need(s.gateway.routes_k >= 1, "gateway.routes_k must be >= 1")
     need(s.gateway.prefill_chunk_tokens >= 1, "gateway.prefill_chunk_tokens must be >= 1")
-    need(s.gateway.step_token_budget >= s.gateway.prefill_chunk_tokens,
-         "gateway.step_token_budget must be >= prefill_chunk_tokens")
+    need(
+        s.gateway.step_token_budget >= s.gateway.prefill_chunk_tokens,
+        "gateway.step_token_budget must be >= prefill_chunk_tokens",
+    )
     _validate_policy(s.policy)

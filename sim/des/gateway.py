@@ -83,7 +83,8 @@ class Gateways:
         self._left_node = on_session_left_node
         self._pools: dict[tuple[int, int], _Pool] = {}
         self._queues: dict[tuple[int, int], deque[Session]] = {
-            (g, m): deque() for g in range(n_gateways) for m in range(len(models))}
+            (g, m): deque() for g in range(n_gateways) for m in range(len(models))
+        }
         self.sessions: dict[int, Session] = {}  # not yet ended
 
     # -- admission ------------------------------------------------------------
@@ -109,7 +110,7 @@ class Gateways:
 
     def drain_queues(self, model_index: int | None = None) -> None:
         """Admit waiting requests while routes have room (FIFO per gateway and model)."""
-        for (g, m), q in self._queues.items():
+        for (_g, m), q in self._queues.items():
             if model_index is not None and m != model_index:
                 continue
             while q:
@@ -128,13 +129,23 @@ class Gateways:
         key = (g, m)
         pool = self._pools.get(key)
         now = self.loop.now
-        stale = pool is None or (pool.version != self.cache.version and now - pool.computed_s >= self._refresh_s)
-        if (force and pool is not None and pool.version != self.cache.version
-                and now - pool.computed_s >= self.cfg.route_refresh_min_s):
+        stale = pool is None or (
+            pool.version != self.cache.version and now - pool.computed_s >= self._refresh_s
+        )
+        if (
+            force
+            and pool is not None
+            and pool.version != self.cache.version
+            and now - pool.computed_s >= self.cfg.route_refresh_min_s
+        ):
             stale = True
         if stale:
-            planned = self.routing.select(self.cache.routable(), self.fingerprints[m], self.cfg.routes_k, g, self.rng)
-            pool = _Pool(self.cache.version, now, [(self._resolve(p), p.expected_ms_per_token) for p in planned])
+            planned = self.routing.select(
+                self.cache.routable(), self.fingerprints[m], self.cfg.routes_k, g, self.rng
+            )
+            pool = _Pool(
+                self.cache.version, now, [(self._resolve(p), p.expected_ms_per_token) for p in planned]
+            )
             self._pools[key] = pool
         assert pool is not None
         return pool
@@ -299,8 +310,9 @@ class Gateways:
             return
         exclude = frozenset(s.route[i].node_id for i in lost)
         views = [self.cache.view(n.node_id) for n in s.route]
-        planned = self.routing.replace(self.cache.routable(), self.fingerprints[s.model_index], views, lost,
-                                       s.gateway, self.rng, exclude)
+        planned = self.routing.replace(
+            self.cache.routable(), self.fingerprints[s.model_index], views, lost, s.gateway, self.rng, exclude
+        )
         new_route = self._resolve(planned) if planned is not None else None
         old = set(id(n) for n in s.route)
         if new_route is not None and any(not n.accepting for n in new_route if id(n) not in old):
@@ -328,10 +340,12 @@ class Gateways:
         s.replay_chunks_left = 0
         pos = 0
         while pos < context:
-            n = min(chunk, context - pos)
+            size = min(chunk, context - pos)
             s.replay_chunks_left += 1
-            self._send(s, WorkItem(s, i0, i1, n, n * (pos + n / 2.0), False, "replay"), hidden=i0 > 0)
-            pos += n
+            self._send(
+                s, WorkItem(s, i0, i1, size, size * (pos + size / 2.0), False, "replay"), hidden=i0 > 0
+            )
+            pos += size
         self.metrics.replayed_tokens += context * (i1 - i0 + 1)
 
     def _resume(self, s: Session) -> None:

@@ -24,8 +24,9 @@ class RegionModel:
         return self.rtt_ms[(a, b)]
 
 
-def _model(regions: list[tuple[str, float]], same_region_rtt_ms: float,
-           pairs: dict[tuple[str, str], float]) -> RegionModel:
+def _model(
+    regions: list[tuple[str, float]], same_region_rtt_ms: float, pairs: dict[tuple[str, str], float]
+) -> RegionModel:
     names = tuple(r for r, _ in regions)
     rtt: dict[tuple[str, str], float] = {}
     for a in names:
@@ -47,15 +48,30 @@ PRESETS: dict[str, RegionModel] = {
         {("eu-west", "eu-central"): 15.0, ("eu-west", "eu-north"): 30.0, ("eu-central", "eu-north"): 25.0},
     ),
     "world": _model(
-        [("us-east", 0.25), ("us-west", 0.15), ("europe", 0.3), ("asia", 0.2), ("south-america", 0.05),
-         ("oceania", 0.05)],
+        [
+            ("us-east", 0.25),
+            ("us-west", 0.15),
+            ("europe", 0.3),
+            ("asia", 0.2),
+            ("south-america", 0.05),
+            ("oceania", 0.05),
+        ],
         15.0,
         {
-            ("us-east", "us-west"): 65.0, ("us-east", "europe"): 80.0, ("us-east", "asia"): 200.0,
-            ("us-east", "south-america"): 120.0, ("us-east", "oceania"): 200.0,
-            ("us-west", "europe"): 140.0, ("us-west", "asia"): 120.0, ("us-west", "south-america"): 170.0,
-            ("us-west", "oceania"): 150.0, ("europe", "asia"): 180.0, ("europe", "south-america"): 190.0,
-            ("europe", "oceania"): 260.0, ("asia", "south-america"): 300.0, ("asia", "oceania"): 120.0,
+            ("us-east", "us-west"): 65.0,
+            ("us-east", "europe"): 80.0,
+            ("us-east", "asia"): 200.0,
+            ("us-east", "south-america"): 120.0,
+            ("us-east", "oceania"): 200.0,
+            ("us-west", "europe"): 140.0,
+            ("us-west", "asia"): 120.0,
+            ("us-west", "south-america"): 170.0,
+            ("us-west", "oceania"): 150.0,
+            ("europe", "asia"): 180.0,
+            ("europe", "south-america"): 190.0,
+            ("europe", "oceania"): 260.0,
+            ("asia", "south-america"): 300.0,
+            ("asia", "oceania"): 120.0,
             ("south-america", "oceania"): 310.0,
         },
     ),
@@ -71,8 +87,9 @@ class Endpoint:
 class Geography:
     """Draws endpoint locations and answers one-way latency between endpoints."""
 
-    def __init__(self, model: RegionModel, access_ms_min: float, access_ms_max: float,
-                 rng: random.Random) -> None:
+    def __init__(
+        self, model: RegionModel, access_ms_min: float, access_ms_max: float, rng: random.Random
+    ) -> None:
         self.model = model
         self._lo = access_ms_min
         self._hi = access_ms_max

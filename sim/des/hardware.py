@@ -84,7 +84,9 @@ class StepCost:
     per_ctx_token_ms: float
     per_prefill_ctx_token_ms: float
 
-    def step_ms(self, decode_tokens: int, prefill_tokens: int, decode_ctx: float, prefill_ctx: float) -> float:
+    def step_ms(
+        self, decode_tokens: int, prefill_tokens: int, decode_ctx: float, prefill_ctx: float
+    ) -> float:
         """``*_ctx``: attention work, context length summed over the step's tokens."""
         return (
             self.fixed_ms

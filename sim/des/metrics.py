@@ -56,8 +56,16 @@ class Metrics:
         self.recovery_lost_s += lost_s
         self.recovery_durations_s.append(lost_s)
 
-    def sample(self, t_s: float, interval_s: float, active: int, queued: int, recovering: int,
-               serving_nodes: int, coverage: list[list[int]]) -> None:
+    def sample(
+        self,
+        t_s: float,
+        interval_s: float,
+        active: int,
+        queued: int,
+        recovering: int,
+        serving_nodes: int,
+        coverage: list[list[int]],
+    ) -> None:
         s = self.series
         s.t_s.append(round(t_s, 6))
         s.tokens_per_s.append((self.tokens_delivered - self._tokens_at_last_sample) / interval_s)
@@ -82,11 +90,13 @@ class Metrics:
             "in_flight_by_phase": dict(sorted(in_flight_by_phase.items())),
             "conserved": self.arrived == self.completed + failed + in_flight,
             # of the requests that ended, the share that completed
-            "success_rate": round(self.completed / (self.completed + failed), 6) if self.completed + failed else None,
+            "success_rate": round(self.completed / (self.completed + failed), 6)
+            if self.completed + failed
+            else None,
         }
 
 
-def percentiles(values: array, scale: float = 1.0) -> dict[str, float | int | None]:
+def percentiles(values: array[float], scale: float = 1.0) -> dict[str, float | int | None]:
     if len(values) == 0:
         return {"n": 0, "p50": None, "p95": None, "p99": None, "mean": None}
     a = np.frombuffer(values, dtype=np.float64) * scale

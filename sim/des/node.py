@@ -35,8 +35,16 @@ class WorkItem:
 
     __slots__ = ("session", "epoch", "hop", "last_hop", "n_tokens", "ctx_work", "decode", "kind")
 
-    def __init__(self, session: Session, hop: int, last_hop: int, n_tokens: int, ctx_work: float,
-                 decode: bool, kind: str) -> None:
+    def __init__(
+        self,
+        session: Session,
+        hop: int,
+        last_hop: int,
+        n_tokens: int,
+        ctx_work: float,
+        decode: bool,
+        kind: str,
+    ) -> None:
         self.session = session
         self.epoch = session.epoch
         self.hop = hop

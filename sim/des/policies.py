@@ -48,8 +48,9 @@ class Placement:
         self.calls = 0
         self.wall_s = 0.0  # time spent inside the placement function (machine-dependent)
 
-    def choose(self, snapshot: SwarmSnapshot, fingerprint: str, n_layers: int, capacity: int,
-               rng: random.Random) -> tuple[int, int]:
+    def choose(
+        self, snapshot: SwarmSnapshot, fingerprint: str, n_layers: int, capacity: int, rng: random.Random
+    ) -> tuple[int, int]:
         self.calls += 1
         if self.kind == "tracker":
             t0 = time.perf_counter()
@@ -69,36 +70,59 @@ class Routing:
         self.calls = 0  # how many times a route selector ran
         self.wall_s = 0.0  # time spent inside route selection (machine-dependent)
 
-    def select(self, snapshot: SwarmSnapshot, fingerprint: str, k: int, gateway: int,
-               rng: random.Random, exclude: frozenset[str] = frozenset()) -> list[PlannedRoute]:
+    def select(
+        self,
+        snapshot: SwarmSnapshot,
+        fingerprint: str,
+        k: int,
+        gateway: int,
+        rng: random.Random,
+        exclude: frozenset[str] = frozenset(),
+    ) -> list[PlannedRoute]:
         self.calls += 1
         if self.kind == "tracker":
             t0 = time.perf_counter()
             sel = select_routes(snapshot, fingerprint, k, exclude_nodes=exclude, rng=rng)
             self.wall_s += time.perf_counter() - t0
-            return [PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token)
-                    for r in sel.routes]
-        shards = [s for s in snapshot.shards if s.model_fingerprint == fingerprint and s.node_id not in exclude]
+            return [
+                PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token) for r in sel.routes
+            ]
+        shards = [
+            s for s in snapshot.shards if s.model_fingerprint == fingerprint and s.node_id not in exclude
+        ]
         model = snapshot.model(fingerprint)
         if model is None:
             return []
         return _nearest_routes(shards, 0, model.n_layers, k, lambda nid: self._latency_ms(nid, gateway))
 
-    def replace(self, snapshot: SwarmSnapshot, fingerprint: str, route: list[ShardView], lost: list[int],
-                gateway: int, rng: random.Random, exclude: frozenset[str]) -> PlannedRoute | None:
+    def replace(
+        self,
+        snapshot: SwarmSnapshot,
+        fingerprint: str,
+        route: list[ShardView],
+        lost: list[int],
+        gateway: int,
+        rng: random.Random,
+        exclude: frozenset[str],
+    ) -> PlannedRoute | None:
         """A route equal to ``route`` outside the span of the ``lost`` stages, or a whole new one."""
         i0, i1 = min(lost), max(lost)
         a, b = route[i0].start, route[i1].end
-        kept = route[:i0] + route[i1 + 1:]
-        inside = [s for s in snapshot.shards
-                  if s.model_fingerprint == fingerprint and a <= s.start and s.end <= b
-                  and s.node_id not in exclude]
+        kept = route[:i0] + route[i1 + 1 :]
+        inside = [
+            s
+            for s in snapshot.shards
+            if s.model_fingerprint == fingerprint and a <= s.start and s.end <= b and s.node_id not in exclude
+        ]
         self.calls += 1
         if self.kind == "tracker":
-            restricted = SwarmSnapshot(models=snapshot.models, shards=tuple(kept) + tuple(inside),
-                                       latency_ms=snapshot.latency_ms,
-                                       default_latency_ms=snapshot.default_latency_ms,
-                                       relay_penalty_ms=snapshot.relay_penalty_ms)
+            restricted = SwarmSnapshot(
+                models=snapshot.models,
+                shards=tuple(kept) + tuple(inside),
+                latency_ms=snapshot.latency_ms,
+                default_latency_ms=snapshot.default_latency_ms,
+                relay_penalty_ms=snapshot.relay_penalty_ms,
+            )
             t0 = time.perf_counter()
             sel = select_routes(restricted, fingerprint, 1, exclude_nodes=exclude, rng=rng)
             self.wall_s += time.perf_counter() - t0
@@ -108,15 +132,19 @@ class Routing:
         else:
             mid = _nearest_routes(inside, a, b, 1, lambda nid: self._latency_ms(nid, gateway))
             if mid:
-                ids = tuple(s.node_id for s in route[:i0]) + mid[0].node_ids + tuple(
-                    s.node_id for s in route[i1 + 1:])
+                ids = (
+                    tuple(s.node_id for s in route[:i0])
+                    + mid[0].node_ids
+                    + tuple(s.node_id for s in route[i1 + 1 :])
+                )
                 return PlannedRoute(ids, mid[0].expected_ms_per_token)
         whole = self.select(snapshot, fingerprint, 1, gateway, rng, exclude)
         return whole[0] if whole else None
 
 
-def _nearest_routes(shards: list[ShardView], first: int, last: int, k: int,
-                    latency: Callable[[str], float]) -> list[PlannedRoute]:
+def _nearest_routes(
+    shards: list[ShardView], first: int, last: int, k: int, latency: Callable[[str], float]
+) -> list[PlannedRoute]:
     """Greedy nearest-first routes tiling ``first..last`` (see module docstring)."""
     by_start: dict[int, list[ShardView]] = {}
     for s in shards:

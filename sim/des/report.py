@@ -27,7 +27,8 @@ def plot_run(result: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ts = result["timeseries"]
     t = ts["t_s"]
-    title = f"{result['scenario']} ({result['policy']['placement']} placement, {result['policy']['routing']} routing)"
+    policy = result["policy"]
+    title = f"{result['scenario']} ({policy['placement']} placement, {policy['routing']} routing)"
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     axes[0].plot(t, ts["tokens_per_s"], color="tab:blue")
     axes[0].set_ylabel("tokens/s served")
@@ -117,11 +118,17 @@ def plot_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: st
         t = ts["t_s"]
         axes[0][0].plot(t, ts["tokens_per_s"], label=label)
         axes[0][1].plot(t, ts["queued"], label=label)
-        weakest = [min(min(r) for r in rows_at) for rows_at in zip(*ts["coverage_by_model"].values(), strict=True)]
+        weakest = [
+            min(min(r) for r in rows_at) for rows_at in zip(*ts["coverage_by_model"].values(), strict=True)
+        ]
         axes[1][0].plot(t, weakest, label=label)
         axes[1][1].plot(t, ts["recovering"], label=label)
-    for ax, ylabel in ((axes[0][0], "tokens/s served"), (axes[0][1], "queued requests"),
-                       (axes[1][0], "weakest layer coverage (shards)"), (axes[1][1], "sessions recovering")):
+    for ax, ylabel in (
+        (axes[0][0], "tokens/s served"),
+        (axes[0][1], "queued requests"),
+        (axes[1][0], "weakest layer coverage (shards)"),
+        (axes[1][1], "sessions recovering"),
+    ):
         ax.set_ylabel(ylabel)
         ax.set_xlabel("simulated time (s)")
         ax.legend(loc="upper left")

@@ -21,20 +21,52 @@ if TYPE_CHECKING:
     from sim.des.node import SimNode
 
 QUEUED, PREFILL, DECODE, RECOVERING, REPLAY, DONE, FAILED = (
-    "queued", "prefill", "decode", "recovering", "replay", "done", "failed")
+    "queued",
+    "prefill",
+    "decode",
+    "recovering",
+    "replay",
+    "done",
+    "failed",
+)
 
 
 class Session:
     __slots__ = (
-        "id", "model_index", "gateway", "arrival_s", "prompt_tokens", "output_tokens",
-        "phase", "epoch", "route", "chunks_sent", "chunks_done", "prefill_tokens_done",
-        "tokens_out", "first_token_s", "last_token_s", "end_s", "fail_reason",
-        "failure_s", "resume_phase", "recoveries", "recovery_lost_s", "replay_chunks_left",
+        "id",
+        "model_index",
+        "gateway",
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "phase",
+        "epoch",
+        "route",
+        "chunks_sent",
+        "chunks_done",
+        "prefill_tokens_done",
+        "tokens_out",
+        "first_token_s",
+        "last_token_s",
+        "end_s",
+        "fail_reason",
+        "failure_s",
+        "resume_phase",
+        "recoveries",
+        "recovery_lost_s",
+        "replay_chunks_left",
         "recovery_attempts",
     )
 
-    def __init__(self, sid: int, model_index: int, gateway: int, arrival_s: float,
-                 prompt_tokens: int, output_tokens: int) -> None:
+    def __init__(
+        self,
+        sid: int,
+        model_index: int,
+        gateway: int,
+        arrival_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> None:
         self.id = sid
         self.model_index = model_index
         self.gateway = gateway

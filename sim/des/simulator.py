@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tracker.snapshot import ModelInfo
-
 from sim.des.config import Scenario
 from sim.des.events import EventLoop
 from sim.des.gateway import Gateways
@@ -27,6 +25,7 @@ from sim.des.session import Session
 from sim.des.snapshots import SnapshotCache
 from sim.des.swarm import Swarm
 from sim.des.workload import Request, poisson_requests, trace_requests
+from tracker.snapshot import ModelInfo
 
 
 def _rng(seed: int, stream: str) -> random.Random:
@@ -47,25 +46,53 @@ class Simulation:
         self.metrics = Metrics(len(sc.models))
         self.fingerprints = [_fingerprint(m.name) for m in sc.models]
         region_model = PRESETS[sc.network.preset]
-        self.geo = Geography(region_model, sc.network.access_latency_ms_min, sc.network.access_latency_ms_max,
-                             _rng(seed, "geography"))
+        self.geo = Geography(
+            region_model,
+            sc.network.access_latency_ms_min,
+            sc.network.access_latency_ms_max,
+            _rng(seed, "geography"),
+        )
         gw_regions = sc.network.gateway_regions or (region_model.regions[0],)
         self.gateway_endpoints = [self.geo.place_in(r) for r in gw_regions]
-        infos = tuple(ModelInfo(fingerprint=fp, name=m.name, n_layers=m.n_layers, n_embd=m.n_embd)
-                      for fp, m in zip(self.fingerprints, sc.models, strict=True))
+        infos = tuple(
+            ModelInfo(fingerprint=fp, name=m.name, n_layers=m.n_layers, n_embd=m.n_embd)
+            for fp, m in zip(self.fingerprints, sc.models, strict=True)
+        )
         # What the tracker assumes for a hop it has no measurement for: the median one-way
         # latency between two random volunteers, doubled because every hop passes the gateway.
         typical = statistics.median(
-            self.geo.one_way_ms(self.geo.place_node(), self.gateway_endpoints[0]) for _ in range(101))
-        self.cache = SnapshotCache(infos, default_latency_ms=round(2 * typical, 3),
-                                   single_gateway=len(self.gateway_endpoints) == 1)
-        self.swarm = Swarm(sc, self.fingerprints, self.loop, self.geo, self.gateway_endpoints,
-                           Placement(sc.policy.placement), self.cache, _rng(seed, "nodes"), _rng(seed, "churn"))
+            self.geo.one_way_ms(self.geo.place_node(), self.gateway_endpoints[0]) for _ in range(101)
+        )
+        self.cache = SnapshotCache(
+            infos, default_latency_ms=round(2 * typical, 3), single_gateway=len(self.gateway_endpoints) == 1
+        )
+        self.swarm = Swarm(
+            sc,
+            self.fingerprints,
+            self.loop,
+            self.geo,
+            self.gateway_endpoints,
+            Placement(sc.policy.placement),
+            self.cache,
+            _rng(seed, "nodes"),
+            _rng(seed, "churn"),
+        )
         self.routing = Routing(sc.policy.routing, self._latency_to_gateway)
         self.gateways = Gateways(
-            sc.gateway, sc.models, self.fingerprints, len(self.gateway_endpoints),
-            sc.network.gateway_bandwidth_mbps, sc.nodes.heartbeat_interval_s, self.loop, self.swarm.nodes,
-            self.cache, self.routing, self.metrics, _rng(seed, "routing"), self.swarm.session_left)
+            sc.gateway,
+            sc.models,
+            self.fingerprints,
+            len(self.gateway_endpoints),
+            sc.network.gateway_bandwidth_mbps,
+            sc.nodes.heartbeat_interval_s,
+            self.loop,
+            self.swarm.nodes,
+            self.cache,
+            self.routing,
+            self.metrics,
+            _rng(seed, "routing"),
+            self.swarm.session_left,
+        )
         self.swarm.on_output = self.gateways.on_output
         self.swarm.on_stage_lost = self.gateways.stage_lost
         self.swarm.on_capacity = self.gateways.drain_queues
@@ -97,8 +124,10 @@ class Simulation:
         g = 0
         if len(self.gateway_endpoints) > 1:
             client = self.geo.place_node()
-            g = min(range(len(self.gateway_endpoints)),
-                    key=lambda i: self.geo.one_way_ms(client, self.gateway_endpoints[i]))
+            g = min(
+                range(len(self.gateway_endpoints)),
+                key=lambda i: self.geo.one_way_ms(client, self.gateway_endpoints[i]),
+            )
         s = Session(self._next_sid, req.model_index, g, self.loop.now, req.prompt_tokens, req.output_tokens)
         self.gateways.submit(s)
         self._schedule_next_request()
@@ -111,8 +140,14 @@ class Simulation:
     def _sample(self) -> None:
         dt = self.sc.run.sample_interval_s
         self.metrics.sample(
-            self.loop.now, dt, self.gateways.active_count(), self.gateways.queued_count(),
-            self.gateways.recovering_count(), self.swarm.serving, [list(row) for row in self.swarm.coverage])
+            self.loop.now,
+            dt,
+            self.gateways.active_count(),
+            self.gateways.queued_count(),
+            self.gateways.recovering_count(),
+            self.swarm.serving,
+            [list(row) for row in self.swarm.coverage],
+        )
         if self.loop.now + dt <= self.sc.run.duration_s + 1e-9:
             self.loop.schedule_in(dt, self._sample)
 
@@ -135,7 +170,9 @@ class Simulation:
             # wall time inside the tracker's pure functions (placement, route selection)
             "placement_wall_s": round(self.swarm.placement.wall_s, 3),
             "route_selection_wall_s": round(self.routing.wall_s, 3),
-            "events_per_s_excluding_tracker": round(events / (wall - tracker_s), 1) if wall > tracker_s else None,
+            "events_per_s_excluding_tracker": round(events / (wall - tracker_s), 1)
+            if wall > tracker_s
+            else None,
         }
         return result
 
@@ -153,13 +190,16 @@ class Simulation:
             # From the first request on: the swarm forming before then is in the time series only.
             rows = [r for t, r in zip(t_series, cov[i], strict=True) if t >= sc.workload.start_s]
             mins = [min(r) for r in rows] if rows else []
-            coverage_summary.append({
-                "model": model.name,
-                "min_layer_coverage_mean": round(sum(mins) / len(mins), 3) if mins else None,
-                "min_layer_coverage_worst": min(mins) if mins else None,
-                "share_of_samples_fully_covered": round(sum(1 for x in mins if x > 0) / len(mins), 4)
-                if mins else None,
-            })
+            coverage_summary.append(
+                {
+                    "model": model.name,
+                    "min_layer_coverage_mean": round(sum(mins) / len(mins), 3) if mins else None,
+                    "min_layer_coverage_worst": min(mins) if mins else None,
+                    "share_of_samples_fully_covered": round(sum(1 for x in mins if x > 0) / len(mins), 4)
+                    if mins
+                    else None,
+                }
+            )
         return {
             "scenario": sc.run.name,
             "policy": {"placement": sc.policy.placement, "routing": sc.policy.routing},

@@ -22,14 +22,18 @@ swarm's median one-way latency as ``default_latency_ms``.
 
 from __future__ import annotations
 
-from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
-
 from sim.des.node import LOADING, SERVING, SimNode
+from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 
 class SnapshotCache:
-    def __init__(self, models: tuple[ModelInfo, ...], default_latency_ms: float,
-                 single_gateway: bool, max_latency_pairs_nodes: int = 150) -> None:
+    def __init__(
+        self,
+        models: tuple[ModelInfo, ...],
+        default_latency_ms: float,
+        single_gateway: bool,
+        max_latency_pairs_nodes: int = 150,
+    ) -> None:
         self.models = models
         self.default_latency_ms = default_latency_ms
         self._single_gateway = single_gateway
@@ -89,15 +93,21 @@ class SnapshotCache:
         if self._routable is None:
             shards = tuple(self._routable_views.values())
             self._routable = SwarmSnapshot(
-                models=self.models, shards=shards, latency_ms=self._latency_pairs(shards),
-                default_latency_ms=self.default_latency_ms)
+                models=self.models,
+                shards=shards,
+                latency_ms=self._latency_pairs(shards),
+                default_latency_ms=self.default_latency_ms,
+            )
             self.builds += 1
         return self._routable
 
     def placed(self) -> SwarmSnapshot:
         if self._placed is None:
-            self._placed = SwarmSnapshot(models=self.models, shards=tuple(self._placed_views.values()),
-                                         default_latency_ms=self.default_latency_ms)
+            self._placed = SwarmSnapshot(
+                models=self.models,
+                shards=tuple(self._placed_views.values()),
+                default_latency_ms=self.default_latency_ms,
+            )
             self.builds += 1
         return self._placed
 

@@ -21,7 +21,7 @@ from sim.des.config import Scenario
 from sim.des.events import EventLoop
 from sim.des.geography import Endpoint, Geography
 from sim.des.hardware import PROFILES, capacity_layers, step_cost
-from sim.des.node import DRAINING, GONE, LOADING, SERVING, SimNode
+from sim.des.node import DRAINING, GONE, LOADING, SERVING, SimNode, WorkItem
 from sim.des.policies import Placement
 from sim.des.snapshots import SnapshotCache
 
@@ -59,7 +59,7 @@ class Swarm:
         self._profile_w = [p.share for p in self.cfg.profiles]
         self._model_w = [m.node_share for m in scenario.models]
         self.on_stage_lost: Callable[[SimNode, float], None] = lambda node, detect_s: None
-        self.on_output: Callable = lambda node, item, t: None  # wired by the simulator
+        self.on_output: Callable[[SimNode, WorkItem, float], None] = lambda node, item, t: None  # wired later
         self.on_capacity: Callable[[int], None] = lambda model_index: None
 
     # -- arrivals ---------------------------------------------------------------
@@ -77,11 +77,16 @@ class Swarm:
         rng = self.rng
         m = rng.choices(range(len(self.sc.models)), weights=self._model_w)[0] if len(self._model_w) > 1 else 0
         model = self.sc.models[m]
-        profile = rng.choices(self._profiles, weights=self._profile_w)[0] if len(self._profiles) > 1 \
+        profile = (
+            rng.choices(self._profiles, weights=self._profile_w)[0]
+            if len(self._profiles) > 1
             else self._profiles[0]
+        )
         endpoint = self.geo.place_node()
         cap = capacity_layers(profile, model, self.cfg.max_layers)
-        start, end = self.placement.choose(self.cache.placed(), self.fingerprints[m], model.n_layers, cap, rng)
+        start, end = self.placement.choose(
+            self.cache.placed(), self.fingerprints[m], model.n_layers, cap, rng
+        )
         self.joins += 1
         node = SimNode(
             node_id=f"n{self.joins:06d}",

@@ -33,12 +33,17 @@ def _lognormal_int(rng: random.Random, median: float, sigma: float, cap: int) ->
     return max(1, min(cap, int(round(v))))
 
 
-def poisson_requests(cfg: WorkloadConfig, model_shares: list[float], end_s: float,
-                     rng: random.Random) -> Iterator[Request]:
-    changes = sorted({0.0, end_s, *(b.start_s for b in cfg.bursts), *(b.start_s + b.duration_s for b in cfg.bursts)})
+def poisson_requests(
+    cfg: WorkloadConfig, model_shares: list[float], end_s: float, rng: random.Random
+) -> Iterator[Request]:
+    changes = sorted(
+        {0.0, end_s, *(b.start_s for b in cfg.bursts), *(b.start_s + b.duration_s for b in cfg.bursts)}
+    )
 
     def rate(t: float) -> float:
-        return cfg.rate_per_s + sum(b.rate_per_s for b in cfg.bursts if b.start_s <= t < b.start_s + b.duration_s)
+        return cfg.rate_per_s + sum(
+            b.rate_per_s for b in cfg.bursts if b.start_s <= t < b.start_s + b.duration_s
+        )
 
     def next_change(t: float) -> float:
         for c in changes:
@@ -61,13 +66,16 @@ def poisson_requests(cfg: WorkloadConfig, model_shares: list[float], end_s: floa
         t += dt
         m = rng.choices(models, weights=model_shares)[0] if len(models) > 1 else 0
         yield Request(
-            t, m,
+            t,
+            m,
             _lognormal_int(rng, cfg.prompt_tokens_median, cfg.prompt_tokens_sigma, cfg.prompt_tokens_max),
             _lognormal_int(rng, cfg.output_tokens_median, cfg.output_tokens_sigma, cfg.output_tokens_max),
         )
 
 
-def trace_requests(path: Path, model_names: list[str], end_s: float, start_s: float = 0.0) -> Iterator[Request]:
+def trace_requests(
+    path: Path, model_names: list[str], end_s: float, start_s: float = 0.0
+) -> Iterator[Request]:
     rows: list[Request] = []
     with path.open() as fh:
         for lineno, line in enumerate(fh, 1):

@@ -26,7 +26,11 @@ def small_scenario(**overrides: Any) -> Scenario:
 
 def churn(initial: int, seed: int = 1, policy: dict[str, str] | None = None, **extra: Any) -> Scenario:
     """Volunteers stay two minutes on average; arrivals replace leavers."""
-    nodes = {"initial": initial, "mean_uptime_s": 120.0, "join_rate_per_s": initial / 120.0,
-             "crash_fraction": 0.5}
+    nodes = {
+        "initial": initial,
+        "mean_uptime_s": 120.0,
+        "join_rate_per_s": initial / 120.0,
+        "crash_fraction": 0.5,
+    }
     nodes.update(extra)
     return small_scenario(run={"seed": seed, "duration_s": 600.0}, nodes=nodes, policy=policy or {})

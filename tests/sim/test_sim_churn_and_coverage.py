@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sim.des.simulator import Simulation, run
-
 from simcases import churn, small_scenario
+
+from sim.des.simulator import Simulation, run
 
 
 def test_spare_coverage_restores_success() -> None:
@@ -16,8 +16,10 @@ def test_spare_coverage_restores_success() -> None:
     assert no_spare["requests"]["success_rate"] < 0.8
     assert spare["requests"]["success_rate"] > 0.95
     assert spare["requests"]["success_rate"] - no_spare["requests"]["success_rate"] > 0.2
-    assert no_spare["metrics"]["coverage"][0]["share_of_samples_fully_covered"] < \
-        spare["metrics"]["coverage"][0]["share_of_samples_fully_covered"]
+    assert (
+        no_spare["metrics"]["coverage"][0]["share_of_samples_fully_covered"]
+        < spare["metrics"]["coverage"][0]["share_of_samples_fully_covered"]
+    )
 
 
 def _first_busy_node(sim: Simulation):  # type: ignore[no-untyped-def]
@@ -28,8 +30,10 @@ def _first_busy_node(sim: Simulation):  # type: ignore[no-untyped-def]
 
 
 def test_crash_mid_session_recovers_and_completes() -> None:
-    sc = small_scenario(workload={"rate_per_s": 0.2, "output_tokens_median": 200.0, "output_tokens_sigma": 0.0},
-                        run={"duration_s": 120.0})
+    sc = small_scenario(
+        workload={"rate_per_s": 0.2, "output_tokens_median": 200.0, "output_tokens_sigma": 0.0},
+        run={"duration_s": 120.0},
+    )
     sim = Simulation(sc)
     victim: dict = {}
 
@@ -57,8 +61,11 @@ def test_crash_mid_session_recovers_and_completes() -> None:
 
 
 def test_graceful_leave_drains_without_recovery() -> None:
-    sc = small_scenario(workload={"rate_per_s": 0.2, "output_tokens_median": 100.0, "output_tokens_sigma": 0.0},
-                        run={"duration_s": 120.0}, nodes={"drain_timeout_s": 600.0})
+    sc = small_scenario(
+        workload={"rate_per_s": 0.2, "output_tokens_median": 100.0, "output_tokens_sigma": 0.0},
+        run={"duration_s": 120.0},
+        nodes={"drain_timeout_s": 600.0},
+    )
     sim = Simulation(sc)
 
     def leave_one() -> None:

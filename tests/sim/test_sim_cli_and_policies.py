@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
+from simcases import small_scenario
 
 import sim.des.policies as policies
 from sim.cli import main, parse_policy
 from sim.des.simulator import run
-
-from simcases import small_scenario
 
 LAN = str(Path(__file__).resolve().parents[2] / "sim" / "scenarios" / "lan_small.toml")
 
@@ -28,8 +27,21 @@ def test_run_writes_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_compare_writes_both_sides(tmp_path: Path) -> None:
-    res = CliRunner().invoke(main, ["compare", LAN, "--policy-a", "ours", "--policy-b", "nearest-routing",
-                                    "--duration-s", "40", "--out", str(tmp_path)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            LAN,
+            "--policy-a",
+            "ours",
+            "--policy-b",
+            "nearest-routing",
+            "--duration-s",
+            "40",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "compare.json").read_text())
     assert set(data["key_figures"]) == {"ours", "nearest-routing"}

@@ -18,16 +18,19 @@ def test_bundled_scenarios_parse() -> None:
         assert sc.run.duration_s > 0
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"run": {"seeed": 1}}, "unknown key"),
-    ({"bogus": {}}, "unknown key"),
-    ({"nodes": {"profiles": [{"profile": "cpu-1t", "shares": 1}]}}, "unknown key"),
-    ({"run": {"duration_s": "long"}}, "expected a number"),
-    ({"nodes": {"initial": 2.5}}, "expected an integer"),
-    ({"nodes": {"profiles": [{"profile": "quantum"}]}}, "unknown hardware profile"),
-    ({"policy": {"routing": "psychic"}}, "policy.routing"),
-    ({"network": {"preset": "mars"}}, "network.preset"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"run": {"seeed": 1}}, "unknown key"),
+        ({"bogus": {}}, "unknown key"),
+        ({"nodes": {"profiles": [{"profile": "cpu-1t", "shares": 1}]}}, "unknown key"),
+        ({"run": {"duration_s": "long"}}, "expected a number"),
+        ({"nodes": {"initial": 2.5}}, "expected an integer"),
+        ({"nodes": {"profiles": [{"profile": "quantum"}]}}, "unknown hardware profile"),
+        ({"policy": {"routing": "psychic"}}, "policy.routing"),
+        ({"network": {"preset": "mars"}}, "network.preset"),
+    ],
+)
 def test_bad_scenarios_are_refused(data: dict, message: str) -> None:
     with pytest.raises(ScenarioError, match=message):
         parse_scenario(data)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from simcases import churn, small_scenario
 
 from sim.des.session import DONE, FAILED
 from sim.des.simulator import Simulation, run
-
-from simcases import churn, small_scenario
 
 CASES = {
     "steady": small_scenario(),
@@ -15,7 +14,10 @@ CASES = {
     "churn-spare": churn(12, seed=4),
     "all-crash": churn(9, seed=5, crash_fraction=1.0),
     "overload-small-queue": small_scenario(
-        workload={"rate_per_s": 5.0}, gateway={"max_queue": 5, "admission_timeout_s": 5.0}, run={"duration_s": 60.0}),
+        workload={"rate_per_s": 5.0},
+        gateway={"max_queue": 5, "admission_timeout_s": 5.0},
+        run={"duration_s": 60.0},
+    ),
     "cut-short": small_scenario(run={"duration_s": 20.0}, workload={"rate_per_s": 2.0}),
     "random-nearest": churn(9, seed=6, policy={"placement": "random", "routing": "nearest"}),
 }
@@ -47,4 +49,6 @@ def test_cut_short_run_has_requests_in_flight() -> None:
 
 def test_overload_refuses_with_reasons() -> None:
     req = run(CASES["overload-small-queue"])["requests"]
-    assert req["failed_by_reason"].get("queue_full", 0) + req["failed_by_reason"].get("admission_timeout", 0) > 0
+    assert (
+        req["failed_by_reason"].get("queue_full", 0) + req["failed_by_reason"].get("admission_timeout", 0) > 0
+    )

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sim.des.simulator import run
-
 from simcases import churn, small_scenario
+
+from sim.des.simulator import run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,9 +34,22 @@ def test_deterministic_across_processes_and_hash_seeds(tmp_path: Path) -> None:
         out = tmp_path / hash_seed
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO))
         subprocess.run(
-            [sys.executable, "-m", "sim.cli", "run", str(REPO / "sim/scenarios/lan_small.toml"),
-             "--duration-s", "60", "--no-plots", "--out", str(out)],
-            check=True, env=env, capture_output=True, cwd=tmp_path,
+            [
+                sys.executable,
+                "-m",
+                "sim.cli",
+                "run",
+                str(REPO / "sim/scenarios/lan_small.toml"),
+                "--duration-s",
+                "60",
+                "--no-plots",
+                "--out",
+                str(out),
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            cwd=tmp_path,
         )
         outs.append(json.loads((out / "result.json").read_text()))
     assert _deterministic_part(outs[0]) == _deterministic_part(outs[1])

@@ -10,9 +10,15 @@ from sim.des.hardware import PROFILES, capacity_layers, step_cost
 TEST_MODEL = ModelConfig()  # SmolLM2-135M: 30 layers, 3.54 M weights per layer, K/V width 192
 
 
-@pytest.mark.parametrize("batch, context, measured_tok_s", [
-    (1, 70, 56.0), (8, 512, 43.7), (16, 512, 51.3), (8, 1536, 24.2),
-])
+@pytest.mark.parametrize(
+    "batch, context, measured_tok_s",
+    [
+        (1, 70, 56.0),
+        (8, 512, 43.7),
+        (16, 512, 51.3),
+        (8, 1536, 24.2),
+    ],
+)
 def test_calibration_points(batch: int, context: int, measured_tok_s: float) -> None:
     cost = step_cost(PROFILES["cpu-1t"], TEST_MODEL, 30)
     step_ms = cost.step_ms(batch, 0, float(batch * context), 0.0)

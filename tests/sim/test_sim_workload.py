@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
+from simcases import small_scenario
 
 from sim.des.config import Burst, ScenarioError, WorkloadConfig
 from sim.des.simulator import run
 from sim.des.workload import poisson_requests, trace_requests
-from simcases import small_scenario
 
 
 def test_burst_multiplies_arrivals() -> None:
@@ -31,8 +31,11 @@ def test_trace_is_replayed_exactly(tmp_path: Path) -> None:
     trace.write_text("\n".join(json.dumps(r) for r in reversed(rows)) + "\n")
     reqs = list(trace_requests(trace, ["m"], 1000.0))
     assert [(r.t_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
-        (r["t"], r["prompt_tokens"], r["output_tokens"]) for r in rows]
-    result = run(small_scenario(workload={"kind": "trace", "trace_file": str(trace)}, run={"duration_s": 200.0}))
+        (r["t"], r["prompt_tokens"], r["output_tokens"]) for r in rows
+    ]
+    result = run(
+        small_scenario(workload={"kind": "trace", "trace_file": str(trace)}, run={"duration_s": 200.0})
+    )
     assert result["requests"]["arrived"] == 20
     assert result["requests"]["completed"] == 20
     assert result["metrics"]["tokens_delivered"] == sum(r["output_tokens"] for r in rows)
