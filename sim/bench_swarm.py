@@ -1,0 +1,343 @@
+"""The swarm against single-machine llama.cpp, in one run on one machine.
+
+    python -m sim.bench_swarm [--out bench-results/swarm.json] [--concurrency 1,4,8] [--setups server,swarm2,swarm3]
+                              [--fail-on swarm2.c1.decode_ratio=0.8 ...]
+
+Setups, each driven with the same prompts over the same HTTP API (streaming
+chat completions, greedy, ``--max-tokens`` new tokens each):
+
+* ``server``: llama-cpp-python's own OpenAI server (``python -m llama_cpp.server``)
+  running the whole model in one process -- the baseline;
+* ``swarmN``: ``swarm-sim up`` with N nodes (tracker placement) and a gateway.
+
+Equal CPU: each node gets ``--threads-per-node`` llama.cpp threads and the
+baseline server gets the same total (N x threads-per-node), both said in the
+report. At each concurrency level C, C clients each send ``--rounds``
+requests back to back. Reported per setup and level: time to first token,
+decode tok/s per stream, aggregate tok/s, p50/p95 request latency, the RSS of
+every process, and the ratio of each swarm figure to the baseline's. JSON and
+a PNG chart are written; ``--fail-on`` makes it usable as a gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from node.testmodel import test_model_path
+from sim.launcher import start_local_swarm
+from sim.procs import LaunchError
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "List some facts about the planet Mars.",
+    "Describe the water cycle for a child.",
+    "What makes a good cup of tea?",
+    "Give advice to someone learning to cook.",
+    "Summarize the history of the printing press.",
+    "Why do cats purr?",
+]
+
+
+@dataclass
+class RequestStats:
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    decode_tok_s: float | None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def stream_one(client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int) -> RequestStats:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    completion_tokens = None
+    with client.stream("POST", f"{base_url}/chat/completions", json=body, timeout=300) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data.strip() == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                completion_tokens = event["usage"].get("completion_tokens")
+            for choice in event.get("choices", []):
+                if (choice.get("delta") or {}).get("content"):
+                    stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    n = completion_tokens or len(stamps)
+    ttft = (stamps[0] - t0) if stamps else end - t0
+    decode = (n - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
+    return RequestStats(ttft, end - t0, n, decode)
+
+
+class RssSampler:
+    """Peak RSS of each watched process, sampled in a background thread while a setup runs."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.5) -> None:
+        self.pids = pids
+        self.peak: dict[str, int] = {name: 0 for name in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=False)
+        self.interval_s = interval_s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, pid in self.pids.items():
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peak[name] = max(self.peak[name], rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def drive(base_url: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+    results: list[RequestStats] = []
+    lock = threading.Lock()
+
+    def client_loop(cid: int) -> None:
+        with httpx.Client() as client:
+            for r in range(rounds):
+                prompt = PROMPTS[(cid + r * concurrency) % len(PROMPTS)]
+                stats = stream_one(client, base_url, model, prompt, max_tokens)
+                with lock:
+                    results.append(stats)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client_loop, c) for c in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    decode = [r.decode_tok_s for r in results if r.decode_tok_s]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": sum(r.tokens for r in results),
+        "wall_s": wall,
+        "aggregate_tok_s": sum(r.tokens for r in results) / wall,
+        "ttft_p50_s": _percentile([r.ttft_s for r in results], 0.5),
+        "ttft_p95_s": _percentile([r.ttft_s for r in results], 0.95),
+        "decode_tok_s_per_stream_p50": _percentile(decode, 0.5),
+        "latency_p50_s": _percentile([r.latency_s for r in results], 0.5),
+        "latency_p95_s": _percentile([r.latency_s for r in results], 0.95),
+    }
+
+
+def _wait_server(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"llama_cpp.server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise LaunchError("llama_cpp.server did not come up")
+
+
+def run_server(model: Path, threads: int, levels: list[int], rounds: int, max_tokens: int, workdir: Path) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(workdir / "llama-server.log", "wb")
+    # Same attention settings as the nodes: flash attention on, f16 KV.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096", "--flash_attn", "true",
+         "--model_alias", "baseline"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        _wait_server(proc, f"{base}/models", 180)
+        with httpx.Client() as c:
+            stream_one(c, base, "baseline", PROMPTS[0], 8)  # warm-up
+        with RssSampler({"llama_cpp.server": proc.pid}) as rss:
+            levels_out = [drive(base, "baseline", c, rounds, max_tokens) for c in levels]
+        return {"setup": f"server:{threads}", "threads_total": threads, "levels": levels_out, "rss_bytes": rss.peak}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def run_swarm(model: Path, n_nodes: int, threads: int, levels: list[int], rounds: int, max_tokens: int,
+              workdir: Path, node_cache: Path) -> dict:
+    swarm = start_local_swarm(workdir / f"swarm{n_nodes}", model=model, n_nodes=n_nodes, threads=threads,
+                              max_sessions=max(8, max(levels)), session_kv_tokens=1024, node_cache=node_cache,
+                              gateway_args=["--max-sessions", str(max(8, max(levels)))])
+    try:
+        with httpx.Client() as c:
+            stream_one(c, swarm.base_url, swarm.model_name, PROMPTS[0], 8)  # warm-up
+        pids = {"tracker": swarm.tracker.pid, "gateway": swarm.gateway.pid}
+        for i, node in enumerate(swarm.nodes):
+            pids[f"node{i + 1} [{node.extra['span'][0]},{node.extra['span'][1]})"] = node.pid
+        with RssSampler(pids) as rss:
+            levels_out = [drive(swarm.base_url, swarm.model_name, c, rounds, max_tokens) for c in levels]
+        return {"setup": f"swarm{n_nodes}", "nodes": n_nodes, "threads_per_node": threads,
+                "threads_total": n_nodes * threads, "levels": levels_out, "rss_bytes": rss.peak}
+    finally:
+        swarm.stop()
+
+
+def add_ratios(report: dict) -> None:
+    """Ratios of each swarm figure to each baseline; the headline one is the baseline with the same
+    total threads (capped at the machine's cores)."""
+    servers = {name: s for name, s in report["setups"].items() if name.startswith("server")}
+    cpus = report["cpu_count"] or 1
+    for name, setup in report["setups"].items():
+        if name.startswith("server"):
+            continue
+        matched = next((n for n, s in servers.items() if s["threads_total"] == min(setup["threads_total"], cpus)), None)
+        setup["baseline"] = matched
+        for lvl in setup["levels"]:
+            lvl["vs"] = {}
+            for sname, server in servers.items():
+                b = next((x for x in server["levels"] if x["concurrency"] == lvl["concurrency"]), None)
+                if b is None:
+                    continue
+                ratios = {
+                    "aggregate_ratio": lvl["aggregate_tok_s"] / b["aggregate_tok_s"],
+                    "decode_ratio": lvl["decode_tok_s_per_stream_p50"] / b["decode_tok_s_per_stream_p50"],
+                    "ttft_ratio": lvl["ttft_p50_s"] / b["ttft_p50_s"],
+                }
+                lvl["vs"][sname] = ratios
+                if sname == matched:
+                    lvl.update(ratios)
+
+
+def print_table(report: dict) -> None:
+    hdr = f"{'setup':<9} {'thr':>3} {'conc':>4} {'agg tok/s':>9} {'ratio':>6} {'stream tok/s':>12} {'ratio':>6} " \
+          f"{'ttft p50':>8} {'lat p50':>7} {'lat p95':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, setup in report["setups"].items():
+        for lvl in setup["levels"]:
+            print(f"{name:<9} {setup['threads_total']:>3} {lvl['concurrency']:>4} {lvl['aggregate_tok_s']:>9.1f} "
+                  f"{lvl.get('aggregate_ratio', float('nan')):>6.2f} {lvl['decode_tok_s_per_stream_p50']:>12.1f} "
+                  f"{lvl.get('decode_ratio', float('nan')):>6.2f} {lvl['ttft_p50_s'] * 1000:>6.0f}ms "
+                  f"{lvl['latency_p50_s']:>6.2f}s {lvl['latency_p95_s']:>6.2f}s")
+    print("\npeak RSS (MB):")
+    for name, setup in report["setups"].items():
+        print(f"  {name}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in setup["rss_bytes"].items()))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(report["setups"])
+    levels = [lvl["concurrency"] for lvl in report["setups"][names[0]]["levels"]]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        lv = report["setups"][name]["levels"]
+        xs = [i + k * width for i in range(len(lv))]
+        axes[0].bar(xs, [x["aggregate_tok_s"] for x in lv], width, label=name)
+        axes[1].bar(xs, [x["decode_tok_s_per_stream_p50"] for x in lv], width, label=name)
+    for ax, title in zip(axes, ["aggregate tok/s", "decode tok/s per stream (p50)"]):
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c={c}" for c in levels])
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def check_gates(report: dict, gates: list[str]) -> list[str]:
+    """``swarm2.c1.decode_ratio=0.8`` fails when that figure is below 0.8."""
+    failures = []
+    for gate in gates:
+        key, _, threshold = gate.partition("=")
+        setup, level, metric = key.split(".")
+        lvl = next(x for x in report["setups"][setup]["levels"] if x["concurrency"] == int(level.lstrip("c")))
+        if lvl[metric] < float(threshold):
+            failures.append(f"{key} = {lvl[metric]:.3f} < {threshold}")
+    return failures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench-results/swarm.json"))
+    ap.add_argument("--setups", default="server:1,server:2,swarm2,swarm3",
+                    help="server:T is llama-cpp-python's server with T threads; swarmN is N nodes")
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads-per-node", type=int, default=1)
+    ap.add_argument("--fail-on", action="append", default=[], metavar="SETUP.cN.METRIC=MIN")
+    args = ap.parse_args()
+    model = test_model_path()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    setups = args.setups.split(",")
+    work = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
+    node_cache = work / "node-cache"
+    report: dict = {"benchmark": "swarm-vs-llama.cpp-server", "model": model.name, "max_tokens": args.max_tokens,
+                    "rounds": args.rounds, "threads_per_node": args.threads_per_node,
+                    "cpu_count": psutil.cpu_count(), "setups": {}}
+    for setup in setups:
+        print(f"running {setup} ...", flush=True)
+        if setup.startswith("server"):
+            threads = int(setup.partition(":")[2] or 1)
+            report["setups"][f"server:{threads}"] = run_server(model, threads, levels, args.rounds, args.max_tokens, work)
+        else:
+            n = int(setup[5:])
+            report["setups"][setup] = run_swarm(model, n, args.threads_per_node, levels, args.rounds,
+                                                args.max_tokens, work, node_cache)
+    add_ratios(report)
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    plot(report, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    failures = check_gates(report, args.fail_on)
+    if failures:
+        raise SystemExit("gate failed: " + "; ".join(failures))
+
+
+if __name__ == "__main__":
+    main()
