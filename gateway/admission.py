@@ -47,8 +47,9 @@ class AdmissionStats:
 
 
 class AdmissionPolicy:
-    def __init__(self, max_sessions: int, max_queue: int, max_per_client: int = 0,
-                 mean_session_s: float = 5.0) -> None:
+    def __init__(
+        self, max_sessions: int, max_queue: int, max_per_client: int = 0, mean_session_s: float = 5.0
+    ) -> None:
         if max_sessions < 1 or max_queue < 0 or max_per_client < 0:
             raise ValueError("max_sessions >= 1, max_queue >= 0, max_per_client >= 0")
         self.max_sessions = max_sessions
@@ -62,8 +63,14 @@ class AdmissionPolicy:
         self._rejected = 0
 
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(len(self._active), len(self._queue), self.max_sessions, self.max_queue,
-                              self._admitted, self._rejected)
+        return AdmissionStats(
+            len(self._active),
+            len(self._queue),
+            self.max_sessions,
+            self.max_queue,
+            self._admitted,
+            self._rejected,
+        )
 
     def retry_after_s(self) -> int:
         """Seconds until a slot plausibly frees for one more request: waves of sessions ahead of it."""
@@ -73,16 +80,24 @@ class AdmissionPolicy:
     def decide(self, ticket: int, client: str) -> Decision:
         if self.max_per_client and self._per_client.get(client, 0) >= self.max_per_client:
             self._rejected += 1
-            return Decision("reject", 429, f"client has {self.max_per_client} requests in flight (the limit)",
-                            self.retry_after_s())
+            return Decision(
+                "reject",
+                429,
+                f"client has {self.max_per_client} requests in flight (the limit)",
+                self.retry_after_s(),
+            )
         if len(self._active) < self.max_sessions and not self._queue:
             self._take(ticket, client)
             return Decision("admit")
         if len(self._queue) >= self.max_queue:
             self._rejected += 1
-            return Decision("reject", 503, f"{len(self._active)} sessions running and {len(self._queue)} "
-                            f"requests queued (limits {self.max_sessions} and {self.max_queue})",
-                            self.retry_after_s())
+            return Decision(
+                "reject",
+                503,
+                f"{len(self._active)} sessions running and {len(self._queue)} "
+                f"requests queued (limits {self.max_sessions} and {self.max_queue})",
+                self.retry_after_s(),
+            )
         self._queue[ticket] = client
         self._per_client[client] = self._per_client.get(client, 0) + 1
         return Decision("queue")

@@ -43,8 +43,12 @@ DRAIN_FACTOR = 4
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False), status=status,
-                    mimetype="application/json", headers=headers)
+    return Response(
+        json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+        status=status,
+        mimetype="application/json",
+        headers=headers,
+    )
 
 
 def _error_response(err: BaseException) -> Response:
@@ -92,8 +96,9 @@ def create_app(service: GatewayService) -> QuartTrio:
         try:
             return json.loads(body)
         except (UnicodeDecodeError, ValueError) as err:
-            raise InvalidRequest("We could not parse the JSON body of your request: it is not valid JSON.",
-                                 code="invalid_json") from err
+            raise InvalidRequest(
+                "We could not parse the JSON body of your request: it is not valid JSON.", code="invalid_json"
+            ) from err
 
     @app.errorhandler(Exception)
     async def _on_error(err: Exception) -> Response:
@@ -108,8 +113,14 @@ def create_app(service: GatewayService) -> QuartTrio:
     @app.get("/healthz")
     async def healthz() -> Response:
         stats = service.gate.statistics()
-        return _json({"status": "ok", "gateway_id": service.gateway_id, "sessions_active": stats.active,
-                      "requests_queued": stats.queued})
+        return _json(
+            {
+                "status": "ok",
+                "gateway_id": service.gateway_id,
+                "sessions_active": stats.active,
+                "requests_queued": stats.queued,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -130,8 +141,11 @@ def create_app(service: GatewayService) -> QuartTrio:
     async def _generate(req: GenerationRequest) -> Response:
         job = await service.start_job(req, client_key())
         if req.stream:
-            response = Response(_sse(job), mimetype="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response = Response(
+                _sse(job),
+                mimetype="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
             response.timeout = None
             return response
         try:
@@ -155,9 +169,17 @@ async def _collect(job: Job) -> dict[str, Any]:
             raise item.error
         elif isinstance(item, Finished):
             build = protocol.chat_completion if req.kind == "chat" else protocol.text_completion
-            return build(job.request_id, job.created, req.model, "".join(texts), item.finish_reason,
-                         logprobs if req.logprobs else None, item.prompt_tokens, item.completion_tokens,
-                         job.system_fingerprint)
+            return build(
+                job.request_id,
+                job.created,
+                req.model,
+                "".join(texts),
+                item.finish_reason,
+                logprobs if req.logprobs else None,
+                item.prompt_tokens,
+                item.completion_tokens,
+                job.system_fingerprint,
+            )
     raise InternalFailure("the generation ended without a result")
 
 
@@ -179,16 +201,25 @@ async def _sse(job: Job) -> AsyncIterator[bytes]:
             if isinstance(item, Delta):
                 lp = item.logprobs if req.logprobs else None
                 if chat:
-                    yield _dump(protocol.chat_chunk(*base, delta={"content": item.text}, logprobs=lp, **usage_kw))
+                    yield _dump(
+                        protocol.chat_chunk(*base, delta={"content": item.text}, logprobs=lp, **usage_kw)
+                    )
                 else:
-                    yield _dump(protocol.completion_chunk(*base, text=item.text, logprobs=lp, text_offset=offset,
-                                                          **usage_kw))
+                    yield _dump(
+                        protocol.completion_chunk(
+                            *base, text=item.text, logprobs=lp, text_offset=offset, **usage_kw
+                        )
+                    )
                 offset += len(item.text)
             elif isinstance(item, Finished):
                 if chat:
-                    yield _dump(protocol.chat_chunk(*base, delta={}, finish_reason=item.finish_reason, **usage_kw))
+                    yield _dump(
+                        protocol.chat_chunk(*base, delta={}, finish_reason=item.finish_reason, **usage_kw)
+                    )
                 else:
-                    yield _dump(protocol.completion_chunk(*base, finish_reason=item.finish_reason, **usage_kw))
+                    yield _dump(
+                        protocol.completion_chunk(*base, finish_reason=item.finish_reason, **usage_kw)
+                    )
                 if req.include_usage:
                     usage = protocol.usage(item.prompt_tokens, item.completion_tokens)
                     build = protocol.chat_chunk if chat else protocol.completion_chunk

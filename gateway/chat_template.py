@@ -22,7 +22,8 @@ from gateway.errors import InvalidRequest
 # Used when a GGUF carries no template: ChatML, which most small instruct models use.
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "'<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MAX_RENDERED_CHARS = 4 * 1024 * 1024
 
@@ -41,8 +42,9 @@ def _strftime_now(fmt: str) -> str:
 
 class ChatTemplate:
     def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         self.source = source or FALLBACK_TEMPLATE
@@ -51,8 +53,12 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         try:
-            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos, eos_token=self._eos)
+            text = self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos,
+                eos_token=self._eos,
+            )
         except TemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:

@@ -31,8 +31,13 @@ def _help(name: str) -> str:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="TOML file with gateway settings (also SWARM_GATEWAY_CONFIG).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML file with gateway settings (also SWARM_GATEWAY_CONFIG).",
+)
 @click.option("--tracker", "tracker_url", default=None, help=_help("tracker_url"))
 @click.option("--host", default=None, help=_help("host"))
 @click.option("--port", type=int, default=None, help=_help("port"))
@@ -45,7 +50,9 @@ def _help(name: str) -> str:
 @click.option("--routes-k", type=int, default=None, help=_help("routes_k"))
 @click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
 @click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
-@click.option("--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker.")
+@click.option(
+    "--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker."
+)
 @click.option("--log-level", default=None, help=_help("log_level"))
 def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     """Run the gateway until SIGINT or SIGTERM."""
@@ -62,6 +69,7 @@ def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     async def run() -> None:
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
+
             async def on_signals(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     task_status.started()

@@ -38,13 +38,16 @@ class GatewayConfig:
     data_dir: str = _f("~/.swarm/gateway", "directory for the gateway key and the vocabulary cache")
     max_sessions: int = _f(16, "Route Sessions running at once; more requests wait in the queue")
     max_queue: int = _f(32, "requests waiting for a session slot; more get 503")
-    max_sessions_per_client: int = _f(0, "running plus queued requests per client (API key, else address); "
-                                         "0 = no limit; more get 429")
+    max_sessions_per_client: int = _f(
+        0, "running plus queued requests per client (API key, else address); 0 = no limit; more get 429"
+    )
     queue_timeout_s: float = _f(30.0, "longest wait for a session slot before 503")
     routes_k: int = _f(2, "data-parallel routes asked of the tracker per model")
     route_ttl_s: float = _f(10.0, "how long cached routes are used before asking the tracker again")
     node_info_ttl_s: float = _f(30.0, "how long a node's Info (recipe, limits) is cached")
-    prefill_step_tokens: int = _f(256, "prompt positions per prefill step (capped by each node's max_step_tokens)")
+    prefill_step_tokens: int = _f(
+        256, "prompt positions per prefill step (capped by each node's max_step_tokens)"
+    )
     max_request_bytes: int = _f(1024 * 1024, "largest request body; larger gets 413")
     max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted from a node")
     stage_reply_timeout_s: float = _f(120.0, "longest wait for one node reply before the request fails")
@@ -53,7 +56,9 @@ class GatewayConfig:
     grpc_threads: int = _f(64, "worker threads bridging blocking gRPC calls (bounds concurrent waits)")
     report_usage: bool = _f(True, "report per-node token counts of each request to the tracker")
     usage_queue_max: int = _f(1024, "usage reports waiting to be sent; more are dropped (counted in metrics)")
-    discovery_timeout_s: float = _f(5.0, "how long to look for a tracker on the LAN when tracker_url is empty")
+    discovery_timeout_s: float = _f(
+        5.0, "how long to look for a tracker on the LAN when tracker_url is empty"
+    )
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:
@@ -62,15 +67,29 @@ class GatewayConfig:
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_sessions", "routes_k", "prefill_step_tokens", "max_request_bytes", "max_frame_bytes",
-                     "grpc_threads", "usage_queue_max"):
+        for name in (
+            "max_sessions",
+            "routes_k",
+            "prefill_step_tokens",
+            "max_request_bytes",
+            "max_frame_bytes",
+            "grpc_threads",
+            "usage_queue_max",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("max_queue", "max_sessions_per_client"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
-        for name in ("queue_timeout_s", "route_ttl_s", "node_info_ttl_s", "stage_reply_timeout_s",
-                     "tracker_timeout_s", "close_timeout_s", "discovery_timeout_s"):
+        for name in (
+            "queue_timeout_s",
+            "route_ttl_s",
+            "node_info_ttl_s",
+            "stage_reply_timeout_s",
+            "tracker_timeout_s",
+            "close_timeout_s",
+            "discovery_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.tracker_url and not self.tracker_url.startswith(("http://", "https://")):
@@ -135,7 +154,7 @@ def load_config(
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
             continue
-        key = var[len(ENV_PREFIX):].lower()
+        key = var[len(ENV_PREFIX) :].lower()
         if key not in FIELDS:
             raise ConfigError(f"unknown environment variable {var}")
         values[key] = _coerce(key, value, f"environment {var}")

@@ -11,10 +11,10 @@ Exception tree::
     ├── MethodNotAllowed             405 invalid_request_error
     ├── PayloadTooLarge              413 invalid_request_error   request body over max_request_bytes
     ├── RateLimited                  429 rate_limit_error        per-client concurrency limit
-    ├── Overloaded                   503 server_error            session slots and queue full, or queue wait timed out
+    ├── Overloaded                   503 server_error            no slot or queue room, or the wait timed out
     ├── NoRoute                      503 server_error            the tracker has no complete route right now
     ├── UpstreamFailed               502 server_error            a node or the tracker failed
-    │   └── StageFailed              502 server_error            one node failed (.node_id, .remote: its wire error)
+    │   └── StageFailed              502 server_error            one node failed (.node_id, .remote)
     │       └── StageBusy            503 server_error            one node is full (RESOURCE_EXHAUSTED)
     └── InternalFailure              500 server_error            a bug in the gateway
 
@@ -116,8 +116,9 @@ class StageFailed(UpstreamFailed):
     ``remote`` is the node's wire error (``proto.errors.RemoteError``) when it sent one.
     """
 
-    def __init__(self, message: str, *, node_id: str, remote: object | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, node_id: str, remote: object | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.node_id = node_id
         self.remote = remote
@@ -127,8 +128,9 @@ class StageBusy(StageFailed):
     status = 503
     default_code = "overloaded"
 
-    def __init__(self, message: str, *, node_id: str, remote: object | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, node_id: str, remote: object | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message, node_id=node_id, remote=remote, retry_after_s=retry_after_s)
         self.code = self.default_code
 

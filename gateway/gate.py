@@ -43,8 +43,10 @@ class Gate:
         decision = self._policy.decide(ticket, client)
         if decision.action == "reject":
             cls = RateLimited if decision.status == 429 else Overloaded
-            raise cls(f"The gateway is at capacity: {decision.reason}. Retry later.",
-                      retry_after_s=decision.retry_after_s)
+            raise cls(
+                f"The gateway is at capacity: {decision.reason}. Retry later.",
+                retry_after_s=decision.retry_after_s,
+            )
         if decision.action == "queue":
             event = trio.Event()
             self._waiters[ticket] = event
@@ -54,9 +56,11 @@ class Gate:
             except trio.TooSlowError as err:
                 self._waiters.pop(ticket, None)
                 self._policy.abandon(ticket)
-                raise Overloaded(f"The gateway is at capacity: no session slot freed within "
-                                 f"{self._timeout_s:g} s. Retry later.",
-                                 retry_after_s=self._policy.retry_after_s()) from err
+                raise Overloaded(
+                    f"The gateway is at capacity: no session slot freed within "
+                    f"{self._timeout_s:g} s. Retry later.",
+                    retry_after_s=self._policy.retry_after_s(),
+                ) from err
             except BaseException:
                 self._waiters.pop(ticket, None)
                 if self._policy.is_active(ticket):

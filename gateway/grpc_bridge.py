@@ -48,8 +48,12 @@ class StreamError(Exception):
 class StageStream:
     """One bidirectional Session stream to one node: ``send`` bytes, ``receive`` bytes."""
 
-    def __init__(self, requests: queue.Queue[object], replies: trio.MemoryReceiveChannel[bytes | StreamError],
-                 limiter: trio.CapacityLimiter) -> None:
+    def __init__(
+        self,
+        requests: queue.Queue[object],
+        replies: trio.MemoryReceiveChannel[bytes | StreamError],
+        limiter: trio.CapacityLimiter,
+    ) -> None:
         self._requests = requests
         self._replies = replies
         self._limiter = limiter
@@ -58,7 +62,9 @@ class StageStream:
         try:
             self._requests.put_nowait(data)
         except queue.Full:
-            await trio.to_thread.run_sync(self._requests.put, data, limiter=self._limiter, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(
+                self._requests.put, data, limiter=self._limiter, abandon_on_cancel=True
+            )
 
     async def receive(self) -> bytes:
         try:
@@ -105,11 +111,14 @@ class NodeChannels:
         channel = self._channels.get(address)
         if channel is None:
             room = self._max_frame_bytes + 64 * 1024  # gRPC framing around our largest frame
-            channel = grpc.insecure_channel(address, options=[
-                ("grpc.max_receive_message_length", room),
-                ("grpc.max_send_message_length", room),
-                ("grpc.enable_retries", 0),
-            ])
+            channel = grpc.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", room),
+                    ("grpc.max_send_message_length", room),
+                    ("grpc.enable_retries", 0),
+                ],
+            )
             self._channels[address] = channel
         return channel
 
@@ -160,13 +169,21 @@ class NodeChannels:
                 except grpc.RpcError as err:
                     failure = StreamError(f"stream to {address} failed: {_describe(err)}")
                 trio.from_thread.run(send.send, failure, trio_token=token)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.RunFinishedError, trio.Cancelled):
+            except (
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+                trio.RunFinishedError,
+                trio.Cancelled,
+            ):
                 pass  # the session stopped listening; the call is being cancelled
 
         with single_exception():
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(functools.partial(trio.to_thread.run_sync, reader, limiter=self.limiter,
-                                                     abandon_on_cancel=True))
+                nursery.start_soon(
+                    functools.partial(
+                        trio.to_thread.run_sync, reader, limiter=self.limiter, abandon_on_cancel=True
+                    )
+                )
                 try:
                     yield StageStream(requests, receive, self.limiter)
                 finally:

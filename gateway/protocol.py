@@ -31,11 +31,32 @@ MAX_MESSAGES = 4096
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 # Accepted and ignored: they change nothing about what the swarm computes.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                      "safety_identifier"})
+_IGNORED = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 # Known but not supported: a clear 400 rather than a silent difference.
-_UNSUPPORTED = frozenset({"tools", "tool_choice", "functions", "function_call", "audio", "modalities",
-                          "prediction", "web_search_options", "reasoning_effort", "suffix"})
+_UNSUPPORTED = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "suffix",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -173,8 +194,11 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("frequency_penalty", "presence_penalty"):
         # The nodes' samplers do not apply these yet (node/sampling.py): refuse rather than ignore.
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(f"'{name}' other than 0 is not supported by this swarm yet; use 'repetition_penalty'",
-                       name, "unsupported_value")
+            raise _bad(
+                f"'{name}' other than 0 is not supported by this swarm yet; use 'repetition_penalty'",
+                name,
+                "unsupported_value",
+            )
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         top_p = 1e-9  # OpenAI accepts 0: keep only the most likely token
@@ -211,7 +235,11 @@ def _content(value: Any, index: int) -> str:
     if isinstance(value, list):
         parts: list[str] = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise _bad("only text content parts are supported", param, "unsupported_value")
             parts.append(part["text"])
         return "".join(parts)
@@ -244,14 +272,36 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     """``POST /v1/chat/completions`` body -> :class:`GenerationRequest` (InvalidRequest if wrong)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "body", "invalid_type")
-    known = frozenset({"messages", "model", "frequency_penalty", "logit_bias", "logprobs",
-                       "max_completion_tokens", "max_tokens", "n", "presence_penalty", "response_format",
-                       "seed", "stop", "stream", "stream_options", "temperature", "top_p", "top_logprobs",
-                       "top_k", "min_p", "repetition_penalty"})
+    known = frozenset(
+        {
+            "messages",
+            "model",
+            "frequency_penalty",
+            "logit_bias",
+            "logprobs",
+            "max_completion_tokens",
+            "max_tokens",
+            "n",
+            "presence_penalty",
+            "response_format",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "temperature",
+            "top_p",
+            "top_logprobs",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+        }
+    )
     _check_fields(body, known)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_value")
+        raise _bad(
+            "only response_format {'type': 'text'} is supported", "response_format", "unsupported_value"
+        )
     messages = _messages(body)
     common = _common(body)
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 31)
@@ -262,8 +312,14 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     top = _integer(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise _bad("'logprobs' must be true when 'top_logprobs' is set", "top_logprobs")
-    return GenerationRequest(kind="chat", messages=messages, max_tokens=max_tokens, logprobs=logprobs,
-                             top_logprobs=top or 0, **{**common, "seed": _seed(common["seed"])})
+    return GenerationRequest(
+        kind="chat",
+        messages=messages,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top or 0,
+        **{**common, "seed": _seed(common["seed"])},
+    )
 
 
 def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
@@ -276,17 +332,38 @@ def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None
         return None, tuple(int(t) for t in prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise _bad("only one prompt per request is supported", "prompt", "unsupported_value")
-    raise _bad("'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
-               "invalid_type")
+    raise _bad(
+        "'prompt' must be a string, a list of one string, or a list of token ids", "prompt", "invalid_type"
+    )
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
     """``POST /v1/completions`` body -> :class:`GenerationRequest` (InvalidRequest if wrong)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "body", "invalid_type")
-    known = frozenset({"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
-                       "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
-                       "temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
+    known = frozenset(
+        {
+            "model",
+            "prompt",
+            "best_of",
+            "echo",
+            "frequency_penalty",
+            "logit_bias",
+            "logprobs",
+            "max_tokens",
+            "n",
+            "presence_penalty",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+        }
+    )
     _check_fields(body, known)
     text, tokens = _prompt(body)
     best_of = _integer(body, "best_of", 1, 20)
@@ -297,10 +374,15 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     common = _common(body)
     max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
     top = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    return GenerationRequest(kind="completion", prompt_text=text, prompt_tokens=tokens,
-                             max_tokens=16 if "max_tokens" not in body else max_tokens,
-                             logprobs=top is not None, top_logprobs=top or 0,
-                             **{**common, "seed": _seed(common["seed"])})
+    return GenerationRequest(
+        kind="completion",
+        prompt_text=text,
+        prompt_tokens=tokens,
+        max_tokens=16 if "max_tokens" not in body else max_tokens,
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+        **{**common, "seed": _seed(common["seed"])},
+    )
 
 
 # --------------------------------------------------------------------------- responses
@@ -317,8 +399,11 @@ class TokenLogprob:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _lp(value: float) -> float:
@@ -327,10 +412,18 @@ def _lp(value: float) -> float:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    return {"content": [
-        {"token": e.token, "logprob": _lp(e.logprob), "bytes": list(e.token_bytes),
-         "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": list(b)} for t, b, lp in e.top]}
-        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": _lp(e.logprob),
+                "bytes": list(e.token_bytes),
+                "top_logprobs": [{"token": t, "logprob": _lp(lp), "bytes": list(b)} for t, b, lp in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
@@ -345,66 +438,141 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
         for t, _b, lp in e.top:
             top.setdefault(t, _lp(lp))
         tops.append(top)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    logprobs: Sequence[TokenLogprob] | None, prompt_tokens: int,
-                    completion_tokens: int, fingerprint: str) -> dict[str, Any]:
     return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                     "finish_reason": finish_reason}],
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [_lp(e.logprob) for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_completion(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    logprobs: Sequence[TokenLogprob] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    fingerprint: str,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ],
         "usage": usage(prompt_tokens, completion_tokens),
         "system_fingerprint": fingerprint,
     }
 
 
-def chat_chunk(rid: str, created: int, model: str, fingerprint: str, *, delta: dict[str, Any] | None = None,
-               logprobs: Sequence[TokenLogprob] | None = None, finish_reason: str | None = None,
-               usage_block: dict[str, int] | None = None, include_usage: bool = False,
-               usage_only: bool = False) -> dict[str, Any]:
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    *,
+    delta: dict[str, Any] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    finish_reason: str | None = None,
+    usage_block: dict[str, int] | None = None,
+    include_usage: bool = False,
+    usage_only: bool = False,
+) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``usage_only`` is the final chunk with empty choices."""
-    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "system_fingerprint": fingerprint}
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+    }
     if usage_only:
         chunk["choices"] = []
     else:
-        chunk["choices"] = [{"index": 0, "delta": delta or {},
-                             "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                             "finish_reason": finish_reason}]
+        chunk["choices"] = [
+            {
+                "index": 0,
+                "delta": delta or {},
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ]
     if include_usage:
         chunk["usage"] = usage_block
     return chunk
 
 
-def text_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    logprobs: Sequence[TokenLogprob] | None, prompt_tokens: int, completion_tokens: int,
-                    fingerprint: str) -> dict[str, Any]:
+def text_completion(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    logprobs: Sequence[TokenLogprob] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    fingerprint: str,
+) -> dict[str, Any]:
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text,
-                     "logprobs": None if logprobs is None else completion_logprobs(logprobs, 0),
-                     "finish_reason": finish_reason}],
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None if logprobs is None else completion_logprobs(logprobs, 0),
+                "finish_reason": finish_reason,
+            }
+        ],
         "usage": usage(prompt_tokens, completion_tokens),
         "system_fingerprint": fingerprint,
     }
 
 
-def completion_chunk(rid: str, created: int, model: str, fingerprint: str, *, text: str = "",
-                     logprobs: Sequence[TokenLogprob] | None = None, text_offset: int = 0,
-                     finish_reason: str | None = None, usage_block: dict[str, int] | None = None,
-                     include_usage: bool = False, usage_only: bool = False) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "system_fingerprint": fingerprint}
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    *,
+    text: str = "",
+    logprobs: Sequence[TokenLogprob] | None = None,
+    text_offset: int = 0,
+    finish_reason: str | None = None,
+    usage_block: dict[str, int] | None = None,
+    include_usage: bool = False,
+    usage_only: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+    }
     if usage_only:
         chunk["choices"] = []
     else:
-        chunk["choices"] = [{"index": 0, "text": text,
-                             "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
-                             "finish_reason": finish_reason}]
+        chunk["choices"] = [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
+                "finish_reason": finish_reason,
+            }
+        ]
     if include_usage:
         chunk["usage"] = usage_block
     return chunk
@@ -414,9 +582,17 @@ def model_list(models: Sequence[Mapping[str, Any]], created: int) -> dict[str, A
     """``GET /v1/models`` from the tracker's routable models (one entry per name and fingerprint)."""
     data: list[dict[str, Any]] = []
     for m in models:
-        data.append({"id": str(m["name"]), "object": "model", "created": created, "owned_by": "swarm",
-                     "fingerprint": m.get("fingerprint"), "n_layers": m.get("n_layers"),  # extension
-                     "live_nodes": m.get("live_nodes")})  # extension
+        data.append(
+            {
+                "id": str(m["name"]),
+                "object": "model",
+                "created": created,
+                "owned_by": "swarm",
+                "fingerprint": m.get("fingerprint"),
+                "n_layers": m.get("n_layers"),  # extension
+                "live_nodes": m.get("live_nodes"),
+            }
+        )  # extension
     return {"object": "list", "data": data}
 
 

@@ -68,8 +68,15 @@ class SessionUsage:
 
 
 class RouteSession:
-    def __init__(self, route: Route, stages: list[_Stage], *, step_tokens: int, limits: codec.FrameLimits,
-                 reply_timeout_s: float) -> None:
+    def __init__(
+        self,
+        route: Route,
+        stages: list[_Stage],
+        *,
+        step_tokens: int,
+        limits: codec.FrameLimits,
+        reply_timeout_s: float,
+    ) -> None:
         self.route = route
         self._stages = stages
         self._step_tokens = step_tokens
@@ -95,21 +102,25 @@ class RouteSession:
             with trio.fail_after(self._reply_timeout_s):
                 data = await stage.stream.receive()
         except trio.TooSlowError as err:
-            raise StageFailed(f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
-                              node_id=stage.info.node_id) from err
+            raise StageFailed(
+                f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
+                node_id=stage.info.node_id,
+            ) from err
         except StreamError as err:
             raise StageFailed(f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id) from err
         try:
             frame = codec.parse_frame(data, self._limits)
         except ProtocolError as err:
-            raise StageFailed(f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}",
-                              node_id=stage.info.node_id) from err
+            raise StageFailed(
+                f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}", node_id=stage.info.node_id
+            ) from err
         if codec.body_kind(frame) == "error":
             remote = error_from_body(frame.error)
             raise _remote_failure(stage, remote)
         if frame.session_id != stage.header.session_id:
-            raise StageFailed(f"node {stage.info.node_id[:8]} answered for another session",
-                              node_id=stage.info.node_id)
+            raise StageFailed(
+                f"node {stage.info.node_id[:8]} answered for another session", node_id=stage.info.node_id
+            )
         return frame
 
     async def _send(self, stage: _Stage, frame: frame_pb2.Frame) -> None:
@@ -125,41 +136,63 @@ class RouteSession:
         start = self._stages[0].kv_len
         n = len(tokens)
         first, last = self._stages[0], self._stages[-1]
-        for frame in codec.step_frames(first.header, phase, step_id=step_id, start=start, token_ids=tokens,
-                                       sample=sample and first is last,
-                                       max_frame_bytes=self._limits.max_frame_bytes):
+        for frame in codec.step_frames(
+            first.header,
+            phase,
+            step_id=step_id,
+            start=start,
+            token_ids=tokens,
+            sample=sample and first is last,
+            max_frame_bytes=self._limits.max_frame_bytes,
+        ):
             await self._send(first, frame)
         sampled: Sampled | None = None
         for k, stage in enumerate(self._stages):
             nxt = self._stages[k + 1] if k + 1 < len(self._stages) else None
             if stage.kv_len != start:
-                raise StageFailed(f"node {stage.info.node_id[:8]} holds {stage.kv_len} positions, expected {start}",
-                                  node_id=stage.info.node_id)
+                raise StageFailed(
+                    f"node {stage.info.node_id[:8]} holds {stage.kv_len} positions, expected {start}",
+                    node_id=stage.info.node_id,
+                )
             while True:
                 reply = await self._receive(stage)
                 if codec.body_kind(reply) != "result" or reply.step_id != step_id or reply.phase != phase:
-                    raise StageFailed(f"node {stage.info.node_id[:8]} answered step {reply.step_id} "
-                                      f"({codec.body_kind(reply)}) while step {step_id} was expected",
-                                      node_id=stage.info.node_id)
+                    raise StageFailed(
+                        f"node {stage.info.node_id[:8]} answered step {reply.step_id} "
+                        f"({codec.body_kind(reply)}) while step {step_id} was expected",
+                        node_id=stage.info.node_id,
+                    )
                 done = not reply.HasField("chunk") or reply.chunk.index == reply.chunk.count - 1
                 if nxt is not None:
                     a, b = reply.positions.start - start, reply.positions.end - start
-                    relay = codec.relay_frame(reply, nxt.header, step_id=step_id,
-                                              token_ids=tokens[a:b] if nxt is last else (),
-                                              sample=sample and nxt is last)
+                    relay = codec.relay_frame(
+                        reply,
+                        nxt.header,
+                        step_id=step_id,
+                        token_ids=tokens[a:b] if nxt is last else (),
+                        sample=sample and nxt is last,
+                    )
                     await self._send(nxt, relay)
                 elif sample and done:
                     if len(reply.result.sampled) != 1:
-                        raise StageFailed(f"last stage {stage.info.node_id[:8]} sent no sampled token",
-                                          node_id=stage.info.node_id)
+                        raise StageFailed(
+                            f"last stage {stage.info.node_id[:8]} sent no sampled token",
+                            node_id=stage.info.node_id,
+                        )
                     t = reply.result.sampled[0]
-                    sampled = Sampled(int(t.token_id), float(t.logprob),
-                                      tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
-                                      bool(t.end_of_generation))
+                    sampled = Sampled(
+                        int(t.token_id),
+                        float(t.logprob),
+                        tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
+                        bool(t.end_of_generation),
+                    )
                 if done:
                     if reply.kv_len != start + n:
-                        raise StageFailed(f"node {stage.info.node_id[:8]} reports kv_len {reply.kv_len} after a "
-                                          f"step ending at {start + n}", node_id=stage.info.node_id)
+                        raise StageFailed(
+                            f"node {stage.info.node_id[:8]} reports kv_len {reply.kv_len} after a "
+                            f"step ending at {start + n}",
+                            node_id=stage.info.node_id,
+                        )
                     stage.kv_len = int(reply.kv_len)
                     stage.tokens += n
                     stage.steps += 1
@@ -189,8 +222,11 @@ class RouteSession:
         step_id = self._next_step()
 
         async def close_one(stage: _Stage) -> None:
-            frame = (codec.release_frame(stage.header, step_id=step_id, expected_kv_len=stage.kv_len) if release
-                     else codec.cancel_frame(stage.header, step_id=step_id, reason=reason[:200]))
+            frame = (
+                codec.release_frame(stage.header, step_id=step_id, expected_kv_len=stage.kv_len)
+                if release
+                else codec.cancel_frame(stage.header, step_id=step_id, reason=reason[:200])
+            )
             with trio.move_on_after(timeout_s):
                 try:
                     await self._send(stage, frame)
@@ -215,10 +251,15 @@ def _remote_failure(stage: _Stage, remote: RemoteError) -> GatewayError:
     if remote.status == status_pb2.STATUS_CONTEXT_EXCEEDED:
         return ContextLengthExceeded(f"{who}: {remote.message}", param="messages")
     if remote.status in (status_pb2.STATUS_RESOURCE_EXHAUSTED, status_pb2.STATUS_UNAVAILABLE):
-        return StageBusy(f"{who} is full or draining: {remote.message}", node_id=stage.info.node_id,
-                         remote=remote, retry_after_s=retry_s or 2)
-    return StageFailed(f"{who} failed: {remote}", node_id=stage.info.node_id, remote=remote,
-                       retry_after_s=retry_s)
+        return StageBusy(
+            f"{who} is full or draining: {remote.message}",
+            node_id=stage.info.node_id,
+            remote=remote,
+            retry_after_s=retry_s or 2,
+        )
+    return StageFailed(
+        f"{who} failed: {remote}", node_id=stage.info.node_id, remote=remote, retry_after_s=retry_s
+    )
 
 
 @asynccontextmanager
@@ -252,21 +293,32 @@ async def open_route_session(
         built: list[_Stage] = []
         for hop, info in zip(route.hops, stages, strict=True):
             stream = await stack.enter_async_context(channels.open_stage_stream(hop.address))
-            header = codec.SessionHeader(session_id=session_id, route_epoch=1,
-                                         model_fingerprint=route.model_fingerprint,
-                                         recipe_fingerprint=info.recipe_fingerprint, shard_start=hop.start,
-                                         shard_end=hop.end, request_id=request_id)
+            header = codec.SessionHeader(
+                session_id=session_id,
+                route_epoch=1,
+                model_fingerprint=route.model_fingerprint,
+                recipe_fingerprint=info.recipe_fingerprint,
+                shard_start=hop.start,
+                shard_end=hop.end,
+                request_id=request_id,
+            )
             built.append(_Stage(info=info, header=header, stream=stream))
-        session = RouteSession(route, built, step_tokens=step_tokens, limits=limits,
-                               reply_timeout_s=reply_timeout_s)
+        session = RouteSession(
+            route, built, step_tokens=step_tokens, limits=limits, reply_timeout_s=reply_timeout_s
+        )
         failures: list[GatewayError] = []
         opened: list[_Stage] = []
 
         async def open_one(stage: _Stage, is_last: bool) -> None:
-            frame = codec.open_frame(stage.header, step_id=1, route_ticket=route.ticket,
-                                     kv_budget_tokens=kv_budget_tokens,
-                                     sampling=sampling if is_last else None,
-                                     output_encoding=frame_pb2.ENCODING_F32, max_frame_bytes=node_frame_bytes)
+            frame = codec.open_frame(
+                stage.header,
+                step_id=1,
+                route_ticket=route.ticket,
+                kv_budget_tokens=kv_budget_tokens,
+                sampling=sampling if is_last else None,
+                output_encoding=frame_pb2.ENCODING_F32,
+                max_frame_bytes=node_frame_bytes,
+            )
             try:
                 await session._send(stage, frame)
                 ack = await session._receive(stage)
@@ -274,30 +326,41 @@ async def open_route_session(
                 failures.append(err)
                 return
             if codec.body_kind(ack) != "open_ack" or ack.kv_len != 0:
-                failures.append(StageFailed(f"node {stage.info.node_id[:8]} answered OPEN with "
-                                            f"{codec.body_kind(ack)} kv_len={ack.kv_len}",
-                                            node_id=stage.info.node_id))
+                failures.append(
+                    StageFailed(
+                        f"node {stage.info.node_id[:8]} answered OPEN with "
+                        f"{codec.body_kind(ack)} kv_len={ack.kv_len}",
+                        node_id=stage.info.node_id,
+                    )
+                )
                 opened.append(stage)
                 return
             stage.granted = int(ack.open_ack.kv_tokens_granted)
             opened.append(stage)
             if stage.granted < kv_budget_tokens:
-                failures.append(StageBusy(f"node {stage.info.node_id[:8]} granted {stage.granted} KV positions, "
-                                          f"{kv_budget_tokens} were asked", node_id=stage.info.node_id,
-                                          retry_after_s=2))
+                failures.append(
+                    StageBusy(
+                        f"node {stage.info.node_id[:8]} granted {stage.granted} KV positions, "
+                        f"{kv_budget_tokens} were asked",
+                        node_id=stage.info.node_id,
+                        retry_after_s=2,
+                    )
+                )
 
         async with trio.open_nursery() as nursery:
             for i, stage in enumerate(built):
                 nursery.start_soon(open_one, stage, i == len(built) - 1)
         if failures:
             if opened:
-                await RouteSession(route, opened, step_tokens=step_tokens, limits=limits,
-                                   reply_timeout_s=reply_timeout_s).close(
-                    release=False, reason="open failed on another stage", timeout_s=close_timeout_s)
+                await RouteSession(
+                    route, opened, step_tokens=step_tokens, limits=limits, reply_timeout_s=reply_timeout_s
+                ).close(release=False, reason="open failed on another stage", timeout_s=close_timeout_s)
             raise failures[0]
         try:
             yield session
         finally:
-            await session.close(release=session.finished,
-                                reason="finished" if session.finished else "client went away or request failed",
-                                timeout_s=close_timeout_s)
+            await session.close(
+                release=session.finished,
+                reason="finished" if session.finished else "client went away or request failed",
+                timeout_s=close_timeout_s,
+            )

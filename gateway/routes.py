@@ -74,19 +74,44 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
         model = body["model"]
         routes: list[Route] = []
         for r in body["routes"]:
-            hops = tuple(Hop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"]),
-                             bool(h.get("relay", False))) for h in r["hops"])
-            routes.append(Route(route_id(hops), str(model["fingerprint"]), str(model["name"]),
-                                int(model["n_layers"]), hops, canonical_json(r["ticket"]),
-                                float(r["expires_at"]), float(r["expected_ms_per_token"])))
+            hops = tuple(
+                Hop(
+                    str(h["node_id"]),
+                    int(h["start"]),
+                    int(h["end"]),
+                    str(h["address"]),
+                    bool(h.get("relay", False)),
+                )
+                for h in r["hops"]
+            )
+            routes.append(
+                Route(
+                    route_id(hops),
+                    str(model["fingerprint"]),
+                    str(model["name"]),
+                    int(model["n_layers"]),
+                    hops,
+                    canonical_json(r["ticket"]),
+                    float(r["expires_at"]),
+                    float(r["expected_ms_per_token"]),
+                )
+            )
         return ModelRoutes(str(model["fingerprint"]), str(model["name"]), tuple(routes), now_s)
     except (KeyError, TypeError, ValueError) as err:
         raise UpstreamFailed(f"the tracker's route answer is malformed: {err!r}") from err
 
 
 class RouteCache:
-    def __init__(self, tracker: TrackerClient, *, k: int, ttl_s: float, tracker_timeout_s: float,
-                 metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        tracker: TrackerClient,
+        *,
+        k: int,
+        ttl_s: float,
+        tracker_timeout_s: float,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._tracker = tracker
         self._k = k
         self._ttl_s = ttl_s
@@ -132,8 +157,9 @@ class RouteCache:
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))
             if err.status == 404:
-                raise ModelNotFound(f"The model '{model}' does not exist or no node serves it",
-                                    param="model") from err
+                raise ModelNotFound(
+                    f"The model '{model}' does not exist or no node serves it", param="model"
+                ) from err
             if err.status == 400:
                 raise ModelNotFound(f"The model '{model}' is not a valid model name", param="model") from err
             raise UpstreamFailed(f"the tracker refused the route request: {err}") from err
@@ -144,8 +170,10 @@ class RouteCache:
         if parsed is None:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="no_route")
             uncovered = body.get("uncovered", [])
-            raise NoRoute(f"no complete route for model '{model}' right now (layers not covered: {uncovered})",
-                          retry_after_s=5)
+            raise NoRoute(
+                f"no complete route for model '{model}' right now (layers not covered: {uncovered})",
+                retry_after_s=5,
+            )
         self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="ok")
         return parsed
 
@@ -206,8 +234,14 @@ class StageInfo:
 
 
 class NodeInfoCache:
-    def __init__(self, channels: NodeChannels, *, ttl_s: float, timeout_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        channels: NodeChannels,
+        *,
+        ttl_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._channels = channels
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
@@ -216,8 +250,11 @@ class NodeInfoCache:
 
     async def get(self, hop: Hop, model_fingerprint: str) -> StageInfo:
         if hop.relay:
-            raise StageFailed(f"node {hop.node_id[:8]} is reachable only through a relay, which this gateway "
-                              "does not serve yet", node_id=hop.node_id)
+            raise StageFailed(
+                f"node {hop.node_id[:8]} is reachable only through a relay, which this gateway "
+                "does not serve yet",
+                node_id=hop.node_id,
+            )
         key = (hop.node_id, hop.address)
         cached = self._infos.get(key)
         if cached is not None and self._clock() - cached.fetched_at_s <= self._ttl_s:
@@ -226,24 +263,35 @@ class NodeInfoCache:
             with trio.fail_after(self._timeout_s):
                 info = await self._channels.info(hop.address)
         except (StreamError, trio.TooSlowError) as err:
-            raise StageFailed(f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}",
-                              node_id=hop.node_id) from err
+            raise StageFailed(
+                f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}", node_id=hop.node_id
+            ) from err
         if info.node_id != hop.node_id:
-            raise StageFailed(f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed",
-                              node_id=hop.node_id)
-        if info.model.fingerprint != model_fingerprint or (info.shard.start, info.shard.end) != (hop.start, hop.end):
-            raise StageFailed(f"node {hop.node_id[:8]} serves another model or shard than routed",
-                              node_id=hop.node_id)
+            raise StageFailed(
+                f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed",
+                node_id=hop.node_id,
+            )
+        if info.model.fingerprint != model_fingerprint or (info.shard.start, info.shard.end) != (
+            hop.start,
+            hop.end,
+        ):
+            raise StageFailed(
+                f"node {hop.node_id[:8]} serves another model or shard than routed", node_id=hop.node_id
+            )
         limits = info.limits
         stage = StageInfo(
-            node_id=info.node_id, address=hop.address,
+            node_id=info.node_id,
+            address=hop.address,
             recipe_fingerprint=Recipe.from_wire(info.recipe).fingerprint(),
-            n_embd=int(info.model.n_embd), n_layers=int(info.model.n_layers),
-            n_ctx_train=int(info.model.n_ctx_train), is_last=bool(info.is_last),
+            n_embd=int(info.model.n_embd),
+            n_layers=int(info.model.n_layers),
+            n_ctx_train=int(info.model.n_ctx_train),
+            is_last=bool(info.is_last),
             serves_vocab=bool(info.serves_vocab),
             max_frame_bytes=int(limits.max_frame_bytes) or 4 * 1024 * 1024,
             max_step_tokens=int(limits.max_step_tokens) or 512,
-            max_kv_tokens_per_session=int(limits.max_kv_tokens_per_session) or int(info.model.n_ctx_train)
+            max_kv_tokens_per_session=int(limits.max_kv_tokens_per_session)
+            or int(info.model.n_ctx_train)
             or 2048,
             fetched_at_s=self._clock(),
         )
@@ -268,4 +316,3 @@ def step_limit(stages: Sequence[StageInfo], wanted: int) -> int:
 
 def frame_limit(stages: Sequence[StageInfo], own: int) -> int:
     return min([own, *(s.max_frame_bytes for s in stages)])
-

@@ -48,22 +48,27 @@ def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        if stat.S_IMODE(path.stat().st_mode) & 0o077:
-            raise ConfigError(f"{path} is readable by others; chmod 600 it") from None
-        try:
-            seed = bytes.fromhex(path.read_text().strip())
-        except ValueError as err:
-            raise ConfigError(f"{path} does not hold a hex ed25519 seed") from err
-        if len(seed) != 32:
-            raise ConfigError(f"{path} must hold a 32-byte seed")
-        return nacl.signing.SigningKey(seed)
+        return _read_key(path)
     key = nacl.signing.SigningKey.generate()
     with os.fdopen(fd, "w") as fh:
         fh.write(bytes(key).hex() + "\n")
     return key
 
 
+def _read_key(path: Path) -> nacl.signing.SigningKey:
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        raise ConfigError(f"{path} is readable by others; chmod 600 it")
+    try:
+        seed = bytes.fromhex(path.read_text().strip())
+    except ValueError as err:
+        raise ConfigError(f"{path} does not hold a hex ed25519 seed") from err
+    if len(seed) != 32:
+        raise ConfigError(f"{path} must hold a 32-byte seed")
+    return nacl.signing.SigningKey(seed)
+
+
 def _write_port_file(path: Path, port: int) -> None:
+    path = path.expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{port}\n")
@@ -77,7 +82,9 @@ async def _tracker_url(config: GatewayConfig) -> str:
 
     url = await discover_tracker_async(config.discovery_timeout_s)
     if url is None:
-        raise ConfigError(f"no tracker_url given and none found on the LAN within {config.discovery_timeout_s:g} s")
+        raise ConfigError(
+            f"no tracker_url given and none found on the LAN within {config.discovery_timeout_s:g} s"
+        )
     return url
 
 
@@ -105,13 +112,22 @@ async def serve_gateway(
             await nursery.start(service.run)
             trigger = shutdown.wait if shutdown is not None else None
             async with trio.open_nursery() as http:
-                binds = await http.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
+                binds = await http.start(
+                    functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
+                )
                 port = int(binds[0].rsplit(":", 1)[1])
                 url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
                 if config.port_file:
-                    await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
-                event(log, "gateway_listening", port=port, url=url, tracker_url=tracker_url,
-                      gateway_id=service.gateway_id, port_file=config.port_file or None)
+                    await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
+                event(
+                    log,
+                    "gateway_listening",
+                    port=port,
+                    url=url,
+                    tracker_url=tracker_url,
+                    gateway_id=service.gateway_id,
+                    port_file=config.port_file or None,
+                )
                 if on_ready is not None:
                     on_ready(RunningGateway(port=port, url=url, service=service))
                 task_status.started(port)

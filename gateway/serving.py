@@ -43,8 +43,8 @@ from gateway.errors import (
     UpstreamFailed,
 )
 from gateway.gate import Gate
-from gateway.grpc_bridge import NodeChannels
 from gateway.groups import single_exception
+from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.protocol import GenerationRequest, TokenLogprob
 from gateway.route_session import RouteSession, Sampled, open_route_session
@@ -133,21 +133,36 @@ class _Prepared:
 
 
 class GatewayService:
-    def __init__(self, config: GatewayConfig, tracker: TrackerClient, key: nacl.signing.SigningKey,
-                 channels: NodeChannels, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tracker: TrackerClient,
+        key: nacl.signing.SigningKey,
+        channels: NodeChannels,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.config = config
         self.tracker = tracker
         self.gateway_id = public_key_hex(key)
         self.channels = channels
         self.metrics = metrics or Metrics()
-        self.gate = Gate(AdmissionPolicy(config.max_sessions, config.max_queue, config.max_sessions_per_client),
-                         queue_timeout_s=config.queue_timeout_s)
-        self.routes = RouteCache(tracker, k=config.routes_k, ttl_s=config.route_ttl_s,
-                                 tracker_timeout_s=config.tracker_timeout_s, metrics=self.metrics)
-        self.node_infos = NodeInfoCache(channels, ttl_s=config.node_info_ttl_s,
-                                        timeout_s=config.stage_reply_timeout_s)
-        self.vocabs = VocabStore(config.resolved_data_dir() / "vocab", channels,
-                                 timeout_s=config.stage_reply_timeout_s)
+        self.gate = Gate(
+            AdmissionPolicy(config.max_sessions, config.max_queue, config.max_sessions_per_client),
+            queue_timeout_s=config.queue_timeout_s,
+        )
+        self.routes = RouteCache(
+            tracker,
+            k=config.routes_k,
+            ttl_s=config.route_ttl_s,
+            tracker_timeout_s=config.tracker_timeout_s,
+            metrics=self.metrics,
+        )
+        self.node_infos = NodeInfoCache(
+            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.stage_reply_timeout_s
+        )
+        self.vocabs = VocabStore(
+            config.resolved_data_dir() / "vocab", channels, timeout_s=config.stage_reply_timeout_s
+        )
         self._usage_send, self._usage_receive = trio.open_memory_channel[UsageReport](config.usage_queue_max)
         self._nursery: trio.Nursery | None = None
         self._active = 0
@@ -175,17 +190,27 @@ class GatewayService:
                 self.metrics.inc("swarm_gateway_usage_reports_total", outcome="ok")
             except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
                 self.metrics.inc("swarm_gateway_usage_reports_total", outcome="failed")
-                event(log, "usage_report_failed", level=logging.WARNING, request_id=report.request_id,
-                      error=repr(err))
+                event(
+                    log,
+                    "usage_report_failed",
+                    level=logging.WARNING,
+                    request_id=report.request_id,
+                    error=repr(err),
+                )
 
     def gauges(self) -> dict[str, dict[Labels, float]]:
         stats = self.gate.statistics()
-        inflight = {(("route", self.metrics.route_label(r)),): float(n) for r, n in self.routes.inflight().items()}
+        inflight: dict[Labels, float] = {
+            (("route", self.metrics.route_label(r)),): float(n) for r, n in self.routes.inflight().items()
+        }
+        cached: dict[Labels, float] = {
+            (("model", m),): float(n) for m, n in self.routes.cached_counts().items()
+        }
         return {
             "swarm_gateway_sessions_active": {(): float(stats.active)},
             "swarm_gateway_requests_queued": {(): float(stats.queued)},
             "swarm_gateway_route_inflight_sessions": inflight,
-            "swarm_gateway_routes_cached": {(("model", m),): float(n) for m, n in self.routes.cached_counts().items()},
+            "swarm_gateway_routes_cached": cached,
         }
 
     # ------------------------------------------------------------------ models
@@ -206,8 +231,13 @@ class GatewayService:
             raise Overloaded("the gateway is shutting down", retry_after_s=5)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
         send, receive = trio.open_memory_channel[Event](EVENT_BUFFER)
-        job = Job(request=request, client=client, request_id=prefix + secrets.token_hex(12), events=receive,
-                  cancel_scope=trio.CancelScope())
+        job = Job(
+            request=request,
+            client=client,
+            request_id=prefix + secrets.token_hex(12),
+            events=receive,
+            cancel_scope=trio.CancelScope(),
+        )
         try:
             await self._nursery.start(self._run_job, job, send)
         except BaseException:
@@ -228,7 +258,9 @@ class GatewayService:
         stages = [infos[i] for i in range(len(route.hops))]
         vocab = await self.vocabs.get(route.model_fingerprint, stages)
         if request.kind == "chat":
-            text = vocab.template.render([m.to_template() for m in request.messages], add_generation_prompt=True)
+            text = vocab.template.render(
+                [m.to_template() for m in request.messages], add_generation_prompt=True
+            )
             prompt = await vocab.tokenize(text, add_special=False)
         elif request.prompt_tokens is not None:
             vocab.check_ids(request.prompt_tokens)
@@ -243,21 +275,27 @@ class GatewayService:
             wanted = len(prompt) + request.max_tokens
             if wanted > limit:
                 raise ContextLengthExceeded(
-                    f"This model's context limit on the current route is {limit} tokens (prompt plus completion), "
-                    f"but {wanted} were requested: {len(prompt)} in the {where} and {request.max_tokens} for the "
-                    f"completion. Shorten the {where} or lower max_tokens.", param=where)
+                    f"This model's context limit on the current route is {limit} tokens (prompt plus "
+                    f"completion), but {wanted} were requested: {len(prompt)} in the {where} and "
+                    f"{request.max_tokens} for the "
+                    f"completion. Shorten the {where} or lower max_tokens.",
+                    param=where,
+                )
             max_new = request.max_tokens
         else:
             max_new = limit - len(prompt)
             if max_new < 1:
                 raise ContextLengthExceeded(
                     f"This model's context limit on the current route is {limit} tokens, but the {where} "
-                    f"alone has {len(prompt)} tokens. Shorten the {where}.", param=where)
+                    f"alone has {len(prompt)} tokens. Shorten the {where}.",
+                    param=where,
+                )
         return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new)
 
     @asynccontextmanager
-    async def _open(self, job: Job, request: GenerationRequest,
-                    avoid: frozenset[str] = frozenset()) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
+    async def _open(
+        self, job: Job, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+    ) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
         """Pick the least loaded route, prepare, OPEN on every stage.
 
         A node that fails before the session is open (unreachable, full, stale
@@ -286,13 +324,24 @@ class GatewayService:
                 prepared = await self._prepare(request, route)
                 seed = request.seed if request.seed is not None else secrets.randbits(63)
                 sampling = codec.SamplingSettings(
-                    temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-                    min_p=request.min_p, seed=seed, repetition_penalty=request.repetition_penalty,
-                    frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
-                    n_top_logprobs=request.n_top_logprobs)
+                    temperature=request.temperature,
+                    top_p=request.top_p,
+                    top_k=request.top_k,
+                    min_p=request.min_p,
+                    seed=seed,
+                    repetition_penalty=request.repetition_penalty,
+                    frequency_penalty=request.frequency_penalty,
+                    presence_penalty=request.presence_penalty,
+                    n_top_logprobs=request.n_top_logprobs,
+                )
                 async with open_route_session(
-                    self.channels, route, prepared.stages, session_id=secrets.token_hex(16),
-                    request_id=job.request_id, sampling=sampling, kv_budget_tokens=prepared.kv_budget,
+                    self.channels,
+                    route,
+                    prepared.stages,
+                    session_id=secrets.token_hex(16),
+                    request_id=job.request_id,
+                    sampling=sampling,
+                    kv_budget_tokens=prepared.kv_budget,
                     step_tokens=step_limit(prepared.stages, self.config.prefill_step_tokens),
                     max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
                     reply_timeout_s=self.config.stage_reply_timeout_s,
@@ -310,8 +359,14 @@ class GatewayService:
                 if entered:
                     raise  # failed mid-generation: not retried (no replay yet, docs/gateway.md)
                 self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="open_failed")
-                event(log, "route_open_failed", request_id=job.request_id, route=route.route_id,
-                      node_id=err.node_id, error=err.message)
+                event(
+                    log,
+                    "route_open_failed",
+                    request_id=job.request_id,
+                    route=route.route_id,
+                    node_id=err.node_id,
+                    error=err.message,
+                )
                 self.routes.invalidate(request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
@@ -321,15 +376,20 @@ class GatewayService:
                 self.routes.release(route)
         assert last_error is not None  # the loop either returned, raised, or recorded a failure
         if isinstance(last_error, StageBusy):
-            raise Overloaded(f"every route tried is full right now ({last_error.message}); retry later",
-                             retry_after_s=last_error.retry_after_s or 2)
+            raise Overloaded(
+                f"every route tried is full right now ({last_error.message}); retry later",
+                retry_after_s=last_error.retry_after_s or 2,
+            )
         raise last_error
 
     def _report(self, job: Job, session: RouteSession, route: Route) -> None:
         if not self.config.report_usage:
             return
-        entries = tuple(UsageEntry(node_id, tokens, steps) for node_id, tokens, steps in session.usage().entries
-                        if tokens > 0)
+        entries = tuple(
+            UsageEntry(node_id, tokens, steps)
+            for node_id, tokens, steps in session.usage().entries
+            if tokens > 0
+        )
         if not entries:
             return
         report = UsageReport(self.gateway_id, job.request_id, route.model_fingerprint, entries)
@@ -338,8 +398,13 @@ class GatewayService:
         except trio.WouldBlock:
             self.metrics.inc("swarm_gateway_usage_reports_total", outcome="dropped")
 
-    async def _run_job(self, job: Job, send: trio.MemorySendChannel[Event], *,
-                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_job(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         request = job.request
         arrived = trio.current_time()
         progress = _Progress(TextStream(request.stop))
@@ -368,15 +433,23 @@ class GatewayService:
                 event(log, "client_disconnected", request_id=job.request_id)
                 return
             if failure is not None:
-                self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="failed")
+                self.metrics.inc(
+                    "swarm_gateway_route_sessions_total", route=job.route_label, outcome="failed"
+                )
                 with trio.move_on_after(1):
                     try:
                         await send.send(Failed(failure, progress.prompt_tokens, len(progress.generated)))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
-    async def _run_sessions(self, job: Job, send: trio.MemorySendChannel[Event], progress: _Progress,
-                            arrived: float, task_status: trio.TaskStatus[None]) -> None:
+    async def _run_sessions(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        progress: _Progress,
+        arrived: float,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
         """Run the request on a route; if a stage fails mid-generation, continue on another route.
 
         Recovery replays the token history (prompt and every token streamed so
@@ -400,7 +473,9 @@ class GatewayService:
                         task_status.started()
                     reason = await self._generate(job, session, prepared, send, arrived, progress)
                     session.finished = True
-                    self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok")
+                    self.metrics.inc(
+                        "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
+                    )
                     self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
                     # The client gets its last chunk now; RELEASE to the stages follows on the way out.
                     await send.send(Finished(reason, progress.prompt_tokens, len(progress.generated)))
@@ -409,19 +484,38 @@ class GatewayService:
                 if not in_body and failed_before is not None:
                     # No route to continue on: the client hears about the failure that stopped it.
                     raise failed_before from err
-                if (not isinstance(err, StageFailed) or not in_body or progress.recoveries >= MAX_RECOVERIES
-                        or not _recoverable(err)):
+                if (
+                    not isinstance(err, StageFailed)
+                    or not in_body
+                    or progress.recoveries >= MAX_RECOVERIES
+                    or not _recoverable(err)
+                ):
                     raise
                 progress.last_failure = err
                 progress.recoveries += 1
                 avoid.add(err.node_id)
                 self.routes.invalidate(request.model)
-                self.metrics.inc("swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered")
-                event(log, "session_recovering", request_id=job.request_id, node_id=err.node_id,
-                      tokens_so_far=len(progress.generated), error=err.message)
+                self.metrics.inc(
+                    "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
+                )
+                event(
+                    log,
+                    "session_recovering",
+                    request_id=job.request_id,
+                    node_id=err.node_id,
+                    tokens_so_far=len(progress.generated),
+                    error=err.message,
+                )
 
-    async def _generate(self, job: Job, session: RouteSession, prepared: _Prepared,
-                        send: trio.MemorySendChannel[Event], arrived: float, progress: _Progress) -> str:
+    async def _generate(
+        self,
+        job: Job,
+        session: RouteSession,
+        prepared: _Prepared,
+        send: trio.MemorySendChannel[Event],
+        arrived: float,
+        progress: _Progress,
+    ) -> str:
         request = job.request
         vocab = prepared.vocab
         if progress.generated:
@@ -453,8 +547,9 @@ class GatewayService:
             sampled = await session.decode(token)
 
     @staticmethod
-    async def _emit(send: trio.MemorySendChannel[Event], text: str,
-                    entries: tuple[TokenLogprob | None, ...]) -> None:
+    async def _emit(
+        send: trio.MemorySendChannel[Event], text: str, entries: tuple[TokenLogprob | None, ...]
+    ) -> None:
         logprobs = tuple(e for e in entries if e is not None)
         if text or logprobs:
             await send.send(Delta(text, logprobs))

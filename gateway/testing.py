@@ -47,15 +47,27 @@ class Proc:
                 self.popen.wait(timeout=timeout_s)
 
 
-def start_process(name: str, argv: list[str], port_file: Path, log_dir: Path, *, timeout_s: float = 60.0,
-                  env: dict[str, str] | None = None) -> Proc:
+def start_process(
+    name: str,
+    argv: list[str],
+    port_file: Path,
+    log_dir: Path,
+    *,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> Proc:
     """Run ``argv`` (which must write its bound port to ``port_file``), wait for the port, return it."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     port_file.unlink(missing_ok=True)
     with open(log_path, "wb") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     proc = Proc(name, popen, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -84,25 +96,82 @@ def console_script(name: str) -> list[str]:
 
 def start_tracker(tmp: Path, *, timeout_s: float = 60.0) -> Proc:
     port_file = tmp / "tracker.port"
-    return start_process("tracker", [*console_script("swarm-tracker"), "serve", "--host", "127.0.0.1", "--port", "0",
-                                     "--port-file", str(port_file), "--db-url", f"sqlite:///{tmp / 'tracker.db'}",
-                                     "--data-dir", str(tmp / "tracker-data"), "--no-zeroconf",
-                                     "--log-level", "warning"],
-                         port_file, tmp / "logs", timeout_s=timeout_s)
+    return start_process(
+        "tracker",
+        [
+            *console_script("swarm-tracker"),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--db-url",
+            f"sqlite:///{tmp / 'tracker.db'}",
+            "--data-dir",
+            str(tmp / "tracker-data"),
+            "--no-zeroconf",
+            "--log-level",
+            "warning",
+        ],
+        port_file,
+        tmp / "logs",
+        timeout_s=timeout_s,
+    )
 
 
-def start_gateway(tmp: Path, tracker_url: str, *extra: str, timeout_s: float = 60.0, name: str = "gateway") -> Proc:
+def start_gateway(
+    tmp: Path, tracker_url: str, *extra: str, timeout_s: float = 60.0, name: str = "gateway"
+) -> Proc:
     port_file = tmp / f"{name}.port"
-    return start_process(name, [*console_script("swarm-gateway"), "serve", "--tracker", tracker_url, "--host",
-                                "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--data-dir",
-                                str(tmp / f"{name}-data"), *extra],
-                         port_file, tmp / "logs", timeout_s=timeout_s)
+    return start_process(
+        name,
+        [
+            *console_script("swarm-gateway"),
+            "serve",
+            "--tracker",
+            tracker_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--data-dir",
+            str(tmp / f"{name}-data"),
+            *extra,
+        ],
+        port_file,
+        tmp / "logs",
+        timeout_s=timeout_s,
+    )
 
 
-def start_node(tmp: Path, name: str, model: Path, layers: str, tracker_url: str, *extra: str,
-               timeout_s: float = 180.0) -> Proc:
+def start_node(
+    tmp: Path, name: str, model: Path, layers: str, tracker_url: str, *extra: str, timeout_s: float = 180.0
+) -> Proc:
     port_file = tmp / f"{name}.port"
-    return start_process(name, [*console_script("swarm-node"), "start", "--model", str(model), "--layers", layers,
-                                "--tracker", tracker_url, "--port", "0", "--port-file", str(port_file),
-                                "--threads", "1", *extra],
-                         port_file, tmp / "logs", timeout_s=timeout_s)
+    return start_process(
+        name,
+        [
+            *console_script("swarm-node"),
+            "start",
+            "--model",
+            str(model),
+            "--layers",
+            layers,
+            "--tracker",
+            tracker_url,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--threads",
+            "1",
+            *extra,
+        ],
+        port_file,
+        tmp / "logs",
+        timeout_s=timeout_s,
+    )

@@ -44,13 +44,18 @@ class LoadedVocab:
 
     async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return await trio.to_thread.run_sync(
-            lambda: self.vocab.tokenize(text, add_special=add_special, parse_special=True), limiter=self.limiter)
+            lambda: self.vocab.tokenize(text, add_special=add_special, parse_special=True),
+            limiter=self.limiter,
+        )
 
     def check_ids(self, ids: Sequence[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.n_vocab]
         if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {self.n_vocab})",
-                                 param="prompt", code="invalid_value")
+            raise InvalidRequest(
+                f"token id {bad[0]} is outside the vocabulary (size {self.n_vocab})",
+                param="prompt",
+                code="invalid_value",
+            )
 
 
 def _load(path: Path, fingerprint: str) -> LoadedVocab:
@@ -58,10 +63,14 @@ def _load(path: Path, fingerprint: str) -> LoadedVocab:
     n = int(vocab.n_vocab)
     pieces = tuple(vocab.token_bytes(t) for t in range(n))
     eog = frozenset(t for t in range(n) if vocab.is_eog(t))
-    special = {t: vocab.token_bytes(t, special=True).decode("utf-8", "replace") for t in (vocab.bos, vocab.eos)
-               if 0 <= t < n}
-    template = ChatTemplate(vocab.chat_template, bos_token=special.get(vocab.bos, ""),
-                            eos_token=special.get(vocab.eos, ""))
+    special = {
+        t: vocab.token_bytes(t, special=True).decode("utf-8", "replace")
+        for t in (vocab.bos, vocab.eos)
+        if 0 <= t < n
+    }
+    template = ChatTemplate(
+        vocab.chat_template, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, "")
+    )
     return LoadedVocab(fingerprint, vocab, pieces, template, n, eog, trio.CapacityLimiter(1))
 
 

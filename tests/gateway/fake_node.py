@@ -45,8 +45,20 @@ class FakeState:
 
 
 class FakeNode:
-    def __init__(self, *, seed: int, fingerprint: str, start: int, end: int, n_layers: int, vocab: bytes,
-                 script: list[int], eos: int, step_delay_s: float = 0.0, kv_per_session: int = 512) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        fingerprint: str,
+        start: int,
+        end: int,
+        n_layers: int,
+        vocab: bytes,
+        script: list[int],
+        eos: int,
+        step_delay_s: float = 0.0,
+        kv_per_session: int = 512,
+    ) -> None:
         self.key = nacl.signing.SigningKey(bytes([seed]) * 32)
         self.node_id = public_key_hex(self.key)
         self.fingerprint, self.start, self.end, self.n_layers = fingerprint, start, end, n_layers
@@ -60,14 +72,19 @@ class FakeNode:
         handlers = {
             "Session": grpc.stream_stream_rpc_method_handler(self._session),
             "Info": grpc.unary_unary_rpc_method_handler(
-                self._info, request_deserializer=shard_service_pb2.InfoRequest.FromString,
-                response_serializer=shard_service_pb2.NodeInfo.SerializeToString),
+                self._info,
+                request_deserializer=shard_service_pb2.InfoRequest.FromString,
+                response_serializer=shard_service_pb2.NodeInfo.SerializeToString,
+            ),
             "GetVocab": grpc.unary_stream_rpc_method_handler(
-                self._get_vocab, request_deserializer=shard_service_pb2.VocabRequest.FromString,
-                response_serializer=shard_service_pb2.VocabChunk.SerializeToString),
+                self._get_vocab,
+                request_deserializer=shard_service_pb2.VocabRequest.FromString,
+                response_serializer=shard_service_pb2.VocabChunk.SerializeToString,
+            ),
         }
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarm.v1.ShardService",
-                                                                                   handlers),))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swarm.v1.ShardService", handlers),)
+        )
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
@@ -77,16 +94,30 @@ class FakeNode:
     def _info(self, request: object, context: object) -> shard_service_pb2.NodeInfo:
         return shard_service_pb2.NodeInfo(
             node_id=self.node_id,
-            model=shard_service_pb2.ModelInfo(fingerprint=self.fingerprint, name="fake", architecture="llama",
-                                              n_layers=self.n_layers, n_embd=N_EMBD, n_vocab=49152,
-                                              n_ctx_train=8192),
-            shard=frame_pb2.LayerRange(start=self.start, end=self.end), recipe=self.recipe.to_wire(),
-            limits=shard_service_pb2.NodeLimits(max_frame_bytes=4 << 20, max_step_tokens=512, max_sessions=8,
-                                                max_kv_tokens_per_session=self.kv_per_session),
-            is_last=self.is_last, serves_vocab=self.is_last)
+            model=shard_service_pb2.ModelInfo(
+                fingerprint=self.fingerprint,
+                name="fake",
+                architecture="llama",
+                n_layers=self.n_layers,
+                n_embd=N_EMBD,
+                n_vocab=49152,
+                n_ctx_train=8192,
+            ),
+            shard=frame_pb2.LayerRange(start=self.start, end=self.end),
+            recipe=self.recipe.to_wire(),
+            limits=shard_service_pb2.NodeLimits(
+                max_frame_bytes=4 << 20,
+                max_step_tokens=512,
+                max_sessions=8,
+                max_kv_tokens_per_session=self.kv_per_session,
+            ),
+            is_last=self.is_last,
+            serves_vocab=self.is_last,
+        )
 
-    def _get_vocab(self, request: shard_service_pb2.VocabRequest, context: object
-                   ) -> Iterator[shard_service_pb2.VocabChunk]:
+    def _get_vocab(
+        self, request: shard_service_pb2.VocabRequest, context: object
+    ) -> Iterator[shard_service_pb2.VocabChunk]:
         yield from vocab_chunks(self.vocab, model_fingerprint=self.fingerprint, chunk_bytes=512 * 1024)
 
     def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -121,9 +152,16 @@ class FakeNode:
                 st.sessions[sid] = 0
                 st.history[sid] = []
                 st.opened += 1
-            return [codec.open_ack_frame(frame, kv_len=0, node_id=self.node_id,
-                                         kv_tokens_granted=frame.open.kv_budget.max_tokens,
-                                         max_frame_bytes=4 << 20, max_step_tokens=512)]
+            return [
+                codec.open_ack_frame(
+                    frame,
+                    kv_len=0,
+                    node_id=self.node_id,
+                    kv_tokens_granted=frame.open.kv_budget.max_tokens,
+                    max_frame_bytes=4 << 20,
+                    max_step_tokens=512,
+                )
+            ]
         if kind in ("release", "cancel"):
             with st.lock:
                 freed = st.sessions.pop(sid, 0)
@@ -144,23 +182,35 @@ class FakeNode:
             time.sleep(self.step_delay_s)
         with st.lock:
             generated = self._generated(st.history[sid])
-            if (self.is_last and step.phase == frame_pb2.PHASE_DECODE and FAILURES["left"] > 0
-                    and generated >= FAILURES["after"]):
+            if (
+                self.is_last
+                and step.phase == frame_pb2.PHASE_DECODE
+                and FAILURES["left"] > 0
+                and generated >= FAILURES["after"]
+            ):
                 FAILURES["left"] -= 1
                 raise errors.InternalError("scripted failure")
             st.history[sid].extend(int(t) for t in step.token_ids)
         with st.lock:
             st.sessions[sid] = step.end
         if not self.is_last:
-            return codec.result_frames(step, kv_len=step.end, hidden=np.zeros((step.n_tokens, N_EMBD), np.float32))
+            return codec.result_frames(
+                step, kv_len=step.end, hidden=np.zeros((step.n_tokens, N_EMBD), np.float32)
+            )
         sampled: list[frame_pb2.SampledToken] = []
         if step.sample:
             with st.lock:
                 k = self._generated(st.history[sid])
             token = self.script[k] if k < len(self.script) else self.eos
-            sampled.append(frame_pb2.SampledToken(
-                token_id=token, logprob=-0.25,
-                top_logprobs=[frame_pb2.TokenLogprob(token_id=token, logprob=-0.25),
-                              frame_pb2.TokenLogprob(token_id=self.eos, logprob=-3.0)],
-                end_of_generation=token == self.eos))
+            sampled.append(
+                frame_pb2.SampledToken(
+                    token_id=token,
+                    logprob=-0.25,
+                    top_logprobs=[
+                        frame_pb2.TokenLogprob(token_id=token, logprob=-0.25),
+                        frame_pb2.TokenLogprob(token_id=self.eos, logprob=-3.0),
+                    ],
+                    end_of_generation=token == self.eos,
+                )
+            )
         return codec.result_frames(step, kv_len=step.end, sampled=sampled)

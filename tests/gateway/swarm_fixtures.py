@@ -17,16 +17,34 @@ from tracker.client import TrackerClient
 HARDWARE = Hardware(cpu_cores=2, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=10 << 30)
 
 
-def announce(tracker_url: str, key: nacl.signing.SigningKey, model: ModelSpec, start: int, end: int, port: int,
-             max_sessions: int = 8) -> None:
+def announce(
+    tracker_url: str,
+    key: nacl.signing.SigningKey,
+    model: ModelSpec,
+    start: int,
+    end: int,
+    port: int,
+    max_sessions: int = 8,
+) -> None:
     async def run() -> None:
         async with TrackerClient(tracker_url, key) as client:
             with trio.fail_after(10):
-                await client.announce(Announce(node_id=public_key_hex(key), addresses=(f"127.0.0.1:{port}",),
-                                               relay=False, relay_via=None, hardware=HARDWARE,
-                                               software_version="test", model=model, shard_start=start,
-                                               shard_end=end, decode_ms_per_token=10.0,
-                                               prefill_tokens_per_s=500.0, max_sessions=max_sessions))
+                await client.announce(
+                    Announce(
+                        node_id=public_key_hex(key),
+                        addresses=(f"127.0.0.1:{port}",),
+                        relay=False,
+                        relay_via=None,
+                        hardware=HARDWARE,
+                        software_version="test",
+                        model=model,
+                        shard_start=start,
+                        shard_end=end,
+                        decode_ms_per_token=10.0,
+                        prefill_tokens_per_s=500.0,
+                        max_sessions=max_sessions,
+                    )
+                )
 
     trio.run(run)
 

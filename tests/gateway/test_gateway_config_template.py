@@ -21,14 +21,17 @@ def test_layers_in_order(tmp_path: Path) -> None:
         config.max_sessions = 1  # type: ignore[misc]  # frozen
 
 
-@pytest.mark.parametrize(("file_text", "env", "flags", "needle"), [
-    ("max_sesions = 3\n", {}, {}, "unknown key"),
-    ("", {"SWARM_GATEWAY_MAX_SESIONS": "3"}, {}, "unknown environment variable"),
-    ("", {}, {"max_sessions": 0}, "max_sessions"),
-    ("", {"SWARM_GATEWAY_PORT": "eighty"}, {}, "port must be a int"),
-    ("", {}, {"tracker_url": "tracker:7460"}, "http://"),
-    ("", {}, {"log_level": "loud"}, "log_level"),
-])
+@pytest.mark.parametrize(
+    ("file_text", "env", "flags", "needle"),
+    [
+        ("max_sesions = 3\n", {}, {}, "unknown key"),
+        ("", {"SWARM_GATEWAY_MAX_SESIONS": "3"}, {}, "unknown environment variable"),
+        ("", {}, {"max_sessions": 0}, "max_sessions"),
+        ("", {"SWARM_GATEWAY_PORT": "eighty"}, {}, "port must be a int"),
+        ("", {}, {"tracker_url": "tracker:7460"}, "http://"),
+        ("", {}, {"log_level": "loud"}, "log_level"),
+    ],
+)
 def test_refusals(tmp_path: Path, file_text: str, env: dict, flags: dict, needle: str) -> None:
     file = tmp_path / "gw.toml"
     file.write_text(file_text)
@@ -46,16 +49,20 @@ def test_every_field_documented_with_unit() -> None:
             assert f.name.endswith("_s"), f.name
 
 
-SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-        "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}"
-        "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SMOL = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def test_renders_with_generation_prompt() -> None:
     text = ChatTemplate(SMOL).render([{"role": "user", "content": "hi"}])
-    assert text == ("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert ChatTemplate(None).render([{"role": "user", "content": "x"}]).endswith("<|im_start|>assistant\n")
 
 

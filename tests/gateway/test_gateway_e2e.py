@@ -1,4 +1,4 @@
-"""End to end on loopback with the real model: openai client -> swarm-gateway -> swarm-node x4 (+ swarm-tracker).
+"""End to end on loopback, real model: openai client -> swarm-gateway -> swarm-node x4 (+ swarm-tracker).
 
 Two data-parallel routes: nodes A1, A2 serve layers [0,15), B1, B2 serve
 [15,30). At temperature 0 the text must equal the whole model's greedy
@@ -32,17 +32,36 @@ pytestmark = pytest.mark.slow
 
 # The nodes' engine settings; the reference must use the same context settings (flash attention, f16 KV).
 MAX_SESSIONS, SESSION_KV, BATCH = 6, 512, 256
-ENGINE = EngineConfig(n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV,
-                      n_batch_tokens=BATCH)
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?"]
+ENGINE = EngineConfig(
+    n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, n_batch_tokens=BATCH
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+]
 N_NEW = 20
 
 
 def node_args(tmp: Path, name: str, cache: Path) -> list[str]:
-    return ["--host", "127.0.0.1", "--max-sessions", str(MAX_SESSIONS), "--session-kv-tokens", str(SESSION_KV),
-            "--batch-tokens", str(BATCH), "--data-dir", str(tmp / f"{name}-data"), "--cache-dir", str(cache),
-            "--admin-port", "-1", "--no-benchmark"]
+    return [
+        "--host",
+        "127.0.0.1",
+        "--max-sessions",
+        str(MAX_SESSIONS),
+        "--session-kv-tokens",
+        str(SESSION_KV),
+        "--batch-tokens",
+        str(BATCH),
+        "--data-dir",
+        str(tmp / f"{name}-data"),
+        "--cache-dir",
+        str(cache),
+        "--admin-port",
+        "-1",
+        "--no-benchmark",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +75,34 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         first = start_node(tmp, "a1", model_path, "0:15", url(tracker), *node_args(tmp, "a1", node_cache))
         procs.append(first)
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(start_node, tmp, name, model_path, layers, url(tracker),
-                                   *node_args(tmp, name, node_cache))
-                       for name, layers in (("b1", "15:30"), ("a2", "0:15"), ("b2", "15:30"))]
+            futures = [
+                pool.submit(
+                    start_node, tmp, name, model_path, layers, url(tracker), *node_args(tmp, name, node_cache)
+                )
+                for name, layers in (("b1", "15:30"), ("a2", "0:15"), ("b2", "15:30"))
+            ]
             for f in futures:
                 procs.append(f.result())
         nodes = procs[1:]
 
         def two_routes() -> bool:
-            body = httpx.post(url(tracker) + "/v1/routes", json={"model": model_name(tracker), "k": 2},
-                              timeout=10).json()
+            body = httpx.post(
+                url(tracker) + "/v1/routes", json={"model": model_name(tracker), "k": 2}, timeout=10
+            ).json()
             return len(body.get("routes", [])) == 2
 
         wait_until(two_routes, 60, "two node-disjoint routes at the tracker", interval_s=0.25)
-        gateway = start_gateway(tmp, url(tracker), "--max-sessions", "8", "--max-queue", "16", "--routes-k", "2")
+        gateway = start_gateway(
+            tmp, url(tracker), "--max-sessions", "8", "--max-queue", "16", "--routes-k", "2"
+        )
         procs.append(gateway)
-        yield {"tmp": tmp, "tracker": tracker, "nodes": nodes, "gateway": gateway,
-               "model": model_name(tracker)}
+        yield {
+            "tmp": tmp,
+            "tracker": tracker,
+            "nodes": nodes,
+            "gateway": gateway,
+            "model": model_name(tracker),
+        }
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -120,7 +150,11 @@ def route_counts(swarm: dict) -> dict[str, float]:
 
 def node_load(proc: Proc) -> shard_service_pb2.NodeLoad:
     with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
-        return shard_service_pb2_grpc.ShardServiceStub(channel).Info(shard_service_pb2.InfoRequest(), timeout=10).load
+        return (
+            shard_service_pb2_grpc.ShardServiceStub(channel)
+            .Info(shard_service_pb2.InfoRequest(), timeout=10)
+            .load
+        )
 
 
 def no_kv_held(swarm: dict) -> bool:
@@ -133,14 +167,24 @@ def client(swarm: dict) -> openai.OpenAI:
     return openai.OpenAI(base_url=url(swarm["gateway"]) + "/v1", api_key="sk-e2e", max_retries=0, timeout=120)
 
 
-def test_openai_client_gets_the_whole_models_greedy_text(client: openai.OpenAI, swarm: dict, reference) -> None:
+def test_openai_client_gets_the_whole_models_greedy_text(
+    client: openai.OpenAI, swarm: dict, reference
+) -> None:
     question = QUESTIONS[0]
     want = chat_reference(reference, question, N_NEW)
     messages = [{"role": "user", "content": question}]
-    full = client.chat.completions.create(model=swarm["model"], messages=messages, temperature=0, max_tokens=N_NEW)
+    full = client.chat.completions.create(
+        model=swarm["model"], messages=messages, temperature=0, max_tokens=N_NEW
+    )
     assert full.choices[0].message.content == want
-    stream = client.chat.completions.create(model=swarm["model"], messages=messages, temperature=0,
-                                            max_tokens=N_NEW, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=swarm["model"],
+        messages=messages,
+        temperature=0,
+        max_tokens=N_NEW,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -149,8 +193,9 @@ def test_openai_client_gets_the_whole_models_greedy_text(client: openai.OpenAI, 
     want_completion = greedy_text(reference, vocab.tokenize(prompt, add_special=True), N_NEW)
     done = client.completions.create(model=swarm["model"], prompt=prompt, temperature=0, max_tokens=N_NEW)
     assert done.choices[0].text == want_completion
-    streamed = client.completions.create(model=swarm["model"], prompt=prompt, temperature=0, max_tokens=N_NEW,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=swarm["model"], prompt=prompt, temperature=0, max_tokens=N_NEW, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == want_completion
     wait_until(lambda: no_kv_held(swarm), 10, "every node to free the finished sessions")
 
@@ -163,8 +208,9 @@ def test_eight_concurrent_clients_on_two_routes(client: openai.OpenAI, swarm: di
     def one(i: int) -> None:
         q = QUESTIONS[i % len(QUESTIONS)]
         try:
-            r = client.chat.completions.create(model=swarm["model"], temperature=0, max_tokens=16,
-                                               messages=[{"role": "user", "content": q}])
+            r = client.chat.completions.create(
+                model=swarm["model"], temperature=0, max_tokens=16, messages=[{"role": "user", "content": q}]
+            )
             results[i] = r.choices[0].message.content or ""
         except BaseException as err:  # noqa: BLE001 - reported below
             failures.append(err)
@@ -182,13 +228,21 @@ def test_eight_concurrent_clients_on_two_routes(client: openai.OpenAI, swarm: di
     after = route_counts(swarm)
     used = {r: n - before.get(r, 0) for r, n in after.items() if n > before.get(r, 0)}
     assert sum(used.values()) == 8 and len(used) >= 2, used  # spread over the data-parallel routes
-    print(f"\n8 concurrent chat requests x 16 tokens: {elapsed:.1f} s, {8 * 16 / elapsed:.1f} tokens/s aggregate")
+    print(
+        f"\n8 concurrent chat requests x 16 tokens: {elapsed:.1f} s, "
+        f"{8 * 16 / elapsed:.1f} tokens/s aggregate"
+    )
     wait_until(lambda: no_kv_held(swarm), 10, "every node to free the finished sessions")
 
 
 def test_disconnect_frees_kv_on_every_stage(client: openai.OpenAI, swarm: dict) -> None:
-    stream = client.chat.completions.create(model=swarm["model"], max_tokens=300, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": "Tell me a very long story."}])
+    stream = client.chat.completions.create(
+        model=swarm["model"],
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        messages=[{"role": "user", "content": "Tell me a very long story."}],
+    )
     it = iter(stream)
     for _ in range(3):
         next(it)
@@ -199,22 +253,41 @@ def test_disconnect_frees_kv_on_every_stage(client: openai.OpenAI, swarm: dict) 
 
 
 def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, swarm: dict) -> None:
-    cases = [({"model": "no-such-model"}, 404), ({"n": 2}, 400), ({"temperature": -1}, 400), ({"max_tokens": 0}, 400),
-             ({"messages": [{"role": "user", "content": "word " * 600}]}, 400)]
+    cases = [
+        ({"model": "no-such-model"}, 404),
+        ({"n": 2}, 400),
+        ({"temperature": -1}, 400),
+        ({"max_tokens": 0}, 400),
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, 400),
+    ]
     for extra, status in cases:
-        args = {"model": swarm["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+        args = {
+            "model": swarm["model"],
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            **extra,
+        }
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(**args)
         assert info.value.status_code == status, (extra, info.value.body)
         assert set(info.value.body) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.chat.completions.create(model=swarm["model"], messages=[{"role": "user", "content": "word " * 600}])
-    assert too_long.value.body["code"] == "context_length_exceeded" and str(SESSION_KV) in too_long.value.message
-    small = start_gateway(swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "0",
-                          name="small-gateway")
+        client.chat.completions.create(
+            model=swarm["model"], messages=[{"role": "user", "content": "word " * 600}]
+        )
+    assert (
+        too_long.value.body["code"] == "context_length_exceeded" and str(SESSION_KV) in too_long.value.message
+    )
+    small = start_gateway(
+        swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "0", name="small-gateway"
+    )
     try:
-        body = {"model": swarm["model"], "messages": [{"role": "user", "content": "Tell me a long story."}],
-                "max_tokens": 200, "stream": True}
+        body = {
+            "model": swarm["model"],
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 200,
+            "stream": True,
+        }
         with httpx.Client(base_url=url(small), timeout=60) as http:
             with http.stream("POST", "/v1/chat/completions", json=body) as held:
                 assert held.status_code == 200
@@ -225,8 +298,9 @@ def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, sw
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     finally:
         small.stop()
-    ok = client.chat.completions.create(model=swarm["model"], messages=[{"role": "user", "content": "hi"}],
-                                        max_tokens=3)
+    ok = client.chat.completions.create(
+        model=swarm["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert ok.choices[0].finish_reason in ("length", "stop")
     wait_until(lambda: no_kv_held(swarm), 15, "every node to free every session")
 
@@ -236,25 +310,40 @@ def test_single_stream_speed(client: openai.OpenAI, swarm: dict) -> None:
     started = time.monotonic()
     first = None
     n = 0
-    for chunk in client.completions.create(model=swarm["model"], prompt="Once upon a time", max_tokens=64,
-                                           temperature=0, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=swarm["model"],
+        prompt="Once upon a time",
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices and chunk.choices[0].text and first is None:
             first = time.monotonic()
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
     end = time.monotonic()
     assert first is not None and n > 1
-    print(f"\nsingle stream: TTFT {first - started:.3f} s, {(n - 1) / (end - first):.1f} tokens/s decode ({n} tokens)")
+    print(
+        f"\nsingle stream: TTFT {first - started:.3f} s, "
+        f"{(n - 1) / (end - first):.1f} tokens/s decode ({n} tokens)"
+    )
 
 
-def test_node_killed_mid_stream_the_stream_continues_on_the_other_route(client: openai.OpenAI, swarm: dict,
-                                                                        reference) -> None:
+def test_node_killed_mid_stream_the_stream_continues_on_the_other_route(
+    client: openai.OpenAI, swarm: dict, reference
+) -> None:
     """Last in the module: SIGKILL one node of the route serving a stream; the gateway replays the tokens so
     far on the other route and the client still gets the whole model's greedy text."""
     question = "Explain why the sky is blue."
     want = chat_reference(reference, question, 40)
-    stream = client.chat.completions.create(model=swarm["model"], temperature=0, max_tokens=40, stream=True,
-                                            messages=[{"role": "user", "content": question}])
+    stream = client.chat.completions.create(
+        model=swarm["model"],
+        temperature=0,
+        max_tokens=40,
+        stream=True,
+        messages=[{"role": "user", "content": question}],
+    )
     it = iter(stream)
     texts = [next(it).choices[0].delta.content or "" for _ in range(4)]
     busy = [p for p in swarm["nodes"] if node_load(p).active_sessions > 0]
@@ -266,7 +355,9 @@ def test_node_killed_mid_stream_the_stream_continues_on_the_other_route(client: 
         if chunk.choices:
             texts.append(chunk.choices[0].delta.content or "")
     assert "".join(texts) == want
-    assert any('outcome="recovered"' in line
-               for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total"))
+    assert any(
+        'outcome="recovered"' in line
+        for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+    )
     survivors = {**swarm, "nodes": [p for p in swarm["nodes"] if p is not victim]}
     wait_until(lambda: no_kv_held(survivors), 15, "the surviving nodes to free every session")

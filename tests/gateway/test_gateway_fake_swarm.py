@@ -36,9 +36,19 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
         eos = vocab.eos
         expected = vocab.detokenize(script)
     data = vocab_bytes(model_path, tmp / "cache")
-    nodes = [FakeNode(seed=10 + i, fingerprint=FINGERPRINT, start=a, end=b, n_layers=30, vocab=data,
-                      script=script, eos=eos)
-             for i, (a, b) in enumerate([(0, 15), (15, 30), (0, 15), (15, 30)])]
+    nodes = [
+        FakeNode(
+            seed=10 + i,
+            fingerprint=FINGERPRINT,
+            start=a,
+            end=b,
+            n_layers=30,
+            vocab=data,
+            script=script,
+            eos=eos,
+        )
+        for i, (a, b) in enumerate([(0, 15), (15, 30), (0, 15), (15, 30)])
+    ]
     tracker: Proc | None = None
     gateway: Proc | None = None
     try:
@@ -46,8 +56,15 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
         for node in nodes:
             announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
         gateway = start_gateway(tmp, url(tracker), "--max-sessions", "8", "--max-queue", "8")
-        yield {"tmp": tmp, "nodes": nodes, "tracker": tracker, "gateway": gateway, "script": script, "eos": eos,
-               "expected": expected}
+        yield {
+            "tmp": tmp,
+            "nodes": nodes,
+            "tracker": tracker,
+            "gateway": gateway,
+            "script": script,
+            "eos": eos,
+            "expected": expected,
+        }
     finally:
         for proc in (gateway, tracker):
             if proc is not None:
@@ -75,8 +92,13 @@ def test_chat_non_streaming_and_streaming(client: openai.OpenAI, swarm: dict) ->
     assert full.choices[0].finish_reason == "stop"
     assert full.usage.completion_tokens == len(swarm["script"]) + 1  # the end-of-generation token counts
     assert full.id.startswith("chatcmpl-") and full.system_fingerprint.startswith("swarm-")
-    stream = client.chat.completions.create(model="fake-model", messages=messages, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=messages,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == swarm["expected"]
@@ -88,19 +110,28 @@ def test_chat_non_streaming_and_streaming(client: openai.OpenAI, swarm: dict) ->
 def test_completions_length_logprobs_and_stop(client: openai.OpenAI, swarm: dict, model_path: Path) -> None:
     with Vocabulary(model_path) as vocab:
         first3 = vocab.detokenize(swarm["script"][:3])
-    r = client.completions.create(model="fake-model", prompt="Once upon", max_tokens=3, temperature=0, logprobs=2)
+    r = client.completions.create(
+        model="fake-model", prompt="Once upon", max_tokens=3, temperature=0, logprobs=2
+    )
     assert r.choices[0].text == first3 and r.choices[0].finish_reason == "length"
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 3 and lp.token_logprobs == [-0.25] * 3 and lp.text_offset[0] == 0
     assert "".join(lp.tokens) == first3 and len(lp.top_logprobs[0]) == 2
-    stopped = client.completions.create(model="fake-model", prompt="x", max_tokens=50, temperature=0,
-                                        stop=["world", "zzz"])
+    stopped = client.completions.create(
+        model="fake-model", prompt="x", max_tokens=50, temperature=0, stop=["world", "zzz"]
+    )
     assert stopped.choices[0].text == "Hello " and stopped.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="fake-model", prompt="x", max_tokens=50, temperature=0,
-                                         stop="fake", stream=True)
+    streamed = client.completions.create(
+        model="fake-model", prompt="x", max_tokens=50, temperature=0, stop="fake", stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == "Hello world! Streaming through a "
-    chat = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                          max_completion_tokens=2, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 2 and content[0].logprob == -0.25 and len(content[0].top_logprobs) == 2
     assert chat.choices[0].finish_reason == "length"
@@ -114,15 +145,22 @@ def test_models_health_metrics(client: openai.OpenAI, swarm: dict) -> None:
     assert metric_lines(base, "swarm_gateway_http_requests_total")
 
 
-@pytest.mark.parametrize(("kwargs", "status", "param"), [
-    ({"temperature": -1}, 400, "temperature"),
-    ({"n": 2}, 400, "n"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"top_p": 2}, 400, "top_p"),
-    ({"model": "no-such-model"}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "word " * 700}]}, 400, "messages"),  # past the 512-token budget
-    ({"max_tokens": 100000}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "status", "param"),
+    [
+        ({"temperature": -1}, 400, "temperature"),
+        ({"n": 2}, 400, "n"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"top_p": 2}, 400, "top_p"),
+        ({"model": "no-such-model"}, 404, "model"),
+        (
+            {"messages": [{"role": "user", "content": "word " * 700}]},
+            400,
+            "messages",
+        ),  # past the 512-token budget
+        ({"max_tokens": 100000}, 400, "messages"),
+    ],
+)
 def test_bad_requests_get_openai_errors(client: openai.OpenAI, kwargs: dict, status: int, param: str) -> None:
     args = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **kwargs}
     with pytest.raises(openai.APIStatusError) as info:
@@ -130,14 +168,22 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI, kwargs: dict, sta
     assert info.value.status_code == status
     body = info.value.body
     assert set(body) == {"message", "type", "param", "code"} and body["param"] == param
-    assert client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "ok"}],
-                                          max_tokens=2).choices[0].finish_reason == "length"
+    assert (
+        client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "ok"}], max_tokens=2
+        )
+        .choices[0]
+        .finish_reason
+        == "length"
+    )
 
 
 def test_malformed_bodies_and_paths(swarm: dict) -> None:
     base = url(swarm["gateway"])
     with httpx.Client(base_url=base, timeout=10) as http:
-        r = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r = http.post(
+            "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = http.post("/v1/completions", content=b"x" * (2 << 20))
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
@@ -153,15 +199,18 @@ def test_disconnect_cancels_every_stage(client: openai.OpenAI, swarm: dict) -> N
         node.step_delay_s = 0.05
     try:
         cancelled_before = sum(n.state.cancelled for n in swarm["nodes"])
-        stream = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                                stream=True)
+        stream = client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
         it = iter(stream)
         next(it)
         next(it)
         assert not no_sessions_left(swarm)
         stream.close()  # the client goes away mid-generation
         wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the cancelled session")
-        assert sum(n.state.cancelled for n in swarm["nodes"]) - cancelled_before == 2  # both stages of the route
+        assert (
+            sum(n.state.cancelled for n in swarm["nodes"]) - cancelled_before == 2
+        )  # both stages of the route
         assert metric_lines(url(swarm["gateway"]), "swarm_gateway_client_disconnects_total")
     finally:
         for node in swarm["nodes"]:
@@ -176,8 +225,9 @@ def test_concurrent_clients_spread_over_both_routes(client: openai.OpenAI, swarm
 
     def one(i: int) -> None:
         try:
-            r = client.chat.completions.create(model="fake-model", temperature=0,
-                                               messages=[{"role": "user", "content": f"client {i}"}])
+            r = client.chat.completions.create(
+                model="fake-model", temperature=0, messages=[{"role": "user", "content": f"client {i}"}]
+            )
             results.append(r.choices[0].message.content or "")
         except BaseException as err:  # noqa: BLE001 - reported below
             failures.append(err)
@@ -192,16 +242,30 @@ def test_concurrent_clients_spread_over_both_routes(client: openai.OpenAI, swarm
         for node in swarm["nodes"]:
             node.step_delay_s = 0.0
     assert not failures and results == [swarm["expected"]] * 8
-    routes = [line for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
-              if 'outcome="ok"' in line]
+    routes = [
+        line
+        for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+        if 'outcome="ok"' in line
+    ]
     assert len(routes) == 2, routes
     assert all(n.state.opened > 0 for n in swarm["nodes"])
     wait_until(lambda: no_sessions_left(swarm), 5, "nodes to free every session")
 
 
 def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(swarm: dict) -> None:
-    gateway = start_gateway(swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "1",
-                            "--max-sessions-per-client", "1", "--queue-timeout-s", "0.5", name="small-gateway")
+    gateway = start_gateway(
+        swarm["tmp"],
+        url(swarm["tracker"]),
+        "--max-sessions",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-sessions-per-client",
+        "1",
+        "--queue-timeout-s",
+        "0.5",
+        name="small-gateway",
+    )
     for node in swarm["nodes"]:
         announce(url(swarm["tracker"]), node.key, MODEL, node.start, node.end, node.port)
         node.step_delay_s = 0.1
@@ -223,10 +287,14 @@ def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(sw
                 node.step_delay_s = 0.0
             # The held stream's client went away: its slot frees once every stage confirmed the CANCEL.
             wait_until(lambda: http.get("/healthz").json()["sessions_active"] == 0, 10, "the slot to free")
-            ok = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, headers=bob)
+            ok = http.post(
+                "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2}, headers=bob
+            )
             assert ok.status_code == 200, ok.text
             rejected = metric_lines(url(gateway), "swarm_gateway_rejections_total")
-            assert any("overloaded" in line for line in rejected) and any("rate_limit" in line for line in rejected)
+            assert any("overloaded" in line for line in rejected) and any(
+                "rate_limit" in line for line in rejected
+            )
     finally:
         for node in swarm["nodes"]:
             node.step_delay_s = 0.0
@@ -236,14 +304,18 @@ def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(sw
 
 
 def test_usage_reported_to_tracker(client: openai.OpenAI, swarm: dict) -> None:
-    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "count me"}],
-                                   max_tokens=3)
+    client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "count me"}], max_tokens=3
+    )
     tracker = url(swarm["tracker"])
 
     def recorded() -> float:
         text = httpx.get(tracker + "/metrics", timeout=10).text
-        values = [float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith("swarm_tracker_usage_tokens_total")]
+        values = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("swarm_tracker_usage_tokens_total")
+        ]
         return sum(values)
 
     assert wait_until(recorded, 10, "the tracker to record usage") > 0
@@ -253,22 +325,26 @@ def test_usage_reported_to_tracker(client: openai.OpenAI, swarm: dict) -> None:
 def test_failure_mid_stream_recovers_on_the_other_route(client: openai.OpenAI, swarm: dict) -> None:
     FAILURES.update(left=1, after=4)  # one node error after 4 tokens: replayed elsewhere, the text is intact
     try:
-        stream = client.chat.completions.create(model="fake-model", stream=True,
-                                                messages=[{"role": "user", "content": "hi"}])
+        stream = client.chat.completions.create(
+            model="fake-model", stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
         assert "".join(c.choices[0].delta.content or "" for c in stream) == swarm["expected"]
         assert FAILURES["left"] == 0
     finally:
         FAILURES.update(left=0)
-    assert any('outcome="recovered"' in line
-               for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total"))
+    assert any(
+        'outcome="recovered"' in line
+        for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+    )
     wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the failed and the replayed session")
 
 
 def test_failure_mid_stream_that_persists_is_an_error_event(client: openai.OpenAI, swarm: dict) -> None:
     FAILURES.update(left=100, after=3)  # every route fails: after the recoveries, the client gets the error
     try:
-        stream = client.chat.completions.create(model="fake-model", stream=True,
-                                                messages=[{"role": "user", "content": "hi"}])
+        stream = client.chat.completions.create(
+            model="fake-model", stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
         texts: list[str] = []
         with pytest.raises(openai.APIError) as info:
             for chunk in stream:
@@ -283,7 +359,9 @@ def test_failure_mid_stream_that_persists_is_an_error_event(client: openai.OpenA
     wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the failed sessions")
 
 
-def test_dead_node_before_open_moves_the_request_to_the_other_route(client: openai.OpenAI, swarm: dict) -> None:
+def test_dead_node_before_open_moves_the_request_to_the_other_route(
+    client: openai.OpenAI, swarm: dict
+) -> None:
     """Last in the module: it stops a node for good. Concurrent requests reach both cached routes, so one of
     them meets the dead node at OPEN time and must be moved to a live route."""
     dead = swarm["nodes"][0]
@@ -295,8 +373,9 @@ def test_dead_node_before_open_moves_the_request_to_the_other_route(client: open
 
     def one() -> None:
         try:
-            r = client.chat.completions.create(model="fake-model", temperature=0,
-                                               messages=[{"role": "user", "content": "hi"}])
+            r = client.chat.completions.create(
+                model="fake-model", temperature=0, messages=[{"role": "user", "content": "hi"}]
+            )
             results.append(r.choices[0].message.content or "")
         except BaseException as err:  # noqa: BLE001 - reported below
             failures.append(err)
@@ -311,6 +390,9 @@ def test_dead_node_before_open_moves_the_request_to_the_other_route(client: open
         for node in swarm["nodes"]:
             node.step_delay_s = 0.0
     assert not failures and results == [swarm["expected"]] * 6
-    failed = [line for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
-              if 'outcome="open_failed"' in line]
+    failed = [
+        line
+        for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_route_sessions_total")
+        if 'outcome="open_failed"' in line
+    ]
     assert failed and all(dead.node_id[:8] in line for line in failed), failed

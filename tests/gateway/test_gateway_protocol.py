@@ -27,46 +27,67 @@ def test_chat_defaults() -> None:
 
 
 def test_chat_full() -> None:
-    r = parse_chat_request(chat(max_completion_tokens=5, max_tokens=9, temperature=0, top_p=0.5, seed=-1,
-                                frequency_penalty=0, presence_penalty=0.0,
-                                stop="\n", n=1, stream=True, stream_options={"include_usage": True},
-                                logprobs=True, top_logprobs=3, user="u",
-                                messages=[{"role": "system", "content": [{"type": "text", "text": "a"},
-                                                                         {"type": "text", "text": "b"}]},
-                                          {"role": "user", "content": "q", "name": "bob"}]))
+    r = parse_chat_request(
+        chat(
+            max_completion_tokens=5,
+            max_tokens=9,
+            temperature=0,
+            top_p=0.5,
+            seed=-1,
+            frequency_penalty=0,
+            presence_penalty=0.0,
+            stop="\n",
+            n=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            top_logprobs=3,
+            user="u",
+            messages=[
+                {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "user", "content": "q", "name": "bob"},
+            ],
+        )
+    )
     assert r.max_tokens == 5  # max_completion_tokens wins over the legacy max_tokens
     assert r.temperature == 0.0 and r.top_p == 0.5 and r.seed == 2**63 - 1
     assert r.stop == ("\n",) and r.stream and r.include_usage and r.n_top_logprobs == 3
-    assert r.messages[0].content == "ab" and r.messages[1].to_template() == {"role": "user", "content": "q",
-                                                                              "name": "bob"}
+    assert r.messages[0].content == "ab" and r.messages[1].to_template() == {
+        "role": "user",
+        "content": "q",
+        "name": "bob",
+    }
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (chat(temperature=-1), "temperature"),
-    (chat(temperature=2.5), "temperature"),
-    (chat(temperature="hot"), "temperature"),
-    (chat(n=2), "n"),
-    (chat(max_tokens=0), "max_tokens"),
-    (chat(max_completion_tokens=-3), "max_completion_tokens"),
-    (chat(top_p=1.5), "top_p"),
-    (chat(top_logprobs=3), "top_logprobs"),
-    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
-    (chat(stop=5), "stop"),
-    (chat(stream_options={"include_usage": True}), "stream_options"),
-    (chat(logit_bias={"1": 5}), "logit_bias"),
-    (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(frobnicate=1), "frobnicate"),
-    (chat(presence_penalty=3), "presence_penalty"),
-    (chat(frequency_penalty=0.5), "frequency_penalty"),  # in range, but the nodes do not apply it
-    (chat(seed=1.5), "seed"),
-    (chat(stream="yes"), "stream"),
-    ({"messages": CHAT["messages"]}, "model"),
-    (chat(messages=[]), "messages"),
-    (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(temperature=-1), "temperature"),
+        (chat(temperature=2.5), "temperature"),
+        (chat(temperature="hot"), "temperature"),
+        (chat(n=2), "n"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_completion_tokens=-3), "max_completion_tokens"),
+        (chat(top_p=1.5), "top_p"),
+        (chat(top_logprobs=3), "top_logprobs"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (chat(stop=5), "stop"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(logit_bias={"1": 5}), "logit_bias"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(frobnicate=1), "frobnicate"),
+        (chat(presence_penalty=3), "presence_penalty"),
+        (chat(frequency_penalty=0.5), "frequency_penalty"),  # in range, but the nodes do not apply it
+        (chat(seed=1.5), "seed"),
+        (chat(stream="yes"), "stream"),
+        ({"messages": CHAT["messages"]}, "model"),
+        (chat(messages=[]), "messages"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+    ],
+)
 def test_chat_refusals(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request(body)
@@ -92,16 +113,19 @@ def test_completion_prompts() -> None:
     assert not parse_completion_request({"model": "m", "prompt": "x", "logprobs": None}).logprobs
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    ({"model": "m", "prompt": 3}, "prompt"),
-    ({"model": "m", "prompt": [-1]}, "prompt"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
-    ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
-    ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
-    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": 3}, "prompt"),
+        ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
+        ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ],
+)
 def test_completion_refusals(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_completion_request(body)
@@ -109,10 +133,32 @@ def test_completion_refusals(body: dict, param: str) -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(["temperature", "top_p", "n", "max_tokens", "seed", "stop", "logprobs",
-                                        "top_logprobs", "stream", "presence_penalty"]),
-                       st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True),
-                                 st.text(max_size=3), st.lists(st.text(max_size=2), max_size=5))))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "temperature",
+                "top_p",
+                "n",
+                "max_tokens",
+                "seed",
+                "stop",
+                "logprobs",
+                "top_logprobs",
+                "stream",
+                "presence_penalty",
+            ]
+        ),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-5, 5),
+            st.floats(allow_nan=True),
+            st.text(max_size=3),
+            st.lists(st.text(max_size=2), max_size=5),
+        ),
+    )
+)
 def test_parse_never_crashes(extra: dict) -> None:
     """Whatever the values, parsing returns a request or raises InvalidRequest, nothing else."""
     try:
@@ -123,16 +169,28 @@ def test_parse_never_crashes(extra: dict) -> None:
 
 
 def test_logprob_formats() -> None:
-    entries = [TokenLogprob("He", b"He", -0.5, (("He", b"He", -0.5), ("A", b"A", -1.0))),
-               TokenLogprob("llo", b"llo", float("-inf"), ())]
+    entries = [
+        TokenLogprob("He", b"He", -0.5, (("He", b"He", -0.5), ("A", b"A", -1.0))),
+        TokenLogprob("llo", b"llo", float("-inf"), ()),
+    ]
     c = protocol.chat_logprobs(entries)
-    assert c["content"][0] == {"token": "He", "logprob": -0.5, "bytes": [72, 101],
-                               "top_logprobs": [{"token": "He", "logprob": -0.5, "bytes": [72, 101]},
-                                                {"token": "A", "logprob": -1.0, "bytes": [65]}]}
+    assert c["content"][0] == {
+        "token": "He",
+        "logprob": -0.5,
+        "bytes": [72, 101],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "A", "logprob": -1.0, "bytes": [65]},
+        ],
+    }
     assert c["content"][1]["logprob"] == -9999.0  # JSON has no -Infinity
     p = protocol.completion_logprobs(entries, 10)
-    assert p == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -9999.0],
-                 "top_logprobs": [{"He": -0.5, "A": -1.0}, {}], "text_offset": [10, 12]}
+    assert p == {
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.5, -9999.0],
+        "top_logprobs": [{"He": -0.5, "A": -1.0}, {}],
+        "text_offset": [10, 12],
+    }
     json.dumps(c, allow_nan=False)
 
 
@@ -142,8 +200,9 @@ def test_response_shapes() -> None:
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     chunk = protocol.chat_chunk("id", 1, "m", "fp", delta={"content": "x"}, include_usage=True)
     assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "x"}
-    last = protocol.chat_chunk("id", 1, "m", "fp", usage_block=protocol.usage(1, 1), include_usage=True,
-                               usage_only=True)
+    last = protocol.chat_chunk(
+        "id", 1, "m", "fp", usage_block=protocol.usage(1, 1), include_usage=True, usage_only=True
+    )
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 2
     text = protocol.text_completion("id", 1, "m", "t", "length", [], 1, 1, "fp")
     assert text["object"] == "text_completion" and text["choices"][0]["logprobs"]["tokens"] == []

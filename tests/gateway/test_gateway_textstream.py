@@ -25,7 +25,7 @@ def run(pieces: list[bytes], stops: tuple[str, ...]) -> tuple[list[str], str, bo
 
 
 def expected(pieces: list[bytes], stops: tuple[str, ...]) -> str:
-    """Generation ends at the first token after which some stop string is complete; cut at the earliest one."""
+    """Generation ends at the first token after which a stop string is complete; cut at the earliest one."""
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -68,10 +68,14 @@ alphabet = st.sampled_from(["a", "b", "\n", "é", "€", "😀", " "])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.text(alphabet, max_size=4), max_size=12), st.lists(st.text(alphabet, min_size=1, max_size=3),
-                                                                      max_size=3), st.data())
-def test_emitted_text_equals_decoded_text_cut_at_first_stop(words: list[str], stops: list[str],
-                                                             data: st.DataObject) -> None:
+@given(
+    st.lists(st.text(alphabet, max_size=4), max_size=12),
+    st.lists(st.text(alphabet, min_size=1, max_size=3), max_size=3),
+    st.data(),
+)
+def test_emitted_text_equals_decoded_text_cut_at_first_stop(
+    words: list[str], stops: list[str], data: st.DataObject
+) -> None:
     blob = "".join(words).encode()
     # Cut the bytes anywhere, also inside characters.
     cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=8)))
