@@ -62,6 +62,8 @@ class TrioBridge:
                 loop.call_soon_threadsafe(resolve, False, ConnectionAbortedError("node shutting down"))
                 raise
             except BaseException as err:  # handed to the asyncio side, which owns the call
+                if not isinstance(err, trio.EndOfChannel | trio.ClosedResourceError):
+                    log.exception("trio side of a gRPC call failed")
                 loop.call_soon_threadsafe(resolve, False, err)
             else:
                 loop.call_soon_threadsafe(resolve, True, value)
@@ -199,9 +201,13 @@ class ShardServiceAdapter:
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
-            port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+            where = f"{self.settings.host}:{self.settings.port}"
+            try:
+                port = server.add_insecure_port(where)
+            except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind ...")
+                raise OSError(f"gRPC cannot listen on {where}: {err}") from err
             if port == 0:
-                raise OSError(f"cannot bind {self.settings.host}:{self.settings.port}")
+                raise OSError(f"gRPC cannot listen on {where}")
             await server.start()
         except BaseException as err:
             token.run_sync_soon(report, None, err)
