@@ -230,7 +230,8 @@ def add_ratios(report: dict) -> None:
     for name, setup in report["setups"].items():
         if name.startswith("server"):
             continue
-        matched = next((n for n, s in servers.items() if s["threads_total"] == min(setup["threads_total"], cpus)), None)
+        want = min(setup["threads_total"], cpus)
+        matched = min(servers, key=lambda n: abs(servers[n]["threads_total"] - want), default=None)
         setup["baseline"] = matched
         for lvl in setup["levels"]:
             lvl["vs"] = {}
