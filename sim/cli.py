@@ -45,9 +45,12 @@ def parse_policy(text: str) -> tuple[str, str]:
     return placement, routing
 
 
-def _load(path: str, seed: int | None, duration_s: float | None) -> Scenario:
+SET_HELP = "override a scenario key: table.key=VALUE (TOML value), repeatable"
+
+
+def _load(path: str, seed: int | None, duration_s: float | None, overrides: tuple[str, ...] = ()) -> Scenario:
     try:
-        sc = load_scenario(path)
+        sc = load_scenario(path, overrides)
     except (ScenarioError, OSError) as err:
         raise click.ClickException(str(err)) from err
     run = sc.run
@@ -89,6 +92,7 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="override the scenario's seed")
 @click.option("--duration-s", type=float, default=None, help="override the simulated duration (s)")
 @click.option("--no-plots", is_flag=True, help="write result.json only")
+@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE", help=SET_HELP)
 def run(
     scenario: str,
     out_dir: str | None,
@@ -96,12 +100,13 @@ def run(
     seed: int | None,
     duration_s: float | None,
     no_plots: bool,
+    overrides: tuple[str, ...],
 ) -> None:
     """Run SCENARIO.toml once and write result.json and PNG plots."""
     from sim.des.report import plot_run, write_json
     from sim.des.simulator import run as simulate
 
-    sc = _load(scenario, seed, duration_s)
+    sc = _load(scenario, seed, duration_s, overrides)
     if policy:
         try:
             sc = with_policy(sc, *parse_policy(policy))
@@ -130,6 +135,7 @@ def run(
 @click.option("--seed", type=int, default=None, help="override the scenario's seed (same for both)")
 @click.option("--duration-s", type=float, default=None, help="override the simulated duration (s)")
 @click.option("--no-plots", is_flag=True, help="write compare.json only")
+@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE", help=SET_HELP)
 def compare(
     scenario: str,
     policy_a: str,
@@ -138,12 +144,13 @@ def compare(
     seed: int | None,
     duration_s: float | None,
     no_plots: bool,
+    overrides: tuple[str, ...],
 ) -> None:
     """Run SCENARIO.toml under two policies with the same seed and compare them."""
     from sim.des.report import comparison, key_figures, plot_compare, plot_run, write_json
     from sim.des.simulator import run as simulate
 
-    base = _load(scenario, seed, duration_s)
+    base = _load(scenario, seed, duration_s, overrides)
     labels = (policy_a, policy_b) if policy_a != policy_b else (f"A:{policy_a}", f"B:{policy_b}")
     results = []
     for text in (policy_a, policy_b):

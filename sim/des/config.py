@@ -120,6 +120,9 @@ class GatewayConfig:
     recovery_timeout_s: float = 60.0  # a session whose route cannot be repaired in this time fails
     recovery_retry_s: float = 2.0  # wait between attempts when no replacement exists
     route_refresh_min_s: float = 1.0  # least time between two route-pool refreshes of one gateway and model
+    # New sessions avoid pooled routes the selector expects to be slower than this per token
+    # (they wait instead). 0 = no bound. Recovery ignores it: a slow stage beats a failed session.
+    max_route_ms_per_token: float = 0.0
     prefill_chunk_tokens: int = 256
     step_token_budget: int = 512  # tokens one batch step of a node may hold (decode first)
 
@@ -142,8 +145,13 @@ class Scenario:
     source_dir: str = ""  # directory of the scenario file (relative trace paths resolve here)
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Parse and validate a scenario file."""
+def load_scenario(path: str | Path, overrides: tuple[str, ...] = ()) -> Scenario:
+    """Parse and validate a scenario file.
+
+    ``overrides`` are ``table.key=VALUE`` strings (VALUE in TOML syntax, e.g.
+    ``gateway.routes_k=8`` or ``network.gateway_regions=["europe"]``) applied
+    to the file's tables before validation; arrays of tables cannot be addressed.
+    """
     p = Path(path)
     try:
         with p.open("rb") as fh:
@@ -151,8 +159,28 @@ def load_scenario(path: str | Path) -> Scenario:
     except tomllib.TOMLDecodeError as err:
         raise ScenarioError(f"{p}: {err}") from err
     data = dict(data)
+    for text in overrides:
+        _apply_override(data, text)
     data["source_dir"] = str(p.resolve().parent)
     return parse_scenario(data)
+
+
+def _apply_override(data: dict[str, Any], text: str) -> None:
+    path, sep, raw = text.partition("=")
+    keys = path.strip().split(".")
+    if not sep or len(keys) < 2 or not all(keys):
+        raise ScenarioError(f"override {text!r}: expected table.key=VALUE")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError as err:
+        raise ScenarioError(f"override {text!r}: VALUE is not TOML: {err}") from err
+    table = data
+    for k in keys[:-1]:
+        nxt = table.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ScenarioError(f"override {text!r}: {k!r} is not a table")
+        table = nxt
+    table[keys[-1]] = value
 
 
 def parse_scenario(data: dict[str, Any]) -> Scenario:
@@ -263,6 +291,7 @@ def _validate(s: Scenario) -> None:
         "workload.trace_file is needed for kind='trace'",
     )
     need(0 <= s.workload.start_s < s.run.duration_s, "workload.start_s must be in [0, run.duration_s)")
+    need(s.gateway.max_route_ms_per_token >= 0, "gateway.max_route_ms_per_token must be >= 0")
     need(s.gateway.routes_k >= 1, "gateway.routes_k must be >= 1")
     need(s.gateway.prefill_chunk_tokens >= 1, "gateway.prefill_chunk_tokens must be >= 1")
     need(

@@ -156,7 +156,10 @@ class Gateways:
     def _choose(self, pool: _Pool) -> list[SimNode] | None:
         best: list[SimNode] | None = None
         best_score = 0.0
+        bound = self.cfg.max_route_ms_per_token
         for route, expected_ms in pool.routes:
+            if bound and expected_ms > bound:
+                continue
             occupancy = 0.0
             ok = True
             for n in route:

@@ -84,3 +84,35 @@ def test_ours_calls_the_tracker(monkeypatch) -> None:  # type: ignore[no-untyped
     calls.update(select=0, place=0)
     run(small_scenario(run={"duration_s": 30.0}, policy={"placement": "random", "routing": "nearest"}))
     assert calls == {"select": 0, "place": 0}
+
+
+def test_set_overrides_scenario_keys(tmp_path: Path) -> None:
+    args = [
+        "run",
+        LAN,
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "run.duration_s=30",
+        "--set",
+        "nodes.initial=3",
+    ]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert data["duration_s"] == 30.0
+    assert data["metrics"]["swarm"]["joins"] == 3
+    res = CliRunner().invoke(
+        main, ["run", LAN, "--no-plots", "--out", str(tmp_path), "--set", "nodes.inital=3"]
+    )
+    assert res.exit_code != 0 and "unknown key" in res.output
+
+
+def test_route_latency_bound_holds_requests_back() -> None:
+    free = run(small_scenario(run={"duration_s": 60.0}))
+    # Routes of this swarm cost ~17 ms per token; a 1 ms bound admits none of them.
+    bounded = run(small_scenario(run={"duration_s": 60.0}, gateway={"max_route_ms_per_token": 1.0}))
+    assert free["requests"]["completed"] > 0
+    assert bounded["requests"]["completed"] == 0
+    assert bounded["requests"]["conserved"]
