@@ -437,6 +437,19 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     assert done.returncode == 0 and '"is_last": true' in done.stdout, done.stderr
     status, body = http_json(f"{admin}/healthz")
     assert status == 200 and body["status"] == "serving"
+    import urllib.request
+
+    with urllib.request.urlopen(f"{admin}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    for name in (
+        "swarm_node_sessions",
+        "swarm_node_queue_depth",
+        "swarm_node_kv_tokens_used",
+        "swarm_node_tokens_per_second",
+        "swarm_node_batch_tokens",
+        "swarm_node_refusals_total",
+    ):
+        assert f"# TYPE {name} " in metrics, name
     # announce once, then signed heartbeats (every second in these tests) accepted by the tracker
     deadline = time.monotonic() + 10
     while (state := http_json(f"{admin}/status")[1])["heartbeats"] < 1 and time.monotonic() < deadline:
