@@ -28,7 +28,7 @@ import grpc
 import grpc.aio
 import trio
 
-from node.hub import Connection, Hub
+from node.hub import Connection, Hub, TooManyConnections
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
 
@@ -179,6 +179,13 @@ class ShardServiceAdapter:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
+                # Find dead gateways on long-lived streams (their sessions then wait for a re-attach),
+                # and tolerate client keepalive pings every 10 s or slower.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.max_ping_strikes", 0),
             ]
         )
         handlers = {
@@ -220,7 +227,11 @@ class ShardServiceAdapter:
         bridge = self._bridge
         assert bridge is not None
         self.streams_opened += 1
-        conn: Connection = await bridge.call_sync(self.hub.open_connection)
+        try:
+            conn: Connection = await bridge.call_sync(self.hub.open_connection)
+        except TooManyConnections as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            return
 
         async def writer() -> None:
             while True:

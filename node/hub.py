@@ -35,6 +35,10 @@ log = logging.getLogger("swarm.node.hub")
 OUTBOUND_FRAMES = 512
 
 
+class TooManyConnections(RuntimeError):
+    """The hub already holds ``max_connections`` connections."""
+
+
 @dataclass(eq=False)
 class Connection:
     conn_id: int
@@ -47,9 +51,13 @@ class Connection:
 
 
 class Hub:
-    def __init__(self, server: FrameServer, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, server: FrameServer, clock: Callable[[], float] = time.monotonic, *, max_connections: int = 0
+    ) -> None:
         self.server = server
         self.clock = clock
+        # Streams cost memory before any OPEN: bound them too (default: 4 per session slot, plus room).
+        self.max_connections = max_connections or 4 * server.spec.max_sessions + 64
         self.scheduler: Scheduler | None = None
         self._conns: dict[int, Connection] = {}
         self.dropped_slow_connections = 0
@@ -60,6 +68,8 @@ class Hub:
     # -- transport API ---------------------------------------------------------------------------
 
     def open_connection(self) -> Connection:
+        if len(self._conns) >= self.max_connections:
+            raise TooManyConnections(f"this node holds its maximum of {self.max_connections} connections")
         conn_id = self.server.connect()
         send, recv = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
         conn = Connection(conn_id, recv, send)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
-from node.hub import OUTBOUND_FRAMES, Hub
+from node.hub import OUTBOUND_FRAMES, Hub, TooManyConnections
 from node.scheduler import Scheduler
 from node.session_machine import FrameServer, ServingSpec
 from proto import codec
@@ -96,3 +97,13 @@ async def test_drain_notifies_open_sessions_and_frees_their_kv() -> None:
         assert [codec.body_kind(f) for f in frames] == ["open_ack", "error"]
         assert frames[1].error.status == status_pb2.STATUS_UNAVAILABLE
         nursery.cancel_scope.cancel()
+
+
+async def test_connections_are_bounded() -> None:
+    hub = Hub(FrameServer(_spec(), lambda ticket, sid: None), max_connections=2)
+    a = hub.open_connection()
+    hub.open_connection()
+    with pytest.raises(TooManyConnections):
+        hub.open_connection()
+    hub.close_connection(a)
+    hub.open_connection()
