@@ -15,6 +15,8 @@ from typing import Any
 import h11
 import trio
 
+from node.logs import event
+
 log = logging.getLogger("swarm.node.admin")
 MAX_HEAD_BYTES = 8192
 HEAD_TIMEOUT_S = 10.0
@@ -45,7 +47,7 @@ class AdminServer:
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         port = listeners[0].socket.getsockname()[1]
-        log.info("admin_listening", extra={"swarm_fields": {"host": self.host, "port": port}})
+        event(log, "admin_listening", host=self.host, port=port)
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._handle, listeners)
             task_status.started(port)

@@ -29,6 +29,7 @@ import grpc.aio
 import trio
 
 from node.hub import Connection, Hub, TooManyConnections
+from node.logs import event
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
 
@@ -145,7 +146,7 @@ class ShardServiceAdapter:
                 await ready.wait()
                 if failed:
                     raise failed[0]
-                log.info("grpc listening host=%s port=%d", self.settings.host, bound[0])
+                event(log, "grpc_listening", host=self.settings.host, port=bound[0])
                 task_status.started(bound[0])
                 try:
                     await trio.sleep_forever()
