@@ -29,6 +29,15 @@ HELP: dict[str, tuple[str, str]] = {
     "swarm_gateway_requests_queued": ("gauge", "requests waiting for a session slot"),
     "swarm_gateway_route_inflight_sessions": ("gauge", "sessions running now on each cached route"),
     "swarm_gateway_routes_cached": ("gauge", "data-parallel routes in the route cache, by model"),
+    "swarm_gateway_recoveries_total": (
+        "counter",
+        "stage failures recovered mid-generation, by kind (span: one stage replaced, route: whole route)"
+        " and outcome",
+    ),
+    "swarm_gateway_recovery_seconds": (
+        "summary",
+        "time from a stage failure until generation could continue",
+    ),
 }
 
 

@@ -17,8 +17,11 @@ tracked from its replies and must equal the next step's ``expected_kv_len``
 (a node that disagrees is an upstream failure, never silently fixed); replies
 are checked for session, step and phase before use.
 
-Not done here (yet): replacing a failed stage and replaying its span
-(docs/gateway.md, Limits). A failure mid-stream ends the request.
+Recovery (``gateway/recovery.py``): with a :class:`RecoveryPolicy`, a step
+that fails on one stage replaces that stage with a same-span node, re-opens the
+survivors with the next route epoch (they keep their KV), replays the span's
+input history into the replacement and runs the step again; the caller never
+sees the failure unless recovery itself is impossible.
 """
 
 from __future__ import annotations
@@ -26,14 +29,30 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 import trio
 
-from gateway.errors import ContextLengthExceeded, GatewayError, StageBusy, StageFailed, UpstreamFailed
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    NoRoute,
+    StageBusy,
+    StageFailed,
+    UpstreamFailed,
+)
 from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
-from gateway.routes import Route, StageInfo
+from gateway.recovery import (
+    NoReplacement,
+    NoSameSpan,
+    RecoveryPolicy,
+    RecoveryReport,
+    SpanHistory,
+    SpanRecoveryImpossible,
+    replay_frames,
+)
+from gateway.routes import Hop, Route, StageInfo
 from proto import codec
 from proto.errors import ProtocolError, RemoteError, error_from_body
 from proto.swarm.v1 import frame_pb2, status_pb2
@@ -61,6 +80,18 @@ class _Stage:
 
 
 @dataclass
+class _Reopen:
+    """What re-opening a stage needs: where streams come from and the session's OPEN settings."""
+
+    channels: NodeChannels
+    stack: AsyncExitStack
+    tickets: list[bytes]  # per stage: the ticket that names that stage's node for its layers
+    sampling: codec.SamplingSettings
+    kv_budget_tokens: int
+    node_frame_bytes: int
+
+
+@dataclass
 class SessionUsage:
     """Per node: positions computed and steps run (sent to the tracker after the request)."""
 
@@ -76,6 +107,8 @@ class RouteSession:
         step_tokens: int,
         limits: codec.FrameLimits,
         reply_timeout_s: float,
+        recovery: RecoveryPolicy | None = None,
+        reopen: _Reopen | None = None,
     ) -> None:
         self.route = route
         self._stages = stages
@@ -85,13 +118,32 @@ class RouteSession:
         self._step_id = 1  # OPEN was step 1
         self._history: list[int] = []
         self.finished = False
+        self._recovery = recovery if reopen is not None else None
+        self._reopen = reopen
+        self._span_history = SpanHistory(
+            len(stages), recovery.max_history_bytes if recovery is not None else 0
+        )
+        if self._recovery is None:
+            self._span_history.hidden_kept = False
+        self._epoch = 1
+        self._retired: list[_Stage] = []  # replaced stages (usage still counts their work)
+        self._failed_nodes: set[str] = set()
+        self.recoveries = 0
 
     @property
     def kv_len(self) -> int:
         return self._stages[-1].kv_len
 
     def usage(self) -> SessionUsage:
-        return SessionUsage([(s.info.node_id, s.tokens, s.steps) for s in self._stages])
+        return SessionUsage([(s.info.node_id, s.tokens, s.steps) for s in [*self._retired, *self._stages]])
+
+    @property
+    def route_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [s.info.node_id for s in self._stages]
 
     def _next_step(self) -> int:
         self._step_id += 1
@@ -131,6 +183,22 @@ class RouteSession:
         await stage.stream.send(data)
 
     async def _run_step(self, phase: frame_pb2.Phase, tokens: Sequence[int], sample: bool) -> Sampled | None:
+        """One step through every stage; a failed stage is replaced and the step run again (recovery)."""
+        while True:
+            self._span_history.begin_step()
+            try:
+                sampled = await self._run_step_once(phase, tokens, sample)
+            except StageFailed as err:
+                if self._recovery is None or not _replaceable(err):
+                    raise
+                await self._recover(err)
+                continue
+            self._span_history.commit(tokens)
+            return sampled
+
+    async def _run_step_once(
+        self, phase: frame_pb2.Phase, tokens: Sequence[int], sample: bool
+    ) -> Sampled | None:
         """One step through every stage; returns the sampled token when ``sample``."""
         step_id = self._next_step()
         start = self._stages[0].kv_len
@@ -172,6 +240,7 @@ class RouteSession:
                         token_ids=tokens[a:b] if nxt is last else (),
                         sample=sample and nxt is last,
                     )
+                    self._span_history.record(k + 1, relay)
                     await self._send(nxt, relay)
                 elif sample and done:
                     if len(reply.result.sampled) != 1:
@@ -217,6 +286,266 @@ class RouteSession:
         self._history.append(token)
         return sampled
 
+    # ------------------------------------------------------------------ recovery
+
+    def _stage_index(self, node_id: str) -> int | None:
+        for i, stage in enumerate(self._stages):
+            if stage.info.node_id == node_id:
+                return i
+        return None
+
+    async def _recover(self, err: StageFailed) -> None:
+        """Replace the failed stage (and any that fail while doing so), bounded; raises if impossible."""
+        assert self._recovery is not None and self._reopen is not None
+        policy = self._recovery
+        failure: StageFailed = err
+        while True:
+            index = self._stage_index(failure.node_id)
+            if index is None:
+                raise failure
+            if self.recoveries >= policy.max_recoveries:
+                raise StageFailed(
+                    f"{failure.message} (gave up after {self.recoveries} stage replacements)",
+                    node_id=failure.node_id,
+                    remote=None,
+                ) from failure
+            self.recoveries += 1
+            self._failed_nodes.add(failure.node_id)
+            stage = self._stages[index]
+            span = (stage.header.shard_start, stage.header.shard_end)
+            started = trio.current_time()
+            if not self._span_history.can_replay(index):
+                raise SpanRecoveryImpossible(
+                    f"{failure.message}; the hidden-state history of layers [{span[0]}, {span[1]}) "
+                    "was not kept (over the per-session bound)",
+                    node_id=failure.node_id,
+                ) from failure
+            log.info(
+                "replacing stage %s [%d, %d) of session %s: %s",
+                failure.node_id[:8],
+                span[0],
+                span[1],
+                stage.header.session_id[:8],
+                failure.message,
+            )
+            try:
+                replacement = await policy.find(span[0], span[1], frozenset(self._failed_nodes))
+            except NoRoute as err:
+                policy.on_report(
+                    RecoveryReport(
+                        failure.node_id,
+                        "",
+                        span,
+                        self._span_history.committed,
+                        self._epoch,
+                        trio.current_time() - started,
+                        ok=False,
+                        error=err.message,
+                    )
+                )
+                raise NoReplacement(
+                    f"{failure.message}; no live node can take over layers [{span[0]}, {span[1]}): "
+                    f"{err.message}",
+                    retry_after_s=err.retry_after_s,
+                ) from failure
+            except NoSameSpan as err:
+                raise SpanRecoveryImpossible(
+                    f"{failure.message}; {err}", node_id=failure.node_id
+                ) from failure
+            new_node = getattr(replacement.info, "node_id", "?")
+            try:
+                await self._replace(index, replacement)
+            except StageFailed as again:
+                policy.on_report(
+                    RecoveryReport(
+                        failure.node_id,
+                        new_node,
+                        span,
+                        self._span_history.committed,
+                        self._epoch,
+                        trio.current_time() - started,
+                        ok=False,
+                        error=again.message,
+                    )
+                )
+                failure = again
+                continue
+            policy.on_report(
+                RecoveryReport(
+                    failure.node_id,
+                    new_node,
+                    span,
+                    self._span_history.committed,
+                    self._epoch,
+                    trio.current_time() - started,
+                    ok=True,
+                )
+            )
+            return
+
+    async def _receive_step(self, stage: _Stage, step_id: int) -> frame_pb2.Frame:
+        """The reply to ``step_id``, skipping late replies to the abandoned step (bounded)."""
+        for _skip in range(64):
+            try:
+                with trio.fail_after(self._reply_timeout_s):
+                    data = await stage.stream.receive()
+            except trio.TooSlowError as err:
+                raise StageFailed(
+                    f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
+                    node_id=stage.info.node_id,
+                ) from err
+            except StreamError as err:
+                raise StageFailed(
+                    f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id
+                ) from err
+            try:
+                frame = codec.parse_frame(data, self._limits)
+            except ProtocolError as err:
+                raise StageFailed(
+                    f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}",
+                    node_id=stage.info.node_id,
+                ) from err
+            if frame.step_id != step_id:
+                continue
+            if codec.body_kind(frame) == "error":
+                raise _remote_failure(stage, error_from_body(frame.error))
+            return frame
+        raise StageFailed(
+            f"node {stage.info.node_id[:8]} sent too many replies to abandoned steps",
+            node_id=stage.info.node_id,
+        )
+
+    async def _replace(self, index: int, replacement: object) -> None:
+        """Next epoch: re-attach the survivors at the committed length, open and replay the new stage."""
+        assert self._reopen is not None
+        reopen = self._reopen
+        hop: Hop = replacement.hop  # type: ignore[attr-defined]
+        info: StageInfo = replacement.info  # type: ignore[attr-defined]
+        ticket: bytes = replacement.ticket  # type: ignore[attr-defined]
+        old = self._stages[index]
+        if info.recipe_fingerprint != old.header.recipe_fingerprint:
+            raise SpanRecoveryImpossible(
+                f"replacement {info.node_id[:8]} runs another runtime recipe", node_id=old.info.node_id
+            )
+        committed = self._span_history.committed
+        epoch = self._epoch + 1
+        # Stop the failed stage's session if it is still there (best effort, no reply awaited).
+        with trio.move_on_after(0.5):
+            try:
+                await self._send(
+                    old, codec.cancel_frame(old.header, step_id=self._next_step(), reason="replaced")
+                )
+            except (StreamError, GatewayError):
+                pass
+        stream = await reopen.stack.enter_async_context(open_hop_stream(reopen.channels, hop))
+        new = _Stage(
+            info=info,
+            header=replace(old.header, route_epoch=epoch, recipe_fingerprint=info.recipe_fingerprint),
+            stream=stream,
+        )
+        stages = list(self._stages)
+        stages[index] = new
+        for stage in stages:
+            stage.header = replace(stage.header, route_epoch=epoch)
+        tickets = list(reopen.tickets)
+        tickets[index] = ticket
+        step_id = self._next_step()
+        last = len(stages) - 1
+        errors: list[StageFailed] = []
+
+        async def open_one(i: int, stage: _Stage) -> None:
+            frame = codec.open_frame(
+                stage.header,
+                step_id=step_id,
+                route_ticket=tickets[i],
+                kv_budget_tokens=reopen.kv_budget_tokens,
+                sampling=reopen.sampling if i == last else None,
+                output_encoding=frame_pb2.ENCODING_F32,
+                max_frame_bytes=reopen.node_frame_bytes,
+                keep_kv_len=committed if stage is not new else 0,
+            )
+            try:
+                for _try in range(20):
+                    await self._send(stage, frame)
+                    try:
+                        ack = await self._receive_step(stage, step_id)
+                    except StageBusy as busy:
+                        # A survivor still finishing the abandoned step refuses the re-attach briefly.
+                        remote = busy.remote
+                        if getattr(remote, "retry", None) != status_pb2.RETRY_SAME:
+                            raise
+                        await trio.sleep(max(0.05, getattr(remote, "retry_after_ms", 50) / 1000))
+                        continue
+                    break
+                else:
+                    raise StageFailed(
+                        f"node {stage.info.node_id[:8]} stayed busy", node_id=stage.info.node_id
+                    )
+                want = 0 if stage is new else committed
+                if codec.body_kind(ack) != "open_ack" or ack.kv_len != want:
+                    raise StageFailed(
+                        f"node {stage.info.node_id[:8]} answered the epoch {epoch} OPEN with "
+                        f"{codec.body_kind(ack)} kv_len={ack.kv_len}, expected {want}",
+                        node_id=stage.info.node_id,
+                    )
+                stage.kv_len = want
+                stage.granted = int(ack.open_ack.kv_tokens_granted)
+            except StageFailed as failure:
+                errors.append(failure)
+
+        async with trio.open_nursery() as nursery:
+            for i, stage in enumerate(stages):
+                nursery.start_soon(open_one, i, stage)
+        self._stages = stages
+        self._epoch = epoch
+        reopen.tickets[:] = tickets
+        self._retired.append(old)
+        if errors:
+            raise errors[0]
+        # Replay the span's inputs into the new stage; its outputs are not needed (the next stage has them).
+        try:
+            steps = replay_frames(
+                self._span_history,
+                index,
+                is_last=index == last,
+                header=new.header,
+                first_step_id=self._step_id + 1,
+                step_tokens=self._step_tokens,
+                max_frame_bytes=max(64 * 1024, self._limits.max_frame_bytes - 64 * 1024),
+                limits=self._limits,
+            )
+        except (ValueError, ProtocolError) as err:
+            raise SpanRecoveryImpossible(
+                f"cannot rebuild the input history of layers [{new.header.shard_start}, "
+                f"{new.header.shard_end}): {err}",
+                node_id=old.info.node_id,
+            ) from err
+        for frames in steps:
+            step_id = self._next_step()
+            start = frames[0].positions.start
+            end = frames[-1].positions.end
+            for frame in frames:
+                await self._send(new, frame)
+            while True:
+                reply = await self._receive(new)
+                if codec.body_kind(reply) != "result" or reply.step_id != step_id:
+                    raise StageFailed(
+                        f"replacement {new.info.node_id[:8]} answered step {reply.step_id} "
+                        f"({codec.body_kind(reply)}) during replay, step {step_id} expected",
+                        node_id=new.info.node_id,
+                    )
+                if not reply.HasField("chunk") or reply.chunk.index == reply.chunk.count - 1:
+                    break
+            if reply.kv_len != end:
+                raise StageFailed(
+                    f"replacement {new.info.node_id[:8]} holds {reply.kv_len} positions after replaying "
+                    f"up to {end}",
+                    node_id=new.info.node_id,
+                )
+            new.kv_len = end
+            new.tokens += end - start
+            new.steps += 1
+
     async def close(self, *, release: bool, reason: str, timeout_s: float) -> None:
         """RELEASE (finished) or CANCEL (abandoned) on every stage at once; wait for ``closed`` replies."""
         step_id = self._next_step()
@@ -243,6 +572,24 @@ class RouteSession:
             async with trio.open_nursery() as nursery:
                 for stage in self._stages:
                     nursery.start_soon(close_one, stage)
+
+
+def _replaceable(err: StageFailed) -> bool:
+    """A failure another node for the same span can fix: a broken or silent stream, or a hint not NONE."""
+    if isinstance(err, SpanRecoveryImpossible):
+        return False
+    remote = err.remote
+    if remote is None:
+        return True
+    return getattr(remote, "retry", status_pb2.RETRY_NONE) != status_pb2.RETRY_NONE
+
+
+def open_hop_stream(channels: NodeChannels, hop: Hop) -> AbstractAsyncContextManager[StageStream]:
+    """A Session stream to the hop's node: gRPC, or the node's WebSocket when it is relayed through us."""
+    relay = getattr(channels, "open_relay_stream", None)
+    if hop.relay and relay is not None:
+        return relay(hop)  # type: ignore[no-any-return]
+    return channels.open_stage_stream(hop.address)
 
 
 def _remote_failure(stage: _Stage, remote: RemoteError) -> GatewayError:
@@ -276,6 +623,7 @@ async def open_route_session(
     max_frame_bytes: int,
     reply_timeout_s: float,
     close_timeout_s: float,
+    recovery: RecoveryPolicy | None = None,
 ) -> AsyncIterator[RouteSession]:
     """Open every stage's stream, OPEN the session on all of them, yield it; close it on the way out.
 
@@ -292,7 +640,7 @@ async def open_route_session(
     async with AsyncExitStack() as stack:
         built: list[_Stage] = []
         for hop, info in zip(route.hops, stages, strict=True):
-            stream = await stack.enter_async_context(channels.open_stage_stream(hop.address))
+            stream = await stack.enter_async_context(open_hop_stream(channels, hop))
             header = codec.SessionHeader(
                 session_id=session_id,
                 route_epoch=1,
@@ -304,7 +652,20 @@ async def open_route_session(
             )
             built.append(_Stage(info=info, header=header, stream=stream))
         session = RouteSession(
-            route, built, step_tokens=step_tokens, limits=limits, reply_timeout_s=reply_timeout_s
+            route,
+            built,
+            step_tokens=step_tokens,
+            limits=limits,
+            reply_timeout_s=reply_timeout_s,
+            recovery=recovery,
+            reopen=_Reopen(
+                channels=channels,
+                stack=stack,
+                tickets=[route.ticket] * len(built),
+                sampling=sampling,
+                kv_budget_tokens=kv_budget_tokens,
+                node_frame_bytes=node_frame_bytes,
+            ),
         )
         failures: list[GatewayError] = []
         opened: list[_Stage] = []

@@ -47,8 +47,10 @@ from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.protocol import GenerationRequest, TokenLogprob
+from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_session import RouteSession, Sampled, open_route_session
 from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
+from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
 from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
@@ -112,6 +114,7 @@ class _Progress:
     recoveries: int = 0
     last_failure: StageFailed | None = None
     started: bool = False
+    recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
 
 
 def _recoverable(err: StageFailed) -> bool:
@@ -346,6 +349,10 @@ class GatewayService:
                     max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
                     reply_timeout_s=self.config.stage_reply_timeout_s,
                     close_timeout_s=self.config.close_timeout_s,
+                    recovery=RecoveryPolicy(
+                        span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
+                        on_report=lambda report: self._on_span_recovery(job, report),
+                    ),
                 ) as session:
                     entered = True
                     job.route_label = label
@@ -381,6 +388,24 @@ class GatewayService:
                 retry_after_s=last_error.retry_after_s or 2,
             )
         raise last_error
+
+    def _on_span_recovery(self, job: Job, report: RecoveryReport) -> None:
+        outcome = "ok" if report.ok else "failed"
+        self.metrics.inc("swarm_gateway_recoveries_total", kind="span", outcome=outcome)
+        self.metrics.observe("swarm_gateway_recovery_seconds", report.seconds)
+        event(
+            log,
+            "stage_replaced" if report.ok else "stage_replacement_failed",
+            level=logging.INFO if report.ok else logging.WARNING,
+            request_id=job.request_id,
+            failed_node=report.failed_node,
+            replacement_node=report.replacement_node,
+            span=list(report.span),
+            replayed_positions=report.replayed_positions,
+            route_epoch=report.epoch,
+            seconds=round(report.seconds, 4),
+            error=report.error or None,
+        )
 
     def _report(self, job: Job, session: RouteSession, route: Route) -> None:
         if not self.config.report_usage:
@@ -493,6 +518,8 @@ class GatewayService:
                     raise
                 progress.last_failure = err
                 progress.recoveries += 1
+                progress.recovering_since = trio.current_time()
+                self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
                 avoid.add(err.node_id)
                 self.routes.invalidate(request.model)
                 self.metrics.inc(
@@ -525,6 +552,11 @@ class GatewayService:
         else:
             sampled = await session.prefill(prepared.prompt)
             self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
+        if progress.recovering_since is not None:
+            now = trio.current_time()
+            self.metrics.observe("swarm_gateway_recovery_seconds", now - progress.recovering_since)
+            self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="ok")
+            progress.recovering_since = None
         text = progress.text
         while True:
             token = sampled.token_id

@@ -1,0 +1,181 @@
+"""Recovery from a node that dies mid-generation: real tracker, node and gateway processes on loopback.
+
+One swarm for the module: two nodes per span ([0,15) x2, [15,30) x2, 1 llama.cpp
+thread each). The tests run in file order and each kills one node that is
+serving the running request (SIGKILL, as a volunteer's machine vanishes):
+
+1. the last stage, mid-stream: the spare of [15,30) takes over (span replacement,
+   route epoch 2), the stream completes and equals the uninterrupted output;
+2. the first stage, during the prefill of a long prompt: the same;
+3. the last [15,30) node left: no spare, the client gets an error naming the
+   uncovered layers and no surviving node keeps KV for the session.
+
+The reference is the same request on the intact swarm (tests/gateway and
+tests/e2e/test_swarm_e2e.py show that equals the whole model's greedy output).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sim.launcher import LocalSwarm, start_local_swarm
+from sim.procs import Service
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "Write a short story about a lighthouse keeper."
+N_NEW = 40
+LONG_PROMPT = " ".join(
+    f"Line {i}: the keeper climbed the stairs, lit the lamp and wrote in the log." for i in range(40)
+)
+
+
+def status(node: Service) -> dict:
+    return httpx.get(f"http://127.0.0.1:{node.admin_port}/status", timeout=5).json()
+
+
+def busy_node(nodes: list[Service], span: tuple[int, int], timeout_s: float = 60.0) -> Service:
+    """The live node of ``span`` that holds a session right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for node in nodes:
+            if node.alive() and node.extra["span"] == span and status(node)["sessions"] > 0:
+                return node
+        time.sleep(0.02)
+    raise AssertionError(f"no node of {span} got a session")
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    key = f"{name}{{{want}}}" if labels else name
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[LocalSwarm]:
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("recovery"),
+        model=model_path,
+        n_nodes=2,
+        spare=2,
+        layers=["0:15", "15:30", "0:15", "15:30"],
+        node_cache=node_cache,
+        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32"],
+        node_args=["--no-benchmark"],
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(swarm: LocalSwarm) -> openai.OpenAI:
+    return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=300)
+
+
+def run_chat(client: openai.OpenAI, model: str, content: str, on_chunk=None) -> str:  # type: ignore[no-untyped-def]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=N_NEW,
+        temperature=0,
+        stream=True,
+    )
+    parts: list[str] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+            if on_chunk is not None:
+                on_chunk(len(parts))
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def expected(swarm: LocalSwarm, client: openai.OpenAI) -> dict[str, str]:
+    """The uninterrupted outputs, computed on the intact swarm before anything is killed."""
+    return {q: run_chat(client, swarm.model_name, q) for q in (QUESTION, LONG_PROMPT)}
+
+
+def test_last_stage_killed_mid_stream_spare_takes_over(
+    swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str]
+) -> None:
+    base = swarm.base_url.removesuffix("/v1")
+    before = metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok")
+    killed: list[Service] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 6 and not killed:
+            node = busy_node(swarm.nodes, (15, 30))
+            node.kill()
+            killed.append(node)
+
+    text = run_chat(client, swarm.model_name, QUESTION, on_chunk)
+    assert killed, "the stream ended before the kill"
+    assert text == expected[QUESTION]
+    assert metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok") == before + 1
+    assert metric(base, "swarm_gateway_recovery_seconds_count") >= 1
+
+
+def test_first_stage_killed_during_prefill_of_a_long_prompt(
+    swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str]
+) -> None:
+    killed: list[Service] = []
+    tokens_at_kill: list[int] = []
+    got = {"n": 0}
+
+    def killer() -> None:
+        # Kill the first stage once it holds part of the prompt but before the first token came back.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for node in swarm.nodes:
+                if node.alive() and node.extra["span"] == (0, 15):
+                    st = status(node)
+                    if st["sessions"] > 0 and st["kv_tokens_used"] >= 64:
+                        tokens_at_kill.append(got["n"])
+                        node.kill()
+                        killed.append(node)
+                        return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        text = run_chat(client, swarm.model_name, LONG_PROMPT, lambda n: got.__setitem__("n", n))
+    finally:
+        thread.join()
+    assert killed and tokens_at_kill == [0], "the first stage was not killed during prefill"
+    assert text == expected[LONG_PROMPT]
+
+
+def test_no_spare_left_error_names_the_uncovered_layers_and_kv_is_freed(
+    swarm: LocalSwarm, client: openai.OpenAI
+) -> None:
+    killed: list[Service] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 4 and not killed:
+            node = busy_node(swarm.nodes, (15, 30))
+            node.kill()
+            killed.append(node)
+
+    with pytest.raises(openai.APIError) as info:
+        run_chat(client, swarm.model_name, QUESTION, on_chunk)
+    assert killed
+    message = str(info.value)
+    assert "[15, 30)" in message and "not covered" in message, message
+    survivors = [n for n in swarm.nodes if n.alive()]
+    assert survivors and all(n.extra["span"] == (0, 15) for n in survivors)
+    deadline = time.monotonic() + 30
+    while any(status(n)["sessions"] for n in survivors) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [status(n)["sessions"] for n in survivors] == [0] * len(survivors)
+    assert [status(n)["kv_tokens_used"] for n in survivors] == [0] * len(survivors)
