@@ -142,17 +142,19 @@ class Supervisor:
         self.services.append(svc)
         return svc
 
-    def start_tracker(self, *, db_url: str | None = None, heartbeat_timeout_s: float | None = None) -> Service:
+    def start_tracker(self, *, db_url: str | None = None, heartbeat_timeout_s: float | None = None,
+                      port: int = 0, name: str = "tracker") -> Service:
+        """A tracker; ``port`` lets a restarted tracker come back where its nodes look for it."""
         data = self.workdir / "tracker"
         data.mkdir(exist_ok=True)
         argv = _script("swarm-tracker") + [
-            "serve", "--host", "127.0.0.1", "--port", "0", "--port-file", str(data / "port"),
+            "serve", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(data / "port"),
             "--data-dir", str(data), "--no-zeroconf",
             "--db-url", db_url or f"sqlite:///{data / 'tracker.db'}",
         ]
         if heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
-        return self._spawn("tracker", argv, data / "port")
+        return self._spawn(name, argv, data / "port")
 
     def start_node(self, name: str, *, model: Path, layers: str, tracker_url: str, threads: int = 1,
                    capacity_layers: int | None = None, max_sessions: int = 8, session_kv_tokens: int = 2048,
