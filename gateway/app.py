@@ -30,6 +30,7 @@ from gateway.errors import (
     InternalFailure,
     InvalidRequest,
     MethodNotAllowed,
+    ModelNotFound,
     NotFound,
     PayloadTooLarge,
     error_body,
@@ -129,6 +130,13 @@ def create_app(service: GatewayService) -> QuartTrio:
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(await service.list_models())
+
+    @app.get("/v1/models/<path:model>")
+    async def model(model: str) -> Response:
+        for entry in (await service.list_models())["data"]:
+            if model in (entry["id"], entry.get("fingerprint")):
+                return _json(entry)
+        raise ModelNotFound(f"The model '{model}' does not exist or no node serves it", param="model")
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

@@ -50,6 +50,8 @@ def _help(name: str) -> str:
 @click.option("--routes-k", type=int, default=None, help=_help("routes_k"))
 @click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
 @click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
+@click.option("--max-frame-bytes", type=int, default=None, help=_help("max_frame_bytes"))
+@click.option("--stage-reply-timeout-s", type=float, default=None, help=_help("stage_reply_timeout_s"))
 @click.option(
     "--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker."
 )

@@ -78,6 +78,8 @@ class GatewayConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.max_frame_bytes < 128 * 1024:
+            raise ConfigError("max_frame_bytes must be >= 131072 (frames of at least one hidden-state row)")
         for name in ("max_queue", "max_sessions_per_client"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")

@@ -33,7 +33,7 @@ import trio
 
 from gateway.groups import single_exception
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
-from proto.vocab import VocabAssembler
+from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabAssembler
 
 SESSION_METHOD = "/swarm.v1.ShardService/Session"
 _SEND_QUEUE_FRAMES = 32
@@ -110,7 +110,9 @@ class NodeChannels:
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            room = self._max_frame_bytes + 64 * 1024  # gRPC framing around our largest frame
+            # Our largest frame or vocabulary chunk, plus gRPC framing; frames are size-checked again by
+            # proto.codec.parse_frame against max_frame_bytes.
+            room = max(self._max_frame_bytes, MAX_VOCAB_CHUNK_BYTES) + 64 * 1024
             channel = grpc.insecure_channel(
                 address,
                 options=[
@@ -141,7 +143,9 @@ class NodeChannels:
 
         def call() -> bytes:
             assembler = VocabAssembler(model_fingerprint, max_total_bytes=max_bytes)
-            request = shard_service_pb2.VocabRequest(model_fingerprint=model_fingerprint)
+            request = shard_service_pb2.VocabRequest(
+                model_fingerprint=model_fingerprint, max_chunk_bytes=DEFAULT_VOCAB_CHUNK_BYTES
+            )
             try:
                 for chunk in stub.GetVocab(request, timeout=timeout):
                     data = assembler.add(chunk)

@@ -38,6 +38,7 @@ FAILURES: dict[str, int] = {"left": 0, "after": 0}
 class FakeState:
     sessions: dict[str, int] = field(default_factory=dict)  # session id -> kv_len
     history: dict[str, list[int]] = field(default_factory=dict)  # last stage: token ids seen per session
+    epochs: dict[str, int] = field(default_factory=dict)
     opened: int = 0
     released: int = 0
     cancelled: int = 0
@@ -149,13 +150,25 @@ class FakeNode:
             if frame.open.kv_budget.max_tokens > self.kv_per_session:
                 raise errors.ResourceExhaustedError("budget too large")
             with st.lock:
-                st.sessions[sid] = 0
-                st.history[sid] = []
-                st.opened += 1
+                reattached = sid in st.sessions
+                if reattached:
+                    # Re-attach (docs/protocol.md, Recovery): a higher epoch keeps the KV prefix asked for.
+                    if frame.route_epoch <= st.epochs[sid]:
+                        raise errors.RouteEpochError(f"epoch {frame.route_epoch} is not newer")
+                    kv = min(st.sessions[sid], int(frame.expected_kv_len))
+                    st.sessions[sid] = kv
+                    st.history[sid] = st.history[sid][:kv]
+                else:
+                    kv = 0
+                    st.sessions[sid] = 0
+                    st.history[sid] = []
+                    st.opened += 1
+                st.epochs[sid] = int(frame.route_epoch)
             return [
                 codec.open_ack_frame(
                     frame,
-                    kv_len=0,
+                    reattached=reattached,
+                    kv_len=kv,
                     node_id=self.node_id,
                     kv_tokens_granted=frame.open.kv_budget.max_tokens,
                     max_frame_bytes=4 << 20,
@@ -166,6 +179,7 @@ class FakeNode:
             with st.lock:
                 freed = st.sessions.pop(sid, 0)
                 st.history.pop(sid, None)
+                st.epochs.pop(sid, None)
                 if kind == "release":
                     st.released += 1
                 else:
@@ -173,6 +187,8 @@ class FakeNode:
             return [codec.closed_frame(frame, freed_kv_tokens=freed)]
         if sid not in st.sessions:
             raise errors.UnknownSessionError("no such session")
+        if frame.route_epoch != st.epochs[sid]:
+            raise errors.RouteEpochError(f"epoch {frame.route_epoch}, the session is at {st.epochs[sid]}")
         step = assembler.add(frame)
         if step is None:
             return None

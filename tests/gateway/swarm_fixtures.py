@@ -73,3 +73,13 @@ def vocab_bytes(model_path: Path, cache: Path) -> bytes:
     from node.shard import extract_vocab
 
     return extract_vocab(model_path, cache).read_bytes()
+
+
+def recovered(gateway_url: str) -> bool:
+    """Some recovery happened: a stage replaced in place, or the request moved to another route."""
+    lines = metric_lines(gateway_url, "swarm_gateway_")
+    moved = any('outcome="recovered"' in line for line in lines if "route_sessions_total" in line)
+    replaced = any(
+        "recoveries_total" in line and 'outcome="ok"' in line and not line.endswith(" 0") for line in lines
+    )
+    return moved or replaced
