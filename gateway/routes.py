@@ -249,23 +249,29 @@ class NodeInfoCache:
         self._infos: dict[tuple[str, str], StageInfo] = {}
 
     async def get(self, hop: Hop, model_fingerprint: str) -> StageInfo:
-        if hop.relay:
-            raise StageFailed(
-                f"node {hop.node_id[:8]} is reachable only through a relay, which this gateway "
-                "does not serve yet",
-                node_id=hop.node_id,
-            )
         key = (hop.node_id, hop.address)
-        cached = self._infos.get(key)
-        if cached is not None and self._clock() - cached.fetched_at_s <= self._ttl_s:
-            return cached
-        try:
-            with trio.fail_after(self._timeout_s):
-                info = await self._channels.info(hop.address)
-        except (StreamError, trio.TooSlowError) as err:
-            raise StageFailed(
-                f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}", node_id=hop.node_id
-            ) from err
+        if hop.relay:
+            # Relayed through us: the Info the node sent when its socket connected (gateway/relay.py).
+            relay_info = getattr(self._channels, "relay_info", None)
+            try:
+                if relay_info is None:
+                    raise StreamError("this gateway serves no relay")
+                info = relay_info(hop)
+            except StreamError as err:
+                raise StageFailed(
+                    f"node {hop.node_id[:8]} is reachable only through a relay: {err}", node_id=hop.node_id
+                ) from err
+        else:
+            cached = self._infos.get(key)
+            if cached is not None and self._clock() - cached.fetched_at_s <= self._ttl_s:
+                return cached
+            try:
+                with trio.fail_after(self._timeout_s):
+                    info = await self._channels.info(hop.address)
+            except (StreamError, trio.TooSlowError) as err:
+                raise StageFailed(
+                    f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}", node_id=hop.node_id
+                ) from err
         if info.node_id != hop.node_id:
             raise StageFailed(
                 f"node at {hop.address} is {info.node_id[:8]}, not {hop.node_id[:8]} as routed",

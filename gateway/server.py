@@ -25,8 +25,9 @@ import trio
 
 from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
-from gateway.grpc_bridge import NodeChannels
+from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
+from proto.signing import public_key_hex
 from tracker.client import TrackerClient
 from tracker.logs import event
 
@@ -97,11 +98,13 @@ async def serve_gateway(
 ) -> None:
     key = await trio.to_thread.run_sync(load_or_create_key, config.resolved_data_dir())
     tracker_url = await _tracker_url(config)
-    channels = NodeChannels(max_frame_bytes=config.max_frame_bytes, threads=config.grpc_threads)
+    relay = RelayHub(public_key_hex(key), max_frame_bytes=config.max_frame_bytes)
+    channels = RelayChannels(max_frame_bytes=config.max_frame_bytes, threads=config.grpc_threads, relay=relay)
     tracker = TrackerClient(tracker_url, key)
     try:
         service = GatewayService(config, tracker, key, channels)
         app = create_app(service)
+        install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
         hc = hypercorn.config.Config()
         host = f"[{config.host}]" if ":" in config.host else config.host
         hc.bind = [f"{host}:{config.port}"]

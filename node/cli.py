@@ -100,6 +100,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     default=None,
     help="Accept OPEN without a valid route ticket. Local tests only.",
 )
+@click.option(
+    "--relay",
+    "relay_url",
+    default=None,
+    help="Serve through this gateway's WebSocket relay (http://host:port): for nodes behind NAT.",
+)
 @click.option("--host", default=None, help="gRPC listen interface (default 0.0.0.0).")
 @click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one (default 7470).")
 @click.option("--advertise-host", default=None, help="Host/IP announced to the tracker.")

@@ -47,6 +47,11 @@ class NodeConfig:
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
     )
     insecure_no_tickets: bool = _f(False, "accept OPEN without verifying the route ticket (local tests only)")
+    relay_url: str = _f(
+        "",
+        "gateway to serve through when this node cannot accept connections (NAT): its http://host:port "
+        "or ws://host:port/v1/relay; empty = direct gRPC only",
+    )
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
     advertise_host: str = _f("", "host name/IP announced to the tracker; empty = a local non-loopback IP")

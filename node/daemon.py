@@ -20,6 +20,7 @@ stops heartbeating and expires there after the tracker's timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import math
@@ -263,6 +264,14 @@ class NodeDaemon:
                     admin_port = await nursery.start(admin.serve)
                     if cfg.admin_port_file:
                         _write_port_file(cfg.admin_port_file, admin_port)
+                self.relay = None
+                if cfg.relay_url:
+                    from node.relay_client import RelayClient
+
+                    self.relay = RelayClient(
+                        cfg.relay_url, self.hub, key, self.info, max_frame_bytes=cfg.max_frame_bytes
+                    )
+                    await nursery.start(self.relay.run)
                 if self.tracker_url:
                     nursery.start_soon(self._tracker_loop)
                 if self._vocab_bytes is None:
@@ -342,11 +351,13 @@ class NodeDaemon:
 
     def _announce(self) -> Announce:
         meta = self.meta
+        relay = getattr(self, "relay", None)
         return Announce(
             node_id=self.node_id,
-            addresses=(self.address,),
-            relay=False,
-            relay_via=None,
+            # A relayed node is reached only through its gateway: no address to dial.
+            addresses=() if relay is not None else (self.address,),
+            relay=relay is not None,
+            relay_via=relay.gateway_id if relay is not None else None,
             hardware=self.hardware,
             software_version=software_version(),
             model=ModelSpec(
@@ -382,10 +393,17 @@ class NodeDaemon:
         async with TrackerClient(self.tracker_url, self.key) as client:
             announced = False
             interval = self.config.heartbeat_interval_s or 10.0
+            relay = getattr(self, "relay", None)
+            announced_via: str | None = None
             while True:
+                if relay is not None:
+                    await relay.ready.wait()  # announce as relayed only once a gateway accepted us
+                    if announced and relay.gateway_id != announced_via:
+                        announced = False  # reconnected through another gateway: tell the tracker
                 try:
                     with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
                         if not announced:
+                            announced_via = relay.gateway_id if relay is not None else None
                             answer = await client.announce(self._announce())
                             self.counters.announces += 1
                             announced = True
@@ -525,6 +543,11 @@ class NodeDaemon:
             "announces": self.counters.announces,
             "heartbeats": self.counters.heartbeats,
             "tracker_failures": self.counters.tracker_failures,
+            "relay": (
+                dataclasses.asdict(self.relay.statistics())
+                if getattr(self, "relay", None) is not None
+                else None
+            ),
         }
 
     def metrics_text(self) -> str:

@@ -57,15 +57,22 @@ def _node_spans(n_nodes: int, n_layers: int) -> list[str]:
 
 
 def _wait_announced(sup_tracker: Service, tracker_url: str, node: Service, timeout_s: float) -> dict:
-    """Wait until the tracker lists this node as live; return its swarm entry."""
+    """Wait until the tracker lists this node as live; return its swarm entry.
+
+    A relayed node announces no address, so nodes are matched by their id (admin /healthz)."""
+    node_id = wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s).json()["node_id"]
+    node.extra["node_id"] = node_id
+
+    def mine(n: dict) -> bool:
+        return n.get("node_id") == node_id
+
     def announced(resp: httpx.Response) -> bool:
         if resp.status_code != 200:
             return False
-        return any(n.get("state") == "live" and str(node.port) in " ".join(n.get("addresses", []))
-                   for n in resp.json().get("nodes", []))
+        return any(n.get("state") == "live" and mine(n) for n in resp.json().get("nodes", []))
 
     resp = wait_http(node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
-    return next(n for n in resp.json()["nodes"] if str(node.port) in " ".join(n.get("addresses", [])))
+    return next(n for n in resp.json()["nodes"] if mine(n))
 
 
 def start_local_swarm(
@@ -84,8 +91,19 @@ def start_local_swarm(
     node_args: list[str] | None = None,
     timeout_s: float = 300.0,
     quiet: bool = True,
+    relay_nodes: int = 0,
+    relay_indices: list[int] | None = None,
 ) -> LocalSwarm:
-    """Start tracker, nodes and gateway; return once the gateway can route the model."""
+    """Start tracker, nodes and gateway; return once the gateway can route the model.
+
+    ``relay_nodes`` K: the last K nodes start with ``--relay`` pointed at the gateway (they accept no
+    connections and are reached over their WebSocket); ``relay_indices`` picks them by index instead.
+    The gateway then starts before the nodes, since relayed nodes dial it.
+    """
+    total = n_nodes + spare
+    relayed = set(relay_indices if relay_indices is not None else range(total - relay_nodes, total))
+    if relay_nodes < 0 or relay_nodes > total or any(not 0 <= i < total for i in relayed):
+        raise LaunchError(f"relayed nodes must be among the {total} nodes")
     sup = Supervisor(workdir)
     try:
         t0 = time.monotonic()
@@ -94,11 +112,16 @@ def start_local_swarm(
         tracker_url = f"http://127.0.0.1:{tracker.port}"
         wait_http(tracker, f"{tracker_url}/healthz", timeout_s)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
+        gateway: Service | None = None
+        if relayed:
+            gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
+            gateway.wait_port(timeout_s)
+            wait_http(gateway, f"http://127.0.0.1:{gateway.port}/healthz", timeout_s)
+            _say(quiet, f"  gateway  up at http://127.0.0.1:{gateway.port} (first: relayed nodes dial it)")
         from node.shard import read_model_meta  # parses the GGUF once; the nodes reuse the cache
 
         cache = node_cache or (Path(workdir) / "node-cache")
         meta = read_model_meta(model, cache)
-        total = n_nodes + spare
         capacity = math.ceil(meta.n_layers / max(1, n_nodes))
         nodes: list[Service] = []
         for i in range(total):
@@ -108,18 +131,23 @@ def start_local_swarm(
             node = sup.start_node(
                 name, model=model, layers=span, tracker_url=tracker_url, threads=threads,
                 capacity_layers=capacity if span == "auto" else None, max_sessions=max_sessions,
-                session_kv_tokens=session_kv_tokens, cache_dir=cache, extra_args=node_args,
+                session_kv_tokens=session_kv_tokens, cache_dir=cache,
+                extra_args=[*(node_args or []),
+                            *(["--relay", f"http://127.0.0.1:{gateway.port}"] if gateway and i in relayed else [])],
             )
+            node.extra["relayed"] = i in relayed
             node.wait_port(timeout_s)
             wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
             entry = _wait_announced(tracker, tracker_url, node, timeout_s)
             shard = entry.get("shard") or {}
             node.extra["span"] = (shard.get("start"), shard.get("end"))
-            _say(quiet, f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) on 127.0.0.1:{node.port}"
+            where = "through the gateway's relay" if i in relayed else f"on 127.0.0.1:{node.port}"
+            _say(quiet, f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) {where}"
                         f"  ({shard.get('decode_ms_per_token', 0):.1f} ms/token, pid {node.pid})")
             nodes.append(node)
-        gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
-        gateway.wait_port(timeout_s)
+        if gateway is None:
+            gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
+            gateway.wait_port(timeout_s)
         gw_url = f"http://127.0.0.1:{gateway.port}"
         wait_http(gateway, f"{gw_url}/healthz", timeout_s)
 
@@ -160,8 +188,8 @@ def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, laye
     """Start a local swarm: tracker, nodes and gateway on loopback, with an OpenAI endpoint."""
     if n_nodes < 1:
         raise click.BadParameter("need at least one node", param_hint="--nodes")
-    if relay_nodes:
-        raise click.ClickException("--relay-nodes: the WebSocket relay is not implemented yet (issue 6)")
+    if not 0 <= relay_nodes <= n_nodes + spare:
+        raise click.BadParameter(f"between 0 and {n_nodes + spare} (all nodes)", param_hint="--relay-nodes")
     model = model_path or test_model_path()
     spans = [s.strip() for s in layers.split(",")] if layers else None
     if spans is not None and len(spans) != n_nodes + spare:
@@ -170,7 +198,7 @@ def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, laye
     click.echo(f"starting a local swarm in {work} (logs in {work / 'logs'}) ...", err=True)
     try:
         swarm = start_local_swarm(work, model=model, n_nodes=n_nodes, spare=spare, layers=spans, threads=threads,
-                                  gateway_port=gateway_port, node_cache=None, quiet=False)
+                                  gateway_port=gateway_port, node_cache=None, quiet=False, relay_nodes=relay_nodes)
     except LaunchError as err:
         raise click.ClickException(str(err)) from err
     curl, body = _sample_request(swarm.base_url, swarm.model_name)
