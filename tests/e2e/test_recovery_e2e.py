@@ -16,6 +16,7 @@ tests/e2e/test_swarm_e2e.py show that equals the whole model's greedy output).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -61,8 +62,22 @@ def metric(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def replacements(swarm: LocalSwarm) -> list[dict]:
+    """The gateway's ``stage_replaced`` log events (span, positions replayed, seconds, epoch)."""
+    lines = swarm.gateway.log_path.read_text(errors="replace").splitlines()
+    events = [json.loads(line) for line in lines if '"stage_replaced"' in line]
+    for e in events:
+        print(
+            f"recovery: span {e['span']} replayed {e['replayed_positions']} positions "
+            f"in {e['seconds'] * 1000:.0f} ms, route epoch {e['route_epoch']}"
+        )
+    return events
+
+
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[LocalSwarm]:
+def swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
     s = start_local_swarm(
         tmp_path_factory.mktemp("recovery"),
         model=model_path,
@@ -123,11 +138,15 @@ def test_last_stage_killed_mid_stream_spare_takes_over(
     assert text == expected[QUESTION]
     assert metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok") == before + 1
     assert metric(base, "swarm_gateway_recovery_seconds_count") >= 1
+    last = replacements(swarm)[-1]
+    assert last["span"] == [15, 30] and last["route_epoch"] == 2
 
 
 def test_first_stage_killed_during_prefill_of_a_long_prompt(
     swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str]
 ) -> None:
+    base = swarm.base_url.removesuffix("/v1")
+    before = metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok")
     killed: list[Service] = []
     tokens_at_kill: list[int] = []
     got = {"n": 0}
@@ -154,6 +173,8 @@ def test_first_stage_killed_during_prefill_of_a_long_prompt(
         thread.join()
     assert killed and tokens_at_kill == [0], "the first stage was not killed during prefill"
     assert text == expected[LONG_PROMPT]
+    assert metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok") == before + 1
+    assert replacements(swarm)[-1]["span"] == [0, 15]
 
 
 def test_no_spare_left_error_names_the_uncovered_layers_and_kv_is_freed(

@@ -43,7 +43,9 @@ def reference(model_path: Path) -> Iterator[Reference]:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[LocalSwarm]:
+def swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
     s = start_local_swarm(
         tmp_path_factory.mktemp("relay"),
         model=model_path,
@@ -68,7 +70,9 @@ def status(node: Service) -> dict:
 
 
 def chat(client: openai.OpenAI, model: str, question: str, stream: bool, on_chunk=None) -> str:  # type: ignore[no-untyped-def]
-    kwargs = dict(model=model, messages=[{"role": "user", "content": question}], max_tokens=N_NEW, temperature=0)
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=N_NEW, temperature=0
+    )
     if not stream:
         return client.chat.completions.create(**kwargs).choices[0].message.content or ""
     parts: list[str] = []
@@ -86,7 +90,8 @@ def test_relayed_node_serves_a_stage_and_output_equals_the_whole_model(
     relayed = swarm.nodes[1]
     gateway_id = httpx.get(swarm.base_url.removesuffix("/v1") + "/healthz", timeout=5).json()["gateway_id"]
     entry = next(
-        n for n in httpx.get(swarm.tracker_url + "/v1/swarm", timeout=5).json()["nodes"]
+        n
+        for n in httpx.get(swarm.tracker_url + "/v1/swarm", timeout=5).json()["nodes"]
         if n["node_id"] == relayed.extra["node_id"]
     )
     assert entry["relay"] is True and entry["relay_via"] == gateway_id and entry["addresses"] == []
@@ -114,13 +119,19 @@ def test_relayed_node_killed_mid_stream_direct_spare_takes_over(
         if n == 4 and not killed:
             assert status(relayed)["sessions"] == 1
             spare = sup.start_node(
-                "spare", model=model_path, layers="15:30", tracker_url=swarm.tracker_url,
-                cache_dir=node_cache, extra_args=["--no-benchmark"],
+                "spare",
+                model=model_path,
+                layers="15:30",
+                tracker_url=swarm.tracker_url,
+                cache_dir=node_cache,
+                extra_args=["--no-benchmark"],
             )
             spare.wait_port(120)
             node_id = wait_http(spare, f"http://127.0.0.1:{spare.admin_port}/healthz", 120).json()["node_id"]
             wait_http(
-                spare, swarm.tracker_url + "/v1/swarm", 120,
+                spare,
+                swarm.tracker_url + "/v1/swarm",
+                120,
                 ok=lambda r: any(n["node_id"] == node_id and n["state"] == "live" for n in r.json()["nodes"]),
             )
             relayed.kill()
