@@ -47,6 +47,12 @@ class Proc:
                 self.popen.wait(timeout=timeout_s)
 
 
+def _clean_env() -> dict[str, str]:
+    """The caller's environment without service settings, so a stray SWARM_GATEWAY_* cannot change a test."""
+    prefixes = ("SWARM_GATEWAY_", "SWARM_NODE_", "SWARM_TRACKER_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
 def start_process(
     name: str,
     argv: list[str],
@@ -65,7 +71,7 @@ def start_process(
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**_clean_env(), **(env or {})},
             start_new_session=True,
         )
     proc = Proc(name, popen, log_path)
