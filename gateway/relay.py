@@ -187,7 +187,7 @@ class RelayHub:
 
     async def serve_socket(self) -> None:
         """The ``/v1/relay`` WebSocket handler: handshake, then frames both ways until either side ends."""
-        ws = websocket._get_current_object()
+        ws = websocket._get_current_object()  # type: ignore[attr-defined]
         await ws.accept()
         challenge = secrets.token_hex(32)
         await ws.send(

@@ -543,12 +543,12 @@ class NodeDaemon:
             "announces": self.counters.announces,
             "heartbeats": self.counters.heartbeats,
             "tracker_failures": self.counters.tracker_failures,
-            "relay": (
-                dataclasses.asdict(self.relay.statistics())
-                if getattr(self, "relay", None) is not None
-                else None
-            ),
+            "relay": self._relay_status(),
         }
+
+    def _relay_status(self) -> dict[str, Any] | None:
+        relay = getattr(self, "relay", None)
+        return dataclasses.asdict(relay.statistics()) if relay is not None else None
 
     def metrics_text(self) -> str:
         stats = self.machine.statistics()
