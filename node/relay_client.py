@@ -50,6 +50,23 @@ class RelayRefused(Exception):
     """The gateway refused the handshake (it says why)."""
 
 
+_CONNECTION_FAILURES = (
+    OSError,
+    HandshakeError,
+    ConnectionClosed,
+    RelayRefused,
+    trio.TooSlowError,
+    ValueError,
+)
+
+
+def _connection_failure(err: BaseException) -> bool:
+    """The socket could not be opened or ended (also when wrapped in trio's exception groups)."""
+    if isinstance(err, BaseExceptionGroup):
+        return all(_connection_failure(e) for e in err.exceptions)
+    return isinstance(err, _CONNECTION_FAILURES)
+
+
 def relay_ws_url(url: str) -> str:
     """``http://host:port`` (a gateway's base URL) or ``ws://host:port/v1/relay`` -> the WebSocket URL."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -121,14 +138,9 @@ class RelayClient:
             began = time.monotonic()
             try:
                 await self._connect_once()
-            except (
-                OSError,
-                HandshakeError,
-                ConnectionClosed,
-                RelayRefused,
-                trio.TooSlowError,
-                ValueError,
-            ) as err:
+            except Exception as err:
+                if not _connection_failure(err):
+                    raise
                 event(log, "relay_disconnected", level=logging.WARNING, url=self.url, error=repr(err))
             finally:
                 if self.connected:

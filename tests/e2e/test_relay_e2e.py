@@ -9,7 +9,9 @@ it: tracker, then the gateway, then node1 [0,15) on direct gRPC and node2
    client's text (stream and not) equals the whole model's greedy output
    (``node.reference.ReferenceModel`` with the nodes' settings); frames really
    went over the socket (node2's relay counters).
-2. The relayed node is SIGKILLed mid-stream after a direct spare for [15,30)
+2. The gateway restarts on the same port (same key): the node's socket drops,
+   it dials again with backoff and serves again.
+3. The relayed node is SIGKILLed mid-stream after a direct spare for [15,30)
    joined: the stream completes with the same text (span recovery over the
    relay's dropped socket).
 """
@@ -104,6 +106,28 @@ def test_relayed_node_serves_a_stage_and_output_equals_the_whole_model(
     after = status(relayed)["relay"]
     assert after["frames_in"] > before["frames_in"] and after["frames_out"] > before["frames_out"]
     assert status(relayed)["sessions"] == 0
+
+
+def test_relay_socket_reconnects_after_the_gateway_restarts(
+    swarm: LocalSwarm, client: openai.OpenAI, reference: Reference
+) -> None:
+    relayed = swarm.nodes[1]
+    connects = status(relayed)["relay"]["connects"]
+    port = swarm.gateway.port
+    swarm.gateway.stop()  # the socket drops; the node dials again with backoff
+    gateway = swarm.supervisor.start_gateway(
+        tracker_url=swarm.tracker_url, port=port, extra_args=["--route-ttl-s", "1"]
+    )
+    gateway.wait_port(120)
+    swarm.gateway = gateway
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        relay = status(relayed)["relay"]
+        if relay["connected"] and relay["connects"] > connects:
+            break
+        time.sleep(0.1)
+    assert status(relayed)["relay"]["connects"] == connects + 1
+    assert chat(client, swarm.model_name, QUESTION, stream=True) == reference.chat(QUESTION, N_NEW)
 
 
 def test_relayed_node_killed_mid_stream_direct_spare_takes_over(
