@@ -106,6 +106,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     default=None,
     help="Serve through this gateway's WebSocket relay (http://host:port): for nodes behind NAT.",
 )
+@click.option(
+    "--relay-auto",
+    is_flag=True,
+    default=None,
+    help="With --relay: relay only if the tracker cannot reach this node's gRPC port.",
+)
 @click.option("--host", default=None, help="gRPC listen interface (default 0.0.0.0).")
 @click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one (default 7470).")
 @click.option("--advertise-host", default=None, help="Host/IP announced to the tracker.")

@@ -52,6 +52,9 @@ class NodeConfig:
         "gateway to serve through when this node cannot accept connections (NAT): its http://host:port "
         "or ws://host:port/v1/relay; empty = direct gRPC only",
     )
+    relay_auto: bool = _f(
+        False, "with relay_url: use the relay only if the tracker cannot reach this node's gRPC port"
+    )
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
     advertise_host: str = _f("", "host name/IP announced to the tracker; empty = a local non-loopback IP")

@@ -265,7 +265,10 @@ class NodeDaemon:
                     if cfg.admin_port_file:
                         _write_port_file(cfg.admin_port_file, admin_port)
                 self.relay = None
-                if cfg.relay_url:
+                use_relay = bool(cfg.relay_url)
+                if use_relay and cfg.relay_auto:
+                    use_relay = not await self._reachable(port)
+                if use_relay:
                     from node.relay_client import RelayClient
 
                     self.relay = RelayClient(
@@ -348,6 +351,23 @@ class NodeDaemon:
                 except (httpx.TransportError, trio.TooSlowError) as err:
                     event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.config.tracker_retry_s)
+
+    async def _reachable(self, port: int) -> bool:
+        """Ask the tracker to dial our gRPC port from outside (tracker/reachability.py).
+
+        No answer counts as unreachable: the relay works whenever the gateway does.
+        """
+        reachable = False
+        if self.tracker_url:
+            try:
+                with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
+                    async with httpx.AsyncClient() as client:
+                        resp = await client.get(f"{self.tracker_url}/v1/reachability", params={"port": port})
+                reachable = resp.status_code == 200 and resp.json().get("reachable") is True
+            except (httpx.HTTPError, ValueError, trio.TooSlowError) as err:
+                event(log, "reachability_unknown", level=logging.WARNING, error=repr(err))
+        event(log, "reachability", port=port, reachable=reachable, relay=not reachable)
+        return reachable
 
     def _announce(self) -> Announce:
         meta = self.meta

@@ -18,6 +18,7 @@ import json
 import logging
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -25,6 +26,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from proto.signing import SignatureError
 from tracker.errors import BadRequest, PayloadTooLarge, TrackerError
 from tracker.logs import event
+from tracker.reachability import MAX_CONCURRENT_PROBES, probe
 from tracker.service import Registry
 
 log = logging.getLogger("swarm.tracker")
@@ -130,6 +132,19 @@ def create_app(registry: Registry) -> QuartTrio:
             raise BadRequest("exclude must be a list of at most 1024 node ids")
         result = await registry.routes(model, k, frozenset(exclude))
         return _json(result, 200 if result["routes"] else 503)
+
+    probes = trio.CapacityLimiter(MAX_CONCURRENT_PROBES)
+
+    @app.get("/v1/reachability")
+    async def reachability() -> Response:
+        # Dials the caller's own address only (tracker/reachability.py): a node asks whether it is reachable.
+        port = _int_arg("port", request.args.get("port"))
+        if not 1 <= port <= 65535:
+            raise BadRequest("port must be in 1..65535")
+        host = str(request.remote_addr or "")
+        if not host:
+            raise BadRequest("the caller's address is unknown")
+        return _json({"address": f"{host}:{port}", "reachable": await probe(host, port, probes)})
 
     @app.get("/v1/recommend")
     async def recommend() -> Response:
