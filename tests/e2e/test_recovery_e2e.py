@@ -200,3 +200,46 @@ def test_no_spare_left_error_names_the_uncovered_layers_and_kv_is_freed(
         time.sleep(0.05)
     assert [status(n)["sessions"] for n in survivors] == [0] * len(survivors)
     assert [status(n)["kv_tokens_used"] for n in survivors] == [0] * len(survivors)
+
+
+def test_replacement_with_other_boundaries_falls_back_to_a_whole_route_rerun(
+    swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str], model_path: Path, node_cache: Path
+) -> None:
+    # Now [15,30) is served by a new node and the whole model by another: whichever of them the request
+    # runs on dies, the only way on is a route with other boundaries -- the whole-route re-run.
+    base = swarm.base_url.removesuffix("/v1")
+    before = metric(base, "swarm_gateway_recoveries_total", kind="route", outcome="ok")
+    for name, layers in (("late_b", "15:30"), ("whole", "0:30")):
+        node = swarm.supervisor.start_node(
+            name,
+            model=model_path,
+            layers=layers,
+            tracker_url=swarm.tracker_url,
+            cache_dir=node_cache,
+            extra_args=["--no-benchmark"],
+        )
+        node.wait_port(180)
+        node_id = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=5).json()["node_id"]
+        deadline = time.monotonic() + 120
+        while not any(
+            n["node_id"] == node_id and n["state"] == "live"
+            for n in httpx.get(swarm.tracker_url + "/v1/swarm", timeout=5).json()["nodes"]
+        ):
+            assert time.monotonic() < deadline, f"{name} never announced"
+            time.sleep(0.1)
+        node.extra["span"] = tuple(int(x) for x in layers.split(":"))
+        swarm.nodes.append(node)
+    killed: list[Service] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 6 and not killed:
+            for node in swarm.nodes[-2:]:
+                if status(node)["sessions"] > 0:
+                    node.kill()
+                    killed.append(node)
+                    return
+
+    text = run_chat(client, swarm.model_name, QUESTION, on_chunk)
+    assert killed, "neither new node carried the request"
+    assert text == expected[QUESTION]
+    assert metric(base, "swarm_gateway_recoveries_total", kind="route", outcome="ok") == before + 1
