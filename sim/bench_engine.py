@@ -12,8 +12,10 @@
    llama.cpp decoding N sequences in one batch (per-sequence KV, its fastest
    configuration here -- unified KV is measured too).
 
-Runs alternate (A, B, A, B, ...) and report medians, so a neighbour's load
-hits both sides alike. Figures, not assertions: nothing here fails a build
+The setups advance in lock-step (one step of each in turn) and both wall time
+and the calling thread's CPU time are reported: with one llama.cpp thread the
+compute runs on the calling thread, so CPU time is the figure a neighbour's
+load on a shared machine cannot inflate. Figures, not assertions: nothing here fails a build
 unless ``--fail-below`` is given.
 """
 
@@ -42,33 +44,56 @@ CONTEXT_TEXT = (
 )
 
 
-def _decode_rate_whole(ref: ReferenceModel, prompt: list[int], n: int) -> float:
-    ref.clear()
-    logits = ref.prefill(prompt)
-    tok = int(np.argmax(logits))
-    pos = len(prompt)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ref.decode([0], [pos], [tok], [True])
-        tok = int(np.argmax(ref.logits(0)))
-        pos += 1
-    return n / (time.perf_counter() - t0)
+class _Clock:
+    """Wall time and this thread's CPU time of the timed calls (llama.cpp computes on the calling
+    thread with one thread, so CPU time is what a neighbour's load cannot inflate)."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.cpu = 0.0
+
+    def timed(self, fn, *args):
+        w, c = time.perf_counter(), time.thread_time()
+        out = fn(*args)
+        self.wall += time.perf_counter() - w
+        self.cpu += time.thread_time() - c
+        return out
 
 
-def _decode_rate_split(stages: list[ShardEngine], prompt: list[int], n: int, sid: str) -> float:
-    for s in stages:
-        s.open_session(sid)
-    works = [Work(sid, 0, tokens=np.array(prompt, dtype=np.int32))]
-    tok = _through(stages, works)[0]
-    pos = len(prompt)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tok = _through(stages, [Work(sid, pos, tokens=np.array([tok], dtype=np.int32))])[0]
-        pos += 1
-    rate = n / (time.perf_counter() - t0)
-    for s in stages:
-        s.release(sid)
-    return rate
+class _WholeStream:
+    """Greedy decode of one prompt in the plain reference context, one token per call."""
+
+    def __init__(self, ref: ReferenceModel, prompt: list[int]) -> None:
+        ref.clear()
+        self.ref = ref
+        self.tok = int(np.argmax(ref.prefill(prompt)))
+        self.pos = len(prompt)
+
+    def step(self) -> int:
+        self.ref.decode([0], [self.pos], [self.tok], [True])
+        self.tok = int(np.argmax(self.ref.logits(0)))
+        self.pos += 1
+        return self.tok
+
+
+class _SplitStream:
+    """The same through engines: stage 0 gets the token, later stages the hidden states."""
+
+    def __init__(self, stages: list[ShardEngine], prompt: list[int], sid: str) -> None:
+        self.stages, self.sid = stages, sid
+        for s in stages:
+            s.open_session(sid)
+        self.tok = _through(stages, [Work(sid, 0, tokens=np.array(prompt, dtype=np.int32))])[0]
+        self.pos = len(prompt)
+
+    def step(self) -> int:
+        self.tok = _through(self.stages, [Work(self.sid, self.pos, tokens=np.array([self.tok], dtype=np.int32))])[0]
+        self.pos += 1
+        return self.tok
+
+    def close(self) -> None:
+        for s in self.stages:
+            s.release(self.sid)
 
 
 def _through(stages: list[ShardEngine], works: list[Work]) -> list[int]:
@@ -85,34 +110,44 @@ def _through(stages: list[ShardEngine], works: list[Work]) -> list[int]:
 
 
 def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tokens: int, reps: int) -> dict:
+    """Whole model vs 2-stage split (C capture) vs 2-stage split (Python capture), token by token
+    in lock-step, so load from elsewhere on the machine falls on all three alike."""
     cfg = EngineConfig(n_threads_count=threads, max_sessions=1, session_kv_tokens=512, n_batch_tokens=512)
     cfg_py = EngineConfig(**{**cfg.__dict__, "capture": "python"})
     prompt = vocab.tokenize(PROMPT)
     ref = ReferenceModel(model, cfg.context_settings())
     split = [ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
-    split_py = [ShardEngine(extract_shard(model, 0, 15, cache), cfg_py, cache), split[1]]
-    whole, c_split, py_split = [], [], []
-    _decode_rate_whole(ref, prompt, 8)  # warm-up: page in weights
-    _decode_rate_split(split, prompt, 8, "warm")
+    split_py = [ShardEngine(extract_shard(model, 0, 15, cache), cfg_py, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
+    runs = []
     for r in range(reps):
-        whole.append(_decode_rate_whole(ref, prompt, n_tokens))
-        c_split.append(_decode_rate_split(split, prompt, n_tokens, f"c{r}"))
-        py_split.append(_decode_rate_split(split_py, prompt, n_tokens, f"p{r}"))
+        clocks = {"whole": _Clock(), "split_c": _Clock(), "split_python": _Clock()}
+        whole_s = _WholeStream(ref, prompt)
+        c_s = _SplitStream(split, prompt, f"c{r}")
+        p_s = _SplitStream(split_py, prompt, f"p{r}")
+        same = True
+        for _ in range(n_tokens):
+            a = clocks["whole"].timed(whole_s.step)
+            b = clocks["split_c"].timed(c_s.step)
+            c = clocks["split_python"].timed(p_s.step)
+            same &= a == b == c
+        c_s.close()
+        p_s.close()
+        runs.append({k: {"wall_tok_s": n_tokens / v.wall, "cpu_tok_s": n_tokens / v.cpu} for k, v in clocks.items()})
+        runs[-1]["same_tokens"] = same
     ref.close()
-    for e in (split[0], split[1], split_py[0]):
+    for e in split + split_py:
         e.close()
-    w, c, p = statistics.median(whole), statistics.median(c_split), statistics.median(py_split)
-    return {
-        "threads": threads,
-        "tokens_per_run": n_tokens,
-        "runs": reps,
-        "whole_tok_s": w,
-        "split_c_callback_tok_s": c,
-        "split_python_callback_tok_s": p,
-        "ratio_split_c_to_whole": c / w,
-        "ratio_split_python_to_whole": p / w,
-        "samples": {"whole": whole, "split_c": c_split, "split_python": py_split},
-    }
+
+    def med(key: str, kind: str) -> float:
+        return statistics.median(run[key][kind] for run in runs)
+
+    out = {"threads": threads, "tokens_per_run": n_tokens, "runs": reps,
+           "same_tokens_all_runs": all(r["same_tokens"] for r in runs), "samples": runs}
+    for kind in ("wall_tok_s", "cpu_tok_s"):
+        w, c, p = med("whole", kind), med("split_c", kind), med("split_python", kind)
+        out[kind] = {"whole": w, "split_c_callback": c, "split_python_callback": p,
+                     "ratio_split_c_to_whole": c / w, "ratio_split_python_to_whole": p / w}
+    return out
 
 
 def _contexts(vocab: Vocabulary, n: int, ctx_tokens: int) -> list[list[int]]:
@@ -120,74 +155,88 @@ def _contexts(vocab: Vocabulary, n: int, ctx_tokens: int) -> list[list[int]]:
     return [([100 + i] + base)[:ctx_tokens] for i in range(n)]
 
 
-def _raw_batched(model: Path, settings, prompts: list[list[int]], steps: int) -> float:
-    with ReferenceModel(model, settings) as ref:
-        n = len(prompts)
+class _RawBatch:
+    """Raw llama.cpp decoding n sequences in one batch (each with its own context of prompt tokens)."""
+
+    def __init__(self, model: Path, settings, prompts: list[list[int]]) -> None:
+        self.ref = ReferenceModel(model, settings)
+        self.n = len(prompts)
         for s, p in enumerate(prompts):
-            ref.prefill(p, seq=s)
-        toks = [int(np.argmax(ref.logits(len(prompts[0]) - 1 - (len(prompts[0]) - 1) // settings.n_batch * settings.n_batch)))] * n
-        pos = [len(p) for p in prompts]
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            ref.decode(list(range(n)), pos, toks, [True] * n)
-            toks = [int(np.argmax(ref.logits(i))) for i in range(n)]
-            pos = [p + 1 for p in pos]
-        return n * steps / (time.perf_counter() - t0)
+            logits = self.ref.prefill(p, seq=s)
+        self.toks = [int(np.argmax(logits))] * self.n
+        self.pos = [len(p) for p in prompts]
+
+    def step(self) -> None:
+        self.ref.decode(list(range(self.n)), self.pos, self.toks, [True] * self.n)
+        self.toks = [int(np.argmax(self.ref.logits(i))) for i in range(self.n)]
+        self.pos = [p + 1 for p in self.pos]
+
+    def close(self) -> None:
+        self.ref.close()
 
 
-def _engine_batched(stages: list[ShardEngine], prompts: list[list[int]], steps: int) -> float:
-    sids = [f"b{i}" for i in range(len(prompts))]
-    for s in stages:
-        for sid in sids:
-            s.open_session(sid)
-    for sid, p in zip(sids, prompts):  # prefill one at a time (not measured)
-        toks = _through(stages, [Work(sid, 0, tokens=np.array(p, dtype=np.int32))])
-    last = {sid: toks[0] for sid in sids}
-    pos = {sid: len(p) for sid, p in zip(sids, prompts)}
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        works = [Work(sid, pos[sid], tokens=np.array([last[sid]], dtype=np.int32)) for sid in sids]
-        for sid, tok in zip(sids, _through(stages, works)):
-            last[sid] = tok
-            pos[sid] += 1
-    rate = len(sids) * steps / (time.perf_counter() - t0)
-    for s in stages:
-        for sid in sids:
-            s.release(sid)
-    return rate
+class _EngineBatch:
+    """The same number of sessions through engines, one batched step each call."""
+
+    def __init__(self, stages: list[ShardEngine], prompts: list[list[int]], tag: str) -> None:
+        self.stages = stages
+        self.sids = [f"{tag}{i}" for i in range(len(prompts))]
+        for s in stages:
+            for sid in self.sids:
+                s.open_session(sid)
+        self.last, self.pos = {}, {}
+        for sid, p in zip(self.sids, prompts):
+            self.last[sid] = _through(stages, [Work(sid, 0, tokens=np.array(p, dtype=np.int32))])[0]
+            self.pos[sid] = len(p)
+
+    def step(self) -> None:
+        works = [Work(sid, self.pos[sid], tokens=np.array([self.last[sid]], dtype=np.int32)) for sid in self.sids]
+        for sid, tok in zip(self.sids, _through(self.stages, works)):
+            self.last[sid] = tok
+            self.pos[sid] += 1
+
+    def close(self) -> None:
+        for s in self.stages:
+            for sid in self.sids:
+                s.release(sid)
 
 
 def bench_batching(model: Path, cache: Path, vocab: Vocabulary, threads: int, counts: list[int], ctx_tokens: int, steps: int, reps: int) -> list[dict]:
+    """Per session count: raw llama.cpp (per-sequence KV, and unified KV) and the engine (whole model
+    as one shard, and a 2-stage split), stepping in lock-step so load hits all alike."""
     rows = []
     max_n = max(counts)
-    cfg = EngineConfig(n_threads_count=threads, max_sessions=max_n, session_kv_tokens=ctx_tokens + steps + 64, n_batch_tokens=512)
+    cfg = EngineConfig(n_threads_count=threads, max_sessions=max_n, session_kv_tokens=ctx_tokens + steps * reps + 64, n_batch_tokens=512)
     whole = [ShardEngine(extract_shard(model, 0, 30, cache), cfg, cache)]
     split = [ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
     settings = cfg.context_settings()
     unified = settings.__class__(**{**settings.__dict__, "kv_unified": True})
     for n in counts:
         prompts = _contexts(vocab, n, ctx_tokens)
-        raw, raw_u, eng, eng_split = [], [], [], []
-        for _ in range(reps):
-            raw.append(_raw_batched(model, settings, prompts, steps))
-            eng.append(_engine_batched(whole, prompts, steps))
-            eng_split.append(_engine_batched(split, prompts, steps))
-            raw_u.append(_raw_batched(model, unified, prompts, steps))
-        r, ru, e, es = (statistics.median(x) for x in (raw, raw_u, eng, eng_split))
-        best = max(r, ru)
-        rows.append(
-            {
-                "sessions": n,
-                "context_tokens": ctx_tokens,
-                "raw_per_seq_kv_tok_s": r,
-                "raw_unified_kv_tok_s": ru,
-                "engine_whole_tok_s": e,
-                "engine_split2_tok_s": es,
-                "ratio_engine_to_best_raw": e / best,
-                "ratio_split2_to_best_raw": es / best,
-            }
-        )
-        print(f"  {n:>2} sessions: raw {r:6.1f} (unified {ru:6.1f})  engine {e:6.1f}  split {es:6.1f} tok/s  ratio {e / best:.3f}", flush=True)
+        setups = {
+            "raw_per_seq_kv": _RawBatch(model, settings, prompts),
+            "raw_unified_kv": _RawBatch(model, unified, prompts),
+            "engine_whole": _EngineBatch(whole, prompts, "w"),
+            "engine_split2": _EngineBatch(split, prompts, "s"),
+        }
+        clocks = {k: _Clock() for k in setups}
+        for _ in range(steps * reps):
+            for k, setup in setups.items():
+                clocks[k].timed(setup.step)
+        for setup in setups.values():
+            setup.close()
+        row: dict = {"sessions": n, "context_tokens": ctx_tokens, "steps": steps * reps}
+        for kind, attr in (("wall", "wall"), ("cpu", "cpu")):
+            for k, clock in clocks.items():
+                row[f"{k}_{kind}_tok_s"] = n * steps * reps / getattr(clock, attr)
+            best = max(row[f"raw_per_seq_kv_{kind}_tok_s"], row[f"raw_unified_kv_{kind}_tok_s"])
+            row[f"ratio_engine_to_best_raw_{kind}"] = row[f"engine_whole_{kind}_tok_s"] / best
+            row[f"ratio_split2_to_best_raw_{kind}"] = row[f"engine_split2_{kind}_tok_s"] / best
+        rows.append(row)
+        print(f"  {n:>2} sessions (cpu tok/s): raw {row['raw_per_seq_kv_cpu_tok_s']:6.1f} "
+              f"(unified {row['raw_unified_kv_cpu_tok_s']:6.1f})  engine {row['engine_whole_cpu_tok_s']:6.1f}  "
+              f"split {row['engine_split2_cpu_tok_s']:6.1f}  ratio {row['ratio_engine_to_best_raw_cpu']:.3f} "
+              f"(wall ratio {row['ratio_engine_to_best_raw_wall']:.3f})", flush=True)
     for s in whole + split:
         s.close()
     return rows
@@ -207,20 +256,20 @@ def main() -> None:
     n_tokens, reps, steps = (32, 1, 8) if args.quick else (128, 5, 32)
     print(f"split overhead ({args.threads} thread(s), {n_tokens} tokens x {reps} runs, medians):", flush=True)
     split = bench_split(model, cache, vocab, args.threads, n_tokens, reps)
-    print(
-        f"  whole model {split['whole_tok_s']:.1f} tok/s | 2-stage split, C callback {split['split_c_callback_tok_s']:.1f} "
-        f"(ratio {split['ratio_split_c_to_whole']:.3f}) | Python callback {split['split_python_callback_tok_s']:.1f} "
-        f"(ratio {split['ratio_split_python_to_whole']:.3f})",
-        flush=True,
-    )
-    print(f"batching ({args.threads} thread(s), {steps} decode steps, medians of {max(1, reps - 2)}):", flush=True)
-    batching = bench_batching(model, cache, vocab, args.threads, [1, 4, 8, 16], 320, steps, max(1, reps - 2))
+    for kind in ("cpu_tok_s", "wall_tok_s"):
+        f = split[kind]
+        print(f"  [{kind}] whole model {f['whole']:.1f} | 2-stage split, C callback {f['split_c_callback']:.1f} "
+              f"(ratio {f['ratio_split_c_to_whole']:.3f}) | Python callback {f['split_python_callback']:.1f} "
+              f"(ratio {f['ratio_split_python_to_whole']:.3f})", flush=True)
+    print(f"  same tokens in every run: {split['same_tokens_all_runs']}", flush=True)
+    print(f"batching ({args.threads} thread(s), {steps * 2} decode steps per setup, interleaved):", flush=True)
+    batching = bench_batching(model, cache, vocab, args.threads, [1, 4, 8, 16], 320, steps, 2)
     result = {"benchmark": "engine", "model": model.name, "split": split, "batching": batching, "unix_time": time.time()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     if args.fail_below is not None:
-        ratios = [split["ratio_split_c_to_whole"]] + [r["ratio_engine_to_best_raw"] for r in batching]
+        ratios = [split["cpu_tok_s"]["ratio_split_c_to_whole"]] + [r["ratio_engine_to_best_raw_cpu"] for r in batching]
         if min(ratios) < args.fail_below:
             raise SystemExit(f"a ratio ({min(ratios):.3f}) is below --fail-below {args.fail_below}")
 
