@@ -67,8 +67,15 @@ class SampledToken:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64, copy=False)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    return x - logsumexp(logits)
+
+
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))): exp in float32 (one pass, on the hot path of every token), summed in float64."""
+    m = float(logits.max())
+    shifted = np.subtract(logits, np.float32(m), dtype=np.float32)
+    np.exp(shifted, out=shifted)
+    return m + float(np.log(shifted.sum(dtype=np.float64)))
 
 
 def sample(
@@ -76,7 +83,7 @@ def sample(
 ) -> SampledToken:
     """Pick the next token from one row of logits (float32, vocabulary-sized)."""
     logits = np.asarray(logits, dtype=np.float32)
-    logprobs = log_softmax(logits)
+    lse = logsumexp(logits)
     if params.temperature <= 0.0 and params.repetition_penalty == 1.0:
         token = int(np.argmax(logits))
     else:
@@ -93,10 +100,10 @@ def sample(
     tops: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs:
         k = params.top_logprobs
-        idx = np.argpartition(-logprobs, k - 1)[:k]
-        idx = idx[np.lexsort((idx, -logprobs[idx]))]
-        tops = tuple((int(i), float(logprobs[i])) for i in idx)
-    return SampledToken(token=token, logprob=float(logprobs[token]), top_logprobs=tops)
+        idx = np.argpartition(-logits, k - 1)[:k]
+        idx = idx[np.lexsort((idx, -logits[idx]))]
+        tops = tuple((int(i), float(logits[i]) - lse) for i in idx)
+    return SampledToken(token=token, logprob=float(logits[token]) - lse, top_logprobs=tops)
 
 
 def _draw(work: np.ndarray, params: SamplingParams, position: int) -> int:
