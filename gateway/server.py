@@ -111,6 +111,8 @@ async def serve_gateway(
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         hc.graceful_timeout = 5.0
+        # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
+        hc.websocket_ping_interval = 20.0
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             trigger = shutdown.wait if shutdown is not None else None

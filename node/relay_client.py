@@ -17,7 +17,8 @@ After ``ready`` the node announces itself to the tracker as relayed through
 that gateway (``relay: true``, ``relay_via: <gateway id>``). A dropped socket
 ends the hub connection (its sessions wait ``reattach_window_s``; the gateway
 recovers them elsewhere) and the client dials again with exponential backoff
-(0.5 s doubling to 10 s, reset after a connection that lasted).
+(0.5 s doubling to 10 s, reset after a connection that lasted). A ping every
+20 s (10 s to answer) notices a gateway that vanished without closing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ RELAY_PATH = "/v1/relay"
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
+PING_INTERVAL_S = 20.0
+PING_TIMEOUT_S = 10.0
 
 
 class RelayRefused(Exception):
@@ -186,7 +189,15 @@ class RelayClient:
                         # The hub closed the connection (slow reader): end the socket too.
                         await ws.aclose()
 
+                    async def keepalive() -> None:
+                        # A gateway that vanished without closing the TCP connection is noticed here.
+                        while True:
+                            await trio.sleep(PING_INTERVAL_S)
+                            with trio.fail_after(PING_TIMEOUT_S):
+                                await ws.ping()
+
                     nursery.start_soon(outbound)
+                    nursery.start_soon(keepalive)
                     while True:
                         message = await ws.get_message()
                         if isinstance(message, str):
