@@ -95,7 +95,7 @@ def hello_envelope(
     return sign_envelope(key, payload)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RelayStatistics:
     connected: bool
     gateway_id: str | None
