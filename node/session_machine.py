@@ -705,7 +705,10 @@ class FrameServer:
             return []  # cancelled or released meanwhile
         step, frame = sess.busy_step, sess.busy_frame
         sess.busy_job = sess.busy_step = sess.busy_frame = None
-        sess.expires_at = now + self.spec.idle_lease_s
+        # A session whose stream ended while the step ran keeps only its re-attach window.
+        sess.expires_at = now + (
+            self.spec.idle_lease_s if sess.conn is not None else self.spec.reattach_window_s
+        )
         sess.kv_len = outcome.kv_len
         if outcome.error_status is not None:
             cls = error_class(

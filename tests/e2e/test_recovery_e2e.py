@@ -7,8 +7,11 @@ serving the running request (SIGKILL, as a volunteer's machine vanishes):
 1. the last stage, mid-stream: the spare of [15,30) takes over (span replacement,
    route epoch 2), the stream completes and equals the uninterrupted output;
 2. the first stage, during the prefill of a long prompt: the same;
-3. the last [15,30) node left: no spare, the client gets an error naming the
-   uncovered layers and no surviving node keeps KV for the session.
+3. a [0,15) node that hangs (SIGSTOP) mid-stream: replaced once the gateway's
+   reply deadline passes, and it frees the session when it runs again;
+4. the last [15,30) node left: no spare, the client gets an error naming the
+   uncovered layers and no surviving node keeps KV for the session;
+5. no same-span node: the request continues by a whole-route re-run.
 
 The reference is the same request on the intact swarm (tests/gateway and
 tests/e2e/test_swarm_e2e.py show that equals the whole model's greedy output).
@@ -17,6 +20,7 @@ tests/e2e/test_swarm_e2e.py show that equals the whole model's greedy output).
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -85,7 +89,7 @@ def swarm(
         spare=2,
         layers=["0:15", "15:30", "0:15", "15:30"],
         node_cache=node_cache,
-        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32"],
+        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32", "--stage-reply-timeout-s", "10"],
         node_args=["--no-benchmark"],
     )
     yield s
@@ -177,6 +181,63 @@ def test_first_stage_killed_during_prefill_of_a_long_prompt(
     assert replacements(swarm)[-1]["span"] == [0, 15]
 
 
+def start_and_announce(
+    swarm: LocalSwarm, name: str, layers: str, model_path: Path, node_cache: Path
+) -> Service:
+    node = swarm.supervisor.start_node(
+        name,
+        model=model_path,
+        layers=layers,
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra_args=["--no-benchmark"],
+    )
+    node.wait_port(180)
+    node_id = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=5).json()["node_id"]
+    deadline = time.monotonic() + 120
+    while not any(
+        n["node_id"] == node_id and n["state"] == "live"
+        for n in httpx.get(swarm.tracker_url + "/v1/swarm", timeout=5).json()["nodes"]
+    ):
+        assert time.monotonic() < deadline, f"{name} never announced"
+        time.sleep(0.1)
+    node.extra["span"] = tuple(int(x) for x in layers.split(":"))
+    swarm.nodes.append(node)
+    return node
+
+
+def test_stage_that_stops_answering_is_replaced_after_the_reply_deadline(
+    swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str], model_path: Path, node_cache: Path
+) -> None:
+    # A node that hangs (SIGSTOP: the process and its sockets stay, nothing answers) is a failure once
+    # stage_reply_timeout_s (10 s here) passes; a new spare for [0,15) takes over.
+    start_and_announce(swarm, "spare_a", "0:15", model_path, node_cache)
+    base = swarm.base_url.removesuffix("/v1")
+    before = metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok")
+    stopped: list[Service] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 6 and not stopped:
+            node = busy_node(swarm.nodes, (0, 15))
+            node.proc.send_signal(signal.SIGSTOP)
+            stopped.append(node)
+
+    try:
+        text = run_chat(client, swarm.model_name, QUESTION, on_chunk)
+    finally:
+        for node in stopped:
+            node.proc.send_signal(signal.SIGCONT)
+    assert stopped
+    assert text == expected[QUESTION]
+    assert metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok") == before + 1
+    # Once it runs again, the hung node reads the gateway's CANCEL (or, at worst, its re-attach window
+    # of 30 s passes) and frees the session's KV.
+    deadline = time.monotonic() + 45
+    while status(stopped[0])["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status(stopped[0])["sessions"] == 0 and status(stopped[0])["kv_tokens_used"] == 0
+
+
 def test_no_spare_left_error_names_the_uncovered_layers_and_kv_is_freed(
     swarm: LocalSwarm, client: openai.OpenAI
 ) -> None:
@@ -210,25 +271,7 @@ def test_replacement_with_other_boundaries_falls_back_to_a_whole_route_rerun(
     base = swarm.base_url.removesuffix("/v1")
     before = metric(base, "swarm_gateway_recoveries_total", kind="route", outcome="ok")
     for name, layers in (("late_b", "15:30"), ("whole", "0:30")):
-        node = swarm.supervisor.start_node(
-            name,
-            model=model_path,
-            layers=layers,
-            tracker_url=swarm.tracker_url,
-            cache_dir=node_cache,
-            extra_args=["--no-benchmark"],
-        )
-        node.wait_port(180)
-        node_id = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=5).json()["node_id"]
-        deadline = time.monotonic() + 120
-        while not any(
-            n["node_id"] == node_id and n["state"] == "live"
-            for n in httpx.get(swarm.tracker_url + "/v1/swarm", timeout=5).json()["nodes"]
-        ):
-            assert time.monotonic() < deadline, f"{name} never announced"
-            time.sleep(0.1)
-        node.extra["span"] = tuple(int(x) for x in layers.split(":"))
-        swarm.nodes.append(node)
+        start_and_announce(swarm, name, layers, model_path, node_cache)
     killed: list[Service] = []
 
     def on_chunk(n: int) -> None:
