@@ -465,22 +465,23 @@ class RouteSession:
                 keep_kv_len=committed if stage is not new else 0,
             )
             try:
-                for _try in range(20):
+                busy_until = trio.current_time() + self._reply_timeout_s
+                while True:
                     await self._send(stage, frame)
                     try:
                         ack = await self._receive_step(stage, step_id)
                     except StageBusy as busy:
-                        # A survivor still finishing the abandoned step refuses the re-attach briefly.
+                        # A survivor still computing the abandoned step refuses the re-attach until done.
                         remote = busy.remote
                         if getattr(remote, "retry", None) != status_pb2.RETRY_SAME:
                             raise
+                        if trio.current_time() > busy_until:
+                            raise StageFailed(
+                                f"node {stage.info.node_id[:8]} stayed busy", node_id=stage.info.node_id
+                            ) from busy
                         await trio.sleep(max(0.05, getattr(remote, "retry_after_ms", 50) / 1000))
                         continue
                     break
-                else:
-                    raise StageFailed(
-                        f"node {stage.info.node_id[:8]} stayed busy", node_id=stage.info.node_id
-                    )
                 want = 0 if stage is new else committed
                 if codec.body_kind(ack) != "open_ack" or ack.kv_len != want:
                     raise StageFailed(
