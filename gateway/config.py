@@ -10,12 +10,12 @@ says what it is and carries its unit in its name.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from proto.layered_config import load_layered
 
 ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -104,34 +104,6 @@ class GatewayConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(GatewayConfig)}
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    kind = type(FIELDS[name].default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif isinstance(value, str):
-        return value
-    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
-
-
 def load_config(
     *,
     file: str | Path | None = None,
@@ -139,31 +111,5 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> GatewayConfig:
     """Merge the layers; ``flags`` entries that are None mean "not given"."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    path = file or env.get(CONFIG_FILE_ENV)
-    if path:
-        try:
-            with open(Path(path).expanduser(), "rb") as fh:
-                data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ConfigError(f"cannot read config file {path}: {err}") from err
-        section = data["gateway"] if set(data) == {"gateway"} and isinstance(data["gateway"], dict) else data
-        for key, value in section.items():
-            if key not in FIELDS:
-                raise ConfigError(f"config file {path}: unknown key {key!r}")
-            values[key] = _coerce(key, value, f"config file {path}")
-    for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
-            continue
-        key = var[len(ENV_PREFIX) :].lower()
-        if key not in FIELDS:
-            raise ConfigError(f"unknown environment variable {var}")
-        values[key] = _coerce(key, value, f"environment {var}")
-    for key, value in (flags or {}).items():
-        if value is None:
-            continue
-        if key not in FIELDS:
-            raise ConfigError(f"unknown option {key!r}")
-        values[key] = _coerce(key, value, "command line")
-    return GatewayConfig(**values).validate()
+    return load_layered(GatewayConfig, section="gateway", env_prefix=ENV_PREFIX, error=ConfigError,
+                        file=file, env=env, flags=flags)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from proto.layered_config import load_layered
 
 ENV_PREFIX = "SWARM_NODE_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -161,36 +162,6 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    kind: Any = type(FIELDS[name].default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif isinstance(value, str):
-        return value
-    elif isinstance(value, Path):
-        return str(value)
-    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
-
-
 def load_config(
     *,
     file: str | Path | None = None,
@@ -198,31 +169,5 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
     """Merge the layers; a flag whose value is None was not given."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    path = file or env.get(CONFIG_FILE_ENV)
-    if path:
-        try:
-            with open(Path(path).expanduser(), "rb") as fh:
-                data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ConfigError(f"cannot read config file {path}: {err}") from err
-        section = data["node"] if set(data) == {"node"} and isinstance(data["node"], dict) else data
-        for key, value in section.items():
-            if key not in FIELDS:
-                raise ConfigError(f"config file {path}: unknown key {key!r}")
-            values[key] = _coerce(key, value, f"config file {path}")
-    for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
-            continue
-        key = var[len(ENV_PREFIX) :].lower()
-        if key not in FIELDS:
-            raise ConfigError(f"unknown environment variable {var}")
-        values[key] = _coerce(key, value, f"environment {var}")
-    for key, value in (flags or {}).items():
-        if value is None:
-            continue
-        if key not in FIELDS:
-            raise ConfigError(f"unknown option {key!r}")
-        values[key] = _coerce(key, value, "command line")
-    return NodeConfig(**values).validate()
+    return load_layered(NodeConfig, section="node", env_prefix=ENV_PREFIX, error=ConfigError,
+                        file=file, env=env, flags=flags)

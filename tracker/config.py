@@ -10,12 +10,12 @@ what it is and carries its unit in its name.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from proto.layered_config import load_layered
 
 ENV_PREFIX = "SWARM_TRACKER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -84,34 +84,6 @@ class TrackerConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrackerConfig)}
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    kind = type(FIELDS[name].default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif isinstance(value, str):
-        return value
-    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
-
-
 def load_config(
     *,
     file: str | Path | None = None,
@@ -119,32 +91,5 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> TrackerConfig:
     """Merge the layers; ``flags`` entries that are None mean "not given"."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    path = file or env.get(CONFIG_FILE_ENV)
-    if path:
-        try:
-            with open(Path(path).expanduser(), "rb") as fh:
-                data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ConfigError(f"cannot read config file {path}: {err}") from err
-        # Either top-level keys or one [tracker] table.
-        section = data["tracker"] if set(data) == {"tracker"} and isinstance(data["tracker"], dict) else data
-        for key, value in section.items():
-            if key not in FIELDS:
-                raise ConfigError(f"config file {path}: unknown key {key!r}")
-            values[key] = _coerce(key, value, f"config file {path}")
-    for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
-            continue
-        key = var[len(ENV_PREFIX):].lower()
-        if key not in FIELDS:
-            raise ConfigError(f"unknown environment variable {var}")
-        values[key] = _coerce(key, value, f"environment {var}")
-    for key, value in (flags or {}).items():
-        if value is None:
-            continue
-        if key not in FIELDS:
-            raise ConfigError(f"unknown option {key!r}")
-        values[key] = _coerce(key, value, "command line")
-    return TrackerConfig(**values).validate()
+    return load_layered(TrackerConfig, section="tracker", env_prefix=ENV_PREFIX, error=ConfigError,
+                        file=file, env=env, flags=flags)

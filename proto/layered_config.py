@@ -1,0 +1,98 @@
+"""One way every service (node, tracker, gateway) reads its settings: pure, stdlib only.
+
+Layers, later wins: the dataclass defaults, then a TOML file (top-level keys or
+one ``[section]`` table), then environment variables ``<PREFIX><FIELD>``, then
+command-line flags (a flag whose value is None was not given). Unknown keys in
+any layer are an error; values are coerced to the type of the field's default
+and the result goes through the config class's own ``validate()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class _Validated(Protocol):
+    def validate(self) -> Any: ...
+
+
+C = TypeVar("C", bound=_Validated)
+
+
+def coerce(kind: type, name: str, value: Any, source: str, error: type[Exception]) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or str), or ``error`` naming the source."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    elif isinstance(value, Path):
+        return str(value)
+    raise error(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
+
+
+def load_layered(
+    cls: type[C],
+    *,
+    section: str,
+    env_prefix: str,
+    error: type[Exception],
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> C:
+    """Merge defaults < file < environment < flags into ``cls`` and validate it."""
+    fields = {f.name: type(f.default) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    config_file_env = env_prefix + "CONFIG"
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+
+    def put(key: str, value: Any, source: str, unknown: str) -> None:
+        if key not in fields:
+            raise error(unknown)
+        values[key] = coerce(fields[key], key, value, source, error)
+
+    path = file or env.get(config_file_env)
+    if path:
+        try:
+            with open(Path(path).expanduser(), "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise error(f"cannot read config file {path}: {err}") from err
+        table = data[section] if set(data) == {section} and isinstance(data[section], dict) else data
+        for key, value in table.items():
+            put(key, value, f"config file {path}", f"config file {path}: unknown key {key!r}")
+    for var, value in env.items():
+        if var.startswith(env_prefix) and var != config_file_env:
+            key = var[len(env_prefix):].lower()
+            put(key, value, f"environment {var}", f"unknown environment variable {var}")
+    for key, value in (flags or {}).items():
+        if value is not None:
+            put(key, value, "command line", f"unknown option {key!r}")
+    return cls(**values).validate()
