@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
+from proto.keyfile import KeyFileError, load_or_create_key_file
 from proto.signing import public_key_hex
 from tracker.client import TrackerClient
 from tracker.logs import event
@@ -44,28 +44,10 @@ class RunningGateway:
 
 def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
     """The gateway's ed25519 identity (signs usage reports): ``<data_dir>/gateway.key``, mode 0600."""
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = data_dir / KEY_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return _read_key(path)
-    key = nacl.signing.SigningKey.generate()
-    with os.fdopen(fd, "w") as fh:
-        fh.write(bytes(key).hex() + "\n")
-    return key
-
-
-def _read_key(path: Path) -> nacl.signing.SigningKey:
-    if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        raise ConfigError(f"{path} is readable by others; chmod 600 it")
-    try:
-        seed = bytes.fromhex(path.read_text().strip())
-    except ValueError as err:
-        raise ConfigError(f"{path} does not hold a hex ed25519 seed") from err
-    if len(seed) != 32:
-        raise ConfigError(f"{path} must hold a 32-byte seed")
-    return nacl.signing.SigningKey(seed)
+        return load_or_create_key_file(data_dir / KEY_FILE)[0]
+    except KeyFileError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _write_port_file(path: Path, port: int) -> None:
