@@ -298,8 +298,6 @@ class TensorCapture:
 
     def _python_callback(self, tensor_p: int, ask: bool, _user: int) -> bool:
         # Same contract as swarm_capture_cb, for machines without a compiler.
-        import llama_cpp._ggml as ggml  # noqa: F401  (only to assert the module exists)
-
         t = ctypes.cast(tensor_p, ctypes.POINTER(_GgmlTensorHead)).contents
         if t.name != self.struct.name:
             return not ask

@@ -50,13 +50,7 @@ def _say(quiet: bool, text: str) -> None:
         click.echo(text, err=True)
 
 
-def _node_spans(n_nodes: int, n_layers: int) -> list[str]:
-    """Even contiguous spans, used only when the caller asks for fixed layers with ``--layers even``."""
-    bounds = [round(i * n_layers / n_nodes) for i in range(n_nodes + 1)]
-    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
-
-
-def _wait_announced(sup_tracker: Service, tracker_url: str, node: Service, timeout_s: float) -> dict:
+def _wait_announced(tracker_url: str, node: Service, timeout_s: float) -> dict:
     """Wait until the tracker lists this node as live; return its swarm entry.
 
     A relayed node announces no address, so nodes are matched by their id (admin /healthz)."""
@@ -138,7 +132,7 @@ def start_local_swarm(
             node.extra["relayed"] = i in relayed
             node.wait_port(timeout_s)
             wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
-            entry = _wait_announced(tracker, tracker_url, node, timeout_s)
+            entry = _wait_announced(tracker_url, node, timeout_s)
             shard = entry.get("shard") or {}
             node.extra["span"] = (shard.get("start"), shard.get("end"))
             where = "through the gateway's relay" if i in relayed else f"on 127.0.0.1:{node.port}"

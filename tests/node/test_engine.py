@@ -309,3 +309,23 @@ def test_prefill_longer_than_one_batch_is_chunked(engines, reference: ReferenceM
     reference.clear()
     want = reference.prefill(prompt)
     assert res.logits.tobytes() == want.tobytes()
+
+
+def test_python_capture_fallback_gives_the_same_hidden_states(engines, model_path: Path, node_cache: Path,
+                                                               engine_config: EngineConfig, vocab: Vocabulary) -> None:
+    """Without a C compiler the engine captures through a ctypes callback; the rows must be identical."""
+    py_config = EngineConfig(**{**engine_config.__dict__, "capture": "python"})
+    with ShardEngine(extract_shard(model_path, 0, 15, node_cache), py_config, node_cache) as py_stage:
+        assert py_stage.statistics().capture == "python"
+        c_stage = engines(0, 15)
+        assert c_stage.statistics().capture == "c"
+        prompts = [vocab.tokenize(p) for p in PROMPTS[:3]]
+        hidden = {}
+        for stage in (py_stage, c_stage):
+            for i in range(3):
+                stage.open_session(f"cap-{i}")
+            results = stage.step([Work(f"cap-{i}", 0, tokens=np.array(p, dtype=np.int32)) for i, p in enumerate(prompts)])
+            hidden[stage.statistics().capture] = [r.hidden.tobytes() for r in results]
+            for i in range(3):
+                stage.release(f"cap-{i}")
+    assert hidden["python"] == hidden["c"]
