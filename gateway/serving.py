@@ -584,7 +584,12 @@ class GatewayService:
     ) -> None:
         logprobs = tuple(e for e in entries if e is not None)
         if text or logprobs:
-            await send.send(Delta(text, logprobs))
+            # No checkpoint when there is room: the next step goes out to the route before the
+            # HTTP writer formats this delta (it runs while the step is computed).
+            try:
+                send.send_nowait(Delta(text, logprobs))
+            except trio.WouldBlock:
+                await send.send(Delta(text, logprobs))
 
 
 def _logprob_entry(vocab: LoadedVocab, sampled: Sampled) -> TokenLogprob:

@@ -645,6 +645,12 @@ class NodeDaemon:
                 [({}, sched.multi_session_batches)],
             ),
             (
+                "swarm_node_inline_rounds_total",
+                "counter",
+                "short decode-only rounds run on the event-loop thread",
+                [({}, sched.inline_rounds)],
+            ),
+            (
                 "swarm_node_frames_total",
                 "counter",
                 "Session frames",

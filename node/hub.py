@@ -1,12 +1,20 @@
 """The trio shell around the session machine: connections, outbound queues, effects.
 
-A transport (gRPC today, a WebSocket relay later) does three things:
+A transport (gRPC, the WebSocket relay) does three things:
 
     conn = hub.open_connection()           # per stream / socket
     await hub.feed(conn, frame_bytes)      # for every received message, in order
     data = await conn.outbound.receive()   # reply bytes to write, until EndOfChannel
     hub.input_ended(conn)                  # peer half-closed: finish pending replies, then end
     hub.close_connection(conn)             # transport gone
+
+A transport that lives on another thread (gRPC's asyncio loop) uses the
+synchronous half instead, so a frame costs one crossing each way and no trio
+task: ``hub.open_connection(sink)`` hands each reply to ``sink.put`` (which
+says when the peer is too far behind) and ``sink.end()`` ends the stream, and
+``hub.feed_nowait(conn, data)`` handles a frame at once, returning the actions
+that must wait for an engine effect (an OPEN's KV reservation) for the caller
+to ``await hub.execute(...)``.
 
 The hub runs the :class:`~node.session_machine.FrameServer` actions: engine
 effects go to the :class:`~node.scheduler.Scheduler` in emission order, and a
@@ -22,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
 from node.scheduler import ControlDone, Scheduler
-from node.session_machine import Action, FrameServer, OpenKv, Send, StepOutcome
+from node.session_machine import Action, Compute, Drop, FrameServer, OpenKv, Send, StepOutcome
 from proto import codec
 from proto.errors import InternalError, ProtocolError
 
@@ -39,11 +48,40 @@ class TooManyConnections(RuntimeError):
     """The hub already holds ``max_connections`` connections."""
 
 
+class ReplySink(Protocol):
+    """Where a connection's replies go when its transport is not a trio task (called on the trio thread)."""
+
+    def put(self, data: bytes) -> bool:
+        """Queue one reply; False when the peer already has ``OUTBOUND_FRAMES`` unwritten replies."""
+        ...
+
+    def end(self) -> None:
+        """No more replies: the transport ends the stream once the queued ones are written."""
+        ...
+
+
+class _ChannelSink:
+    """The default sink: a bounded trio memory channel the transport reads as ``conn.outbound``."""
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
+
+    def put(self, data: bytes) -> bool:
+        try:
+            self.send.send_nowait(data)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    def end(self) -> None:
+        self.send.close()
+
+
 @dataclass(eq=False)
 class Connection:
     conn_id: int
-    outbound: trio.MemoryReceiveChannel[bytes]
-    _send: trio.MemorySendChannel[bytes]
+    outbound: trio.MemoryReceiveChannel[bytes] | None  # None when replies go to a custom sink
+    sink: ReplySink
     input_closed: bool = False
     closed: bool = False
     frames_out: int = 0
@@ -67,20 +105,37 @@ class Hub:
 
     # -- transport API ---------------------------------------------------------------------------
 
-    def open_connection(self) -> Connection:
+    def open_connection(self, sink: ReplySink | None = None) -> Connection:
         if len(self._conns) >= self.max_connections:
             raise TooManyConnections(f"this node holds its maximum of {self.max_connections} connections")
         conn_id = self.server.connect()
-        send, recv = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
-        conn = Connection(conn_id, recv, send)
+        if sink is None:
+            channel = _ChannelSink()
+            conn = Connection(conn_id, channel.receive, channel)
+        else:
+            conn = Connection(conn_id, None, sink)
         self._conns[conn_id] = conn
         return conn
 
     async def feed(self, conn: Connection, data: bytes) -> None:
+        waiting = self.feed_nowait(conn, data)
+        if waiting:
+            await self.execute(waiting)
+
+    def feed_nowait(self, conn: Connection, data: bytes) -> list[Action]:
+        """Handle one frame now; returns the actions the caller must still ``await self.execute(...)``.
+
+        Steps (compute effects and replies) complete here; a frame whose reply must
+        wait for a control effect (OPEN reserving KV, a re-attach truncating it) is
+        returned whole, so replies keep their order.
+        """
         if conn.closed:
-            return
+            return []
         actions = self.server.handle(conn.conn_id, data, self.clock())
-        await self.execute(actions)
+        if any(not isinstance(a, Send | Compute | Drop) for a in actions):
+            return actions
+        self.execute_nowait(actions)
+        return []
 
     def input_ended(self, conn: Connection) -> None:
         conn.input_closed = True
@@ -91,7 +146,7 @@ class Hub:
             return
         del self._conns[conn.conn_id]
         conn.closed = True
-        conn._send.close()
+        conn.sink.end()
         self.server.disconnect(conn.conn_id, self.clock())
 
     @property
@@ -155,13 +210,12 @@ class Hub:
             return  # the reply stays cached in the session for a replay after re-attach
         try:
             for frame in send.frames:
-                conn._send.send_nowait(codec.serialize_frame(frame, self.server.spec.limits))
+                if not conn.sink.put(codec.serialize_frame(frame, self.server.spec.limits)):
+                    log.warning("connection dropped conn=%d: peer does not read its replies", conn.conn_id)
+                    self.dropped_slow_connections += 1
+                    self.close_connection(conn)
+                    return
                 conn.frames_out += 1
-        except trio.WouldBlock:
-            log.warning("connection dropped conn=%d: peer does not read its replies", conn.conn_id)
-            self.dropped_slow_connections += 1
-            self.close_connection(conn)
-            return
         except ProtocolError as exc:  # a bug: we built a frame the codec refuses
             log.error("reply not sent conn=%d: %s", conn.conn_id, exc)
             return
@@ -170,7 +224,7 @@ class Hub:
     def _maybe_finish(self, conn: Connection) -> None:
         if conn.input_closed and not conn.closed and self.server.busy_on(conn.conn_id) == 0:
             # Peer sent everything and every reply is out: end the stream (after the queued bytes).
-            conn._send.close()
+            conn.sink.end()
             conn.closed = True
             self._conns.pop(conn.conn_id, None)
             self.server.disconnect(conn.conn_id, self.clock())

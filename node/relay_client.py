@@ -183,6 +183,7 @@ class RelayClient:
                 async with trio.open_nursery() as nursery:
 
                     async def outbound() -> None:
+                        assert conn.outbound is not None  # opened without a sink
                         async for data in conn.outbound:
                             await ws.send_message(data)
                             self.frames_out += 1

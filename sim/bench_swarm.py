@@ -1,6 +1,7 @@
 """The swarm against single-machine llama.cpp, in one run on one machine.
 
-    python -m sim.bench_swarm [--out bench-results/swarm.json] [--concurrency 1,4,8] [--setups server,swarm2,swarm3]
+    python -m sim.bench_swarm [--out bench-results/swarm.json] [--concurrency 1,4,8]
+                              [--setups server:1,server:2,swarm2,swarm3]
                               [--fail-on swarm2.c1.decode_ratio=0.8 ...]
 
 Setups, each driven with the same prompts over the same HTTP API (streaming
@@ -12,8 +13,10 @@ chat completions, greedy, ``--max-tokens`` new tokens each):
 
 Equal CPU: each node gets ``--threads-per-node`` llama.cpp threads and the
 baseline server gets the same total (N x threads-per-node), both said in the
-report. At each concurrency level C, C clients each send ``--rounds``
-requests back to back. Reported per setup and level: time to first token,
+report. All setups are up at once and driven in turn: at each concurrency
+level C there are ``--rounds`` rounds, and in each round every setup (in an
+order rotated every round) gets C clients sending one request each, so drift
+of the shared machine falls on every setup alike. Reported per setup and level: time to first token,
 decode tok/s per stream, aggregate tok/s, p50/p95 request latency, the RSS of
 every process, and the ratio of each swarm figure to the baseline's. JSON and
 a PNG chart are written; ``--fail-on`` makes it usable as a gate.
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +74,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def stream_one(client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int) -> RequestStats:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     stamps: list[float] = []
     completion_tokens = None
@@ -124,13 +135,16 @@ class RssSampler:
         self._thread.join()
 
 
-def drive(base_url: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+def drive(
+    base_url: str, model: str, concurrency: int, rounds: int, max_tokens: int, first_round: int = 0
+) -> tuple[list[RequestStats], float]:
+    """``concurrency`` clients each send ``rounds`` requests back to back; the results and the wall time."""
     results: list[RequestStats] = []
     lock = threading.Lock()
 
     def client_loop(cid: int) -> None:
         with httpx.Client() as client:
-            for r in range(rounds):
+            for r in range(first_round, first_round + rounds):
                 prompt = PROMPTS[(cid + r * concurrency) % len(PROMPTS)]
                 stats = stream_one(client, base_url, model, prompt, max_tokens)
                 with lock:
@@ -140,7 +154,10 @@ def drive(base_url: str, model: str, concurrency: int, rounds: int, max_tokens: 
     with ThreadPoolExecutor(concurrency) as pool:
         for f in [pool.submit(client_loop, c) for c in range(concurrency)]:
             f.result()
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def summarize(concurrency: int, results: list[RequestStats], wall: float) -> dict:
     decode = [r.decode_tok_s for r in results if r.decode_tok_s]
     return {
         "concurrency": concurrency,
@@ -170,29 +187,54 @@ def _wait_server(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     raise LaunchError("llama_cpp.server did not come up")
 
 
-def run_server(model: Path, threads: int, levels: list[int], rounds: int, max_tokens: int, workdir: Path) -> dict:
+@dataclass
+class Setup:
+    """One running setup: where to send requests, which processes to watch, how to stop it."""
+
+    name: str
+    base_url: str
+    model: str
+    pids: dict[str, int]
+    info: dict
+    stop: Callable[[], None]
+
+
+def start_server(model: Path, threads: int, workdir: Path) -> Setup:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(workdir / "llama-server.log", "wb")
+    log = open(workdir / f"llama-server-{threads}.log", "wb")  # noqa: SIM115 - closed by stop()
     # Same attention settings as the nodes: flash attention on, f16 KV.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096", "--flash_attn", "true",
-         "--model_alias", "baseline"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_threads",
+            str(threads),
+            "--n_threads_batch",
+            str(threads),
+            "--n_ctx",
+            "4096",
+            "--flash_attn",
+            "true",
+            "--model_alias",
+            "baseline",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
     )
-    try:
-        base = f"http://127.0.0.1:{port}/v1"
-        _wait_server(proc, f"{base}/models", 180)
-        with httpx.Client() as c:
-            stream_one(c, base, "baseline", PROMPTS[0], 8)  # warm-up
-        with RssSampler({"llama_cpp.server": proc.pid}) as rss:
-            levels_out = [drive(base, "baseline", c, rounds, max_tokens) for c in levels]
-        return {"setup": f"server:{threads}", "threads_total": threads, "levels": levels_out, "rss_bytes": rss.peak}
-    finally:
+
+    def stop() -> None:
         proc.terminate()
         try:
             proc.wait(15)
@@ -201,24 +243,80 @@ def run_server(model: Path, threads: int, levels: list[int], rounds: int, max_to
             proc.wait(5)
         log.close()
 
-
-def run_swarm(model: Path, n_nodes: int, threads: int, levels: list[int], rounds: int, max_tokens: int,
-              workdir: Path, node_cache: Path) -> dict:
-    swarm = start_local_swarm(workdir / f"swarm{n_nodes}", model=model, n_nodes=n_nodes, threads=threads,
-                              max_sessions=max(8, max(levels)), session_kv_tokens=1024, node_cache=node_cache,
-                              gateway_args=["--max-sessions", str(max(8, max(levels)))])
+    base = f"http://127.0.0.1:{port}/v1"
     try:
+        _wait_server(proc, f"{base}/models", 180)
+    except BaseException:
+        stop()
+        raise
+    return Setup(
+        f"server:{threads}",
+        base,
+        "baseline",
+        {"llama_cpp.server": proc.pid},
+        {"setup": f"server:{threads}", "threads_total": threads},
+        stop,
+    )
+
+
+def start_swarm(
+    model: Path, n_nodes: int, threads: int, max_level: int, workdir: Path, node_cache: Path
+) -> Setup:
+    swarm = start_local_swarm(
+        workdir / f"swarm{n_nodes}",
+        model=model,
+        n_nodes=n_nodes,
+        threads=threads,
+        max_sessions=max(8, max_level),
+        session_kv_tokens=1024,
+        node_cache=node_cache,
+        gateway_args=["--max-sessions", str(max(8, max_level))],
+    )
+    pids = {"tracker": swarm.tracker.pid, "gateway": swarm.gateway.pid}
+    for i, node in enumerate(swarm.nodes):
+        pids[f"node{i + 1} [{node.extra['span'][0]},{node.extra['span'][1]})"] = node.pid
+    return Setup(
+        f"swarm{n_nodes}",
+        swarm.base_url,
+        swarm.model_name,
+        pids,
+        {
+            "setup": f"swarm{n_nodes}",
+            "nodes": n_nodes,
+            "threads_per_node": threads,
+            "threads_total": n_nodes * threads,
+        },
+        swarm.stop,
+    )
+
+
+def run_interleaved(setups: list[Setup], levels: list[int], rounds: int, max_tokens: int) -> dict:
+    """Every setup is up at once; at each level, round r runs each setup in turn, the order rotated
+    every round, so the machine's drift (neighbours, clocks) falls on all setups alike."""
+    for setup in setups:
         with httpx.Client() as c:
-            stream_one(c, swarm.base_url, swarm.model_name, PROMPTS[0], 8)  # warm-up
-        pids = {"tracker": swarm.tracker.pid, "gateway": swarm.gateway.pid}
-        for i, node in enumerate(swarm.nodes):
-            pids[f"node{i + 1} [{node.extra['span'][0]},{node.extra['span'][1]})"] = node.pid
-        with RssSampler(pids) as rss:
-            levels_out = [drive(swarm.base_url, swarm.model_name, c, rounds, max_tokens) for c in levels]
-        return {"setup": f"swarm{n_nodes}", "nodes": n_nodes, "threads_per_node": threads,
-                "threads_total": n_nodes * threads, "levels": levels_out, "rss_bytes": rss.peak}
-    finally:
-        swarm.stop()
+            stream_one(c, setup.base_url, setup.model, PROMPTS[0], 8)  # warm-up
+    all_pids = {(setup.name, proc): pid for setup in setups for proc, pid in setup.pids.items()}
+    collected: dict[tuple[str, int], tuple[list[RequestStats], float]] = {}
+    with RssSampler({f"{k[0]}\t{k[1]}": pid for k, pid in all_pids.items()}) as rss:
+        for li, level in enumerate(levels):
+            for r in range(rounds):
+                k = (li + r) % len(setups)
+                for setup in setups[k:] + setups[:k]:
+                    results, wall = drive(setup.base_url, setup.model, level, 1, max_tokens, first_round=r)
+                    got, total = collected.get((setup.name, level), ([], 0.0))
+                    collected[(setup.name, level)] = (got + results, total + wall)
+    out = {}
+    for setup in setups:
+        peaks = {
+            key.split("\t", 1)[1]: v for key, v in rss.peak.items() if key.split("\t", 1)[0] == setup.name
+        }
+        out[setup.name] = {
+            **setup.info,
+            "levels": [summarize(lv, *collected[(setup.name, lv)]) for lv in levels],
+            "rss_bytes": peaks,
+        }
+    return out
 
 
 def add_ratios(report: dict) -> None:
@@ -249,16 +347,22 @@ def add_ratios(report: dict) -> None:
 
 
 def print_table(report: dict) -> None:
-    hdr = f"{'setup':<9} {'thr':>3} {'conc':>4} {'agg tok/s':>9} {'ratio':>6} {'stream tok/s':>12} {'ratio':>6} " \
-          f"{'ttft p50':>8} {'lat p50':>7} {'lat p95':>7}"
+    hdr = (
+        f"{'setup':<9} {'thr':>3} {'conc':>4} {'agg tok/s':>9} {'ratio':>6} "
+        f"{'stream tok/s':>12} {'ratio':>6} {'ttft p50':>8} {'lat p50':>7} {'lat p95':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, setup in report["setups"].items():
         for lvl in setup["levels"]:
-            print(f"{name:<9} {setup['threads_total']:>3} {lvl['concurrency']:>4} {lvl['aggregate_tok_s']:>9.1f} "
-                  f"{lvl.get('aggregate_ratio', float('nan')):>6.2f} {lvl['decode_tok_s_per_stream_p50']:>12.1f} "
-                  f"{lvl.get('decode_ratio', float('nan')):>6.2f} {lvl['ttft_p50_s'] * 1000:>6.0f}ms "
-                  f"{lvl['latency_p50_s']:>6.2f}s {lvl['latency_p95_s']:>6.2f}s")
+            agg_ratio, decode_ratio = lvl.get("aggregate_ratio", math.nan), lvl.get("decode_ratio", math.nan)
+            print(
+                f"{name:<9} {setup['threads_total']:>3} {lvl['concurrency']:>4} "
+                f"{lvl['aggregate_tok_s']:>9.1f} "
+                f"{agg_ratio:>6.2f} {lvl['decode_tok_s_per_stream_p50']:>12.1f} "
+                f"{decode_ratio:>6.2f} {lvl['ttft_p50_s'] * 1000:>6.0f}ms "
+                f"{lvl['latency_p50_s']:>6.2f}s {lvl['latency_p95_s']:>6.2f}s"
+            )
     print("\npeak RSS (MB):")
     for name, setup in report["setups"].items():
         print(f"  {name}: " + ", ".join(f"{k} {v / 1e6:.0f}" for k, v in setup["rss_bytes"].items()))
@@ -279,8 +383,10 @@ def plot(report: dict, path: Path) -> None:
         xs = [i + k * width for i in range(len(lv))]
         axes[0].bar(xs, [x["aggregate_tok_s"] for x in lv], width, label=name)
         axes[1].bar(xs, [x["decode_tok_s_per_stream_p50"] for x in lv], width, label=name)
-    for ax, title in zip(axes, ["aggregate tok/s", "decode tok/s per stream (p50)"]):
-        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c={c}" for c in levels])
+    for ax, title in zip(axes, ["aggregate tok/s", "decode tok/s per stream (p50)"], strict=True):
+        ax.set_xticks(
+            [i + width * (len(names) - 1) / 2 for i in range(len(levels))], [f"c={c}" for c in levels]
+        )
         ax.set_title(title)
         ax.legend()
     fig.tight_layout()
@@ -303,8 +409,11 @@ def check_gates(report: dict, gates: list[str]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench-results/swarm.json"))
-    ap.add_argument("--setups", default="server:1,server:2,swarm2,swarm3",
-                    help="server:T is llama-cpp-python's server with T threads; swarmN is N nodes")
+    ap.add_argument(
+        "--setups",
+        default="server:1,server:2,swarm2,swarm3",
+        help="server:T is llama-cpp-python's server with T threads; swarmN is N nodes",
+    )
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -316,18 +425,30 @@ def main() -> None:
     setups = args.setups.split(",")
     work = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     node_cache = work / "node-cache"
-    report: dict = {"benchmark": "swarm-vs-llama.cpp-server", "model": model.name, "max_tokens": args.max_tokens,
-                    "rounds": args.rounds, "threads_per_node": args.threads_per_node,
-                    "cpu_count": psutil.cpu_count(), "setups": {}}
-    for setup in setups:
-        print(f"running {setup} ...", flush=True)
-        if setup.startswith("server"):
-            threads = int(setup.partition(":")[2] or 1)
-            report["setups"][f"server:{threads}"] = run_server(model, threads, levels, args.rounds, args.max_tokens, work)
-        else:
-            n = int(setup[5:])
-            report["setups"][setup] = run_swarm(model, n, args.threads_per_node, levels, args.rounds,
-                                                args.max_tokens, work, node_cache)
+    report: dict = {
+        "benchmark": "swarm-vs-llama.cpp-server",
+        "model": model.name,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "threads_per_node": args.threads_per_node,
+        "cpu_count": psutil.cpu_count(),
+        "setups": {},
+    }
+    running: list[Setup] = []
+    try:
+        for name in setups:
+            print(f"starting {name} ...", flush=True)
+            if name.startswith("server"):
+                running.append(start_server(model, int(name.partition(":")[2] or 1), work))
+            else:
+                running.append(
+                    start_swarm(model, int(name[5:]), args.threads_per_node, max(levels), work, node_cache)
+                )
+        print(f"driving {', '.join(s.name for s in running)} in turn ...", flush=True)
+        report["setups"] = run_interleaved(running, levels, args.rounds, args.max_tokens)
+    finally:
+        for setup in running:
+            setup.stop()
     add_ratios(report)
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -118,3 +118,29 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
         assert info.node_id == "n" * 64 and health.status == shard_service_pb2.SERVING_STATUS_SERVING
         assert vocab == VOCAB
         nursery.cancel_scope.cancel()
+
+
+def test_aio_reply_sink_bounds_unwritten_replies_and_ends_the_stream() -> None:
+    import asyncio
+    import threading
+
+    from node.grpc_server import AioReplySink
+
+    async def scenario() -> None:
+        sink = AioReplySink(asyncio.get_running_loop(), limit=2)
+        outcomes: list[bool] = []
+
+        def trio_side() -> None:  # put() runs on another thread in the node
+            outcomes.extend([sink.put(b"a"), sink.put(b"b"), sink.put(b"c")])
+
+        thread = threading.Thread(target=trio_side)
+        thread.start()
+        thread.join()
+        assert outcomes == [True, True, False]  # the peer has 2 replies unwritten
+        assert await sink.get() == b"a"
+        sink.written()
+        assert sink.put(b"d")  # room again
+        sink.end()
+        assert [await sink.get(), await sink.get(), await sink.get()] == [b"b", b"d", None]
+
+    asyncio.run(scenario())

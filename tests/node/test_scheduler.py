@@ -138,3 +138,83 @@ async def test_drop_forgets_a_queued_job_and_free_releases() -> None:
         assert backend.log == [("open", "a"), ("free", "a")]
         assert got.outcomes == []
         nursery.cancel_scope.cancel()
+
+
+class ThreadRecordingBackend(FakeBackend):
+    """Records which thread ran each batch (inline rounds run on the trio thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_sessions=4)
+        self.threads: list[tuple[bool, int]] = []  # (decode-only batch, thread id)
+
+    def run(self, slices):  # type: ignore[no-untyped-def]
+        import threading
+
+        self.threads.append((all(s.pending.job.is_decode for s in slices), threading.get_ident()))
+        return super().run(slices)
+
+
+async def test_short_decode_rounds_run_inline_and_prefill_on_the_engine_thread() -> None:
+    import threading
+
+    backend = ThreadRecordingBackend()
+    got = Collector()
+    sched = Scheduler(backend, got, max_batch_tokens=32, prefill_chunk_tokens=8)
+    trio_thread = threading.get_ident()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        sched.submit(Compute(job(1, "a", 0, 4)))  # prefill: engine thread
+        await got.wait(1)
+        for k in range(5):  # decode steps; the first one's cost is unknown, so it goes to the thread too
+            sched.submit(Compute(job(2 + k, "a", 4 + k, 1, decode=True)))
+            await got.wait(2 + k)
+        assert [o.kv_len for o in got.outcomes] == [4, 5, 6, 7, 8, 9]
+        assert [o.error_status for o in got.outcomes] == [None] * 6
+        (prefill_decode, prefill_thread), (first_decode, first_thread), *rest = backend.threads
+        assert not prefill_decode and prefill_thread != trio_thread
+        assert first_decode and first_thread != trio_thread
+        assert rest and all(decode and tid == trio_thread for decode, tid in rest)
+        assert sched.statistics().inline_rounds == len(rest)
+        nursery.cancel_scope.cancel()
+
+
+async def test_inline_rounds_can_be_disabled_and_never_overlap_call_engine() -> None:
+    import threading
+
+    backend = ThreadRecordingBackend()
+    got = Collector()
+    sched = Scheduler(backend, got, max_batch_tokens=32, prefill_chunk_tokens=8, inline_max_ms=0)
+    trio_thread = threading.get_ident()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        for k in range(4):
+            sched.submit(Compute(job(1 + k, "a", k, 1, decode=True)))
+            await got.wait(1 + k)
+        assert all(tid != trio_thread for _, tid in backend.threads)
+        assert sched.statistics().inline_rounds == 0
+
+        # With inline rounds on, a decode step queued while call_engine() holds the engine waits for it.
+        sched.inline_max_ms = 1000.0
+        release = threading.Event()
+        started = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def hold() -> object:
+            token.run_sync_soon(started.set)
+            release.wait(5)
+            return len(backend.threads)
+
+        async def engine_user() -> None:
+            assert await sched.call_engine(hold) == 4  # no batch ran while it held the engine
+
+        nursery.start_soon(engine_user)
+        await started.wait()
+        sched.submit(Compute(job(9, "a", 4, 1, decode=True)))
+        await trio.sleep(0.05)
+        assert len(got.outcomes) == 4
+        release.set()
+        await got.wait(5)
+        assert got.outcomes[-1].kv_len == 5
+        nursery.cancel_scope.cancel()
