@@ -18,6 +18,12 @@ touches grpc or threads.
   test VM, so a frame crosses once each way. Leaving the context manager
   half-closes the request side, cancels the call (which ends the reader thread
   at once) and waits for the reader.
+* Forwarding: a stream may carry a :data:`ForwardRule` (set by the Route
+  Session for the current step). The reader thread then parses each reply and,
+  when the rule accepts it, puts the relayed frame straight into the next
+  stage's request queue, so hidden states go from one node to the next without
+  waiting for the trio thread; the trio side still gets every reply (parsed,
+  with what was sent on) for its checks and bookkeeping.
 
 Raw bytes both ways: the Session method is called without serializers
 (docs/protocol.md, Transport), so frames are parsed by ``proto.codec``.
@@ -26,17 +32,19 @@ Raw bytes both ways: the Session method is called without serializers
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 import trio
 
 from gateway.groups import single_exception
-from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
+from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc
 from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabAssembler
 
 SESSION_METHOD = "/swarm.v1.ShardService/Session"
@@ -45,8 +53,25 @@ _RECEIVE_BUFFER_FRAMES = 8
 _CLOSE = object()
 
 
+log = logging.getLogger("swarm.gateway.grpc")
+
+
 class StreamError(Exception):
     """The stream to a node failed or ended (connection refused, node gone, call cancelled)."""
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A reply a forward rule parsed on the reader thread, and the frame it sent on (None: not sent)."""
+
+    frame: frame_pb2.Frame
+    relayed: frame_pb2.Frame | None
+
+
+# Runs on a reader thread: must only use its arguments, immutable data and StageStream.try_send_nowait.
+# None: the rule could not read the reply (the trio side parses it and reports the error).
+ForwardRule = Callable[[bytes], Forwarded | None]
+_Item = tuple[bytes, Forwarded | None] | StreamError
 
 
 class _Requests:
@@ -87,12 +112,17 @@ class StageStream:
     def __init__(
         self,
         requests: _Requests,
-        replies: trio.MemoryReceiveChannel[bytes | StreamError],
+        replies: trio.MemoryReceiveChannel[_Item],
         limiter: trio.CapacityLimiter,
     ) -> None:
         self._requests = requests
         self._replies = replies
         self._limiter = limiter
+        self.forward: ForwardRule | None = None  # read by the reader thread for every reply
+
+    def try_send_nowait(self, data: bytes) -> bool:
+        """Queue a frame from any thread; False when the queue is full (then send it with :meth:`send`)."""
+        return self._requests.put_nowait(data)
 
     async def send(self, data: bytes) -> None:
         if not self._requests.put_nowait(data):
@@ -101,6 +131,11 @@ class StageStream:
             )
 
     async def receive(self) -> bytes:
+        data, _ = await self.receive_forwarded()
+        return data
+
+    async def receive_forwarded(self) -> tuple[bytes, Forwarded | None]:
+        """The next reply, with what the forward rule made of it (None when no rule ran or it failed)."""
         try:
             item = await self._replies.receive()
         except trio.EndOfChannel as err:
@@ -186,25 +221,36 @@ class NodeChannels:
     async def open_stage_stream(self, address: str) -> AsyncIterator[StageStream]:
         requests = _Requests(_SEND_QUEUE_FRAMES)
         call = self._channel(address).stream_stream(SESSION_METHOD)(requests.iterate())
-        send, receive = trio.open_memory_channel[bytes | StreamError](_RECEIVE_BUFFER_FRAMES)
+        send, receive = trio.open_memory_channel[_Item](_RECEIVE_BUFFER_FRAMES)
         token = trio.lowlevel.current_trio_token()
+        stream = StageStream(requests, receive, self.limiter)
 
-        def offer(item: bytes | StreamError) -> bool:
+        def offer(item: _Item) -> bool:
             try:
                 send.send_nowait(item)
             except trio.WouldBlock:
                 return False
             return True
 
-        def hand_over(item: bytes | StreamError) -> None:
+        def hand_over(item: _Item) -> None:
             if not trio.from_thread.run_sync(offer, item, trio_token=token):
                 trio.from_thread.run(send.send, item, trio_token=token)  # full: wait for room
+
+        def forwarded(data: bytes) -> Forwarded | None:
+            rule = stream.forward
+            if rule is None:
+                return None
+            try:
+                return rule(data)
+            except Exception:  # a bug in a rule must not kill the stream: the trio side takes over
+                log.exception("forward rule failed on a reply from %s", address)
+                return None
 
         def reader() -> None:
             try:
                 try:
                     for data in call:
-                        hand_over(data)
+                        hand_over((data, forwarded(data)))
                     failure = StreamError(f"{address} ended the stream")
                 except grpc.RpcError as err:
                     failure = StreamError(f"stream to {address} failed: {_describe(err)}")
@@ -225,7 +271,7 @@ class NodeChannels:
                     )
                 )
                 try:
-                    yield StageStream(requests, receive, self.limiter)
+                    yield stream
                 finally:
                     requests.close()
                     call.cancel()

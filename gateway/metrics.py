@@ -25,6 +25,11 @@ HELP: dict[str, tuple[str, str]] = {
     "swarm_gateway_tracker_route_requests_total": ("counter", "route look-ups at the tracker, by outcome"),
     "swarm_gateway_time_to_first_token_seconds": ("summary", "request arrival to first generated token"),
     "swarm_gateway_session_seconds": ("summary", "Route Session wall time"),
+    "swarm_gateway_hidden_relays_total": (
+        "counter",
+        "hidden-state frames relayed between stages, by path (reader: sent on by the stream's reader"
+        " thread; loop: by the event loop, e.g. for relayed nodes or when the queue was full)",
+    ),
     "swarm_gateway_sessions_active": ("gauge", "Route Sessions running now"),
     "swarm_gateway_requests_queued": ("gauge", "requests waiting for a session slot"),
     "swarm_gateway_route_inflight_sessions": ("gauge", "sessions running now on each cached route"),

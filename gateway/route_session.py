@@ -42,7 +42,7 @@ from gateway.errors import (
     StageFailed,
     UpstreamFailed,
 )
-from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
+from gateway.grpc_bridge import Forwarded, ForwardRule, NodeChannels, StageStream, StreamError
 from gateway.recovery import (
     NoReplacement,
     NoSameSpan,
@@ -129,6 +129,7 @@ class RouteSession:
         self._retired: list[_Stage] = []  # replaced stages (usage still counts their work)
         self._failed_nodes: set[str] = set()
         self.recoveries = 0
+        self.relays = {"reader": 0, "loop": 0}  # hidden-state frames sent on, by who sent them
 
     @property
     def kv_len(self) -> int:
@@ -150,9 +151,17 @@ class RouteSession:
         return self._step_id
 
     async def _receive(self, stage: _Stage) -> frame_pb2.Frame:
+        frame, _ = await self._receive_forwarded(stage)
+        return frame
+
+    async def _receive_forwarded(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
+        """The next reply of ``stage``, checked, and the frame its forward rule already sent on (or None)."""
         try:
             with trio.fail_after(self._reply_timeout_s):
-                data = await stage.stream.receive()
+                if isinstance(stage.stream, StageStream):
+                    data, forwarded = await stage.stream.receive_forwarded()
+                else:
+                    data, forwarded = await stage.stream.receive(), None
         except trio.TooSlowError as err:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
@@ -160,12 +169,16 @@ class RouteSession:
             ) from err
         except StreamError as err:
             raise StageFailed(f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id) from err
-        try:
-            frame = codec.parse_frame(data, self._limits)
-        except ProtocolError as err:
-            raise StageFailed(
-                f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}", node_id=stage.info.node_id
-            ) from err
+        if forwarded is not None:
+            frame = forwarded.frame
+        else:
+            try:
+                frame = codec.parse_frame(data, self._limits)
+            except ProtocolError as err:
+                raise StageFailed(
+                    f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}",
+                    node_id=stage.info.node_id,
+                ) from err
         if codec.body_kind(frame) == "error":
             remote = error_from_body(frame.error)
             raise _remote_failure(stage, remote)
@@ -173,7 +186,49 @@ class RouteSession:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} answered for another session", node_id=stage.info.node_id
             )
-        return frame
+        return frame, forwarded.relayed if forwarded is not None else None
+
+    def _forward_rule(
+        self, k: int, step_id: int, phase: frame_pb2.Phase, start: int, tokens: tuple[int, ...], sample: bool
+    ) -> ForwardRule | None:
+        """What stage ``k``'s reader thread may relay to stage ``k + 1`` by itself during this step.
+
+        Exactly the checks and the relay of :meth:`_run_step_once`, on immutable
+        copies; anything unexpected (an error, another step, a full queue) is
+        left to the trio side, which then reports or relays it as before.
+        """
+        stage, nxt = self._stages[k], self._stages[k + 1]
+        target = nxt.stream
+        if not isinstance(stage.stream, StageStream) or not isinstance(target, StageStream):
+            return None  # a relayed (WebSocket) node: its frames are trio's only
+        limits, session_id, header = self._limits, stage.header.session_id, nxt.header
+        last = k + 1 == len(self._stages) - 1
+
+        def rule(data: bytes) -> Forwarded | None:
+            try:
+                reply = codec.parse_frame(data, limits)
+            except ProtocolError:
+                return None
+            if (
+                codec.body_kind(reply) != "result"
+                or reply.session_id != session_id
+                or reply.step_id != step_id
+                or reply.phase != phase
+            ):
+                return Forwarded(reply, None)
+            a, b = reply.positions.start - start, reply.positions.end - start
+            relay = codec.relay_frame(
+                reply, header, step_id=step_id, token_ids=tokens[a:b] if last else (), sample=sample and last
+            )
+            try:
+                out = codec.serialize_frame(relay, limits)
+            except ProtocolError:
+                return Forwarded(reply, None)
+            if not target.try_send_nowait(out):
+                return Forwarded(reply, None)
+            return Forwarded(reply, relay)
+
+        return rule
 
     async def _send(self, stage: _Stage, frame: frame_pb2.Frame) -> None:
         try:
@@ -202,6 +257,26 @@ class RouteSession:
         """One step through every stage; returns the sampled token when ``sample``."""
         step_id = self._next_step()
         start = self._stages[0].kv_len
+        frozen = tuple(int(t) for t in tokens)
+        try:
+            for k in range(len(self._stages) - 1):
+                stream = self._stages[k].stream
+                if isinstance(stream, StageStream):
+                    stream.forward = self._forward_rule(k, step_id, phase, start, frozen, sample)
+            return await self._step_through(step_id, phase, start, tokens, sample)
+        finally:
+            for stage in self._stages:
+                if isinstance(stage.stream, StageStream):
+                    stage.stream.forward = None
+
+    async def _step_through(
+        self,
+        step_id: int,
+        phase: frame_pb2.Phase,
+        start: int,
+        tokens: Sequence[int],
+        sample: bool,
+    ) -> Sampled | None:
         n = len(tokens)
         first, last = self._stages[0], self._stages[-1]
         for frame in codec.step_frames(
@@ -223,7 +298,7 @@ class RouteSession:
                     node_id=stage.info.node_id,
                 )
             while True:
-                reply = await self._receive(stage)
+                reply, relayed = await self._receive_forwarded(stage)
                 if codec.body_kind(reply) != "result" or reply.step_id != step_id or reply.phase != phase:
                     raise StageFailed(
                         f"node {stage.info.node_id[:8]} answered step {reply.step_id} "
@@ -232,16 +307,20 @@ class RouteSession:
                     )
                 done = not reply.HasField("chunk") or reply.chunk.index == reply.chunk.count - 1
                 if nxt is not None:
-                    a, b = reply.positions.start - start, reply.positions.end - start
-                    relay = codec.relay_frame(
-                        reply,
-                        nxt.header,
-                        step_id=step_id,
-                        token_ids=tokens[a:b] if nxt is last else (),
-                        sample=sample and nxt is last,
-                    )
-                    self._span_history.record(k + 1, relay)
-                    await self._send(nxt, relay)
+                    if relayed is None:  # the reader thread did not send it on: relay it here
+                        a, b = reply.positions.start - start, reply.positions.end - start
+                        relayed = codec.relay_frame(
+                            reply,
+                            nxt.header,
+                            step_id=step_id,
+                            token_ids=tokens[a:b] if nxt is last else (),
+                            sample=sample and nxt is last,
+                        )
+                        await self._send(nxt, relayed)
+                        self.relays["loop"] += 1
+                    else:
+                        self.relays["reader"] += 1
+                    self._span_history.record(k + 1, relayed)
                 elif sample and done:
                     if len(reply.result.sampled) != 1:
                         raise StageFailed(

@@ -361,6 +361,8 @@ class GatewayService:
                         yield session, prepared
                     finally:
                         self._report(job, session, route)
+                        for path, count in session.relays.items():
+                            self.metrics.inc("swarm_gateway_hidden_relays_total", count, path=path)
                 return
             except StageFailed as err:
                 if entered:

@@ -162,6 +162,14 @@ def route_counts(swarm: dict) -> dict[str, float]:
     return out
 
 
+def hidden_relays(swarm: dict) -> dict[str, float]:
+    """Hidden-state frames relayed between stages, by path (reader thread or event loop)."""
+    out = {"reader": 0.0, "loop": 0.0}
+    for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_hidden_relays_total"):
+        out[line.split('path="')[1].split('"')[0]] = float(line.split()[-1])
+    return out
+
+
 def node_load(proc: Proc) -> shard_service_pb2.NodeLoad:
     with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
         return (
@@ -187,10 +195,18 @@ def test_openai_client_gets_the_whole_models_greedy_text(
     question = QUESTIONS[0]
     want = chat_reference(reference, question, N_NEW)
     messages = [{"role": "user", "content": question}]
+    relays_before = hidden_relays(swarm)
     full = client.chat.completions.create(
         model=swarm["model"], messages=messages, temperature=0, max_tokens=N_NEW
     )
     assert full.choices[0].message.content == want
+    # Every step's hidden states went from stage 0 to stage 1 (2-stage routes over gRPC), and the
+    # stream's reader thread sent them on itself: the event loop relayed none.
+    relays = hidden_relays(swarm)
+    # one frame per step: the prefill (a short prompt, one frame) gives the first token, a decode step each next
+    steps = full.usage.completion_tokens
+    assert relays["reader"] - relays_before["reader"] == steps
+    assert relays["loop"] == relays_before["loop"]
     stream = client.chat.completions.create(
         model=swarm["model"],
         messages=messages,
