@@ -203,7 +203,8 @@ def test_openai_client_gets_the_whole_models_greedy_text(
     # Every step's hidden states went from stage 0 to stage 1 (2-stage routes over gRPC), and the
     # stream's reader thread sent them on itself: the event loop relayed none.
     relays = hidden_relays(swarm)
-    # one frame per step: the prefill (a short prompt, one frame) gives the first token, a decode step each next
+    # one frame per step: the prefill (a short prompt, one frame) gives the first token,
+    # then one decode step per further token
     steps = full.usage.completion_tokens
     assert relays["reader"] - relays_before["reader"] == steps
     assert relays["loop"] == relays_before["loop"]
