@@ -130,6 +130,11 @@ class RouteSession:
         self._failed_nodes: set[str] = set()
         self.recoveries = 0
         self.relays = {"reader": 0, "loop": 0}  # hidden-state frames sent on, by who sent them
+        # The next decode step, already sent to stage 0 by the last stage's reader thread:
+        # (its reserved step id, its token). Only decode() of that token may consume it.
+        self._sent_ahead: tuple[int, int] | None = None
+        self._kv_budget = reopen.kv_budget_tokens if reopen is not None else 0
+        self.steps_sent_ahead = 0
 
     @property
     def kv_len(self) -> int:
@@ -191,44 +196,103 @@ class RouteSession:
     def _forward_rule(
         self, k: int, step_id: int, phase: frame_pb2.Phase, start: int, tokens: tuple[int, ...], sample: bool
     ) -> ForwardRule | None:
-        """What stage ``k``'s reader thread may relay to stage ``k + 1`` by itself during this step.
+        """What stage ``k``'s reader thread may send on by itself during this step.
 
-        Exactly the checks and the relay of :meth:`_run_step_once`, on immutable
-        copies; anything unexpected (an error, another step, a full queue) is
-        left to the trio side, which then reports or relays it as before.
+        Exactly the checks of :meth:`_step_through`, on immutable copies; anything
+        unexpected (an error, another step, a full queue) is left to the trio
+        side, which then reports or relays it as before. A stage before the last
+        relays its hidden states to the next stage. The last stage, when the
+        step samples, sends the next decode step (the sampled token) to stage 0:
+        generation goes on with that token unless the gateway stops (stop text,
+        length, client gone), and a step sent ahead of a stop only costs stage 0
+        one position that the RELEASE or CANCEL frees with the rest.
         """
-        stage, nxt = self._stages[k], self._stages[k + 1]
-        target = nxt.stream
+        stage = self._stages[k]
+        last = k == len(self._stages) - 1
+        target = self._stages[0].stream if last else self._stages[k + 1].stream
         if not isinstance(stage.stream, StageStream) or not isinstance(target, StageStream):
             return None  # a relayed (WebSocket) node: its frames are trio's only
-        limits, session_id, header = self._limits, stage.header.session_id, nxt.header
-        last = k + 1 == len(self._stages) - 1
+        if last and not sample:
+            return None
+        limits, session_id = self._limits, stage.header.session_id
+        n = len(tokens)
 
-        def rule(data: bytes) -> Forwarded | None:
+        def matches(reply: frame_pb2.Frame) -> bool:
+            return (
+                codec.body_kind(reply) == "result"
+                and reply.session_id == session_id
+                and reply.step_id == step_id
+                and reply.phase == phase
+            )
+
+        if not last:
+            header = self._stages[k + 1].header
+            next_is_last = k + 1 == len(self._stages) - 1
+
+            def relay_rule(data: bytes) -> Forwarded | None:
+                try:
+                    reply = codec.parse_frame(data, limits)
+                except ProtocolError:
+                    return None
+                if not matches(reply):
+                    return Forwarded(reply, None)
+                a, b = reply.positions.start - start, reply.positions.end - start
+                relay = codec.relay_frame(
+                    reply,
+                    header,
+                    step_id=step_id,
+                    token_ids=tokens[a:b] if next_is_last else (),
+                    sample=sample and next_is_last,
+                )
+                try:
+                    out = codec.serialize_frame(relay, limits)
+                except ProtocolError:
+                    return Forwarded(reply, None)
+                if not target.try_send_nowait(out):
+                    return Forwarded(reply, None)
+                return Forwarded(reply, relay)
+
+            return relay_rule
+
+        first = self._stages[0]
+        if start + n + 2 > self._kv_budget:
+            # The budget is prompt + max new tokens, and the last token is never fed back: a step at
+            # start + n would only be wasted (or refused) when start + n + 1 already reaches it.
+            return None
+        first_header, one_stage = first.header, first is stage
+
+        def next_step_rule(data: bytes) -> Forwarded | None:
             try:
                 reply = codec.parse_frame(data, limits)
             except ProtocolError:
                 return None
             if (
-                codec.body_kind(reply) != "result"
-                or reply.session_id != session_id
-                or reply.step_id != step_id
-                or reply.phase != phase
+                not matches(reply)
+                or reply.HasField("chunk")
+                or len(reply.result.sampled) != 1
+                or reply.result.sampled[0].end_of_generation
+                or reply.kv_len != start + n
             ):
                 return Forwarded(reply, None)
-            a, b = reply.positions.start - start, reply.positions.end - start
-            relay = codec.relay_frame(
-                reply, header, step_id=step_id, token_ids=tokens[a:b] if last else (), sample=sample and last
+            token = int(reply.result.sampled[0].token_id)
+            (frame,) = codec.step_frames(
+                first_header,
+                frame_pb2.PHASE_DECODE,
+                step_id=step_id + 1,
+                start=start + n,
+                token_ids=[token],
+                sample=one_stage,
+                max_frame_bytes=limits.max_frame_bytes,
             )
             try:
-                out = codec.serialize_frame(relay, limits)
+                out = codec.serialize_frame(frame, limits)
             except ProtocolError:
                 return Forwarded(reply, None)
             if not target.try_send_nowait(out):
                 return Forwarded(reply, None)
-            return Forwarded(reply, relay)
+            return Forwarded(reply, frame)
 
-        return rule
+        return next_step_rule
 
     async def _send(self, stage: _Stage, frame: frame_pb2.Frame) -> None:
         try:
@@ -255,15 +319,28 @@ class RouteSession:
         self, phase: frame_pb2.Phase, tokens: Sequence[int], sample: bool
     ) -> Sampled | None:
         """One step through every stage; returns the sampled token when ``sample``."""
-        step_id = self._next_step()
+        ahead, self._sent_ahead = self._sent_ahead, None
         start = self._stages[0].kv_len
         frozen = tuple(int(t) for t in tokens)
+        already_sent = False
+        if ahead is not None:
+            if phase != frame_pb2.PHASE_DECODE or frozen != (ahead[1],):
+                # Only decode(token) follows a sampled token; anything else would find stage 0 one
+                # position ahead. Treat it as that stage failing: recovery re-attaches it at the
+                # committed length (a bug if it ever happens; the session stays exact).
+                first = self._stages[0]
+                raise StageFailed(
+                    f"a decode step of token {ahead[1]} was already sent to node {first.info.node_id[:8]}",
+                    node_id=first.info.node_id,
+                )
+            step_id, already_sent = ahead[0], True
+        else:
+            step_id = self._next_step()
         try:
-            for k in range(len(self._stages) - 1):
-                stream = self._stages[k].stream
-                if isinstance(stream, StageStream):
-                    stream.forward = self._forward_rule(k, step_id, phase, start, frozen, sample)
-            return await self._step_through(step_id, phase, start, tokens, sample)
+            for k, stage in enumerate(self._stages):
+                if isinstance(stage.stream, StageStream):
+                    stage.stream.forward = self._forward_rule(k, step_id, phase, start, frozen, sample)
+            return await self._step_through(step_id, phase, start, tokens, sample, already_sent)
         finally:
             for stage in self._stages:
                 if isinstance(stage.stream, StageStream):
@@ -276,19 +353,21 @@ class RouteSession:
         start: int,
         tokens: Sequence[int],
         sample: bool,
+        already_sent: bool = False,
     ) -> Sampled | None:
         n = len(tokens)
         first, last = self._stages[0], self._stages[-1]
-        for frame in codec.step_frames(
-            first.header,
-            phase,
-            step_id=step_id,
-            start=start,
-            token_ids=tokens,
-            sample=sample and first is last,
-            max_frame_bytes=self._limits.max_frame_bytes,
-        ):
-            await self._send(first, frame)
+        if not already_sent:
+            for frame in codec.step_frames(
+                first.header,
+                phase,
+                step_id=step_id,
+                start=start,
+                token_ids=tokens,
+                sample=sample and first is last,
+                max_frame_bytes=self._limits.max_frame_bytes,
+            ):
+                await self._send(first, frame)
         sampled: Sampled | None = None
         for k, stage in enumerate(self._stages):
             nxt = self._stages[k + 1] if k + 1 < len(self._stages) else None
@@ -322,6 +401,8 @@ class RouteSession:
                         self.relays["reader"] += 1
                     self._span_history.record(k + 1, relayed)
                 elif sample and done:
+                    if relayed is not None:  # the reader thread already sent the next decode step
+                        self._step_id = max(self._step_id, step_id + 1)  # its id is taken, whatever happens
                     if len(reply.result.sampled) != 1:
                         raise StageFailed(
                             f"last stage {stage.info.node_id[:8]} sent no sampled token",
@@ -344,6 +425,9 @@ class RouteSession:
                     stage.kv_len = int(reply.kv_len)
                     stage.tokens += n
                     stage.steps += 1
+                    if nxt is None and relayed is not None and sampled is not None:
+                        self._sent_ahead = (step_id + 1, sampled.token_id)
+                        self.steps_sent_ahead += 1
                     break
         return sampled
 
