@@ -159,8 +159,8 @@ class RouteSession:
         frame, _ = await self._receive_forwarded(stage)
         return frame
 
-    async def _receive_forwarded(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
-        """The next reply of ``stage``, checked, and the frame its forward rule already sent on (or None)."""
+    async def _next_reply(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
+        """The next reply of ``stage``, parsed (within the reply timeout), and what its rule sent on."""
         try:
             with trio.fail_after(self._reply_timeout_s):
                 if isinstance(stage.stream, StageStream):
@@ -175,15 +175,17 @@ class RouteSession:
         except StreamError as err:
             raise StageFailed(f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id) from err
         if forwarded is not None:
-            frame = forwarded.frame
-        else:
-            try:
-                frame = codec.parse_frame(data, self._limits)
-            except ProtocolError as err:
-                raise StageFailed(
-                    f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}",
-                    node_id=stage.info.node_id,
-                ) from err
+            return forwarded.frame, forwarded.relayed
+        try:
+            return codec.parse_frame(data, self._limits), None
+        except ProtocolError as err:
+            raise StageFailed(
+                f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}", node_id=stage.info.node_id
+            ) from err
+
+    async def _receive_forwarded(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
+        """The next reply of ``stage``, checked, and the frame its forward rule already sent on (or None)."""
+        frame, relayed = await self._next_reply(stage)
         if codec.body_kind(frame) == "error":
             remote = error_from_body(frame.error)
             raise _remote_failure(stage, remote)
@@ -191,7 +193,7 @@ class RouteSession:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} answered for another session", node_id=stage.info.node_id
             )
-        return frame, forwarded.relayed if forwarded is not None else None
+        return frame, relayed
 
     def _forward_rule(
         self, k: int, step_id: int, phase: frame_pb2.Phase, start: int, tokens: tuple[int, ...], sample: bool
@@ -225,6 +227,15 @@ class RouteSession:
                 and reply.phase == phase
             )
 
+        def send_on(reply: frame_pb2.Frame, frame: frame_pb2.Frame) -> Forwarded:
+            try:
+                out = codec.serialize_frame(frame, limits)
+            except ProtocolError:
+                return Forwarded(reply, None)
+            if not target.try_send_nowait(out):  # full: the event loop sends it (and waits for room)
+                return Forwarded(reply, None)
+            return Forwarded(reply, frame)
+
         if not last:
             header = self._stages[k + 1].header
             next_is_last = k + 1 == len(self._stages) - 1
@@ -244,13 +255,7 @@ class RouteSession:
                     token_ids=tokens[a:b] if next_is_last else (),
                     sample=sample and next_is_last,
                 )
-                try:
-                    out = codec.serialize_frame(relay, limits)
-                except ProtocolError:
-                    return Forwarded(reply, None)
-                if not target.try_send_nowait(out):
-                    return Forwarded(reply, None)
-                return Forwarded(reply, relay)
+                return send_on(reply, relay)
 
             return relay_rule
 
@@ -284,13 +289,7 @@ class RouteSession:
                 sample=one_stage,
                 max_frame_bytes=limits.max_frame_bytes,
             )
-            try:
-                out = codec.serialize_frame(frame, limits)
-            except ProtocolError:
-                return Forwarded(reply, None)
-            if not target.try_send_nowait(out):
-                return Forwarded(reply, None)
-            return Forwarded(reply, frame)
+            return send_on(reply, frame)
 
         return next_step_rule
 
@@ -549,25 +548,7 @@ class RouteSession:
     async def _receive_step(self, stage: _Stage, step_id: int) -> frame_pb2.Frame:
         """The reply to ``step_id``, skipping late replies to the abandoned step (bounded)."""
         for _skip in range(64):
-            try:
-                with trio.fail_after(self._reply_timeout_s):
-                    data = await stage.stream.receive()
-            except trio.TooSlowError as err:
-                raise StageFailed(
-                    f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
-                    node_id=stage.info.node_id,
-                ) from err
-            except StreamError as err:
-                raise StageFailed(
-                    f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id
-                ) from err
-            try:
-                frame = codec.parse_frame(data, self._limits)
-            except ProtocolError as err:
-                raise StageFailed(
-                    f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}",
-                    node_id=stage.info.node_id,
-                ) from err
+            frame, _ = await self._next_reply(stage)
             if frame.step_id != step_id:
                 continue
             if codec.body_kind(frame) == "error":
