@@ -506,7 +506,9 @@ class GatewayService:
                     )
                     self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
                     # The client gets its last chunk now; RELEASE to the stages follows on the way out.
-                    await send.send(Finished(reason, progress.prompt_tokens, len(progress.generated)))
+                    await _deliver(
+                        job, send, Finished(reason, progress.prompt_tokens, len(progress.generated))
+                    )
                 return
             except GatewayError as err:
                 if not in_body and failed_before is not None:
@@ -567,32 +569,45 @@ class GatewayService:
             self.metrics.inc("swarm_gateway_completion_tokens_total")
             if sampled.end_of_generation or token in vocab.eog:
                 tail = text.finish()
-                await self._emit(send, tail.text, tail.tokens)
+                await self._emit(job, send, tail.text, tail.tokens)
                 return "stop"
             piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
             entry = _logprob_entry(vocab, sampled) if request.logprobs else None
             out = text.push(piece, entry)
-            await self._emit(send, out.text, out.tokens)
+            await self._emit(job, send, out.text, out.tokens)
             if out.stopped:
                 return "stop"
             if len(progress.generated) >= prepared.max_new:
                 tail = text.finish()
-                await self._emit(send, tail.text, tail.tokens)
+                await self._emit(job, send, tail.text, tail.tokens)
                 return "length"
             sampled = await session.decode(token)
 
     @staticmethod
     async def _emit(
-        send: trio.MemorySendChannel[Event], text: str, entries: tuple[TokenLogprob | None, ...]
+        job: Job, send: trio.MemorySendChannel[Event], text: str, entries: tuple[TokenLogprob | None, ...]
     ) -> None:
         logprobs = tuple(e for e in entries if e is not None)
         if text or logprobs:
-            # No checkpoint when there is room: the next step goes out to the route before the
-            # HTTP writer formats this delta (it runs while the step is computed).
-            try:
-                send.send_nowait(Delta(text, logprobs))
-            except trio.WouldBlock:
-                await send.send(Delta(text, logprobs))
+            await _deliver(job, send, Delta(text, logprobs))
+
+
+async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -> None:
+    """Hand an event to the HTTP side; a client that stopped reading ends the job like a disconnect.
+
+    No checkpoint when there is room: the next step goes out to the route before the HTTP writer
+    formats this event (it runs while the step is computed). When the client is gone the job's
+    own scope is cancelled, so the way out is a plain cancellation (CANCEL to every stage, the
+    disconnect counted) and never a BrokenResourceError inside the Route Session's nurseries.
+    """
+    try:
+        try:
+            send.send_nowait(item)
+        except trio.WouldBlock:
+            await send.send(item)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        job.cancel_scope.cancel()
+        await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope
 
 
 def _logprob_entry(vocab: LoadedVocab, sampled: Sampled) -> TokenLogprob:

@@ -150,3 +150,22 @@ async def test_nothing_is_sent_ahead_past_the_kv_budget(nodes: list[FakeNode]) -
         assert s.steps_sent_ahead == 1
         await _until(lambda: _kv(nodes[0]) == BUDGET - 1, "stage 0 to finish the step")
         s.finished = True
+
+
+async def test_a_client_that_stopped_reading_ends_the_job_like_a_disconnect() -> None:
+    """No BrokenResourceError may escape from inside a Route Session's nurseries (it took the gateway
+    down once): the job's own scope is cancelled instead and the way out is a plain cancellation."""
+    from gateway.serving import Delta, Job, _deliver
+
+    send, receive = trio.open_memory_channel(4)
+    job = Job(request=None, client="c", request_id="r", events=receive, cancel_scope=trio.CancelScope())  # type: ignore[arg-type]
+    await _deliver(job, send, Delta("a", ()))  # room: delivered at once
+    assert receive.receive_nowait() == Delta("a", ())
+    receive.close()  # the HTTP side is gone
+    reached_after = False
+    with job.cancel_scope:
+        async with trio.open_nursery() as nursery:  # like the stream nurseries around a session
+            nursery.start_soon(trio.sleep_forever)
+            await _deliver(job, send, Delta("b", ()))
+            reached_after = True
+    assert job.cancel_scope.cancelled_caught and not reached_after
