@@ -247,15 +247,7 @@ class RouteSession:
                     return None
                 if not matches(reply):
                     return Forwarded(reply, None)
-                a, b = reply.positions.start - start, reply.positions.end - start
-                relay = codec.relay_frame(
-                    reply,
-                    header,
-                    step_id=step_id,
-                    token_ids=tokens[a:b] if next_is_last else (),
-                    sample=sample and next_is_last,
-                )
-                return send_on(reply, relay)
+                return send_on(reply, _relay(reply, header, step_id, start, tokens, sample, next_is_last))
 
             return relay_rule
 
@@ -386,14 +378,7 @@ class RouteSession:
                 done = not reply.HasField("chunk") or reply.chunk.index == reply.chunk.count - 1
                 if nxt is not None:
                     if relayed is None:  # the reader thread did not send it on: relay it here
-                        a, b = reply.positions.start - start, reply.positions.end - start
-                        relayed = codec.relay_frame(
-                            reply,
-                            nxt.header,
-                            step_id=step_id,
-                            token_ids=tokens[a:b] if nxt is last else (),
-                            sample=sample and nxt is last,
-                        )
+                        relayed = _relay(reply, nxt.header, step_id, start, tokens, sample, nxt is last)
                         await self._send(nxt, relayed)
                         self.relays["loop"] += 1
                     else:
@@ -493,18 +478,7 @@ class RouteSession:
             try:
                 replacement = await policy.find(span[0], span[1], frozenset(self._failed_nodes))
             except NoRoute as err:
-                policy.on_report(
-                    RecoveryReport(
-                        failure.node_id,
-                        "",
-                        span,
-                        self._span_history.committed,
-                        self._epoch,
-                        trio.current_time() - started,
-                        ok=False,
-                        error=err.message,
-                    )
-                )
+                self._report_recovery(failure, "", span, started, ok=False, error=err.message)
                 raise NoReplacement(
                     f"{failure.message}; no live node can take over layers [{span[0]}, {span[1]}): "
                     f"{err.message}",
@@ -518,32 +492,35 @@ class RouteSession:
             try:
                 await self._replace(index, replacement)
             except StageFailed as again:
-                policy.on_report(
-                    RecoveryReport(
-                        failure.node_id,
-                        new_node,
-                        span,
-                        self._span_history.committed,
-                        self._epoch,
-                        trio.current_time() - started,
-                        ok=False,
-                        error=again.message,
-                    )
-                )
+                self._report_recovery(failure, new_node, span, started, ok=False, error=again.message)
                 failure = again
                 continue
-            policy.on_report(
-                RecoveryReport(
-                    failure.node_id,
-                    new_node,
-                    span,
-                    self._span_history.committed,
-                    self._epoch,
-                    trio.current_time() - started,
-                    ok=True,
-                )
-            )
+            self._report_recovery(failure, new_node, span, started, ok=True)
             return
+
+    def _report_recovery(
+        self,
+        failure: StageFailed,
+        new_node: str,
+        span: tuple[int, int],
+        started: float,
+        *,
+        ok: bool,
+        error: str = "",
+    ) -> None:
+        assert self._recovery is not None
+        self._recovery.on_report(
+            RecoveryReport(
+                failure.node_id,
+                new_node,
+                span,
+                self._span_history.committed,
+                self._epoch,
+                trio.current_time() - started,
+                ok=ok,
+                error=error,
+            )
+        )
 
     async def _receive_step(self, stage: _Stage, step_id: int) -> frame_pb2.Frame:
         """The reply to ``step_id``, skipping late replies to the abandoned step (bounded)."""
@@ -717,6 +694,22 @@ class RouteSession:
             async with trio.open_nursery() as nursery:
                 for stage in self._stages:
                     nursery.start_soon(close_one, stage)
+
+
+def _relay(
+    reply: frame_pb2.Frame,
+    header: codec.SessionHeader,
+    step_id: int,
+    start: int,
+    tokens: Sequence[int],
+    sample: bool,
+    to_last: bool,
+) -> frame_pb2.Frame:
+    """A stage's result chunk as the next stage's input; the last stage also gets its token ids."""
+    a, b = reply.positions.start - start, reply.positions.end - start
+    return codec.relay_frame(
+        reply, header, step_id=step_id, token_ids=tokens[a:b] if to_last else (), sample=sample and to_last
+    )
 
 
 def _replaceable(err: StageFailed) -> bool:

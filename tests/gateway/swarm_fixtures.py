@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nacl.signing
 import trio
+from fake_node import FakeNode
 
 from gateway.testing import Proc
+from node.vocab import Vocabulary
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
 from tracker.client import TrackerClient
@@ -83,3 +87,45 @@ def recovered(gateway_url: str) -> bool:
         "recoveries_total" in line and 'outcome="ok"' in line and not line.endswith(" 0") for line in lines
     )
     return moved or replaced
+
+
+@dataclass
+class ScriptedNodes:
+    nodes: list[FakeNode]
+    script: list[int]  # the token ids the last stages "sample", in order
+    eos: int
+    expected: str  # the script as text
+
+
+def scripted_nodes(
+    model_path: Path,
+    cache: Path,
+    text: str,
+    fingerprint: str,
+    spans: list[tuple[int, int]],
+    *,
+    first_seed: int,
+    **options: Any,
+) -> ScriptedNodes:
+    """Fake nodes (one per span, of a 30-layer model) that serve the test model's vocabulary and
+    generate ``text``; ``options`` go to every :class:`FakeNode`."""
+    with Vocabulary(model_path) as vocab:
+        script = vocab.tokenize(text)
+        eos = vocab.eos
+        expected = vocab.detokenize(script)
+    data = vocab_bytes(model_path, cache)
+    nodes = [
+        FakeNode(
+            seed=first_seed + i,
+            fingerprint=fingerprint,
+            start=a,
+            end=b,
+            n_layers=30,
+            vocab=data,
+            script=script,
+            eos=eos,
+            **options,
+        )
+        for i, (a, b) in enumerate(spans)
+    ]
+    return ScriptedNodes(nodes, script, eos, expected)

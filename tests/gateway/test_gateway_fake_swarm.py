@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fake_node import FAILURES, FakeNode
-from swarm_fixtures import announce, metric_lines, recovered, url, vocab_bytes, wait_until
+from fake_node import FAILURES
+from swarm_fixtures import announce, metric_lines, recovered, scripted_nodes, url, wait_until
 
 from gateway.testing import Proc, start_gateway, start_tracker
 from node.vocab import Vocabulary
@@ -31,24 +31,15 @@ SCRIPT_TEXT = "Hello world! Streaming through a fake swarm: é€😀 done."
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("fake-swarm")
-    with Vocabulary(model_path) as vocab:
-        script = vocab.tokenize(SCRIPT_TEXT)
-        eos = vocab.eos
-        expected = vocab.detokenize(script)
-    data = vocab_bytes(model_path, tmp / "cache")
-    nodes = [
-        FakeNode(
-            seed=10 + i,
-            fingerprint=FINGERPRINT,
-            start=a,
-            end=b,
-            n_layers=30,
-            vocab=data,
-            script=script,
-            eos=eos,
-        )
-        for i, (a, b) in enumerate([(0, 15), (15, 30), (0, 15), (15, 30)])
-    ]
+    fake = scripted_nodes(
+        model_path,
+        tmp / "cache",
+        SCRIPT_TEXT,
+        FINGERPRINT,
+        [(0, 15), (15, 30), (0, 15), (15, 30)],
+        first_seed=10,
+    )
+    nodes, script, eos, expected = fake.nodes, fake.script, fake.eos, fake.expected
     tracker: Proc | None = None
     gateway: Proc | None = None
     try:

@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import trio
 from fake_node import FakeNode
-from swarm_fixtures import vocab_bytes
+from swarm_fixtures import scripted_nodes
 
 from gateway.errors import StageFailed
 from gateway.grpc_bridge import NodeChannels
 from gateway.route_session import RouteSession, open_route_session
 from gateway.routes import Hop, Route, StageInfo
-from node.vocab import Vocabulary
 from proto import codec
 
 FINGERPRINT = "fb" * 32
@@ -32,23 +31,14 @@ BUDGET = 64
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> list[FakeNode]:
-    with Vocabulary(model_path) as vocab:
-        script = vocab.tokenize("one two three four five six seven eight nine ten eleven twelve")
-        eos = vocab.eos
-    data = vocab_bytes(model_path, tmp_path_factory.mktemp("fwd") / "cache")
-    made = [
-        FakeNode(
-            seed=40 + i,
-            fingerprint=FINGERPRINT,
-            start=a,
-            end=b,
-            n_layers=30,
-            vocab=data,
-            script=script,
-            eos=eos,
-        )
-        for i, (a, b) in enumerate([(0, 15), (15, 30)])
-    ]
+    made = scripted_nodes(
+        model_path,
+        tmp_path_factory.mktemp("fwd") / "cache",
+        "one two three four five six seven eight nine ten eleven twelve",
+        FINGERPRINT,
+        [(0, 15), (15, 30)],
+        first_seed=40,
+    ).nodes
     yield made
     for node in made:
         node.stop()

@@ -19,10 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 from fake_node import FakeNode
-from swarm_fixtures import announce, metric_lines, url, vocab_bytes
+from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 
 from gateway.testing import Proc, start_gateway, start_tracker
-from node.vocab import Vocabulary
 from proto.announce import ModelSpec
 
 FINGERPRINT = "fb" * 32
@@ -33,25 +32,16 @@ SCRIPT_TEXT = "One stage dies, its spare takes over, and the text goes on withou
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("fake-span")
-    with Vocabulary(model_path) as vocab:
-        script = vocab.tokenize(SCRIPT_TEXT)
-        eos = vocab.eos
-        expected = vocab.detokenize(script)
-    data = vocab_bytes(model_path, tmp / "cache")
-    nodes = [
-        FakeNode(
-            seed=40 + i,
-            fingerprint=FINGERPRINT,
-            start=a,
-            end=b,
-            n_layers=30,
-            vocab=data,
-            script=script,
-            eos=eos,
-            step_delay_s=0.02,
-        )
-        for i, (a, b) in enumerate([(0, 15), (15, 30), (15, 30)])
-    ]
+    fake = scripted_nodes(
+        model_path,
+        tmp / "cache",
+        SCRIPT_TEXT,
+        FINGERPRINT,
+        [(0, 15), (15, 30), (15, 30)],
+        first_seed=40,
+        step_delay_s=0.02,
+    )
+    nodes, expected = fake.nodes, fake.expected
     tracker: Proc | None = None
     gateway: Proc | None = None
     try:
