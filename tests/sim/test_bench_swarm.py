@@ -7,6 +7,7 @@ driving code really streams SSE; what it measures is not asserted (timing).
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -106,5 +107,9 @@ def test_ratios_use_the_baseline_with_the_same_threads_and_gates_fail_below_thei
     assert check_gates(report, ["swarm2.c1.decode_ratio=0.6"]) == ["swarm2.c1.decode_ratio = 0.500 < 0.6"]
 
 
-def test_a_request_that_streams_nothing_has_no_decode_rate() -> None:
-    assert bench_swarm.summarize(1, [], 1.0)["requests"] == 0
+def test_a_level_without_decode_figures_reports_nan_not_zero() -> None:
+    empty = bench_swarm.summarize(1, [], 1.0)
+    assert empty["requests"] == 0 and empty["aggregate_tok_s"] == 0
+    assert math.isnan(empty["decode_tok_s_per_stream_p50"]) and math.isnan(empty["ttft_p50_s"])
+    one = bench_swarm.summarize(1, [bench_swarm.RequestStats(0.1, 1.0, 1, None)], 1.0)
+    assert one["tokens"] == 1 and math.isnan(one["decode_tok_s_per_stream_p50"])  # one token: no rate
