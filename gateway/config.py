@@ -111,5 +111,12 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> GatewayConfig:
     """Merge the layers; ``flags`` entries that are None mean "not given"."""
-    return load_layered(GatewayConfig, section="gateway", env_prefix=ENV_PREFIX, error=ConfigError,
-                        file=file, env=env, flags=flags)
+    return load_layered(
+        GatewayConfig,
+        section="gateway",
+        env_prefix=ENV_PREFIX,
+        error=ConfigError,
+        file=file,
+        env=env,
+        flags=flags,
+    )

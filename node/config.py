@@ -169,5 +169,6 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
     """Merge the layers; a flag whose value is None was not given."""
-    return load_layered(NodeConfig, section="node", env_prefix=ENV_PREFIX, error=ConfigError,
-                        file=file, env=env, flags=flags)
+    return load_layered(
+        NodeConfig, section="node", env_prefix=ENV_PREFIX, error=ConfigError, file=file, env=env, flags=flags
+    )

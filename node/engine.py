@@ -75,9 +75,8 @@ class EngineConfig:
 
     def context_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
-            raise EngineError(
-                f"max_sessions must be in [1, {llama_cpp.llama_max_parallel_sequences()}], got {self.max_sessions}"
-            )
+            limit = llama_cpp.llama_max_parallel_sequences()
+            raise EngineError(f"max_sessions must be in [1, {limit}], got {self.max_sessions}")
         if self.session_kv_tokens < 16:
             raise EngineError(f"session_kv_tokens must be >= 16, got {self.session_kv_tokens}")
         return ContextSettings(
@@ -232,7 +231,8 @@ class ShardEngine:
         budget = self.session_kv_limit if kv_budget is None else int(kv_budget)
         if budget < 1 or budget > self.session_kv_limit:
             raise KVBudgetError(
-                f"requested KV budget {budget} tokens; this node allows 1..{self.session_kv_limit} per session"
+                f"requested KV budget {budget} tokens; "
+                f"this node allows 1..{self.session_kv_limit} per session"
             )
         params = (sampling or SamplingParams()).validate()
         seq = self._free_seqs.pop(0)
@@ -252,7 +252,9 @@ class ShardEngine:
         """Forget KV at positions >= ``position`` (recovery replays from there)."""
         sess = self._session(session_id)
         if position < 0 or position > sess.kv_len:
-            raise PositionError(f"cannot truncate session {session_id!r} of KV length {sess.kv_len} to {position}")
+            raise PositionError(
+                f"cannot truncate session {session_id!r} of KV length {sess.kv_len} to {position}"
+            )
         llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, position, -1)
         sess.kv_len = position
 
@@ -295,7 +297,9 @@ class ShardEngine:
         if work.tokens is not None:
             t = work.tokens
             if t.ndim != 1 or t.size == 0 or t.dtype.kind not in "iu":
-                return InputShapeError(f"token ids must be a non-empty 1-D integer array, got {t.dtype} {t.shape}")
+                return InputShapeError(
+                    f"token ids must be a non-empty 1-D integer array, got {t.dtype} {t.shape}"
+                )
             if t.min() < 0 or t.max() >= self._embeddings.n_vocab:  # type: ignore[union-attr]
                 return InputShapeError(f"token id outside the vocabulary [0, {self._embeddings.n_vocab})")  # type: ignore[union-attr]
         else:
@@ -434,7 +438,7 @@ class ShardEngine:
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc}; the step was rolled back")
         self._tokens += n
-        for i, off, take in segments:
+        for i, _off, take in segments:
             self._sessions[works[i].session_id].kv_len += take
         if self._capture is not None:
             err = self._capture.error()
@@ -451,7 +455,7 @@ class ShardEngine:
             in_batch_order = np.empty((n, self.n_embd), dtype=np.float32)
             in_batch_order[np.concatenate(plan)] = rows
             pos = 0
-            for i, off, take in segments:
+            for i, _off, take in segments:
                 hidden_out[i][off : off + take] = in_batch_order[pos : pos + take]
                 pos += take
         for i, row in outputs:
@@ -459,7 +463,9 @@ class ShardEngine:
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
             if not ptr:
                 raise DecodeError(f"llama.cpp returned no logits for batch row {row}")
-            logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+            logits = np.ctypeslib.as_array(
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+            )
             if w.return_logits:
                 logits_out[i] = logits.copy()
             if w.sample:

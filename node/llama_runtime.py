@@ -125,7 +125,9 @@ def new_context(
     params.n_threads = settings.n_threads
     params.n_threads_batch = settings.n_threads
     params.flash_attn_type = (
-        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if settings.flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     )
     params.type_k = KV_TYPES[settings.kv_type]
     params.type_v = KV_TYPES[settings.kv_type]
@@ -194,7 +196,11 @@ def _llama_lib_dir() -> Path:
 
 def _include_dirs() -> list[Path]:
     """Where llama-cpp-python installed ggml's headers (they vary by build layout)."""
-    roots = [Path(llama_cpp.__file__).parent, Path(sysconfig.get_paths()["purelib"]), Path(sysconfig.get_paths()["data"])]
+    roots = [
+        Path(llama_cpp.__file__).parent,
+        Path(sysconfig.get_paths()["purelib"]),
+        Path(sysconfig.get_paths()["data"]),
+    ]
     found: list[Path] = []
     for root in roots:
         for candidate in (root / "include", root / "lib" / "include", root):
@@ -245,7 +251,9 @@ def compile_capture_library(cache_dir: Path) -> Path:
     if not includes:
         raise CaptureUnavailable("llama-cpp-python did not install ggml.h")
     lib_dir = _llama_lib_dir()
-    key = hashlib.sha256(source + llama_cpp.__version__.encode() + cc.encode() + str(lib_dir).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source + llama_cpp.__version__.encode() + cc.encode() + str(lib_dir).encode()
+    ).hexdigest()[:16]
     out_dir = Path(cache_dir) / "capture"
     out = out_dir / f"swarm_capture-{key}.so"
     if out.is_file():

@@ -46,7 +46,9 @@ class ReferenceModel:
 
     def logits(self, row: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)).copy()
+        return np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+        ).copy()
 
     def prefill(self, tokens: list[int], seq: int = 0, start: int = 0) -> np.ndarray:
         """Feed ``tokens`` (in chunks of n_batch) and return the logits after the last one."""
@@ -56,7 +58,9 @@ class ReferenceModel:
             last = off + len(chunk) == len(tokens)
             outputs = [False] * len(chunk)
             outputs[-1] = last
-            self.decode([seq] * len(chunk), list(range(start + off, start + off + len(chunk))), chunk, outputs)
+            self.decode(
+                [seq] * len(chunk), list(range(start + off, start + off + len(chunk))), chunk, outputs
+            )
         return self.logits(len(tokens) - 1 - (len(tokens) - 1) // step * step)
 
     def greedy(self, prompt: list[int], n_new: int, seq: int = 0) -> tuple[list[int], np.ndarray]:

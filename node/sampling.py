@@ -92,7 +92,9 @@ def sample(
             recent = np.unique(np.asarray(history[-params.penalty_last_n :], dtype=np.int64))
             recent = recent[(recent >= 0) & (recent < work.size)]
             vals = work[recent]
-            work[recent] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+            work[recent] = np.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
         if params.temperature <= 0.0:
             token = int(np.argmax(work))
         else:

@@ -16,7 +16,8 @@ import numpy as np
 from node.testmodel import test_model_path
 from node.llama_runtime import ContextSettings, llama_build_info
 from node.reference import ReferenceModel
-with ReferenceModel(test_model_path(), ContextSettings(n_seq_max=1, n_ctx=256, n_batch=64, n_ubatch=64)) as ref:
+settings = ContextSettings(n_seq_max=1, n_ctx=256, n_batch=64, n_ubatch=64)
+with ReferenceModel(test_model_path(), settings) as ref:
     logits = ref.prefill([1, 2, 3])
     assert np.isfinite(logits).all()
 print(llama_build_info())
@@ -38,7 +39,9 @@ def main() -> int:
             file=sys.stderr,
         )
     else:
-        print(f"llama.cpp self-check FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        print(
+            f"llama.cpp self-check FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr
+        )
     return 1
 
 

@@ -170,9 +170,7 @@ def check_range(start: int, end: int, n_layers: int) -> None:
     if start >= end:
         raise LayerRangeError(f"layer range [{start}, {end}) is empty; END must be greater than START")
     if start < 0 or end > n_layers:
-        raise LayerRangeError(
-            f"layer range [{start}, {end}) is outside the model's layers [0, {n_layers})"
-        )
+        raise LayerRangeError(f"layer range [{start}, {end}) is outside the model's layers [0, {n_layers})")
 
 
 def shard_dir(cache_dir: Path, fingerprint: str) -> Path:

@@ -58,7 +58,9 @@ def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
     return v
 
 
-def _num(obj: Mapping[str, Any], key: str, lo: float, hi: float, where: str, *, open_lo: bool = False) -> float:
+def _num(
+    obj: Mapping[str, Any], key: str, lo: float, hi: float, where: str, *, open_lo: bool = False
+) -> float:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise PayloadError(f"{where}.{key} must be a finite number")
@@ -145,9 +147,13 @@ class Hardware:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"cpu_cores": self.cpu_cores, "ram_bytes": self.ram_bytes,
-                "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
-                "backends": list(self.backends), "free_disk_bytes": self.free_disk_bytes}
+        return {
+            "cpu_cores": self.cpu_cores,
+            "ram_bytes": self.ram_bytes,
+            "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
+            "backends": list(self.backends),
+            "free_disk_bytes": self.free_disk_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -163,18 +169,43 @@ class ModelSpec:
         w = "model"
         o = _obj(obj, w)
         _check_keys(o, frozenset({"fingerprint", "name", "architecture", "n_layers", "n_embd"}), w)
-        return cls(_hex64(o, "fingerprint", w), _str(o, "name", w), _str(o, "architecture", w, max_len=64),
-                   _int(o, "n_layers", 1, MAX_LAYERS, w), _int(o, "n_embd", 1, 1 << 20, w))
+        return cls(
+            _hex64(o, "fingerprint", w),
+            _str(o, "name", w),
+            _str(o, "architecture", w, max_len=64),
+            _int(o, "n_layers", 1, MAX_LAYERS, w),
+            _int(o, "n_embd", 1, 1 << 20, w),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "name": self.name, "architecture": self.architecture,
-                "n_layers": self.n_layers, "n_embd": self.n_embd}
+        return {
+            "fingerprint": self.fingerprint,
+            "name": self.name,
+            "architecture": self.architecture,
+            "n_layers": self.n_layers,
+            "n_embd": self.n_embd,
+        }
 
 
-_ANNOUNCE_KEYS = frozenset({
-    "node_id", "addresses", "relay", "relay_via", "hardware", "software_version", "model",
-    "shard_start", "shard_end", "decode_ms_per_token", "prefill_tokens_per_s", "max_sessions",
-}) | ENVELOPE_FIELDS
+_ANNOUNCE_KEYS = (
+    frozenset(
+        {
+            "node_id",
+            "addresses",
+            "relay",
+            "relay_via",
+            "hardware",
+            "software_version",
+            "model",
+            "shard_start",
+            "shard_end",
+            "decode_ms_per_token",
+            "prefill_tokens_per_s",
+            "max_sessions",
+        }
+    )
+    | ENVELOPE_FIELDS
+)
 
 
 @dataclass(frozen=True)
@@ -208,28 +239,43 @@ class Announce:
         start = _int(o, "shard_start", 0, model.n_layers - 1, w)
         end = _int(o, "shard_end", start + 1, model.n_layers, w)
         return cls(
-            node_id=_hex64(o, "node_id", w), addresses=addresses, relay=relay, relay_via=relay_via,
+            node_id=_hex64(o, "node_id", w),
+            addresses=addresses,
+            relay=relay,
+            relay_via=relay_via,
             hardware=Hardware.from_json(o.get("hardware")),
             software_version=_str(o, "software_version", w, max_len=64),
-            model=model, shard_start=start, shard_end=end,
+            model=model,
+            shard_start=start,
+            shard_end=end,
             decode_ms_per_token=_num(o, "decode_ms_per_token", 0.0, 1e7, w, open_lo=True),
             prefill_tokens_per_s=_num(o, "prefill_tokens_per_s", 0.0, 1e9, w, open_lo=True),
             max_sessions=_int(o, "max_sessions", 1, 1 << 20, w),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "addresses": list(self.addresses), "relay": self.relay,
-                "relay_via": self.relay_via, "hardware": self.hardware.to_json(),
-                "software_version": self.software_version, "model": self.model.to_json(),
-                "shard_start": self.shard_start, "shard_end": self.shard_end,
-                "decode_ms_per_token": self.decode_ms_per_token,
-                "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_sessions": self.max_sessions}
+        return {
+            "node_id": self.node_id,
+            "addresses": list(self.addresses),
+            "relay": self.relay,
+            "relay_via": self.relay_via,
+            "hardware": self.hardware.to_json(),
+            "software_version": self.software_version,
+            "model": self.model.to_json(),
+            "shard_start": self.shard_start,
+            "shard_end": self.shard_end,
+            "decode_ms_per_token": self.decode_ms_per_token,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "max_sessions": self.max_sessions,
+        }
 
 
 # --- heartbeat ---------------------------------------------------------------------------------
 
-_HEARTBEAT_KEYS = frozenset({"node_id", "active_sessions", "queue_depth", "kv_free_tokens",
-                             "tokens_served"}) | ENVELOPE_FIELDS
+_HEARTBEAT_KEYS = (
+    frozenset({"node_id", "active_sessions", "queue_depth", "kv_free_tokens", "tokens_served"})
+    | ENVELOPE_FIELDS
+)
 
 
 @dataclass(frozen=True)
@@ -246,14 +292,22 @@ class Heartbeat:
         o = _obj(obj, w)
         _check_keys(o, _HEARTBEAT_KEYS, w)
         big = 1 << 40
-        return cls(_hex64(o, "node_id", w), _int(o, "active_sessions", 0, 1 << 20, w),
-                   _int(o, "queue_depth", 0, 1 << 20, w), _int(o, "kv_free_tokens", 0, big, w),
-                   _int(o, "tokens_served", 0, big, w))
+        return cls(
+            _hex64(o, "node_id", w),
+            _int(o, "active_sessions", 0, 1 << 20, w),
+            _int(o, "queue_depth", 0, 1 << 20, w),
+            _int(o, "kv_free_tokens", 0, big, w),
+            _int(o, "tokens_served", 0, big, w),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "active_sessions": self.active_sessions,
-                "queue_depth": self.queue_depth, "kv_free_tokens": self.kv_free_tokens,
-                "tokens_served": self.tokens_served}
+        return {
+            "node_id": self.node_id,
+            "active_sessions": self.active_sessions,
+            "queue_depth": self.queue_depth,
+            "kv_free_tokens": self.kv_free_tokens,
+            "tokens_served": self.tokens_served,
+        }
 
 
 # --- usage report (gateway -> tracker) ------------------------------------------------------------
@@ -284,14 +338,23 @@ class UsageReport:
     def from_json(cls, obj: Any) -> UsageReport:
         w = "usage"
         o = _obj(obj, w)
-        _check_keys(o, frozenset({"gateway_id", "request_id", "model_fingerprint", "entries"}) | ENVELOPE_FIELDS, w)
+        _check_keys(
+            o, frozenset({"gateway_id", "request_id", "model_fingerprint", "entries"}) | ENVELOPE_FIELDS, w
+        )
         entries = o.get("entries")
         if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_USAGE_ENTRIES:
             raise PayloadError(f"{w}.entries must be a list of 1..{MAX_USAGE_ENTRIES} objects")
-        return cls(_hex64(o, "gateway_id", w), _str(o, "request_id", w, max_len=128),
-                   _hex64(o, "model_fingerprint", w), tuple(UsageEntry.from_json(e) for e in entries))
+        return cls(
+            _hex64(o, "gateway_id", w),
+            _str(o, "request_id", w, max_len=128),
+            _hex64(o, "model_fingerprint", w),
+            tuple(UsageEntry.from_json(e) for e in entries),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"gateway_id": self.gateway_id, "request_id": self.request_id,
-                "model_fingerprint": self.model_fingerprint,
-                "entries": [{"node_id": e.node_id, "tokens": e.tokens, "steps": e.steps} for e in self.entries]}
+        return {
+            "gateway_id": self.gateway_id,
+            "request_id": self.request_id,
+            "model_fingerprint": self.model_fingerprint,
+            "entries": [{"node_id": e.node_id, "tokens": e.tokens, "steps": e.steps} for e in self.entries],
+        }

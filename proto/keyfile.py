@@ -39,7 +39,9 @@ def load_key_file(path: Path) -> nacl.signing.SigningKey:
     except OSError as err:
         raise KeyFileError(f"cannot read the key file {path}: {err}") from err
     if mode & 0o077:
-        raise KeyFileError(f"{path} has mode {mode:o}; a private key must not be readable by others (chmod 600)")
+        raise KeyFileError(
+            f"{path} has mode {mode:o}; a private key must not be readable by others (chmod 600)"
+        )
     try:
         seed = bytes.fromhex(text)
     except ValueError as err:

@@ -90,7 +90,7 @@ def load_layered(
             put(key, value, f"config file {path}", f"config file {path}: unknown key {key!r}")
     for var, value in env.items():
         if var.startswith(env_prefix) and var != config_file_env:
-            key = var[len(env_prefix):].lower()
+            key = var[len(env_prefix) :].lower()
             put(key, value, f"environment {var}", f"unknown environment variable {var}")
     for key, value in (flags or {}).items():
         if value is not None:

@@ -65,8 +65,9 @@ class SignatureError(ValueError):
 
 def canonical_json(obj: Any) -> bytes:
     """The one byte encoding that gets signed."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8"
+    )
 
 
 def new_nonce() -> str:
@@ -88,12 +89,14 @@ def sign_envelope(key: nacl.signing.SigningKey, payload: Mapping[str, Any]) -> d
     }
 
 
-def make_payload(kind: str, signer_field: str, key: nacl.signing.SigningKey, now_s: float,
-                 body: Mapping[str, Any]) -> dict[str, Any]:
+def make_payload(
+    kind: str, signer_field: str, key: nacl.signing.SigningKey, now_s: float, body: Mapping[str, Any]
+) -> dict[str, Any]:
     """``body`` plus the envelope fields every signed payload carries."""
     out = dict(body)
-    out.update({"kind": kind, signer_field: public_key_hex(key), "timestamp": float(now_s),
-                "nonce": new_nonce()})
+    out.update(
+        {"kind": kind, signer_field: public_key_hex(key), "timestamp": float(now_s), "nonce": new_nonce()}
+    )
     return out
 
 
@@ -109,8 +112,9 @@ def _b64(value: Any, what: str, max_len: int) -> bytes:
 def verify_envelope(envelope: Any, *, max_payload_bytes: int = 1 << 20) -> tuple[bytes, str]:
     """Check the signature only; return ``(payload_bytes, public_key_hex)``. Decodes nothing."""
     if not isinstance(envelope, Mapping) or set(envelope) != {"payload", "signature", "public_key"}:
-        raise SignatureError("malformed_envelope",
-                             "envelope must be an object with exactly payload, signature, public_key")
+        raise SignatureError(
+            "malformed_envelope", "envelope must be an object with exactly payload, signature, public_key"
+        )
     pk = envelope["public_key"]
     if not isinstance(pk, str) or not _HEX64_RE.match(pk):
         raise SignatureError("malformed_envelope", "public_key must be 64 lowercase hex characters")
@@ -185,8 +189,10 @@ def open_envelope(
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
         raise SignatureError("malformed_envelope", "timestamp must be a number of seconds")
     if abs(now_s - ts) > skew_s:
-        raise SignatureError("stale_timestamp",
-                             f"timestamp is {now_s - ts:+.1f} s away from the receiver's clock (window {skew_s} s)")
+        raise SignatureError(
+            "stale_timestamp",
+            f"timestamp is {now_s - ts:+.1f} s away from the receiver's clock (window {skew_s} s)",
+        )
     nonce = payload.get("nonce")
     if not isinstance(nonce, str) or not _NONCE_RE.match(nonce):
         raise SignatureError("malformed_envelope", "nonce must be 16-64 characters of [0-9A-Za-z_-]")
@@ -221,8 +227,9 @@ def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict
         "tracker_id": public_key_hex(key),
         "session_id": ticket.session_id,
         "model_fingerprint": ticket.model_fingerprint,
-        "hops": [{"node_id": h.node_id, "start": h.start, "end": h.end, "address": h.address}
-                 for h in ticket.hops],
+        "hops": [
+            {"node_id": h.node_id, "start": h.start, "end": h.end, "address": h.address} for h in ticket.hops
+        ],
         "timestamp": ticket.issued_at_s,
         "expires_at": ticket.expires_at_s,
         "nonce": new_nonce(),
@@ -266,11 +273,17 @@ def verify_route_ticket(
         p = json.loads(payload_bytes.decode("utf-8"))
         if p.get("kind") != "route_ticket":
             raise SignatureError("wrong_kind", "not a route ticket")
-        hops = tuple(TicketHop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"]))
-                     for h in p["hops"])
-        ticket = RouteTicket(tracker_id=str(p["tracker_id"]), session_id=str(p["session_id"]),
-                             model_fingerprint=str(p["model_fingerprint"]), hops=hops,
-                             issued_at_s=float(p["timestamp"]), expires_at_s=float(p["expires_at"]))
+        hops = tuple(
+            TicketHop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"])) for h in p["hops"]
+        )
+        ticket = RouteTicket(
+            tracker_id=str(p["tracker_id"]),
+            session_id=str(p["session_id"]),
+            model_fingerprint=str(p["model_fingerprint"]),
+            hops=hops,
+            issued_at_s=float(p["timestamp"]),
+            expires_at_s=float(p["expires_at"]),
+        )
     except SignatureError:
         raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:

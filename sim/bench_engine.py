@@ -87,7 +87,9 @@ class _SplitStream:
         self.pos = len(prompt)
 
     def step(self) -> int:
-        self.tok = _through(self.stages, [Work(self.sid, self.pos, tokens=np.array([self.tok], dtype=np.int32))])[0]
+        self.tok = _through(
+            self.stages, [Work(self.sid, self.pos, tokens=np.array([self.tok], dtype=np.int32))]
+        )[0]
         self.pos += 1
         return self.tok
 
@@ -116,8 +118,14 @@ def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tok
     cfg_py = EngineConfig(**{**cfg.__dict__, "capture": "python"})
     prompt = vocab.tokenize(PROMPT)
     ref = ReferenceModel(model, cfg.context_settings())
-    split = [ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
-    split_py = [ShardEngine(extract_shard(model, 0, 15, cache), cfg_py, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
+    split = [
+        ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache),
+        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+    ]
+    split_py = [
+        ShardEngine(extract_shard(model, 0, 15, cache), cfg_py, cache),
+        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+    ]
     runs = []
     for r in range(reps):
         clocks = {"whole": _Clock(), "split_c": _Clock(), "split_python": _Clock()}
@@ -132,7 +140,9 @@ def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tok
             same &= a == b == c
         c_s.close()
         p_s.close()
-        runs.append({k: {"wall_tok_s": n_tokens / v.wall, "cpu_tok_s": n_tokens / v.cpu} for k, v in clocks.items()})
+        runs.append(
+            {k: {"wall_tok_s": n_tokens / v.wall, "cpu_tok_s": n_tokens / v.cpu} for k, v in clocks.items()}
+        )
         runs[-1]["same_tokens"] = same
     ref.close()
     for e in split + split_py:
@@ -141,12 +151,22 @@ def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tok
     def med(key: str, kind: str) -> float:
         return statistics.median(run[key][kind] for run in runs)
 
-    out = {"threads": threads, "tokens_per_run": n_tokens, "runs": reps,
-           "same_tokens_all_runs": all(r["same_tokens"] for r in runs), "samples": runs}
+    out = {
+        "threads": threads,
+        "tokens_per_run": n_tokens,
+        "runs": reps,
+        "same_tokens_all_runs": all(r["same_tokens"] for r in runs),
+        "samples": runs,
+    }
     for kind in ("wall_tok_s", "cpu_tok_s"):
         w, c, p = med("whole", kind), med("split_c", kind), med("split_python", kind)
-        out[kind] = {"whole": w, "split_c_callback": c, "split_python_callback": p,
-                     "ratio_split_c_to_whole": c / w, "ratio_split_python_to_whole": p / w}
+        out[kind] = {
+            "whole": w,
+            "split_c_callback": c,
+            "split_python_callback": p,
+            "ratio_split_c_to_whole": c / w,
+            "ratio_split_python_to_whole": p / w,
+        }
     return out
 
 
@@ -185,13 +205,15 @@ class _EngineBatch:
             for sid in self.sids:
                 s.open_session(sid)
         self.last, self.pos = {}, {}
-        for sid, p in zip(self.sids, prompts):
+        for sid, p in zip(self.sids, prompts, strict=True):
             self.last[sid] = _through(stages, [Work(sid, 0, tokens=np.array(p, dtype=np.int32))])[0]
             self.pos[sid] = len(p)
 
     def step(self) -> None:
-        works = [Work(sid, self.pos[sid], tokens=np.array([self.last[sid]], dtype=np.int32)) for sid in self.sids]
-        for sid, tok in zip(self.sids, _through(self.stages, works)):
+        works = [
+            Work(sid, self.pos[sid], tokens=np.array([self.last[sid]], dtype=np.int32)) for sid in self.sids
+        ]
+        for sid, tok in zip(self.sids, _through(self.stages, works), strict=True):
             self.last[sid] = tok
             self.pos[sid] += 1
 
@@ -201,14 +223,31 @@ class _EngineBatch:
                 s.release(sid)
 
 
-def bench_batching(model: Path, cache: Path, vocab: Vocabulary, threads: int, counts: list[int], ctx_tokens: int, steps: int, reps: int) -> list[dict]:
+def bench_batching(
+    model: Path,
+    cache: Path,
+    vocab: Vocabulary,
+    threads: int,
+    counts: list[int],
+    ctx_tokens: int,
+    steps: int,
+    reps: int,
+) -> list[dict]:
     """Per session count: raw llama.cpp (per-sequence KV, and unified KV) and the engine (whole model
     as one shard, and a 2-stage split), stepping in lock-step so load hits all alike."""
     rows = []
     max_n = max(counts)
-    cfg = EngineConfig(n_threads_count=threads, max_sessions=max_n, session_kv_tokens=ctx_tokens + steps * reps + 64, n_batch_tokens=512)
+    cfg = EngineConfig(
+        n_threads_count=threads,
+        max_sessions=max_n,
+        session_kv_tokens=ctx_tokens + steps * reps + 64,
+        n_batch_tokens=512,
+    )
     whole = [ShardEngine(extract_shard(model, 0, 30, cache), cfg, cache)]
-    split = [ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache), ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache)]
+    split = [
+        ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache),
+        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+    ]
     settings = cfg.context_settings()
     unified = settings.__class__(**{**settings.__dict__, "kv_unified": True})
     for n in counts:
@@ -233,10 +272,13 @@ def bench_batching(model: Path, cache: Path, vocab: Vocabulary, threads: int, co
             row[f"ratio_engine_to_best_raw_{kind}"] = row[f"engine_whole_{kind}_tok_s"] / best
             row[f"ratio_split2_to_best_raw_{kind}"] = row[f"engine_split2_{kind}_tok_s"] / best
         rows.append(row)
-        print(f"  {n:>2} sessions (cpu tok/s): raw {row['raw_per_seq_kv_cpu_tok_s']:6.1f} "
-              f"(unified {row['raw_unified_kv_cpu_tok_s']:6.1f})  engine {row['engine_whole_cpu_tok_s']:6.1f}  "
-              f"split {row['engine_split2_cpu_tok_s']:6.1f}  ratio {row['ratio_engine_to_best_raw_cpu']:.3f} "
-              f"(wall ratio {row['ratio_engine_to_best_raw_wall']:.3f})", flush=True)
+        print(
+            f"  {n:>2} sessions (cpu tok/s): raw {row['raw_per_seq_kv_cpu_tok_s']:6.1f} "
+            f"(unified {row['raw_unified_kv_cpu_tok_s']:6.1f})  engine {row['engine_whole_cpu_tok_s']:6.1f}  "
+            f"split {row['engine_split2_cpu_tok_s']:6.1f}  ratio {row['ratio_engine_to_best_raw_cpu']:.3f} "
+            f"(wall ratio {row['ratio_engine_to_best_raw_wall']:.3f})",
+            flush=True,
+        )
     for s in whole + split:
         s.close()
     return rows
@@ -258,18 +300,32 @@ def main() -> None:
     split = bench_split(model, cache, vocab, args.threads, n_tokens, reps)
     for kind in ("cpu_tok_s", "wall_tok_s"):
         f = split[kind]
-        print(f"  [{kind}] whole model {f['whole']:.1f} | 2-stage split, C callback {f['split_c_callback']:.1f} "
-              f"(ratio {f['ratio_split_c_to_whole']:.3f}) | Python callback {f['split_python_callback']:.1f} "
-              f"(ratio {f['ratio_split_python_to_whole']:.3f})", flush=True)
+        print(
+            f"  [{kind}] whole model {f['whole']:.1f} | "
+            f"2-stage split, C callback {f['split_c_callback']:.1f} "
+            f"(ratio {f['ratio_split_c_to_whole']:.3f}) | Python callback {f['split_python_callback']:.1f} "
+            f"(ratio {f['ratio_split_python_to_whole']:.3f})",
+            flush=True,
+        )
     print(f"  same tokens in every run: {split['same_tokens_all_runs']}", flush=True)
-    print(f"batching ({args.threads} thread(s), {steps * 2} decode steps per setup, interleaved):", flush=True)
+    print(
+        f"batching ({args.threads} thread(s), {steps * 2} decode steps per setup, interleaved):", flush=True
+    )
     batching = bench_batching(model, cache, vocab, args.threads, [1, 4, 8, 16], 320, steps, 2)
-    result = {"benchmark": "engine", "model": model.name, "split": split, "batching": batching, "unix_time": time.time()}
+    result = {
+        "benchmark": "engine",
+        "model": model.name,
+        "split": split,
+        "batching": batching,
+        "unix_time": time.time(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     if args.fail_below is not None:
-        ratios = [split["cpu_tok_s"]["ratio_split_c_to_whole"]] + [r["ratio_engine_to_best_raw_cpu"] for r in batching]
+        ratios = [split["cpu_tok_s"]["ratio_split_c_to_whole"]] + [
+            r["ratio_engine_to_best_raw_cpu"] for r in batching
+        ]
         if min(ratios) < args.fail_below:
             raise SystemExit(f"a ratio ({min(ratios):.3f}) is below --fail-below {args.fail_below}")
 

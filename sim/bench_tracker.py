@@ -7,7 +7,8 @@ Usage::
 Part 1 times the pure functions (``select_routes`` k=1 and k=4, ``recommend_span``)
 on synthetic swarms of 10, 1 000 and 10 000 nodes, one shard each, spans drawn
 on a 30-layer and an 80-layer model with boundaries on a coarse grid (as
-placement produces); the first nodes always form one complete chain. Part 2 starts ``swarm-tracker serve`` on SQLite in a child
+placement produces); the first nodes always form one complete chain. Part 2
+starts ``swarm-tracker serve`` on SQLite in a child
 process (port 0, learnt from ``--port-file``), then this process announces
 ``--nodes`` nodes and sends heartbeats from ``--concurrency`` trio tasks over
 loopback HTTP for ``--duration-s`` seconds each, and reports requests per second.
@@ -53,11 +54,21 @@ def synthetic_swarm(n_nodes: int, n_layers: int, seed: int) -> SwarmSnapshot:
             start = rng.randrange(0, n_layers // grid) * grid
             end = min(n_layers, start + rng.choice([1, 2, 3, 5]) * grid)
         max_sessions = rng.choice([2, 4, 8])
-        shards.append(ShardView(
-            node_id=f"{i:064x}", model_fingerprint=FP, start=start, end=end,
-            decode_ms_per_token=rng.uniform(2.0, 40.0) * (end - start) / grid, prefill_tokens_per_s=500.0,
-            active_sessions=rng.randrange(0, max_sessions + 1), max_sessions=max_sessions,
-            queue_depth=rng.randrange(0, 3), relayed=rng.random() < 0.1, address=f"10.0.0.{i % 250}:7000"))
+        shards.append(
+            ShardView(
+                node_id=f"{i:064x}",
+                model_fingerprint=FP,
+                start=start,
+                end=end,
+                decode_ms_per_token=rng.uniform(2.0, 40.0) * (end - start) / grid,
+                prefill_tokens_per_s=500.0,
+                active_sessions=rng.randrange(0, max_sessions + 1),
+                max_sessions=max_sessions,
+                queue_depth=rng.randrange(0, 3),
+                relayed=rng.random() < 0.1,
+                address=f"10.0.0.{i % 250}:7000",
+            )
+        )
     return SwarmSnapshot(models=(ModelInfo(FP, "bench", n_layers, 576),), shards=tuple(shards))
 
 
@@ -67,8 +78,12 @@ def _time_ms(fn: Any, repeats: int) -> dict[str, float]:
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1000.0)
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
-            "repeats": repeats}
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "repeats": repeats,
+    }
 
 
 def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, Any]]:
@@ -80,9 +95,13 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
             rng = random.Random(1)
             row: dict[str, Any] = {"nodes": n, "n_layers": n_layers}
             for k in (1, 4):
-                row[f"select_routes_k{k}"] = _time_ms(lambda k=k: select_routes(snap, FP, k, rng=rng), repeats)
+                row[f"select_routes_k{k}"] = _time_ms(
+                    lambda k=k, snap=snap, rng=rng: select_routes(snap, FP, k, rng=rng), repeats
+                )
             row["routes_found_k4"] = len(select_routes(snap, FP, 4, rng=rng).routes)
-            row["recommend_span"] = _time_ms(lambda: recommend_span(snap, FP, 8, rng=rng), repeats)
+            row["recommend_span"] = _time_ms(
+                lambda snap=snap, rng=rng: recommend_span(snap, FP, 8, rng=rng), repeats
+            )
             rows.append(row)
     return rows
 
@@ -95,9 +114,29 @@ def _start_tracker(workdir: Path) -> tuple[subprocess.Popen[str], int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_TRACKER_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tracker.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--no-zeroconf",
-         "--data-dir", str(workdir / "data"), "--port-file", str(port_file), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "tracker.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-zeroconf",
+            "--data-dir",
+            str(workdir / "data"),
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -137,8 +176,22 @@ async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: floa
                     try:
                         if kind == "announce":
                             start = rng.randrange(0, 29)
-                            await c.announce(Announce(c.key_id, ("127.0.0.1:7000",), False, None, hw, "bench",
-                                                      model, start, min(30, start + 6), 10.0, 100.0, 4))
+                            await c.announce(
+                                Announce(
+                                    c.key_id,
+                                    ("127.0.0.1:7000",),
+                                    False,
+                                    None,
+                                    hw,
+                                    "bench",
+                                    model,
+                                    start,
+                                    min(30, start + 6),
+                                    10.0,
+                                    100.0,
+                                    4,
+                                )
+                            )
                         else:
                             await c.heartbeat(Heartbeat(c.key_id, rng.randrange(0, 4), 0, 4096, 16))
                         done += 1
@@ -153,9 +206,14 @@ async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: floa
                     nursery.start_soon(worker, w)
             elapsed = time.perf_counter() - t0
             latencies.sort()
-            return {"requests": done, "errors": errors, "seconds": elapsed, "per_s": done / elapsed,
-                    "p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else 0.0,
-                    "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else 0.0}
+            return {
+                "requests": done,
+                "errors": errors,
+                "seconds": elapsed,
+                "per_s": done / elapsed,
+                "p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else 0.0,
+                "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else 0.0,
+            }
 
         result["announce"] = await phase("announce")
         result["heartbeat"] = await phase("heartbeat")
@@ -191,25 +249,37 @@ def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, A
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Write the results here as JSON.")
 @click.option("--duration-s", type=float, default=5.0, show_default=True, help="Length of each HTTP phase.")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="Concurrent client tasks.")
-@click.option("--nodes", type=int, default=200, show_default=True, help="Distinct node keys in the HTTP phase.")
+@click.option(
+    "--nodes", type=int, default=200, show_default=True, help="Distinct node keys in the HTTP phase."
+)
 @click.option("--skip-http", is_flag=True, help="Only time the pure functions.")
 def main(out: str, duration_s: float, concurrency: int, nodes: int, skip_http: bool) -> None:
     results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "routing": bench_routing([10, 1000, 10000], [30, 80]),
     }
-    print(f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'recommend ms':>13} "
-          f"{'routes(k=4)':>11}")
+    print(
+        f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'recommend ms':>13} "
+        f"{'routes(k=4)':>11}"
+    )
     for r in results["routing"]:
-        print(f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>14.2f} "
-              f"{r['select_routes_k4']['median_ms']:>14.2f} {r['recommend_span']['median_ms']:>13.2f} "
-              f"{r['routes_found_k4']:>11}")
+        print(
+            f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>14.2f} "
+            f"{r['select_routes_k4']['median_ms']:>14.2f} {r['recommend_span']['median_ms']:>13.2f} "
+            f"{r['routes_found_k4']:>11}"
+        )
     if not skip_http:
         http = bench_http(nodes, concurrency, duration_s)
         results["http_sqlite"] = http
         print()
-        print(f"{'phase':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}   "
-              f"(SQLite, {concurrency} concurrent client tasks, {nodes} nodes, {duration_s:.0f} s)")
+        print(
+            f"{'phase':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}   "
+            f"(SQLite, {concurrency} concurrent client tasks, {nodes} nodes, {duration_s:.0f} s)"
+        )
         for phase in ("announce", "heartbeat"):
             p = http[phase]
             print(f"{phase:>10} {p['per_s']:>8.0f} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} {p['errors']:>7}")

@@ -121,13 +121,25 @@ def start_local_swarm(
         for i in range(total):
             span = layers[i] if layers and i < len(layers) else "auto"
             name = f"node{i + 1}"
-            _say(quiet, f"  {name}    loading {'layers ' + span if span != 'auto' else 'the span the tracker recommends'} ...")
+            _say(
+                quiet,
+                f"  {name}    loading "
+                f"{'layers ' + span if span != 'auto' else 'the span the tracker recommends'} ...",
+            )
             node = sup.start_node(
-                name, model=model, layers=span, tracker_url=tracker_url, threads=threads,
-                capacity_layers=capacity if span == "auto" else None, max_sessions=max_sessions,
-                session_kv_tokens=session_kv_tokens, cache_dir=cache,
-                extra_args=[*(node_args or []),
-                            *(["--relay", f"http://127.0.0.1:{gateway.port}"] if gateway and i in relayed else [])],
+                name,
+                model=model,
+                layers=span,
+                tracker_url=tracker_url,
+                threads=threads,
+                capacity_layers=capacity if span == "auto" else None,
+                max_sessions=max_sessions,
+                session_kv_tokens=session_kv_tokens,
+                cache_dir=cache,
+                extra_args=[
+                    *(node_args or []),
+                    *(["--relay", f"http://127.0.0.1:{gateway.port}"] if gateway and i in relayed else []),
+                ],
             )
             node.extra["relayed"] = i in relayed
             node.wait_port(timeout_s)
@@ -136,8 +148,11 @@ def start_local_swarm(
             shard = entry.get("shard") or {}
             node.extra["span"] = (shard.get("start"), shard.get("end"))
             where = "through the gateway's relay" if i in relayed else f"on 127.0.0.1:{node.port}"
-            _say(quiet, f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) {where}"
-                        f"  ({shard.get('decode_ms_per_token', 0):.1f} ms/token, pid {node.pid})")
+            _say(
+                quiet,
+                f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) {where}"
+                f"  ({shard.get('decode_ms_per_token', 0):.1f} ms/token, pid {node.pid})",
+            )
             nodes.append(node)
         if gateway is None:
             gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
@@ -146,11 +161,16 @@ def start_local_swarm(
         wait_http(gateway, f"{gw_url}/healthz", timeout_s)
 
         def routable(resp: httpx.Response) -> bool:
-            return resp.status_code == 200 and any(m.get("fingerprint") == meta.fingerprint for m in resp.json().get("data", []))
+            return resp.status_code == 200 and any(
+                m.get("fingerprint") == meta.fingerprint for m in resp.json().get("data", [])
+            )
 
         models = wait_http(gateway, f"{gw_url}/v1/models", timeout_s, ok=routable).json()["data"]
         name = next(m["id"] for m in models if m.get("fingerprint") == meta.fingerprint)
-        _say(quiet, f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)")
+        _say(
+            quiet,
+            f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
+        )
         return LocalSwarm(sup, tracker, nodes, gateway, name)
     except BaseException:
         sup.stop_all()
@@ -158,27 +178,60 @@ def start_local_swarm(
 
 
 def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
-    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 32, "temperature": 0}
-    curl = (f"curl -s {base_url}/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{json.dumps(body)}'")
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
+    curl = f"curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
     return curl, body
 
 
 @click.command("up")
-@click.option("--nodes", "n_nodes", default=2, show_default=True, help="Nodes that split the model between them.")
-@click.option("--spare", default=0, show_default=True, help="Extra nodes placed where coverage is weakest (redundancy).")
-@click.option("--relay-nodes", default=0, show_default=True, help="Nodes reached through the gateway's WebSocket relay.")
-@click.option("--model", "model_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
-              help="GGUF model (default: the bundled test model).")
-@click.option("--layers", default=None, help="Fixed spans instead of the tracker's placement, e.g. 0:15,15:30.")
+@click.option(
+    "--nodes", "n_nodes", default=2, show_default=True, help="Nodes that split the model between them."
+)
+@click.option(
+    "--spare", default=0, show_default=True, help="Extra nodes placed where coverage is weakest (redundancy)."
+)
+@click.option(
+    "--relay-nodes", default=0, show_default=True, help="Nodes reached through the gateway's WebSocket relay."
+)
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="GGUF model (default: the bundled test model).",
+)
+@click.option(
+    "--layers", default=None, help="Fixed spans instead of the tracker's placement, e.g. 0:15,15:30."
+)
 @click.option("--threads", default=1, show_default=True, help="llama.cpp threads per node.")
-@click.option("--port", "gateway_port", default=8000, show_default=True, help="Gateway port (0: any free port).")
-@click.option("--workdir", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Where keys, the tracker database and logs go (default: a new temporary directory).")
-@click.option("--check", is_flag=True, help="Send the sample request, print the answer, stop the swarm and exit.")
-def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, layers: str | None, threads: int,
-       gateway_port: int, workdir: Path | None, check: bool) -> None:
+@click.option(
+    "--port", "gateway_port", default=8000, show_default=True, help="Gateway port (0: any free port)."
+)
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Where keys, the tracker database and logs go (default: a new temporary directory).",
+)
+@click.option(
+    "--check", is_flag=True, help="Send the sample request, print the answer, stop the swarm and exit."
+)
+def up(
+    n_nodes: int,
+    spare: int,
+    relay_nodes: int,
+    model_path: Path | None,
+    layers: str | None,
+    threads: int,
+    gateway_port: int,
+    workdir: Path | None,
+    check: bool,
+) -> None:
     """Start a local swarm: tracker, nodes and gateway on loopback, with an OpenAI endpoint."""
     if n_nodes < 1:
         raise click.BadParameter("need at least one node", param_hint="--nodes")
@@ -191,8 +244,18 @@ def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, laye
     work = workdir or Path(tempfile.mkdtemp(prefix="swarm-sim-"))
     click.echo(f"starting a local swarm in {work} (logs in {work / 'logs'}) ...", err=True)
     try:
-        swarm = start_local_swarm(work, model=model, n_nodes=n_nodes, spare=spare, layers=spans, threads=threads,
-                                  gateway_port=gateway_port, node_cache=None, quiet=False, relay_nodes=relay_nodes)
+        swarm = start_local_swarm(
+            work,
+            model=model,
+            n_nodes=n_nodes,
+            spare=spare,
+            layers=spans,
+            threads=threads,
+            gateway_port=gateway_port,
+            node_cache=None,
+            quiet=False,
+            relay_nodes=relay_nodes,
+        )
     except LaunchError as err:
         raise click.ClickException(str(err)) from err
     curl, body = _sample_request(swarm.base_url, swarm.model_name)
@@ -217,8 +280,11 @@ def up(n_nodes: int, spare: int, relay_nodes: int, model_path: Path | None, laye
             while not stop["flag"]:
                 for svc in [swarm.tracker, *swarm.nodes, swarm.gateway]:
                     if not svc.alive():
-                        click.echo(f"{svc.name} exited (code {svc.proc.returncode}); last log lines:\n{svc.log_tail()}",
-                                   err=True)
+                        click.echo(
+                            f"{svc.name} exited (code {svc.proc.returncode}); "
+                            f"last log lines:\n{svc.log_tail()}",
+                            err=True,
+                        )
                         stop["flag"] = True
                 time.sleep(0.5)
         except KeyboardInterrupt:

@@ -125,7 +125,9 @@ class Supervisor:
         self.services: list[Service] = []
         self.quiet_llama = quiet_llama
 
-    def _spawn(self, name: str, argv: list[str], port_file: Path, admin_port_file: Path | None = None) -> Service:
+    def _spawn(
+        self, name: str, argv: list[str], port_file: Path, admin_port_file: Path | None = None
+    ) -> Service:
         for f in (port_file, admin_port_file):
             if f is not None and f.exists():
                 f.unlink()
@@ -134,54 +136,123 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         fh = open(log_path, "ab")
         try:
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             fh.close()
         svc = Service(name, proc, log_path, port_file, admin_port_file=admin_port_file)
         self.services.append(svc)
         return svc
 
-    def start_tracker(self, *, db_url: str | None = None, heartbeat_timeout_s: float | None = None,
-                      port: int = 0, name: str = "tracker") -> Service:
+    def start_tracker(
+        self,
+        *,
+        db_url: str | None = None,
+        heartbeat_timeout_s: float | None = None,
+        port: int = 0,
+        name: str = "tracker",
+    ) -> Service:
         """A tracker; ``port`` lets a restarted tracker come back where its nodes look for it."""
         data = self.workdir / "tracker"
         data.mkdir(exist_ok=True)
         argv = _script("swarm-tracker") + [
-            "serve", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(data / "port"),
-            "--data-dir", str(data), "--no-zeroconf",
-            "--db-url", db_url or f"sqlite:///{data / 'tracker.db'}",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--port-file",
+            str(data / "port"),
+            "--data-dir",
+            str(data),
+            "--no-zeroconf",
+            "--db-url",
+            db_url or f"sqlite:///{data / 'tracker.db'}",
         ]
         if heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
         return self._spawn(name, argv, data / "port")
 
-    def start_node(self, name: str, *, model: Path, layers: str, tracker_url: str, threads: int = 1,
-                   capacity_layers: int | None = None, max_sessions: int = 8, session_kv_tokens: int = 2048,
-                   cache_dir: Path | None = None, extra_args: list[str] | None = None) -> Service:
+    def start_node(
+        self,
+        name: str,
+        *,
+        model: Path,
+        layers: str,
+        tracker_url: str,
+        threads: int = 1,
+        capacity_layers: int | None = None,
+        max_sessions: int = 8,
+        session_kv_tokens: int = 2048,
+        cache_dir: Path | None = None,
+        extra_args: list[str] | None = None,
+    ) -> Service:
         data = self.workdir / name
         data.mkdir(exist_ok=True)
         argv = _script("swarm-node") + [
-            "start", "--model", str(model), "--layers", layers, "--tracker", tracker_url,
-            "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", "0", "--port-file", str(data / "port"),
-            "--admin-port", "0", "--admin-port-file", str(data / "admin-port"),
-            "--threads", str(threads), "--max-sessions", str(max_sessions),
-            "--session-kv-tokens", str(session_kv_tokens),
-            "--data-dir", str(data), "--cache-dir", str(cache_dir or (self.workdir / "node-cache")),
+            "start",
+            "--model",
+            str(model),
+            "--layers",
+            layers,
+            "--tracker",
+            tracker_url,
+            "--host",
+            "127.0.0.1",
+            "--advertise-host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(data / "port"),
+            "--admin-port",
+            "0",
+            "--admin-port-file",
+            str(data / "admin-port"),
+            "--threads",
+            str(threads),
+            "--max-sessions",
+            str(max_sessions),
+            "--session-kv-tokens",
+            str(session_kv_tokens),
+            "--data-dir",
+            str(data),
+            "--cache-dir",
+            str(cache_dir or (self.workdir / "node-cache")),
         ]
         if capacity_layers is not None:
             argv += ["--capacity-layers", str(capacity_layers)]
         argv += extra_args or []
         return self._spawn(name, argv, data / "port", data / "admin-port")
 
-    def start_gateway(self, *, tracker_url: str, port: int = 0, host: str = "127.0.0.1",
-                      extra_args: list[str] | None = None) -> Service:
+    def start_gateway(
+        self, *, tracker_url: str, port: int = 0, host: str = "127.0.0.1", extra_args: list[str] | None = None
+    ) -> Service:
         data = self.workdir / "gateway"
         data.mkdir(exist_ok=True)
-        argv = _script("swarm-gateway") + [
-            "serve", "--tracker", tracker_url, "--host", host, "--port", str(port),
-            "--port-file", str(data / "port"), "--data-dir", str(data),
-        ] + (extra_args or [])
+        argv = (
+            _script("swarm-gateway")
+            + [
+                "serve",
+                "--tracker",
+                tracker_url,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--port-file",
+                str(data / "port"),
+                "--data-dir",
+                str(data),
+            ]
+            + (extra_args or [])
+        )
         return self._spawn("gateway", argv, data / "port")
 
     def stop_all(self) -> None:

@@ -39,15 +39,24 @@ def _json(body: Any, status: int = 200) -> Response:
 def _error_response(err: BaseException) -> Response:
     if isinstance(err, SignatureError):
         status = {"malformed_envelope": 400, "nonce_cache_full": 503}.get(err.reason, 401)
-        return _json({"error": {"code": "signature_refused", "reason": err.reason, "message": err.message}}, status)
+        return _json(
+            {"error": {"code": "signature_refused", "reason": err.reason, "message": err.message}}, status
+        )
     if isinstance(err, TrackerError):
         return _json({"error": {"code": err.code, "message": err.message}}, err.status_hint)
     if isinstance(err, RequestEntityTooLarge):
         return _json({"error": {"code": PayloadTooLarge.code, "message": "request body too large"}}, 413)
     if isinstance(err, HTTPException):
         code = err.code or 500
-        return _json({"error": {"code": (err.name or "error").lower().replace(" ", "_"),
-                                "message": err.description or ""}}, code)
+        return _json(
+            {
+                "error": {
+                    "code": (err.name or "error").lower().replace(" ", "_"),
+                    "message": err.description or "",
+                }
+            },
+            code,
+        )
     event(log, "internal_error", level=logging.ERROR, error=repr(err))
     return _json({"error": {"code": "internal", "message": "internal error"}}, 500)
 
@@ -128,7 +137,11 @@ def create_app(registry: Registry) -> QuartTrio:
             raise BadRequest("model (fingerprint or name) is required")
         if isinstance(k, bool) or not isinstance(k, int):
             raise BadRequest("k must be an integer")
-        if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude) or len(exclude) > 1024:
+        if (
+            not isinstance(exclude, list)
+            or not all(isinstance(x, str) for x in exclude)
+            or len(exclude) > 1024
+        ):
             raise BadRequest("exclude must be a list of at most 1024 node ids")
         result = await registry.routes(model, k, frozenset(exclude))
         return _json(result, 200 if result["routes"] else 503)

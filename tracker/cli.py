@@ -21,8 +21,13 @@ def _config(ctx: click.Context, **flags: Any) -> TrackerConfig:
 
 
 @click.group()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="TOML file with tracker settings (also SWARM_TRACKER_CONFIG).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML file with tracker settings (also SWARM_TRACKER_CONFIG).",
+)
 @click.pass_context
 def main(ctx: click.Context, config_file: str | None) -> None:
     """Swarm inference tracker: registry of nodes, shards and models; route selection."""
@@ -37,7 +42,9 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option("--data-dir", default=None, help="Directory for the key and the SQLite database.")
 @click.option("--port-file", default=None, help="Write the bound port to this file once listening.")
 @click.option("--heartbeat-timeout-s", type=float, default=None, help="Expire nodes silent this long.")
-@click.option("--no-zeroconf", "no_zeroconf", is_flag=True, default=False, help="Do not advertise on the LAN.")
+@click.option(
+    "--no-zeroconf", "no_zeroconf", is_flag=True, default=False, help="Do not advertise on the LAN."
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
 def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
@@ -53,6 +60,7 @@ def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
     async def run() -> None:
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
+
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for _ in signals:

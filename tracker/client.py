@@ -57,8 +57,9 @@ class TrackerClient:
     async def __aenter__(self) -> TrackerClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -84,15 +85,21 @@ class TrackerClient:
         return await self._call("POST", "/v1/heartbeat", json=self.signed("heartbeat", heartbeat.to_json()))
 
     async def report_usage(self, report: UsageReport) -> dict[str, Any]:
-        return await self._call("POST", "/v1/usage",
-                                json=self.signed("usage", report.to_json(), signer_field="gateway_id"))
+        return await self._call(
+            "POST", "/v1/usage", json=self.signed("usage", report.to_json(), signer_field="gateway_id")
+        )
 
-    async def routes(self, model: str, k: int = 1, exclude: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-        return await self._call("POST", "/v1/routes", ok=(200, 503),
-                                json={"model": model, "k": k, "exclude": sorted(exclude)})
+    async def routes(
+        self, model: str, k: int = 1, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> dict[str, Any]:
+        return await self._call(
+            "POST", "/v1/routes", ok=(200, 503), json={"model": model, "k": k, "exclude": sorted(exclude)}
+        )
 
     async def recommend(self, model: str, capacity_layers: int) -> tuple[int, int]:
-        body = await self._call("GET", "/v1/recommend", params={"model": model, "capacity_layers": capacity_layers})
+        body = await self._call(
+            "GET", "/v1/recommend", params={"model": model, "capacity_layers": capacity_layers}
+        )
         return int(body["start"]), int(body["end"])
 
     async def models(self) -> list[dict[str, Any]]:

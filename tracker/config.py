@@ -40,7 +40,9 @@ class TrackerConfig:
     heartbeat_timeout_s: float = _f(30.0, "a node silent this long expires and leaves routing")
     expiry_check_interval_s: float = _f(2.0, "how often the tracker looks for silent nodes")
     signature_skew_s: float = _f(60.0, "accepted clock difference for signed messages; also the nonce memory")
-    nonce_cache_max_entries: int = _f(200_000, "bound on remembered nonces; when full, signed requests get 503")
+    nonce_cache_max_entries: int = _f(
+        200_000, "bound on remembered nonces; when full, signed requests get 503"
+    )
     max_body_bytes: int = _f(64 * 1024, "largest accepted request body; larger gets 413")
     route_ticket_ttl_s: float = _f(300.0, "lifetime of a route ticket")
     max_routes_k: int = _f(16, "largest k a route request may ask for")
@@ -65,8 +67,13 @@ class TrackerConfig:
     def validate(self) -> TrackerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "expiry_check_interval_s",
-                     "signature_skew_s", "route_ticket_ttl_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "expiry_check_interval_s",
+            "signature_skew_s",
+            "route_ticket_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.heartbeat_timeout_s < self.heartbeat_interval_s:
@@ -91,5 +98,12 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> TrackerConfig:
     """Merge the layers; ``flags`` entries that are None mean "not given"."""
-    return load_layered(TrackerConfig, section="tracker", env_prefix=ENV_PREFIX, error=ConfigError,
-                        file=file, env=env, flags=flags)
+    return load_layered(
+        TrackerConfig,
+        section="tracker",
+        env_prefix=ENV_PREFIX,
+        error=ConfigError,
+        file=file,
+        env=env,
+        flags=flags,
+    )

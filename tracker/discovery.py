@@ -70,15 +70,23 @@ class _Advertisement:
 
 
 async def advertise(
-    port: int, tracker_id: str, host: str = "0.0.0.0", *, task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED
+    port: int,
+    tracker_id: str,
+    host: str = "0.0.0.0",
+    *,
+    task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Advertise until cancelled; ``started(True)`` once registered, ``started(False)`` if multicast is unusable."""
+    """Advertise until cancelled.
+
+    ``started(True)`` once registered, ``started(False)`` if multicast is unusable.
+    """
     limiter = trio.CapacityLimiter(1)
     ad: _Advertisement | None = None
     with trio.move_on_after(10):
         try:
-            ad = await trio.to_thread.run_sync(_Advertisement, port, tracker_id, host, limiter=limiter,
-                                               abandon_on_cancel=True)
+            ad = await trio.to_thread.run_sync(
+                _Advertisement, port, tracker_id, host, limiter=limiter, abandon_on_cancel=True
+            )
         except Exception as err:  # zeroconf raises OSError and its own errors when multicast is missing
             event(log, "zeroconf_unavailable", level=logging.WARNING, error=repr(err))
     if ad is None:

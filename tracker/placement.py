@@ -43,8 +43,12 @@ class PlacementWeights:
 DEFAULT_WEIGHTS = PlacementWeights()
 
 
-def layer_coverage(snapshot: SwarmSnapshot, model_fingerprint: str, n_layers: int,
-                   weights: PlacementWeights = DEFAULT_WEIGHTS) -> list[float]:
+def layer_coverage(
+    snapshot: SwarmSnapshot,
+    model_fingerprint: str,
+    n_layers: int,
+    weights: PlacementWeights = DEFAULT_WEIGHTS,
+) -> list[float]:
     """Tokens per second available at each layer ``0..n_layers-1``."""
     diff = [0.0] * (n_layers + 1)
     count = [0] * (n_layers + 1)  # exact, so float residue never hides an uncovered layer

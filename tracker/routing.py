@@ -158,8 +158,9 @@ def select_routes(
         if disjoint is not None and _node_disjoint(disjoint, shards):
             paths = disjoint
 
-    routes = [Route(hops=tuple(shards[i] for i in p), expected_ms_per_token=graph.path_cost(p, base))
-              for p in paths]
+    routes = [
+        Route(hops=tuple(shards[i] for i in p), expected_ms_per_token=graph.path_cost(p, base)) for p in paths
+    ]
     order = sorted(range(len(routes)), key=lambda r: (routes[r].expected_ms_per_token, ties[paths[r][0]]))
     return RouteSelection(routes=tuple(routes[r] for r in order), uncovered=())
 
@@ -171,8 +172,16 @@ def _penalised(base: float, shard: ShardView, uses: int, costs: RoutingCosts) ->
     return base + decode * uses / max(shard.max_sessions, 1) + costs.reuse_penalty_ms * uses
 
 
-def _fill_by_banning(graph: _Graph, paths: list[tuple[int, ...]], k: int, uses: list[int], base: list[float],
-                     shards: list[ShardView], costs: RoutingCosts, max_searches: int) -> None:
+def _fill_by_banning(
+    graph: _Graph,
+    paths: list[tuple[int, ...]],
+    k: int,
+    uses: list[int],
+    base: list[float],
+    shards: list[ShardView],
+    costs: RoutingCosts,
+    max_searches: int,
+) -> None:
     """Add distinct routes by banning one shard of an existing route at a time (appends to ``paths``).
 
     Any route not yet chosen omits at least one shard of every chosen route (two
@@ -251,7 +260,9 @@ class _Graph:
         # shard, so one pass in start order settles it (shards ending at x all start before x).
         hop = self.default_ms
         starts, ends, ties = self.start_of, self.end_of, self.ties
-        reach: dict[int, tuple[float, float, int]] = {0: (0.0, -1.0, -1)}  # boundary -> (dist, tie, last shard)
+        reach: dict[int, tuple[float, float, int]] = {
+            0: (0.0, -1.0, -1)
+        }  # boundary -> (dist, tie, last shard)
         pred = [-1] * len(cost)
         for j, x in enumerate(starts):
             r = reach.get(x)

@@ -42,6 +42,7 @@ class RunningTracker:
 
 def _write_port_file(path: Path, port: int) -> None:
     """Atomically, so a launcher polling the file never reads half a number."""
+    path = path.expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f"{port}\n")
@@ -73,11 +74,13 @@ async def serve_tracker(
         hc.graceful_timeout = 5.0
         async with trio.open_nursery() as nursery:
             trigger = shutdown.wait if shutdown is not None else None
-            binds = await nursery.start(functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger))
+            binds = await nursery.start(
+                functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
+            )
             port = int(binds[0].rsplit(":", 1)[1])
             url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             if config.port_file:
-                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file).expanduser(), port)
+                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
             helpers = trio.CancelScope()
 
             async def run_helpers(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -89,8 +92,16 @@ async def serve_tracker(
                         task_status.started()
 
             await nursery.start(run_helpers)
-            event(log, "tracker_listening", port=port, url=url, binds=binds, tracker_id=registry.tracker_id,
-                  db=store.dialect, port_file=config.port_file or None)
+            event(
+                log,
+                "tracker_listening",
+                port=port,
+                url=url,
+                binds=binds,
+                tracker_id=registry.tracker_id,
+                db=store.dialect,
+                port_file=config.port_file or None,
+            )
             if on_ready is not None:
                 on_ready(RunningTracker(port=port, url=url, registry=registry))
             task_status.started(port)

@@ -81,13 +81,25 @@ class Registry:
 
     def _open(self, envelope: Any, kind: str, signer_field: str = "node_id") -> dict[str, Any]:
         try:
-            return open_envelope(envelope, kind=kind, now_s=self.clock(), skew_s=self.config.signature_skew_s,
-                                 nonces=self.nonces, signer_field=signer_field,
-                                 max_payload_bytes=self.config.max_body_bytes)
+            return open_envelope(
+                envelope,
+                kind=kind,
+                now_s=self.clock(),
+                skew_s=self.config.signature_skew_s,
+                nonces=self.nonces,
+                signer_field=signer_field,
+                max_payload_bytes=self.config.max_body_bytes,
+            )
         except SignatureError as err:
             self.metrics.inc("swarm_tracker_refusals_total", reason=err.reason)
-            event(log, "signed_message_refused", level=logging.WARNING, kind=kind, reason=err.reason,
-                  detail=err.message)
+            event(
+                log,
+                "signed_message_refused",
+                level=logging.WARNING,
+                kind=kind,
+                reason=err.reason,
+                detail=err.message,
+            )
             raise
 
     def statistics(self) -> RegistryStatistics:
@@ -116,11 +128,26 @@ class Registry:
         self.metrics.inc("swarm_tracker_announces_total")
         if result.restored:
             self.metrics.inc("swarm_tracker_restorations_total")
-        event(log, "node_announced", node_id=a.node_id, model=a.model.fingerprint, start=a.shard_start,
-              end=a.shard_end, relay=a.relay, created=result.created, restored=result.restored)
-        return {"node_id": a.node_id, "state": "live", "created": result.created, "restored": result.restored,
-                "tracker_id": self.tracker_id, "heartbeat_interval_s": self.config.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.config.heartbeat_timeout_s}
+        event(
+            log,
+            "node_announced",
+            node_id=a.node_id,
+            model=a.model.fingerprint,
+            start=a.shard_start,
+            end=a.shard_end,
+            relay=a.relay,
+            created=result.created,
+            restored=result.restored,
+        )
+        return {
+            "node_id": a.node_id,
+            "state": "live",
+            "created": result.created,
+            "restored": result.restored,
+            "tracker_id": self.tracker_id,
+            "heartbeat_interval_s": self.config.heartbeat_interval_s,
+            "heartbeat_timeout_s": self.config.heartbeat_timeout_s,
+        }
 
     async def heartbeat(self, envelope: Any) -> dict[str, Any]:
         payload = self._open(envelope, "heartbeat")
@@ -134,8 +161,12 @@ class Registry:
             self._snapshot_stale = True
             self.metrics.inc("swarm_tracker_restorations_total")
             event(log, "node_restored", node_id=h.node_id)
-        return {"node_id": h.node_id, "state": "live", "restored": restored,
-                "heartbeat_interval_s": self.config.heartbeat_interval_s}
+        return {
+            "node_id": h.node_id,
+            "state": "live",
+            "restored": restored,
+            "heartbeat_interval_s": self.config.heartbeat_interval_s,
+        }
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
         payload = self._open(envelope, "usage", signer_field="gateway_id")
@@ -146,8 +177,15 @@ class Registry:
         result = await self._db(self.store.record_usage, r, self.clock())
         tokens = sum(e.tokens for e in r.entries)
         self.metrics.inc("swarm_tracker_usage_tokens_total", tokens)
-        event(log, "usage_recorded", gateway_id=r.gateway_id, request_id=r.request_id,
-              entries=result.recorded, duplicates=result.duplicates, tokens=tokens)
+        event(
+            log,
+            "usage_recorded",
+            gateway_id=r.gateway_id,
+            request_id=r.request_id,
+            entries=result.recorded,
+            duplicates=result.duplicates,
+            tokens=tokens,
+        )
         return {"recorded": result.recorded, "duplicates": result.duplicates}
 
     async def expire_once(self) -> list[str]:
@@ -172,8 +210,11 @@ class Registry:
 
     async def snapshot(self) -> SwarmSnapshot:
         now = self.clock()
-        fresh = (self._snapshot is not None and not self._snapshot_stale
-                 and now - self._snapshot_at <= self.config.snapshot_ttl_s)
+        fresh = (
+            self._snapshot is not None
+            and not self._snapshot_stale
+            and now - self._snapshot_at <= self.config.snapshot_ttl_s
+        )
         if fresh and self._snapshot is not None:
             return self._snapshot
         async with self._snapshot_lock:  # one refresh at a time; the others reuse its result
@@ -184,9 +225,15 @@ class Registry:
     async def _refresh_snapshot(self, now: float) -> SwarmSnapshot:
         self._snapshot_stale = False
         try:
-            snap = await self._db(functools.partial(
-                self.store.snapshot, now, self.config.heartbeat_timeout_s,
-                default_latency_ms=self.config.default_latency_ms, relay_penalty_ms=self.config.relay_penalty_ms))
+            snap = await self._db(
+                functools.partial(
+                    self.store.snapshot,
+                    now,
+                    self.config.heartbeat_timeout_s,
+                    default_latency_ms=self.config.default_latency_ms,
+                    relay_penalty_ms=self.config.relay_penalty_ms,
+                )
+            )
         except StorageUnavailable:
             # Ride out a short database outage on the last snapshot, but never on one older than
             # the heartbeat timeout: past that it may list nodes that have since died.
@@ -225,22 +272,39 @@ class Registry:
         routes = []
         for route in selection.routes:
             ticket = RouteTicket(
-                tracker_id=self.tracker_id, session_id=uuid.uuid4().hex, model_fingerprint=info.fingerprint,
+                tracker_id=self.tracker_id,
+                session_id=uuid.uuid4().hex,
+                model_fingerprint=info.fingerprint,
                 hops=tuple(TicketHop(h.node_id, h.start, h.end, h.address) for h in route.hops),
-                issued_at_s=now, expires_at_s=now + self.config.route_ticket_ttl_s)
-            routes.append({
-                "session_id": ticket.session_id,
-                "expected_ms_per_token": round(route.expected_ms_per_token, 3),
-                "hops": [{"node_id": h.node_id, "start": h.start, "end": h.end, "address": h.address,
-                          "relay": shard_of[h.node_id].relayed} for h in route.hops],
-                "ticket": sign_route_ticket(self.key, ticket),
-                "expires_at": ticket.expires_at_s,
-            })
+                issued_at_s=now,
+                expires_at_s=now + self.config.route_ticket_ttl_s,
+            )
+            routes.append(
+                {
+                    "session_id": ticket.session_id,
+                    "expected_ms_per_token": round(route.expected_ms_per_token, 3),
+                    "hops": [
+                        {
+                            "node_id": h.node_id,
+                            "start": h.start,
+                            "end": h.end,
+                            "address": h.address,
+                            "relay": shard_of[h.node_id].relayed,
+                        }
+                        for h in route.hops
+                    ],
+                    "ticket": sign_route_ticket(self.key, ticket),
+                    "expires_at": ticket.expires_at_s,
+                }
+            )
         outcome = "ok" if routes else "no_route"
         self.metrics.inc("swarm_tracker_route_requests_total", outcome=outcome)
         self.metrics.inc("swarm_tracker_routes_issued_total", len(routes))
-        return {"model": _model_json(info), "routes": routes,
-                "uncovered": [list(r) for r in selection.uncovered]}
+        return {
+            "model": _model_json(info),
+            "routes": routes,
+            "uncovered": [list(r) for r in selection.uncovered],
+        }
 
     async def recommend(self, model: str, capacity_layers: int) -> dict[str, Any]:
         if capacity_layers < 1:
@@ -257,27 +321,45 @@ class Registry:
             shards = [s for s in snap.shards if s.model_fingerprint == m.fingerprint]
             cover = layer_coverage(snap, m.fingerprint, m.n_layers)
             routable = bool(select_routes(snap, m.fingerprint, 1, rng=random.Random(0)).routes)
-            out.append({**_model_json(m), "live_nodes": len({s.node_id for s in shards}), "routable": routable,
-                        "min_layer_tokens_per_s": round(min(cover), 3) if cover else 0.0})
+            out.append(
+                {
+                    **_model_json(m),
+                    "live_nodes": len({s.node_id for s in shards}),
+                    "routable": routable,
+                    "min_layer_tokens_per_s": round(min(cover), 3) if cover else 0.0,
+                }
+            )
         return {"models": out}
 
     async def swarm_state(self) -> dict[str, Any]:
         models = await self.list_models()
         nodes = await self._db(self.store.node_rows)
         counts = await self._db(self.store.node_state_counts)
-        return {"tracker_id": self.tracker_id, "time": self.clock(), "models": models["models"],
-                "node_counts": counts, "nodes": nodes}
+        return {
+            "tracker_id": self.tracker_id,
+            "time": self.clock(),
+            "models": models["models"],
+            "node_counts": counts,
+            "nodes": nodes,
+        }
 
     async def gauges(self) -> dict[str, dict[Labels, float]]:
         counts = await self._db(self.store.node_state_counts)
         snap = await self.snapshot()
         return {
-            "swarm_tracker_nodes": {(("state", state),): float(counts.get(state, 0)) for state in ("live", "expired")},
+            "swarm_tracker_nodes": {
+                (("state", state),): float(counts.get(state, 0)) for state in ("live", "expired")
+            },
             "swarm_tracker_models": {(): float(len(snap.models))},
             "swarm_tracker_nonce_cache_entries": {(): float(len(self.nonces))},
         }
 
 
 def _model_json(m: ModelInfo) -> dict[str, Any]:
-    return {"fingerprint": m.fingerprint, "name": m.name, "architecture": m.architecture,
-            "n_layers": m.n_layers, "n_embd": m.n_embd}
+    return {
+        "fingerprint": m.fingerprint,
+        "name": m.name,
+        "architecture": m.architecture,
+        "n_layers": m.n_layers,
+        "n_embd": m.n_embd,
+    }

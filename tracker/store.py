@@ -87,14 +87,25 @@ class Store:
         with Session(self.engine) as s, s.begin():
             model = s.get(Model, a.model.fingerprint)
             if model is None:
-                s.add(Model(fingerprint=a.model.fingerprint, name=a.model.name,
-                            architecture=a.model.architecture, n_layers=a.model.n_layers,
-                            n_embd=a.model.n_embd, first_seen_s=now_s))
+                s.add(
+                    Model(
+                        fingerprint=a.model.fingerprint,
+                        name=a.model.name,
+                        architecture=a.model.architecture,
+                        n_layers=a.model.n_layers,
+                        n_embd=a.model.n_embd,
+                        first_seen_s=now_s,
+                    )
+                )
             elif (model.n_layers, model.n_embd, model.architecture) != (
-                    a.model.n_layers, a.model.n_embd, a.model.architecture):
+                a.model.n_layers,
+                a.model.n_embd,
+                a.model.architecture,
+            ):
                 raise Conflict(
                     f"model {a.model.fingerprint} is registered with n_layers={model.n_layers}, "
-                    f"n_embd={model.n_embd}, architecture={model.architecture!r}; the announce disagrees")
+                    f"n_embd={model.n_embd}, architecture={model.architecture!r}; the announce disagrees"
+                )
             node = s.get(Node, a.node_id)
             created = node is None
             restored = node is not None and node.state != NODE_LIVE
@@ -109,8 +120,11 @@ class Store:
             node.last_seen_s = now_s
             node.state = NODE_LIVE
             s.flush()
-            shard = s.scalars(select(Shard).where(Shard.node_id == a.node_id,
-                                                  Shard.model_fingerprint == a.model.fingerprint)).first()
+            shard = s.scalars(
+                select(Shard).where(
+                    Shard.node_id == a.node_id, Shard.model_fingerprint == a.model.fingerprint
+                )
+            ).first()
             if shard is None:
                 shard = Shard(node_id=a.node_id, model_fingerprint=a.model.fingerprint, tokens_served_total=0)
                 s.add(shard)
@@ -136,11 +150,16 @@ class Store:
                 raise UnknownNode(f"node {h.node_id} is not registered: announce first")
             conn.execute(update(Node).where(Node.id == h.node_id).values(last_seen_s=now_s, state=NODE_LIVE))
             conn.execute(
-                update(Shard).where(Shard.node_id == h.node_id).values(
-                    active_sessions=h.active_sessions, queue_depth=h.queue_depth,
+                update(Shard)
+                .where(Shard.node_id == h.node_id)
+                .values(
+                    active_sessions=h.active_sessions,
+                    queue_depth=h.queue_depth,
                     kv_free_tokens=h.kv_free_tokens,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
-                    updated_s=now_s))
+                    updated_s=now_s,
+                )
+            )
         return state != NODE_LIVE
 
     def expire(self, now_s: float, timeout_s: float) -> list[str]:
@@ -149,8 +168,9 @@ class Store:
         with Session(self.engine) as s, s.begin():
             ids = list(s.scalars(select(Node.id).where(Node.state == NODE_LIVE, Node.last_seen_s < cutoff)))
             if ids:
-                s.execute(update(Node).where(Node.id.in_(ids), Node.last_seen_s < cutoff)
-                          .values(state=NODE_EXPIRED))
+                s.execute(
+                    update(Node).where(Node.id.in_(ids), Node.last_seen_s < cutoff).values(state=NODE_EXPIRED)
+                )
         return ids
 
     def record_usage(self, r: UsageReport, now_s: float) -> UsageResult:
@@ -161,63 +181,132 @@ class Store:
             else:
                 gw.last_seen_s = now_s
             s.flush()
-            seen = set(s.scalars(select(Usage.node_id).where(Usage.gateway_id == r.gateway_id,
-                                                             Usage.request_id == r.request_id)))
+            seen = set(
+                s.scalars(
+                    select(Usage.node_id).where(
+                        Usage.gateway_id == r.gateway_id, Usage.request_id == r.request_id
+                    )
+                )
+            )
             recorded = 0
             for e in r.entries:
                 if e.node_id in seen:
                     continue
                 seen.add(e.node_id)
-                s.add(Usage(request_id=r.request_id, gateway_id=r.gateway_id, node_id=e.node_id,
-                            model_fingerprint=r.model_fingerprint, tokens=e.tokens, steps=e.steps, at_s=now_s))
+                s.add(
+                    Usage(
+                        request_id=r.request_id,
+                        gateway_id=r.gateway_id,
+                        node_id=e.node_id,
+                        model_fingerprint=r.model_fingerprint,
+                        tokens=e.tokens,
+                        steps=e.steps,
+                        at_s=now_s,
+                    )
+                )
                 recorded += 1
         return UsageResult(recorded=recorded, duplicates=len(r.entries) - recorded)
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def snapshot(self, now_s: float, timeout_s: float, *, default_latency_ms: float = 5.0,
-                 relay_penalty_ms: float = 10.0) -> SwarmSnapshot:
+    def snapshot(
+        self,
+        now_s: float,
+        timeout_s: float,
+        *,
+        default_latency_ms: float = 5.0,
+        relay_penalty_ms: float = 10.0,
+    ) -> SwarmSnapshot:
         """Models and the shards of nodes that are live and heard from within ``timeout_s``."""
         cutoff = now_s - timeout_s
         with Session(self.engine) as s:
-            models = tuple(ModelInfo(fingerprint=m.fingerprint, name=m.name, n_layers=m.n_layers,
-                                     n_embd=m.n_embd, architecture=m.architecture)
-                           for m in s.scalars(select(Model).order_by(Model.fingerprint)))
+            models = tuple(
+                ModelInfo(
+                    fingerprint=m.fingerprint,
+                    name=m.name,
+                    n_layers=m.n_layers,
+                    n_embd=m.n_embd,
+                    architecture=m.architecture,
+                )
+                for m in s.scalars(select(Model).order_by(Model.fingerprint))
+            )
             rows = s.execute(
-                select(Shard.node_id, Shard.model_fingerprint, Shard.layer_start, Shard.layer_end,
-                       Shard.decode_ms_per_token, Shard.prefill_tokens_per_s, Shard.active_sessions,
-                       Shard.max_sessions, Shard.queue_depth, Shard.kv_free_tokens, Node.relay, Node.addresses,
-                       Node.relay_via)
+                select(
+                    Shard.node_id,
+                    Shard.model_fingerprint,
+                    Shard.layer_start,
+                    Shard.layer_end,
+                    Shard.decode_ms_per_token,
+                    Shard.prefill_tokens_per_s,
+                    Shard.active_sessions,
+                    Shard.max_sessions,
+                    Shard.queue_depth,
+                    Shard.kv_free_tokens,
+                    Node.relay,
+                    Node.addresses,
+                    Node.relay_via,
+                )
                 .join(Node, Node.id == Shard.node_id)
                 .where(Node.state == NODE_LIVE, Node.last_seen_s >= cutoff)
                 .order_by(Shard.node_id, Shard.model_fingerprint)
             ).all()
         shards = tuple(
-            ShardView(node_id=r[0], model_fingerprint=r[1], start=r[2], end=r[3], decode_ms_per_token=r[4],
-                      prefill_tokens_per_s=r[5], active_sessions=r[6], max_sessions=r[7], queue_depth=r[8],
-                      kv_free_tokens=r[9], relayed=r[10], address=_route_address(r[10], r[11], r[12]))
-            for r in rows)
-        return SwarmSnapshot(models=models, shards=shards, default_latency_ms=default_latency_ms,
-                             relay_penalty_ms=relay_penalty_ms)
+            ShardView(
+                node_id=r[0],
+                model_fingerprint=r[1],
+                start=r[2],
+                end=r[3],
+                decode_ms_per_token=r[4],
+                prefill_tokens_per_s=r[5],
+                active_sessions=r[6],
+                max_sessions=r[7],
+                queue_depth=r[8],
+                kv_free_tokens=r[9],
+                relayed=r[10],
+                address=_route_address(r[10], r[11], r[12]),
+            )
+            for r in rows
+        )
+        return SwarmSnapshot(
+            models=models,
+            shards=shards,
+            default_latency_ms=default_latency_ms,
+            relay_penalty_ms=relay_penalty_ms,
+        )
 
     def node_rows(self) -> list[dict[str, Any]]:
         with Session(self.engine) as s:
             out = []
-            for node, shard in s.execute(select(Node, Shard).outerjoin(Shard, Shard.node_id == Node.id)
-                                         .order_by(Node.id)).all():
-                out.append({
-                    "node_id": node.id, "state": node.state, "addresses": node.addresses, "relay": node.relay,
-                    "relay_via": node.relay_via, "hardware": node.hardware,
-                    "software_version": node.software_version, "first_seen_s": node.first_seen_s,
-                    "last_seen_s": node.last_seen_s,
-                    "shard": None if shard is None else {
-                        "model_fingerprint": shard.model_fingerprint, "start": shard.layer_start,
-                        "end": shard.layer_end, "decode_ms_per_token": shard.decode_ms_per_token,
-                        "prefill_tokens_per_s": shard.prefill_tokens_per_s,
-                        "active_sessions": shard.active_sessions, "max_sessions": shard.max_sessions,
-                        "queue_depth": shard.queue_depth, "kv_free_tokens": shard.kv_free_tokens,
-                        "tokens_served_total": shard.tokens_served_total},
-                })
+            for node, shard in s.execute(
+                select(Node, Shard).outerjoin(Shard, Shard.node_id == Node.id).order_by(Node.id)
+            ).all():
+                out.append(
+                    {
+                        "node_id": node.id,
+                        "state": node.state,
+                        "addresses": node.addresses,
+                        "relay": node.relay,
+                        "relay_via": node.relay_via,
+                        "hardware": node.hardware,
+                        "software_version": node.software_version,
+                        "first_seen_s": node.first_seen_s,
+                        "last_seen_s": node.last_seen_s,
+                        "shard": None
+                        if shard is None
+                        else {
+                            "model_fingerprint": shard.model_fingerprint,
+                            "start": shard.layer_start,
+                            "end": shard.layer_end,
+                            "decode_ms_per_token": shard.decode_ms_per_token,
+                            "prefill_tokens_per_s": shard.prefill_tokens_per_s,
+                            "active_sessions": shard.active_sessions,
+                            "max_sessions": shard.max_sessions,
+                            "queue_depth": shard.queue_depth,
+                            "kv_free_tokens": shard.kv_free_tokens,
+                            "tokens_served_total": shard.tokens_served_total,
+                        },
+                    }
+                )
         return out
 
     def node_state_counts(self) -> dict[str, int]:
@@ -227,11 +316,19 @@ class Store:
     def usage_totals(self) -> dict[str, tuple[int, int]]:
         """Per node id: (tokens, steps) over the whole ledger."""
         with Session(self.engine) as s:
-            return {node: (int(t or 0), int(st or 0)) for node, t, st in s.execute(
-                select(Usage.node_id, func.sum(Usage.tokens), func.sum(Usage.steps)).group_by(Usage.node_id))}
+            return {
+                node: (int(t or 0), int(st or 0))
+                for node, t, st in s.execute(
+                    select(Usage.node_id, func.sum(Usage.tokens), func.sum(Usage.steps)).group_by(
+                        Usage.node_id
+                    )
+                )
+            }
 
     def table_counts(self) -> dict[str, int]:
         """Row counts per table (tests use it to check refused requests wrote nothing)."""
         with Session(self.engine) as s:
-            return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0
-                    for t in (Model, Gateway, Node, Shard, Usage)}
+            return {
+                t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0
+                for t in (Model, Gateway, Node, Shard, Usage)
+            }

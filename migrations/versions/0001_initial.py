@@ -67,9 +67,12 @@ def upgrade() -> None:
         sa.Column("kv_free_tokens", sa.BigInteger(), nullable=True),
         sa.Column("tokens_served_total", sa.BigInteger(), nullable=False),
         sa.Column("updated_s", sa.Double(), nullable=False),
-        sa.ForeignKeyConstraint(["node_id"], ["nodes.id"], name="fk_shards_node_id_nodes", ondelete="CASCADE"),
-        sa.ForeignKeyConstraint(["model_fingerprint"], ["models.fingerprint"],
-                                name="fk_shards_model_fingerprint_models"),
+        sa.ForeignKeyConstraint(
+            ["node_id"], ["nodes.id"], name="fk_shards_node_id_nodes", ondelete="CASCADE"
+        ),
+        sa.ForeignKeyConstraint(
+            ["model_fingerprint"], ["models.fingerprint"], name="fk_shards_model_fingerprint_models"
+        ),
         sa.PrimaryKeyConstraint("id", name="pk_shards"),
         sa.UniqueConstraint("node_id", "model_fingerprint", name="uq_shards_node_id_model_fingerprint"),
     )
@@ -87,7 +90,9 @@ def upgrade() -> None:
         sa.Column("at_s", sa.Double(), nullable=False),
         sa.ForeignKeyConstraint(["gateway_id"], ["gateways.id"], name="fk_usage_gateway_id_gateways"),
         sa.PrimaryKeyConstraint("id", name="pk_usage"),
-        sa.UniqueConstraint("gateway_id", "request_id", "node_id", name="uq_usage_gateway_id_request_id_node_id"),
+        sa.UniqueConstraint(
+            "gateway_id", "request_id", "node_id", name="uq_usage_gateway_id_request_id_node_id"
+        ),
     )
     op.create_index("ix_usage_node_id_at_s", "usage", ["node_id", "at_s"])
 

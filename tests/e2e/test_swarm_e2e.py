@@ -25,8 +25,12 @@ from tests.e2e.swarm_helpers import Reference, live_nodes, node_load
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+]
 N_NEW = 24
 
 
@@ -38,20 +42,33 @@ def reference(model_path: Path) -> Iterator[Reference]:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[LocalSwarm]:
+def swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
     # Placement by the tracker (no fixed layers), routes refreshed every second so a late node is seen.
-    s = start_local_swarm(tmp_path_factory.mktemp("swarm"), model=model_path, n_nodes=2, node_cache=node_cache,
-                          gateway_args=["--route-ttl-s", "1"], node_args=["--no-benchmark"])
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("swarm"),
+        model=model_path,
+        n_nodes=2,
+        node_cache=node_cache,
+        gateway_args=["--route-ttl-s", "1"],
+        node_args=["--no-benchmark"],
+    )
     yield s
     s.stop()
 
 
 def chat(client: openai.OpenAI, model: str, question: str, stream: bool) -> str:
-    kwargs = dict(model=model, messages=[{"role": "user", "content": question}], max_tokens=N_NEW, temperature=0)
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=N_NEW, temperature=0
+    )
     if not stream:
         return client.chat.completions.create(**kwargs).choices[0].message.content or ""
-    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
-                   if c.choices)
+    return "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
+    )
 
 
 def test_tracker_placed_the_two_nodes_to_tile_the_model(swarm: LocalSwarm) -> None:
@@ -59,7 +76,9 @@ def test_tracker_placed_the_two_nodes_to_tile_the_model(swarm: LocalSwarm) -> No
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_text_equals_the_whole_models_greedy_output(swarm: LocalSwarm, reference: Reference, stream: bool) -> None:
+def test_text_equals_the_whole_models_greedy_output(
+    swarm: LocalSwarm, reference: Reference, stream: bool
+) -> None:
     client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
     for q in QUESTIONS[:2]:
         assert chat(client, swarm.model_name, q, stream) == reference.chat(q, N_NEW)
@@ -69,7 +88,10 @@ def test_concurrent_clients_all_correct_and_no_kv_left(swarm: LocalSwarm, refere
     client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
     want = {q: reference.chat(q, N_NEW) for q in QUESTIONS}
     with ThreadPoolExecutor(6) as pool:
-        jobs = [(q, pool.submit(chat, client, swarm.model_name, q, i % 2 == 0)) for i, q in enumerate(QUESTIONS * 2)]
+        jobs = [
+            (q, pool.submit(chat, client, swarm.model_name, q, i % 2 == 0))
+            for i, q in enumerate(QUESTIONS * 2)
+        ]
         for q, job in jobs:
             assert job.result() == want[q]
     for node in swarm.nodes:
@@ -77,13 +99,24 @@ def test_concurrent_clients_all_correct_and_no_kv_left(swarm: LocalSwarm, refere
         assert load.active_sessions == 0 and load.kv_tokens_used == 0
 
 
-def test_a_node_joining_late_is_picked_up_by_routing(swarm: LocalSwarm, node_cache: Path, model_path: Path,
-                                                     reference: Reference) -> None:
-    late = swarm.supervisor.start_node("late", model=model_path, layers="0:30", tracker_url=swarm.tracker_url,
-                                       cache_dir=node_cache, extra_args=["--no-benchmark"])
+def test_a_node_joining_late_is_picked_up_by_routing(
+    swarm: LocalSwarm, node_cache: Path, model_path: Path, reference: Reference
+) -> None:
+    late = swarm.supervisor.start_node(
+        "late",
+        model=model_path,
+        layers="0:30",
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra_args=["--no-benchmark"],
+    )
     late.wait_port(120)
-    wait_http(late, f"{swarm.tracker_url}/v1/swarm", 120,
-              ok=lambda r: any(str(late.port) in " ".join(n["addresses"]) for n in r.json()["nodes"]))
+    wait_http(
+        late,
+        f"{swarm.tracker_url}/v1/swarm",
+        120,
+        ok=lambda r: any(str(late.port) in " ".join(n["addresses"]) for n in r.json()["nodes"]),
+    )
     client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
     # Two data-parallel routes now exist (the split pair, and the late whole-model node); concurrent
     # requests spread over both. Keep asking until the late node has served a session.
@@ -129,8 +162,13 @@ def _ledger(db: Path) -> int:
 
 def test_swarm_sim_up_check_serves_a_completion(tmp_path: Path) -> None:
     """The README's first command, as a user runs it (with --check so it stops by itself)."""
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "up", "--check", "--port", "0", "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "up", "--check", "--port", "0", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OpenAI base URL:  http://127.0.0.1:" in proc.stdout
     assert "answer:" in proc.stdout and "curl -s http://127.0.0.1:" in proc.stdout

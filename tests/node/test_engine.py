@@ -78,7 +78,9 @@ def engines(model_path: Path, node_cache: Path, engine_config: EngineConfig) -> 
 
     def get(start: int, end: int) -> ShardEngine:
         if (start, end) not in made:
-            made[(start, end)] = ShardEngine(extract_shard(model_path, start, end, node_cache), engine_config, node_cache)
+            made[(start, end)] = ShardEngine(
+                extract_shard(model_path, start, end, node_cache), engine_config, node_cache
+            )
         return made[(start, end)]
 
     yield get
@@ -98,10 +100,12 @@ def expected(reference: ReferenceModel, vocab: Vocabulary):
 
 
 def _route(engines, bounds: list[int]) -> Route:
-    return Route([engines(a, b) for a, b in zip(bounds, bounds[1:])])
+    return Route([engines(a, b) for a, b in zip(bounds, bounds[1:], strict=False)])
 
 
-@pytest.mark.parametrize("bounds", [[0, 15, 30], [0, 10, 20, 30], [0, 7, 23, 30]], ids=["2x15", "3x10", "7-16-7"])
+@pytest.mark.parametrize(
+    "bounds", [[0, 15, 30], [0, 10, 20, 30], [0, 7, 23, 30]], ids=["2x15", "3x10", "7-16-7"]
+)
 def test_split_is_bit_exact_with_whole_model(engines, expected, vocab: Vocabulary, bounds: list[int]) -> None:
     route = _route(engines, bounds)
     for n, prompt in enumerate(PROMPTS[:2]):
@@ -133,9 +137,9 @@ def test_sessions_batched_together_match_each_alone(engines, expected, vocab: Vo
     # Four sessions prefill together in one batch (different lengths, one llama_decode).
     for sid in sids[:4]:
         route.open(sid)
-    first = route.step([(sid, 0, p) for sid, p in zip(sids[:4], prompts[:4])])
-    outs = {sid: [r.sampled.token] for sid, r in zip(sids[:4], first)}
-    pos = {sid: len(p) for sid, p in zip(sids, prompts)}
+    first = route.step([(sid, 0, p) for sid, p in zip(sids[:4], prompts[:4], strict=False)])
+    outs = {sid: [r.sampled.token] for sid, r in zip(sids[:4], first, strict=False)}
+    pos = {sid: len(p) for sid, p in zip(sids, prompts, strict=False)}
     released: set[str] = set()
     for step in range(N_NEW - 1):
         items = [(sid, pos[sid], [outs[sid][-1]]) for sid in outs if sid not in released]
@@ -150,13 +154,13 @@ def test_sessions_batched_together_match_each_alone(engines, expected, vocab: Vo
             released.add(sids[1])
             items = [it for it in items if it[0] != sids[1]]
         results = route.step(items)
-        for (sid, _, toks), r in zip(items, results):
+        for (sid, _, toks), r in zip(items, results, strict=False):
             if sid == sids[4] and sid not in outs:
                 outs[sid] = [r.sampled.token]
             else:
                 outs[sid].append(r.sampled.token)
             pos[sid] += len(toks)
-    for sid, prompt in zip(sids, PROMPTS):
+    for sid, prompt in zip(sids, PROMPTS, strict=False):
         want = expected(prompt)[0]
         got = outs[sid]
         assert tuple(got) == want[: len(got)], f"{sid} diverged from its solo run"
@@ -174,16 +178,16 @@ def test_noncontiguous_sequence_ids_stay_isolated(engines, expected, vocab: Voca
     for sid in sids:
         route.open(sid)
     route.release("nc-1")
-    prompts = {sid: vocab.tokenize(p) for sid, p in zip(["nc-0", "nc-2", "nc-3"], PROMPTS[2:5])}
+    prompts = {sid: vocab.tokenize(p) for sid, p in zip(["nc-0", "nc-2", "nc-3"], PROMPTS[2:5], strict=False)}
     res = route.step([(sid, 0, p) for sid, p in prompts.items()])
-    outs = {sid: [r.sampled.token] for sid, r in zip(prompts, res)}
+    outs = {sid: [r.sampled.token] for sid, r in zip(prompts, res, strict=False)}
     pos = {sid: len(p) for sid, p in prompts.items()}
     for _ in range(15):
         items = [(sid, pos[sid], [outs[sid][-1]]) for sid in prompts]
-        for (sid, _, _), r in zip(items, route.step(items)):
+        for (sid, _, _), r in zip(items, route.step(items), strict=False):
             outs[sid].append(r.sampled.token)
             pos[sid] += 1
-    for sid, text in zip(prompts, PROMPTS[2:5]):
+    for sid, text in zip(prompts, PROMPTS[2:5], strict=False):
         assert tuple(outs[sid]) == expected(text)[0][:16]
         route.release(sid)
 
@@ -219,12 +223,24 @@ def test_refusals_leave_other_sessions_untouched(engines, expected, vocab: Vocab
     first = route.step([("good", 0, prompt)])[0].sampled.token
     good_kv = stage0.kv_len("good")
     bad_works = [
-        (Work("nobody", 0, tokens=np.array([1], dtype=np.int32)), UnknownSessionError, "unknown session 'nobody'"),
-        (Work("bad", 3, tokens=np.array([1], dtype=np.int32)), PositionError, "starts at position 3 but its KV holds 0"),
+        (
+            Work("nobody", 0, tokens=np.array([1], dtype=np.int32)),
+            UnknownSessionError,
+            "unknown session 'nobody'",
+        ),
+        (
+            Work("bad", 3, tokens=np.array([1], dtype=np.int32)),
+            PositionError,
+            "starts at position 3 but its KV holds 0",
+        ),
         (Work("bad", 0, hidden=np.zeros((1, 576), dtype=np.float32)), InputShapeError, "takes token ids"),
         (Work("bad", 0, tokens=np.array([], dtype=np.int32)), InputShapeError, "non-empty 1-D integer"),
         (Work("bad", 0, tokens=np.array([49152], dtype=np.int32)), InputShapeError, "outside the vocabulary"),
-        (Work("bad", 0, tokens=np.array([1], dtype=np.int32), sample=True), InputShapeError, "only the last stage"),
+        (
+            Work("bad", 0, tokens=np.array([1], dtype=np.int32), sample=True),
+            InputShapeError,
+            "only the last stage",
+        ),
         (Work("bad", 0, tokens=np.zeros(600, dtype=np.int32)), KVBudgetError, "exceed its KV budget of 512"),
     ]
     for work, exc, message in bad_works:
@@ -299,7 +315,9 @@ def test_budget_per_session_is_enforced(engines, vocab: Vocabulary) -> None:
     stage.release("small")
 
 
-def test_prefill_longer_than_one_batch_is_chunked(engines, reference: ReferenceModel, vocab: Vocabulary) -> None:
+def test_prefill_longer_than_one_batch_is_chunked(
+    engines, reference: ReferenceModel, vocab: Vocabulary
+) -> None:
     """300 tokens > n_batch (256): the engine splits the step into several llama_decode calls."""
     route = _route(engines, [0, 15, 30])
     prompt = (vocab.tokenize(PROMPTS[3]) * 30)[:300]
@@ -311,8 +329,9 @@ def test_prefill_longer_than_one_batch_is_chunked(engines, reference: ReferenceM
     assert res.logits.tobytes() == want.tobytes()
 
 
-def test_python_capture_fallback_gives_the_same_hidden_states(engines, model_path: Path, node_cache: Path,
-                                                               engine_config: EngineConfig, vocab: Vocabulary) -> None:
+def test_python_capture_fallback_gives_the_same_hidden_states(
+    engines, model_path: Path, node_cache: Path, engine_config: EngineConfig, vocab: Vocabulary
+) -> None:
     """Without a C compiler the engine captures through a ctypes callback; the rows must be identical."""
     py_config = EngineConfig(**{**engine_config.__dict__, "capture": "python"})
     with ShardEngine(extract_shard(model_path, 0, 15, node_cache), py_config, node_cache) as py_stage:
@@ -324,7 +343,9 @@ def test_python_capture_fallback_gives_the_same_hidden_states(engines, model_pat
         for stage in (py_stage, c_stage):
             for i in range(3):
                 stage.open_session(f"cap-{i}")
-            results = stage.step([Work(f"cap-{i}", 0, tokens=np.array(p, dtype=np.int32)) for i, p in enumerate(prompts)])
+            results = stage.step(
+                [Work(f"cap-{i}", 0, tokens=np.array(p, dtype=np.int32)) for i, p in enumerate(prompts)]
+            )
             hidden[stage.statistics().capture] = [r.hidden.tobytes() for r in results]
             for i in range(3):
                 stage.release(f"cap-{i}")

@@ -45,11 +45,15 @@ def test_draws_vary_with_position_and_follow_the_distribution() -> None:
 def test_top_k_top_p_min_p_restrict_the_candidates() -> None:
     order = np.argsort(-LOGITS)
     for p in range(200):
-        assert sample(LOGITS, SamplingParams(temperature=5.0, top_k=3, seed=1), p).token in set(order[:3].tolist())
+        assert sample(LOGITS, SamplingParams(temperature=5.0, top_k=3, seed=1), p).token in set(
+            order[:3].tolist()
+        )
     probs = np.exp(log_softmax(LOGITS))
     nucleus = order[: int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1]
     for p in range(200):
-        assert sample(LOGITS, SamplingParams(temperature=1.0, top_p=0.5, seed=2), p).token in set(nucleus.tolist())
+        assert sample(LOGITS, SamplingParams(temperature=1.0, top_p=0.5, seed=2), p).token in set(
+            nucleus.tolist()
+        )
     allowed = set(np.flatnonzero(probs >= 0.2 * probs.max()).tolist())
     for p in range(200):
         assert sample(LOGITS, SamplingParams(temperature=1.0, min_p=0.2, seed=3), p).token in allowed

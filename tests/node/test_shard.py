@@ -16,7 +16,11 @@ from node.shard import extract_shard, extract_vocab, parse_layers, read_model_me
 
 def _fields(path: Path) -> dict:
     r = GGUFReader(path)
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"))}
+    return {
+        k: f.contents()
+        for k, f in r.fields.items()
+        if not k.startswith(("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"))
+    }
 
 
 def test_middle_shard_has_only_its_blocks_and_metadata(model_path: Path, node_cache: Path) -> None:
@@ -145,9 +149,8 @@ def test_truncated_gguf_is_refused(tmp_path: Path, model_path: Path) -> None:
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
-    from gguf import GGUFWriter
-
     import numpy as np
+    from gguf import GGUFWriter
 
     path = tmp_path / "other.gguf"
     w = GGUFWriter(path, "mamba")
@@ -172,9 +175,15 @@ def test_cli_extract(model_path: Path, tmp_path: Path) -> None:
 
     from node.cli import main
 
-    res = CliRunner().invoke(main, ["shard", "extract", "--model", str(model_path), "--layers", "0:30:1", "--cache-dir", str(tmp_path)])
+    res = CliRunner().invoke(
+        main,
+        ["shard", "extract", "--model", str(model_path), "--layers", "0:30:1", "--cache-dir", str(tmp_path)],
+    )
     assert res.exit_code != 0 and "not of the form START:END" in res.output
-    res = CliRunner().invoke(main, ["shard", "extract", "--model", str(model_path), "--layers", "20:30", "--cache-dir", str(tmp_path)])
+    res = CliRunner().invoke(
+        main,
+        ["shard", "extract", "--model", str(model_path), "--layers", "20:30", "--cache-dir", str(tmp_path)],
+    )
     assert res.exit_code == 0, res.output
     assert "llama-20-30.gguf" in res.output
     assert shard_mod.SUPPORTED_ARCHITECTURES == ("llama",)

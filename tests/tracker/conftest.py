@@ -21,10 +21,16 @@ POSTGRES_URL = os.environ.get("SWARM_TEST_POSTGRES_URL", "")
 def _db_params() -> list[object]:
     return [
         pytest.param("sqlite", id="sqlite"),
-        pytest.param("postgres", id="postgres", marks=[
-            pytest.mark.postgres,
-            pytest.mark.skipif(not POSTGRES_URL, reason="set SWARM_TEST_POSTGRES_URL to run against PostgreSQL"),
-        ]),
+        pytest.param(
+            "postgres",
+            id="postgres",
+            marks=[
+                pytest.mark.postgres,
+                pytest.mark.skipif(
+                    not POSTGRES_URL, reason="set SWARM_TEST_POSTGRES_URL to run against PostgreSQL"
+                ),
+            ],
+        ),
     ]
 
 

@@ -11,8 +11,15 @@ OTHER_FP = "e" * 64
 
 
 def shard(node: str, start: int, end: int, ms: float = 10.0, fp: str = FP, **kw: object) -> ShardView:
-    return ShardView(node_id=node, model_fingerprint=fp, start=start, end=end,
-                     decode_ms_per_token=ms, prefill_tokens_per_s=100.0, **kw)  # type: ignore[arg-type]
+    return ShardView(
+        node_id=node,
+        model_fingerprint=fp,
+        start=start,
+        end=end,
+        decode_ms_per_token=ms,
+        prefill_tokens_per_s=100.0,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def snapshot(n_layers: int, shards: list[ShardView], **kw: object) -> SwarmSnapshot:
@@ -30,15 +37,19 @@ def swarms(draw: st.DrawFn, max_layers: int = 12, max_shards: int = 14) -> Swarm
         start = draw(st.integers(0, n_layers - 1))
         end = draw(st.integers(start + 1, n_layers))
         max_sessions = draw(st.integers(1, 4))
-        shards.append(shard(
-            f"n{i:03d}", start, end,
-            ms=draw(st.floats(0.5, 50.0)),
-            fp=draw(st.sampled_from([FP, FP, FP, OTHER_FP])),
-            active_sessions=draw(st.integers(0, max_sessions)),
-            max_sessions=max_sessions,
-            queue_depth=draw(st.integers(0, 3)),
-            relayed=draw(st.booleans()),
-        ))
+        shards.append(
+            shard(
+                f"n{i:03d}",
+                start,
+                end,
+                ms=draw(st.floats(0.5, 50.0)),
+                fp=draw(st.sampled_from([FP, FP, FP, OTHER_FP])),
+                active_sessions=draw(st.integers(0, max_sessions)),
+                max_sessions=max_sessions,
+                queue_depth=draw(st.integers(0, 3)),
+                relayed=draw(st.booleans()),
+            )
+        )
     latency = {}
     if shards and draw(st.booleans()):
         for _ in range(draw(st.integers(0, 10))):

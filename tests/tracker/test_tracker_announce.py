@@ -17,20 +17,23 @@ def test_round_trip() -> None:
     assert Heartbeat.from_json(h.to_json()) == h
 
 
-@pytest.mark.parametrize("patch, match", [
-    ({"shard_start": 9, "shard_end": 9}, "shard_end"),
-    ({"shard_end": 31}, "shard_end"),
-    ({"decode_ms_per_token": 0}, "decode_ms_per_token"),
-    ({"decode_ms_per_token": float("nan")}, "decode_ms_per_token"),
-    ({"max_sessions": True}, "max_sessions"),
-    ({"addresses": ["nope"]}, "host:port"),
-    ({"addresses": ["h:70000"]}, "host:port"),
-    ({"addresses": []}, "must not be empty"),
-    ({"node_id": "AB" * 32}, "node_id"),
-    ({"model": {"fingerprint": "ab" * 32}}, "model"),
-    ({"hardware": {"cpu_cores": 1}}, "hardware"),
-    ({"extra": 1}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "patch, match",
+    [
+        ({"shard_start": 9, "shard_end": 9}, "shard_end"),
+        ({"shard_end": 31}, "shard_end"),
+        ({"decode_ms_per_token": 0}, "decode_ms_per_token"),
+        ({"decode_ms_per_token": float("nan")}, "decode_ms_per_token"),
+        ({"max_sessions": True}, "max_sessions"),
+        ({"addresses": ["nope"]}, "host:port"),
+        ({"addresses": ["h:70000"]}, "host:port"),
+        ({"addresses": []}, "must not be empty"),
+        ({"node_id": "AB" * 32}, "node_id"),
+        ({"model": {"fingerprint": "ab" * 32}}, "model"),
+        ({"hardware": {"cpu_cores": 1}}, "hardware"),
+        ({"extra": 1}, "unknown field"),
+    ],
+)
 def test_announce_refusals(patch: dict[str, Any], match: str) -> None:
     body = {**announce_for(key(1), 3, 9).to_json(), **patch}
     with pytest.raises(PayloadError, match=match):

@@ -55,8 +55,13 @@ class Env:
 async def env(tmp_path: Path, db_url: str) -> AsyncIterator[Env]:
     clock = FakeClock()
     store = Store(make_engine(db_url))
-    registry = Registry(store, test_config(tmp_path, db_url=db_url, max_body_bytes=8192), key(99),
-                        clock=clock, rng=random.Random(0))
+    registry = Registry(
+        store,
+        test_config(tmp_path, db_url=db_url, max_body_bytes=8192),
+        key(99),
+        clock=clock,
+        rng=random.Random(0),
+    )
     await registry.start()
     app = create_app(registry)
     try:
@@ -88,35 +93,65 @@ async def test_refusals_write_nothing(env: Env) -> None:
     now = env.clock()
     good_hb = env.heartbeat_env(1)
     cases: dict[str, tuple[str, dict[str, Any] | bytes, int, str]] = {
-        "forged signature": ("/v1/announce",
-                             dict(env.announce_env(2, 15, 30), signature=env.announce_env(3)["signature"]),
-                             401, "bad_signature"),
-        "stale timestamp": ("/v1/announce",
-                            signed(k2, "announce", announce_for(k2, 15, 30).to_json(), now - 3600), 401,
-                            "stale_timestamp"),
-        "future timestamp": ("/v1/heartbeat", signed(k1, "heartbeat", heartbeat_for(k1, active=3).to_json(),
-                                                     now + 3600), 401, "stale_timestamp"),
-        "wrong key for node id": ("/v1/announce",
-                                  sign_envelope(k2, {**make_payload("announce", "node_id", k2, now,
-                                                                    announce_for(k1, 15, 30).to_json()),
-                                                     "node_id": public_key_hex(k1)}), 401, "key_mismatch"),
+        "forged signature": (
+            "/v1/announce",
+            dict(env.announce_env(2, 15, 30), signature=env.announce_env(3)["signature"]),
+            401,
+            "bad_signature",
+        ),
+        "stale timestamp": (
+            "/v1/announce",
+            signed(k2, "announce", announce_for(k2, 15, 30).to_json(), now - 3600),
+            401,
+            "stale_timestamp",
+        ),
+        "future timestamp": (
+            "/v1/heartbeat",
+            signed(k1, "heartbeat", heartbeat_for(k1, active=3).to_json(), now + 3600),
+            401,
+            "stale_timestamp",
+        ),
+        "wrong key for node id": (
+            "/v1/announce",
+            sign_envelope(
+                k2,
+                {
+                    **make_payload("announce", "node_id", k2, now, announce_for(k1, 15, 30).to_json()),
+                    "node_id": public_key_hex(k1),
+                },
+            ),
+            401,
+            "key_mismatch",
+        ),
         "heartbeat signed as announce": ("/v1/announce", good_hb, 401, "wrong_kind"),
         "oversized body": ("/v1/announce", b"{" + b" " * 9000 + b"}", 413, ""),
         "not json": ("/v1/announce", b"{nope", 400, ""),
         "absurdly nested json": ("/v1/announce", b"[" * 4000 + b"]" * 4000, 400, ""),
         "not an envelope": ("/v1/announce", {"node_id": public_key_hex(k2)}, 400, "malformed_envelope"),
-        "shard past the model": ("/v1/announce",
-                                 signed(k2, "announce", {**announce_for(k2, 15, 30).to_json(), "shard_end": 31},
-                                        now), 400, ""),
-        "unknown field": ("/v1/announce",
-                          signed(k2, "announce", {**announce_for(k2, 15, 30).to_json(), "colour": "red"}, now),
-                          400, ""),
-        "negative load": ("/v1/heartbeat",
-                          signed(k1, "heartbeat", {**heartbeat_for(k1).to_json(), "active_sessions": -1}, now),
-                          400, ""),
-        "layer count conflict": ("/v1/announce",
-                                 signed(k2, "announce", announce_for(k2, 0, 10, model=replace(MODEL, n_layers=10))
-                                        .to_json(), now), 409, ""),
+        "shard past the model": (
+            "/v1/announce",
+            signed(k2, "announce", {**announce_for(k2, 15, 30).to_json(), "shard_end": 31}, now),
+            400,
+            "",
+        ),
+        "unknown field": (
+            "/v1/announce",
+            signed(k2, "announce", {**announce_for(k2, 15, 30).to_json(), "colour": "red"}, now),
+            400,
+            "",
+        ),
+        "negative load": (
+            "/v1/heartbeat",
+            signed(k1, "heartbeat", {**heartbeat_for(k1).to_json(), "active_sessions": -1}, now),
+            400,
+            "",
+        ),
+        "layer count conflict": (
+            "/v1/announce",
+            signed(k2, "announce", announce_for(k2, 0, 10, model=replace(MODEL, n_layers=10)).to_json(), now),
+            409,
+            "",
+        ),
     }
     for name, (path, payload, status, reason) in cases.items():
         if isinstance(payload, bytes):
@@ -148,14 +183,21 @@ async def test_unknown_node_heartbeat_is_404(env: Env) -> None:
 
 async def test_routes_tickets_and_exclusions(env: Env) -> None:
     for seed, (a, b) in {1: (0, 15), 2: (15, 30), 3: (0, 30)}.items():
-        assert (await env.post("/v1/announce", env.announce_env(seed, a, b, ms=10.0 if seed < 3 else 100.0)))[0] == 200
+        assert (await env.post("/v1/announce", env.announce_env(seed, a, b, ms=10.0 if seed < 3 else 100.0)))[
+            0
+        ] == 200
     status, body = await env.post("/v1/routes", {"model": MODEL.fingerprint, "k": 2})
     assert status == 200 and body["uncovered"] == []
     assert [len(r["hops"]) for r in body["routes"]] == [2, 1]
     for route in body["routes"]:
         for hop in route["hops"]:
-            t = verify_route_ticket(route["ticket"], tracker_public_key=env.registry.tracker_id,
-                                    now_s=env.clock(), node_id=hop["node_id"], model_fingerprint=MODEL.fingerprint)
+            t = verify_route_ticket(
+                route["ticket"],
+                tracker_public_key=env.registry.tracker_id,
+                now_s=env.clock(),
+                node_id=hop["node_id"],
+                model_fingerprint=MODEL.fingerprint,
+            )
             assert t.session_id == route["session_id"]
             assert [h.node_id for h in t.hops] == [h["node_id"] for h in route["hops"]]
     # By name, GET form, excluding the single-shard node and one half: no route, uncovered named.
@@ -192,18 +234,30 @@ async def test_recommend(env: Env) -> None:
 
 async def test_usage_ledger(env: Env) -> None:
     gw = key(50)
-    report = UsageReport(gateway_id=public_key_hex(gw), request_id="req-1", model_fingerprint=MODEL.fingerprint,
-                         entries=(UsageEntry(public_key_hex(key(1)), 120, 100),
-                                  UsageEntry(public_key_hex(key(2)), 120, 100)))
-    status, body = await env.post("/v1/usage", signed(gw, "usage", report.to_json(), env.clock(), "gateway_id"))
+    report = UsageReport(
+        gateway_id=public_key_hex(gw),
+        request_id="req-1",
+        model_fingerprint=MODEL.fingerprint,
+        entries=(UsageEntry(public_key_hex(key(1)), 120, 100), UsageEntry(public_key_hex(key(2)), 120, 100)),
+    )
+    status, body = await env.post(
+        "/v1/usage", signed(gw, "usage", report.to_json(), env.clock(), "gateway_id")
+    )
     assert status == 200 and body == {"recorded": 2, "duplicates": 0}
-    status, body = await env.post("/v1/usage", signed(gw, "usage", report.to_json(), env.clock(), "gateway_id"))
+    status, body = await env.post(
+        "/v1/usage", signed(gw, "usage", report.to_json(), env.clock(), "gateway_id")
+    )
     assert body == {"recorded": 0, "duplicates": 2}
     assert env.store.usage_totals()[public_key_hex(key(1))] == (120, 100)
     before = env.counts()
     # A node key cannot report as a gateway it is not.
-    impostor = sign_envelope(key(1), {**make_payload("usage", "gateway_id", key(1), env.clock(), report.to_json()),
-                                      "gateway_id": public_key_hex(gw)})
+    impostor = sign_envelope(
+        key(1),
+        {
+            **make_payload("usage", "gateway_id", key(1), env.clock(), report.to_json()),
+            "gateway_id": public_key_hex(gw),
+        },
+    )
     status, body = await env.post("/v1/usage", impostor)
     assert status == 401 and body["error"]["reason"] == "key_mismatch"
     assert env.counts() == before
@@ -221,7 +275,9 @@ async def test_health_metrics_and_unknown_path(env: Env) -> None:
     assert status == 404 and body["error"]["code"] == "not_found"
 
 
-async def test_database_outage_is_503_and_routes_ride_it_out(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_database_outage_is_503_and_routes_ride_it_out(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sqlalchemy.exc import OperationalError
 
     await env.post("/v1/announce", env.announce_env(1, 0, 30))

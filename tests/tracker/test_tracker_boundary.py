@@ -7,9 +7,26 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["tracker.routing", "tracker.placement", "tracker.snapshot", "tracker.errors", "tracker.metrics",
-        "proto.signing", "proto.announce"]
-FORBIDDEN = ["trio", "sqlalchemy", "quart", "quart_trio", "hypercorn", "zeroconf", "httpx", "alembic", "anyio"]
+PURE = [
+    "tracker.routing",
+    "tracker.placement",
+    "tracker.snapshot",
+    "tracker.errors",
+    "tracker.metrics",
+    "proto.signing",
+    "proto.announce",
+]
+FORBIDDEN = [
+    "trio",
+    "sqlalchemy",
+    "quart",
+    "quart_trio",
+    "hypercorn",
+    "zeroconf",
+    "httpx",
+    "alembic",
+    "anyio",
+]
 
 
 def test_pure_modules_import_no_runtime() -> None:

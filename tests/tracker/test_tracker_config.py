@@ -27,15 +27,20 @@ def test_precedence(tmp_path: Path) -> None:
     assert load_config(env={"SWARM_TRACKER_CONFIG": str(tbl)}).port == 1234
 
 
-@pytest.mark.parametrize("file_text, env, flags, match", [
-    ("prot = 1\n", {}, {}, "unknown key 'prot'"),
-    ("", {"SWARM_TRACKER_PROT": "1"}, {}, "unknown environment variable SWARM_TRACKER_PROT"),
-    ("port = 'x'\n", {}, {}, "port must be a int"),
-    ("", {"SWARM_TRACKER_ZEROCONF": "maybe"}, {}, "zeroconf must be a bool"),
-    ("", {}, {"port": 70000}, "port must be in"),
-    ("", {}, {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 5.0}, "at least heartbeat_interval_s"),
-])
-def test_errors(tmp_path: Path, file_text: str, env: dict[str, str], flags: dict[str, object], match: str) -> None:
+@pytest.mark.parametrize(
+    "file_text, env, flags, match",
+    [
+        ("prot = 1\n", {}, {}, "unknown key 'prot'"),
+        ("", {"SWARM_TRACKER_PROT": "1"}, {}, "unknown environment variable SWARM_TRACKER_PROT"),
+        ("port = 'x'\n", {}, {}, "port must be a int"),
+        ("", {"SWARM_TRACKER_ZEROCONF": "maybe"}, {}, "zeroconf must be a bool"),
+        ("", {}, {"port": 70000}, "port must be in"),
+        ("", {}, {"heartbeat_timeout_s": 1.0, "heartbeat_interval_s": 5.0}, "at least heartbeat_interval_s"),
+    ],
+)
+def test_errors(
+    tmp_path: Path, file_text: str, env: dict[str, str], flags: dict[str, object], match: str
+) -> None:
     f = tmp_path / "c.toml"
     f.write_text(file_text)
     with pytest.raises(ConfigError, match=match):

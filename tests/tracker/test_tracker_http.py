@@ -24,14 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url: str) -> None:
-    config = test_config(tmp_path, db_url=db_url, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.25,
-                         expiry_check_interval_s=0.05, port_file=str(tmp_path / "port"))
+    config = test_config(
+        tmp_path,
+        db_url=db_url,
+        heartbeat_timeout_s=1.0,
+        heartbeat_interval_s=0.25,
+        expiry_check_interval_s=0.05,
+        port_file=str(tmp_path / "port"),
+    )
     shutdown = trio.Event()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             ready: list[RunningTracker] = []
-            port = await nursery.start(functools.partial(serve_tracker, config, shutdown=shutdown,
-                                                         on_ready=ready.append))
+            port = await nursery.start(
+                functools.partial(serve_tracker, config, shutdown=shutdown, on_ready=ready.append)
+            )
             (running,) = ready
             assert port == running.port > 0 and running.url == f"http://127.0.0.1:{port}"
             assert (tmp_path / "port").read_text().strip() == str(running.port)
@@ -47,9 +54,12 @@ async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url
                 body = await c1.routes(MODEL.name, k=1)
                 (route,) = body["routes"]
                 assert [h["address"] for h in route["hops"]] == ["127.0.0.1:9001", "127.0.0.1:9002"]
-                verify_route_ticket(route["ticket"], tracker_public_key=running.registry.tracker_id,
-                                    now_s=time.time(),
-                                    node_id=public_key_hex(k2))
+                verify_route_ticket(
+                    route["ticket"],
+                    tracker_public_key=running.registry.tracker_id,
+                    now_s=time.time(),
+                    node_id=public_key_hex(k2),
+                )
                 # Node 2 keeps beating, node 1 falls silent and expires; the route disappears.
                 with trio.move_on_after(2.0):
                     while True:
@@ -72,16 +82,22 @@ async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url
                 assert (await c1.heartbeat(heartbeat_for(k1)))["restored"] is True
                 assert len((await c1.routes(MODEL.fingerprint))["routes"]) == 1
                 # A gateway reports usage with its own key.
-                report = UsageReport(gateway_id=public_key_hex(key(40)), request_id="r-1",
-                                     model_fingerprint=MODEL.fingerprint,
-                                     entries=(UsageEntry(public_key_hex(k1), 10, 8),))
+                report = UsageReport(
+                    gateway_id=public_key_hex(key(40)),
+                    request_id="r-1",
+                    model_fingerprint=MODEL.fingerprint,
+                    entries=(UsageEntry(public_key_hex(k1), 10, 8),),
+                )
                 async with TrackerClient(running.url, key(40)) as gw:
                     assert await gw.report_usage(report) == {"recorded": 1, "duplicates": 0}
                 # A body over the limit is refused by the real server too.
                 raw = httpx.AsyncClient(base_url=running.url)
                 async with raw:
-                    r = await raw.post("/v1/announce", content=b"[" + b"0," * 40_000 + b"0]",
-                                       headers={"content-type": "application/json"})
+                    r = await raw.post(
+                        "/v1/announce",
+                        content=b"[" + b"0," * 40_000 + b"0]",
+                        headers={"content-type": "application/json"},
+                    )
                     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
             shutdown.set()
 
@@ -91,9 +107,27 @@ def test_cli_serve_port_zero_writes_port_file_and_stops_on_sigterm(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_TRACKER_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tracker.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file), "--no-zeroconf"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "tracker.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port-file",
+            str(port_file),
+            "--no-zeroconf",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(300):
             if port_file.exists() or proc.poll() is not None:
@@ -124,8 +158,26 @@ def test_cli_serve_on_a_taken_port_fails_with_one_clear_line(tmp_path: Path) -> 
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "tracker.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--data-dir", str(tmp_path / "data"), "--no-zeroconf", "--log-level", "warning"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "tracker.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--no-zeroconf",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 1
     assert f"Error: cannot serve on 127.0.0.1:{port}:" in out.stderr and "Traceback" not in out.stderr

@@ -56,10 +56,14 @@ def test_extends_chain_from_layer_zero() -> None:
 
 
 def test_reinforces_weakest_covered_span() -> None:
-    snap = snapshot(20, [
-        shard("a", 0, 10, ms=5.0), shard("a2", 0, 10, ms=5.0),
-        shard("b", 10, 20, ms=40.0),
-    ])
+    snap = snapshot(
+        20,
+        [
+            shard("a", 0, 10, ms=5.0),
+            shard("a2", 0, 10, ms=5.0),
+            shard("b", 10, 20, ms=40.0),
+        ],
+    )
     assert recommend_span(snap, FP, 10, rng=random.Random(0)) == (10, 20)
 
 

@@ -19,7 +19,9 @@ from tracker.routing import select_routes, shard_cost_ms
 from tracker.snapshot import ShardView, SwarmSnapshot
 
 
-def all_routes(snap: SwarmSnapshot, fp: str, exclude: frozenset[str] = frozenset()) -> list[tuple[ShardView, ...]]:
+def all_routes(
+    snap: SwarmSnapshot, fp: str, exclude: frozenset[str] = frozenset()
+) -> list[tuple[ShardView, ...]]:
     n = snap.model(fp).n_layers  # type: ignore[union-attr]
     eligible = [s for s in snap.shards if s.model_fingerprint == fp and s.node_id not in exclude]
     out: list[tuple[ShardView, ...]] = []
@@ -72,9 +74,13 @@ def assert_tiles(snap: SwarmSnapshot, hops: tuple[ShardView, ...], fp: str) -> N
 
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(swarms(), st.integers(1, 4), st.integers(0, 2**32), st.data())
-def test_routes_tile_honour_exclusions_and_report_gaps(snap: SwarmSnapshot, k: int, seed: int, data: st.DataObject) -> None:
+def test_routes_tile_honour_exclusions_and_report_gaps(
+    snap: SwarmSnapshot, k: int, seed: int, data: st.DataObject
+) -> None:
     node_ids = sorted({s.node_id for s in snap.shards})
-    exclude = frozenset(data.draw(st.lists(st.sampled_from(node_ids), max_size=3))) if node_ids else frozenset()
+    exclude = (
+        frozenset(data.draw(st.lists(st.sampled_from(node_ids), max_size=3))) if node_ids else frozenset()
+    )
     sel = select_routes(snap, FP, k, exclude_nodes=exclude, rng=random.Random(seed))
     brute = all_routes(snap, FP, exclude)
     assert bool(sel.routes) == bool(brute)
@@ -91,8 +97,12 @@ def test_routes_tile_honour_exclusions_and_report_gaps(snap: SwarmSnapshot, k: i
             assert r.expected_ms_per_token == pytest.approx(route_cost(snap, r.hops))
     else:
         n = snap.model(FP).n_layers  # type: ignore[union-attr]
-        covered = {layer for s in snap.shards if s.model_fingerprint == FP and s.node_id not in exclude
-                   for layer in range(s.start, s.end)}
+        covered = {
+            layer
+            for s in snap.shards
+            if s.model_fingerprint == FP and s.node_id not in exclude
+            for layer in range(s.start, s.end)
+        }
         named = {layer for a, b in sel.uncovered for layer in range(a, b)}
         for a, b in sel.uncovered:
             assert 0 <= a < b <= n
@@ -101,7 +111,7 @@ def test_routes_tile_honour_exclusions_and_report_gaps(snap: SwarmSnapshot, k: i
         else:
             # Every layer is held but the boundaries never chain: a shard spanning the named gap
             # would complete a route.
-            (a, b), = sel.uncovered
+            ((a, b),) = sel.uncovered
             extra = shard("zz-new", a, b)
             assert all_routes(snapshot(n, [*snap.shards, extra]), FP, exclude)
 
@@ -129,29 +139,46 @@ def test_deterministic_for_a_seed(snap: SwarmSnapshot, k: int, seed: int) -> Non
 
 
 def test_prefers_faster_and_less_loaded_chain() -> None:
-    snap = snapshot(10, [
-        shard("slow", 0, 10, ms=50.0),
-        shard("a", 0, 5, ms=5.0), shard("b", 5, 10, ms=5.0),
-    ])
+    snap = snapshot(
+        10,
+        [
+            shard("slow", 0, 10, ms=50.0),
+            shard("a", 0, 5, ms=5.0),
+            shard("b", 5, 10, ms=5.0),
+        ],
+    )
     sel = select_routes(snap, FP, rng=random.Random(1))
     assert sel.routes[0].node_ids == ("a", "b")
-    busy = snapshot(10, [
-        shard("slow", 0, 10, ms=20.0),
-        shard("a", 0, 5, ms=5.0, active_sessions=4, max_sessions=4),
-        shard("b", 5, 10, ms=5.0),
-    ])
+    busy = snapshot(
+        10,
+        [
+            shard("slow", 0, 10, ms=20.0),
+            shard("a", 0, 5, ms=5.0, active_sessions=4, max_sessions=4),
+            shard("b", 5, 10, ms=5.0),
+        ],
+    )
     assert select_routes(busy, FP, rng=random.Random(1)).routes[0].node_ids == ("slow",)
 
 
 def test_relay_penalty_and_explicit_latency() -> None:
-    snap = snapshot(10, [
-        shard("direct", 0, 10, ms=12.0),
-        shard("relayed", 0, 10, ms=10.0, relayed=True),
-    ], relay_penalty_ms=10.0)
+    snap = snapshot(
+        10,
+        [
+            shard("direct", 0, 10, ms=12.0),
+            shard("relayed", 0, 10, ms=10.0, relayed=True),
+        ],
+        relay_penalty_ms=10.0,
+    )
     assert select_routes(snap, FP, rng=random.Random(0)).routes[0].node_ids == ("direct",)
-    near = snapshot(10, [
-        shard("a", 0, 5), shard("far", 5, 10, ms=9.0), shard("near", 5, 10, ms=10.0),
-    ], latency_ms={("a", "far"): 50.0, ("a", "near"): 0.5})
+    near = snapshot(
+        10,
+        [
+            shard("a", 0, 5),
+            shard("far", 5, 10, ms=9.0),
+            shard("near", 5, 10, ms=10.0),
+        ],
+        latency_ms={("a", "far"): 50.0, ("a", "near"): 0.5},
+    )
     assert select_routes(near, FP, rng=random.Random(0)).routes[0].node_ids == ("a", "near")
 
 
@@ -165,10 +192,16 @@ def test_k_routes_spread_over_identical_nodes() -> None:
 def test_disjoint_set_found_where_greedy_would_block_it() -> None:
     # The cheapest single route (via "mid" spanning 2..8) blocks both disjoint alternatives
     # only if taken; the two disjoint routes exist without it.
-    snap = snapshot(10, [
-        shard("a0", 0, 2, ms=1.0), shard("mid", 2, 8, ms=1.0), shard("b0", 8, 10, ms=1.0),
-        shard("a1", 0, 8, ms=30.0), shard("b1", 2, 10, ms=30.0),
-    ])
+    snap = snapshot(
+        10,
+        [
+            shard("a0", 0, 2, ms=1.0),
+            shard("mid", 2, 8, ms=1.0),
+            shard("b0", 8, 10, ms=1.0),
+            shard("a1", 0, 8, ms=30.0),
+            shard("b1", 2, 10, ms=30.0),
+        ],
+    )
     sel = select_routes(snap, FP, 2, rng=random.Random(3))
     assert {r.node_ids for r in sel.routes} == {("a0", "b1"), ("a1", "b0")}
 

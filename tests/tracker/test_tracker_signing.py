@@ -54,8 +54,9 @@ def test_refusals() -> None:
     tampered = dict(good, payload=base64.b64encode(base64.b64decode(good["payload"]) + b" ").decode())
     assert reason(open_, tampered, nonces) == "bad_signature"
     # Signed by `other` but claiming to be `k`.
-    impostor = sign_envelope(other, {**make_payload("heartbeat", "node_id", other, NOW, {}),
-                                     "node_id": public_key_hex(k)})
+    impostor = sign_envelope(
+        other, {**make_payload("heartbeat", "node_id", other, NOW, {}), "node_id": public_key_hex(k)}
+    )
     assert reason(open_, impostor, nonces) == "key_mismatch"
     assert reason(open_, good, nonces, now=NOW + 31) == "stale_timestamp"
     assert reason(open_, good, nonces, now=NOW - 31) == "stale_timestamp"
@@ -63,8 +64,14 @@ def test_refusals() -> None:
     assert len(nonces) == 0  # nothing refused consumed a nonce
     open_(good, nonces)
     assert reason(open_, good, nonces) == "replayed_nonce"
-    for bad in (None, [], {"payload": "x"}, dict(good, public_key="zz"), dict(good, payload="***"),
-                dict(good, extra=1)):
+    for bad in (
+        None,
+        [],
+        {"payload": "x"},
+        dict(good, public_key="zz"),
+        dict(good, payload="***"),
+        dict(good, extra=1),
+    ):
         assert reason(open_, bad, nonces) == "malformed_envelope"
 
 
@@ -85,15 +92,27 @@ def test_route_ticket_verify() -> None:
     hops = (TicketHop(public_key_hex(node), 0, 30, "127.0.0.1:1"),)
     ticket = RouteTicket(public_key_hex(tracker), "s1", "ab" * 32, hops, NOW, NOW + 60)
     env = sign_route_ticket(tracker, ticket)
-    got = verify_route_ticket(env, tracker_public_key=public_key_hex(tracker), now_s=NOW + 1,
-                              node_id=public_key_hex(node), model_fingerprint="ab" * 32)
+    got = verify_route_ticket(
+        env,
+        tracker_public_key=public_key_hex(tracker),
+        now_s=NOW + 1,
+        node_id=public_key_hex(node),
+        model_fingerprint="ab" * 32,
+    )
     assert got == ticket
     tpk = public_key_hex(tracker)
-    assert reason(verify_route_ticket, env, tracker_public_key=public_key_hex(node), now_s=NOW) == "untrusted_key"
+    assert (
+        reason(verify_route_ticket, env, tracker_public_key=public_key_hex(node), now_s=NOW)
+        == "untrusted_key"
+    )
     assert reason(verify_route_ticket, env, tracker_public_key=tpk, now_s=NOW + 100) == "expired"
-    assert reason(verify_route_ticket, env, tracker_public_key=tpk, now_s=NOW,
-                  node_id=public_key_hex(key(4))) == "untrusted_key"
-    assert reason(verify_route_ticket, env, tracker_public_key=tpk, now_s=NOW,
-                  model_fingerprint="cd" * 32) == "wrong_kind"
+    assert (
+        reason(verify_route_ticket, env, tracker_public_key=tpk, now_s=NOW, node_id=public_key_hex(key(4)))
+        == "untrusted_key"
+    )
+    assert (
+        reason(verify_route_ticket, env, tracker_public_key=tpk, now_s=NOW, model_fingerprint="cd" * 32)
+        == "wrong_kind"
+    )
     forged = dict(env, signature=sign_route_ticket(node, ticket)["signature"])
     assert reason(verify_route_ticket, forged, tracker_public_key=tpk, now_s=NOW) == "bad_signature"

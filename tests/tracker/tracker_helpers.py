@@ -11,7 +11,9 @@ from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
 from proto.signing import make_payload, public_key_hex, sign_envelope
 from tracker.config import TrackerConfig
 
-MODEL = ModelSpec(fingerprint="ab" * 32, name="smollm2-135m-q4_1", architecture="llama", n_layers=30, n_embd=576)
+MODEL = ModelSpec(
+    fingerprint="ab" * 32, name="smollm2-135m-q4_1", architecture="llama", n_layers=30, n_embd=576
+)
 HARDWARE = Hardware(cpu_cores=4, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=50 << 30)
 
 
@@ -30,16 +32,40 @@ def key(seed: int) -> nacl.signing.SigningKey:
     return nacl.signing.SigningKey(bytes([seed]) * 32)
 
 
-def announce_for(k: nacl.signing.SigningKey, start: int = 0, end: int = 30, *, port: int = 9000,
-                 ms: float = 10.0, model: ModelSpec = MODEL, max_sessions: int = 4) -> Announce:
-    return Announce(node_id=public_key_hex(k), addresses=(f"127.0.0.1:{port}",), relay=False, relay_via=None,
-                    hardware=HARDWARE, software_version="0.1.0", model=model, shard_start=start, shard_end=end,
-                    decode_ms_per_token=ms, prefill_tokens_per_s=200.0, max_sessions=max_sessions)
+def announce_for(
+    k: nacl.signing.SigningKey,
+    start: int = 0,
+    end: int = 30,
+    *,
+    port: int = 9000,
+    ms: float = 10.0,
+    model: ModelSpec = MODEL,
+    max_sessions: int = 4,
+) -> Announce:
+    return Announce(
+        node_id=public_key_hex(k),
+        addresses=(f"127.0.0.1:{port}",),
+        relay=False,
+        relay_via=None,
+        hardware=HARDWARE,
+        software_version="0.1.0",
+        model=model,
+        shard_start=start,
+        shard_end=end,
+        decode_ms_per_token=ms,
+        prefill_tokens_per_s=200.0,
+        max_sessions=max_sessions,
+    )
 
 
 def heartbeat_for(k: nacl.signing.SigningKey, active: int = 0, tokens: int = 0) -> Heartbeat:
-    return Heartbeat(node_id=public_key_hex(k), active_sessions=active, queue_depth=0, kv_free_tokens=4096,
-                     tokens_served=tokens)
+    return Heartbeat(
+        node_id=public_key_hex(k),
+        active_sessions=active,
+        queue_depth=0,
+        kv_free_tokens=4096,
+        tokens_served=tokens,
+    )
 
 
 def signed(k: nacl.signing.SigningKey, kind: str, body: dict, now_s: float, signer: str = "node_id") -> dict:
@@ -47,10 +73,17 @@ def signed(k: nacl.signing.SigningKey, kind: str, body: dict, now_s: float, sign
 
 
 def test_config(tmp_path: Path, **overrides: object) -> TrackerConfig:
-    base = TrackerConfig(host="127.0.0.1", port=0, data_dir=str(tmp_path / "data"),
-                         db_url=f"sqlite:///{tmp_path / 'tracker.sqlite3'}", zeroconf=False,
-                         heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0, expiry_check_interval_s=0.1,
-                         snapshot_ttl_s=0.0)
+    base = TrackerConfig(
+        host="127.0.0.1",
+        port=0,
+        data_dir=str(tmp_path / "data"),
+        db_url=f"sqlite:///{tmp_path / 'tracker.sqlite3'}",
+        zeroconf=False,
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=3.0,
+        expiry_check_interval_s=0.1,
+        snapshot_ttl_s=0.0,
+    )
     return replace(base, **overrides).validate()  # type: ignore[arg-type]
 
 
