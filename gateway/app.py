@@ -24,6 +24,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from common.logs import event
 from gateway import protocol
 from gateway.errors import (
     GatewayError,
@@ -37,7 +38,6 @@ from gateway.errors import (
 )
 from gateway.protocol import GenerationRequest
 from gateway.serving import Delta, Failed, Finished, GatewayService, Job
-from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
 DRAIN_FACTOR = 4

@@ -58,8 +58,8 @@ def _help(name: str) -> str:
 @click.option("--log-level", default=None, help=_help("log_level"))
 def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     """Run the gateway until SIGINT or SIGTERM."""
+    from common import logs
     from gateway.server import serve_gateway
-    from tracker import logs
 
     if no_usage:
         flags["report_usage"] = False

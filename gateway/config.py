@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proto.layered_config import load_layered
+from common.config import load_layered
 
 ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"

@@ -40,11 +40,11 @@ import trio
 from quart import websocket
 from quart_trio import QuartTrio
 
+from common.logs import event
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import Hop
 from proto.signing import NonceCache, SignatureError, open_envelope
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
-from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway.relay")
 RELAY_PATH = "/v1/relay"

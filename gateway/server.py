@@ -22,14 +22,14 @@ import hypercorn.trio
 import nacl.signing
 import trio
 
+from common.keyfile import KeyFileError, load_or_create_key_file
+from common.logs import event
 from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
-from proto.keyfile import KeyFileError, load_or_create_key_file
 from proto.signing import public_key_hex
 from tracker.client import TrackerClient
-from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
 KEY_FILE = "gateway.key"

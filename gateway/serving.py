@@ -28,6 +28,7 @@ import httpx
 import nacl.signing
 import trio
 
+from common.logs import event
 from gateway import protocol
 from gateway.admission import AdmissionPolicy
 from gateway.config import GatewayConfig
@@ -58,7 +59,6 @@ from proto.announce import UsageEntry, UsageReport
 from proto.signing import public_key_hex
 from proto.swarm.v1 import status_pb2
 from tracker.client import TrackerClient, TrackerClientError
-from tracker.logs import event
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16

@@ -15,7 +15,7 @@ from typing import Any
 import h11
 import trio
 
-from node.logs import event
+from common.logs import event
 
 log = logging.getLogger("swarm.node.admin")
 MAX_HEAD_BYTES = 8192

@@ -149,7 +149,7 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
 
     import trio
 
-    from node import logs
+    from common import logs
     from node.daemon import run_node
 
     if no_benchmark:

@@ -34,11 +34,11 @@ from typing import Any
 import httpx
 import trio
 
+from common.logs import event
 from node.admin import AdminServer, prometheus
 from node.config import ConfigError, NodeConfig
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
-from node.logs import event
 from node.session_machine import FrameServer, ServingSpec
 from node.tickets import TicketVerifier
 from proto import codec

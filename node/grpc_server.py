@@ -37,8 +37,8 @@ import grpc
 import grpc.aio
 import trio
 
+from common.logs import event
 from node.hub import OUTBOUND_FRAMES, Connection, Hub, TooManyConnections
-from node.logs import event
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import nacl.signing
 
+from common import keyfile
+from common.keyfile import load_key_file, load_or_create_key_file
 from node.errors import NodeError
-from proto import keyfile
-from proto.keyfile import load_key_file, load_or_create_key_file
 from proto.signing import public_key_hex
 
 KEY_FILE = "node.key"

@@ -35,8 +35,8 @@ import nacl.signing
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
+from common.logs import event
 from node.hub import Hub, TooManyConnections
-from node.logs import event
 from proto.signing import make_payload, sign_envelope
 from proto.swarm.v1 import shard_service_pb2
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from node.logs import event
+from common.logs import event
 from proto import codec
 from proto.errors import (
     BadFrameError,

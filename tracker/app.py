@@ -23,9 +23,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from common.logs import event
 from proto.signing import SignatureError
 from tracker.errors import BadRequest, PayloadTooLarge, TrackerError
-from tracker.logs import event
 from tracker.reachability import MAX_CONCURRENT_PROBES, probe
 from tracker.service import Registry
 

@@ -49,7 +49,7 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.pass_context
 def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
     """Run the tracker until SIGINT or SIGTERM."""
-    from tracker import logs
+    from common import logs
     from tracker.server import serve_tracker
 
     if no_zeroconf:

@@ -17,7 +17,7 @@ import time
 
 import trio
 
-from tracker.logs import event
+from common.logs import event
 
 SERVICE_TYPE = "_swarm-tracker._tcp.local."
 log = logging.getLogger("swarm.tracker")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import nacl.signing
 
-from proto import keyfile
-from proto.keyfile import load_key_file, load_or_create_key_file
+from common import keyfile
+from common.keyfile import load_key_file, load_or_create_key_file
 
 KEY_FILE = "tracker.key"
 

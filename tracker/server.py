@@ -22,11 +22,11 @@ import hypercorn.trio
 import nacl.signing
 import trio
 
+from common.logs import event
 from tracker.app import create_app
 from tracker.config import TrackerConfig
 from tracker.discovery import advertise
 from tracker.keys import load_or_create_key
-from tracker.logs import event
 from tracker.service import Registry
 from tracker.store import Store, make_engine
 

@@ -22,11 +22,11 @@ import nacl.signing
 import trio
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from common.logs import event
 from proto.announce import Announce, Heartbeat, PayloadError, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker.config import TrackerConfig
 from tracker.errors import BadRequest, StorageUnavailable, UnknownModel
-from tracker.logs import event
 from tracker.metrics import Labels, Metrics
 from tracker.placement import layer_coverage, recommend_span
 from tracker.routing import select_routes

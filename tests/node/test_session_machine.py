@@ -529,7 +529,7 @@ def test_errors_on_one_session_leave_others_alone() -> None:
 
 def test_pure_modules_import_no_io_runtime() -> None:
     code = (
-        "import sys; import node.session_machine, node.batching, node.tickets, node.config, node.logs; "
+        "import sys; import node.session_machine, node.batching, node.tickets, node.config, common.logs; "
         "bad = [m for m in ('trio', 'grpc', 'llama_cpp') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

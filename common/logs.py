@@ -1,4 +1,4 @@
-"""Structured node logs: one JSON object per line on stderr, one line per event that matters.
+"""Structured logs for every service: one JSON object per line on stderr, one line per event that matters.
 
 ``event(log, "session_opened", session_id=..., budget=...)`` writes
 ``{"ts": 1795945132.913, "level": "info", "logger": "swarm.node.session",
@@ -16,8 +16,12 @@ from typing import Any
 
 _FIELDS = "swarm_fields"
 
+# Libraries that narrate: keep their warnings and errors only (each service logs one event instead).
+_CHATTY = ("llama.cpp", "httpx", "httpcore", "gguf", "hypercorn.access", "alembic")
+
 
 def event(logger: logging.Logger, name: str, *, level: int = logging.INFO, **fields: Any) -> None:
+    """Log one structured event (``fields`` become keys of the JSON line)."""
     if logger.isEnabledFor(level):
         logger.log(level, name, extra={_FIELDS: fields})
 
@@ -37,14 +41,11 @@ class JsonLines(logging.Formatter):
 
 
 def configure(level: str = "info") -> None:
-    """Install the JSON-lines handler on the root logger (the CLI calls it once)."""
+    """Install the JSON-lines handler on the root logger (each service's CLI calls it once)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # llama.cpp narrates model loading line by line; keep its warnings and errors only.
-    logging.getLogger("llama.cpp").setLevel(max(logging.WARNING, root.level))
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("gguf").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
