@@ -37,6 +37,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from node import architectures
 from node.errors import (
     DecodeError,
     EngineError,
@@ -49,6 +50,7 @@ from node.errors import (
 from node.llama_runtime import (
     BatchBuffer,
     ContextSettings,
+    RowDequantizer,
     TensorCapture,
     free_model,
     load_model,
@@ -56,7 +58,7 @@ from node.llama_runtime import (
     ubatch_plan,
 )
 from node.sampling import SampledToken, SamplingParams, sample
-from node.shard import ShardFiles, TokenEmbeddings
+from node.shard import ShardFiles
 from proto.recipe import Recipe
 
 log = logging.getLogger("swarm.engine")
@@ -75,8 +77,10 @@ class EngineConfig:
 
     def context_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
-            limit = llama_cpp.llama_max_parallel_sequences()
-            raise EngineError(f"max_sessions must be in [1, {limit}], got {self.max_sessions}")
+            raise EngineError(
+                f"max_sessions must be in [1, {llama_cpp.llama_max_parallel_sequences()}], "
+                f"got {self.max_sessions}"
+            )
         if self.session_kv_tokens < 16:
             raise EngineError(f"session_kv_tokens must be >= 16, got {self.session_kv_tokens}")
         return ContextSettings(
@@ -99,6 +103,40 @@ def runtime_recipe(model_fingerprint: str, config: EngineConfig) -> Recipe:
         kv_type=config.kv_type,
         flash_attention=config.flash_attn,
     )
+
+
+class TokenEmbeddings:
+    """Row lookup in the source ``token_embd.weight`` (mmapped, converted per row by ggml itself).
+
+    The rows are the raw bytes of the source file, converted with the very
+    function llama.cpp's ``get_rows`` uses (:class:`node.llama_runtime.RowDequantizer`),
+    so they are the floats the whole model starts from, for every quantization
+    type. ``scale`` is applied as llama.cpp's ``ggml_scale`` does (one float32
+    multiply) for graphs that scale token input only (Gemma 3).
+    """
+
+    def __init__(self, path: Path, n_embd: int, *, scale: float | None = None) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if tensor is None:
+            raise EngineError(f"{path}: no token_embd.weight")
+        self._rows = tensor.data  # raw rows: (n_vocab, bytes_per_row) or (n_vocab, n_embd)
+        self.n_vocab = int(tensor.shape[1])
+        self.n_embd = n_embd
+        if int(tensor.shape[0]) != n_embd:
+            raise EngineError(f"{path}: token_embd width {tensor.shape[0]} != model width {n_embd}")
+        self._convert = RowDequantizer(int(tensor.tensor_type), n_embd)
+        self._scale = np.float32(scale) if scale is not None else None
+
+    def lookup(self, token_ids: np.ndarray) -> np.ndarray:
+        """Rows for ``token_ids``; the caller (the engine's step validation) has checked the range."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        out = self._convert(np.asarray(self._rows[ids]))
+        if self._scale is not None:
+            out *= self._scale
+        return out
 
 
 @dataclass
@@ -166,20 +204,30 @@ class ShardEngine:
         self.is_last = files.is_last
         self.n_embd = files.model.n_embd
         settings = config.context_settings()
+        self.arch = architectures.spec_for(files.model.architecture)
+        # sqrtf(n_embd) in float32, as the graph computes it for token input.
+        scale = float(np.sqrt(np.float32(self.n_embd))) if self.arch.scale_stage0 else None
         self._embeddings = (
-            TokenEmbeddings(files.embeddings_path, self.n_embd) if files.embeddings_path is not None else None
+            TokenEmbeddings(files.embeddings_path, self.n_embd, scale=scale)
+            if files.embeddings_path is not None
+            else None
         )
         if self.is_first and self._embeddings is None:
             raise EngineError("first-stage shard has no token embeddings file")
         self._model = load_model(files.path)
         self._capture: TensorCapture | None = None
+        capture_name = ""
         if not self.is_last:
             n_layer = llama_cpp.llama_model_n_layer(self._model)
+            capture_name = f"{self.arch.capture_prefix}-{n_layer - 1}"
+        inject_name = self.arch.inject_input if (self.arch.inject_input and not self.is_first) else ""
+        if capture_name or inject_name:
             self._capture = TensorCapture(
-                f"l_out-{n_layer - 1}",
+                capture_name,
                 self.n_embd,
                 settings.n_batch,
                 cache_dir if config.capture == "auto" else None,
+                inject_name=inject_name or "",
             )
         try:
             self._ctx = new_context(
@@ -429,8 +477,13 @@ class ShardEngine:
                 b.logits[rows] = 1  # every row must be an output or llama.cpp drops it in the last layer
             n += take
         b.batch.n_tokens = n
+        plan: list[np.ndarray] | None = None
         if self._capture is not None:
             self._capture.reset()
+            plan = ubatch_plan(b.seq[:n], self.n_batch, self.config.kv_unified)
+            if self._capture.injects:
+                # The graph transforms its input before the first layer: hand it the exact rows instead.
+                self._capture.set_inject_rows(b.embd[np.concatenate(plan)])
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx, b.batch)
         self._compute_s += time.perf_counter() - t0
@@ -440,11 +493,18 @@ class ShardEngine:
         self._tokens += n
         for i, _off, take in segments:
             self._sessions[works[i].session_id].kv_len += take
-        if self._capture is not None:
+        if self._capture is not None and plan is not None:
             err = self._capture.error()
             if err:
                 raise DecodeError(f"hidden-state capture failed: {err}")
-            plan = ubatch_plan(b.seq[:n], self.n_batch, self.config.kv_unified)
+            planned = [len(p) for p in plan]
+            if self._capture.injects and self._capture.injected_rows() != planned:
+                raise DecodeError(
+                    f"llama.cpp took input rows as {self._capture.injected_rows()}, "
+                    f"not as planned {planned}; "
+                    "the pinned llama.cpp changed its batch splitting or graph"
+                )
+        if self._capture is not None and plan is not None and self._capture.struct.name:
             seen_rows = self._capture.ubatch_rows()
             if seen_rows != [len(p) for p in plan]:
                 raise DecodeError(
@@ -455,7 +515,7 @@ class ShardEngine:
             in_batch_order = np.empty((n, self.n_embd), dtype=np.float32)
             in_batch_order[np.concatenate(plan)] = rows
             pos = 0
-            for i, _off, take in segments:
+            for i, off, take in segments:
                 hidden_out[i][off : off + take] = in_batch_order[pos : pos + take]
                 pos += take
         for i, row in outputs:

