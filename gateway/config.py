@@ -53,7 +53,6 @@ class GatewayConfig:
     stage_reply_timeout_s: float = _f(120.0, "longest wait for one node reply before the request fails")
     tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
     close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
-    grpc_threads: int = _f(64, "worker threads bridging blocking gRPC calls (bounds concurrent waits)")
     report_usage: bool = _f(True, "report per-node token counts of each request to the tracker")
     usage_queue_max: int = _f(1024, "usage reports waiting to be sent; more are dropped (counted in metrics)")
     discovery_timeout_s: float = _f(
@@ -73,7 +72,6 @@ class GatewayConfig:
             "prefill_step_tokens",
             "max_request_bytes",
             "max_frame_bytes",
-            "grpc_threads",
             "usage_queue_max",
         ):
             if getattr(self, name) < 1:

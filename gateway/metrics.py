@@ -27,12 +27,7 @@ HELP: dict[str, tuple[str, str]] = {
     "swarm_gateway_session_seconds": ("summary", "Route Session wall time"),
     "swarm_gateway_hidden_relays_total": (
         "counter",
-        "hidden-state frames relayed between stages, by path (reader: sent on by the stream's reader"
-        " thread; loop: by the event loop, e.g. for relayed nodes or when the queue was full)",
-    ),
-    "swarm_gateway_steps_sent_ahead_total": (
-        "counter",
-        "decode steps the last stage's reader thread sent to stage 0 as soon as a token was sampled",
+        "hidden-state frames this gateway relayed from one stage to the next",
     ),
     "swarm_gateway_sessions_active": ("gauge", "Route Sessions running now"),
     "swarm_gateway_requests_queued": ("gauge", "requests waiting for a session slot"),

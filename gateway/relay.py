@@ -40,6 +40,7 @@ import trio
 from quart import websocket
 from quart_trio import QuartTrio
 
+from common.grpc_adapter import Grpc
 from common.logs import event
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import Hop
@@ -255,8 +256,8 @@ class RelayHub:
 class RelayChannels(NodeChannels):
     """gRPC channels plus the relay: relayed hops get their node's WebSocket instead of a gRPC stream."""
 
-    def __init__(self, *, max_frame_bytes: int, threads: int, relay: RelayHub | None = None) -> None:
-        super().__init__(max_frame_bytes=max_frame_bytes, threads=threads)
+    def __init__(self, grpc_rt: Grpc, *, max_frame_bytes: int, relay: RelayHub | None = None) -> None:
+        super().__init__(grpc_rt, max_frame_bytes=max_frame_bytes)
         self.relay = relay
 
     def relay_info(self, hop: Hop) -> shard_service_pb2.NodeInfo:

@@ -42,7 +42,7 @@ from gateway.errors import (
     StageFailed,
     UpstreamFailed,
 )
-from gateway.grpc_bridge import Forwarded, ForwardRule, NodeChannels, StageStream, StreamError
+from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
 from gateway.recovery import (
     NoReplacement,
     NoSameSpan,
@@ -129,12 +129,7 @@ class RouteSession:
         self._retired: list[_Stage] = []  # replaced stages (usage still counts their work)
         self._failed_nodes: set[str] = set()
         self.recoveries = 0
-        self.relays = {"reader": 0, "loop": 0}  # hidden-state frames sent on, by who sent them
-        # The next decode step, already sent to stage 0 by the last stage's reader thread:
-        # (its reserved step id, its token). Only decode() of that token may consume it.
-        self._sent_ahead: tuple[int, int] | None = None
-        self._kv_budget = reopen.kv_budget_tokens if reopen is not None else 0
-        self.steps_sent_ahead = 0
+        self.relays = 0  # hidden-state frames this gateway relayed from one stage to the next
 
     @property
     def kv_len(self) -> int:
@@ -155,18 +150,11 @@ class RouteSession:
         self._step_id += 1
         return self._step_id
 
-    async def _receive(self, stage: _Stage) -> frame_pb2.Frame:
-        frame, _ = await self._receive_forwarded(stage)
-        return frame
-
-    async def _next_reply(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
-        """The next reply of ``stage``, parsed (within the reply timeout), and what its rule sent on."""
+    async def _next_reply(self, stage: _Stage) -> frame_pb2.Frame:
+        """The next reply of ``stage``, parsed, within the reply timeout."""
         try:
             with trio.fail_after(self._reply_timeout_s):
-                if isinstance(stage.stream, StageStream):
-                    data, forwarded = await stage.stream.receive_forwarded()
-                else:
-                    data, forwarded = await stage.stream.receive(), None
+                data = await stage.stream.receive()
         except trio.TooSlowError as err:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} did not reply within {self._reply_timeout_s:g} s",
@@ -174,18 +162,16 @@ class RouteSession:
             ) from err
         except StreamError as err:
             raise StageFailed(f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id) from err
-        if forwarded is not None:
-            return forwarded.frame, forwarded.relayed
         try:
-            return codec.parse_frame(data, self._limits), None
+            return codec.parse_frame(data, self._limits)
         except ProtocolError as err:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} sent an unreadable frame: {err}", node_id=stage.info.node_id
             ) from err
 
-    async def _receive_forwarded(self, stage: _Stage) -> tuple[frame_pb2.Frame, frame_pb2.Frame | None]:
-        """The next reply of ``stage``, checked, and the frame its forward rule already sent on (or None)."""
-        frame, relayed = await self._next_reply(stage)
+    async def _receive(self, stage: _Stage) -> frame_pb2.Frame:
+        """The next reply of ``stage``, checked: an error reply raises, another session's is refused."""
+        frame = await self._next_reply(stage)
         if codec.body_kind(frame) == "error":
             remote = error_from_body(frame.error)
             raise _remote_failure(stage, remote)
@@ -193,104 +179,17 @@ class RouteSession:
             raise StageFailed(
                 f"node {stage.info.node_id[:8]} answered for another session", node_id=stage.info.node_id
             )
-        return frame, relayed
-
-    def _forward_rule(
-        self, k: int, step_id: int, phase: frame_pb2.Phase, start: int, tokens: tuple[int, ...], sample: bool
-    ) -> ForwardRule | None:
-        """What stage ``k``'s reader thread may send on by itself during this step.
-
-        Exactly the checks of :meth:`_step_through`, on immutable copies; anything
-        unexpected (an error, another step, a full queue) is left to the trio
-        side, which then reports or relays it as before. A stage before the last
-        relays its hidden states to the next stage. The last stage, when the
-        step samples, sends the next decode step (the sampled token) to stage 0:
-        generation goes on with that token unless the gateway stops (stop text,
-        length, client gone), and a step sent ahead of a stop only costs stage 0
-        one position that the RELEASE or CANCEL frees with the rest.
-        """
-        stage = self._stages[k]
-        last = k == len(self._stages) - 1
-        target = self._stages[0].stream if last else self._stages[k + 1].stream
-        if not isinstance(stage.stream, StageStream) or not isinstance(target, StageStream):
-            return None  # a relayed (WebSocket) node: its frames are trio's only
-        if last and not sample:
-            return None
-        limits, session_id = self._limits, stage.header.session_id
-        n = len(tokens)
-
-        def matches(reply: frame_pb2.Frame) -> bool:
-            return (
-                codec.body_kind(reply) == "result"
-                and reply.session_id == session_id
-                and reply.step_id == step_id
-                and reply.phase == phase
-            )
-
-        def send_on(reply: frame_pb2.Frame, frame: frame_pb2.Frame) -> Forwarded:
-            try:
-                out = codec.serialize_frame(frame, limits)
-            except ProtocolError:
-                return Forwarded(reply, None)
-            if not target.try_send_nowait(out):  # full: the event loop sends it (and waits for room)
-                return Forwarded(reply, None)
-            return Forwarded(reply, frame)
-
-        if not last:
-            header = self._stages[k + 1].header
-            next_is_last = k + 1 == len(self._stages) - 1
-
-            def relay_rule(data: bytes) -> Forwarded | None:
-                try:
-                    reply = codec.parse_frame(data, limits)
-                except ProtocolError:
-                    return None
-                if not matches(reply):
-                    return Forwarded(reply, None)
-                return send_on(reply, _relay(reply, header, step_id, start, tokens, sample, next_is_last))
-
-            return relay_rule
-
-        first = self._stages[0]
-        if start + n + 2 > self._kv_budget:
-            # The budget is prompt + max new tokens, and the last token is never fed back: a step at
-            # start + n would only be wasted (or refused) when start + n + 1 already reaches it.
-            return None
-        first_header, one_stage = first.header, first is stage
-
-        def next_step_rule(data: bytes) -> Forwarded | None:
-            try:
-                reply = codec.parse_frame(data, limits)
-            except ProtocolError:
-                return None
-            if (
-                not matches(reply)
-                or reply.HasField("chunk")
-                or len(reply.result.sampled) != 1
-                or reply.result.sampled[0].end_of_generation
-                or reply.kv_len != start + n
-            ):
-                return Forwarded(reply, None)
-            token = int(reply.result.sampled[0].token_id)
-            (frame,) = codec.step_frames(
-                first_header,
-                frame_pb2.PHASE_DECODE,
-                step_id=step_id + 1,
-                start=start + n,
-                token_ids=[token],
-                sample=one_stage,
-                max_frame_bytes=limits.max_frame_bytes,
-            )
-            return send_on(reply, frame)
-
-        return next_step_rule
+        return frame
 
     async def _send(self, stage: _Stage, frame: frame_pb2.Frame) -> None:
         try:
             data = codec.serialize_frame(frame, self._limits)
         except ProtocolError as err:
             raise UpstreamFailed(f"cannot build a frame for node {stage.info.node_id[:8]}: {err}") from err
-        await stage.stream.send(data)
+        try:
+            await stage.stream.send(data)
+        except StreamError as err:
+            raise StageFailed(f"node {stage.info.node_id[:8]}: {err}", node_id=stage.info.node_id) from err
 
     async def _run_step(self, phase: frame_pb2.Phase, tokens: Sequence[int], sample: bool) -> Sampled | None:
         """One step through every stage; a failed stage is replaced and the step run again (recovery)."""
@@ -310,32 +209,8 @@ class RouteSession:
         self, phase: frame_pb2.Phase, tokens: Sequence[int], sample: bool
     ) -> Sampled | None:
         """One step through every stage; returns the sampled token when ``sample``."""
-        ahead, self._sent_ahead = self._sent_ahead, None
         start = self._stages[0].kv_len
-        frozen = tuple(int(t) for t in tokens)
-        already_sent = False
-        if ahead is not None:
-            if phase != frame_pb2.PHASE_DECODE or frozen != (ahead[1],):
-                # Only decode(token) follows a sampled token; anything else would find stage 0 one
-                # position ahead. Treat it as that stage failing: recovery re-attaches it at the
-                # committed length (a bug if it ever happens; the session stays exact).
-                first = self._stages[0]
-                raise StageFailed(
-                    f"a decode step of token {ahead[1]} was already sent to node {first.info.node_id[:8]}",
-                    node_id=first.info.node_id,
-                )
-            step_id, already_sent = ahead[0], True
-        else:
-            step_id = self._next_step()
-        try:
-            for k, stage in enumerate(self._stages):
-                if isinstance(stage.stream, StageStream):
-                    stage.stream.forward = self._forward_rule(k, step_id, phase, start, frozen, sample)
-            return await self._step_through(step_id, phase, start, tokens, sample, already_sent)
-        finally:
-            for stage in self._stages:
-                if isinstance(stage.stream, StageStream):
-                    stage.stream.forward = None
+        return await self._step_through(self._next_step(), phase, start, tokens, sample)
 
     async def _step_through(
         self,
@@ -344,21 +219,19 @@ class RouteSession:
         start: int,
         tokens: Sequence[int],
         sample: bool,
-        already_sent: bool = False,
     ) -> Sampled | None:
         n = len(tokens)
         first, last = self._stages[0], self._stages[-1]
-        if not already_sent:
-            for frame in codec.step_frames(
-                first.header,
-                phase,
-                step_id=step_id,
-                start=start,
-                token_ids=tokens,
-                sample=sample and first is last,
-                max_frame_bytes=self._limits.max_frame_bytes,
-            ):
-                await self._send(first, frame)
+        for frame in codec.step_frames(
+            first.header,
+            phase,
+            step_id=step_id,
+            start=start,
+            token_ids=tokens,
+            sample=sample and first is last,
+            max_frame_bytes=self._limits.max_frame_bytes,
+        ):
+            await self._send(first, frame)
         sampled: Sampled | None = None
         for k, stage in enumerate(self._stages):
             nxt = self._stages[k + 1] if k + 1 < len(self._stages) else None
@@ -368,7 +241,7 @@ class RouteSession:
                     node_id=stage.info.node_id,
                 )
             while True:
-                reply, relayed = await self._receive_forwarded(stage)
+                reply = await self._receive(stage)
                 if codec.body_kind(reply) != "result" or reply.step_id != step_id or reply.phase != phase:
                     raise StageFailed(
                         f"node {stage.info.node_id[:8]} answered step {reply.step_id} "
@@ -377,16 +250,11 @@ class RouteSession:
                     )
                 done = not reply.HasField("chunk") or reply.chunk.index == reply.chunk.count - 1
                 if nxt is not None:
-                    if relayed is None:  # the reader thread did not send it on: relay it here
-                        relayed = _relay(reply, nxt.header, step_id, start, tokens, sample, nxt is last)
-                        await self._send(nxt, relayed)
-                        self.relays["loop"] += 1
-                    else:
-                        self.relays["reader"] += 1
+                    relayed = _relay(reply, nxt.header, step_id, start, tokens, sample, nxt is last)
+                    await self._send(nxt, relayed)
+                    self.relays += 1
                     self._span_history.record(k + 1, relayed)
                 elif sample and done:
-                    if relayed is not None:  # the reader thread already sent the next decode step
-                        self._step_id = max(self._step_id, step_id + 1)  # its id is taken, whatever happens
                     if len(reply.result.sampled) != 1:
                         raise StageFailed(
                             f"last stage {stage.info.node_id[:8]} sent no sampled token",
@@ -409,9 +277,6 @@ class RouteSession:
                     stage.kv_len = int(reply.kv_len)
                     stage.tokens += n
                     stage.steps += 1
-                    if nxt is None and relayed is not None and sampled is not None:
-                        self._sent_ahead = (step_id + 1, sampled.token_id)
-                        self.steps_sent_ahead += 1
                     break
         return sampled
 
@@ -525,7 +390,7 @@ class RouteSession:
     async def _receive_step(self, stage: _Stage, step_id: int) -> frame_pb2.Frame:
         """The reply to ``step_id``, skipping late replies to the abandoned step (bounded)."""
         for _skip in range(64):
-            frame, _ = await self._next_reply(stage)
+            frame = await self._next_reply(stage)
             if frame.step_id != step_id:
                 continue
             if codec.body_kind(frame) == "error":

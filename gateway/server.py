@@ -22,6 +22,7 @@ import hypercorn.trio
 import nacl.signing
 import trio
 
+from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
 from gateway.app import create_app
@@ -81,48 +82,62 @@ async def serve_gateway(
     key = await trio.to_thread.run_sync(load_or_create_key, config.resolved_data_dir())
     tracker_url = await _tracker_url(config)
     relay = RelayHub(public_key_hex(key), max_frame_bytes=config.max_frame_bytes)
-    channels = RelayChannels(max_frame_bytes=config.max_frame_bytes, threads=config.grpc_threads, relay=relay)
     tracker = TrackerClient(tracker_url, key)
     try:
-        service = GatewayService(config, tracker, key, channels)
-        app = create_app(service)
-        install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
-        hc = hypercorn.config.Config()
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        hc.bind = [f"{host}:{config.port}"]
-        hc.accesslog = None
-        hc.errorlog = logging.getLogger("hypercorn.error")
-        hc.graceful_timeout = 5.0
-        # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
-        hc.websocket_ping_interval = 20.0
-        async with trio.open_nursery() as nursery:
-            await nursery.start(service.run)
-            trigger = shutdown.wait if shutdown is not None else None
-            async with trio.open_nursery() as http:
-                binds = await http.start(
-                    functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
-                )
-                port = int(binds[0].rsplit(":", 1)[1])
-                url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
-                if config.port_file:
-                    await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
-                event(
-                    log,
-                    "gateway_listening",
-                    port=port,
-                    url=url,
-                    tracker_url=tracker_url,
-                    gateway_id=service.gateway_id,
-                    port_file=config.port_file or None,
-                )
-                if on_ready is not None:
-                    on_ready(RunningGateway(port=port, url=url, service=service))
-                task_status.started(port)
-            # hypercorn returned: the shutdown trigger fired and open responses drained (or were cut
-            # after graceful_timeout, which cancelled their jobs: their stages got CANCEL).
-            nursery.cancel_scope.cancel()
+        async with open_grpc() as grpc_rt:
+            channels = RelayChannels(grpc_rt, max_frame_bytes=config.max_frame_bytes, relay=relay)
+            await _serve(config, tracker, key, channels, relay, tracker_url, shutdown, on_ready, task_status)
     finally:
         with trio.CancelScope(shield=True):
-            await channels.aclose()
             await tracker.aclose()
         event(log, "gateway_stopped")
+
+
+async def _serve(
+    config: GatewayConfig,
+    tracker: TrackerClient,
+    key: nacl.signing.SigningKey,
+    channels: RelayChannels,
+    relay: RelayHub,
+    tracker_url: str,
+    shutdown: trio.Event | None,
+    on_ready: Callable[[RunningGateway], None] | None,
+    task_status: trio.TaskStatus[int],
+) -> None:
+    service = GatewayService(config, tracker, key, channels)
+    app = create_app(service)
+    install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
+    hc = hypercorn.config.Config()
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    hc.bind = [f"{host}:{config.port}"]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = 5.0
+    # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
+    hc.websocket_ping_interval = 20.0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        trigger = shutdown.wait if shutdown is not None else None
+        async with trio.open_nursery() as http:
+            binds = await http.start(
+                functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
+            )
+            port = int(binds[0].rsplit(":", 1)[1])
+            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            if config.port_file:
+                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
+            event(
+                log,
+                "gateway_listening",
+                port=port,
+                url=url,
+                tracker_url=tracker_url,
+                gateway_id=service.gateway_id,
+                port_file=config.port_file or None,
+            )
+            if on_ready is not None:
+                on_ready(RunningGateway(port=port, url=url, service=service))
+            task_status.started(port)
+        # hypercorn returned: the shutdown trigger fired and open responses drained (or were cut
+        # after graceful_timeout, which cancelled their jobs: their stages got CANCEL).
+        nursery.cancel_scope.cancel()

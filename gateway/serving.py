@@ -361,9 +361,7 @@ class GatewayService:
                         yield session, prepared
                     finally:
                         self._report(job, session, route)
-                        for path, count in session.relays.items():
-                            self.metrics.inc("swarm_gateway_hidden_relays_total", count, path=path)
-                        self.metrics.inc("swarm_gateway_steps_sent_ahead_total", session.steps_sent_ahead)
+                        self.metrics.inc("swarm_gateway_hidden_relays_total", session.relays)
                 return
             except StageFailed as err:
                 if entered:

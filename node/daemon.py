@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import trio
 
+from common.grpc_adapter import open_grpc
 from common.logs import event
 from node.admin import AdminServer, prometheus
 from node.config import ConfigError, NodeConfig
@@ -123,7 +124,7 @@ class NodeDaemon:
     async def run(self, shutdown: trio.Event, *, task_status: trio.TaskStatus[NodeReady]) -> None:
         from node.backend import EngineBackend
         from node.engine import EngineConfig, ShardEngine
-        from node.grpc_server import GrpcSettings, ShardServiceAdapter
+        from node.grpc_server import GrpcSettings, ShardService
         from node.hardware import probe
         from node.scheduler import Scheduler
         from node.shard import extract_shard, parse_layers, read_model_meta, shard_dir
@@ -232,10 +233,10 @@ class NodeDaemon:
                 prefill_chunk_tokens=min(cfg.prefill_chunk_tokens, cfg.batch_tokens),
             )
             self.hub.attach(self.scheduler)
-            async with trio.open_nursery() as nursery:
+            async with open_grpc() as grpc_rt, trio.open_nursery() as nursery:
                 await nursery.start(self.scheduler.run)
                 await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
-                self.grpc = ShardServiceAdapter(
+                self.grpc = ShardService(
                     self.hub,
                     GrpcSettings(
                         cfg.host,
@@ -248,7 +249,7 @@ class NodeDaemon:
                     self.info,
                     self.health,
                 )
-                port = await nursery.start(self.grpc.serve)
+                port = await nursery.start(self.grpc.serve, grpc_rt)
                 self.address = advertise_address(cfg, port)
                 if cfg.port_file:
                     _write_port_file(cfg.port_file, port)
@@ -315,8 +316,7 @@ class NodeDaemon:
         with trio.move_on_after(self.config.shutdown_grace_s + 5) as scope:
             scope.shield = True
             await self.hub.drain()
-            await self.grpc.stop()
-        nursery.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()  # the gRPC server stops with its grace period as it unwinds
 
     # -- tracker ----------------------------------------------------------------------------------------
 

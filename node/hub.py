@@ -8,14 +8,6 @@ A transport (gRPC, the WebSocket relay) does three things:
     hub.input_ended(conn)                  # peer half-closed: finish pending replies, then end
     hub.close_connection(conn)             # transport gone
 
-A transport that lives on another thread (gRPC's asyncio loop) uses the
-synchronous half instead, so a frame costs one crossing each way and no trio
-task: ``hub.open_connection(sink)`` hands each reply to ``sink.put`` (which
-says when the peer is too far behind) and ``sink.end()`` ends the stream, and
-``hub.feed_nowait(conn, data)`` handles a frame at once, returning the actions
-that must wait for an engine effect (an OPEN's KV reservation) for the caller
-to ``await hub.execute(...)``.
-
 The hub runs the :class:`~node.session_machine.FrameServer` actions: engine
 effects go to the :class:`~node.scheduler.Scheduler` in emission order, and a
 ``Send`` that follows an engine effect waits for it (an OPEN is acknowledged
@@ -30,7 +22,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import trio
 
@@ -48,40 +39,30 @@ class TooManyConnections(RuntimeError):
     """The hub already holds ``max_connections`` connections."""
 
 
-class ReplySink(Protocol):
-    """Where a connection's replies go when its transport is not a trio task (called on the trio thread)."""
-
-    def put(self, data: bytes) -> bool:
-        """Queue one reply; False when the peer already has ``OUTBOUND_FRAMES`` unwritten replies."""
-        ...
-
-    def end(self) -> None:
-        """No more replies: the transport ends the stream once the queued ones are written."""
-        ...
-
-
 class _ChannelSink:
-    """The default sink: a bounded trio memory channel the transport reads as ``conn.outbound``."""
+    """A connection's replies: a bounded trio memory channel the transport reads as ``conn.outbound``."""
 
     def __init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
 
     def put(self, data: bytes) -> bool:
+        """Queue one reply; False when the peer already has ``OUTBOUND_FRAMES`` unread replies."""
         try:
             self.send.send_nowait(data)
-        except trio.WouldBlock:
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
 
     def end(self) -> None:
+        """No more replies: the transport ends the stream once the queued ones are written."""
         self.send.close()
 
 
 @dataclass(eq=False)
 class Connection:
     conn_id: int
-    outbound: trio.MemoryReceiveChannel[bytes] | None  # None when replies go to a custom sink
-    sink: ReplySink
+    outbound: trio.MemoryReceiveChannel[bytes]
+    sink: _ChannelSink
     input_closed: bool = False
     closed: bool = False
     frames_out: int = 0
@@ -105,37 +86,26 @@ class Hub:
 
     # -- transport API ---------------------------------------------------------------------------
 
-    def open_connection(self, sink: ReplySink | None = None) -> Connection:
+    def open_connection(self) -> Connection:
         if len(self._conns) >= self.max_connections:
             raise TooManyConnections(f"this node holds its maximum of {self.max_connections} connections")
         conn_id = self.server.connect()
-        if sink is None:
-            channel = _ChannelSink()
-            conn = Connection(conn_id, channel.receive, channel)
-        else:
-            conn = Connection(conn_id, None, sink)
+        sink = _ChannelSink()
+        conn = Connection(conn_id, sink.receive, sink)
         self._conns[conn_id] = conn
         return conn
 
     async def feed(self, conn: Connection, data: bytes) -> None:
-        waiting = self.feed_nowait(conn, data)
-        if waiting:
-            await self.execute(waiting)
-
-    def feed_nowait(self, conn: Connection, data: bytes) -> list[Action]:
-        """Handle one frame now; returns the actions the caller must still ``await self.execute(...)``.
-
-        Steps (compute effects and replies) complete here; a frame whose reply must
-        wait for a control effect (OPEN reserving KV, a re-attach truncating it) is
-        returned whole, so replies keep their order.
-        """
+        """Handle one frame: steps and refusals complete at once; a frame whose reply must wait
+        for a control effect (OPEN reserving KV, a re-attach truncating it) waits here, so
+        replies keep their order."""
         if conn.closed:
-            return []
+            return
         actions = self.server.handle(conn.conn_id, data, self.clock())
         if any(not isinstance(a, Send | Compute | Drop) for a in actions):
-            return actions
-        self.execute_nowait(actions)
-        return []
+            await self.execute(actions)
+        else:
+            self.execute_nowait(actions)
 
     def input_ended(self, conn: Connection) -> None:
         conn.input_closed = True

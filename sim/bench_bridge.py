@@ -18,6 +18,9 @@ answers it, for each way of joining the two runtimes:
 ``trio-asyncio``
     the asyncio loop is trio-asyncio's, running inside ``trio.run``; the
     handler and trio share one scheduler.
+``adapter``
+    the same, through the project's adapter (``common.grpc_adapter``): a trio
+    handler reading and writing a ``MessageStream`` with bounded buffers.
 
 The client is the same for all of them (plain grpc.aio in this process). Every
 server is a child process; rounds are interleaved so machine drift lands on
@@ -43,7 +46,7 @@ import grpc
 import grpc.aio
 
 METHOD = "/bench.Echo/Session"
-CANDIDATES = ("asyncio", "thread-bridge", "guest", "trio-asyncio")
+CANDIDATES = ("asyncio", "thread-bridge", "guest", "trio-asyncio", "adapter")
 PAYLOAD_BYTES = 576 * 4 + 200  # one hidden-state row of the test model plus a frame header
 
 
@@ -173,7 +176,30 @@ def serve_trio_asyncio(port_file: str) -> None:
     trio.run(main)
 
 
+def serve_adapter(port_file: str) -> None:
+    import trio
+
+    from common.grpc_adapter import CallInfo, MessageStream, Service, StreamClosed, open_grpc
+
+    async def echo(stream: MessageStream, info: CallInfo) -> None:
+        while True:
+            try:
+                data = await stream.receive()
+            except StreamClosed:
+                return
+            await stream.send(data)
+
+    async def main() -> None:
+        async with open_grpc() as rt, trio.open_nursery() as nursery:
+            service = Service("bench.Echo", {"Session": echo}, {}, {})
+            port = await nursery.start(rt.serve, "127.0.0.1", 0, [service])
+            _write_port(port_file, port)
+
+    trio.run(main)
+
+
 SERVERS = {
+    "adapter": serve_adapter,
     "asyncio": serve_asyncio,
     "thread-bridge": serve_thread_bridge,
     "guest": serve_guest,

@@ -7,13 +7,12 @@ a BAD_FRAME error on the same stream, Info/Health/GetVocab answer.
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import trio
 
-from node.grpc_server import GrpcSettings, ShardServiceAdapter
+from common.grpc_adapter import Grpc, StreamClosed, open_grpc
+from node.grpc_server import GrpcSettings, ShardService
 from node.hub import Hub
-from node.loopback_client import StageStream
 from node.scheduler import Scheduler
 from node.session_machine import FrameServer, ServingSpec
 from proto import codec
@@ -45,34 +44,40 @@ def _header(sid: str, epoch: int = 1) -> codec.SessionHeader:
     return codec.SessionHeader(sid, epoch, MODEL_FP, RECIPE_FP, 0, 4)
 
 
-def _client_session(port: int, frames: list[bytes]) -> list[frame_pb2.Frame]:
+async def _client_session(rt: Grpc, port: int, frames: list[bytes]) -> list[frame_pb2.Frame]:
     """Send each frame, wait for its reply, like a gateway; the last one half-closes first."""
     replies = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stream = StageStream(channel, timeout_s=20)
+    async with rt.open_stream(f"127.0.0.1:{port}", "/swarm.v1.ShardService/Session") as stream:
         for data in frames[:-1]:
-            stream.send_bytes(data)
-            replies.append(stream.recv())
-        stream.send_bytes(frames[-1])
-        replies.extend(stream.rest())  # half-close right after the last step: its reply still comes
+            await stream.send(data)
+            replies.append(codec.parse_frame(await stream.receive()))
+        await stream.send(frames[-1])
+        stream.close_sending()  # half-close right after the last step: its reply still comes
+        while True:
+            try:
+                replies.append(codec.parse_frame(await stream.receive()))
+            except StreamClosed:
+                break
     return replies
 
 
-def _client_unary(port: int) -> tuple[shard_service_pb2.NodeInfo, shard_service_pb2.HealthResponse, bytes]:
-    from proto.swarm.v1 import shard_service_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = shard_service_pb2_grpc.ShardServiceStub(channel)
-        info = stub.Info(shard_service_pb2.InfoRequest(), timeout=10)
-        health = stub.Health(shard_service_pb2.HealthRequest(), timeout=10)
-        assembler = VocabAssembler(MODEL_FP)
-        data = None
-        for chunk in stub.GetVocab(
-            shard_service_pb2.VocabRequest(model_fingerprint=MODEL_FP, max_chunk_bytes=3000), timeout=10
-        ):
-            data = assembler.add(chunk)
-        assert data is not None
-        return info, health, data
+async def _client_unary(
+    rt: Grpc, port: int
+) -> tuple[shard_service_pb2.NodeInfo, shard_service_pb2.HealthResponse, bytes]:
+    address = f"127.0.0.1:{port}"
+    info = shard_service_pb2.NodeInfo.FromString(await rt.unary(address, "/swarm.v1.ShardService/Info", b""))
+    health = shard_service_pb2.HealthResponse.FromString(
+        await rt.unary(address, "/swarm.v1.ShardService/Health", b"")
+    )
+    assembler = VocabAssembler(MODEL_FP)
+    data = None
+    request = shard_service_pb2.VocabRequest(model_fingerprint=MODEL_FP, max_chunk_bytes=3000)
+    for raw in await rt.server_stream(
+        address, "/swarm.v1.ShardService/GetVocab", request.SerializeToString(), max_messages=100
+    ):
+        data = assembler.add(shard_service_pb2.VocabChunk.FromString(raw))
+    assert data is not None
+    return info, health, data
 
 
 async def test_grpc_session_round_trip_with_fake_engine() -> None:
@@ -81,15 +86,15 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
     backend = FakeBackend()
     scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=16)
     hub.attach(scheduler)
-    adapter = ShardServiceAdapter(
+    adapter = ShardService(
         hub,
         GrpcSettings("127.0.0.1", 0, codec.DEFAULT_MAX_FRAME_BYTES, lambda: VOCAB, MODEL_FP, 1.0),
         lambda: shard_service_pb2.NodeInfo(node_id="n" * 64),
         lambda: shard_service_pb2.HealthResponse(status=shard_service_pb2.SERVING_STATUS_SERVING),
     )
-    async with trio.open_nursery() as nursery:
+    async with open_grpc() as rt, trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
-        port = await nursery.start(adapter.serve)
+        port = await nursery.start(adapter.serve, rt)
         h = _header("s1")
         frames = [
             codec.serialize_frame(codec.open_frame(h, step_id=1, route_ticket=b"t", kv_budget_tokens=100)),
@@ -104,7 +109,8 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
                 codec.step_frames(h, frame_pb2.PHASE_DECODE, step_id=3, start=40, token_ids=[7])[0]
             ),
         ]
-        replies = await trio.to_thread.run_sync(_client_session, port, frames)
+        with trio.fail_after(20):
+            replies = await _client_session(rt, port, frames)
         kinds = [codec.body_kind(r) for r in replies]
         assert kinds == ["open_ack", "error", "result", "result"], kinds
         assert replies[1].error.status == status_pb2.STATUS_BAD_FRAME
@@ -114,33 +120,8 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
         assert replies[3].kv_len == 41
         # the prefill of 40 went through in slices of at most 16 positions
         assert all(count <= 16 for batch in backend.batches for _, _, count in batch)
-        info, health, vocab = await trio.to_thread.run_sync(_client_unary, port)
+        with trio.fail_after(20):
+            info, health, vocab = await _client_unary(rt, port)
         assert info.node_id == "n" * 64 and health.status == shard_service_pb2.SERVING_STATUS_SERVING
         assert vocab == VOCAB
         nursery.cancel_scope.cancel()
-
-
-def test_aio_reply_sink_bounds_unwritten_replies_and_ends_the_stream() -> None:
-    import asyncio
-    import threading
-
-    from node.grpc_server import AioReplySink
-
-    async def scenario() -> None:
-        sink = AioReplySink(asyncio.get_running_loop(), limit=2)
-        outcomes: list[bool] = []
-
-        def trio_side() -> None:  # put() runs on another thread in the node
-            outcomes.extend([sink.put(b"a"), sink.put(b"b"), sink.put(b"c")])
-
-        thread = threading.Thread(target=trio_side)
-        thread.start()
-        thread.join()
-        assert outcomes == [True, True, False]  # the peer has 2 replies unwritten
-        assert await sink.get() == b"a"
-        sink.written()
-        assert sink.put(b"d")  # room again
-        sink.end()
-        assert [await sink.get(), await sink.get(), await sink.get()] == [b"b", b"d", None]
-
-    asyncio.run(scenario())
