@@ -4,7 +4,7 @@ The gateway holds no weights. The first request for a model downloads the
 metadata-only GGUF from a node that serves it (``proto.vocab.VocabAssembler``
 checks order, size and sha256), writes it atomically to
 ``<data_dir>/vocab/<fingerprint>.gguf`` and loads it with llama.cpp's
-``vocab_only`` (``node.vocab.Vocabulary``). A later start finds the file and
+``vocab_only`` (``common.vocab.Vocabulary``). A later start finds the file and
 skips the download. At most :data:`MAX_LOADED` vocabularies stay loaded.
 
 Tokenizing long prompts runs in a worker thread, one at a time per
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import trio
 
+from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
 from gateway.errors import InvalidRequest, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import StageInfo
-from node.vocab import Vocabulary
 from proto.errors import ProtocolError
 
 MAX_LOADED = 8

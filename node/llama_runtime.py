@@ -1,9 +1,11 @@
-"""The one adapter between this project and llama.cpp (through llama-cpp-python's ctypes layer).
+"""The node's adapter to llama.cpp (through llama-cpp-python's ctypes layer).
 
-Everything that touches llama.cpp pointers lives here or in ``node.engine``:
-backend start-up, log routing, model and context creation, batch buffers, and
-the compiled capture callback. Nothing here is thread-safe: a context belongs
-to the one thread that runs its engine.
+Everything of the node that touches llama.cpp pointers lives here or in
+``node.engine``: context creation, batch buffers, the compiled capture callback
+and row conversion. Backend start-up, log routing and model load/free are
+process-wide and shared with the gateway (``common.llama``, re-exported here).
+Nothing here is thread-safe: a context belongs to the one thread that runs its
+engine.
 """
 
 from __future__ import annotations
@@ -23,74 +25,16 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+# The process-wide part (backend start-up, log routing, model load/free) lives in common.llama,
+# shared with the gateway's vocabularies; re-exported here for the node's modules.
+from common.llama import LlamaError as LlamaError
+from common.llama import free_model as free_model
+from common.llama import init_backend as init_backend
+from common.llama import llama_build_info as llama_build_info
+from common.llama import load_model as load_model
+
 log = logging.getLogger("swarm.llama")
-llama_log = logging.getLogger("llama.cpp")
-
 KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
-_LLAMA_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-
-_backend_ready = False
-_log_callback = None  # keeps the ctypes callback alive for the life of the process
-_log_pending: list[str] = []
-_log_level = [logging.INFO]
-
-
-class LlamaError(RuntimeError):
-    pass
-
-
-def _route_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # llama.cpp sends partial lines (continuations have level 5 / CONT); join until a newline.
-    try:
-        piece = text.decode("utf-8", errors="replace")
-    except Exception:  # never let an exception cross back into C
-        return
-    if level != 5 or not _log_pending:
-        _log_level[0] = _LLAMA_LEVELS.get(level, _log_level[0])
-    _log_pending.append(piece)
-    if not piece.endswith("\n"):
-        return
-    line = "".join(_log_pending).rstrip()
-    _log_pending.clear()
-    if line:
-        llama_log.log(_log_level[0], line)
-
-
-def init_backend() -> None:
-    """Start llama.cpp's backend once per process and route its output into ``logging``."""
-    global _backend_ready, _log_callback
-    if _backend_ready:
-        return
-    _log_callback = llama_cpp.llama_log_callback(_route_log)
-    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-    llama_cpp.llama_backend_init()
-    _backend_ready = True
-
-
-def llama_build_info() -> str:
-    """What identifies the compute: package version and llama.cpp's system info string."""
-    init_backend()
-    info = llama_cpp.llama_print_system_info()
-    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
-    return f"llama-cpp-python {llama_cpp.__version__}; {text.strip()}"
-
-
-def load_model(path: Path, *, vocab_only: bool = False, n_gpu_layers: int = 0) -> ctypes.c_void_p:
-    init_backend()
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = vocab_only
-    params.n_gpu_layers = n_gpu_layers
-    params.use_mmap = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise LlamaError(f"llama.cpp could not load {path} (see the llama.cpp log lines above)")
-    return model
-
-
-def free_model(model: ctypes.c_void_p) -> None:
-    if model:
-        llama_cpp.llama_model_free(model)
 
 
 @dataclass(frozen=True)

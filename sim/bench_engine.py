@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from common.vocab import Vocabulary
 from node.engine import EngineConfig, ShardEngine, Work
 from node.reference import ReferenceModel
 from node.shard import extract_shard
 from node.testmodel import test_model_path
-from node.vocab import Vocabulary
 
 PROMPT = "The capital of France is"
 CONTEXT_TEXT = (

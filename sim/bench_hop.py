@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    from common.vocab import Vocabulary
     from node.testmodel import test_model_path
-    from node.vocab import Vocabulary
 
     model = test_model_path()
     with Vocabulary(model) as vocab:

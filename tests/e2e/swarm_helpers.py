@@ -7,10 +7,10 @@ from pathlib import Path
 import grpc
 import httpx
 
+from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
-from node.vocab import Vocabulary
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
 
 # What sim.launcher gives each node unless told otherwise; the reference must use the same

@@ -12,8 +12,8 @@ import nacl.signing
 import trio
 from fake_node import FakeNode
 
+from common.vocab import Vocabulary
 from gateway.testing import Proc
-from node.vocab import Vocabulary
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
 from tracker.client import TrackerClient

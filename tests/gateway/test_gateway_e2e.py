@@ -21,11 +21,11 @@ import openai
 import pytest
 from swarm_fixtures import metric_lines, recovered, url, wait_until
 
+from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
 from gateway.testing import Proc, start_gateway, start_node, start_tracker
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
-from node.vocab import Vocabulary
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ import pytest
 from fake_node import FAILURES
 from swarm_fixtures import announce, metric_lines, recovered, scripted_nodes, url, wait_until
 
+from common.vocab import Vocabulary
 from gateway.testing import Proc, start_gateway, start_tracker
-from node.vocab import Vocabulary
 from proto.announce import ModelSpec
 
 FINGERPRINT = "fa" * 32

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from common.vocab import Vocabulary
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
-from node.vocab import Vocabulary
 
 # Small contexts keep the KV allocation (and the test) cheap; one thread each.
 ENGINE_CONFIG = EngineConfig(n_threads_count=1, max_sessions=6, session_kv_tokens=512, n_batch_tokens=256)

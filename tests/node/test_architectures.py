@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
+from common.vocab import Vocabulary
 from node import architectures
 from node.engine import EngineConfig, ShardEngine, TokenEmbeddings, Work
 from node.errors import LayerRangeError, UnsupportedArchitecture
 from node.llama_runtime import BatchBuffer, TensorCapture, free_model, load_model, new_context
 from node.reference import ReferenceModel
 from node.shard import extract_shard, read_model_meta
-from node.vocab import Vocabulary
 from tests.node.tiny_models import SPECS, build
 
 CONFIG = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=256, n_batch_tokens=64)

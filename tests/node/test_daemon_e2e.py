@@ -23,10 +23,10 @@ import nacl.signing
 import numpy as np
 import pytest
 
+from common.vocab import Vocabulary
 from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, StageStream, node_info, ticket_bytes
 from node.reference import ReferenceModel
 from node.shard import extract_shard, extract_vocab
-from node.vocab import Vocabulary
 from proto import codec
 from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2

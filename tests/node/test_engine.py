@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.vocab import Vocabulary
 from node.engine import EngineConfig, ShardEngine, Work, WorkResult
 from node.errors import (
     EngineError,
@@ -20,7 +21,6 @@ from node.errors import (
 )
 from node.reference import ReferenceModel
 from node.shard import extract_shard
-from node.vocab import Vocabulary
 
 PROMPTS = [
     "The capital of France is",

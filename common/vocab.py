@@ -2,7 +2,11 @@
 
 Loads a GGUF with ``vocab_only=True`` -- the whole model, or the metadata-only
 file a node extracts for gateways (``node.shard.extract_vocab``) -- and
-tokenizes exactly like the full model.
+tokenizes exactly like the full model. Used by the gateway (prompts in, text
+out) and by tests and benchmarks; the node itself never tokenizes.
+
+Not thread-safe: one thread at a time per :class:`Vocabulary` (the gateway
+calls it from a worker thread behind a limiter of one).
 """
 
 from __future__ import annotations
@@ -12,15 +16,15 @@ from pathlib import Path
 
 import llama_cpp
 
-from node.llama_runtime import LlamaError, free_model, load_model
+from common.llama import LlamaError, free_model, load_model
 
 
 class Vocabulary:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._model = load_model(self.path, vocab_only=True)
+        self._model: ctypes.c_void_p | None = load_model(self.path, vocab_only=True)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
 
@@ -35,7 +39,7 @@ class Vocabulary:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:
             raise LlamaError("tokenization failed")
-        return list(buf[:n])
+        return [int(t) for t in buf[:n]]
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a multi-byte UTF-8 character)."""
@@ -53,6 +57,7 @@ class Vocabulary:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text (``general.architecture``, ``tokenizer.chat_template``), or None."""
         buf = ctypes.create_string_buffer(1 << 16)
         n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         if n < 0:
