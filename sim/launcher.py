@@ -5,6 +5,15 @@ after another with ``--layers auto`` and take the span the tracker
 recommends (so N nodes split the model, and spare nodes double the weakest
 spans). Readiness comes from each service's health endpoint. Ctrl-C stops
 every process, newest first.
+
+With ``--wan PROFILE`` (``wan_profile=`` from code) the same swarm runs on an
+emulated WAN (``sim/wan``, docs/wan.md): the tracker, the gateway and each node
+in its own network namespace, bound to its 10.77.h.2 address, with the
+profile's delays, loss and rate limits between them. The OpenAI endpoint and
+the tracker are then reached through loopback forwarders that enter the WAN at
+the profile's ``client`` host, so ``base_url`` and ``tracker_url`` work from
+this namespace as before; ``LocalSwarm.wan`` is the emulator (live link
+changes, ``wan.call(name, fn)`` to reach a node's admin port from inside it).
 """
 
 from __future__ import annotations
@@ -15,14 +24,21 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 import httpx
 
 from node.testmodel import test_model_path
 from sim.procs import LaunchError, Service, Supervisor, wait_http
+from sim.wan.emulator import WanEmulator
+from sim.wan.errors import WanError
+from sim.wan.profile import WanProfile, load_profile
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -32,17 +48,38 @@ class LocalSwarm:
     nodes: list[Service]
     gateway: Service
     model_name: str
+    wan: WanEmulator | None = None  # the emulated WAN the services run on (None: loopback)
+    public_tracker_url: str | None = None  # on a WAN: the loopback forwarders into it
+    public_base_url: str | None = None
 
     @property
     def tracker_url(self) -> str:
-        return f"http://127.0.0.1:{self.tracker.port}"
+        return self.public_tracker_url or f"http://127.0.0.1:{self.tracker.port}"
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway.port}/v1"
+        return self.public_base_url or f"http://127.0.0.1:{self.gateway.port}/v1"
 
     def stop(self) -> None:
-        self.supervisor.stop_all()
+        try:
+            self.supervisor.stop_all()
+        finally:
+            if self.wan is not None:
+                self.wan.close()
+
+
+class _Network:
+    """Where the services live: all on this namespace's loopback, or each in its WAN host."""
+
+    def __init__(self, wan: WanEmulator | None) -> None:
+        self.wan = wan
+
+    def addr(self, service: str) -> str:
+        return self.wan.address(service) if self.wan else "127.0.0.1"
+
+    def probe(self, service: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call ``fn`` from where ``service`` is (its namespace on a WAN: its 127.0.0.1 is there)."""
+        return self.wan.call(service, fn, *args, **kwargs) if self.wan else fn(*args, **kwargs)
 
 
 def _say(quiet: bool, text: str) -> None:
@@ -50,11 +87,13 @@ def _say(quiet: bool, text: str) -> None:
         click.echo(text, err=True)
 
 
-def _wait_announced(tracker_url: str, node: Service, timeout_s: float) -> dict:
+def _wait_announced(tracker_url: str, node: Service, timeout_s: float, net: _Network | None = None) -> dict:
     """Wait until the tracker lists this node as live; return its swarm entry.
 
     A relayed node announces no address, so nodes are matched by their id (admin /healthz)."""
-    node_id = wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s).json()["node_id"]
+    net = net or _Network(None)
+    healthz = f"http://127.0.0.1:{node.admin_port}/healthz"
+    node_id = net.probe(node.name, wait_http, node, healthz, timeout_s).json()["node_id"]
     node.extra["node_id"] = node_id
 
     def mine(n: dict) -> bool:
@@ -65,7 +104,7 @@ def _wait_announced(tracker_url: str, node: Service, timeout_s: float) -> dict:
             return False
         return any(n.get("state") == "live" and mine(n) for n in resp.json().get("nodes", []))
 
-    resp = wait_http(node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
+    resp = net.probe(node.name, wait_http, node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
     return next(n for n in resp.json()["nodes"] if mine(n))
 
 
@@ -87,31 +126,50 @@ def start_local_swarm(
     quiet: bool = True,
     relay_nodes: int = 0,
     relay_indices: list[int] | None = None,
+    wan_profile: WanProfile | None = None,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
 
     ``relay_nodes`` K: the last K nodes start with ``--relay`` pointed at the gateway (they accept no
     connections and are reached over their WebSocket); ``relay_indices`` picks them by index instead.
     The gateway then starts before the nodes, since relayed nodes dial it.
+
+    ``wan_profile``: run on an emulated WAN placed by ``wan_profile.place(n_nodes + spare)``
+    (needs root; :class:`sim.wan.WanUnavailable` says why not). ``gateway_port`` is then the
+    loopback port of the forwarder to the gateway; the services bind any port inside the WAN.
     """
     total = n_nodes + spare
     relayed = set(relay_indices if relay_indices is not None else range(total - relay_nodes, total))
     if relay_nodes < 0 or relay_nodes > total or any(not 0 <= i < total for i in relayed):
         raise LaunchError(f"relayed nodes must be among the {total} nodes")
-    sup = Supervisor(workdir)
+    wan: WanEmulator | None = None
+    if wan_profile is not None:
+        wan = WanEmulator(wan_profile, n_nodes=total)
+        wan.start()
+        where_hosts = ", ".join(f"{h.name} {h.address} ({h.region})" for h in wan.hosts.values())
+        _say(quiet, f"  WAN      {wan_profile.name}: {where_hosts}")
+    net = _Network(wan)
+    inner_gateway_port = 0 if wan else gateway_port
+    sup = Supervisor(workdir, place=wan.argv if wan else None)
     try:
         t0 = time.monotonic()
-        tracker = sup.start_tracker()
+        tracker = sup.start_tracker(host=net.addr("tracker"))
         tracker.wait_port(timeout_s)
-        tracker_url = f"http://127.0.0.1:{tracker.port}"
-        wait_http(tracker, f"{tracker_url}/healthz", timeout_s)
+        tracker_url = f"http://{net.addr('tracker')}:{tracker.port}"
+        net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
         gateway: Service | None = None
         if relayed:
-            gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
+            gateway = sup.start_gateway(
+                tracker_url=tracker_url,
+                port=inner_gateway_port,
+                host=net.addr("gateway"),
+                extra_args=gateway_args,
+            )
             gateway.wait_port(timeout_s)
-            wait_http(gateway, f"http://127.0.0.1:{gateway.port}/healthz", timeout_s)
-            _say(quiet, f"  gateway  up at http://127.0.0.1:{gateway.port} (first: relayed nodes dial it)")
+            gw_first = f"http://{net.addr('gateway')}:{gateway.port}"
+            net.probe("gateway", wait_http, gateway, f"{gw_first}/healthz", timeout_s)
+            _say(quiet, f"  gateway  up at {gw_first} (first: relayed nodes dial it)")
         from node.shard import read_model_meta  # parses the GGUF once; the nodes reuse the cache
 
         cache = node_cache or (Path(workdir) / "node-cache")
@@ -138,16 +196,21 @@ def start_local_swarm(
                 cache_dir=cache,
                 extra_args=[
                     *(node_args or []),
-                    *(["--relay", f"http://127.0.0.1:{gateway.port}"] if gateway and i in relayed else []),
+                    *(
+                        ["--relay", f"http://{net.addr('gateway')}:{gateway.port}"]
+                        if gateway and i in relayed
+                        else []
+                    ),
                 ],
+                host=net.addr(name),
             )
             node.extra["relayed"] = i in relayed
             node.wait_port(timeout_s)
-            wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
-            entry = _wait_announced(tracker_url, node, timeout_s)
+            net.probe(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
+            entry = _wait_announced(tracker_url, node, timeout_s, net)
             shard = entry.get("shard") or {}
             node.extra["span"] = (shard.get("start"), shard.get("end"))
-            where = "through the gateway's relay" if i in relayed else f"on 127.0.0.1:{node.port}"
+            where = "through the gateway's relay" if i in relayed else f"on {net.addr(name)}:{node.port}"
             _say(
                 quiet,
                 f"  {name}    serving layers [{shard.get('start')}, {shard.get('end')}) {where}"
@@ -155,25 +218,45 @@ def start_local_swarm(
             )
             nodes.append(node)
         if gateway is None:
-            gateway = sup.start_gateway(tracker_url=tracker_url, port=gateway_port, extra_args=gateway_args)
+            gateway = sup.start_gateway(
+                tracker_url=tracker_url,
+                port=inner_gateway_port,
+                host=net.addr("gateway"),
+                extra_args=gateway_args,
+            )
             gateway.wait_port(timeout_s)
-        gw_url = f"http://127.0.0.1:{gateway.port}"
-        wait_http(gateway, f"{gw_url}/healthz", timeout_s)
+        gw_url = f"http://{net.addr('gateway')}:{gateway.port}"
+        net.probe("gateway", wait_http, gateway, f"{gw_url}/healthz", timeout_s)
 
         def routable(resp: httpx.Response) -> bool:
             return resp.status_code == 200 and any(
                 m.get("fingerprint") == meta.fingerprint for m in resp.json().get("data", [])
             )
 
-        models = wait_http(gateway, f"{gw_url}/v1/models", timeout_s, ok=routable).json()["data"]
-        name = next(m["id"] for m in models if m.get("fingerprint") == meta.fingerprint)
+        models = net.probe(
+            "gateway", wait_http, gateway, f"{gw_url}/v1/models", timeout_s, ok=routable
+        ).json()
+        name = next(m["id"] for m in models["data"] if m.get("fingerprint") == meta.fingerprint)
         _say(
             quiet,
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
-        return LocalSwarm(sup, tracker, nodes, gateway, name)
+        swarm = LocalSwarm(sup, tracker, nodes, gateway, name)
+        if wan is not None:
+            # Loopback forwarders into the WAN, entering at the profile's client host.
+            swarm.wan = wan
+            swarm.public_base_url = (
+                f"http://127.0.0.1:{wan.forward('gateway', gateway.port, listen_port=gateway_port)}/v1"
+            )
+            swarm.public_tracker_url = f"http://127.0.0.1:{wan.forward('tracker', tracker.port)}"
+            _say(quiet, f"  client   enters the WAN at {wan.address('client')}: {swarm.base_url}")
+        return swarm
     except BaseException:
-        sup.stop_all()
+        try:
+            sup.stop_all()
+        finally:
+            if wan is not None:
+                wan.close()
         raise
 
 
@@ -221,6 +304,14 @@ def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
 @click.option(
     "--check", is_flag=True, help="Send the sample request, print the answer, stop the swarm and exit."
 )
+@click.option(
+    "--wan",
+    "wan",
+    default=None,
+    metavar="PROFILE",
+    help="Run on an emulated WAN (root): a profile file or a bundled name "
+    "(three-regions, link-10ms, link-25ms, link-20mbit). See docs/wan.md.",
+)
 def up(
     n_nodes: int,
     spare: int,
@@ -231,8 +322,9 @@ def up(
     gateway_port: int,
     workdir: Path | None,
     check: bool,
+    wan: str | None,
 ) -> None:
-    """Start a local swarm: tracker, nodes and gateway on loopback, with an OpenAI endpoint."""
+    """Start a local swarm: tracker, nodes and gateway on loopback or an emulated WAN; an OpenAI endpoint."""
     if n_nodes < 1:
         raise click.BadParameter("need at least one node", param_hint="--nodes")
     if not 0 <= relay_nodes <= n_nodes + spare:
@@ -241,6 +333,10 @@ def up(
     spans = [s.strip() for s in layers.split(",")] if layers else None
     if spans is not None and len(spans) != n_nodes + spare:
         raise click.BadParameter(f"give one span per node ({n_nodes + spare})", param_hint="--layers")
+    try:
+        wan_profile = load_profile(wan) if wan else None
+    except WanError as err:
+        raise click.BadParameter(str(err), param_hint="--wan") from err
     work = workdir or Path(tempfile.mkdtemp(prefix="swarm-sim-"))
     click.echo(f"starting a local swarm in {work} (logs in {work / 'logs'}) ...", err=True)
     try:
@@ -255,8 +351,9 @@ def up(
             node_cache=None,
             quiet=False,
             relay_nodes=relay_nodes,
+            wan_profile=wan_profile,
         )
-    except LaunchError as err:
+    except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err
     curl, body = _sample_request(swarm.base_url, swarm.model_name)
     try:

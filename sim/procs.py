@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,7 +119,16 @@ def wait_http(svc: Service, url: str, timeout_s: float, ok=lambda r: r.status_co
 class Supervisor:
     """Owns the processes of one local swarm; stops them all, newest first."""
 
-    def __init__(self, workdir: Path, *, quiet_llama: bool = True) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        quiet_llama: bool = True,
+        place: Callable[[str, list[str]], list[str]] | None = None,
+    ) -> None:
+        """``place(name, argv)`` may wrap each service's command line to run it elsewhere
+        (the emulated WAN runs each service inside its own network namespace)."""
+        self.place = place
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
@@ -134,6 +144,8 @@ class Supervisor:
         log_path = self.workdir / "logs" / f"{name}.log"
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.place is not None:
+            argv = self.place(name, argv)
         fh = open(log_path, "ab")
         try:
             proc = subprocess.Popen(
@@ -157,6 +169,7 @@ class Supervisor:
         heartbeat_timeout_s: float | None = None,
         port: int = 0,
         name: str = "tracker",
+        host: str = "127.0.0.1",
     ) -> Service:
         """A tracker; ``port`` lets a restarted tracker come back where its nodes look for it."""
         data = self.workdir / "tracker"
@@ -164,7 +177,7 @@ class Supervisor:
         argv = _script("swarm-tracker") + [
             "serve",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--port-file",
@@ -192,7 +205,9 @@ class Supervisor:
         session_kv_tokens: int = 2048,
         cache_dir: Path | None = None,
         extra_args: list[str] | None = None,
+        host: str = "127.0.0.1",
     ) -> Service:
+        """A node listening on and announcing ``host``; its admin server stays on its own 127.0.0.1."""
         data = self.workdir / name
         data.mkdir(exist_ok=True)
         argv = _script("swarm-node") + [
@@ -204,9 +219,9 @@ class Supervisor:
             "--tracker",
             tracker_url,
             "--host",
-            "127.0.0.1",
+            host,
             "--advertise-host",
-            "127.0.0.1",
+            host,
             "--port",
             "0",
             "--port-file",
