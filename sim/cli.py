@@ -181,5 +181,10 @@ from sim.launcher import up  # noqa: E402
 
 main.add_command(up)
 
+# The emulated WAN's own commands (check, cleanup, show).
+from sim.wan.cli import wan  # noqa: E402
+
+main.add_command(wan)
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

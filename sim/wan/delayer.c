@@ -286,10 +286,12 @@ static void read_queue(void) {
     }
 }
 
-/* Release what is due; a packet due within half the usual wake-up lateness goes now too (sleeping
- * again would make it later than releasing it this early). */
+/* Release what is due; a packet due within half the usual wake-up lateness (at most EARLY_MAX_NS)
+ * goes now too: sleeping again would make it later than releasing it this early. */
+#define EARLY_MAX_NS 50000
 static void release_due(int64_t t) {
-    while (heap_len > 0 && heap[0].due_ns <= t + wake_late_ns / 2) {
+    int64_t early = wake_late_ns / 2 < EARLY_MAX_NS ? wake_late_ns / 2 : EARLY_MAX_NS;
+    while (heap_len > 0 && heap[0].due_ns <= t + early) {
         struct held p = heap_pop();
         int64_t diff = t - p.due_ns;
         uint64_t late = (uint64_t)(diff < 0 ? -diff : diff);
