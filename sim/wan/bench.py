@@ -128,12 +128,11 @@ def bench_loss(wan: WanEmulator, losses_pct: list[float], count: int) -> list[di
     return rows
 
 
-def bench_rate(
-    wan: WanEmulator, rates_mbit: list[float], delay_ms: float, seconds: float
-) -> list[dict[str, Any]]:
+def bench_rate(wan: WanEmulator, cases: list[tuple[float, float]], seconds: float) -> list[dict[str, Any]]:
+    """``cases``: (uplink Mbit/s, 0 = unlimited; one-way delay ms)."""
     rows = []
-    wan.set_link("a", "b", delay_ms=delay_ms, jitter_ms=0, loss_pct=0)
-    for rate in rates_mbit:
+    for rate, delay_ms in cases:
+        wan.set_link("a", "b", delay_ms=delay_ms, jitter_ms=0, loss_pct=0)
         wan.set_rate("a", uplink_mbit=rate)
         result = probes.tcp_bulk(wan, "a", "b", seconds)
         rows.append(
@@ -150,6 +149,7 @@ def bench_rate(
 
 def run(quick: bool) -> dict[str, Any]:
     n = 100 if quick else 400
+    load_before = os.getloadavg()[0]  # other work on the machine shows in the tails
     with WanEmulator(PROFILE, {"a": "lan", "b": "lan"}) as wan:
         wan.reset_stats()
         t0 = time.monotonic()
@@ -157,7 +157,8 @@ def run(quick: bool) -> dict[str, Any]:
         rtt = bench_rtt(wan, [0, 10, 25, 75] if not quick else [0, 25], 3.0 if quick else 10.0)
         jitter = bench_jitter(wan, 20, 2, n)
         loss = bench_loss(wan, [1, 5, 20], 2000 if quick else 10000)
-        rate = bench_rate(wan, [20, 100, 500, 0] if not quick else [20, 0], 10, 2.0 if quick else 4.0)
+        rate_cases = [(20, 10), (100, 10), (500, 10), (0, 10), (0, 0)] if not quick else [(20, 10), (0, 0)]
+        rate = bench_rate(wan, rate_cases, 2.0 if quick else 4.0)
         stats = wan.delayer_stats()
         elapsed = time.monotonic() - t0
     return {
@@ -166,6 +167,8 @@ def run(quick: bool) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "kernel": platform.release(),
             "python": platform.python_version(),
+            "load_average_1min_before": load_before,
+            "load_average_1min_after": os.getloadavg()[0],
         },
         "quick": quick,
         "wall_s": elapsed,
@@ -191,8 +194,10 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    print(f"emulated WAN accuracy ({r['machine']['cpus']} CPUs, kernel {r['machine']['kernel']}, "
-          f"delayer scheduler {r['delayer']['scheduler']})")  # fmt: skip
+    m = r["machine"]
+    print(f"emulated WAN accuracy ({m['cpus']} CPUs, kernel {m['kernel']}, delayer scheduler "
+          f"{r['delayer']['scheduler']}, load average {m['load_average_1min_before']:.1f} before, "
+          f"{m['load_average_1min_after']:.1f} after)")  # fmt: skip
     print("\none-way delay (UDP, kernel arrival stamp), error = measured - configured, us")
     print(f"{'configured ms':>14} {'n':>6} {'mean':>8} {'median':>8} {'p99':>8} {'max':>8} {'min':>8}")
     for row in r["one_way"]:
@@ -219,7 +224,7 @@ def print_report(r: dict[str, Any]) -> None:
     for row in r["rate"]:
         conf = f"{row['configured_mbit']:g} Mbit/s" if row["configured_mbit"] else "unlimited"
         ratio = f" (ratio {row['ratio']:.3f})" if row["ratio"] else ""
-        print(f"  {conf:>14} -> {row['goodput_mbit']:.1f} Mbit/s{ratio}")
+        print(f"  {conf:>14}, {row['one_way_ms']:g} ms one way -> {row['goodput_mbit']:.1f} Mbit/s{ratio}")
     d = r["delayer"]
     print(f"\ndelayer: {d['packets']} packets; release error mean {d['release_error_mean_us']:.1f} us, "
           f"max {d['release_error_max_us']:.0f} us; read lag mean {d['read_lag_mean_us']:.1f} us "

@@ -277,7 +277,12 @@ class WanEmulator:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", listen_port))
+                try:
+                    sock.bind(("127.0.0.1", listen_port))
+                except OSError as err:
+                    raise WanError(
+                        f"cannot listen on 127.0.0.1:{listen_port} for the forwarder: {err}"
+                    ) from err
                 sock.listen(128)
                 fd = sock.fileno()
                 argv = [sys.executable, "-m", "sim.wan.forward", "--listen-fd", str(fd), "--to", target]

@@ -165,9 +165,11 @@ def test_forwarder_reaches_a_service_across_the_wan_from_the_root_namespace() ->
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert server.stdout is not None
         line = server.stdout.readline().decode()  # "Serving HTTP on 10.77.2.2 port NNNN ..."
+        assert " port " in line, line
         port = int(line.split(" port ")[1].split()[0])
         local = wan.forward("web", port)  # enters at "client"
         t0 = time.monotonic()
