@@ -28,7 +28,7 @@ from sim.wan import netns, probes
 from sim.wan.emulator import WanEmulator
 from sim.wan.errors import WanError
 from sim.wan.profile import ProfileError, parse_profile
-from sim.wan.support import unavailable_reason
+from sim.wan.support import check_support, unavailable_reason
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
@@ -62,7 +62,7 @@ def _root_state() -> dict[str, str]:
         "routes": netns.run(["ip", "route", "show", "table", "all"]),
         "iptables": "\n".join(
             line
-            for line in netns.run(["iptables-save"]).splitlines()
+            for line in netns.run([f"{check_support().iptables}-save"]).splitlines()
             if not line.startswith("#") and not line.startswith(":")  # comments and chain counters
         ),
     }
@@ -134,7 +134,7 @@ def test_teardown_leaves_nothing_and_the_root_namespace_is_never_touched() -> No
         sleeper = wan.spawn("c", ["sleep", "600"])
         addr = netns.run(["ip", "-n", wan.host("c").netns, "-o", "-4", "addr", "show", "dev", "eth0"])
         assert "10.77.3.2/24" in addr
-        rules = netns.run(["ip", "netns", "exec", wan.router_netns, "iptables-save"])
+        rules = netns.run(["ip", "netns", "exec", wan.router_netns, f"{check_support().iptables}-save"])
         assert "-A FORWARD -j NFQUEUE --queue-num 0" in rules
         record = netns.STATE_DIR / f"{os.getpid()}-{names[0].split('-')[2]}.json"
         assert record.exists()
