@@ -14,12 +14,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from common.grpc_adapter import Grpc, MessageStream, RpcError, StreamClosed
+from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabAssembler
 
-SESSION_METHOD = "/swarm.v1.ShardService/Session"
-INFO_METHOD = "/swarm.v1.ShardService/Info"
-VOCAB_METHOD = "/swarm.v1.ShardService/GetVocab"
 # Frames queued towards one node: enough for a chunked prefill step in flight, bounded in bytes too.
 SEND_BUFFER_FRAMES = 64
 
@@ -60,7 +58,7 @@ class NodeChannels:
     async def info(self, address: str) -> shard_service_pb2.NodeInfo:
         try:
             data = await self._grpc.unary(
-                address, INFO_METHOD, b"", max_message_bytes=self._max_message_bytes
+                address, codec.INFO_METHOD, b"", max_message_bytes=self._max_message_bytes
             )
         except RpcError as err:
             raise StreamError(f"Info from {address} failed: {err}") from err
@@ -76,7 +74,7 @@ class NodeChannels:
         try:
             chunks = await self._grpc.server_stream(
                 address,
-                VOCAB_METHOD,
+                codec.VOCAB_METHOD,
                 request.SerializeToString(),
                 max_messages=most,
                 max_message_bytes=self._max_message_bytes,
@@ -93,7 +91,7 @@ class NodeChannels:
     async def open_stage_stream(self, address: str) -> AsyncIterator[StageStream]:
         async with self._grpc.open_stream(
             address,
-            SESSION_METHOD,
+            codec.SESSION_METHOD,
             max_message_bytes=self._max_message_bytes,
             max_buffered_bytes=4 * self._max_frame_bytes,
             max_buffered_messages=SEND_BUFFER_FRAMES,

@@ -21,6 +21,7 @@ stops heartbeating and expires there after the tracker's timeout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import math
@@ -40,6 +41,7 @@ from node.admin import AdminServer, prometheus
 from node.config import ConfigError, NodeConfig
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
+from node.push import PushLinks
 from node.session_machine import FrameServer, ServingSpec
 from node.tickets import TicketVerifier
 from proto import codec
@@ -232,8 +234,18 @@ class NodeDaemon:
                 max_batch_tokens=cfg.batch_tokens,
                 prefill_chunk_tokens=min(cfg.prefill_chunk_tokens, cfg.batch_tokens),
             )
-            self.hub.attach(self.scheduler)
             async with open_grpc() as grpc_rt, trio.open_nursery() as nursery:
+                self.pushes = PushLinks(
+                    functools.partial(
+                        grpc_rt.open_stream,
+                        method=codec.SESSION_METHOD,
+                        max_message_bytes=cfg.max_frame_bytes + 64 * 1024,
+                        max_buffered_bytes=4 * cfg.max_frame_bytes,
+                    ),
+                    self.hub.on_push_failed,
+                )
+                self.hub.attach(self.scheduler, self.pushes)
+                await nursery.start(self.pushes.run)
                 await nursery.start(self.scheduler.run)
                 await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
                 self.grpc = ShardService(

@@ -27,11 +27,11 @@ import trio
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
 from common.logs import event
 from node.hub import Connection, Hub, TooManyConnections
+from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
 
 log = logging.getLogger("swarm.node.grpc")
-SERVICE = "swarm.v1.ShardService"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ShardService:
 
     def service(self) -> Service:
         return Service(
-            SERVICE,
+            codec.SERVICE,
             streams={"Session": self._session},
             unary={"Info": self._info_rpc, "Health": self._health_rpc},
             server_streams={"GetVocab": self._vocab_rpc},

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from node.push import PushLinks
 from node.scheduler import ControlDone, Scheduler
-from node.session_machine import Action, Compute, Drop, FrameServer, OpenKv, Send, StepOutcome
+from node.session_machine import Action, Compute, Drop, FrameServer, FreeKv, OpenKv, Push, Send, StepOutcome
 from proto import codec
 from proto.errors import InternalError, ProtocolError
 
@@ -78,11 +79,17 @@ class Hub:
         # Streams cost memory before any OPEN: bound them too (default: 4 per session slot, plus room).
         self.max_connections = max_connections or 4 * server.spec.max_sessions + 64
         self.scheduler: Scheduler | None = None
+        self.pushes: PushLinks | None = None
         self._conns: dict[int, Connection] = {}
         self.dropped_slow_connections = 0
 
-    def attach(self, scheduler: Scheduler) -> None:
+    def attach(self, scheduler: Scheduler, pushes: PushLinks | None = None) -> None:
         self.scheduler = scheduler
+        self.pushes = pushes
+
+    def on_push_failed(self, session_id: str, message: str) -> None:
+        """A push of this session could not be delivered: the machine tells the session's owner."""
+        self.execute_nowait(self.server.push_failed(session_id, message))
 
     # -- transport API ---------------------------------------------------------------------------
 
@@ -102,7 +109,7 @@ class Hub:
         if conn.closed:
             return
         actions = self.server.handle(conn.conn_id, data, self.clock())
-        if any(not isinstance(a, Send | Compute | Drop) for a in actions):
+        if any(not isinstance(a, Send | Compute | Drop | Push) for a in actions):
             await self.execute(actions)
         else:
             self.execute_nowait(actions)
@@ -128,7 +135,9 @@ class Hub:
     async def execute(self, actions: list[Action]) -> None:
         waiting: list[ControlDone] = []
         for action in actions:
-            if isinstance(action, Send):
+            if isinstance(action, Push):
+                self._push(action)
+            elif isinstance(action, Send):
                 if waiting:
                     for done in waiting:
                         await done.event.wait()
@@ -150,6 +159,8 @@ class Hub:
         for action in actions:
             if isinstance(action, Send):
                 self._deliver(action)
+            elif isinstance(action, Push):
+                self._push(action)
             else:
                 self._submit(action)
 
@@ -159,7 +170,20 @@ class Hub:
     def _submit(self, action: Action) -> ControlDone | None:
         if self.scheduler is None:
             raise RuntimeError("hub has no scheduler attached")
+        if isinstance(action, FreeKv) and self.pushes is not None:
+            self.pushes.close_session(action.session_id)
         return self.scheduler.submit(action)  # type: ignore[arg-type]
+
+    def _push(self, push: Push) -> None:
+        if self.pushes is None:
+            self.on_push_failed(push.session_id, "this node cannot push to other nodes")
+            return
+        try:
+            data = [codec.serialize_frame(f, self.server.spec.limits) for f in push.frames]
+        except ProtocolError as exc:  # a bug: we built a frame the codec refuses
+            log.error("push not sent session=%s: %s", push.session_id, exc)
+            return
+        self.pushes.push(push.session_id, push.target, data)
 
     def _effects_failed(self, failed: list[ControlDone], reply: Send) -> None:
         for done in failed:
@@ -215,6 +239,8 @@ class Hub:
         for action in self.server.drain():
             if isinstance(action, Send):
                 self._deliver(action)
+            elif isinstance(action, Push):
+                continue
             elif (done := self._submit(action)) is not None:
                 waiting.append(done)
         for done in waiting:

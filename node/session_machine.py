@@ -10,6 +10,7 @@ the connection they came on, and carries out the returned actions in order:
     FreeKv(session)               release the session's KV at once
     Compute(job)                  run one step on the engine (the scheduler batches it)
     Drop(job_id)                  forget a queued job (cancel); a running one finishes and is ignored
+    Push(session, target, frames) send these frames to another node (direct push; docs/protocol.md)
 
 Engine effects must reach the engine in the order they were emitted (the
 scheduler keeps one FIFO for them), and a ``Send`` that follows an engine
@@ -23,24 +24,46 @@ Checks, in the order of docs/protocol.md ("What a node checks, in order")::
     2 route            FINGERPRINT_MISMATCH SHARD_MISMATCH                 (codec.expect_route)
     3 OPEN             TICKET_INVALID RESOURCE_EXHAUSTED CONTEXT_EXCEEDED UNAVAILABLE
       else             UNKNOWN_SESSION SESSION_CLOSED
-    4 epoch            ROUTE_EPOCH
-    5 step id          == last applied: re-send the cached reply; < : STEP_CONFLICT
-    6 KV               POSITION_MISMATCH CONTEXT_EXCEEDED
-    7 chunks/payload   CHUNK_SEQUENCE CHECKSUM TOO_LARGE SHAPE             (codec.StepAssembler)
-    8 compute          RESOURCE_EXHAUSTED (queue full) INTERNAL
+    4 sender           TICKET_INVALID: a step from a connection other than the session's
+                       owner without the session's hop token; RELEASE/CANCEL/REPLAY only
+                       from the owner
+    5 epoch            ROUTE_EPOCH
+    6 step id          == last applied: re-send the cached reply; < : STEP_CONFLICT
+    7 KV               POSITION_MISMATCH CONTEXT_EXCEEDED (against the KV length after the
+                       steps already accepted)
+    8 chunks/payload   CHUNK_SEQUENCE CHECKSUM TOO_LARGE SHAPE             (codec.StepAssembler)
+    9 compute          RESOURCE_EXHAUSTED (step or pending queue full) INTERNAL
 
 Session states::
 
-    (none) --OPEN ok--> IDLE --step--> BUSY --outcome--> IDLE
+    (none) --OPEN ok--> IDLE --step--> BUSY --outcome--> IDLE (or BUSY with the next pending step)
     IDLE|BUSY --RELEASE/CANCEL/lease expiry--> closed (remembered, bounded)
     closed --OPEN--> IDLE (a fresh session under the same id)
+
+Direct push (docs/protocol.md): the connection that OPENed a session (the
+gateway) owns it. A stage with a ``downstream`` target sends each step's output
+to the next stage as that stage's input (``Push``, or through the owner when
+the target has no address) and only a small report (kv_len, digest, compute
+time) to the owner; it keeps the pushed outputs, bounded by ``history_bytes``,
+so a replacement of the next stage can be replayed from here (REPLAY). The
+last stage with a ``ring`` target pushes the next decode step (the token it
+sampled) to the first stage, so generation goes on without the gateway until
+the KV budget is reached or an end-of-generation token is sampled. Steps
+pushed in carry the session's ``upstream_token``.
+
+Data step ids follow one rule in an epoch whose OPEN had step id B: the step
+starting at position p has id B + p + 1 (so the last stage knows the id of the
+decode step it pushes, and a replay's steps fit below the steps after it).
 
 Invariants:
 
 * Nothing is sent to the engine before check 8 passes, so every refusal leaves
   the session exactly as it was.
-* A session has at most one job in flight; a second step meanwhile is refused
-  with RESOURCE_EXHAUSTED (retry SAME), CANCEL and RELEASE are answered at once.
+* A session has at most one job in flight; further steps wait in its pending
+  queue (at most ``max_pending_steps``, and at most ``max_pending_bytes`` of
+  decoded tensors on the node), so a pipelined prefill's chunks can arrive
+  while the previous one computes; past the bounds a step is refused with
+  RESOURCE_EXHAUSTED (retry SAME). CANCEL and RELEASE are answered at once.
 * The reply frames of the last applied step are kept per session (one step),
   so a re-sent step id is answered from the cache and never touches the KV twice.
 * The number of queued jobs never exceeds ``max_queued_steps``; the number of
@@ -52,6 +75,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 from collections import OrderedDict
@@ -67,7 +91,9 @@ from proto.errors import (
     BadFrameError,
     ChunkSequenceError,
     ContextExceededError,
+    DownstreamFailedError,
     InternalError,
+    NoHistoryError,
     PositionMismatchError,
     ProtocolError,
     ResourceExhaustedError,
@@ -113,6 +139,10 @@ class ServingSpec:
     reattach_window_s: float = 30.0
     busy_retry_after_ms: int = 50
     limits: codec.FrameLimits = codec.DEFAULT_LIMITS
+    max_pending_steps: int = 8  # per session, behind the one computing
+    max_pending_bytes: int = 256 * 1024 * 1024  # decoded tensors of pending steps, all sessions
+    max_history_bytes: int = 64 * 1024 * 1024  # kept pushed outputs per session (OPEN may ask less)
+    max_history_total_bytes: int = 512 * 1024 * 1024  # all sessions; the oldest histories go first
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -206,7 +236,16 @@ class Drop:
     job_id: int
 
 
-Action = Send | OpenKv | TruncateKv | FreeKv | Compute | Drop
+@dataclass(frozen=True)
+class Push:
+    """Frames for another node (``target.address``), pushed on a stream of this session."""
+
+    session_id: str
+    target: frame_pb2.PushTarget
+    frames: tuple[frame_pb2.Frame, ...]
+
+
+Action = Send | OpenKv | TruncateKv | FreeKv | Compute | Drop | Push
 EngineEffect = OpenKv | TruncateKv | FreeKv | Compute | Drop
 
 # Checks a route ticket (the raw OpenSession.route_ticket bytes) for this node;
@@ -230,8 +269,9 @@ class _Session:
     kv_len: int = 0
     last_step_id: int = 0
     last_reply: tuple[frame_pb2.Frame, ...] = ()
-    history: list[int] = field(default_factory=list)  # last stage: applied token ids, = its KV
+    history_tokens: list[int] = field(default_factory=list)  # last stage: applied token ids, = its KV
     busy_job: int | None = None
+    busy_conn: int | None = None
     busy_step: codec.Step | None = None
     busy_frame: frame_pb2.Frame | None = None
     assembler: codec.StepAssembler | None = None
@@ -239,6 +279,73 @@ class _Session:
     assembling_first: frame_pb2.Frame | None = None
     ignore_step: int = 0  # chunks (index > 0) of this step id are ignored silently
     expires_at: float = 0.0
+    open_step_id: int = 0  # B of the epoch: data steps have ids B + start + 1
+    downstream: frame_pb2.PushTarget | None = None
+    ring: frame_pb2.PushTarget | None = None
+    upstream_token: bytes = b""
+    pending: list[_Pending] = field(default_factory=list)
+    accepted_end: int = 0  # KV length once the busy and pending steps are applied
+    accepted_step: int = 0  # highest step id accepted (busy or pending)
+    history_limit: int = 0
+    history: _History | None = None
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: codec.Step
+    frame: frame_pb2.Frame
+    conn: int
+    nbytes: int
+
+
+class _History:
+    """The outputs a stage pushed, bounded: position-ordered rows and their token ids."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.rows: list[npt.NDArray[np.float32]] = []
+        self.tokens: list[npt.NDArray[np.int32]] = []
+        self.end = 0
+        self.nbytes = 0
+        self.overflowed = False
+
+    def add(self, start: int, rows: npt.NDArray[np.float32], tokens: npt.NDArray[np.int32]) -> int:
+        """Keep rows for positions [start, start + n); returns the bytes added (0 when not kept)."""
+        if self.overflowed:
+            return 0
+        if start < self.end:  # a truncation (re-attach) came first: drop what follows start
+            self.truncate(start)
+        if start != self.end or self.nbytes + rows.nbytes > self.limit:
+            self.overflowed = True
+            self.release()
+            return 0
+        self.rows.append(rows)
+        self.tokens.append(tokens)
+        self.end += len(rows)
+        self.nbytes += rows.nbytes
+        return rows.nbytes
+
+    def truncate(self, position: int) -> None:
+        if position >= self.end:
+            return
+        rows = np.concatenate(self.rows)[:position] if self.rows else np.zeros((0, 0), np.float32)
+        tokens = np.concatenate(self.tokens)[:position] if self.tokens else np.zeros(0, np.int32)
+        self.rows, self.tokens = ([rows], [tokens]) if position else ([], [])
+        self.end = position
+        self.nbytes = rows.nbytes if position else 0
+
+    def release(self) -> None:
+        self.rows, self.tokens, self.nbytes = [], [], 0
+
+    def covers(self, end: int) -> bool:
+        return not self.overflowed and self.end >= end
+
+    def span(self, start: int, end: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
+        rows = np.concatenate(self.rows) if len(self.rows) > 1 else self.rows[0]
+        tokens = np.concatenate(self.tokens) if len(self.tokens) > 1 else self.tokens[0]
+        if len(self.rows) > 1:  # keep one array: later spans need no concatenation
+            self.rows, self.tokens = [rows], [tokens]
+        return rows[start:end], tokens[start:end]
 
 
 @dataclass(frozen=True)
@@ -253,12 +360,16 @@ class MachineStats:
     sessions: int
     busy_sessions: int
     queued_jobs: int
+    pending_steps: int
+    pending_bytes: int
+    history_bytes: int
     kv_tokens_used: int
     kv_tokens_granted: int
     kv_tokens_capacity: int
     connections: int
     frames_in: int
     frames_out: int
+    frames_pushed: int
     replays: int
     evictions: int
     errors_by_status: dict[str, int]
@@ -279,9 +390,13 @@ class FrameServer:
         self._conns: set[int] = set()
         self._frames_in = 0
         self._frames_out = 0
+        self._frames_pushed = 0
         self._replays = 0
         self._evictions = 0
         self._errors: dict[str, int] = {}
+        self._pending_bytes = 0
+        self._history_bytes = 0
+        self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
         self.draining = False
 
     # -- connections ---------------------------------------------------------------------------
@@ -292,7 +407,7 @@ class FrameServer:
         return conn
 
     def disconnect(self, conn: int, now: float) -> list[Action]:
-        """The connection ended: its sessions wait ``reattach_window_s`` for a re-OPEN."""
+        """The connection ended: sessions it owned wait ``reattach_window_s`` for a re-OPEN."""
         self._conns.discard(conn)
         for sess in self._sessions.values():
             if sess.conn == conn:
@@ -347,6 +462,27 @@ class FrameServer:
         self._frames_out += len(frames)
         return Send(conn, frames)
 
+    def _push(
+        self, sess: _Session, target: frame_pb2.PushTarget, frames: list[frame_pb2.Frame]
+    ) -> Action | None:
+        """Frames for ``target``: pushed to its address, or through the owner when it has none."""
+        self._frames_pushed += len(frames)
+        if target.address:
+            return Push(sess.session_id, target, tuple(frames))
+        if sess.conn is None:
+            return None  # the owner is gone: the step's output waits for a re-attach and a replay
+        return self._send(sess.conn, tuple(frames))
+
+    def _header(self, sess: _Session) -> codec.SessionHeader:
+        return codec.SessionHeader(
+            sess.session_id,
+            sess.epoch,
+            self.spec.model_fingerprint,
+            self.spec.recipe_fingerprint,
+            self.spec.shard_start,
+            self.spec.shard_end,
+        )
+
     # -- OPEN ----------------------------------------------------------------------------------
 
     def _open(self, conn: int, frame: frame_pb2.Frame, now: float) -> list[Action]:
@@ -375,6 +511,7 @@ class FrameServer:
                 f"KV budget of {budget} tokens asked; this node grants at most "
                 f"{self.spec.session_kv_tokens} per session"
             )
+        self._check_targets(frame.open)
         sampling = self._sampling(frame.open.sampling)
         max_out = self.spec.limits.max_frame_bytes
         if frame.open.max_frame_bytes:
@@ -400,10 +537,40 @@ class FrameServer:
             last_step_id=int(frame.step_id),
             expires_at=now + self.spec.idle_lease_s,
         )
+        self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)
         self._sessions[sid] = sess
         event(log, "session_opened", session_id=sid, epoch=sess.epoch, kv_budget=budget, conn=conn)
         return [OpenKv(sid, budget, sampling), self._send(conn, reply)]
+
+    def _check_targets(self, body: frame_pb2.OpenSession) -> None:
+        if body.HasField("downstream") and self.spec.is_last:
+            raise BadFrameError("the last stage has no downstream stage")
+        if body.HasField("ring") and not self.spec.is_last:
+            raise BadFrameError("only the last stage pushes the next decode step (ring)")
+
+    def _configure_push(self, sess: _Session, frame: frame_pb2.Frame) -> None:
+        body = frame.open
+        sess.open_step_id = int(frame.step_id)
+        sess.downstream = frame_pb2.PushTarget() if body.HasField("downstream") else None
+        if sess.downstream is not None:
+            sess.downstream.CopyFrom(body.downstream)
+        sess.ring = frame_pb2.PushTarget() if body.HasField("ring") else None
+        if sess.ring is not None:
+            sess.ring.CopyFrom(body.ring)
+        sess.upstream_token = bytes(body.upstream_token)
+        sess.accepted_end = sess.kv_len
+        sess.accepted_step = sess.last_step_id
+        limit = 0 if self.spec.is_last else min(int(body.history_bytes), self.spec.max_history_bytes)
+        if sess.history is not None and sess.history.limit != limit:
+            self._drop_history(sess)
+        if limit > 0:
+            if sess.history is None:
+                sess.history = _History(limit)
+                self._histories[sess.session_id] = None
+            before = sess.history.nbytes
+            sess.history.truncate(sess.kv_len)
+            self._history_bytes += sess.history.nbytes - before
 
     def _reattach(
         self,
@@ -423,10 +590,11 @@ class FrameServer:
             )
         keep = int(frame.expected_kv_len)
         actions: list[Action] = []
+        self._drop_pending(sess)
         if keep < sess.kv_len:
             actions.append(TruncateKv(sess.session_id, keep))
             sess.kv_len = keep
-            del sess.history[keep:]
+            del sess.history_tokens[keep:]
         sess.conn = conn
         sess.epoch = int(frame.route_epoch)
         # The KV budget and the sampling settings were fixed when the engine opened the sequence; a
@@ -436,6 +604,7 @@ class FrameServer:
         sess.assembler = None
         sess.ignore_step = 0
         sess.expires_at = now + self.spec.idle_lease_s
+        self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=True)
         event(
             log,
@@ -505,18 +674,24 @@ class FrameServer:
             if frame.HasField("chunk") and frame.chunk.index > 0:
                 return []  # the rest of a step whose first chunk was already refused
             raise SessionClosedError(f"session {sid!r} was {closed.reason}")
+        owner = conn == sess.conn
+        if not owner:
+            self._check_sender(frame, kind, sess)
         if frame.route_epoch != sess.epoch:
             raise RouteEpochError(
                 f"frame of route epoch {frame.route_epoch}; the session is at epoch {sess.epoch}"
             )
         if kind == "cancel":
             return self._close(conn, frame, sess, "cancelled")
+        if kind == "replay":
+            return self._replay_history(conn, frame, sess)
+        reply_conn = conn if owner else sess.conn
         if frame.step_id == sess.last_step_id:
             if frame.HasField("chunk") and frame.chunk.index > 0:
                 return []  # chunks after chunk 0 of a replayed step
             if kind == "activation" and frame.HasField("chunk"):
                 sess.ignore_step = int(frame.step_id)
-            return self._replay(conn, sess)
+            return [] if reply_conn is None else self._replay(reply_conn, sess)
         if frame.step_id < sess.last_step_id:
             raise StepConflictError(
                 f"step id {frame.step_id} is not above the last applied {sess.last_step_id}"
@@ -524,6 +699,20 @@ class FrameServer:
         if kind == "release":
             return self._close(conn, frame, sess, "released")
         return self._step(conn, frame, sess, now)
+
+    def _check_sender(self, frame: frame_pb2.Frame, kind: str | None, sess: _Session) -> None:
+        """A frame from a connection that does not own the session: only a step pushed with the token."""
+        if kind != "activation":
+            raise TicketInvalidError(
+                f"only the connection that opened session {sess.session_id!r} may send "
+                f"{kind!r} frames for it",
+                session_closed=False,
+            )
+        token = bytes(frame.activation.hop_token)
+        if not sess.upstream_token or not hmac.compare_digest(token, sess.upstream_token):
+            raise TicketInvalidError(
+                "a step from another connection needs the session's hop token", session_closed=False
+            )
 
     def _replay(self, conn: int, sess: _Session) -> list[Action]:
         self._replays += 1
@@ -541,7 +730,7 @@ class FrameServer:
             actions.append(Drop(sess.busy_job))
             self._jobs.pop(sess.busy_job, None)  # its result is dropped, never sent
         freed = sess.kv_len
-        del self._sessions[sess.session_id]
+        self._forget(sess)
         actions.append(FreeKv(sess.session_id))
         reply = (codec.closed_frame(frame, freed_kv_tokens=freed),)
         self._remember_closed(sess.session_id, _Closed(reason, int(frame.step_id), reply))
@@ -549,11 +738,89 @@ class FrameServer:
         actions.append(self._send(conn, reply))
         return actions
 
+    def _forget(self, sess: _Session) -> None:
+        """Drop a session's state (its KV is freed by the caller's FreeKv)."""
+        self._drop_pending(sess)
+        self._drop_history(sess)
+        self._sessions.pop(sess.session_id, None)
+
     def _remember_closed(self, sid: str, closed: _Closed) -> None:
         self._closed[sid] = closed
         self._closed.move_to_end(sid)
         while len(self._closed) > MAX_CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
+
+    # -- pending steps and kept outputs -----------------------------------------------------------
+
+    def _drop_pending(self, sess: _Session) -> None:
+        for p in sess.pending:
+            self._pending_bytes -= p.nbytes
+        sess.pending.clear()
+        sess.accepted_end = sess.kv_len
+        sess.accepted_step = sess.last_step_id
+
+    def _drop_history(self, sess: _Session) -> None:
+        if sess.history is not None:
+            self._history_bytes -= sess.history.nbytes
+            sess.history.release()
+            sess.history = None
+        self._histories.pop(sess.session_id, None)
+
+    def _keep_output(
+        self, sess: _Session, start: int, rows: npt.NDArray[np.float32], tokens: npt.NDArray[np.int32]
+    ) -> None:
+        history = sess.history
+        if history is None:
+            return
+        before = history.nbytes
+        history.add(start, rows, tokens)
+        self._history_bytes += history.nbytes - before
+        self._histories.move_to_end(sess.session_id)
+        while self._history_bytes > self.spec.max_history_total_bytes and self._histories:
+            oldest = next(iter(self._histories))
+            victim = self._sessions.get(oldest)
+            self._histories.pop(oldest)
+            if victim is not None and victim.history is not None:
+                self._history_bytes -= victim.history.nbytes
+                victim.history.release()
+                victim.history.overflowed = True
+
+    def _replay_history(self, conn: int, frame: frame_pb2.Frame, sess: _Session) -> list[Action]:
+        """REPLAY: push the kept outputs of [0, end) to the new downstream, as replayed steps."""
+        body = frame.replay
+        end = int(body.end)
+        history = sess.history
+        if history is None or not history.covers(end):
+            kept = "none" if history is None or history.overflowed else f"[0, {history.end})"
+            raise NoHistoryError(f"outputs of [0, {end}) were not kept here (kept: {kept})")
+        if end > sess.kv_len:
+            raise PositionMismatchError(f"replay up to {end}; this stage holds {sess.kv_len} positions")
+        header = codec.target_header(self._header(sess), body.target)
+        frames: list[frame_pb2.Frame] = []
+        steps = 0
+        for start in range(0, end, int(body.step_tokens)):
+            stop = min(end, start + int(body.step_tokens))
+            rows, tokens = history.span(start, stop)
+            frames += codec.step_frames(
+                header,
+                frame_pb2.PHASE_PREFILL,
+                step_id=sess.open_step_id + start + 1,
+                start=start,
+                token_ids=tokens.tolist() if len(tokens) == len(rows) else None,
+                hidden=rows,
+                hop_token=body.target.hop_token,
+                replay=True,
+                max_frame_bytes=self.spec.limits.max_frame_bytes,
+            )
+            steps += 1
+        actions: list[Action] = []
+        pushed = self._push(sess, body.target, frames)
+        if pushed is not None:
+            actions.append(pushed)
+        ack = codec.replay_ack_frame(frame, kv_len=sess.kv_len, steps=steps, positions=end)
+        actions.append(self._send(conn, (ack,)))
+        event(log, "history_replayed", session_id=sess.session_id, positions=end, steps=steps)
+        return actions
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -604,32 +871,29 @@ class FrameServer:
         sess.assembler = None
         sess.assembling_first = None
         try:
-            job = self._job(step, sess)
+            actions += self._accept(conn, frame, step, sess, now)
         except ProtocolError as exc:
             if chunked:
                 sess.ignore_step = int(frame.step_id)
             actions.append(self._error(conn, exc, frame, sess.kv_len))
-            return actions
-        sess.busy_job = job.job_id
-        sess.busy_step = step
-        sess.busy_frame = frame
-        sess.conn = conn
-        sess.expires_at = now + self.spec.idle_lease_s
-        self._jobs[job.job_id] = sess.session_id
-        actions.append(Compute(job))
         return actions
 
     def _assemble(self, frame: frame_pb2.Frame, sess: _Session, first_chunk: bool) -> codec.Step | None:
-        if sess.busy_job is not None:
-            raise ResourceExhaustedError(
-                "a step of this session is still running; steps of one session go one at a time",
-                retry=status_pb2.RETRY_SAME,
-                retry_after_ms=self.spec.busy_retry_after_ms,
-            )
         if first_chunk:
-            if frame.expected_kv_len != sess.kv_len:
+            if frame.step_id <= sess.accepted_step:
+                raise ResourceExhaustedError(
+                    f"step {frame.step_id} is already queued or running on this node",
+                    retry=status_pb2.RETRY_SAME,
+                    retry_after_ms=self.spec.busy_retry_after_ms,
+                )
+            if frame.expected_kv_len != sess.accepted_end:
                 raise PositionMismatchError(
                     f"step expects KV length {frame.expected_kv_len}; the node holds {sess.kv_len}"
+                    + (
+                        f" and has steps queued up to {sess.accepted_end}"
+                        if sess.accepted_end != sess.kv_len
+                        else ""
+                    )
                 )
         if frame.positions.end > sess.budget:
             raise ContextExceededError(
@@ -642,7 +906,55 @@ class FrameServer:
         assert sess.assembler is not None  # set just above for chunk 0; checked by the caller otherwise
         return sess.assembler.add(frame)
 
-    def _job(self, step: codec.Step, sess: _Session) -> StepJob:
+    def _accept(
+        self, conn: int, frame: frame_pb2.Frame, step: codec.Step, sess: _Session, now: float
+    ) -> list[Action]:
+        """A whole step passed every check: compute it now, or queue it behind the running one."""
+        if sess.busy_job is None:
+            job = self._job(step, sess, check_queue=True)
+            self._run(sess, job, step, frame, conn)
+            actions: list[Action] = [Compute(job)]
+        else:
+            self._job(step, sess, check_queue=False)  # the same checks now, so a refusal is immediate
+            nbytes = sum(int(t.nbytes) for t in step.tensors.values())
+            if len(sess.pending) >= self.spec.max_pending_steps:
+                raise ResourceExhaustedError(
+                    f"{len(sess.pending)} steps of this session are already waiting here",
+                    retry=status_pb2.RETRY_SAME,
+                    retry_after_ms=self.spec.busy_retry_after_ms,
+                )
+            if self._pending_bytes + nbytes > self.spec.max_pending_bytes:
+                raise ResourceExhaustedError(
+                    "this node's queue of waiting steps is full",
+                    retry=status_pb2.RETRY_SAME,
+                    retry_after_ms=self.spec.busy_retry_after_ms,
+                )
+            sess.pending.append(_Pending(step, frame, conn, nbytes))
+            self._pending_bytes += nbytes
+            actions = []
+        sess.accepted_end = step.end
+        sess.accepted_step = step.step_id
+        sess.expires_at = now + self.spec.idle_lease_s
+        return actions
+
+    def _run(self, sess: _Session, job: StepJob, step: codec.Step, frame: frame_pb2.Frame, conn: int) -> None:
+        sess.busy_job = job.job_id
+        sess.busy_step = step
+        sess.busy_frame = frame
+        sess.busy_conn = conn
+        self._jobs[job.job_id] = sess.session_id
+
+    def _start_next(self, sess: _Session) -> list[Action]:
+        """The step waiting behind the one that just finished, if any, goes to the engine."""
+        if not sess.pending or sess.busy_job is not None:
+            return []
+        p = sess.pending.pop(0)
+        self._pending_bytes -= p.nbytes
+        job = self._job(p.step, sess, check_queue=False)
+        self._run(sess, job, p.step, p.frame, p.conn)
+        return [Compute(job)]
+
+    def _job(self, step: codec.Step, sess: _Session, *, check_queue: bool) -> StepJob:
         n = step.n_tokens
         tokens: npt.NDArray[np.int32] | None = None
         hidden: npt.NDArray[np.float32] | None = None
@@ -668,12 +980,10 @@ class FrameServer:
             if not np.isfinite(h).all():
                 raise ShapeError("hidden states contain NaN or infinity")
             hidden = np.ascontiguousarray(h, dtype=np.float32)
-        if step.sample and not self.spec.is_last:
-            raise BadFrameError("sample is set on a stage that is not last")
         history: npt.NDArray[np.int32] | None = None
         if self.spec.is_last and sess.sampling.repetition_penalty != 1.0:
-            history = np.asarray([*sess.history, *step.token_ids.tolist()], dtype=np.int32)
-        if len(self._jobs) >= self.spec.max_queued_steps:
+            history = np.asarray([*sess.history_tokens, *step.token_ids.tolist()], dtype=np.int32)
+        if check_queue and len(self._jobs) >= self.spec.max_queued_steps:
             raise ResourceExhaustedError(
                 f"step queue full ({self.spec.max_queued_steps} steps)",
                 retry=status_pb2.RETRY_SAME,
@@ -685,7 +995,7 @@ class FrameServer:
             start=step.start,
             tokens=tokens,
             hidden=hidden,
-            sample=step.sample,
+            sample=step.sample and self.spec.is_last and not step.replay,
             history=history,
             is_decode=step.phase == frame_pb2.PHASE_DECODE,
         )
@@ -693,7 +1003,7 @@ class FrameServer:
     # -- outcomes ----------------------------------------------------------------------------------
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Action]:
-        """A job finished on the engine: the reply for its session (if the session still wants it)."""
+        """A job finished on the engine: its reports and pushes, then the next waiting step."""
         sid = self._jobs.pop(outcome.job_id, None)
         sess = self._sessions.get(sid) if sid is not None else None
         if (
@@ -711,60 +1021,148 @@ class FrameServer:
         )
         sess.kv_len = outcome.kv_len
         if outcome.error_status is not None:
-            cls = error_class(
-                getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL)
-            )
-            if outcome.error_status == "UNKNOWN_SESSION":  # the engine lost the sequence: drop ours too
-                conn = sess.conn
-                actions = self.fail_session(
-                    sess.session_id, outcome.error_message or "engine lost the session"
-                )
-                lost = cls(outcome.error_message or "the engine lost this session", session_closed=True)
-                return actions + ([] if conn is None else [self._error(conn, lost, frame, 0)])
-            # The engine rolled the step back; the session is intact and the step may be retried.
-            exc = cls(outcome.error_message or outcome.error_status, session_closed=False)
-            if step.n_frames > 1:
-                sess.ignore_step = step.step_id
-            return [] if sess.conn is None else [self._error(sess.conn, exc, frame, sess.kv_len)]
-        sampled = []
-        if outcome.sampled is not None:
-            s = outcome.sampled
-            token = frame_pb2.SampledToken(
-                token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
-            )
-            token.top_logprobs.extend(
-                frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs
-            )
-            sampled.append(token)
+            return self._failed_step(sess, step, frame, outcome)
         try:
+            actions = self._outputs(sess, step, outcome)
+        except ProtocolError as exc:
+            # Could not encode the output (e.g. f16 overflow): the KV advanced, so report it as applied
+            # but failed; the gateway re-opens to truncate.
+            self._drop_pending(sess)
+            err = InternalError(f"cannot encode the step's output: {exc.message}", session_closed=False)
+            return [] if sess.conn is None else [self._error(sess.conn, err, frame, sess.kv_len)]
+        sess.last_step_id = step.step_id
+        if self.spec.is_last and len(step.token_ids):
+            sess.history_tokens.extend(step.token_ids.tolist())
+        return actions + self._start_next(sess)
+
+    def _failed_step(
+        self, sess: _Session, step: codec.Step, frame: frame_pb2.Frame, outcome: StepOutcome
+    ) -> list[Action]:
+        self._drop_pending(sess)  # they follow a step that did not happen
+        cls = error_class(getattr(status_pb2, f"STATUS_{outcome.error_status}", status_pb2.STATUS_INTERNAL))
+        if outcome.error_status == "UNKNOWN_SESSION":  # the engine lost the sequence: drop ours too
+            conn = sess.conn
+            actions = self.fail_session(sess.session_id, outcome.error_message or "engine lost the session")
+            lost = cls(outcome.error_message or "the engine lost this session", session_closed=True)
+            return actions + ([] if conn is None else [self._error(conn, lost, frame, 0)])
+        # The engine rolled the step back; the session is intact and the step may be retried.
+        exc = cls(outcome.error_message or outcome.error_status or "INTERNAL", session_closed=False)
+        if step.n_frames > 1:
+            sess.ignore_step = step.step_id
+        return [] if sess.conn is None else [self._error(sess.conn, exc, frame, sess.kv_len)]
+
+    def _outputs(self, sess: _Session, step: codec.Step, outcome: StepOutcome) -> list[Action]:
+        """What a finished step sends: a report or result to the owner, pushes to the next stage."""
+        actions: list[Action] = []
+        owner = sess.conn
+        if self.spec.is_last:
+            sampled = []
+            if outcome.sampled is not None:
+                s = outcome.sampled
+                token = frame_pb2.SampledToken(
+                    token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
+                )
+                token.top_logprobs.extend(
+                    frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs
+                )
+                sampled.append(token)
+            replies = codec.result_frames(
+                step, kv_len=sess.kv_len, sampled=sampled, compute_us=outcome.compute_us
+            )
+            sess.last_reply = tuple(replies)
+            if owner is not None:
+                actions.append(self._send(owner, tuple(replies)))
+            ring = sess.ring
+            s = outcome.sampled
+            if ring is not None and s is not None and not s.end_of_generation and step.end + 1 <= sess.budget:
+                # The next decode step goes straight to the first stage: step ids follow positions.
+                frames = codec.step_frames(
+                    codec.target_header(self._header(sess), ring),
+                    frame_pb2.PHASE_DECODE,
+                    step_id=step.step_id + step.n_tokens,
+                    start=step.end,
+                    token_ids=[s.token_id],
+                    sample=True,
+                    hop_token=ring.hop_token,
+                    max_frame_bytes=self.spec.limits.max_frame_bytes,
+                )
+                pushed = self._push(sess, ring, frames)
+                if pushed is not None:
+                    actions.append(pushed)
+            return actions
+        hidden = outcome.hidden
+        if hidden is None:
+            raise InternalError("a stage before the last produced no hidden states")
+        digest = codec.output_digest(hidden)
+        target = sess.downstream
+        if target is None:  # no push: the outputs go back to the owner, as in schema 1
             replies = codec.result_frames(
                 step,
                 kv_len=sess.kv_len,
-                hidden=outcome.hidden,
-                sampled=sampled,
+                hidden=hidden,
                 compute_us=outcome.compute_us,
+                digest=digest,
                 encoding=sess.out_encoding,
                 block_size=sess.out_block_size,
                 max_frame_bytes=sess.out_max_frame_bytes,
             )
-        except ProtocolError as exc:
-            # Could not encode the output (e.g. f16 overflow): the KV advanced, so report it as applied
-            # but failed; the gateway re-opens to truncate.
-            err = InternalError(f"cannot encode the step's output: {exc.message}", session_closed=False)
-            return [] if sess.conn is None else [self._error(sess.conn, err, frame, sess.kv_len)]
-        sess.last_step_id = step.step_id
-        sess.last_reply = tuple(replies)
-        if self.spec.is_last and len(step.token_ids):
-            sess.history.extend(step.token_ids.tolist())
-        return [] if sess.conn is None else [self._send(sess.conn, tuple(replies))]
+            sess.last_reply = tuple(replies)
+            return [] if owner is None else [self._send(owner, tuple(replies))]
+        tokens = step.token_ids
+        frames = codec.step_frames(
+            codec.target_header(self._header(sess), target),
+            step.phase,
+            step_id=step.step_id,
+            start=step.start,
+            token_ids=tokens.tolist() if len(tokens) else None,
+            hidden=hidden,
+            sample=step.sample,
+            encoding=sess.out_encoding,
+            block_size=sess.out_block_size,
+            hop_token=target.hop_token,
+            max_frame_bytes=self.spec.limits.max_frame_bytes,
+        )
+        if sess.history is not None:
+            # Keep what the next stage received (decoded again when the encoding is lossy).
+            kept = (
+                hidden
+                if sess.out_encoding == frame_pb2.ENCODING_F32
+                else codec.reassemble(frames).tensors[codec.HIDDEN]
+            )
+            self._keep_output(sess, step.start, kept, tokens)
+        if not step.replay:
+            pushed = self._push(sess, target, frames)
+            if pushed is not None:
+                actions.append(pushed)
+        report = codec.result_frames(
+            step, kv_len=sess.kv_len, compute_us=outcome.compute_us, digest=digest, pushed=True
+        )
+        sess.last_reply = tuple(report)
+        if owner is not None:
+            actions.append(self._send(owner, tuple(report)))
+        return actions
+
+    def push_failed(self, session_id: str, message: str) -> list[Action]:
+        """The transport could not deliver a push of this session: tell the owner (the next stage failed)."""
+        sess = self._sessions.get(session_id)
+        if sess is None or sess.conn is None:
+            return []
+        notice = self._header(sess).frame(
+            frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=sess.kv_len
+        )
+        exc = DownstreamFailedError(message)
+        notice.error.CopyFrom(error_body(exc))
+        self._errors[exc.status_name] = self._errors.get(exc.status_name, 0) + 1
+        return [self._send(sess.conn, (notice,))]
 
     def fail_session(self, session_id: str, message: str) -> list[Action]:
         """The engine could not carry out an effect for this session (it should not happen): drop it."""
-        sess = self._sessions.pop(session_id, None)
+        sess = self._sessions.get(session_id)
         if sess is None:
             return []
         if sess.busy_job is not None:
             self._jobs.pop(sess.busy_job, None)
+        self._forget(sess)
         self._remember_closed(session_id, _Closed("failed", sess.last_step_id, ()))
         event(log, "session_failed", level=logging.ERROR, session_id=session_id, message=message)
         return [FreeKv(session_id)]
@@ -776,7 +1174,7 @@ class FrameServer:
         actions: list[Action] = []
         for sid, sess in list(self._sessions.items()):
             if sess.busy_job is None and now >= sess.expires_at:
-                del self._sessions[sid]
+                self._forget(sess)
                 self._evictions += 1
                 self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
                 event(log, "session_evicted", session_id=sid, freed_kv_tokens=sess.kv_len)
@@ -793,20 +1191,15 @@ class FrameServer:
                 self._jobs.pop(sess.busy_job, None)
             if sess.conn is not None:
                 # Unsolicited: tells the gateway at once to replace this stage and replay.
-                notice = codec.SessionHeader(
-                    sid,
-                    sess.epoch,
-                    self.spec.model_fingerprint,
-                    self.spec.recipe_fingerprint,
-                    self.spec.shard_start,
-                    self.spec.shard_end,
-                ).frame(frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=0)
+                notice = self._header(sess).frame(
+                    frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=0
+                )
                 notice.error.CopyFrom(
                     error_body(UnavailableError("node is shutting down; the session was freed"))
                 )
                 notice.error.session_closed = True
                 actions.append(self._send(sess.conn, (notice,)))
-            del self._sessions[sid]
+            self._forget(sess)
             self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
             actions.append(FreeKv(sid))
         return actions
@@ -814,8 +1207,10 @@ class FrameServer:
     # -- introspection -------------------------------------------------------------------------------
 
     def busy_on(self, conn: int) -> int:
-        """Steps of sessions on ``conn`` whose replies are still to come."""
-        return sum(1 for s in self._sessions.values() if s.conn == conn and s.busy_job is not None)
+        """Steps of sessions owned by ``conn`` whose replies are still to come."""
+        return sum(
+            1 + len(s.pending) for s in self._sessions.values() if s.conn == conn and s.busy_job is not None
+        )
 
     def kv_len(self, session_id: str) -> int | None:
         sess = self._sessions.get(session_id)
@@ -827,12 +1222,16 @@ class FrameServer:
             sessions=len(sessions),
             busy_sessions=sum(1 for s in sessions if s.busy_job is not None),
             queued_jobs=len(self._jobs),
+            pending_steps=sum(len(s.pending) for s in sessions),
+            pending_bytes=self._pending_bytes,
+            history_bytes=self._history_bytes,
             kv_tokens_used=sum(s.kv_len for s in sessions),
             kv_tokens_granted=sum(s.budget for s in sessions),
             kv_tokens_capacity=self.spec.max_sessions * self.spec.session_kv_tokens,
             connections=len(self._conns),
             frames_in=self._frames_in,
             frames_out=self._frames_out,
+            frames_pushed=self._frames_pushed,
             replays=self._replays,
             evictions=self._evictions,
             errors_by_status=dict(self._errors),

@@ -24,6 +24,7 @@ Invariants the functions here guarantee or check:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -56,19 +57,27 @@ from proto.tensor_codec import (
     tensor_layout,
 )
 
-SCHEMA_VERSION = 1
+SERVICE = "swarm.v1.ShardService"
+SESSION_METHOD = f"/{SERVICE}/Session"  # gRPC method paths of the ShardService (raw bytes, no serializers)
+INFO_METHOD = f"/{SERVICE}/Info"
+HEALTH_METHOD = f"/{SERVICE}/Health"
+VOCAB_METHOD = f"/{SERVICE}/GetVocab"
+SCHEMA_VERSION = 2  # 2: direct push (PushTarget, hop tokens, reports, REPLAY)
 HIDDEN = "hidden"  # name of the hidden-state tensor, float32 [n_tokens, n_embd]
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # gRPC's default receive limit
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _LOGPROB_SLACK = 1e-4
-_REQUEST_BODIES = frozenset({"open", "activation", "release", "cancel"})
+_REQUEST_BODIES = frozenset({"open", "activation", "release", "cancel", "replay"})
+MAX_TOKEN_BYTES = 64  # hop tokens and upstream tokens
+MAX_ADDRESS_CHARS = 256
 _BODIES_BY_PHASE: dict[int, frozenset[str]] = {
     frame_pb2.PHASE_OPEN: frozenset({"open", "open_ack", "error"}),
     frame_pb2.PHASE_PREFILL: frozenset({"activation", "result", "error"}),
     frame_pb2.PHASE_DECODE: frozenset({"activation", "result", "error"}),
     frame_pb2.PHASE_RELEASE: frozenset({"release", "closed", "error"}),
     frame_pb2.PHASE_CANCEL: frozenset({"cancel", "closed", "error"}),
+    frame_pb2.PHASE_REPLAY: frozenset({"replay", "replay_ack", "error"}),
 }
 # Room for the header, the chunk, tensor metadata and length prefixes when
 # sizing chunks; each built frame is measured afterwards anyway.
@@ -309,6 +318,10 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             raise BadFrameError("negative token id")
         if body.sample and not _is_last_chunk(frame):
             raise BadFrameError("sample is set only on the last chunk of a step")
+        if len(body.hop_token) > MAX_TOKEN_BYTES:
+            raise BadFrameError(f"hop token longer than {MAX_TOKEN_BYTES} bytes")
+        if body.replay and body.sample:
+            raise BadFrameError("a replayed step samples nothing")
         _check_tensors(body.tensors, rows, limits)
     else:
         result = frame.result
@@ -323,7 +336,22 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             # Tolerate rounding noise above 0 (log-softmax of the top token).
             if any(math.isnan(p) or p > _LOGPROB_SLACK for p in logprobs):
                 raise BadFrameError("logprobs must be <= 0 and not NaN")
+        if result.pushed and result.tensors:
+            raise BadFrameError("a pushed step's report carries no tensors")
+        if len(result.output_digest) > 64:
+            raise BadFrameError("output digest longer than 64 bytes")
         _check_tensors(result.tensors, rows, limits)
+
+
+def _validate_target(target: frame_pb2.PushTarget, what: str, limits: FrameLimits) -> None:
+    _check_text(target.node_id, limits.max_id_chars, f"{what} node_id")
+    _check_text(target.address, MAX_ADDRESS_CHARS, f"{what} address")
+    if not target.hop_token or len(target.hop_token) > MAX_TOKEN_BYTES:
+        raise BadFrameError(f"{what} needs a hop token of 1..{MAX_TOKEN_BYTES} bytes")
+    if target.shard.end <= target.shard.start:
+        raise BadFrameError(f"{what} has an empty shard range")
+    if not _FINGERPRINT.fullmatch(target.recipe_fingerprint):
+        raise BadFrameError(f"{what} recipe_fingerprint is not 64 lowercase hex digits")
 
 
 def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
@@ -339,6 +367,14 @@ def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
         raise BadFrameError(f"unknown output encoding {body.output_encoding}")
     if body.output_block_size > MAX_BLOCK_SIZE:
         raise BadFrameError(f"output block size {body.output_block_size} > {MAX_BLOCK_SIZE}")
+    if len(body.upstream_token) > MAX_TOKEN_BYTES:
+        raise BadFrameError(f"upstream token longer than {MAX_TOKEN_BYTES} bytes")
+    if body.HasField("downstream"):
+        _validate_target(body.downstream, "downstream", limits)
+    if body.HasField("ring"):
+        _validate_target(body.ring, "ring", limits)
+        if body.HasField("downstream"):
+            raise BadFrameError("a stage has a downstream (not last) or a ring (last), not both")
     sampling_settings(body.sampling)
 
 
@@ -384,6 +420,10 @@ def validate_frame(frame: frame_pb2.Frame, limits: FrameLimits = DEFAULT_LIMITS)
         _check_text(frame.open_ack.node_id, limits.max_id_chars, "node_id")
     elif kind == "cancel":
         _check_text(frame.cancel.reason, limits.max_text_chars, "cancel reason")
+    elif kind == "replay":
+        _validate_target(frame.replay.target, "replay target", limits)
+        if frame.replay.end < 1 or frame.replay.step_tokens < 1:
+            raise BadFrameError("a replay covers at least one position, in steps of at least one")
 
 
 def parse_frame(data: bytes, limits: FrameLimits = DEFAULT_LIMITS) -> frame_pb2.Frame:
@@ -423,8 +463,17 @@ def open_frame(
     output_block_size: int = 0,
     max_frame_bytes: int = 0,
     keep_kv_len: int = 0,
+    downstream: frame_pb2.PushTarget | None = None,
+    upstream_token: bytes = b"",
+    ring: frame_pb2.PushTarget | None = None,
+    history_bytes: int = 0,
 ) -> frame_pb2.Frame:
-    """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session)."""
+    """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session).
+
+    ``downstream``/``ring``/``upstream_token``/``history_bytes`` set up direct
+    push (docs/protocol.md, Direct push); without them the stage answers every
+    step on the session's own stream.
+    """
     frame = header.frame(frame_pb2.PHASE_OPEN, step_id=step_id, expected_kv_len=keep_kv_len)
     frame.open.route_ticket = route_ticket
     frame.open.kv_budget.max_tokens = kv_budget_tokens
@@ -432,7 +481,63 @@ def open_frame(
     frame.open.output_encoding = output_encoding
     frame.open.output_block_size = output_block_size
     frame.open.max_frame_bytes = max_frame_bytes
+    if downstream is not None:
+        frame.open.downstream.CopyFrom(downstream)
+    if ring is not None:
+        frame.open.ring.CopyFrom(ring)
+    frame.open.upstream_token = upstream_token
+    frame.open.history_bytes = history_bytes
     return frame
+
+
+def push_target(
+    node_id: str, address: str, hop_token: bytes, shard: tuple[int, int], recipe_fingerprint: str
+) -> frame_pb2.PushTarget:
+    """Where a stage pushes: ``address`` empty means through the gateway."""
+    return frame_pb2.PushTarget(
+        node_id=node_id,
+        address=address,
+        hop_token=hop_token,
+        shard=frame_pb2.LayerRange(start=shard[0], end=shard[1]),
+        recipe_fingerprint=recipe_fingerprint,
+    )
+
+
+def replay_frame(
+    header: SessionHeader, *, step_id: int, target: frame_pb2.PushTarget, end: int, step_tokens: int
+) -> frame_pb2.Frame:
+    """REPLAY: push the kept outputs of positions [0, end) to ``target``."""
+    frame = header.frame(frame_pb2.PHASE_REPLAY, step_id=step_id)
+    frame.replay.target.CopyFrom(target)
+    frame.replay.end = end
+    frame.replay.step_tokens = step_tokens
+    return frame
+
+
+def replay_ack_frame(request: frame_pb2.Frame, *, kv_len: int, steps: int, positions: int) -> frame_pb2.Frame:
+    frame = _reply(request, kv_len)
+    frame.replay_ack.steps = steps
+    frame.replay_ack.positions = positions
+    return frame
+
+
+def output_digest(hidden: npt.NDArray[np.float32]) -> bytes:
+    """blake2b-128 of float32 little-endian rows: what two honest nodes agree on bit for bit."""
+    array = np.ascontiguousarray(hidden, dtype="<f4")
+    return hashlib.blake2b(array.tobytes(), digest_size=16).digest()
+
+
+def target_header(header: SessionHeader, target: frame_pb2.PushTarget) -> SessionHeader:
+    """The header of frames pushed to ``target`` for the same session and epoch."""
+    return SessionHeader(
+        session_id=header.session_id,
+        route_epoch=header.route_epoch,
+        model_fingerprint=header.model_fingerprint,
+        recipe_fingerprint=target.recipe_fingerprint,
+        shard_start=target.shard.start,
+        shard_end=target.shard.end,
+        request_id=header.request_id,
+    )
 
 
 def open_ack_frame(
@@ -565,15 +670,20 @@ def step_frames(
     block_size: int = DEFAULT_BLOCK_SIZE,
     checksum_algorithm: frame_pb2.ChecksumAlgorithm = frame_pb2.CHECKSUM_CRC32,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    hop_token: bytes = b"",
+    replay: bool = False,
 ) -> list[frame_pb2.Frame]:
     """A PREFILL or DECODE step starting at position ``start`` (= the KV length expected).
 
     Splits by token rows into as many chunk frames as ``max_frame_bytes``
-    needs; ``sample`` goes on the last one.
+    needs; ``sample`` goes on the last one. ``hop_token`` marks a pushed step,
+    ``replay`` a recovery replay.
     """
     if phase not in (frame_pb2.PHASE_PREFILL, frame_pb2.PHASE_DECODE):
         raise EncodeError(f"a step is PREFILL or DECODE, not {phase}")
     template = header.frame(phase, step_id=step_id, expected_kv_len=start)
+    template.activation.hop_token = hop_token  # in the template, so chunk sizing counts it
+    template.activation.replay = replay
     frames = _split(
         template,
         "activation",
@@ -596,16 +706,21 @@ def result_frames(
     hidden: npt.ArrayLike | None = None,
     sampled: Sequence[frame_pb2.SampledToken] = (),
     compute_us: int = 0,
+    digest: bytes = b"",
+    pushed: bool = False,
     encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32,
     block_size: int = DEFAULT_BLOCK_SIZE,
     checksum_algorithm: frame_pb2.ChecksumAlgorithm = frame_pb2.CHECKSUM_CRC32,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> list[frame_pb2.Frame]:
-    """The node's reply to a reassembled ``step``: output hidden states (chunked) or a sampled token."""
+    """The node's reply to a reassembled ``step``: output hidden states (chunked) or a sampled token.
+
+    With ``pushed`` (or no ``hidden``) it is one report frame without tensors.
+    """
     template = step.header.frame(
         step.phase, step_id=step.step_id, expected_kv_len=step.expected_kv_len, kv_len=kv_len
     )
-    if hidden is None:
+    if hidden is None or pushed:
         frame = template
         frame.positions.start, frame.positions.end = step.start, step.end
         frame.result.SetInParent()
@@ -628,6 +743,8 @@ def result_frames(
             )
     frames[-1].result.sampled.extend(sampled)
     frames[-1].result.compute_us = compute_us
+    frames[-1].result.output_digest = digest
+    frames[-1].result.pushed = pushed
     return frames
 
 
@@ -681,6 +798,7 @@ class Step:
     sampled: tuple[frame_pb2.SampledToken, ...] = ()
     compute_us: int = 0
     n_frames: int = 1
+    replay: bool = False  # a recovery replay: compute and report, push and sample nothing
 
     @property
     def n_tokens(self) -> int:
@@ -805,6 +923,7 @@ class StepAssembler:
             sampled=tuple(last.result.sampled) if kind == "result" else (),
             compute_us=last.result.compute_us if kind == "result" else 0,
             n_frames=self._next_index,
+            replay=kind == "activation" and last.activation.replay,
         )
 
 

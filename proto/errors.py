@@ -24,6 +24,8 @@ Exception tree::
     ├── ChunkSequenceError           STATUS_CHUNK_SEQUENCE
     ├── ContextExceededError         STATUS_CONTEXT_EXCEEDED
     ├── UnavailableError             STATUS_UNAVAILABLE
+    ├── DownstreamFailedError        STATUS_DOWNSTREAM_FAILED the next stage could not take a push
+    ├── NoHistoryError               STATUS_NO_HISTORY       replay asked for outputs not kept
     └── RemoteError                  an Error frame received from the peer (any status)
 
 Every class has the default retry hint that docs/protocol.md gives for its
@@ -198,6 +200,20 @@ class UnavailableError(ProtocolError):
     retry = status_pb2.RETRY_REPLACE
 
 
+class DownstreamFailedError(ProtocolError):
+    """A stage could not push to the next one: the *next* stage is the one to replace."""
+
+    status = status_pb2.STATUS_DOWNSTREAM_FAILED
+    retry = status_pb2.RETRY_REPLACE
+
+
+class NoHistoryError(ProtocolError):
+    """A replay was asked for outputs this node did not keep."""
+
+    status = status_pb2.STATUS_NO_HISTORY
+    retry = status_pb2.RETRY_NONE
+
+
 class RemoteError(ProtocolError):
     """The peer answered with an Error frame; ``status`` is what it reported."""
 
@@ -237,6 +253,8 @@ _BY_STATUS: dict[int, type[ProtocolError]] = {
         ChunkSequenceError,
         ContextExceededError,
         UnavailableError,
+        DownstreamFailedError,
+        NoHistoryError,
     )
 }
 

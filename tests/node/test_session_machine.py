@@ -260,7 +260,7 @@ def test_unreadable_and_wrong_version_frames() -> None:
     h = Harness()
     assert status_of(h.feed(b"\xff\x00 not a frame")) == S.STATUS_BAD_FRAME
     frame = codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=8)
-    frame.schema_version = 2
+    frame.schema_version = codec.SCHEMA_VERSION + 1
     assert status_of(h.feed(frame)) == S.STATUS_SCHEMA_VERSION
     assert status_of(h.feed(b"x" * (codec.DEFAULT_MAX_FRAME_BYTES + 1))) == S.STATUS_TOO_LARGE
 
@@ -373,16 +373,29 @@ def test_cancel_while_busy_drops_the_job_and_its_result() -> None:
     assert h.m.statistics().queued_jobs == 0
 
 
-def test_one_step_at_a_time_and_queue_bound() -> None:
-    h = Harness(max_sessions=4, max_queued_steps=2)
+def test_steps_wait_behind_the_running_one_within_bounds() -> None:
+    h = Harness(max_sessions=4, max_queued_steps=2, max_pending_steps=2)
     for sid in ("a", "b", "c"):
         h.open(sid)
-    h.step("a", 2, 0, 1)
-    (err,) = sends(h.step("a", 3, 1, 1))
+    (first,) = h.step("a", 2, 0, 1)
+    assert h.step("a", 3, 1, 2) == []  # waits behind step 2 (a pipelined prefill's next chunk)
+    assert h.step("a", 4, 3, 1) == []
+    (err,) = sends(h.step("a", 5, 4, 1))
     assert err.error.status == S.STATUS_RESOURCE_EXHAUSTED and err.error.retry == S.RETRY_SAME
+    assert status_of(h.step("a", 4, 3, 1)) == S.STATUS_RESOURCE_EXHAUSTED  # already queued: not twice
+    assert status_of(h.step("a", 9, 1, 1)) == S.STATUS_POSITION_MISMATCH  # must follow the queued ones
+    assert h.m.statistics().pending_steps == 2
+    # each finished step hands the next waiting one to the engine, in order
+    done = h.complete(first.job.job_id, 1, 1)
+    (nxt,) = [a for a in done if isinstance(a, Compute)]
+    assert nxt.job.start == 1 and nxt.job.n_tokens == 2
+    assert [f.step_id for f in sends(done)] == [2]
     h.step("b", 2, 0, 1)
     (err,) = sends(h.step("c", 2, 0, 1))
     assert err.error.status == S.STATUS_RESOURCE_EXHAUSTED and "queue full" in err.error.message
+    # a cancel drops the waiting steps with the session
+    h.feed(codec.cancel_frame(h.header("a"), step_id=50))
+    assert h.m.statistics().pending_steps == 0 and h.m.statistics().pending_bytes == 0
 
 
 def test_engine_error_is_reported_with_the_kv_it_left() -> None:
@@ -421,8 +434,10 @@ def test_epochs_and_reattach() -> None:
     (err,) = sends(h.m.handle(conn2, data, 0.0))
     assert err.error.status == S.STATUS_TICKET_INVALID and not err.error.session_closed
     assert h.m.kv_len("s1") == 4
-    # frames of the old epoch are stale now
-    assert status_of(h.step("s1", 4, 4, 1)) == S.STATUS_ROUTE_EPOCH
+    # the old connection no longer owns the session; frames of the old epoch are stale now
+    assert status_of(h.step("s1", 4, 4, 1)) == S.STATUS_TICKET_INVALID
+    (stale,) = h.step_frames("s1", 4, 4, 1, epoch=1)
+    assert status_of(h.m.handle(conn2, stale.SerializeToString(), 0.0)) == S.STATUS_ROUTE_EPOCH
     (frame,) = h.step_frames("s1", 4, 4, 1, epoch=2)
     (c,) = h.m.handle(conn2, frame.SerializeToString(), 0.0)
     assert isinstance(c, Compute) and c.job.start == 4

@@ -301,7 +301,7 @@ def _mutated(mutate: Callable[[frame_pb2.Frame], object]) -> frame_pb2.Frame:
 @pytest.mark.parametrize(
     ("mutate", "error"),
     [
-        (lambda f: setattr(f, "schema_version", 2), errors.SchemaVersionError),
+        (lambda f: setattr(f, "schema_version", codec.SCHEMA_VERSION + 1), errors.SchemaVersionError),
         (lambda f: setattr(f, "schema_version", 0), errors.BadFrameError),
         (lambda f: f.ClearField("body"), errors.BadFrameError),
         (lambda f: setattr(f, "phase", frame_pb2.PHASE_OPEN), errors.BadFrameError),
@@ -415,7 +415,9 @@ def test_error_frames_round_trip() -> None:
     assert unknown.retry == status_pb2.RETRY_REPLACE and "999" in str(unknown)
     assert errors.InternalError("x").session_closed and not errors.EncodeError("x").session_closed
     with pytest.raises(errors.BadFrameError):
-        codec.parse_frame(frame_pb2.Frame(schema_version=1, error=status_pb2.Error()).SerializeToString())
+        codec.parse_frame(
+            frame_pb2.Frame(schema_version=codec.SCHEMA_VERSION, error=status_pb2.Error()).SerializeToString()
+        )
 
 
 def test_long_error_messages_are_cut_not_rejected() -> None:

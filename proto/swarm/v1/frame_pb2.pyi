@@ -16,6 +16,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_DECODE: _ClassVar[Phase]
     PHASE_RELEASE: _ClassVar[Phase]
     PHASE_CANCEL: _ClassVar[Phase]
+    PHASE_REPLAY: _ClassVar[Phase]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ PHASE_PREFILL: Phase
 PHASE_DECODE: Phase
 PHASE_RELEASE: Phase
 PHASE_CANCEL: Phase
+PHASE_REPLAY: Phase
 ENCODING_UNSPECIFIED: Encoding
 ENCODING_F32: Encoding
 ENCODING_F16: Encoding
@@ -131,6 +133,20 @@ class SamplingParams(_message.Message):
     n_top_logprobs: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ...) -> None: ...
 
+class PushTarget(_message.Message):
+    __slots__ = ("node_id", "address", "hop_token", "shard", "recipe_fingerprint")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    hop_token: bytes
+    shard: LayerRange
+    recipe_fingerprint: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., hop_token: _Optional[bytes] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., recipe_fingerprint: _Optional[str] = ...) -> None: ...
+
 class KvBudget(_message.Message):
     __slots__ = ("max_tokens",)
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -138,20 +154,28 @@ class KvBudget(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes")
+    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes")
     ROUTE_TICKET_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_ENCODING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     route_ticket: bytes
     kv_budget: KvBudget
     sampling: SamplingParams
     output_encoding: Encoding
     output_block_size: int
     max_frame_bytes: int
-    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    downstream: PushTarget
+    upstream_token: bytes
+    ring: PushTarget
+    history_bytes: int
+    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenAck(_message.Message):
     __slots__ = ("node_id", "kv_tokens_granted", "max_frame_bytes", "max_step_tokens", "reattached")
@@ -168,14 +192,18 @@ class OpenAck(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., kv_tokens_granted: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("token_ids", "tensors", "sample")
+    __slots__ = ("token_ids", "tensors", "sample", "hop_token", "replay")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    HOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     sample: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    hop_token: bytes
+    replay: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ..., hop_token: _Optional[bytes] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -198,14 +226,36 @@ class SampledToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., end_of_generation: _Optional[bool] = ...) -> None: ...
 
 class ActivationResult(_message.Message):
-    __slots__ = ("tensors", "sampled", "compute_us")
+    __slots__ = ("tensors", "sampled", "compute_us", "output_digest", "pushed")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     compute_us: int
-    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    output_digest: bytes
+    pushed: bool
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_us: _Optional[int] = ..., output_digest: _Optional[bytes] = ..., pushed: _Optional[bool] = ...) -> None: ...
+
+class Replay(_message.Message):
+    __slots__ = ("target", "end", "step_tokens")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    target: PushTarget
+    end: int
+    step_tokens: int
+    def __init__(self, target: _Optional[_Union[PushTarget, _Mapping]] = ..., end: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
+
+class ReplayAck(_message.Message):
+    __slots__ = ("steps", "positions")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    positions: int
+    def __init__(self, steps: _Optional[int] = ..., positions: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ()
@@ -224,7 +274,7 @@ class Closed(_message.Message):
     def __init__(self, freed_kv_tokens: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("schema_version", "request_id", "session_id", "route_epoch", "model_fingerprint", "recipe_fingerprint", "shard", "phase", "positions", "step_id", "expected_kv_len", "kv_len", "chunk", "open", "open_ack", "activation", "result", "release", "cancel", "closed", "error")
+    __slots__ = ("schema_version", "request_id", "session_id", "route_epoch", "model_fingerprint", "recipe_fingerprint", "shard", "phase", "positions", "step_id", "expected_kv_len", "kv_len", "chunk", "open", "open_ack", "activation", "result", "release", "cancel", "closed", "error", "replay", "replay_ack")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +296,8 @@ class Frame(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ACK_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     request_id: str
     session_id: str
@@ -267,4 +319,6 @@ class Frame(_message.Message):
     cancel: Cancel
     closed: Closed
     error: _status_pb2.Error
-    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., recipe_fingerprint: _Optional[str] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Union[PositionRange, _Mapping]] = ..., step_id: _Optional[int] = ..., expected_kv_len: _Optional[int] = ..., kv_len: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., open_ack: _Optional[_Union[OpenAck, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., result: _Optional[_Union[ActivationResult, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Error, _Mapping]] = ...) -> None: ...
+    replay: Replay
+    replay_ack: ReplayAck
+    def __init__(self, schema_version: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., recipe_fingerprint: _Optional[str] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., positions: _Optional[_Union[PositionRange, _Mapping]] = ..., step_id: _Optional[int] = ..., expected_kv_len: _Optional[int] = ..., kv_len: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., open_ack: _Optional[_Union[OpenAck, _Mapping]] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., result: _Optional[_Union[ActivationResult, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Error, _Mapping]] = ..., replay: _Optional[_Union[Replay, _Mapping]] = ..., replay_ack: _Optional[_Union[ReplayAck, _Mapping]] = ...) -> None: ...

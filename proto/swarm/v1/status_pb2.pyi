@@ -29,6 +29,8 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_CHUNK_SEQUENCE: _ClassVar[Status]
     STATUS_CONTEXT_EXCEEDED: _ClassVar[Status]
     STATUS_UNAVAILABLE: _ClassVar[Status]
+    STATUS_DOWNSTREAM_FAILED: _ClassVar[Status]
+    STATUS_NO_HISTORY: _ClassVar[Status]
 
 class RetryHint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,6 +62,8 @@ STATUS_STEP_CONFLICT: Status
 STATUS_CHUNK_SEQUENCE: Status
 STATUS_CONTEXT_EXCEEDED: Status
 STATUS_UNAVAILABLE: Status
+STATUS_DOWNSTREAM_FAILED: Status
+STATUS_NO_HISTORY: Status
 RETRY_UNSPECIFIED: RetryHint
 RETRY_NONE: RetryHint
 RETRY_SAME: RetryHint

@@ -1,0 +1,179 @@
+"""Direct push: the streams a node opens to the next stages of its sessions.
+
+The session machine emits ``Push(session, target, frames)`` when a step's
+output (or the next decode step, on the last stage) goes to another node
+(docs/protocol.md, Direct push). :class:`PushLinks` keeps one Session stream
+per (session, target address), opened on the first push and closed when the
+session is freed, when its target changes (the stream idles out) or when it
+fails. Pushed frames are fire-and-forget: the receiving node reports to the
+gateway itself; what comes back on a push stream are only its refusals, and
+those, like a stream that cannot be opened or breaks, become a
+``DOWNSTREAM_FAILED`` notice to the session's owner (``on_failure``), so the
+gateway replaces the next stage.
+
+Bounds: at most ``max_links`` links, each with at most ``queue_frames``
+frames waiting (a next stage that does not keep up fails its link rather than
+grow memory); a link unused for ``idle_s`` closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from common.logs import event
+from proto import codec
+from proto.errors import ProtocolError
+from proto.swarm.v1 import frame_pb2, status_pb2
+
+log = logging.getLogger("swarm.node.push")
+
+
+class PushStream(Protocol):
+    async def send(self, data: bytes) -> None: ...
+
+    async def receive(self) -> bytes: ...
+
+
+PushOpener = Callable[[str], AbstractAsyncContextManager[PushStream]]
+FailureCallback = Callable[[str, str], None]  # (session_id, message)
+
+
+@dataclass(eq=False)
+class _Link:
+    session_id: str
+    target: frame_pb2.PushTarget
+    send: trio.MemorySendChannel[bytes]
+    receive: trio.MemoryReceiveChannel[bytes]
+    last_used: float = 0.0
+    pushed: int = 0
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class PushStats:
+    links: int
+    frames_pushed: int
+    link_failures: int
+
+
+@dataclass
+class PushLinks:
+    opener: PushOpener
+    on_failure: FailureCallback
+    max_links: int = 256
+    queue_frames: int = 64
+    idle_s: float = 60.0
+    _links: dict[tuple[str, str], _Link] = field(default_factory=dict)
+    _nursery: trio.Nursery | None = None
+    _frames: int = 0
+    _failures: int = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the link tasks; closes idle links. Started once, in the node's nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await trio.sleep(min(5.0, self.idle_s / 2))
+                now = trio.current_time()
+                for link in list(self._links.values()):
+                    if now - link.last_used > self.idle_s:
+                        self._close(link)
+
+    def push(self, session_id: str, target: frame_pb2.PushTarget, frames: list[bytes]) -> None:
+        """Queue ``frames`` for ``target`` on this session's link (opened on first use)."""
+        key = (session_id, target.address)
+        link = self._links.get(key)
+        if link is None or link.target.hop_token != target.hop_token:
+            if link is not None:
+                self._close(link)  # a new epoch: the old stream goes
+            if self._nursery is None:
+                self._fail(session_id, "the node is not ready to push")
+                return
+            if len(self._links) >= self.max_links:
+                self._fail(session_id, f"this node already holds {self.max_links} push streams")
+                return
+            send, receive = trio.open_memory_channel[bytes](self.queue_frames)
+            link = _Link(session_id, target, send, receive)
+            self._links[key] = link
+            self._nursery.start_soon(self._run_link, link)
+        link.last_used = trio.current_time()
+        for data in frames:
+            try:
+                link.send.send_nowait(data)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                self._close(link)
+                self._fail(session_id, f"node {_who(target)} does not take pushed steps fast enough")
+                return
+            link.pushed += 1
+            self._frames += 1
+
+    def close_session(self, session_id: str) -> None:
+        """The session was freed: its links end once their queued frames are written."""
+        for link in [link for link in self._links.values() if link.session_id == session_id]:
+            self._close(link)
+
+    def statistics(self) -> PushStats:
+        return PushStats(len(self._links), self._frames, self._failures)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _close(self, link: _Link) -> None:
+        if self._links.get((link.session_id, link.target.address)) is link:
+            del self._links[(link.session_id, link.target.address)]
+        link.done = True
+        link.send.close()
+
+    def _fail(self, session_id: str, message: str) -> None:
+        self._failures += 1
+        event(log, "push_failed", level=logging.WARNING, session_id=session_id, message=message)
+        self.on_failure(session_id, message)
+
+    async def _run_link(self, link: _Link) -> None:
+        target = link.target
+        try:
+            async with self.opener(target.address) as stream, trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_refusals, link, stream)
+                async for data in link.receive:
+                    await stream.send(data)
+                nursery.cancel_scope.cancel()
+        except Exception as err:  # any transport failure: the owner replaces the next stage
+            if not link.done:
+                self._fail(link.session_id, f"push to node {_who(target)} failed: {err}")
+        finally:
+            self._close(link)
+
+    async def _read_refusals(self, link: _Link, stream: PushStream) -> None:
+        """Replies on a push stream are refusals of pushed steps: the next stage cannot go on."""
+        async for data in _messages(stream):
+            try:
+                frame = codec.parse_frame(data)
+            except ProtocolError as err:
+                self._fail(link.session_id, f"node {_who(link.target)} sent an unreadable reply: {err}")
+                return
+            if codec.body_kind(frame) != "error" or link.done:
+                continue
+            status = status_pb2.Status.Name(frame.error.status)
+            self._fail(
+                link.session_id,
+                f"node {_who(link.target)} refused a pushed step {frame.step_id}: {status}: "
+                f"{frame.error.message}",
+            )
+
+
+async def _messages(stream: PushStream) -> AsyncIterator[bytes]:
+    while True:
+        try:
+            yield await stream.receive()
+        except Exception:  # the stream ended or broke: nothing more to read
+            return
+
+
+def _who(target: frame_pb2.PushTarget) -> str:
+    return f"{target.node_id[:8]} ({target.address})" if target.node_id else target.address
