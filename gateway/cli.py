@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import functools
-import logging
-import signal
 import sys
 from typing import Any
 
 import click
 import trio
 
+from common.cli import EXIT_USAGE, fail
 from gateway.config import FIELDS, ConfigError, GatewayConfig, load_config
+
+PROG = "swarm-gateway"
 
 
 def _config(config_file: str | None, **flags: Any) -> GatewayConfig:
     try:
         return load_config(file=config_file, flags=flags)
     except ConfigError as err:
-        raise click.UsageError(str(err)) from err
+        fail(PROG, str(err), EXIT_USAGE)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,34 +59,27 @@ def _help(name: str) -> str:
 def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     """Run the gateway until SIGINT or SIGTERM."""
     from common import logs
-    from gateway.server import serve_gateway
+    from common.cli import run_service
+    from common.keyfile import KeyFileError
+    from gateway.server import SHUTDOWN_GRACE_S, serve_gateway
 
     if no_usage:
         flags["report_usage"] = False
     config = _config(config_file, **flags)
     logs.configure(config.log_level)
-    # llama.cpp narrates every vocabulary load line by line at info level.
-    logging.getLogger("llama.cpp").setLevel(max(logging.WARNING, logging.getLogger().level))
 
-    async def run() -> None:
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
+    async def service(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
+        await serve_gateway(config, shutdown=shutdown, task_status=task_status)
 
-            async def on_signals(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    task_status.started()
-                    async for _ in signals:
-                        shutdown.set()
-                        return
-
-            await nursery.start(on_signals)
-            await nursery.start(functools.partial(serve_gateway, config, shutdown=shutdown))
-            await shutdown.wait()
-
-    try:
-        trio.run(run)
-    except ConfigError as err:
-        raise click.UsageError(str(err)) from err
+    # Start-up failures (port taken, no tracker found, unreadable key) end with one clear line.
+    run_service(
+        PROG,
+        service,
+        grace_s=SHUTDOWN_GRACE_S,
+        clear_errors=(OSError, KeyFileError),
+        usage_errors=(ConfigError,),
+        listening=f"HTTP on {config.host}:{config.port}",
+    )
 
 
 if __name__ == "__main__":

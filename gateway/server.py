@@ -33,6 +33,7 @@ from proto.signing import public_key_hex
 from tracker.client import TrackerClient
 
 log = logging.getLogger("swarm.gateway")
+SHUTDOWN_GRACE_S = 5.0  # how long open HTTP responses may drain after SIGINT/SIGTERM
 KEY_FILE = "gateway.key"
 
 
@@ -112,7 +113,7 @@ async def _serve(
     hc.bind = [f"{host}:{config.port}"]
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.graceful_timeout = 5.0
+    hc.graceful_timeout = SHUTDOWN_GRACE_S
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
     async with trio.open_nursery() as nursery:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ import click
 
 from node.config import ConfigError
 from node.errors import NodeError
+
+PROG = "swarm-node"
 
 
 def default_cache_dir() -> Path:
@@ -70,12 +71,13 @@ def shard_vocab(model_path: Path, cache_dir: Path | None) -> None:
 
 
 def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
-    from node.config import ConfigError, load_config
+    from common.cli import EXIT_USAGE, fail
+    from node.config import load_config
 
     try:
         return load_config(file=config_file, flags=flags)
     except ConfigError as err:
-        raise click.UsageError(str(err)) from err
+        fail(PROG, str(err), EXIT_USAGE)
 
 
 @main.command()
@@ -145,11 +147,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
     """Serve a shard: gRPC ShardService, admin HTTP, announce and heartbeats; until SIGINT/SIGTERM."""
-    import signal
-
     import trio
 
     from common import logs
+    from common.cli import run_service
+    from common.keyfile import KeyFileError
+    from common.llama import LlamaError
     from node.daemon import run_node
 
     if no_benchmark:
@@ -157,42 +160,18 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
     config = _load(config_file, flags)
     logs.configure(config.log_level)
 
-    async def run() -> None:
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
+    async def serve(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
+        await run_node(config, shutdown=shutdown, task_status=task_status)
 
-            async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        shutdown.set()
-                        return
-
-            nursery.start_soon(on_signals)
-            await nursery.start(functools.partial(run_node, config, shutdown=shutdown))
-            await shutdown.wait()
-            nursery.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s + 10
-
-    try:
-        trio.run(run)
-    except BaseExceptionGroup as group:
-        # Start-up refusals (bad model file, layer range, key file, config) end with one clear line.
-        clear = _first_clear_error(group)
-        if clear is None:
-            raise
-        raise click.ClickException(str(clear)) from group
-    except (NodeError, ConfigError) as err:
-        raise click.ClickException(str(err)) from err
-
-
-def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | None:
-    for exc in group.exceptions:
-        if isinstance(exc, NodeError | ConfigError | OSError):
-            return exc
-        if isinstance(exc, BaseExceptionGroup):
-            found = _first_clear_error(exc)
-            if found is not None:
-                return found
-    return None
+    # Start-up refusals (bad model file, layer range, key file, port in use) end with one clear line.
+    run_service(
+        PROG,
+        serve,
+        grace_s=config.shutdown_grace_s,
+        clear_errors=(NodeError, KeyFileError, LlamaError, OSError),
+        usage_errors=(ConfigError,),
+        listening=f"admin HTTP on {config.admin_host}:{config.admin_port}",  # gRPC names its own
+    )
 
 
 @main.command()

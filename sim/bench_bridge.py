@@ -36,14 +36,16 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
+
+from sim.procs import Supervisor
 
 METHOD = "/bench.Echo/Session"
 CANDIDATES = ("asyncio", "thread-bridge", "guest", "trio-asyncio", "adapter")
@@ -227,18 +229,6 @@ async def _ping_pong(port: int, frames: int) -> list[float]:
         return times
 
 
-def _spawn(candidate: str, port_file: Path) -> subprocess.Popen[bytes]:
-    port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "sim.bench_bridge", "--serve", candidate, str(port_file)])
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{candidate} server did not start")
-        time.sleep(0.05)
-    return proc
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -253,20 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         SERVERS[args.serve[0]](args.serve[1])
         return 0
     names = [c for c in args.candidates.split(",") if c]
-    tmp = Path(args.out).with_suffix(".ports")
-    tmp.mkdir(parents=True, exist_ok=True)
-    procs = {name: _spawn(name, tmp / name) for name in names}
     samples: dict[str, list[float]] = {name: [] for name in names}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-bridge-") as tmp, Supervisor(Path(tmp)) as sup:
+        servers = [
+            sup.spawn(
+                name,
+                [sys.executable, "-m", "sim.bench_bridge", "--serve", name, str(Path(tmp) / f"{name}.port")],
+                port_file=Path(tmp) / f"{name}.port",
+            )
+            for name in names
+        ]
+        ports = {svc.name: svc.wait_port(30) for svc in servers}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
-                port = int((tmp / name).read_text())
-                samples[name] += asyncio.run(_ping_pong(port, args.frames))
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
+                samples[name] += asyncio.run(_ping_pong(ports[name], args.frames))
     floor = statistics.median(samples["asyncio"]) if "asyncio" in samples else float("nan")
     rows: dict[str, dict[str, float]] = {}
     print(f"{'candidate':<14} {'p50 us':>8} {'mean us':>8} {'p90 us':>8} {'p50 - floor':>12}")

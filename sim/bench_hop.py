@@ -18,7 +18,7 @@ then ``--steps`` greedy decode steps are timed one by one, alternating between
 the two setups so that load from other processes hits both alike. The table
 shows median, min and p90 per step. Per-hop overhead = (loopback -
 in-process) / 2, a hop being one stage's round trip (client -> node ->
-client). All processes started here are stopped by pid.
+client). The nodes run under ``sim.procs.Supervisor`` and are stopped by pid.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from sim.procs import Service, Supervisor
+
 MAX_SESSIONS = 6
 SESSION_KV = 512
 BATCH = 256
@@ -80,87 +79,34 @@ class InProcess:
         self.b.close()
 
 
-def _start_node(
-    workdir: Path, name: str, model: Path, layers: str, cache: Path
-) -> tuple[subprocess.Popen[bytes], int]:
-    port_file = workdir / f"{name}.port"
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_NODE_")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "node.cli",
-            "start",
-            "--model",
-            str(model),
-            "--layers",
-            layers,
-            "--no-tracker",
-            "--insecure-no-tickets",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--admin-port",
-            "-1",
-            "--threads",
-            "1",
-            "--max-sessions",
-            str(MAX_SESSIONS),
-            "--session-kv-tokens",
-            str(SESSION_KV),
-            "--batch-tokens",
-            str(BATCH),
-            "--no-benchmark",
-            "--data-dir",
-            str(workdir / f"{name}-data"),
-            "--cache-dir",
-            str(cache),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+def _start_node(sup: Supervisor, name: str, model: Path, layers: str, cache: Path) -> Service:
+    return sup.start_node(
+        name,
+        model=model,
+        layers=layers,
+        tracker_url=None,
+        max_sessions=MAX_SESSIONS,
+        session_kv_tokens=SESSION_KV,
+        cache_dir=cache,
+        admin=False,
+        extra_args=["--batch-tokens", str(BATCH), "--no-benchmark", "--log-level", "warning"],
     )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return proc, int(port_file.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited: {(workdir / f'{name}.log').read_text()[-3000:]}")
-        time.sleep(0.05)
-    raise RuntimeError(f"{name} did not start")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def run(model: Path, cache: Path, prompt: list[int], steps: int) -> dict[str, Any]:
     """Both setups live at once; decode steps alternate between them so load drift hits both alike."""
     from node.loopback_client import RouteSession, Stage, node_info
 
-    with tempfile.TemporaryDirectory(prefix="bench-hop-") as tmp:
-        workdir = Path(tmp)
-        procs = []
+    with tempfile.TemporaryDirectory(prefix="bench-hop-") as tmp, Supervisor(Path(tmp)) as sup:
         inproc = None
         session = None
         try:
-            for name, layers in (("a", "0:15"), ("b", "15:30")):
-                procs.append(_start_node(workdir, name, model, layers, cache))
-            stages = [Stage(f"127.0.0.1:{port}", node_info(f"127.0.0.1:{port}")) for _, port in procs]
+            nodes = [
+                _start_node(sup, name, model, layers, cache)
+                for name, layers in (("a", "0:15"), ("b", "15:30"))
+            ]
+            ports = [node.wait_port(180) for node in nodes]
+            stages = [Stage(f"127.0.0.1:{port}", node_info(f"127.0.0.1:{port}")) for port in ports]
             inproc = InProcess(model, cache)
             session = RouteSession(stages, b"{}", budget=SESSION_KV)
             local = [inproc.step(prompt)]
@@ -183,8 +129,6 @@ def run(model: Path, cache: Path, prompt: list[int], steps: int) -> dict[str, An
                 session.close()
             if inproc is not None:
                 inproc.close()
-            for proc, _ in procs:
-                _stop(proc)
     return {"in-process": (t_local, local), "loopback": (t_remote, remote)}
 
 

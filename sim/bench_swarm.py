@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +41,7 @@ import psutil
 
 from node.testmodel import test_model_path
 from sim.launcher import start_local_swarm
-from sim.procs import LaunchError
+from sim.procs import Supervisor, wait_http
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -173,20 +172,6 @@ def summarize(concurrency: int, results: list[RequestStats], wall: float) -> dic
     }
 
 
-def _wait_server(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LaunchError(f"llama_cpp.server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise LaunchError("llama_cpp.server did not come up")
-
-
 @dataclass
 class Setup:
     """One running setup: where to send requests, which processes to watch, how to stop it."""
@@ -205,9 +190,10 @@ def start_server(model: Path, threads: int, workdir: Path) -> Setup:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(workdir / f"llama-server-{threads}.log", "wb")  # noqa: SIM115 - closed by stop()
+    sup = Supervisor(workdir)
     # Same attention settings as the nodes: flash attention on, f16 KV.
-    proc = subprocess.Popen(
+    proc = sup.spawn(
+        f"llama-server-{threads}",
         [
             sys.executable,
             "-m",
@@ -229,25 +215,12 @@ def start_server(model: Path, threads: int, workdir: Path) -> Setup:
             "--model_alias",
             "baseline",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
     )
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        _wait_server(proc, f"{base}/models", 180)
+        wait_http(proc, f"{base}/models", 180)
     except BaseException:
-        stop()
+        sup.stop_all()
         raise
     return Setup(
         f"server:{threads}",
@@ -255,7 +228,7 @@ def start_server(model: Path, threads: int, workdir: Path) -> Setup:
         "baseline",
         {"llama_cpp.server": proc.pid},
         {"setup": f"server:{threads}", "threads_total": threads},
-        stop,
+        sup.stop_all,
     )
 
 

@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -107,43 +106,6 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
 
 
 # --- HTTP throughput -----------------------------------------------------------------------------
-
-
-def _start_tracker(workdir: Path) -> tuple[subprocess.Popen[str], int]:
-    port_file = workdir / "port"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_TRACKER_")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tracker.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-zeroconf",
-            "--data-dir",
-            str(workdir / "data"),
-            "--port-file",
-            str(port_file),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tracker did not start: {proc.stderr.read() if proc.stderr else ''}")
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
 
 
 async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: float) -> dict[str, Any]:
@@ -232,17 +194,11 @@ async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: floa
 def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, Any]:
     import trio
 
-    with tempfile.TemporaryDirectory(prefix="bench-tracker-") as tmp:
-        proc, port = _start_tracker(Path(tmp))
-        try:
-            return trio.run(_throughput, f"http://127.0.0.1:{port}", n_nodes, concurrency, duration_s)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    from sim.procs import Supervisor
+
+    with tempfile.TemporaryDirectory(prefix="bench-tracker-") as tmp, Supervisor(Path(tmp)) as sup:
+        tracker = sup.start_tracker(extra_args=["--log-level", "warning"]).ready(30)
+        return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
 
 
 @click.command()

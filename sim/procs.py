@@ -1,9 +1,33 @@
-"""Start and stop the swarm's services as real processes on loopback.
+"""The one process supervisor: services as real subprocesses, for ``swarm-sim up``, benchmarks and tests.
 
-Used by ``swarm-sim up``, the end-to-end tests and the benchmarks. Every
-service binds port 0 and writes the port it got to a file; readiness is read
-from the services' own health endpoints, never guessed with sleeps. Every wait
-is bounded, and every process started here is stopped by its own pid.
+A :class:`Supervisor` owns a work directory and every process it starts there.
+``start_tracker``/``start_node``/``start_gateway`` run the real console scripts
+(``swarm-tracker serve`` ...); :meth:`Supervisor.spawn` runs any other command
+(a benchmark's baseline server, a helper process) under the same rules:
+
+- **Readiness** is reported by the service, never guessed: each binds port 0
+  and writes the port it got to a port file (``<workdir>/<name>/port``, a node
+  also ``admin-port``); :meth:`Service.wait_port` reads it, :func:`wait_http`
+  polls a health URL. Both fail early, with the log's tail, when the process
+  exits, and give up after their ``timeout_s``.
+- **Logs**: stdout and stderr of a service go to ``<workdir>/logs/<name>.log``
+  (appended: a restarted service keeps its history).
+- **Stopping** is by the process's own pid, never by name: SIGTERM, then
+  SIGKILL after ``grace_s``; :meth:`Supervisor.stop_all` stops every process,
+  newest first, also when one of them refuses. Every service runs in a session
+  of its own, so a Ctrl-C in the terminal reaches the supervisor, not the
+  services behind its back.
+- **Environment** (:func:`service_env`), the same for every process started
+  here: the caller's environment, minus the services' own settings
+  (``SWARM_NODE_*``, ``SWARM_TRACKER_*``, ``SWARM_GATEWAY_*``: a stray one in a
+  shell must not change a test or a local swarm; what a service should use is
+  passed as flags, or explicitly with ``env=``), plus ``PYTHONUNBUFFERED=1``
+  (log lines reach the file when written) and one thread for the numerical
+  libraries' pools (``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``,
+  ``NUMEXPR_NUM_THREADS`` = 1: the services do no BLAS work, and several
+  services share this machine's cores). llama.cpp's compute threads are set
+  per node with ``--threads`` (default 1 here), never through the environment.
+  ``env=`` entries are applied last.
 """
 
 from __future__ import annotations
@@ -14,18 +38,36 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+STRIPPED_PREFIXES = ("SWARM_NODE_", "SWARM_TRACKER_", "SWARM_GATEWAY_")
+FIXED_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+}
+_MODULES = {"swarm-node": "node.cli", "swarm-tracker": "tracker.cli", "swarm-gateway": "gateway.cli"}
+
 
 class LaunchError(RuntimeError):
-    pass
+    """A process did not start, died, or did not become ready in time (the message has its log tail)."""
 
 
-def _script(name: str) -> list[str]:
+def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every process started here (the policy is in the module docstring)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(STRIPPED_PREFIXES)}
+    env.update(FIXED_ENV)
+    env.update(extra or {})
+    return env
+
+
+def console_script(name: str) -> list[str]:
     """The console script next to this interpreter (works inside a venv without activating it)."""
     local = Path(sys.executable).with_name(name)
     if local.exists():
@@ -33,72 +75,109 @@ def _script(name: str) -> list[str]:
     found = shutil.which(name)
     if found:
         return [found]
-    module = {"swarm-node": "node.cli", "swarm-tracker": "tracker.cli", "swarm-gateway": "gateway.cli"}[name]
-    return [sys.executable, "-m", module]
+    return [sys.executable, "-m", _MODULES[name]]
 
 
 @dataclass
 class Service:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     log_path: Path
-    port_file: Path
+    port_file: Path | None = None
     port: int = 0
     admin_port_file: Path | None = None
     admin_port: int = 0
-    extra: dict = field(default_factory=dict)
+    data_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>`` (the tracker's and gateway's HTTP API)."""
+        return f"http://127.0.0.1:{self.port}"
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def log_tail(self, n: int = 20) -> str:
+    def log_text(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
     def wait_port(self, timeout_s: float) -> int:
-        self.port = _wait_port_file(self, self.port_file, timeout_s)
+        """Wait for the port file (and the admin port file, if any); return the port."""
+        if self.port_file is not None:
+            self.port = _wait_port_file(self, self.port_file, timeout_s)
         if self.admin_port_file is not None:
             self.admin_port = _wait_port_file(self, self.admin_port_file, timeout_s)
         return self.port
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def ready(self, timeout_s: float) -> Service:
+        """:meth:`wait_port`, returning the service (``sup.start_tracker().ready(60)``)."""
+        self.wait_port(timeout_s)
+        return self
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the process to exit; its exit code (negative: the signal that ended it)."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired as err:
+            raise LaunchError(f"{self.name} still running after {timeout_s:g} s:\n{self.log_tail()}") from err
+
+    def stop(self, grace_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s``; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                self.proc.wait(10)
+        return int(self.proc.returncode)
 
     def kill(self) -> None:
-        """SIGKILL: the node vanishes the way a volunteer's machine does."""
+        """SIGKILL: the process vanishes the way a volunteer's machine does."""
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(5)
+            self.proc.wait(10)
 
 
 def _wait_port_file(svc: Service, path: Path, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not svc.alive():
-            raise LaunchError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
         try:
             text = path.read_text().strip()
-            if text:
-                return int(text)
-        except (OSError, ValueError):
-            pass
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return int(text)
+        if not svc.alive():
+            raise LaunchError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
         time.sleep(0.05)
-    raise LaunchError(f"{svc.name} did not report its port within {timeout_s:.0f} s:\n{svc.log_tail()}")
+    raise LaunchError(f"{svc.name} did not report its port within {timeout_s:g} s:\n{svc.log_tail()}")
 
 
-def wait_http(svc: Service, url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
+def wait_http(
+    svc: Service,
+    url: str,
+    timeout_s: float,
+    ok: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+) -> httpx.Response:
     """Poll ``url`` until ``ok(response)``; fail early if the process dies."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -113,68 +192,76 @@ def wait_http(svc: Service, url: str, timeout_s: float, ok=lambda r: r.status_co
         except httpx.HTTPError as err:
             last = str(err)
         time.sleep(0.1)
-    raise LaunchError(f"{svc.name}: {url} not ready within {timeout_s:.0f} s ({last}):\n{svc.log_tail()}")
+    raise LaunchError(f"{svc.name}: {url} not ready within {timeout_s:g} s ({last}):\n{svc.log_tail()}")
 
 
 class Supervisor:
-    """Owns the processes of one local swarm; stops them all, newest first."""
+    """Owns the processes started in one work directory; stops them all, newest first.
 
-    def __init__(
-        self,
-        workdir: Path,
-        *,
-        quiet_llama: bool = True,
-        place: Callable[[str, list[str]], list[str]] | None = None,
-    ) -> None:
-        """``place(name, argv)`` may wrap each service's command line to run it elsewhere
-        (the emulated WAN runs each service inside its own network namespace)."""
-        self.place = place
+    ``place(name, argv)`` may rewrite each command line to run it elsewhere (the
+    emulated WAN runs each service inside its own network namespace).
+    """
+
+    def __init__(self, workdir: Path, *, place: Callable[[str, list[str]], list[str]] | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
+        self.place = place
         self.services: list[Service] = []
-        self.quiet_llama = quiet_llama
 
-    def _spawn(
-        self, name: str, argv: list[str], port_file: Path, admin_port_file: Path | None = None
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        port_file: Path | None = None,
+        admin_port_file: Path | None = None,
+        data_dir: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Service:
+        """Start ``argv`` now (without waiting for it) under the rules in the module docstring."""
         for f in (port_file, admin_port_file):
-            if f is not None and f.exists():
-                f.unlink()
+            if f is not None:
+                f.unlink(missing_ok=True)
+        command = list(argv) if self.place is None else self.place(name, list(argv))
         log_path = self.workdir / "logs" / f"{name}.log"
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.place is not None:
-            argv = self.place(name, argv)
-        fh = open(log_path, "ab")
-        try:
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                argv,
-                stdout=fh,
+                command,
+                stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=service_env(env),
+                cwd=cwd,
                 start_new_session=True,
             )
-        finally:
-            fh.close()
-        svc = Service(name, proc, log_path, port_file, admin_port_file=admin_port_file)
+        svc = Service(name, proc, log_path, port_file, admin_port_file=admin_port_file, data_dir=data_dir)
         self.services.append(svc)
         return svc
+
+    def _data_dir(self, name: str) -> Path:
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def start_tracker(
         self,
         *,
+        name: str = "tracker",
+        data_dir_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
         db_url: str | None = None,
         heartbeat_timeout_s: float | None = None,
-        port: int = 0,
-        name: str = "tracker",
-        host: str = "127.0.0.1",
+        extra_args: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Service:
-        """A tracker; ``port`` lets a restarted tracker come back where its nodes look for it."""
-        data = self.workdir / "tracker"
-        data.mkdir(exist_ok=True)
-        argv = _script("swarm-tracker") + [
+        """``swarm-tracker serve``; files in ``<workdir>/<data_dir_name or name>`` (a restart reuses
+        them; ``port`` lets a restarted tracker come back where its nodes look for it)."""
+        data = self._data_dir(data_dir_name or name)
+        argv = [
+            *console_script("swarm-tracker"),
             "serve",
             "--host",
             host,
@@ -190,7 +277,8 @@ class Supervisor:
         ]
         if heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
-        return self._spawn(name, argv, data / "port")
+        argv += extra_args or ()
+        return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
 
     def start_node(
         self,
@@ -198,26 +286,28 @@ class Supervisor:
         *,
         model: Path,
         layers: str,
-        tracker_url: str,
+        tracker_url: str | None,
+        host: str = "127.0.0.1",
         threads: int = 1,
         capacity_layers: int | None = None,
         max_sessions: int = 8,
         session_kv_tokens: int = 2048,
         cache_dir: Path | None = None,
-        extra_args: list[str] | None = None,
-        host: str = "127.0.0.1",
+        admin: bool = True,
+        extra_args: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Service:
-        """A node listening on and announcing ``host``; its admin server stays on its own 127.0.0.1."""
-        data = self.workdir / name
-        data.mkdir(exist_ok=True)
-        argv = _script("swarm-node") + [
+        """``swarm-node start`` listening on and announcing ``host``; its admin server (unless
+        ``admin=False``) stays on its own 127.0.0.1. ``tracker_url=None``: no tracker, no tickets."""
+        data = self._data_dir(name)
+        admin_file = data / "admin-port" if admin else None
+        argv = [
+            *console_script("swarm-node"),
             "start",
             "--model",
             str(model),
             "--layers",
             layers,
-            "--tracker",
-            tracker_url,
             "--host",
             host,
             "--advertise-host",
@@ -227,9 +317,7 @@ class Supervisor:
             "--port-file",
             str(data / "port"),
             "--admin-port",
-            "0",
-            "--admin-port-file",
-            str(data / "admin-port"),
+            "0" if admin else "-1",
             "--threads",
             str(threads),
             "--max-sessions",
@@ -241,42 +329,59 @@ class Supervisor:
             "--cache-dir",
             str(cache_dir or (self.workdir / "node-cache")),
         ]
+        if admin_file is not None:
+            argv += ["--admin-port-file", str(admin_file)]
+        argv += ["--tracker", tracker_url] if tracker_url else ["--no-tracker", "--insecure-no-tickets"]
         if capacity_layers is not None:
             argv += ["--capacity-layers", str(capacity_layers)]
-        argv += extra_args or []
-        return self._spawn(name, argv, data / "port", data / "admin-port")
+        argv += extra_args or ()
+        return self.spawn(
+            name, argv, port_file=data / "port", admin_port_file=admin_file, data_dir=data, env=env
+        )
 
     def start_gateway(
-        self, *, tracker_url: str, port: int = 0, host: str = "127.0.0.1", extra_args: list[str] | None = None
+        self,
+        *,
+        tracker_url: str,
+        name: str = "gateway",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        extra_args: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Service:
-        data = self.workdir / "gateway"
-        data.mkdir(exist_ok=True)
-        argv = (
-            _script("swarm-gateway")
-            + [
-                "serve",
-                "--tracker",
-                tracker_url,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--port-file",
-                str(data / "port"),
-                "--data-dir",
-                str(data),
-            ]
-            + (extra_args or [])
-        )
-        return self._spawn("gateway", argv, data / "port")
+        """``swarm-gateway serve`` with its key and vocabulary cache in ``<workdir>/<name>``."""
+        data = self._data_dir(name)
+        argv = [
+            *console_script("swarm-gateway"),
+            "serve",
+            "--tracker",
+            tracker_url,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--port-file",
+            str(data / "port"),
+            "--data-dir",
+            str(data),
+            *(extra_args or ()),
+        ]
+        return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
 
-    def stop_all(self) -> None:
-        for svc in reversed(self.services):
-            try:
-                svc.stop()
-            except Exception:  # keep stopping the others
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """Stop every process, newest first; a Ctrl-C meanwhile kills the rest at once (none is left)."""
+        try:
+            for svc in reversed(self.services):
+                try:
+                    svc.stop(grace_s)
+                except Exception:  # keep stopping the others
+                    svc.kill()
+        except KeyboardInterrupt:
+            for svc in self.services:
                 svc.kill()
-        self.services.clear()
+            raise
+        finally:
+            self.services.clear()
 
     def __enter__(self) -> Supervisor:
         return self

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import functools
-import signal
 import sys
 from typing import Any
 
 import click
 import trio
 
+from common.cli import EXIT_USAGE, fail
 from tracker.config import ConfigError, TrackerConfig, load_config
+
+PROG = "swarm-tracker"
 
 
 def _config(ctx: click.Context, **flags: Any) -> TrackerConfig:
     try:
         return load_config(file=ctx.obj.get("config_file"), flags=flags)
     except ConfigError as err:
-        raise click.UsageError(str(err)) from err
+        fail(PROG, str(err), EXIT_USAGE)
 
 
 @click.group()
@@ -49,45 +50,31 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.pass_context
 def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
     """Run the tracker until SIGINT or SIGTERM."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from common import logs
-    from tracker.server import serve_tracker
+    from common.cli import run_service
+    from tracker.errors import TrackerError
+    from tracker.server import SHUTDOWN_GRACE_S, serve_tracker
 
     if no_zeroconf:
         flags["zeroconf"] = False
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 
-    async def run() -> None:
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
+    async def service(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
+        await serve_tracker(config, shutdown=shutdown, task_status=task_status)
 
-            async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        shutdown.set()
-                        return
-
-            nursery.start_soon(on_signals)
-            await nursery.start(functools.partial(serve_tracker, config, shutdown=shutdown))
-            await shutdown.wait()
-
-    try:
-        trio.run(run)
-    except (OSError, BaseExceptionGroup) as err:
-        # Startup failures (port taken, unreadable key, database unreachable) are operator
-        # errors: one clear line instead of a nursery traceback.
-        from sqlalchemy.exc import SQLAlchemyError
-
-        leaf = _first_leaf(err)
-        if isinstance(leaf, OSError | ConfigError | SQLAlchemyError):
-            raise click.ClickException(f"cannot serve on {config.host}:{config.port}: {leaf}") from err
-        raise
-
-
-def _first_leaf(err: BaseException) -> BaseException:
-    while isinstance(err, BaseExceptionGroup) and err.exceptions:
-        err = err.exceptions[0]
-    return err
+    # Start-up failures (port taken, unreadable key, database unreachable) are operator errors
+    # (tracker.keys.KeyFileError is an OSError).
+    run_service(
+        PROG,
+        service,
+        grace_s=SHUTDOWN_GRACE_S,
+        clear_errors=(OSError, SQLAlchemyError, TrackerError),
+        usage_errors=(ConfigError,),
+        listening=f"HTTP on {config.host}:{config.port}",
+    )
 
 
 @main.group()

@@ -31,6 +31,7 @@ from tracker.service import Registry
 from tracker.store import Store, make_engine
 
 log = logging.getLogger("swarm.tracker")
+SHUTDOWN_GRACE_S = 5.0  # how long open HTTP requests may drain after SIGINT/SIGTERM
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ async def serve_tracker(
         hc.bind = [f"{host}:{config.port}"]
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")  # through our JSON handler, not hypercorn's own
-        hc.graceful_timeout = 5.0
+        hc.graceful_timeout = SHUTDOWN_GRACE_S
         async with trio.open_nursery() as nursery:
             trigger = shutdown.wait if shutdown is not None else None
             binds = await nursery.start(

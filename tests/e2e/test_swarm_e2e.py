@@ -142,7 +142,7 @@ def test_tracker_restart_keeps_ledger_and_routing_resumes(swarm: LocalSwarm, ref
     assert rows_before > 0
     port = swarm.tracker.port
     swarm.tracker.stop()
-    restarted = swarm.supervisor.start_tracker(port=port, name="tracker-restarted")
+    restarted = swarm.supervisor.start_tracker(port=port, name="tracker-restarted", data_dir_name="tracker")
     restarted.wait_port(60)
     swarm.tracker = restarted
     wait_http(restarted, f"{swarm.tracker_url}/healthz", 60)

@@ -13,9 +13,9 @@ import trio
 from fake_node import FakeNode
 
 from common.vocab import Vocabulary
-from gateway.testing import Proc
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
+from sim.procs import Service
 from tracker.client import TrackerClient
 
 HARDWARE = Hardware(cpu_cores=2, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=10 << 30)
@@ -53,7 +53,7 @@ def announce(
     trio.run(run)
 
 
-def url(proc: Proc) -> str:
+def url(proc: Service) -> str:
     return f"http://127.0.0.1:{proc.port}"
 
 

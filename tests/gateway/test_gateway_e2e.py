@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -23,10 +22,10 @@ from swarm_fixtures import metric_lines, recovered, url, wait_until
 
 from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
-from gateway.testing import Proc, start_gateway, start_node, start_tracker
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
+from sim.procs import Service, Supervisor
 
 pytestmark = pytest.mark.slow
 
@@ -44,46 +43,34 @@ QUESTIONS = [
 N_NEW = 20
 
 
-def node_args(tmp: Path, name: str, cache: Path) -> list[str]:
-    return [
-        "--host",
-        "127.0.0.1",
-        "--max-sessions",
-        str(MAX_SESSIONS),
-        "--session-kv-tokens",
-        str(SESSION_KV),
-        "--batch-tokens",
-        str(BATCH),
-        "--data-dir",
-        str(tmp / f"{name}-data"),
-        "--cache-dir",
-        str(cache),
-        "--admin-port",
-        "-1",
-        "--no-benchmark",
-    ]
+def start_node(
+    sup: Supervisor, name: str, model_path: Path, layers: str, tracker: Service, cache: Path
+) -> Service:
+    return sup.start_node(
+        name,
+        model=model_path,
+        layers=layers,
+        tracker_url=url(tracker),
+        max_sessions=MAX_SESSIONS,
+        session_kv_tokens=SESSION_KV,
+        cache_dir=cache,
+        admin=False,
+        extra_args=["--batch-tokens", str(BATCH), "--no-benchmark"],
+    )
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("e2e")
-    procs: list[Proc] = []
+    sup = Supervisor(tmp_path_factory.mktemp("e2e"))
     try:
-        tracker = start_tracker(tmp)
-        procs.append(tracker)
+        tracker = sup.start_tracker().ready(60)
         # The first node writes the shard files into the shared cache; the others start in parallel.
-        first = start_node(tmp, "a1", model_path, "0:15", url(tracker), *node_args(tmp, "a1", node_cache))
-        procs.append(first)
-        with ThreadPoolExecutor(3) as pool:
-            futures = [
-                pool.submit(
-                    start_node, tmp, name, model_path, layers, url(tracker), *node_args(tmp, name, node_cache)
-                )
-                for name, layers in (("b1", "15:30"), ("a2", "0:15"), ("b2", "15:30"))
-            ]
-            for f in futures:
-                procs.append(f.result())
-        nodes = procs[1:]
+        nodes = [start_node(sup, "a1", model_path, "0:15", tracker, node_cache).ready(180)]
+        more = [
+            start_node(sup, name, model_path, layers, tracker, node_cache)
+            for name, layers in (("b1", "15:30"), ("a2", "0:15"), ("b2", "15:30"))
+        ]
+        nodes += [node.ready(180) for node in more]
 
         def two_routes() -> bool:
             body = httpx.post(
@@ -92,23 +79,22 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             return len(body.get("routes", [])) == 2
 
         wait_until(two_routes, 60, "two node-disjoint routes at the tracker", interval_s=0.25)
-        gateway = start_gateway(
-            tmp, url(tracker), "--max-sessions", "8", "--max-queue", "16", "--routes-k", "2"
-        )
-        procs.append(gateway)
+        gateway = sup.start_gateway(
+            tracker_url=url(tracker),
+            extra_args=["--max-sessions", "8", "--max-queue", "16", "--routes-k", "2"],
+        ).ready(60)
         yield {
-            "tmp": tmp,
+            "supervisor": sup,
             "tracker": tracker,
             "nodes": nodes,
             "gateway": gateway,
             "model": model_name(tracker),
         }
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        sup.stop_all()
 
 
-def model_name(tracker: Proc) -> str:
+def model_name(tracker: Service) -> str:
     models = httpx.get(url(tracker) + "/v1/models", timeout=10).json()["models"]
     assert len(models) == 1, models
     return str(models[0]["name"])
@@ -168,7 +154,7 @@ def hidden_relays(swarm: dict) -> float:
     return sum(float(line.split()[-1]) for line in lines)  # no line before the first session
 
 
-def node_load(proc: Proc) -> shard_service_pb2.NodeLoad:
+def node_load(proc: Service) -> shard_service_pb2.NodeLoad:
     with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
         return (
             shard_service_pb2_grpc.ShardServiceStub(channel)
@@ -302,8 +288,14 @@ def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, sw
     assert (
         too_long.value.body["code"] == "context_length_exceeded" and str(SESSION_KV) in too_long.value.message
     )
-    small = start_gateway(
-        swarm["tmp"], url(swarm["tracker"]), "--max-sessions", "1", "--max-queue", "0", name="small-gateway"
+    small = (
+        swarm["supervisor"]
+        .start_gateway(
+            tracker_url=url(swarm["tracker"]),
+            name="small-gateway",
+            extra_args=["--max-sessions", "1", "--max-queue", "0"],
+        )
+        .ready(60)
     )
     try:
         body = {
@@ -356,14 +348,14 @@ def test_single_stream_speed(client: openai.OpenAI, swarm: dict) -> None:
 
 def test_long_prompt_in_many_steps_and_small_frames(swarm: dict, reference) -> None:
     """Prefill in 64-token steps, hidden states relayed in 64 KiB chunks (about 27 rows): same greedy text."""
-    gateway = start_gateway(
-        swarm["tmp"],
-        url(swarm["tracker"]),
-        "--prefill-step-tokens",
-        "64",
-        "--max-frame-bytes",
-        "131072",
-        name="chunky-gateway",
+    gateway = (
+        swarm["supervisor"]
+        .start_gateway(
+            tracker_url=url(swarm["tracker"]),
+            name="chunky-gateway",
+            extra_args=["--prefill-step-tokens", "64", "--max-frame-bytes", "131072"],
+        )
+        .ready(60)
     )
     try:
         client = openai.OpenAI(base_url=url(gateway) + "/v1", api_key="sk-e2e", max_retries=0, timeout=120)
@@ -403,8 +395,7 @@ def test_node_killed_mid_stream_the_stream_continues_on_the_other_route(
     busy = [p for p in swarm["nodes"] if node_load(p).active_sessions > 0]
     assert len(busy) == 2, "one route (two nodes) serves the stream"
     victim = busy[0]
-    victim.popen.kill()
-    victim.popen.wait(timeout=10)
+    victim.kill()
     for chunk in it:
         if chunk.choices:
             texts.append(chunk.choices[0].delta.content or "")

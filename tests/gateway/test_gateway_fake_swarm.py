@@ -20,8 +20,8 @@ from fake_node import FAILURES
 from swarm_fixtures import announce, metric_lines, recovered, scripted_nodes, url, wait_until
 
 from common.vocab import Vocabulary
-from gateway.testing import Proc, start_gateway, start_tracker
 from proto.announce import ModelSpec
+from sim.procs import Supervisor
 
 FINGERPRINT = "fa" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-model", architecture="llama", n_layers=30, n_embd=576)
@@ -40,15 +40,16 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
         first_seed=10,
     )
     nodes, script, eos, expected = fake.nodes, fake.script, fake.eos, fake.expected
-    tracker: Proc | None = None
-    gateway: Proc | None = None
+    sup = Supervisor(tmp)
     try:
-        tracker = start_tracker(tmp)
+        tracker = sup.start_tracker().ready(60)
         for node in nodes:
             announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
-        gateway = start_gateway(tmp, url(tracker), "--max-sessions", "8", "--max-queue", "8")
+        gateway = sup.start_gateway(
+            tracker_url=url(tracker), extra_args=["--max-sessions", "8", "--max-queue", "8"]
+        ).ready(60)
         yield {
-            "tmp": tmp,
+            "supervisor": sup,
             "nodes": nodes,
             "tracker": tracker,
             "gateway": gateway,
@@ -57,9 +58,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
             "expected": expected,
         }
     finally:
-        for proc in (gateway, tracker):
-            if proc is not None:
-                proc.stop()
+        sup.stop_all()
         for node in nodes:
             node.stop()
 
@@ -247,18 +246,23 @@ def test_concurrent_clients_spread_over_both_routes(client: openai.OpenAI, swarm
 
 
 def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(swarm: dict) -> None:
-    gateway = start_gateway(
-        swarm["tmp"],
-        url(swarm["tracker"]),
-        "--max-sessions",
-        "1",
-        "--max-queue",
-        "1",
-        "--max-sessions-per-client",
-        "1",
-        "--queue-timeout-s",
-        "0.5",
-        name="small-gateway",
+    gateway = (
+        swarm["supervisor"]
+        .start_gateway(
+            tracker_url=url(swarm["tracker"]),
+            name="small-gateway",
+            extra_args=[
+                "--max-sessions",
+                "1",
+                "--max-queue",
+                "1",
+                "--max-sessions-per-client",
+                "1",
+                "--queue-timeout-s",
+                "0.5",
+            ],
+        )
+        .ready(60)
     )
     for node in swarm["nodes"]:
         announce(url(swarm["tracker"]), node.key, MODEL, node.start, node.end, node.port)
@@ -292,8 +296,8 @@ def test_over_capacity_429_per_client_503_after_queue_wait_then_graceful_stop(sw
     finally:
         for node in swarm["nodes"]:
             node.step_delay_s = 0.0
-        gateway.stop()
-    assert gateway.popen.returncode == 0 and "gateway_stopped" in gateway.log_tail()
+        code = gateway.stop()
+    assert code == 0 and "gateway_stopped" in gateway.log_tail()
     wait_until(lambda: no_sessions_left(swarm), 10, "nodes to free every session")
 
 

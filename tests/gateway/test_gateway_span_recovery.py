@@ -21,8 +21,8 @@ import pytest
 from fake_node import FakeNode
 from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 
-from gateway.testing import Proc, start_gateway, start_tracker
 from proto.announce import ModelSpec
+from sim.procs import Supervisor
 
 FINGERPRINT = "fb" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-span", architecture="llama", n_layers=30, n_embd=576)
@@ -42,18 +42,15 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
         step_delay_s=0.02,
     )
     nodes, expected = fake.nodes, fake.expected
-    tracker: Proc | None = None
-    gateway: Proc | None = None
+    sup = Supervisor(tmp)
     try:
-        tracker = start_tracker(tmp)
+        tracker = sup.start_tracker().ready(60)
         for node in nodes:
             announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
-        gateway = start_gateway(tmp, url(tracker))
+        gateway = sup.start_gateway(tracker_url=url(tracker)).ready(60)
         yield {"nodes": nodes, "tracker": tracker, "gateway": gateway, "expected": expected}
     finally:
-        for proc in (gateway, tracker):
-            if proc is not None:
-                proc.stop()
+        sup.stop_all()
         for node in nodes:
             node.stop()
 

@@ -182,34 +182,3 @@ async def test_admin_server_routes() -> None:
         assert (await get("/nope"))[0] == 404
         assert (await get("/status", "POST"))[0] == 405
         nursery.cancel_scope.cancel()
-
-
-def test_start_refusals_end_with_one_clear_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "node.cli",
-            "start",
-            "--model",
-            str(tmp_path / "missing.gguf"),
-            "--layers",
-            "0:5",
-            "--no-tracker",
-            "--insecure-no-tickets",
-            "--admin-port",
-            "-1",
-            "--data-dir",
-            str(tmp_path / "d"),
-            "--cache-dir",
-            str(tmp_path / "c"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == f"Error: {tmp_path / 'missing.gguf'}: no such file"
-    assert "Traceback" not in done.stderr

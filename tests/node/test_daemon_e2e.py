@@ -9,14 +9,18 @@ other; every bad input gets its status and leaves the nodes serving.
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import nacl.signing
@@ -31,7 +35,7 @@ from proto import codec
 from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2
 from proto.vocab import VocabAssembler
-from tests.node.swarm_procs import Proc, http_json, start_node, start_tracker, wait_for_route, wait_node
+from sim.procs import Service, Supervisor
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +49,51 @@ N_NEW = 16
 S = status_pb2
 
 
+def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def wait_for_route(tracker_url: str, model: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            status, body = http_json(f"{tracker_url}/v1/routes", {"model": model, "k": 1})
+        except OSError as err:
+            status, body = 0, repr(err)
+        if status == 200 and body["routes"]:
+            return dict(body)
+        last = (status, body)
+        time.sleep(0.2)
+    raise AssertionError(f"no route for {model} within {timeout_s} s: {last}")
+
+
+def start_node(
+    sup: Supervisor, name: str, model: Path, layers: str, tracker_url: str, cache: Path, *extra: str
+) -> Service:
+    return sup.start_node(
+        name,
+        model=model,
+        layers=layers,
+        tracker_url=tracker_url,
+        max_sessions=6,
+        session_kv_tokens=512,
+        cache_dir=cache,
+        extra_args=["--heartbeat-interval-s", "1", "--batch-tokens", "256", *extra],
+    )
+
+
 @dataclass
 class Swarm:
-    tracker: Proc
-    nodes: list[Proc]
+    supervisor: Supervisor
+    tracker: Service
+    nodes: list[Service]
     tracker_url: str
     stages: list[Stage]
     route: dict
@@ -68,34 +113,24 @@ class Swarm:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[Swarm]:
     workdir = tmp_path_factory.mktemp("swarm")
-    procs: list[Proc] = []
+    sup = Supervisor(workdir)
     try:
-        tracker = start_tracker(workdir)
-        procs.append(tracker)
-        url = f"http://127.0.0.1:{tracker.ports['http']}"
+        tracker = sup.start_tracker().ready(60)
+        url = tracker.url
         # Fingerprint and shard files into the shared cache first, so both nodes start in parallel.
         for start, end in ((0, 15), (15, 30)):
             extract_shard(model_path, start, end, node_cache)
         extract_vocab(model_path, node_cache)
-        a = start_node(
-            workdir, "node-a", model_path, "0:15", tracker_url=url, cache_dir=node_cache, wait=False
-        )
-        procs.append(a)
-        b = start_node(
-            workdir, "node-b", model_path, "15:30", tracker_url=url, cache_dir=node_cache, wait=False
-        )
-        procs.append(b)
-        wait_node(a)
-        wait_node(b)
-        stages = [
-            Stage(f"127.0.0.1:{p.ports['grpc']}", node_info(f"127.0.0.1:{p.ports['grpc']}")) for p in (a, b)
-        ]
+        a = start_node(sup, "node-a", model_path, "0:15", url, node_cache)
+        b = start_node(sup, "node-b", model_path, "15:30", url, node_cache)
+        a.ready(180)
+        b.ready(180)
+        stages = [Stage(f"127.0.0.1:{p.port}", node_info(f"127.0.0.1:{p.port}")) for p in (a, b)]
         route = wait_for_route(url, stages[0].info.model.fingerprint)["routes"][0]
         assert [h["node_id"] for h in route["hops"]] == [s.info.node_id for s in stages]
-        yield Swarm(tracker, [a, b], url, stages, route, workdir)
+        yield Swarm(sup, tracker, [a, b], url, stages, route, workdir)
     finally:
-        for p in reversed(procs):
-            p.stop()
+        sup.stop_all()
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +180,7 @@ def test_four_concurrent_sessions_do_not_cross_talk(
     # the sessions advanced together: some engine batches carried several sessions' work
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{swarm.nodes[1].ports['admin']}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{swarm.nodes[1].admin_port}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     (line,) = [x for x in metrics.splitlines() if x.startswith("swarm_node_multi_session_batches_total ")]
     assert int(line.split()[1]) > 0
@@ -347,7 +382,7 @@ def test_bad_inputs_get_their_status_and_the_node_keeps_serving(
         reply = raw.open("bad-4", forged)
         assert _status(reply) == S.STATUS_TICKET_INVALID and reply.error.session_closed
         tracker_key = nacl.signing.SigningKey(
-            bytes.fromhex((swarm.workdir / "tracker-data" / "tracker.key").read_text().strip())
+            bytes.fromhex((swarm.workdir / "tracker" / "tracker.key").read_text().strip())
         )
         expired = canonical_json(
             sign_route_ticket(
@@ -417,7 +452,7 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
             data = assembler.add(chunk)
     assert data is not None and data[:4] == b"GGUF"
     # swarm-node status against the admin server
-    admin = f"http://127.0.0.1:{swarm.nodes[0].ports['admin']}"
+    admin = f"http://127.0.0.1:{swarm.nodes[0].admin_port}"
     done = subprocess.run(
         [sys.executable, "-m", "node.cli", "status", "--admin-url", admin],
         capture_output=True,
@@ -437,8 +472,6 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     assert done.returncode == 0 and '"is_last": true' in done.stdout, done.stderr
     status, body = http_json(f"{admin}/healthz")
     assert status == 200 and body["status"] == "serving"
-    import urllib.request
-
     with urllib.request.urlopen(f"{admin}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     for name in (
@@ -466,19 +499,21 @@ def test_layers_auto_takes_the_span_the_tracker_recommends(
     swarm: Swarm, model_path: Path, node_cache: Path
 ) -> None:
     c = start_node(
-        swarm.workdir,
+        swarm.supervisor,
         "node-c",
         model_path,
         "auto",
-        tracker_url=swarm.tracker_url,
-        cache_dir=node_cache,
-        extra=["--capacity-layers", "15", "--no-benchmark"],
-    )
+        swarm.tracker_url,
+        node_cache,
+        "--capacity-layers",
+        "15",
+        "--no-benchmark",
+    ).ready(180)
     try:
-        info = node_info(f"127.0.0.1:{c.ports['grpc']}")
+        info = node_info(f"127.0.0.1:{c.port}")
         start, end = info.shard.start, info.shard.end
         assert 0 <= start < end <= 30 and end - start <= 15
-        assert '"auto":true' in c.log()
+        assert '"auto":true' in c.log_text()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             nodes = {n["node_id"]: n for n in http_json(f"{swarm.tracker_url}/v1/swarm")[1]["nodes"]}
@@ -499,7 +534,7 @@ def test_sigterm_frees_sessions_and_stops(swarm: Swarm) -> None:
     code = a.stop(grace_s=30)
     notice = session.streams[0].recv()  # the node says so before it goes
     session.close()
-    assert code == 0, a.log()
+    assert code == 0, a.log_tail()
     assert notice.error.status == S.STATUS_UNAVAILABLE and notice.error.session_closed
-    log = a.log()
+    log = a.log_text()
     assert '"event":"node_stopping"' in log and '"event":"node_stopped"' in log

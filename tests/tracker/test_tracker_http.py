@@ -146,38 +146,3 @@ def test_cli_serve_port_zero_writes_port_file_and_stops_on_sigterm(tmp_path: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_cli_serve_on_a_taken_port_fails_with_one_clear_line(tmp_path: Path) -> None:
-    import socket
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_TRACKER_")}
-    env["PYTHONPATH"] = str(ROOT)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tracker.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--data-dir",
-                str(tmp_path / "data"),
-                "--no-zeroconf",
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    assert out.returncode == 1
-    assert f"Error: cannot serve on 127.0.0.1:{port}:" in out.stderr and "Traceback" not in out.stderr
