@@ -18,6 +18,9 @@ Signals (SIGINT, SIGTERM):
   it works even while a thread is inside llama.cpp). A shell then reports
   status 130 (SIGINT) or 143 (SIGTERM).
 
+A one-shot command that needs trio (``swarm-node status --address``) runs its
+main with :func:`run_once`: the same error rules, no signal handling.
+
 Exit codes: :data:`EXIT_OK` after a requested stop (or a service that
 returned by itself); :data:`EXIT_USAGE` for bad flags or settings;
 :data:`EXIT_FAILED` for anything else that stopped the service.
@@ -38,7 +41,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
@@ -49,6 +52,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 CANCEL_MARGIN_S = 5.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+T = TypeVar("T")
 
 log = logging.getLogger("swarm.cli")
 
@@ -91,9 +95,16 @@ def describe(exc: BaseException, listening: str | None = None) -> str:
     cause = exc.__cause__
     if cause is not None and not isinstance(cause, BaseExceptionGroup):
         said = " ".join(str(cause).split())
-        if said and said not in text:  # a wrapper that hides why: say it
+        if said and not _shares_details(text, said):  # a wrapper that hides why: say it
             text = f"{text} ({type(cause).__name__}: {said})"
     return text
+
+
+def _shares_details(text: str, cause: str, window: int = 24) -> bool:
+    """Whether ``text`` already quotes ``cause`` (some run of ``window`` characters is in both)."""
+    if len(text) < window:
+        return text in cause
+    return any(text[i : i + window] in cause for i in range(0, len(text) - window + 1, window // 3))
 
 
 @dataclass
@@ -179,6 +190,21 @@ def run_service(
     if run.forced:
         fail(prog, f"did not stop within {grace_s + CANCEL_MARGIN_S:g} s of the signal; cancelled")
     raise SystemExit(EXIT_OK)
+
+
+def run_once(
+    prog: str,
+    main: Callable[[], Awaitable[T]],
+    *,
+    clear_errors: tuple[type[BaseException], ...] = (OSError,),
+) -> T:
+    """A one-shot command's trio main (``swarm-node status``...): its result, or the one-line error."""
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        raise SystemExit(128 + signal.SIGINT) from None
+    except BaseException as exc:  # noqa: BLE001 - classified below, always re-exits
+        _exit_for(prog, exc, clear_errors, (), None)
 
 
 def _exit_for(

@@ -95,4 +95,5 @@ def load_layered(
     for key, value in (flags or {}).items():
         if value is not None:
             put(key, value, "command line", f"unknown option {key!r}")
-    return cls(**values).validate()
+    result: C = cls(**values).validate()
+    return result

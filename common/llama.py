@@ -77,7 +77,7 @@ def load_model(path: Path, *, vocab_only: bool = False, n_gpu_layers: int = 0) -
     params.vocab_only = vocab_only
     params.n_gpu_layers = n_gpu_layers
     params.use_mmap = True
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    model: ctypes.c_void_p = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise LlamaError(f"llama.cpp could not load {path} (see the llama.cpp log lines above)")
     return model

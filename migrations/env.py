@@ -33,7 +33,10 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = create_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("alembic: no sqlalchemy.url (tracker.migrate sets it, or pass a connection)")
+    engine = create_engine(url)
     try:
         with engine.connect() as conn:
             _run(conn)

@@ -214,21 +214,21 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
     import json
 
     if address:
-        import grpc
+        import trio
         from google.protobuf.json_format import MessageToDict
 
+        from common.cli import run_once
+        from common.grpc_adapter import RpcError, open_grpc
         from proto.swarm.v1 import shard_service_pb2
 
-        with grpc.insecure_channel(address) as channel:
-            call = channel.unary_unary(
-                "/swarm.v1.ShardService/Info",
-                request_serializer=shard_service_pb2.InfoRequest.SerializeToString,
-                response_deserializer=shard_service_pb2.NodeInfo.FromString,
-            )
-            try:
-                info = call(shard_service_pb2.InfoRequest(), timeout=timeout_s)
-            except grpc.RpcError as err:
-                raise click.ClickException(f"{address}: {err.code().name} {err.details()}") from err
+        async def ask() -> bytes:
+            async with open_grpc() as rt:
+                with trio.fail_after(timeout_s):
+                    request = shard_service_pb2.InfoRequest().SerializeToString()
+                    return await rt.unary(address, "/swarm.v1.ShardService/Info", request)
+
+        reply = run_once(PROG, ask, clear_errors=(RpcError, trio.TooSlowError))
+        info = shard_service_pb2.NodeInfo.FromString(reply)
         click.echo(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
         return
     import httpx

@@ -103,7 +103,7 @@ class Simulation:
     def _latency_to_gateway(self, node_id: str, gateway: int) -> float:
         return self.swarm.nodes[node_id].gateway_latency_s[gateway] * 1000.0
 
-    def _workload(self, rng: random.Random):  # type: ignore[no-untyped-def]
+    def _workload(self, rng: random.Random):
         w = self.sc.workload
         if w.kind == "trace":
             path = Path(w.trace_file)

@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,9 @@ def bench_loss(wan: WanEmulator, losses_pct: list[float], count: int) -> list[di
     return rows
 
 
-def bench_rate(wan: WanEmulator, cases: list[tuple[float, float]], seconds: float) -> list[dict[str, Any]]:
+def bench_rate(
+    wan: WanEmulator, cases: Sequence[tuple[float, float]], seconds: float
+) -> list[dict[str, Any]]:
     """``cases``: (uplink Mbit/s, 0 = unlimited; one-way delay ms)."""
     rows = []
     for rate, delay_ms in cases:

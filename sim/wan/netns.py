@@ -208,8 +208,8 @@ def call_in_namespace(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any
             return
         try:
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                result["error"] = WanSetupError(f"setns({name}): {os.strerror(err)}")
+                errno_ = ctypes.get_errno()
+                result["error"] = WanSetupError(f"setns({name}): {os.strerror(errno_)}")
                 return
         finally:
             os.close(fd)

@@ -132,7 +132,7 @@ def udp_one_way(
     stop = threading.Event()
 
     def receive() -> list[float]:
-        delays = []
+        delays: list[float] = []
         rsock.settimeout(0.2)
         cmsg_space = socket.CMSG_SPACE(16)
         while True:

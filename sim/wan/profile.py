@@ -173,7 +173,7 @@ def _take(
         kinds = allowed[key]
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise ProfileError(f"{where}.{key}: wrong type {type(value).__name__}")
-        out[key] = float(value) if kinds == (int, float) else value
+        out[key] = float(value) if kinds == (int, float) else value  # type: ignore[arg-type]  # value: int | float here
     return out
 
 

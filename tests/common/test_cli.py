@@ -184,6 +184,14 @@ def test_node_key_file_readable_by_others(tmp_path: Path, model_path: Path, node
     assert_one_line(done, "swarm-node", 1, str(key))
 
 
+def test_node_status_of_an_unreachable_node() -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    done = run_cli("swarm-node", "status", "--address", f"127.0.0.1:{closed}", "--timeout-s", "5")
+    assert_one_line(done, "swarm-node", 1, "UNAVAILABLE", str(closed))
+
+
 @pytest.mark.parametrize(
     ("prog", "args", "env", "needle"),
     [
