@@ -25,6 +25,32 @@ FALLBACK_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's turn format (Gemma 1-3 instruct models): BOS, then "<start_of_turn>user|model" turns
+# closed by "<end_of_turn>"; a system message is prepended to the first user turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = ns.system + message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Templates by GGUF ``general.architecture`` for files that carry none.
+BUILTIN_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE}
+
+
+def template_source(gguf_template: str | None, architecture: str | None) -> str:
+    """The model's own template; else the architecture's built-in one; else ChatML."""
+    if gguf_template:
+        return gguf_template
+    return BUILTIN_TEMPLATES.get(architecture or "", FALLBACK_TEMPLATE)
+
+
 MAX_RENDERED_CHARS = 4 * 1024 * 1024
 
 

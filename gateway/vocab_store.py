@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from common.vocab import Vocabulary
-from gateway.chat_template import ChatTemplate
+from gateway.chat_template import ChatTemplate, template_source
 from gateway.errors import InvalidRequest, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import StageInfo
@@ -68,8 +68,9 @@ def _load(path: Path, fingerprint: str) -> LoadedVocab:
         for t in (vocab.bos, vocab.eos)
         if 0 <= t < n
     }
+    source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
     template = ChatTemplate(
-        vocab.chat_template, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, "")
+        source, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, "")
     )
     return LoadedVocab(fingerprint, vocab, pieces, template, n, eog, trio.CapacityLimiter(1))
 

@@ -1,16 +1,22 @@
 """Engine benchmark: split overhead and batching, each beside plain llama.cpp in the same run.
 
-    python -m sim.bench_engine [--out bench-results/engine.json] [--quick]
+    python -m sim.bench_engine [--model FILE] [--out bench-results/engine.json] [--quick]
 
-1. Split overhead: greedy decode tok/s of an in-process 2-stage split
-   ([0,15) + [15,30), compiled capture callback) divided by the whole model's
-   (one plain llama.cpp context, token ids in), same prompt, same threads.
-   The split with the Python ctypes callback is shown too: the cost the
-   compiled callback removes.
+``--model`` takes any supported GGUF (default: the SmolLM2 test model; the
+Gemma 3 test model is ``--model gemma3``).
+
+1. Split overhead: greedy decode tok/s of an in-process 2-stage split (cut in
+   the middle, ``[0,15) + [15,30)`` for SmolLM2, ``[0,9) + [9,18)`` for
+   Gemma 3; compiled capture callback) divided by the whole model's (one plain
+   llama.cpp context, token ids in), same prompt, same threads. The split with
+   the Python ctypes callback is shown too: the cost the compiled callback
+   removes.
 2. Batching: aggregate decode tok/s of N concurrent sessions (N = 1, 4, 8, 16,
-   each with a context of a few hundred tokens) through the engine, beside raw
-   llama.cpp decoding N sequences in one batch (per-sequence KV, its fastest
-   configuration here -- unified KV is measured too).
+   each with a context of 320 tokens, or the sliding window plus 128 for a
+   sliding-window model, so every session attends past its window) through
+   the engine, beside raw llama.cpp decoding N sequences in one batch
+   (per-sequence KV, its fastest configuration here -- unified KV is
+   measured too).
 
 The setups advance in lock-step (one step of each in turn) and both wall time
 and the calling thread's CPU time are reported: with one llama.cpp thread the
@@ -34,8 +40,8 @@ import numpy as np
 from common.vocab import Vocabulary
 from node.engine import EngineConfig, ShardEngine, Work
 from node.reference import ReferenceModel
-from node.shard import extract_shard
-from node.testmodel import test_model_path
+from node.shard import extract_shard, read_model_meta
+from node.testmodel import gemma3_model_path, test_model_path
 
 PROMPT = "The capital of France is"
 CONTEXT_TEXT = (
@@ -111,20 +117,29 @@ def _through(stages: list[ShardEngine], works: list[Work]) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tokens: int, reps: int) -> dict:
+def bench_split(
+    model: Path,
+    cache: Path,
+    vocab: Vocabulary,
+    threads: int,
+    n_tokens: int,
+    reps: int,
+    bounds: tuple[int, int, int],
+) -> dict:
     """Whole model vs 2-stage split (C capture) vs 2-stage split (Python capture), token by token
     in lock-step, so load from elsewhere on the machine falls on all three alike."""
     cfg = EngineConfig(n_threads_count=threads, max_sessions=1, session_kv_tokens=512, n_batch_tokens=512)
     cfg_py = EngineConfig(**{**cfg.__dict__, "capture": "python"})
     prompt = vocab.tokenize(PROMPT)
     ref = ReferenceModel(model, cfg.context_settings())
+    a, h, n = bounds
     split = [
-        ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache),
-        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+        ShardEngine(extract_shard(model, a, h, cache), cfg, cache),
+        ShardEngine(extract_shard(model, h, n, cache), cfg, cache),
     ]
     split_py = [
-        ShardEngine(extract_shard(model, 0, 15, cache), cfg_py, cache),
-        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+        ShardEngine(extract_shard(model, a, h, cache), cfg_py, cache),
+        ShardEngine(extract_shard(model, h, n, cache), cfg, cache),
     ]
     runs = []
     for r in range(reps):
@@ -152,6 +167,7 @@ def bench_split(model: Path, cache: Path, vocab: Vocabulary, threads: int, n_tok
         return statistics.median(run[key][kind] for run in runs)
 
     out = {
+        "bounds": list(bounds),
         "threads": threads,
         "tokens_per_run": n_tokens,
         "runs": reps,
@@ -232,6 +248,7 @@ def bench_batching(
     ctx_tokens: int,
     steps: int,
     reps: int,
+    bounds: tuple[int, int, int],
 ) -> list[dict]:
     """Per session count: raw llama.cpp (per-sequence KV, and unified KV) and the engine (whole model
     as one shard, and a 2-stage split), stepping in lock-step so load hits all alike."""
@@ -243,10 +260,11 @@ def bench_batching(
         session_kv_tokens=ctx_tokens + steps * reps + 64,
         n_batch_tokens=512,
     )
-    whole = [ShardEngine(extract_shard(model, 0, 30, cache), cfg, cache)]
+    a, h, n_layers = bounds
+    whole = [ShardEngine(extract_shard(model, a, n_layers, cache), cfg, cache)]
     split = [
-        ShardEngine(extract_shard(model, 0, 15, cache), cfg, cache),
-        ShardEngine(extract_shard(model, 15, 30, cache), cfg, cache),
+        ShardEngine(extract_shard(model, a, h, cache), cfg, cache),
+        ShardEngine(extract_shard(model, h, n_layers, cache), cfg, cache),
     ]
     settings = cfg.context_settings()
     unified = settings.__class__(**{**settings.__dict__, "kv_unified": True})
@@ -284,20 +302,53 @@ def bench_batching(
     return rows
 
 
+def _sliding_window(model: Path, arch: str) -> int | None:
+    """The model's sliding-window length if any of its layers use one."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(model).fields.get(f"{arch}.attention.sliding_window")
+    value = field.contents() if field is not None else None
+    return int(value) if value else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("bench-results/engine.json"))
+    ap.add_argument(
+        "--model", default=None, help="GGUF file, or 'gemma3' for the Gemma 3 test model (default: SmolLM2)"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="default bench-results/engine[-<model>].json")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repetitions (smoke run)")
     ap.add_argument("--fail-below", type=float, default=None, help="exit 1 if a ratio falls below this")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    model = test_model_path()
+    if args.model is None:
+        model = test_model_path()
+    elif args.model == "gemma3":
+        model = gemma3_model_path()
+    else:
+        model = Path(args.model)
+    out_path = args.out or Path(
+        "bench-results/engine.json" if args.model is None else f"bench-results/engine-{model.stem}.json"
+    )
     cache = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
+    meta = read_model_meta(model, cache)
+    window = _sliding_window(model, meta.architecture)
+    ctx_tokens = 320 if window is None else window + 128
+    points = meta.split_points or tuple(range(meta.n_layers + 1))
+    half = min(points[1:-1] or [meta.n_layers], key=lambda p: abs(p - meta.n_layers / 2))
+    if half == meta.n_layers:
+        raise SystemExit(f"{model.name} can only be served whole: there is no split to measure")
+    bounds = (0, half, meta.n_layers)
     vocab = Vocabulary(model)
     n_tokens, reps, steps = (32, 1, 8) if args.quick else (128, 5, 32)
+    print(
+        f"{meta.name} ({meta.architecture}, {meta.n_layers} layers, split {bounds}, "
+        f"batching context {ctx_tokens} tokens{'' if window is None else f', sliding window {window}'})",
+        flush=True,
+    )
     print(f"split overhead ({args.threads} thread(s), {n_tokens} tokens x {reps} runs, medians):", flush=True)
-    split = bench_split(model, cache, vocab, args.threads, n_tokens, reps)
+    split = bench_split(model, cache, vocab, args.threads, n_tokens, reps, bounds)
     for kind in ("cpu_tok_s", "wall_tok_s"):
         f = split[kind]
         print(
@@ -311,17 +362,20 @@ def main() -> None:
     print(
         f"batching ({args.threads} thread(s), {steps * 2} decode steps per setup, interleaved):", flush=True
     )
-    batching = bench_batching(model, cache, vocab, args.threads, [1, 4, 8, 16], 320, steps, 2)
+    batching = bench_batching(model, cache, vocab, args.threads, [1, 4, 8, 16], ctx_tokens, steps, 2, bounds)
     result = {
         "benchmark": "engine",
         "model": model.name,
+        "architecture": meta.architecture,
+        "sliding_window": window,
+        "context_tokens": ctx_tokens,
         "split": split,
         "batching": batching,
         "unix_time": time.time(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out_path}")
     if args.fail_below is not None:
         ratios = [split["cpu_tok_s"]["ratio_split_c_to_whole"]] + [
             r["ratio_engine_to_best_raw_cpu"] for r in batching

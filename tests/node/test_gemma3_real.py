@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.vocab import Vocabulary
 from node.engine import EngineConfig, ShardEngine, Work
 from node.reference import ReferenceModel
 from node.shard import extract_shard, read_model_meta
 from node.testmodel import gemma3_model_path
-from node.vocab import Vocabulary
 
 CONFIG = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=768, n_batch_tokens=256)
 N_NEW = 32
