@@ -19,9 +19,18 @@ Choice
     span anchored at one end only is scaled by ``half_aligned_weight``. Exact
     ties go to the lower start, then to the rng.
 
+Split points
+    A model that can only be cut at some boundaries (``ModelInfo.split_points``,
+    e.g. one served whole) gets spans that start and end there: a span is
+    shortened to the last split point within capacity, and when no split point
+    lies within capacity the shortest allowed span is recommended (longer than
+    ``capacity_layers``: the node decides whether it can hold it).
+
 Invariants
-    ``0 <= start < end <= L`` and ``end - start <= capacity_layers``; with no
-    shards for the model the answer is ``(0, min(capacity_layers, L))``.
+    ``0 <= start < end <= L``, both ends at split points, and ``end - start <=
+    capacity_layers`` unless the split points allow no span that short; with no
+    shards for the model and no split points the answer is
+    ``(0, min(capacity_layers, L))``.
 """
 
 from __future__ import annotations
@@ -91,6 +100,19 @@ def recommend_span(
     if n < 1:
         raise ValueError(f"model {model_fingerprint!r} has no layers")
     cap = min(capacity_layers, n)
+    points = None if model.split_points is None else sorted({0, n, *model.split_points})
+
+    def end_from(a: int) -> int:
+        if points is None:
+            return min(a + cap, n)
+        inside = [p for p in points if a < p <= a + cap]
+        return max(inside) if inside else min(p for p in points if p > a)
+
+    def start_to(b: int) -> int:
+        if points is None:
+            return max(b - cap, 0)
+        inside = [p for p in points if b - cap <= p < b]
+        return min(inside) if inside else max(p for p in points if p < b)
 
     cover = layer_coverage(snapshot, model_fingerprint, n, weights)
     prefix = [0.0]
@@ -109,15 +131,17 @@ def recommend_span(
 
     candidates: set[tuple[int, int]] = set()
     for a in open_starts:
-        candidates.add((a, min(a + cap, n)))
+        candidates.add((a, end_from(a)))
         for b in open_ends:
             if a < b <= a + cap:
                 candidates.add((a, b))
     for b in open_ends:
-        candidates.add((max(b - cap, 0), b))
+        candidates.add((start_to(b), b))
+    if points is not None:
+        candidates = {(a, b) for a, b in candidates if model.allows(a, b)}
 
     best: tuple[float, int, float] | None = None
-    choice = (0, cap)
+    choice = (0, end_from(0))
     for a, b in sorted(candidates):
         aligned = (a in open_starts) + (b in open_ends)
         score = prefix[b] - prefix[a]

@@ -31,7 +31,9 @@ k routes (data parallelism)
 
 Invariants of the result
     * every route tiles ``0..L`` contiguously with shards of the requested
-      model, none from ``exclude_nodes``;
+      model, none from ``exclude_nodes``, each starting and ending at the
+      model's split points (``ModelInfo.split_points``; a shard announced at
+      another boundary cannot be served and is ignored);
     * ``uncovered`` is empty exactly when ``routes`` is non-empty.
 """
 
@@ -122,6 +124,7 @@ def select_routes(
             for s in snapshot.shards
             if s.model_fingerprint == model_fingerprint
             and 0 <= s.start < s.end <= n_layers
+            and model.allows(s.start, s.end)
             and s.node_id not in exclude_nodes
         ),
         key=attrgetter("start"),  # stable: equal starts keep the snapshot's order

@@ -23,6 +23,15 @@ class ModelInfo:
     n_layers: int
     n_embd: int
     architecture: str = "llama"
+    # Layer boundaries a shard may start or end at (the model's published split points);
+    # None: every boundary 0..n_layers. Some models can only be cut at some layers (or served whole).
+    split_points: tuple[int, ...] | None = None
+
+    def allows(self, start: int, end: int) -> bool:
+        """True if ``[start, end)`` starts and ends at boundaries the model may be cut at."""
+        if self.split_points is None:
+            return True
+        return start in self.split_points and end in self.split_points
 
 
 @dataclass(frozen=True)
