@@ -77,10 +77,8 @@ class EngineConfig:
 
     def context_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
-            raise EngineError(
-                f"max_sessions must be in [1, {llama_cpp.llama_max_parallel_sequences()}], "
-                f"got {self.max_sessions}"
-            )
+            limit = llama_cpp.llama_max_parallel_sequences()
+            raise EngineError(f"max_sessions must be in [1, {limit}], got {self.max_sessions}")
         if self.session_kv_tokens < 16:
             raise EngineError(f"session_kv_tokens must be >= 16, got {self.session_kv_tokens}")
         return ContextSettings(
@@ -220,14 +218,14 @@ class ShardEngine:
         if not self.is_last:
             n_layer = llama_cpp.llama_model_n_layer(self._model)
             capture_name = f"{self.arch.capture_prefix}-{n_layer - 1}"
-        inject_name = self.arch.inject_input if (self.arch.inject_input and not self.is_first) else ""
+        inject_name = "" if self.is_first else (self.arch.inject_input or "")
         if capture_name or inject_name:
             self._capture = TensorCapture(
                 capture_name,
                 self.n_embd,
                 settings.n_batch,
                 cache_dir if config.capture == "auto" else None,
-                inject_name=inject_name or "",
+                inject_name=inject_name,
             )
         try:
             self._ctx = new_context(
@@ -504,7 +502,7 @@ class ShardEngine:
                     f"not as planned {planned}; "
                     "the pinned llama.cpp changed its batch splitting or graph"
                 )
-        if self._capture is not None and plan is not None and self._capture.struct.name:
+        if self._capture is not None and plan is not None and self._capture.captures:
             seen_rows = self._capture.ubatch_rows()
             if seen_rows != [len(p) for p in plan]:
                 raise DecodeError(

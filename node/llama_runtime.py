@@ -252,6 +252,7 @@ class TensorCapture:
         self.struct.inject_name = inject_name.encode()
         self.struct.inject_buf = self.inject_buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         self.struct.inject_capacity = 0
+        self.captures = bool(name)
         self.injects = bool(inject_name)
         self.compiled = False
         self._lib = None
