@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import hypercorn.trio
 import nacl.signing
 import trio
 
+from common import files
 from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
@@ -52,14 +52,6 @@ def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
         raise ConfigError(str(err)) from err
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    path = path.expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
-
-
 async def _tracker_url(config: GatewayConfig) -> str:
     if config.tracker_url:
         return config.tracker_url
@@ -80,7 +72,7 @@ async def serve_gateway(
     on_ready: Callable[[RunningGateway], None] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    key = await trio.to_thread.run_sync(load_or_create_key, config.resolved_data_dir())
+    key = await files.run_sync(load_or_create_key, config.resolved_data_dir())
     tracker_url = await _tracker_url(config)
     relay = RelayHub(public_key_hex(key), max_frame_bytes=config.max_frame_bytes)
     tracker = TrackerClient(tracker_url, key)
@@ -126,7 +118,7 @@ async def _serve(
             port = int(binds[0].rsplit(":", 1)[1])
             url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             if config.port_file:
-                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
+                await files.write_port_file(config.port_file, port)
             event(
                 log,
                 "gateway_listening",

@@ -14,13 +14,13 @@ never calls into llama.cpp.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from common import files
 from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate, template_source
 from gateway.errors import InvalidRequest, UpstreamFailed
@@ -75,13 +75,6 @@ def _load(path: Path, fingerprint: str) -> LoadedVocab:
     return LoadedVocab(fingerprint, vocab, pieces, template, n, eog, trio.CapacityLimiter(1))
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class VocabStore:
     def __init__(self, cache_dir: Path, channels: NodeChannels, *, timeout_s: float) -> None:
         self._dir = cache_dir
@@ -102,9 +95,9 @@ class VocabStore:
             if loaded is not None:
                 return loaded
             path = self.path(fingerprint)
-            if not await trio.to_thread.run_sync(path.is_file):
+            if not await files.is_file(path):
                 data = await self._download(fingerprint, stages)
-                await trio.to_thread.run_sync(_write_atomic, path, data)
+                await files.write_atomic(path, data)
             loaded = await trio.to_thread.run_sync(_load, path, fingerprint)
             while len(self._loaded) >= MAX_LOADED:
                 _, old = self._loaded.popitem()

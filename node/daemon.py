@@ -25,7 +25,6 @@ import functools
 import importlib.metadata
 import logging
 import math
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 import httpx
 import trio
 
+from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
 from node.admin import AdminServer, prometheus
@@ -68,14 +68,6 @@ def software_version() -> str:
         return importlib.metadata.version("swarm-inference")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a plain checkout
         return "0.0.0"
-
-
-def _write_port_file(path: str, port: int) -> None:
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, target)
 
 
 def advertise_address(config: NodeConfig, port: int) -> str:
@@ -169,7 +161,7 @@ class NodeDaemon:
         self._vocab_bytes: bytes | None = None
         cached_vocab = shard_dir(cache, meta.fingerprint) / "vocab.gguf"
         if cached_vocab.is_file():
-            self._vocab_bytes = await trio.to_thread.run_sync(cached_vocab.read_bytes)
+            self._vocab_bytes = await read_bytes(cached_vocab)
         engine_config = EngineConfig(
             n_threads_count=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
@@ -264,7 +256,7 @@ class NodeDaemon:
                 port = await nursery.start(self.grpc.serve, grpc_rt)
                 self.address = advertise_address(cfg, port)
                 if cfg.port_file:
-                    _write_port_file(cfg.port_file, port)
+                    await write_port_file(cfg.port_file, port)
                 admin_port = None
                 if cfg.admin_port >= 0:
                     admin = AdminServer(
@@ -276,7 +268,7 @@ class NodeDaemon:
                     )
                     admin_port = await nursery.start(admin.serve)
                     if cfg.admin_port_file:
-                        _write_port_file(cfg.admin_port_file, admin_port)
+                        await write_port_file(cfg.admin_port_file, admin_port)
                 self.relay = None
                 use_relay = bool(cfg.relay_url)
                 if use_relay and cfg.relay_auto:
@@ -318,7 +310,7 @@ class NodeDaemon:
         from node.shard import extract_vocab
 
         path = await trio.to_thread.run_sync(extract_vocab, model_path, cache)
-        self._vocab_bytes = await trio.to_thread.run_sync(path.read_bytes)
+        self._vocab_bytes = await read_bytes(path)
         event(log, "vocab_ready", path=str(path), bytes=len(self._vocab_bytes))
 
     async def _stop(self, nursery: trio.Nursery) -> None:

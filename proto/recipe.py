@@ -2,8 +2,8 @@
 
 Two stages only compose into the whole model bit for bit if they run the same
 llama.cpp build, the same source model, the same KV cache type and the same
-attention kernel (docs ENGINE_NOTES: flash attention on/off changed greedy
-output after 12 tokens). The fingerprint is sha256 over a canonical JSON
+attention kernel (flash attention on or off changed the whole test model's
+greedy output after 12 tokens; docs/engine.md). The fingerprint is sha256 over a canonical JSON
 object of exactly those fields, so every party computes the same hex string
 without depending on protobuf serialization order.
 """

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import hypercorn.config
 import hypercorn.trio
 import nacl.signing
 import trio
 
+from common import files
 from common.logs import event
 from tracker.app import create_app
 from tracker.config import TrackerConfig
@@ -39,15 +38,6 @@ class RunningTracker:
     port: int
     url: str
     registry: Registry
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    """Atomically, so a launcher polling the file never reads half a number."""
-    path = path.expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
@@ -81,7 +71,7 @@ async def serve_tracker(
             port = int(binds[0].rsplit(":", 1)[1])
             url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             if config.port_file:
-                await trio.to_thread.run_sync(_write_port_file, Path(config.port_file), port)
+                await files.write_port_file(config.port_file, port)
             helpers = trio.CancelScope()
 
             async def run_helpers(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

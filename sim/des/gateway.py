@@ -1,8 +1,8 @@
 """The gateway: admission, Route Sessions, frame relay and recovery.
 
-Topology (DESIGN.md, "A Route Session"): the gateway opens one stream per
-stage and relays every frame, so a hop is gateway -> stage -> gateway. The
-first stage receives token ids, later stages hidden states
+Topology (the gateway-relayed data plane, docs/simulation.md): the gateway
+opens one stream per stage and relays every frame, so a hop is gateway ->
+stage -> gateway. The first stage receives token ids, later stages hidden states
 (``n_tokens * n_embd * 2`` bytes), the last stage returns the sampled token.
 
 Routes

@@ -1,9 +1,9 @@
 """Hardware profiles and the batch service-time model of one node.
 
 Calibration (the only measured part; see docs/simulation.md)
-    ENGINE_NOTES.md measured SmolLM2-135M Q4_1 (30 layers, 3.54 M weights per
-    layer, K/V width 192) with llama.cpp on one thread of this machine,
-    per-sequence KV:
+    Raw llama.cpp running SmolLM2-135M Q4_1 (30 layers, 3.54 M weights per
+    layer, K/V width 192), measured on one thread of the 2-core development
+    machine, per-sequence KV:
 
     ======  =========  ==================  =================
     batch   context    aggregate tok/s     step time (30 L)

@@ -1,7 +1,7 @@
 """One simulated volunteer node: a shard, a continuous-batching server, an uplink.
 
-The node's scheduler mirrors the real one (DESIGN.md, "The layer-range
-engine"): one batch per step built from the pending work of all sessions,
+The node's scheduler mirrors the real one (node/scheduler.py and
+node/batching.py, docs/engine.md): one batch per step built from the pending work of all sessions,
 decode tokens first, then prefill chunks while the step's token budget
 lasts. A step's duration comes from :class:`sim.des.hardware.StepCost`.
 
