@@ -2,8 +2,8 @@
 
 trio nurseries always wrap what escapes them in an ``ExceptionGroup``
 (strict exception groups). Where a nursery only supports the body -- a
-reader thread next to a stream, parallel look-ups that each either succeed
-or raise one ``GatewayError`` -- callers want the one exception, so that
+task next to a stream, parallel look-ups that each either succeed or raise
+one ``GatewayError`` -- callers want the one exception, so that
 ``except StageFailed`` and the HTTP error mapping keep working. Several
 exceptions stay grouped.
 """

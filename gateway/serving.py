@@ -365,7 +365,7 @@ class GatewayService:
                 return
             except StageFailed as err:
                 if entered:
-                    raise  # failed mid-generation: not retried (no replay yet, docs/gateway.md)
+                    raise  # failed mid-generation: _run_sessions replays the history on another route
                 self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="open_failed")
                 event(
                     log,
