@@ -212,7 +212,8 @@ class ShardEngine:
         )
         if self.is_first and self._embeddings is None:
             raise EngineError("first-stage shard has no token embeddings file")
-        self._model = load_model(files.path)
+        self._model: ctypes.c_void_p | None = load_model(files.path)
+        self._ctx: ctypes.c_void_p | None = None
         self._capture: TensorCapture | None = None
         capture_name = ""
         if not self.is_last:
@@ -388,30 +389,30 @@ class ShardEngine:
         if accepted:
             try:
                 self._run(works, accepted, hidden_out, sampled, logits_out)
-            except EngineError as err:
+            except EngineError as failure:
                 for i in accepted:
                     w = works[i]
                     sess = self._sessions[w.session_id]
                     llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, w.start_pos, -1)
                     sess.kv_len = w.start_pos
-                    errors[i] = err
+                    errors[i] = failure
         results = []
         now = time.monotonic()
         for i, w in enumerate(works):
-            err = errors[i]
-            sess = self._sessions.get(w.session_id)
-            if err is None and sess is not None:
-                sess.last_used_s = now
+            error = errors[i]
+            owner = self._sessions.get(w.session_id)
+            if error is None and owner is not None:
+                owner.last_used_s = now
             results.append(
                 WorkResult(
                     session_id=w.session_id,
                     start_pos=w.start_pos,
                     n_tokens=w.n_tokens,
-                    kv_len=sess.kv_len if sess is not None else 0,
+                    kv_len=owner.kv_len if owner is not None else 0,
                     hidden=hidden_out.get(i),
                     sampled=sampled.get(i),
                     logits=logits_out.get(i),
-                    error=err,
+                    error=error,
                 )
             )
         return results
@@ -454,6 +455,8 @@ class ShardEngine:
         logits_out: dict[int, np.ndarray],
     ) -> None:
         b = self._batch
+        embd = b.embd
+        assert embd is not None  # the engine's batch always carries embeddings
         n = 0
         outputs: list[tuple[int, int]] = []  # (work index, batch row) for last-stage outputs
         for i, off, take in segments:
@@ -461,9 +464,9 @@ class ShardEngine:
             sess = self._sessions[w.session_id]
             rows = slice(n, n + take)
             if w.tokens is not None:
-                b.embd[rows] = self._embeddings.lookup(w.tokens[off : off + take])  # type: ignore[union-attr,index]
+                embd[rows] = self._embeddings.lookup(w.tokens[off : off + take])  # type: ignore[union-attr]
             else:
-                b.embd[rows] = w.hidden[off : off + take]  # type: ignore[index]
+                embd[rows] = w.hidden[off : off + take]  # type: ignore[index]
             b.pos[rows] = np.arange(w.start_pos + off, w.start_pos + off + take, dtype=np.int32)
             b.seq[rows] = sess.seq
             if self.is_last:
@@ -481,7 +484,7 @@ class ShardEngine:
             plan = ubatch_plan(b.seq[:n], self.n_batch, self.config.kv_unified)
             if self._capture.injects:
                 # The graph transforms its input before the first layer: hand it the exact rows instead.
-                self._capture.set_inject_rows(b.embd[np.concatenate(plan)])
+                self._capture.set_inject_rows(embd[np.concatenate(plan)])
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx, b.batch)
         self._compute_s += time.perf_counter() - t0
@@ -509,9 +512,9 @@ class ShardEngine:
                     f"llama.cpp split the batch as {seen_rows}, not as planned {[len(p) for p in plan]}; "
                     "the pinned llama.cpp changed its batch splitting"
                 )
-            rows = self._capture.rows()
+            captured = self._capture.rows()
             in_batch_order = np.empty((n, self.n_embd), dtype=np.float32)
-            in_batch_order[np.concatenate(plan)] = rows
+            in_batch_order[np.concatenate(plan)] = captured
             pos = 0
             for i, off, take in segments:
                 hidden_out[i][off : off + take] = in_batch_order[pos : pos + take]

@@ -59,7 +59,7 @@ def new_context(
     model: ctypes.c_void_p,
     settings: ContextSettings,
     *,
-    cb_eval: object | None = None,
+    cb_eval: int | None = None,
     cb_user_data: int | None = None,
 ) -> ctypes.c_void_p:
     if settings.kv_type not in KV_TYPES:
@@ -83,7 +83,7 @@ def new_context(
     params.embeddings = False
     params.no_perf = True
     if cb_eval is not None:
-        params.cb_eval = ctypes.cast(cb_eval, llama_cpp.ggml_backend_sched_eval_callback)
+        params.cb_eval = ctypes.cast(ctypes.c_void_p(cb_eval), llama_cpp.ggml_backend_sched_eval_callback)
         params.cb_eval_user_data = ctypes.c_void_p(cb_user_data)
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
@@ -111,26 +111,31 @@ class BatchBuffer:
         self._seq_ptrs = np.array([base + 4 * i for i in range(capacity)], dtype=np.uintp)
         self.batch = llama_cpp.llama_batch()
         i32p = ctypes.POINTER(ctypes.c_int32)
-        self.batch.token = self.token.ctypes.data_as(i32p)
-        self.batch.pos = self.pos.ctypes.data_as(i32p)
-        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32p)
-        self.batch.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
-        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        # The struct's pointer fields take pointers (llama-cpp-python's stubs call them arrays).
+        _set_field(self.batch, "token", self.token.ctypes.data_as(i32p))
+        _set_field(self.batch, "pos", self.pos.ctypes.data_as(i32p))
+        _set_field(self.batch, "n_seq_id", self.n_seq_id.ctypes.data_as(i32p))
+        _set_field(self.batch, "seq_id", ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p)))
+        _set_field(self.batch, "logits", self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)))
         self._embd_ptr = (
             self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if self.embd is not None else None
         )
-        self._null_i32 = ctypes.cast(None, i32p)
-        self._null_f32 = ctypes.cast(None, ctypes.POINTER(ctypes.c_float))
+        self._null_i32 = i32p()  # NULL
+        self._null_f32 = ctypes.POINTER(ctypes.c_float)()  # NULL
 
     def use_embeddings(self, yes: bool) -> None:
         if yes:
             if self._embd_ptr is None:
                 raise LlamaError("this batch buffer has no embedding storage")
-            self.batch.embd = self._embd_ptr
-            self.batch.token = self._null_i32
+            _set_field(self.batch, "embd", self._embd_ptr)
+            _set_field(self.batch, "token", self._null_i32)
         else:
-            self.batch.embd = self._null_f32
-            self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            _set_field(self.batch, "embd", self._null_f32)
+            _set_field(self.batch, "token", self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+
+
+def _set_field(struct: ctypes.Structure, name: str, value: object) -> None:
+    setattr(struct, name, value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from node.llama_runtime import BatchBuffer, ContextSettings, LlamaError, free_mo
 class ReferenceModel:
     def __init__(self, model_path: Path, settings: ContextSettings) -> None:
         self.settings = settings
-        self._model = load_model(model_path)
-        self._ctx = new_context(self._model, settings)
+        self._model: ctypes.c_void_p | None = load_model(model_path)
+        self._ctx: ctypes.c_void_p | None = new_context(self._model, settings)
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
         self._batch = BatchBuffer(settings.n_batch, 0)

@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,10 @@ def _through(stages: list[ShardEngine], works: list[Work]) -> list[int]:
                 w.sample = True
         results = stage.step(works)
         if last:
-            return [r.sampled.token for r in results]
+            tokens = [r.sampled.token for r in results if r.sampled is not None]
+            if len(tokens) != len(results):
+                raise RuntimeError(f"a stage failed: {[str(r.error) for r in results if r.error]}")
+            return tokens
         works = [Work(r.session_id, r.start_pos, hidden=r.hidden) for r in results]
     raise AssertionError("unreachable")
 
@@ -141,7 +145,7 @@ def bench_split(
         ShardEngine(extract_shard(model, a, h, cache), cfg_py, cache),
         ShardEngine(extract_shard(model, h, n, cache), cfg, cache),
     ]
-    runs = []
+    runs: list[dict[str, Any]] = []
     for r in range(reps):
         clocks = {"whole": _Clock(), "split_c": _Clock(), "split_python": _Clock()}
         whole_s = _WholeStream(ref, prompt)
@@ -155,10 +159,11 @@ def bench_split(
             same &= a == b == c
         c_s.close()
         p_s.close()
-        runs.append(
-            {k: {"wall_tok_s": n_tokens / v.wall, "cpu_tok_s": n_tokens / v.cpu} for k, v in clocks.items()}
-        )
-        runs[-1]["same_tokens"] = same
+        run: dict[str, Any] = {
+            k: {"wall_tok_s": n_tokens / v.wall, "cpu_tok_s": n_tokens / v.cpu} for k, v in clocks.items()
+        }
+        run["same_tokens"] = same
+        runs.append(run)
     ref.close()
     for e in split + split_py:
         e.close()
@@ -270,7 +275,7 @@ def bench_batching(
     unified = settings.__class__(**{**settings.__dict__, "kv_unified": True})
     for n in counts:
         prompts = _contexts(vocab, n, ctx_tokens)
-        setups = {
+        setups: dict[str, _RawBatch | _EngineBatch] = {
             "raw_per_seq_kv": _RawBatch(model, settings, prompts),
             "raw_unified_kv": _RawBatch(model, unified, prompts),
             "engine_whole": _EngineBatch(whole, prompts, "w"),
