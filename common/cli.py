@@ -1,11 +1,14 @@
 """The command-line shell every service runs in: signals, shutdown, exit codes, one-line errors.
 
 ``swarm-node start``, ``swarm-tracker serve`` and ``swarm-gateway serve`` each
-load their config and call :func:`run_service` with the service's trio main::
+load their config and call :func:`run_service` with the service's trio main,
+called with two keyword arguments::
 
-    async def main(shutdown: trio.Event, *, task_status) -> None:
+    async def serve_tracker(config, *, shutdown: trio.Event, task_status) -> None:
         ...                      # start up, then task_status.started()
         await shutdown.wait()    # then drain and return
+
+    run_service("swarm-tracker", functools.partial(serve_tracker, config), grace_s=5.0)
 
 Signals (SIGINT, SIGTERM):
 
@@ -57,7 +60,8 @@ T = TypeVar("T")
 log = logging.getLogger("swarm.cli")
 
 ServiceMain = Callable[..., Awaitable[None]]
-"""``async def main(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None``."""
+"""Called as ``main(shutdown=trio.Event, task_status=trio.TaskStatus)``: a service entry point such as
+``functools.partial(serve_tracker, config)``."""
 
 
 def fail(prog: str, message: str, code: int = EXIT_FAILED) -> NoReturn:
@@ -163,7 +167,7 @@ class _Started:
 async def _run_main(
     main: ServiceMain, shutdown: trio.Event, run: _Run, *, task_status: trio.TaskStatus[None]
 ) -> None:
-    await main(shutdown, task_status=_Started(run, task_status))
+    await main(shutdown=shutdown, task_status=_Started(run, task_status))
     shutdown.set()  # the service returned by itself: the shell is done too
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import click
-import trio
 
 from common.cli import EXIT_USAGE, fail
 from gateway.config import FIELDS, ConfigError, GatewayConfig, load_config
@@ -68,13 +68,10 @@ def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     config = _config(config_file, **flags)
     logs.configure(config.log_level)
 
-    async def service(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
-        await serve_gateway(config, shutdown=shutdown, task_status=task_status)
-
     # Start-up failures (port taken, no tracker found, unreadable key) end with one clear line.
     run_service(
         PROG,
-        service,
+        functools.partial(serve_gateway, config),
         grace_s=SHUTDOWN_GRACE_S,
         clear_errors=(OSError, KeyFileError),
         usage_errors=(ConfigError,),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -147,7 +148,6 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
     """Serve a shard: gRPC ShardService, admin HTTP, announce and heartbeats; until SIGINT/SIGTERM."""
-    import trio
 
     from common import logs
     from common.cli import run_service
@@ -160,13 +160,10 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
     config = _load(config_file, flags)
     logs.configure(config.log_level)
 
-    async def serve(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
-        await run_node(config, shutdown=shutdown, task_status=task_status)
-
     # Start-up refusals (bad model file, layer range, key file, port in use) end with one clear line.
     run_service(
         PROG,
-        serve,
+        functools.partial(run_node, config),
         grace_s=config.shutdown_grace_s,
         clear_errors=(NodeError, KeyFileError, LlamaError, OSError),
         usage_errors=(ConfigError,),

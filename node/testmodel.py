@@ -51,13 +51,21 @@ class TestModelMissing(RuntimeError):
 
 def test_model_path() -> Path:
     """Absolute path of the SmolLM2 test model GGUF (``SWARM_TEST_MODEL`` overrides)."""
-    override = os.environ.get(ENV_OVERRIDE)
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise TestModelMissing(f"{ENV_OVERRIDE}={override} is not a file")
-        return path.resolve()
+    override = _override(ENV_OVERRIDE)
+    if override is not None:
+        return override
     path = _installed_file(DISTRIBUTION, RELATIVE_PATH, "0.1.2", extra="sim", override=ENV_OVERRIDE)
+    return path.resolve()
+
+
+def _override(variable: str) -> Path | None:
+    """The file the environment variable names instead of the packaged model, if it is set."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file():
+        raise TestModelMissing(f"{variable}={value} is not a file")
     return path.resolve()
 
 
@@ -100,12 +108,9 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
     records the verified digest with the file's size and mtime, so later calls
     cost one ``stat``.
     """
-    override = os.environ.get(GEMMA3_ENV_OVERRIDE)
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise TestModelMissing(f"{GEMMA3_ENV_OVERRIDE}={override} is not a file")
-        return path.resolve()
+    override = _override(GEMMA3_ENV_OVERRIDE)
+    if override is not None:
+        return override
     expected = _expected_gemma3_sha256()
     chunks = [
         _installed_file(dist, rel, GEMMA3_VERSION, extra="test", override=GEMMA3_ENV_OVERRIDE)

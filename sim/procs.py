@@ -195,6 +195,22 @@ def wait_http(
     raise LaunchError(f"{svc.name}: {url} not ready within {timeout_s:g} s ({last}):\n{svc.log_tail()}")
 
 
+def _serve_argv(script: str, host: str, port: int, data: Path) -> list[str]:
+    """``<script> serve`` on ``host:port``, its port file and data in ``data``."""
+    return [
+        *console_script(script),
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--port-file",
+        str(data / "port"),
+        "--data-dir",
+        str(data),
+    ]
+
+
 class Supervisor:
     """Owns the processes started in one work directory; stops them all, newest first.
 
@@ -261,16 +277,7 @@ class Supervisor:
         them; ``port`` lets a restarted tracker come back where its nodes look for it)."""
         data = self._data_dir(data_dir_name or name)
         argv = [
-            *console_script("swarm-tracker"),
-            "serve",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--port-file",
-            str(data / "port"),
-            "--data-dir",
-            str(data),
+            *_serve_argv("swarm-tracker", host, port, data),
             "--no-zeroconf",
             "--db-url",
             db_url or f"sqlite:///{data / 'tracker.db'}",
@@ -352,18 +359,9 @@ class Supervisor:
         """``swarm-gateway serve`` with its key and vocabulary cache in ``<workdir>/<name>``."""
         data = self._data_dir(name)
         argv = [
-            *console_script("swarm-gateway"),
-            "serve",
+            *_serve_argv("swarm-gateway", host, port, data),
             "--tracker",
             tracker_url,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--port-file",
-            str(data / "port"),
-            "--data-dir",
-            str(data),
             *(extra_args or ()),
         ]
         return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)

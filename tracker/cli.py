@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import click
-import trio
 
 from common.cli import EXIT_USAGE, fail
 from tracker.config import ConfigError, TrackerConfig, load_config
@@ -62,14 +62,11 @@ def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 
-    async def service(shutdown: trio.Event, *, task_status: trio.TaskStatus[Any]) -> None:
-        await serve_tracker(config, shutdown=shutdown, task_status=task_status)
-
     # Start-up failures (port taken, unreadable key, database unreachable) are operator errors
     # (tracker.keys.KeyFileError is an OSError).
     run_service(
         PROG,
-        service,
+        functools.partial(serve_tracker, config),
         grace_s=SHUTDOWN_GRACE_S,
         clear_errors=(OSError, SQLAlchemyError, TrackerError),
         usage_errors=(ConfigError,),

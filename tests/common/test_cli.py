@@ -78,19 +78,17 @@ def taken_port() -> Iterator[int]:
 # ------------------------------------------------------------------------- start-up errors, one line
 
 
-def test_tracker_port_in_use(tmp_path: Path, taken_port: int) -> None:
-    done = run_cli(
-        "swarm-tracker",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(taken_port),
-        "--data-dir",
-        str(tmp_path),
-        "--no-zeroconf",
-    )
-    assert_one_line(done, "swarm-tracker", 1, "address already in use", str(taken_port))
+@pytest.mark.parametrize(
+    ("prog", "args"),
+    [
+        ("swarm-tracker", ["--no-zeroconf"]),
+        ("swarm-gateway", ["--tracker", "http://127.0.0.1:9"]),
+    ],
+)
+def test_http_port_in_use(tmp_path: Path, taken_port: int, prog: str, args: list[str]) -> None:
+    serve = ["serve", "--host", "127.0.0.1", "--port", str(taken_port), "--data-dir", str(tmp_path)]
+    done = run_cli(prog, *serve, *args)
+    assert_one_line(done, prog, 1, "address already in use", f"HTTP on 127.0.0.1:{taken_port}")
 
 
 def test_tracker_database_unreachable(tmp_path: Path) -> None:
@@ -109,22 +107,6 @@ def test_tracker_database_unreachable(tmp_path: Path) -> None:
         f"postgresql+psycopg://swarm@127.0.0.1:{closed}/swarm",
     )
     assert_one_line(done, "swarm-tracker", 1, str(closed))
-
-
-def test_gateway_port_in_use(tmp_path: Path, taken_port: int) -> None:
-    done = run_cli(
-        "swarm-gateway",
-        "serve",
-        "--tracker",
-        "http://127.0.0.1:9",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(taken_port),
-        "--data-dir",
-        str(tmp_path),
-    )
-    assert_one_line(done, "swarm-gateway", 1, "address already in use", str(taken_port))
 
 
 def test_gateway_finds_no_tracker(tmp_path: Path) -> None:
