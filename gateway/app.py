@@ -9,12 +9,14 @@ become HTTP statuses::
     anything else                   -> 500 (logged)
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (docs/gateway.md).
+``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (docs/gateway.md), and
+``GET /``: a small page linking the swarm dashboard the tracker serves.
 """
 
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -25,6 +27,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from common.logs import event
+from common.metrics import CONTENT_TYPE
 from gateway import protocol
 from gateway.errors import (
     GatewayError,
@@ -111,6 +114,28 @@ def create_app(service: GatewayService) -> QuartTrio:
         metrics.inc("swarm_gateway_http_requests_total", endpoint=rule, status=str(response.status_code))
         return response
 
+    def dashboards() -> list[str]:
+        return [url + "/" for url in getattr(service.tracker, "urls", ())]
+
+    @app.get("/")
+    async def index() -> Response:
+        links = "".join(
+            f'<li><a href="{html.escape(u, quote=True)}">{html.escape(u)}</a></li>' for u in dashboards()
+        )
+        page = (
+            '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Swarm gateway</title>'
+            "<style>body{font:15px/1.5 system-ui,sans-serif;background:#0e1116;color:#e6edf3;margin:40px}"
+            "a{color:#58a6ff}code{background:#161b22;padding:2px 6px;border-radius:4px}</style></head><body>"
+            "<h1>Swarm gateway</h1>"
+            "<p>OpenAI-compatible API at <code>/v1</code> "
+            f"(gateway <code>{html.escape(service.gateway_id[:16])}</code>).</p>"
+            "<p>Swarm dashboard (served by the tracker):</p>"
+            f"<ul>{links}</ul>"
+            '<p><a href="/v1/models">/v1/models</a> · <a href="/healthz">/healthz</a> · '
+            '<a href="/metrics">/metrics</a></p></body></html>'
+        )
+        return Response(page, mimetype="text/html")
+
     @app.get("/healthz")
     async def healthz() -> Response:
         stats = service.gate.statistics()
@@ -120,12 +145,13 @@ def create_app(service: GatewayService) -> QuartTrio:
                 "gateway_id": service.gateway_id,
                 "sessions_active": stats.active,
                 "requests_queued": stats.queued,
+                "dashboard": (dashboards() or [None])[0],
             }
         )
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
-        return Response(metrics.render(service.gauges()), mimetype="text/plain; version=0.0.4")
+        return Response(metrics.render(service.gauges()), content_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:

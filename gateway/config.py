@@ -31,7 +31,11 @@ def _f(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    tracker_url: str = _f("", "tracker base URL, e.g. http://10.0.0.2:7460; empty = discover on the LAN")
+    tracker_url: str = _f(
+        "",
+        "tracker base URL, e.g. http://10.0.0.2:7460, or several replicas separated by commas (the gateway"
+        " fails over between them); empty = discover on the LAN",
+    )
     host: str = _f("127.0.0.1", "interface the OpenAI API listens on")
     port: int = _f(8000, "TCP port of the OpenAI API; 0 picks a free one (see port_file)")
     port_file: str = _f("", "if set, the bound port is written here once the server listens")
@@ -58,6 +62,10 @@ class GatewayConfig:
     discovery_timeout_s: float = _f(
         5.0, "how long to look for a tracker on the LAN when tracker_url is empty"
     )
+    stats_interval_s: float = _f(
+        5.0, "how often statistics (sessions, tokens, TTFT) go to the tracker's dashboard; 0 = never"
+    )
+    public_url: str = _f("", "this gateway's URL as clients reach it, shown on the swarm dashboard")
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:
@@ -92,8 +100,15 @@ class GatewayConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
-        if self.tracker_url and not self.tracker_url.startswith(("http://", "https://")):
-            raise ConfigError(f"tracker_url must start with http:// or https://, got {self.tracker_url!r}")
+        if self.tracker_url:
+            from tracker.client import parse_tracker_urls
+
+            try:
+                parse_tracker_urls(self.tracker_url)
+            except ValueError as err:
+                raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
+        if self.stats_interval_s < 0:
+            raise ConfigError("stats_interval_s must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self

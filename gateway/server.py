@@ -110,6 +110,19 @@ async def _serve(
     hc.websocket_ping_interval = 20.0
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
+        if config.stats_interval_s > 0:
+            from gateway.stats_report import report_stats_loop
+
+            nursery.start_soon(
+                functools.partial(
+                    report_stats_loop,
+                    service,
+                    tracker,
+                    interval_s=config.stats_interval_s,
+                    timeout_s=config.tracker_timeout_s,
+                    url=config.public_url,
+                )
+            )
         trigger = shutdown.wait if shutdown is not None else None
         async with trio.open_nursery() as http:
             binds = await http.start(

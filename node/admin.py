@@ -1,8 +1,10 @@
 """The node's admin HTTP server: ``/healthz``, ``/metrics`` (Prometheus text), ``/status`` (JSON).
 
 A tiny trio + h11 server (no framework: three read-only GET endpoints),
-bound to loopback by default. One request per connection, bodies refused,
-request heads bounded to 8 KiB, 10 s to send the head.
+bound to loopback by default (``admin_host``; set it to ``0.0.0.0`` or a LAN
+address to let a Prometheus server scrape ``/metrics``: nothing here changes
+state). One request per connection, bodies refused, request heads bounded to
+8 KiB, 10 s to send the head.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import h11
 import trio
 
 from common.logs import event
+from common.metrics import CONTENT_TYPE
 
 log = logging.getLogger("swarm.node.admin")
 MAX_HEAD_BYTES = 8192
@@ -36,7 +39,7 @@ class AdminServer:
         self.port = port
         self._routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/healthz": lambda: self._json(*health()),
-            "/metrics": lambda: (200, "text/plain; version=0.0.4; charset=utf-8", metrics().encode()),
+            "/metrics": lambda: (200, CONTENT_TYPE, metrics().encode()),
             "/status": lambda: self._json(200, status()),
         }
 
@@ -93,30 +96,3 @@ class AdminServer:
             if isinstance(ev, h11.Request):
                 return ev
             return None
-
-
-def prometheus(metrics: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]) -> str:
-    """Render ``(name, type, help, [(labels, value), ...])`` in the text exposition format 0.0.4."""
-    lines = []
-    for name, kind, help_text, samples in metrics:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            label_text = ""
-            if labels:
-                inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                label_text = "{" + inner + "}"
-            lines.append(f"{name}{label_text} {_number(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if value != value:
-        return "NaN"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))

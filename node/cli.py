@@ -93,8 +93,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--layers", default=None, help="START:END to serve, or 'auto' (ask the tracker).")
 @click.option("--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take.")
 @click.option(
-    "--tracker", "tracker_url", default=None, help="Tracker URL; default: discover it with zeroconf."
+    "--tracker",
+    "tracker_url",
+    default=None,
+    help="Tracker URL, or several replicas separated by commas; default: discover it with zeroconf.",
 )
+@click.option("--region", default=None, help="Locality shown on the swarm dashboard (e.g. eu-west).")
 @click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
 @click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
 @click.option(
@@ -159,16 +163,92 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
         flags["benchmark"] = False
     config = _load(config_file, flags)
     logs.configure(config.log_level)
+    pid_file = _claim_pid_file(config.resolved_data_dir())
 
     # Start-up refusals (bad model file, layer range, key file, port in use) end with one clear line.
-    run_service(
-        PROG,
-        functools.partial(run_node, config),
-        grace_s=config.shutdown_grace_s,
-        clear_errors=(NodeError, KeyFileError, LlamaError, OSError),
-        usage_errors=(ConfigError,),
-        listening=f"admin HTTP on {config.admin_host}:{config.admin_port}",  # gRPC names its own
-    )
+    try:
+        run_service(
+            PROG,
+            functools.partial(run_node, config),
+            grace_s=config.shutdown_grace_s,
+            clear_errors=(NodeError, KeyFileError, LlamaError, OSError),
+            usage_errors=(ConfigError,),
+            listening=f"admin HTTP on {config.admin_host}:{config.admin_port}",  # gRPC names its own
+        )
+    finally:
+        pid_file.unlink(missing_ok=True)
+
+
+PID_FILE = "node.pid"
+
+
+def _running_node(pid_file: Path) -> int | None:
+    """The pid in ``pid_file`` if that process is alive and is a swarm node, else None."""
+    import psutil
+
+    try:
+        pid = int(pid_file.read_text().strip())
+        proc = psutil.Process(pid)
+        cmdline = " ".join(proc.cmdline())
+    except (OSError, ValueError, psutil.Error):
+        return None
+    if pid == os.getpid() or ("swarm-node" not in cmdline and "node.cli" not in cmdline):
+        return None
+    return pid
+
+
+def _claim_pid_file(data_dir: Path) -> Path:
+    """Write ``<data_dir>/node.pid`` for ``swarm-node stop``; refuse a second node on one data dir
+    (it would share the first one's identity)."""
+    path = data_dir / PID_FILE
+    other = _running_node(path)
+    if other is not None:
+        raise click.ClickException(
+            f"a node with this data directory is running already (pid {other}); "
+            f"stop it with 'swarm-node stop --data-dir {data_dir}' or use another --data-dir"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(PID_FILE + ".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+    return path
+
+
+@main.command()
+@click.option("--data-dir", default=None, help="Data directory of the node to stop (default ~/.swarm/node).")
+@click.option("--timeout-s", type=float, default=60.0, show_default=True, help="How long to wait for it.")
+def stop(data_dir: str | None, timeout_s: float) -> None:
+    """Stop a running node gracefully: it tells the tracker it leaves, then drains its sessions."""
+    import signal
+
+    import psutil
+
+    config = _load(None, {"data_dir": data_dir})
+    path = config.resolved_data_dir() / PID_FILE
+    pid = _running_node(path)
+    if pid is None:
+        path.unlink(missing_ok=True)
+        raise click.ClickException(f"no running node with data directory {config.resolved_data_dir()}")
+    os.kill(pid, signal.SIGTERM)
+    click.echo(f"sent SIGTERM to node pid {pid}; waiting up to {timeout_s:g} s for it to drain ...", err=True)
+    try:
+        psutil.Process(pid).wait(timeout=timeout_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired as err:
+        raise click.ClickException(f"node pid {pid} still running after {timeout_s:g} s") from err
+    click.echo("stopped")
+
+
+def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | None:
+    for exc in group.exceptions:
+        if isinstance(exc, NodeError | ConfigError | OSError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_clear_error(exc)
+            if found is not None:
+                return found
+    return None
 
 
 @main.command()
@@ -237,7 +317,37 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
         raise click.ClickException(f"{url}: {err!r}") from err
     if response.status_code != 200:
         raise click.ClickException(f"{url}: HTTP {response.status_code}")
-    click.echo(json.dumps(response.json(), indent=2))
+    body = response.json()
+    if body.get("tracker") and body.get("node_id"):
+        body["contribution"] = _contribution(str(body["tracker"]), str(body["node_id"]), timeout_s)
+    click.echo(json.dumps(body, indent=2))
+    if isinstance(body.get("contribution"), dict) and "all_time" in body["contribution"]:
+        c = body["contribution"]
+        click.echo(
+            f"contribution (usage ledger): {c['last_hour']['tokens']} tokens in the last hour, "
+            f"{c['last_24h']['tokens']} in 24 h, {c['all_time']['tokens']} in all "
+            f"({c['all_time']['requests']} requests)",
+            err=True,
+        )
+
+
+def _contribution(tracker: str, node: str, timeout_s: float) -> dict[str, Any]:
+    """What the tracker's ledger credits this node with (the first replica that answers)."""
+    import httpx
+
+    from tracker.client import parse_tracker_urls
+
+    errors = []
+    for base in parse_tracker_urls(tracker):
+        try:
+            response = httpx.get(f"{base}/v1/usage/nodes/{node}", timeout=timeout_s)
+        except httpx.HTTPError as err:
+            errors.append(f"{base}: {err!r}")
+            continue
+        if response.status_code == 200:
+            return dict(response.json())
+        errors.append(f"{base}: HTTP {response.status_code}")
+    return {"error": "; ".join(errors)}
 
 
 if __name__ == "__main__":

@@ -42,7 +42,12 @@ class NodeConfig:
         "auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)"
     )
     capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
-    tracker_url: str = _f("", "tracker base URL; empty = discover it on the LAN with zeroconf")
+    tracker_url: str = _f(
+        "",
+        "tracker base URL, or several replicas separated by commas (calls fail over between them);"
+        " empty = discover it on the LAN with zeroconf",
+    )
+    region: str = _f("", "free-form locality shown on the swarm dashboard, e.g. eu-west or home-lab")
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
     no_tracker: bool = _f(
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
@@ -110,6 +115,15 @@ class NodeConfig:
     def validate(self) -> NodeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.tracker_url:
+            from tracker.client import parse_tracker_urls
+
+            try:
+                parse_tracker_urls(self.tracker_url)
+            except ValueError as err:
+                raise ConfigError(f"tracker_url: {err}") from err
+        if len(self.region) > 64:
+            raise ConfigError("region must be at most 64 characters")
         if not -1 <= self.admin_port <= 65535:
             raise ConfigError(f"admin_port must be in -1..65535, got {self.admin_port}")
         for name in (

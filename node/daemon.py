@@ -12,10 +12,14 @@ Start-up, in order (each step logs one event):
 6. announce + heartbeats in the background (retrying while the tracker is away).
 
 :func:`run_node` reports a :class:`NodeReady` once the gRPC port serves.
-Shutdown (``shutdown`` event, or SIGINT/SIGTERM in the CLI): new sessions are
+Shutdown (``shutdown`` event, or SIGINT/SIGTERM in the CLI, or ``swarm-node
+stop``): heartbeats stop and a signed leave tells the tracker (at most
+``LEAVE_TIMEOUT_S``), which stops routing to the node at once; new sessions are
 refused, every session's KV is freed, gRPC streams get ``shutdown_grace_s`` to
-finish, the engine is closed. The tracker has no "leave" endpoint: the node
-stops heartbeating and expires there after the tracker's timeout.
+finish, the engine is closed. A node killed without that expires at the
+tracker after its heartbeat timeout.
+
+The tracker URL may list several replicas (commas); calls fail over between them.
 """
 
 from __future__ import annotations
@@ -37,19 +41,21 @@ import trio
 from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
-from node.admin import AdminServer, prometheus
+from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
+from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
 from node.session_machine import FrameServer, ServingSpec
 from node.tickets import TicketVerifier
 from proto import codec
-from proto.announce import Announce, Heartbeat, ModelSpec
+from proto.announce import Announce, Heartbeat, Leave, ModelSpec
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
 
 log = logging.getLogger("swarm.node")
 TRACKER_CALL_TIMEOUT_S = 15.0
+LEAVE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,10 @@ class NodeDaemon:
         self.ready: NodeReady | None = None
         self.tracker_url = ""
         self.draining = False
+        self.metrics = Metrics()
+        self._tracker_scope = trio.CancelScope()
+        self.left_tracker = False
+        self._tracker_client: Any = None  # the heartbeat loop's TrackerClient, for /status
 
     # -- start-up ----------------------------------------------------------------------------------
 
@@ -221,8 +231,8 @@ class NodeDaemon:
             self.machine = FrameServer(self.spec, self.verifier)
             self.hub = Hub(self.machine)
             self.scheduler = Scheduler(
-                EngineBackend(engine),
-                self.hub.on_outcome,
+                TimedBackend(EngineBackend(engine), self.metrics),
+                timed_outcomes(self.hub.on_outcome, self.metrics),
                 max_batch_tokens=cfg.batch_tokens,
                 prefill_chunk_tokens=min(cfg.prefill_chunk_tokens, cfg.batch_tokens),
             )
@@ -317,6 +327,10 @@ class NodeDaemon:
         self.draining = True
         stats = self.machine.statistics()
         event(log, "node_stopping", sessions=stats.sessions, kv_tokens_used=stats.kv_tokens_used)
+        self._tracker_scope.cancel()  # no heartbeat may follow the goodbye
+        if self.tracker_url:
+            with trio.CancelScope(shield=True):
+                await self._leave()
         with trio.move_on_after(self.config.shutdown_grace_s + 5) as scope:
             scope.shield = True
             await self.hub.drain()
@@ -338,6 +352,21 @@ class NodeDaemon:
                 return url
             event(log, "tracker_not_found", level=logging.WARNING, retry_s=self.config.tracker_retry_s)
             await trio.sleep(self.config.tracker_retry_s)
+
+    async def _leave(self) -> None:
+        """Tell the tracker we are going (signed), so it stops routing to us now, not at expiry."""
+        from tracker.client import TrackerClient, TrackerClientError
+
+        try:
+            with trio.fail_after(LEAVE_TIMEOUT_S):
+                async with TrackerClient(self.tracker_url, self.key) as client:
+                    await client.leave(Leave(node_id=self.node_id, reason="shutdown"))
+            self.left_tracker = True
+            self.metrics.inc("swarm_node_tracker_calls_total", kind="leave", outcome="ok")
+            event(log, "left_tracker", tracker=self.tracker_url)
+        except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
+            self.metrics.inc("swarm_node_tracker_calls_total", kind="leave", outcome="failed")
+            event(log, "leave_failed", level=logging.WARNING, error=repr(err), note="the tracker expires us")
 
     async def _recommend(self, fingerprint: str, n_layers: int) -> tuple[int, int]:
         from tracker.client import TrackerClient, TrackerClientError
@@ -361,14 +390,15 @@ class NodeDaemon:
 
         No answer counts as unreachable: the relay works whenever the gateway does.
         """
+        from tracker.client import TrackerClient, TrackerClientError
+
         reachable = False
         if self.tracker_url:
             try:
                 with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
-                    async with httpx.AsyncClient() as client:
-                        resp = await client.get(f"{self.tracker_url}/v1/reachability", params={"port": port})
-                reachable = resp.status_code == 200 and resp.json().get("reachable") is True
-            except (httpx.HTTPError, ValueError, trio.TooSlowError) as err:
+                    async with TrackerClient(self.tracker_url, self.key) as client:
+                        reachable = await client.reachable(port)
+            except (TrackerClientError, httpx.HTTPError, ValueError, trio.TooSlowError) as err:
                 event(log, "reachability_unknown", level=logging.WARNING, error=repr(err))
         event(log, "reachability", port=port, reachable=reachable, relay=not reachable)
         return reachable
@@ -396,6 +426,7 @@ class NodeDaemon:
             decode_ms_per_token=self.decode_ms,
             prefill_tokens_per_s=self.prefill_tps,
             max_sessions=self.spec.max_sessions,
+            region=self.config.region,
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -409,12 +440,18 @@ class NodeDaemon:
             queue_depth=self.scheduler.queue_depth,
             kv_free_tokens=max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted),
             tokens_served=max(0, served),
+            kv_used_tokens=stats.kv_tokens_used,
         )
 
     async def _tracker_loop(self) -> None:
+        with self._tracker_scope:
+            await self._tracker_calls()
+
+    async def _tracker_calls(self) -> None:
         from tracker.client import TrackerClient, TrackerClientError
 
         async with TrackerClient(self.tracker_url, self.key) as client:
+            self._tracker_client = client
             announced = False
             interval = self.config.heartbeat_interval_s or 10.0
             relay = getattr(self, "relay", None)
@@ -430,6 +467,7 @@ class NodeDaemon:
                             announced_via = relay.gateway_id if relay is not None else None
                             answer = await client.announce(self._announce())
                             self.counters.announces += 1
+                            self.metrics.inc("swarm_node_tracker_calls_total", kind="announce", outcome="ok")
                             announced = True
                             tracker_id = str(answer.get("tracker_id", ""))
                             if self.config.tracker_id and tracker_id != self.config.tracker_id:
@@ -455,9 +493,12 @@ class NodeDaemon:
                         else:
                             await client.heartbeat(self._heartbeat())
                             self.counters.heartbeats += 1
+                            self.metrics.inc("swarm_node_tracker_calls_total", kind="heartbeat", outcome="ok")
                     await trio.sleep(interval)
                 except TrackerClientError as err:
                     self.counters.tracker_failures += 1
+                    kind = "announce" if not announced else "heartbeat"
+                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome="refused")
                     if err.status == 404:
                         announced = False  # the tracker forgot us (restart, new database): announce again
                     event(
@@ -472,6 +513,8 @@ class NodeDaemon:
                     await trio.sleep(self.config.tracker_retry_s)
                 except (httpx.TransportError, trio.TooSlowError) as err:
                     self.counters.tracker_failures += 1
+                    kind = "announce" if not announced else "heartbeat"
+                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome="unreachable")
                     event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.config.tracker_retry_s)
 
@@ -567,6 +610,9 @@ class NodeDaemon:
             "announces": self.counters.announces,
             "heartbeats": self.counters.heartbeats,
             "tracker_failures": self.counters.tracker_failures,
+            "tracker_in_use": self._tracker_client.url if self._tracker_client is not None else None,
+            "tracker_failovers": self._tracker_client.failovers if self._tracker_client is not None else 0,
+            "region": self.config.region,
             "relay": self._relay_status(),
         }
 
@@ -575,133 +621,52 @@ class NodeDaemon:
         return dataclasses.asdict(relay.statistics()) if relay is not None else None
 
     def metrics_text(self) -> str:
+        return self.metrics.render(self.scrape())
+
+    def scrape(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """Scrape-time values of the node's gauges and statistics counters (node/metrics.py)."""
         stats = self.machine.statistics()
         sched = self.scheduler.statistics()
         tps = sched.tokens_processed / sched.compute_s if sched.compute_s > 0 else 0.0
-        buckets = []
-        running = 0
-        for bound, count in sched.batch_size_counts:
-            running += count
-            buckets.append(({"le": "+Inf" if bound < 0 else str(bound)}, float(running)))
-        m: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
-            ("swarm_node_sessions", "gauge", "Route Sessions held", [({}, stats.sessions)]),
-            ("swarm_node_sessions_max", "gauge", "session slots", [({}, self.spec.max_sessions)]),
-            (
-                "swarm_node_busy_sessions",
-                "gauge",
-                "sessions with a step in flight",
-                [({}, stats.busy_sessions)],
-            ),
-            (
-                "swarm_node_queue_depth",
-                "gauge",
-                "steps waiting for or in the engine",
-                [({}, sched.queued_jobs)],
-            ),
-            ("swarm_node_connections", "gauge", "open Session streams", [({}, stats.connections)]),
-            (
-                "swarm_node_kv_tokens_used",
-                "gauge",
-                "KV positions held by sessions",
-                [({}, stats.kv_tokens_used)],
-            ),
-            (
-                "swarm_node_kv_tokens_granted",
-                "gauge",
-                "KV positions granted to sessions",
-                [({}, stats.kv_tokens_granted)],
-            ),
-            (
-                "swarm_node_kv_tokens_capacity",
-                "gauge",
-                "KV positions of all slots",
-                [({}, stats.kv_tokens_capacity)],
-            ),
-            (
-                "swarm_node_tokens_processed_total",
-                "counter",
-                "positions through the engine",
-                [({"phase": "decode"}, sched.decode_tokens), ({"phase": "prefill"}, sched.prefill_tokens)],
-            ),
-            (
-                "swarm_node_engine_seconds_total",
-                "counter",
-                "time spent in engine batches",
-                [({}, sched.compute_s)],
-            ),
-            (
-                "swarm_node_tokens_per_second",
-                "gauge",
-                "positions per second of engine time (busy throughput)",
-                [({}, tps)],
-            ),
-            (
-                "swarm_node_decode_ms_per_token",
-                "gauge",
-                "smoothed time of decode-only batches per step",
-                [({}, sched.decode_ms_per_token)],
-            ),
-            ("swarm_node_batches_total", "counter", "engine batches", [({}, sched.batches)]),
-            (
-                "swarm_node_multi_session_batches_total",
-                "counter",
-                "batches carrying several sessions' work",
-                [({}, sched.multi_session_batches)],
-            ),
-            (
-                "swarm_node_inline_rounds_total",
-                "counter",
-                "short decode-only rounds run on the event-loop thread",
-                [({}, sched.inline_rounds)],
-            ),
-            (
-                "swarm_node_frames_total",
-                "counter",
-                "Session frames",
-                [({"direction": "in"}, stats.frames_in), ({"direction": "out"}, stats.frames_out)],
-            ),
-            (
-                "swarm_node_replays_total",
-                "counter",
-                "replies re-sent from the idempotency cache",
-                [({}, stats.replays)],
-            ),
-            (
-                "swarm_node_evictions_total",
-                "counter",
-                "sessions evicted by lease or re-attach window",
-                [({}, stats.evictions)],
-            ),
-            (
-                "swarm_node_refusals_total",
-                "counter",
-                "error replies by status",
-                [({"status": k}, v) for k, v in sorted(stats.errors_by_status.items())],
-            ),
-            (
-                "swarm_node_tickets_total",
-                "counter",
-                "route tickets checked",
-                [
-                    ({"outcome": "accepted"}, self.verifier.accepted),
-                    ({"outcome": "refused"}, self.verifier.refused),
-                ],
-            ),
-            (
-                "swarm_node_tracker_failures_total",
-                "counter",
-                "failed tracker calls",
-                [({}, self.counters.tracker_failures)],
-            ),
-        ]
-        hist = [
-            "# HELP swarm_node_batch_tokens positions per engine batch",
-            "# TYPE swarm_node_batch_tokens histogram",
-            *(f'swarm_node_batch_tokens_bucket{{le="{lab["le"]}"}} {int(v)}' for lab, v in buckets),
-            f"swarm_node_batch_tokens_count {sched.batches}",
-            f"swarm_node_batch_tokens_sum {sched.tokens_processed}",
-        ]
-        return prometheus(m) + "\n".join(hist) + "\n"
+
+        def one(value: float) -> dict[tuple[tuple[str, str], ...], float]:
+            return {(): float(value)}
+
+        return {
+            "swarm_node_sessions": one(stats.sessions),
+            "swarm_node_sessions_max": one(self.spec.max_sessions),
+            "swarm_node_busy_sessions": one(stats.busy_sessions),
+            "swarm_node_queue_depth": one(sched.queued_jobs),
+            "swarm_node_connections": one(stats.connections),
+            "swarm_node_kv_tokens_used": one(stats.kv_tokens_used),
+            "swarm_node_kv_tokens_granted": one(stats.kv_tokens_granted),
+            "swarm_node_kv_tokens_capacity": one(stats.kv_tokens_capacity),
+            "swarm_node_tokens_per_second": one(tps),
+            "swarm_node_decode_ms_per_token": one(sched.decode_ms_per_token),
+            "swarm_node_draining": one(1.0 if self.draining else 0.0),
+            "swarm_node_tokens_processed_total": {
+                (("phase", "decode"),): float(sched.decode_tokens),
+                (("phase", "prefill"),): float(sched.prefill_tokens),
+            },
+            "swarm_node_engine_seconds_total": one(sched.compute_s),
+            "swarm_node_batches_total": one(sched.batches),
+            "swarm_node_multi_session_batches_total": one(sched.multi_session_batches),
+            "swarm_node_inline_rounds_total": one(sched.inline_rounds),
+            "swarm_node_frames_total": {
+                (("direction", "in"),): float(stats.frames_in),
+                (("direction", "out"),): float(stats.frames_out),
+            },
+            "swarm_node_replays_total": one(stats.replays),
+            "swarm_node_evictions_total": one(stats.evictions),
+            "swarm_node_refusals_total": {
+                (("status", k),): float(v) for k, v in sorted(stats.errors_by_status.items())
+            },
+            "swarm_node_tickets_total": {
+                (("outcome", "accepted"),): float(self.verifier.accepted),
+                (("outcome", "refused"),): float(self.verifier.refused),
+            },
+            "swarm_node_tracker_failures_total": one(self.counters.tracker_failures),
+        }
 
 
 async def run_node(

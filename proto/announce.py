@@ -1,4 +1,4 @@
-"""Payloads nodes and gateways send the tracker: announce, heartbeat, usage report.
+"""Payloads nodes and gateways send the tracker: announce, heartbeat, leave, usage report, gateway stats.
 
 Pure: standard library only. Each payload type is a frozen dataclass with
 ``from_json(obj)`` (validates a decoded, already signature-checked payload and
@@ -202,6 +202,7 @@ _ANNOUNCE_KEYS = (
             "decode_ms_per_token",
             "prefill_tokens_per_s",
             "max_sessions",
+            "region",
         }
     )
     | ENVELOPE_FIELDS
@@ -222,6 +223,7 @@ class Announce:
     decode_ms_per_token: float
     prefill_tokens_per_s: float
     max_sessions: int
+    region: str = ""  # free-form locality the operator chose ("eu-west", "home-lab"); "" = unsaid
 
     @classmethod
     def from_json(cls, obj: Any) -> Announce:
@@ -251,10 +253,11 @@ class Announce:
             decode_ms_per_token=_num(o, "decode_ms_per_token", 0.0, 1e7, w, open_lo=True),
             prefill_tokens_per_s=_num(o, "prefill_tokens_per_s", 0.0, 1e9, w, open_lo=True),
             max_sessions=_int(o, "max_sessions", 1, 1 << 20, w),
+            region=_str(o, "region", w, max_len=64, min_len=0) if "region" in o else "",
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "node_id": self.node_id,
             "addresses": list(self.addresses),
             "relay": self.relay,
@@ -268,12 +271,17 @@ class Announce:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "max_sessions": self.max_sessions,
         }
+        if self.region:
+            body["region"] = self.region
+        return body
 
 
 # --- heartbeat ---------------------------------------------------------------------------------
 
 _HEARTBEAT_KEYS = (
-    frozenset({"node_id", "active_sessions", "queue_depth", "kv_free_tokens", "tokens_served"})
+    frozenset(
+        {"node_id", "active_sessions", "queue_depth", "kv_free_tokens", "tokens_served", "kv_used_tokens"}
+    )
     | ENVELOPE_FIELDS
 )
 
@@ -285,6 +293,7 @@ class Heartbeat:
     queue_depth: int
     kv_free_tokens: int
     tokens_served: int  # tokens processed since the previous heartbeat
+    kv_used_tokens: int | None = None  # KV positions held by sessions now (None = not reported)
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -298,16 +307,41 @@ class Heartbeat:
             _int(o, "queue_depth", 0, 1 << 20, w),
             _int(o, "kv_free_tokens", 0, big, w),
             _int(o, "tokens_served", 0, big, w),
+            _int(o, "kv_used_tokens", 0, big, w) if o.get("kv_used_tokens") is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "node_id": self.node_id,
             "active_sessions": self.active_sessions,
             "queue_depth": self.queue_depth,
             "kv_free_tokens": self.kv_free_tokens,
             "tokens_served": self.tokens_served,
         }
+        if self.kv_used_tokens is not None:
+            body["kv_used_tokens"] = self.kv_used_tokens
+        return body
+
+
+# --- leave -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A node that stops on purpose: the tracker stops routing to it at once."""
+
+    node_id: str
+    reason: str = "shutdown"
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Leave:
+        w = "leave"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"node_id", "reason"}) | ENVELOPE_FIELDS, w)
+        return cls(_hex64(o, "node_id", w), _str(o, "reason", w, max_len=MAX_NAME))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "reason": self.reason}
 
 
 # --- usage report (gateway -> tracker) ------------------------------------------------------------
@@ -357,4 +391,101 @@ class UsageReport:
             "request_id": self.request_id,
             "model_fingerprint": self.model_fingerprint,
             "entries": [{"node_id": e.node_id, "tokens": e.tokens, "steps": e.steps} for e in self.entries],
+        }
+
+
+# --- gateway statistics (gateway -> tracker, periodic) ----------------------------------------------
+
+MAX_ROUTE_STATS = 32
+
+
+@dataclass(frozen=True)
+class RouteStat:
+    route_id: str  # the gateway's route label, e.g. "3fa2c1d0[0:15)>9bd1e2f3[15:30)"
+    sessions: int  # sessions running on it now
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RouteStat:
+        w = "gateway_stats.routes[]"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"route_id", "sessions"}), w)
+        return cls(_str(o, "route_id", w, max_len=400), _int(o, "sessions", 0, 1 << 20, w))
+
+
+def _opt_seconds(o: Mapping[str, Any], key: str, where: str) -> float | None:
+    return None if o.get(key) is None else _num(o, key, 0.0, 86_400.0, where)
+
+
+@dataclass(frozen=True)
+class GatewayStats:
+    """What a gateway saw during the last ``interval_s`` seconds, for the tracker's dashboard.
+
+    Counts are deltas over the interval; latencies are quantiles estimated from the
+    gateway's histograms over the same interval (None when nothing was observed)."""
+
+    gateway_id: str
+    interval_s: float
+    sessions_active: int
+    requests_queued: int
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    routes: tuple[RouteStat, ...] = ()
+    url: str = ""  # the gateway's public base URL, if it knows one
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GatewayStats:
+        w = "gateway_stats"
+        o = _obj(obj, w)
+        keys = {
+            "gateway_id",
+            "interval_s",
+            "sessions_active",
+            "requests_queued",
+            "requests",
+            "errors",
+            "prompt_tokens",
+            "completion_tokens",
+            "ttft_p50_s",
+            "ttft_p95_s",
+            "routes",
+            "url",
+        }
+        _check_keys(o, frozenset(keys) | ENVELOPE_FIELDS, w)
+        routes = o.get("routes", [])
+        if not isinstance(routes, list) or len(routes) > MAX_ROUTE_STATS:
+            raise PayloadError(f"{w}.routes must be a list of at most {MAX_ROUTE_STATS} objects")
+        big = 1 << 40
+        return cls(
+            gateway_id=_hex64(o, "gateway_id", w),
+            interval_s=_num(o, "interval_s", 0.0, 3600.0, w, open_lo=True),
+            sessions_active=_int(o, "sessions_active", 0, 1 << 20, w),
+            requests_queued=_int(o, "requests_queued", 0, 1 << 20, w),
+            requests=_int(o, "requests", 0, big, w),
+            errors=_int(o, "errors", 0, big, w),
+            prompt_tokens=_int(o, "prompt_tokens", 0, big, w),
+            completion_tokens=_int(o, "completion_tokens", 0, big, w),
+            ttft_p50_s=_opt_seconds(o, "ttft_p50_s", w),
+            ttft_p95_s=_opt_seconds(o, "ttft_p95_s", w),
+            routes=tuple(RouteStat.from_json(r) for r in routes),
+            url=_str(o, "url", w, max_len=255, min_len=0) if "url" in o else "",
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gateway_id": self.gateway_id,
+            "interval_s": self.interval_s,
+            "sessions_active": self.sessions_active,
+            "requests_queued": self.requests_queued,
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p95_s": self.ttft_p95_s,
+            "routes": [{"route_id": r.route_id, "sessions": r.sessions} for r in self.routes],
+            "url": self.url,
         }

@@ -45,7 +45,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import nacl.exceptions
 import nacl.signing
@@ -129,6 +129,12 @@ def verify_envelope(envelope: Any, *, max_payload_bytes: int = 1 << 20) -> tuple
     return payload, pk
 
 
+class NonceSink(Protocol):
+    """Where :func:`open_envelope` records a nonce; raises :class:`SignatureError` to refuse it."""
+
+    def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None: ...
+
+
 class NonceCache:
     """Bounded set of recently seen ``(public_key, nonce)``, each kept until its expiry time."""
 
@@ -165,7 +171,7 @@ def open_envelope(
     kind: str,
     now_s: float,
     skew_s: float,
-    nonces: NonceCache,
+    nonces: NonceSink,
     signer_field: str = "node_id",
     max_payload_bytes: int = 1 << 20,
 ) -> dict[str, Any]:

@@ -9,13 +9,15 @@ become HTTP statuses::
     other HTTPException (404/405 ...)  -> its own code
 
 Error bodies are ``{"error": {"code": "...", "message": "..."}}`` (plus
-``"reason"`` for signature refusals). Endpoints are documented in docs/tracker.md.
+``"reason"`` for signature refusals). Endpoints are documented in docs/tracker.md;
+the dashboard (``/``, ``/static/*``, ``/v1/dashboard/*``) in docs/operations.md.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import trio
@@ -24,8 +26,10 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from common.logs import event
+from common.metrics import CONTENT_TYPE
 from proto.signing import SignatureError
-from tracker.errors import BadRequest, PayloadTooLarge, TrackerError
+from tracker.dashboard import STATIC_FILES, DashboardFeed
+from tracker.errors import BadRequest, NotFound, PayloadTooLarge, TrackerError
 from tracker.reachability import MAX_CONCURRENT_PROBES, probe
 from tracker.service import Registry
 
@@ -61,8 +65,9 @@ def _error_response(err: BaseException) -> Response:
     return _json({"error": {"code": "internal", "message": "internal error"}}, 500)
 
 
-def create_app(registry: Registry) -> QuartTrio:
-    app = QuartTrio("swarm_tracker")
+def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTrio:
+    """The HTTP API; with a ``feed`` (running in the server's nursery) also the dashboard."""
+    app = QuartTrio("swarm_tracker", static_folder=None)
     limit = registry.config.max_body_bytes
     app.config["MAX_CONTENT_LENGTH"] = limit
     metrics = registry.metrics
@@ -83,20 +88,90 @@ def create_app(registry: Registry) -> QuartTrio:
     async def _on_error(err: Exception) -> Response:
         return _error_response(err)
 
+    @app.before_request
+    async def _start_clock() -> None:
+        request.scope["swarm_t0"] = time.perf_counter()
+
     @app.after_request
     async def _count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         metrics.inc("swarm_tracker_http_requests_total", endpoint=rule, status=str(response.status_code))
+        t0 = request.scope.get("swarm_t0")
+        if t0 is not None and response.mimetype != "text/event-stream":
+            metrics.observe("swarm_tracker_http_request_seconds", time.perf_counter() - t0, endpoint=rule)
         return response
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _json({"status": "ok", "tracker_id": registry.tracker_id})
+        return _json({"status": "ok", "tracker_id": registry.tracker_id, "replica_id": registry.replica_id})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
-        text = metrics.render(await registry.gauges())
-        return Response(text, mimetype="text/plain; version=0.0.4")
+        gauges = await registry.gauges()
+        if feed is not None:
+            gauges["swarm_tracker_dashboard_clients"] = {(): float(feed.clients)}
+        return Response(metrics.render(gauges), content_type=CONTENT_TYPE)
+
+    @app.post("/v1/leave")
+    async def leave() -> Response:
+        return _json(await registry.leave(await read_json()))
+
+    @app.post("/v1/gateway-stats")
+    async def gateway_stats() -> Response:
+        return _json(await registry.report_gateway_stats(await read_json()))
+
+    @app.get("/v1/usage")
+    async def usage_summary() -> Response:
+        args = request.args
+        unknown = set(args) - {"by", "since", "until", "node", "model", "gateway", "limit", "offset"}
+        if unknown:
+            raise BadRequest(f"unknown parameter(s) {sorted(unknown)}")
+        return _json(
+            await registry.usage_summary(
+                args.get("by", "node"),
+                _float_arg("since", args.get("since")),
+                _float_arg("until", args.get("until")),
+                node_id=args.get("node") or None,
+                model=args.get("model") or None,
+                gateway_id=args.get("gateway") or None,
+                limit=_int_arg("limit", args.get("limit", "100")),
+                offset=_int_arg("offset", args.get("offset", "0")),
+            )
+        )
+
+    @app.get("/v1/usage/nodes/<node_id>")
+    async def node_usage(node_id: str) -> Response:
+        if len(node_id) != 64 or any(c not in "0123456789abcdef" for c in node_id):
+            raise BadRequest("node id must be 64 lowercase hex characters")
+        return _json(await registry.node_usage(node_id))
+
+    @app.get("/v1/replicas")
+    async def replicas() -> Response:
+        return _json({"replica_id": registry.replica_id, "replicas": await registry.replicas()})
+
+    if feed is not None:
+
+        @app.get("/")
+        async def dashboard() -> Response:
+            return _static("dashboard.html")
+
+        @app.get("/static/<name>")
+        async def dashboard_static(name: str) -> Response:
+            return _static(name)
+
+        @app.get("/v1/dashboard/state")
+        async def dashboard_state() -> Response:
+            return _json(await registry.dashboard_state())
+
+        @app.get("/v1/dashboard/events")
+        async def dashboard_events() -> Response:
+            response = Response(
+                feed.stream(),
+                mimetype="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+            response.timeout = None
+            return response
 
     @app.post("/v1/announce")
     async def announce() -> Response:
@@ -168,6 +243,26 @@ def create_app(registry: Registry) -> QuartTrio:
         return _json(await registry.recommend(model, capacity))
 
     return app
+
+
+def _static(name: str) -> Response:
+    entry = STATIC_FILES.get(name)
+    if entry is None:
+        raise NotFound(f"no static file {name!r}")
+    body, mimetype = entry
+    return Response(body, mimetype=mimetype, headers={"Cache-Control": "no-cache"})
+
+
+def _float_arg(name: str, value: str | None) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        out = float(value)
+    except ValueError as err:
+        raise BadRequest(f"{name} must be a number of UNIX seconds") from err
+    if out != out or out in (float("inf"), float("-inf")):
+        raise BadRequest(f"{name} must be finite")
+    return out
 
 
 def _int_arg(name: str, value: str | None) -> int:

@@ -1,32 +1,47 @@
-"""A small trio client for the tracker API, used by nodes and gateways.
+"""A small trio client for the tracker API, used by nodes and gateways; fails over between replicas.
 
 ::
 
-    async with TrackerClient("http://127.0.0.1:7460", signing_key) as tracker:
+    async with TrackerClient("http://t1:7460,http://t2:7460", signing_key) as tracker:
         await tracker.announce(announce)            # proto.announce.Announce
         await tracker.heartbeat(heartbeat)          # proto.announce.Heartbeat
+        await tracker.leave(leave)                  # proto.announce.Leave
         routes = await tracker.routes(model, k=2)   # dict, see docs/tracker.md
         start, end = await tracker.recommend(model, capacity_layers=10)
         await tracker.report_usage(report)          # proto.announce.UsageReport (gateway key)
+        await tracker.report_stats(stats)           # proto.announce.GatewayStats (gateway key)
+
+Replicas: the client takes one URL or several (a sequence, or one string with
+commas). It talks to one replica at a time and sticks to it; when that replica
+cannot be reached (connection refused or reset, a read that fails) or answers
+502/503/504, the same call is made on the next replica, each replica at most
+once per call. Signed messages are signed afresh for every attempt (a new
+nonce), so a replica that did record the first attempt refuses nothing: the
+ledger and the registry are idempotent where it matters (usage rows are unique
+per gateway, request and node).
 
 No timeouts inside: wrap calls in ``trio.fail_after``. Errors: every non-2xx
 answer raises :class:`TrackerClientError` with the status and the error body;
 ``routes()`` returns the body for 503 "no route" instead, so callers can read
-``uncovered``. Transport failures surface as ``httpx.TransportError``.
+``uncovered``. When every replica failed, the last transport failure surfaces as
+``httpx.TransportError``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import httpx
 import nacl.signing
 
-from proto.announce import Announce, Heartbeat, UsageReport
+from proto.announce import Announce, GatewayStats, Heartbeat, Leave, UsageReport
 from proto.signing import make_payload, public_key_hex, sign_envelope
+
+MAX_TRACKER_URLS = 16
+_FAILOVER_STATUSES = frozenset({502, 503, 504})
 
 
 class TrackerClientError(Exception):
@@ -39,10 +54,29 @@ class TrackerClientError(Exception):
         super().__init__(f"tracker answered {status} {self.code}: {err.get('message', body)}")
 
 
+def parse_tracker_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
+    """``"http://a:7460, http://b:7460"`` (or a list) -> validated, de-duplicated base URLs."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for raw in items:
+        url = raw.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"tracker URL {url!r} must start with http:// or https://")
+        if url not in out:
+            out.append(url)
+    if not out:
+        raise ValueError("no tracker URL given")
+    if len(out) > MAX_TRACKER_URLS:
+        raise ValueError(f"at most {MAX_TRACKER_URLS} tracker URLs")
+    return tuple(out)
+
+
 class TrackerClient:
     def __init__(
         self,
-        base_url: str,
+        base_urls: str | Sequence[str],
         key: nacl.signing.SigningKey,
         *,
         clock: Callable[[], float] = time.time,
@@ -51,8 +85,16 @@ class TrackerClient:
         self.key = key
         self.key_id = public_key_hex(key)
         self.clock = clock
+        self.urls = parse_tracker_urls(base_urls)
+        self._current = 0
+        self.failovers = 0
         # Timeouts belong to the caller (trio.fail_after); httpx's own are disabled.
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=None, transport=transport)
+        self._http = httpx.AsyncClient(timeout=None, transport=transport)
+
+    @property
+    def url(self) -> str:
+        """The replica calls go to now."""
+        return self.urls[self._current]
 
     async def __aenter__(self) -> TrackerClient:
         return self
@@ -68,33 +110,83 @@ class TrackerClient:
     def signed(self, kind: str, body: dict[str, Any], signer_field: str = "node_id") -> dict[str, str]:
         return sign_envelope(self.key, make_payload(kind, signer_field, self.key, self.clock(), body))
 
-    async def _call(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
-        response = await self._http.request(method, path, **kw)
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"error": {"code": "not_json", "message": response.text[:200]}}
-        if response.status_code not in ok:
-            raise TrackerClientError(response.status_code, body)
-        return body
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        body: Callable[[], Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> Any:
+        """One call, on the current replica and then on each other one until one answers."""
+        last: httpx.TransportError | None = None
+        failed: TrackerClientError | None = None
+        for attempt in range(len(self.urls)):
+            index = (self._current + attempt) % len(self.urls)
+            try:
+                response = await self._http.request(
+                    method,
+                    self.urls[index] + path,
+                    json=body() if body is not None else None,
+                    params=params,
+                )
+            except httpx.TransportError as err:
+                last = err
+                continue
+            try:
+                answer = response.json()
+            except ValueError:
+                answer = {"error": {"code": "not_json", "message": response.text[:200]}}
+            # A replica in trouble (its database away, a proxy without upstream): try the next one. A 503
+            # that is a real answer (routes: "no route", without an "error" object) is returned.
+            trouble = response.status_code not in ok or (isinstance(answer, dict) and "error" in answer)
+            if response.status_code in _FAILOVER_STATUSES and trouble:
+                failed = TrackerClientError(response.status_code, answer)
+                continue
+            if index != self._current:
+                self._current = index
+                self.failovers += 1
+            if response.status_code not in ok:
+                raise TrackerClientError(response.status_code, answer)
+            return answer
+        if failed is not None:
+            raise failed
+        assert last is not None
+        raise last
 
     async def announce(self, announce: Announce) -> dict[str, Any]:
-        return await self._call("POST", "/v1/announce", json=self.signed("announce", announce.to_json()))
+        payload = announce.to_json()
+        return await self._call("POST", "/v1/announce", body=lambda: self.signed("announce", payload))
 
     async def heartbeat(self, heartbeat: Heartbeat) -> dict[str, Any]:
-        return await self._call("POST", "/v1/heartbeat", json=self.signed("heartbeat", heartbeat.to_json()))
+        payload = heartbeat.to_json()
+        return await self._call("POST", "/v1/heartbeat", body=lambda: self.signed("heartbeat", payload))
+
+    async def leave(self, leave: Leave) -> dict[str, Any]:
+        payload = leave.to_json()
+        return await self._call("POST", "/v1/leave", body=lambda: self.signed("leave", payload))
 
     async def report_usage(self, report: UsageReport) -> dict[str, Any]:
+        payload = report.to_json()
         return await self._call(
-            "POST", "/v1/usage", json=self.signed("usage", report.to_json(), signer_field="gateway_id")
+            "POST", "/v1/usage", body=lambda: self.signed("usage", payload, signer_field="gateway_id")
+        )
+
+    async def report_stats(self, stats: GatewayStats) -> dict[str, Any]:
+        payload = stats.to_json()
+        return await self._call(
+            "POST",
+            "/v1/gateway-stats",
+            body=lambda: self.signed("gateway_stats", payload, signer_field="gateway_id"),
         )
 
     async def routes(
         self, model: str, k: int = 1, exclude: frozenset[str] | set[str] = frozenset()
     ) -> dict[str, Any]:
-        return await self._call(
-            "POST", "/v1/routes", ok=(200, 503), json={"model": model, "k": k, "exclude": sorted(exclude)}
-        )
+        request = {"model": model, "k": k, "exclude": sorted(exclude)}
+        # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
+        return await self._call("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
 
     async def recommend(self, model: str, capacity_layers: int) -> tuple[int, int]:
         body = await self._call(
@@ -108,5 +200,13 @@ class TrackerClient:
     async def swarm(self) -> dict[str, Any]:
         return dict(await self._call("GET", "/v1/swarm"))
 
+    async def node_usage(self, node_id: str) -> dict[str, Any]:
+        return dict(await self._call("GET", f"/v1/usage/nodes/{node_id}"))
+
     async def healthz(self) -> dict[str, Any]:
         return dict(await self._call("GET", "/healthz"))
+
+    async def reachable(self, port: int) -> bool:
+        """Ask the tracker to dial this machine's ``port`` (tracker/reachability.py)."""
+        body = await self._call("GET", "/v1/reachability", params={"port": port})
+        return body.get("reachable") is True

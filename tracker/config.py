@@ -34,6 +34,12 @@ class TrackerConfig:
     host: str = _f("0.0.0.0", "interface to listen on")
     port: int = _f(7460, "TCP port to listen on; 0 picks a free one (see port_file)")
     data_dir: str = _f("~/.swarm/tracker", "directory for the tracker key and the default SQLite database")
+    key_file: str = _f(
+        "", "the tracker's signing key; empty = <data_dir>/tracker.key (replicas must share one key)"
+    )
+    public_url: str = _f(
+        "", "this replica's URL as others reach it (shown on the dashboard); empty = the bound address"
+    )
     db_url: str = _f("", "SQLAlchemy URL; empty = sqlite:///<data_dir>/tracker.sqlite3")
     port_file: str = _f("", "if set, the bound port is written here once the server listens")
     heartbeat_interval_s: float = _f(10.0, "how often nodes are told to heartbeat")
@@ -41,7 +47,10 @@ class TrackerConfig:
     expiry_check_interval_s: float = _f(2.0, "how often the tracker looks for silent nodes")
     signature_skew_s: float = _f(60.0, "accepted clock difference for signed messages; also the nonce memory")
     nonce_cache_max_entries: int = _f(
-        200_000, "bound on remembered nonces; when full, signed requests get 503"
+        200_000, "bound on nonces remembered in memory; when full, signed requests get 503"
+    )
+    nonces_per_key_max: int = _f(
+        1000, "bound on unexpired nonces per signing key in the shared table; over it, 503"
     )
     max_body_bytes: int = _f(64 * 1024, "largest accepted request body; larger gets 413")
     route_ticket_ttl_s: float = _f(300.0, "lifetime of a route ticket")
@@ -51,10 +60,21 @@ class TrackerConfig:
     relay_penalty_ms: float = _f(10.0, "extra cost of a hop through a gateway relay")
     db_threads: int = _f(0, "worker threads for the database; 0 = 1 for SQLite, 4 otherwise")
     zeroconf: bool = _f(True, "advertise _swarm-tracker._tcp.local. on the LAN")
+    replica_heartbeat_interval_s: float = _f(5.0, "how often this replica records itself as alive")
+    purge_interval_s: float = _f(60.0, "how often expired nonces and old reports are deleted (once)")
+    reports_keep_s: float = _f(86_400.0, "how long gateway statistics are kept for the dashboard")
+    dashboard: bool = _f(True, "serve the swarm dashboard at / and its event stream")
+    dashboard_push_interval_s: float = _f(1.0, "how often the dashboard's event stream sends the state")
+    dashboard_series_window_s: float = _f(900.0, "how much history the dashboard's plots show")
+    dashboard_max_clients: int = _f(64, "most dashboard event streams open at once; more get 503")
+    usage_query_max_rows: int = _f(1000, "largest page of the accounting API")
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
+
+    def resolved_key_file(self) -> Path:
+        return Path(self.key_file).expanduser() if self.key_file else self.resolved_data_dir() / "tracker.key"
 
     def resolved_db_url(self) -> str:
         return self.db_url or f"sqlite:///{self.resolved_data_dir() / 'tracker.sqlite3'}"
@@ -73,12 +93,24 @@ class TrackerConfig:
             "expiry_check_interval_s",
             "signature_skew_s",
             "route_ticket_ttl_s",
+            "replica_heartbeat_interval_s",
+            "purge_interval_s",
+            "reports_keep_s",
+            "dashboard_push_interval_s",
+            "dashboard_series_window_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.heartbeat_timeout_s < self.heartbeat_interval_s:
             raise ConfigError("heartbeat_timeout_s must be at least heartbeat_interval_s")
-        for name in ("nonce_cache_max_entries", "max_body_bytes", "max_routes_k"):
+        for name in (
+            "nonce_cache_max_entries",
+            "nonces_per_key_max",
+            "max_body_bytes",
+            "max_routes_k",
+            "dashboard_max_clients",
+            "usage_query_max_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:

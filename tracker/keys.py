@@ -24,6 +24,14 @@ def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
         raise KeyFileError(str(err)) from err
 
 
+def load_or_create_key_at(path: Path) -> nacl.signing.SigningKey:
+    """The key at ``path`` (hex seed), created atomically with mode 0600 if absent."""
+    try:
+        return load_or_create_key_file(path)[0]
+    except keyfile.KeyFileError as err:
+        raise KeyFileError(str(err)) from err
+
+
 def load_key(path: Path) -> nacl.signing.SigningKey:
     try:
         return load_key_file(path)

@@ -1,79 +1,47 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: counters, gauges, summaries.
+"""The tracker's metric declarations (``common.metrics``): counters pushed by the service, gauges
+read from the registry at scrape time, the route-selection histogram.
 
-No I/O and no dependencies; ``tracker.app`` serves :meth:`Metrics.render` at ``/metrics``.
-Label sets are bounded by construction (endpoint names, status codes, refusal reasons).
+Label sets are bounded by construction (endpoint rules, status codes, refusal
+reasons, node states, outcomes) and by ``Spec.max_series`` besides.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from common import metrics as m
+from common.metrics import Labels
 
-Labels = tuple[tuple[str, str], ...]
+__all__ = ["SPECS", "Labels", "Metrics"]
 
-_HELP = {
-    "swarm_tracker_http_requests_total": ("counter", "HTTP requests by endpoint and status code"),
-    "swarm_tracker_refusals_total": ("counter", "signed messages refused, by reason"),
-    "swarm_tracker_announces_total": ("counter", "accepted node announcements"),
-    "swarm_tracker_heartbeats_total": ("counter", "accepted heartbeats"),
-    "swarm_tracker_expirations_total": ("counter", "nodes expired for missing heartbeats"),
-    "swarm_tracker_restorations_total": ("counter", "expired nodes that came back"),
-    "swarm_tracker_route_requests_total": ("counter", "route requests by outcome"),
-    "swarm_tracker_routes_issued_total": ("counter", "routes handed out with a ticket"),
-    "swarm_tracker_usage_tokens_total": ("counter", "tokens recorded in the usage ledger"),
-    "swarm_tracker_route_selection_seconds": ("summary", "time spent in select_routes"),
-    "swarm_tracker_nodes": ("gauge", "registered nodes by state"),
-    "swarm_tracker_models": ("gauge", "registered models"),
-    "swarm_tracker_nonce_cache_entries": ("gauge", "nonces remembered for replay protection"),
+SPECS: dict[str, m.Spec] = {
+    "swarm_tracker_http_requests_total": m.counter(
+        "HTTP requests by endpoint and status code", "endpoint", "status"
+    ),
+    "swarm_tracker_http_request_seconds": m.histogram("HTTP request handling time by endpoint", "endpoint"),
+    "swarm_tracker_refusals_total": m.counter("signed messages refused, by reason", "reason"),
+    "swarm_tracker_announces_total": m.counter("accepted node announcements"),
+    "swarm_tracker_heartbeats_total": m.counter("accepted heartbeats"),
+    "swarm_tracker_leaves_total": m.counter("nodes that left on purpose (signed leave)"),
+    "swarm_tracker_expirations_total": m.counter("nodes expired for missing heartbeats"),
+    "swarm_tracker_restorations_total": m.counter("expired or departed nodes that came back"),
+    "swarm_tracker_route_requests_total": m.counter("route requests by outcome", "outcome"),
+    "swarm_tracker_routes_issued_total": m.counter("routes handed out with a ticket"),
+    "swarm_tracker_usage_tokens_total": m.counter("tokens recorded in the usage ledger"),
+    "swarm_tracker_gateway_reports_total": m.counter("gateway statistics reports accepted"),
+    "swarm_tracker_periodic_runs_total": m.counter(
+        "periodic maintenance rounds, by whether this replica held the lock", "outcome"
+    ),
+    "swarm_tracker_route_selection_seconds": m.histogram("time spent in select_routes"),
+    "swarm_tracker_nodes": m.gauge("registered nodes by state", "state"),
+    "swarm_tracker_models": m.gauge("registered models"),
+    "swarm_tracker_layer_coverage_min": m.gauge(
+        "fewest live nodes holding any one layer, per model (0 = a gap)", "model", max_series=32
+    ),
+    "swarm_tracker_nonce_cache_entries": m.gauge("nonces remembered in this replica's memory"),
+    "swarm_tracker_dashboard_clients": m.gauge("dashboard event streams open"),
+    "swarm_tracker_replicas": m.gauge("tracker replicas heard from within the liveness window"),
 }
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt_labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
-
-
-def _fmt_value(v: float) -> str:
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return str(int(v)) if v == int(v) else repr(float(v))
-
-
-class Metrics:
+class Metrics(m.Metrics):
     def __init__(self) -> None:
-        self._counters: dict[str, dict[Labels, float]] = {}
-        self._summaries: dict[str, tuple[int, float]] = {}
-
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        series = self._counters.setdefault(name, {})
-        key = tuple(sorted(labels.items()))
-        series[key] = series.get(key, 0.0) + amount
-
-    def observe(self, name: str, value_s: float) -> None:
-        count, total = self._summaries.get(name, (0, 0.0))
-        self._summaries[name] = (count + 1, total + value_s)
-
-    def counter(self, name: str, **labels: str) -> float:
-        return self._counters.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
-
-    def render(self, gauges: Mapping[str, Mapping[Labels, float]]) -> str:
-        lines: list[str] = []
-        names = sorted(set(self._counters) | set(self._summaries) | set(gauges))
-        for name in names:
-            kind, doc = _HELP.get(name, ("untyped", name))
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} {kind}")
-            if name in self._summaries:
-                count, total = self._summaries[name]
-                lines.append(f"{name}_count {count}")
-                lines.append(f"{name}_sum {total!r}")
-            for labels, value in sorted({**self._counters.get(name, {}), **gauges.get(name, {})}.items()):
-                lines.append(f"{name}{_fmt_labels(labels)} {_fmt_value(value)}")
-        return "\n".join(lines) + "\n"
+        super().__init__("tracker", SPECS)

@@ -35,6 +35,8 @@ NAMING = {
 
 NODE_LIVE = "live"
 NODE_EXPIRED = "expired"
+NODE_LEFT = "left"  # said goodbye (signed leave): out of routing at once, back only by announcing
+NODE_STATES = (NODE_LIVE, NODE_EXPIRED, NODE_LEFT)
 
 
 class Base(DeclarativeBase):
@@ -72,6 +74,7 @@ class Node(Base):
     first_seen_s: Mapped[float] = mapped_column(Double)
     last_seen_s: Mapped[float] = mapped_column(Double)
     state: Mapped[str] = mapped_column(String(16), index=True)
+    region: Mapped[str] = mapped_column(String(64), server_default="")
 
 
 class Shard(Base):
@@ -91,6 +94,9 @@ class Shard(Base):
     kv_free_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     tokens_served_total: Mapped[int] = mapped_column(BigInteger)
     updated_s: Mapped[float] = mapped_column(Double)
+    kv_used_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Positions per second between the last two heartbeats (None until two have arrived).
+    tokens_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Usage(Base):
@@ -100,6 +106,9 @@ class Usage(Base):
     __table_args__ = (
         UniqueConstraint("gateway_id", "request_id", "node_id"),
         Index("ix_usage_node_id_at_s", "node_id", "at_s"),
+        Index("ix_usage_at_s", "at_s"),
+        Index("ix_usage_model_fingerprint_at_s", "model_fingerprint", "at_s"),
+        Index("ix_usage_gateway_id_at_s", "gateway_id", "at_s"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -110,3 +119,61 @@ class Usage(Base):
     tokens: Mapped[int] = mapped_column(BigInteger)
     steps: Mapped[int] = mapped_column(BigInteger)
     at_s: Mapped[float] = mapped_column(Double)
+
+
+class Nonce(Base):
+    """Replay protection shared by every tracker replica: one row per (signer, nonce) until it expires.
+
+    A signed message's nonce is inserted in the same transaction as the write it
+    authorises, so a replay is refused by whichever replica sees it; rows expire
+    with the signature window and are purged by the periodic task."""
+
+    __tablename__ = "nonces"
+
+    key_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at_s: Mapped[float] = mapped_column(Double, index=True)
+
+
+class Replica(Base):
+    """A running ``swarm-tracker serve`` process on this database (its own liveness row)."""
+
+    __tablename__ = "tracker_replicas"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # random per process
+    tracker_id: Mapped[str] = mapped_column(String(64))  # the public key it signs tickets with
+    url: Mapped[str] = mapped_column(String(255))
+    started_s: Mapped[float] = mapped_column(Double)
+    last_seen_s: Mapped[float] = mapped_column(Double)
+
+
+class PeriodicTask(Base):
+    """When each periodic task last ran, so that it runs once per period across all replicas."""
+
+    __tablename__ = "tracker_tasks"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_run_s: Mapped[float] = mapped_column(Double)
+    holder: Mapped[str] = mapped_column(String(32))
+
+
+class GatewayReport(Base):
+    """A gateway's periodic statistics (proto.announce.GatewayStats), kept for the dashboard's series."""
+
+    __tablename__ = "gateway_reports"
+    __table_args__ = (Index("ix_gateway_reports_at_s", "at_s"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    gateway_id: Mapped[str] = mapped_column(String(64), ForeignKey("gateways.id", ondelete="CASCADE"))
+    at_s: Mapped[float] = mapped_column(Double)
+    interval_s: Mapped[float] = mapped_column(Double)
+    sessions_active: Mapped[int] = mapped_column(Integer)
+    requests_queued: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    ttft_p50_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    ttft_p95_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    routes: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    url: Mapped[str] = mapped_column(String(255))

@@ -1,4 +1,5 @@
-"""``swarm-tracker serve``: one root nursery holding hypercorn, the expiry loop and zeroconf.
+"""``swarm-tracker serve``: one root nursery holding hypercorn, the periodic work, the dashboard feed
+and zeroconf.
 
 :func:`serve_tracker` is started with ``nursery.start`` and reports readiness
 with the bound port (an int) once the socket listens, the schema is at head and
@@ -24,8 +25,9 @@ from common import files
 from common.logs import event
 from tracker.app import create_app
 from tracker.config import TrackerConfig
+from tracker.dashboard import DashboardFeed
 from tracker.discovery import advertise
-from tracker.keys import load_or_create_key
+from tracker.keys import load_or_create_key_at
 from tracker.service import Registry
 from tracker.store import Store, make_engine
 
@@ -41,8 +43,11 @@ class RunningTracker:
 
 
 def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
-    key = load_or_create_key(config.resolved_data_dir())
-    return Store(make_engine(config.resolved_db_url())), key
+    if not config.db_url:
+        config.resolved_data_dir().mkdir(parents=True, exist_ok=True)
+    key = load_or_create_key_at(config.resolved_key_file())
+    engine = make_engine(config.resolved_db_url())
+    return Store(engine, nonces_per_key_max=config.nonces_per_key_max), key
 
 
 async def serve_tracker(
@@ -53,10 +58,20 @@ async def serve_tracker(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     store, key = await trio.to_thread.run_sync(_open_store, config)
+    registry: Registry | None = None
     try:
         registry = Registry(store, config, key)
         await registry.start()
-        app = create_app(registry)
+        feed = (
+            DashboardFeed(
+                registry,
+                push_interval_s=config.dashboard_push_interval_s,
+                max_clients=config.dashboard_max_clients,
+            )
+            if config.dashboard
+            else None
+        )
+        app = create_app(registry, feed)
         hc = hypercorn.config.Config()
         host = f"[{config.host}]" if ":" in config.host else config.host
         hc.bind = [f"{host}:{config.port}"]
@@ -70,6 +85,7 @@ async def serve_tracker(
             )
             port = int(binds[0].rsplit(":", 1)[1])
             url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            await registry.join(config.public_url or url)
             if config.port_file:
                 await files.write_port_file(config.port_file, port)
             helpers = trio.CancelScope()
@@ -77,7 +93,9 @@ async def serve_tracker(
             async def run_helpers(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 with helpers:
                     async with trio.open_nursery() as inner:
-                        await inner.start(registry.run_expiry)
+                        await inner.start(registry.run_periodic)
+                        if feed is not None:
+                            await inner.start(feed.run)
                         if config.zeroconf:
                             await inner.start(advertise, port, registry.tracker_id, config.host)
                         task_status.started()
@@ -91,6 +109,8 @@ async def serve_tracker(
                 binds=binds,
                 tracker_id=registry.tracker_id,
                 db=store.dialect,
+                replica_id=registry.replica_id,
+                dashboard=f"{url}/" if feed is not None else None,
                 port_file=config.port_file or None,
             )
             if on_ready is not None:
@@ -101,5 +121,11 @@ async def serve_tracker(
                 helpers.cancel()  # hypercorn drains and returns by itself once the trigger fired
     finally:
         with trio.CancelScope(shield=True):
+            if registry is not None and registry.url:
+                with trio.move_on_after(2):
+                    try:
+                        await registry.leave_cluster()
+                    except Exception as err:  # the database may be what failed: never mask that
+                        event(log, "replica_leave_failed", level=logging.WARNING, error=repr(err))
             await trio.to_thread.run_sync(store.close)
         event(log, "tracker_stopped")

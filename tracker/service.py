@@ -5,6 +5,16 @@ Trio side of the SQLAlchemy adapter: every database call goes through
 messages are verified and validated *before* any database call, so a refused
 request writes nothing. The clock is injected (wall-clock seconds, because
 signed timestamps come from other machines).
+
+Replicas: several processes may serve one database. Replay protection is
+shared: a message's nonce is refused at once if this replica saw it (memory,
+bounded by ``nonce_cache_max_entries``) and otherwise inserted into the
+``nonces`` table in the same transaction as the write it authorises (bounded
+per key by ``nonces_per_key_max``), so a replay is refused by every replica.
+Periodic work (expiry, purges) is claimed per period through the database
+(:meth:`tracker.store.Store.claim_task`), so it runs once however many replicas
+there are. Each replica records itself in ``tracker_replicas``; one whose key
+differs from a live replica's refuses to start (nodes trust one tracker key).
 """
 
 from __future__ import annotations
@@ -23,18 +33,33 @@ import trio
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.logs import event
-from proto.announce import Announce, Heartbeat, PayloadError, UsageReport
+from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
+from tracker import overview
 from tracker.config import TrackerConfig
-from tracker.errors import BadRequest, StorageUnavailable, UnknownModel
+from tracker.errors import BadRequest, Conflict, StorageUnavailable, UnknownModel
 from tracker.metrics import Labels, Metrics
+from tracker.models import NODE_STATES
 from tracker.placement import layer_coverage, recommend_span
 from tracker.routing import select_routes
 from tracker.snapshot import ModelInfo, SwarmSnapshot
-from tracker.store import Store
+from tracker.store import NonceRecord, Store, UsageGroup
 
 log = logging.getLogger("swarm.tracker")
 T = TypeVar("T")
+
+
+class _NonceGrab:
+    """The nonce sink handed to ``open_envelope``: refuses what this replica already saw (memory,
+    bounded) and keeps the nonce so the write records it in the shared table."""
+
+    def __init__(self, local: NonceCache) -> None:
+        self.local = local
+        self.record: NonceRecord | None = None
+
+    def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None:
+        self.local.check_and_add(public_key, nonce, expires_at_s, now_s)
+        self.record = NonceRecord(public_key, nonce, expires_at_s)
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,8 @@ class Registry:
         self._snapshot_at = 0.0
         self._snapshot_stale = True
         self._snapshot_lock = trio.Lock()
+        self.replica_id = uuid.uuid4().hex
+        self.url = ""  # set by the server once it listens
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -79,27 +106,43 @@ class Registry:
             event(log, "storage_unavailable", level=logging.ERROR, error=str(err).splitlines()[0][:300])
             raise StorageUnavailable("the tracker's database is unavailable; retry later") from err
 
-    def _open(self, envelope: Any, kind: str, signer_field: str = "node_id") -> dict[str, Any]:
+    def _refused(self, kind: str, err: SignatureError) -> None:
+        self.metrics.inc("swarm_tracker_refusals_total", reason=err.reason)
+        event(
+            log,
+            "signed_message_refused",
+            level=logging.WARNING,
+            kind=kind,
+            reason=err.reason,
+            detail=err.message,
+        )
+
+    def _open(
+        self, envelope: Any, kind: str, signer_field: str = "node_id"
+    ) -> tuple[dict[str, Any], NonceRecord | None]:
+        grab = _NonceGrab(self.nonces)
         try:
-            return open_envelope(
+            payload = open_envelope(
                 envelope,
                 kind=kind,
                 now_s=self.clock(),
                 skew_s=self.config.signature_skew_s,
-                nonces=self.nonces,
+                nonces=grab,
                 signer_field=signer_field,
                 max_payload_bytes=self.config.max_body_bytes,
             )
         except SignatureError as err:
-            self.metrics.inc("swarm_tracker_refusals_total", reason=err.reason)
-            event(
-                log,
-                "signed_message_refused",
-                level=logging.WARNING,
-                kind=kind,
-                reason=err.reason,
-                detail=err.message,
-            )
+            self._refused(kind, err)
+            raise
+        return payload, grab.record
+
+    async def _signed_write(self, kind: str, fn: Callable[..., T], *args: Any) -> T:
+        """A store write that also records the message's nonce; a replay another replica saw is
+        refused here (SignatureError from the store), counted and logged like any refusal."""
+        try:
+            return await self._db(fn, *args)
+        except SignatureError as err:
+            self._refused(kind, err)
             raise
 
     def statistics(self) -> RegistryStatistics:
@@ -115,15 +158,39 @@ class Registry:
         before, after = await self._db(self.store.upgrade)
         event(log, "db_ready", dialect=self.store.dialect, revision_before=before, revision=after)
 
+    async def join(self, url: str) -> None:
+        """Record this replica; refuse to serve next to a live replica that signs with another key."""
+        self.url = url
+        now = self.clock()
+        live = await self._db(self.store.replicas, now, self._replica_live_s())
+        others = {r["tracker_id"] for r in live if r["replica_id"] != self.replica_id}
+        if others and self.tracker_id not in others:
+            raise Conflict(
+                f"another tracker replica on this database signs with key {sorted(others)[0]}, this one with "
+                f"{self.tracker_id}: replicas must share one key (copy its tracker.key, or set key_file)"
+            )
+        await self._db(self.store.touch_replica, self.replica_id, self.tracker_id, url, now)
+        event(log, "replica_joined", replica_id=self.replica_id, url=url, other_replicas=len(live))
+
+    async def replicas(self) -> list[dict[str, Any]]:
+        """The replicas heard from recently (this one included once it joined)."""
+        return await self._db(self.store.replicas, self.clock(), self._replica_live_s())
+
+    async def leave_cluster(self) -> None:
+        await self._db(self.store.drop_replica, self.replica_id)
+
+    def _replica_live_s(self) -> float:
+        return 3 * self.config.replica_heartbeat_interval_s
+
     # --- writes ---------------------------------------------------------------------------------
 
     async def announce(self, envelope: Any) -> dict[str, Any]:
-        payload = self._open(envelope, "announce")
+        payload, nonce = self._open(envelope, "announce")
         try:
             a = Announce.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        result = await self._db(self.store.announce, a, self.clock())
+        result = await self._signed_write("announce", self.store.announce, a, self.clock(), nonce)
         self._snapshot_stale = True
         self.metrics.inc("swarm_tracker_announces_total")
         if result.restored:
@@ -150,12 +217,12 @@ class Registry:
         }
 
     async def heartbeat(self, envelope: Any) -> dict[str, Any]:
-        payload = self._open(envelope, "heartbeat")
+        payload, nonce = self._open(envelope, "heartbeat")
         try:
             h = Heartbeat.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        restored = await self._db(self.store.heartbeat, h, self.clock())
+        restored = await self._signed_write("heartbeat", self.store.heartbeat, h, self.clock(), nonce)
         self.metrics.inc("swarm_tracker_heartbeats_total")
         if restored:
             self._snapshot_stale = True
@@ -168,13 +235,35 @@ class Registry:
             "heartbeat_interval_s": self.config.heartbeat_interval_s,
         }
 
+    async def leave(self, envelope: Any) -> dict[str, Any]:
+        payload, nonce = self._open(envelope, "leave")
+        try:
+            msg = Leave.from_json(payload)
+        except PayloadError as err:
+            raise BadRequest(str(err)) from err
+        result = await self._signed_write("leave", self.store.leave, msg, self.clock(), nonce)
+        self._snapshot_stale = True
+        self.metrics.inc("swarm_tracker_leaves_total")
+        event(log, "node_left", node_id=msg.node_id, reason=msg.reason, was_live=result.was_live)
+        return {"node_id": msg.node_id, "state": "left"}
+
+    async def report_gateway_stats(self, envelope: Any) -> dict[str, Any]:
+        payload, nonce = self._open(envelope, "gateway_stats", signer_field="gateway_id")
+        try:
+            g = GatewayStats.from_json(payload)
+        except PayloadError as err:
+            raise BadRequest(str(err)) from err
+        await self._signed_write("gateway_stats", self.store.record_gateway_stats, g, self.clock(), nonce)
+        self.metrics.inc("swarm_tracker_gateway_reports_total")
+        return {"recorded": True}
+
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
-        payload = self._open(envelope, "usage", signer_field="gateway_id")
+        payload, nonce = self._open(envelope, "usage", signer_field="gateway_id")
         try:
             r = UsageReport.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        result = await self._db(self.store.record_usage, r, self.clock())
+        result = await self._signed_write("usage", self.store.record_usage, r, self.clock(), nonce)
         tokens = sum(e.tokens for e in r.entries)
         self.metrics.inc("swarm_tracker_usage_tokens_total", tokens)
         event(
@@ -197,14 +286,46 @@ class Registry:
                 event(log, "node_expired", node_id=node_id, timeout_s=self.config.heartbeat_timeout_s)
         return expired
 
-    async def run_expiry(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _claim(self, task: str, interval_s: float) -> bool:
+        claimed = await self._db(self.store.claim_task, task, self.replica_id, self.clock(), interval_s)
+        self.metrics.inc("swarm_tracker_periodic_runs_total", outcome="ran" if claimed else "skipped")
+        return claimed
+
+    async def periodic_once(self) -> dict[str, Any]:
+        """One round of periodic work; each task runs only if this replica claims its period."""
+        done: dict[str, Any] = {}
+        if await self._claim("expire", self.config.expiry_check_interval_s):
+            done["expired"] = await self.expire_once()
+        if await self._claim("purge", self.config.purge_interval_s):
+            done["purged"] = await self._db(
+                functools.partial(
+                    self.store.purge,
+                    self.clock(),
+                    reports_keep_s=self.config.reports_keep_s,
+                    replicas_keep_s=max(3600.0, 10 * self._replica_live_s()),
+                )
+            )
+            event(log, "purged", **done["purged"])
+        return done
+
+    async def run_periodic(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Expiry and purges (claimed per period, so once across replicas), and this replica's
+        own liveness row."""
         task_status.started()
+        next_touch = 0.0
         while True:
             await trio.sleep(self.config.expiry_check_interval_s)
             try:
-                await self.expire_once()
+                if trio.current_time() >= next_touch and self.url:
+                    await self._db(
+                        self.store.touch_replica, self.replica_id, self.tracker_id, self.url, self.clock()
+                    )
+                    next_touch = trio.current_time() + self.config.replica_heartbeat_interval_s
+                await self.periodic_once()
             except StorageUnavailable:
                 pass  # logged by _db; the next round retries, and routing filters on last_seen anyway
+
+    run_expiry = run_periodic  # the name tests and older callers use
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -346,13 +467,108 @@ class Registry:
     async def gauges(self) -> dict[str, dict[Labels, float]]:
         counts = await self._db(self.store.node_state_counts)
         snap = await self.snapshot()
+        replicas = await self._db(self.store.replicas, self.clock(), self._replica_live_s())
+        coverage: dict[Labels, float] = {}
+        for m in snap.models:
+            counts_per_layer = overview.coverage_counts(snap, m.fingerprint, m.n_layers)
+            coverage[(("model", m.name[:64] or m.fingerprint[:16]),)] = float(
+                min(counts_per_layer, default=0)
+            )
         return {
             "swarm_tracker_nodes": {
-                (("state", state),): float(counts.get(state, 0)) for state in ("live", "expired")
+                (("state", state),): float(counts.get(state, 0)) for state in NODE_STATES
             },
             "swarm_tracker_models": {(): float(len(snap.models))},
+            "swarm_tracker_layer_coverage_min": coverage,
             "swarm_tracker_nonce_cache_entries": {(): float(len(self.nonces))},
+            "swarm_tracker_replicas": {(): float(len(replicas))},
         }
+
+    # --- accounting -------------------------------------------------------------------------------
+
+    async def usage_summary(
+        self,
+        by: str,
+        since_s: float | None,
+        until_s: float | None,
+        *,
+        node_id: str | None = None,
+        model: str | None = None,
+        gateway_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        if by not in ("node", "model", "gateway"):
+            raise BadRequest("by must be node, model or gateway")
+        cap = self.config.usage_query_max_rows
+        if not 1 <= limit <= cap:
+            raise BadRequest(f"limit must be in 1..{cap}")
+        if offset < 0:
+            raise BadRequest("offset must be >= 0")
+        until = self.clock() if until_s is None else until_s
+        since = until - 86_400.0 if since_s is None else since_s
+        if not since <= until:
+            raise BadRequest("since must not be after until")
+        group: UsageGroup = by  # type: ignore[assignment]  # checked above
+        result = await self._db(
+            functools.partial(
+                self.store.usage_summary,
+                group,
+                since,
+                until,
+                node_id=node_id,
+                model=model,
+                gateway_id=gateway_id,
+                limit=limit,
+                offset=offset,
+            )
+        )
+        more = offset + len(result["rows"]) < result["total_rows"]
+        return {
+            "by": by,
+            "since": since,
+            "until": until,
+            **result,
+            "limit": limit,
+            "offset": offset,
+            "next_offset": offset + len(result["rows"]) if more else None,
+        }
+
+    async def node_usage(self, node_id: str) -> dict[str, Any]:
+        windows = {"last_hour": 3600.0, "last_24h": 86_400.0, "last_30d": 30 * 86_400.0}
+        result = await self._db(self.store.node_contribution, node_id, self.clock(), windows)
+        by_model = await self.usage_summary("model", 0.0, self.clock() + 1.0, node_id=node_id, limit=20)
+        return {"node_id": node_id, **result, "by_model": by_model["rows"], "time": self.clock()}
+
+    # --- dashboard --------------------------------------------------------------------------------
+
+    async def dashboard_state(self) -> dict[str, Any]:
+        """Everything the dashboard draws, in one JSON object (docs/operations.md)."""
+        now = self.clock()
+        snap = await self.snapshot()
+        window = self.config.dashboard_series_window_s
+        nodes = await self._db(functools.partial(self.store.node_rows, limit=overview.MAX_NODE_ROWS + 1))
+        counts = await self._db(self.store.node_state_counts)
+        reports = await self._db(self.store.gateway_reports, now - window)
+        recent = await self._db(self.store.recent_usage, now - overview.ROUTE_WINDOW_S)
+        replicas = await self._db(self.store.replicas, now, self._replica_live_s())
+        top = await self._db(
+            functools.partial(self.store.usage_summary, "node", now - 86_400.0, now + 1.0, limit=10)
+        )
+        return overview.build_state(
+            now_s=now,
+            tracker_id=self.tracker_id,
+            replica_id=self.replica_id,
+            snapshot=snap,
+            nodes=nodes,
+            node_counts=counts,
+            reports=reports,
+            recent_usage=recent,
+            replicas=replicas,
+            top_contributors=top,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            series_window_s=window,
+        )
 
 
 def _model_json(m: ModelInfo) -> dict[str, Any]:

@@ -9,18 +9,36 @@ request leaves the database untouched.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy import Engine, create_engine, event, func, select, update
+from sqlalchemy import Connection, Engine, create_engine, delete, event, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from proto.announce import Announce, Heartbeat, UsageReport
+from proto.announce import Announce, GatewayStats, Heartbeat, Leave, UsageReport
+from proto.signing import SignatureError
 from tracker.errors import Conflict, UnknownNode
 from tracker.migrate import upgrade_if_needed
-from tracker.models import NODE_EXPIRED, NODE_LIVE, Gateway, Model, Node, Shard, Usage
+from tracker.models import (
+    NODE_EXPIRED,
+    NODE_LEFT,
+    NODE_LIVE,
+    Gateway,
+    GatewayReport,
+    Model,
+    Node,
+    Nonce,
+    PeriodicTask,
+    Replica,
+    Shard,
+    Usage,
+)
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
+
+UsageGroup = Literal["node", "model", "gateway"]
 
 
 def make_engine(url: str) -> Engine:
@@ -60,9 +78,55 @@ class UsageResult:
     duplicates: int
 
 
+@dataclass(frozen=True)
+class NonceRecord:
+    """A signed message's nonce, to be recorded in the shared table with the write it authorises."""
+
+    key_id: str
+    nonce: str
+    expires_at_s: float
+
+
+@dataclass(frozen=True)
+class LeaveResult:
+    known: bool  # the node was registered
+    was_live: bool
+
+
 class Store:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, nonces_per_key_max: int = 1000) -> None:
         self.engine = engine
+        self.nonces_per_key_max = nonces_per_key_max
+
+    # --- shared replay protection ----------------------------------------------------------------
+
+    def _insert_ignore(self, table: Any) -> Any:
+        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        return dialect.insert(table)
+
+    def _consume_nonce(self, conn: Connection | Session, rec: NonceRecord | None, now_s: float) -> None:
+        """Record the nonce in this transaction; a replay (seen by any replica) or a key over its
+        bound raises :class:`SignatureError` and the transaction rolls back with nothing written."""
+        if rec is None:
+            return
+        live = conn.execute(
+            select(func.count())
+            .select_from(Nonce)
+            .where(Nonce.key_id == rec.key_id, Nonce.expires_at_s >= now_s)
+        ).scalar_one()
+        if live >= self.nonces_per_key_max:
+            raise SignatureError(
+                "nonce_cache_full",
+                f"more than {self.nonces_per_key_max} signed messages from this key in the window; "
+                "retry later",
+            )
+        stmt = (
+            self._insert_ignore(Nonce)
+            .values(key_id=rec.key_id, nonce=rec.nonce, expires_at_s=rec.expires_at_s)
+            .on_conflict_do_nothing(index_elements=["key_id", "nonce"])
+        )
+        if conn.execute(stmt).rowcount == 0:
+            raise SignatureError("replayed_nonce", "nonce already used by this key")
 
     @property
     def dialect(self) -> str:
@@ -76,15 +140,16 @@ class Store:
 
     # --- writes ---------------------------------------------------------------------------------
 
-    def announce(self, a: Announce, now_s: float) -> AnnounceResult:
+    def announce(self, a: Announce, now_s: float, nonce: NonceRecord | None = None) -> AnnounceResult:
         try:
-            return self._announce(a, now_s)
+            return self._announce(a, now_s, nonce)
         except IntegrityError:
             # Another tracker replica inserted the same node or model concurrently: retry as an update.
-            return self._announce(a, now_s)
+            return self._announce(a, now_s, nonce)
 
-    def _announce(self, a: Announce, now_s: float) -> AnnounceResult:
+    def _announce(self, a: Announce, now_s: float, nonce: NonceRecord | None) -> AnnounceResult:
         with Session(self.engine) as s, s.begin():
+            self._consume_nonce(s, nonce, now_s)
             model = s.get(Model, a.model.fingerprint)
             if model is None:
                 s.add(
@@ -117,6 +182,7 @@ class Store:
             node.relay_via = a.relay_via
             node.hardware = a.hardware.to_json()
             node.software_version = a.software_version
+            node.region = a.region
             node.last_seen_s = now_s
             node.state = NODE_LIVE
             s.flush()
@@ -136,19 +202,35 @@ class Store:
             shard.active_sessions = 0
             shard.queue_depth = 0
             shard.kv_free_tokens = None
+            shard.kv_used_tokens = None
+            shard.tokens_per_s = None
             shard.updated_s = now_s
         return AnnounceResult(created=created, restored=restored)
 
-    def heartbeat(self, h: Heartbeat, now_s: float) -> bool:
+    def heartbeat(self, h: Heartbeat, now_s: float, nonce: NonceRecord | None = None) -> bool:
         """Record load; returns True when the node was expired and is now restored.
 
-        Core statements rather than the ORM: this is the hottest write path.
+        A node that left must announce again (404), so a heartbeat still in flight
+        when it said goodbye cannot bring it back. Core statements rather than the
+        ORM: this is the hottest write path.
         """
         with self.engine.begin() as conn:
-            state = conn.execute(select(Node.state).where(Node.id == h.node_id)).scalar_one_or_none()
-            if state is None:
+            row = conn.execute(
+                select(Node.state, Shard.updated_s)
+                .outerjoin(Shard, Shard.node_id == Node.id)
+                .where(Node.id == h.node_id)
+                .limit(1)
+            ).first()
+            if row is None:
                 raise UnknownNode(f"node {h.node_id} is not registered: announce first")
+            state, previous_s = row
+            if state == NODE_LEFT:
+                raise UnknownNode(f"node {h.node_id} left the swarm: announce to rejoin")
+            self._consume_nonce(conn, nonce, now_s)
             conn.execute(update(Node).where(Node.id == h.node_id).values(last_seen_s=now_s, state=NODE_LIVE))
+            rate = None
+            if previous_s is not None and now_s - previous_s > 0.05:
+                rate = h.tokens_served / (now_s - previous_s)
             conn.execute(
                 update(Shard)
                 .where(Shard.node_id == h.node_id)
@@ -156,11 +238,28 @@ class Store:
                     active_sessions=h.active_sessions,
                     queue_depth=h.queue_depth,
                     kv_free_tokens=h.kv_free_tokens,
+                    kv_used_tokens=h.kv_used_tokens,
+                    tokens_per_s=rate,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
                     updated_s=now_s,
                 )
             )
         return state != NODE_LIVE
+
+    def leave(self, msg: Leave, now_s: float, nonce: NonceRecord | None = None) -> LeaveResult:
+        """Take the node out of routing now (state ``left``); its sessions drain on the node."""
+        with self.engine.begin() as conn:
+            state = conn.execute(select(Node.state).where(Node.id == msg.node_id)).scalar_one_or_none()
+            if state is None:
+                raise UnknownNode(f"node {msg.node_id} is not registered")
+            self._consume_nonce(conn, nonce, now_s)
+            conn.execute(
+                update(Node).where(Node.id == msg.node_id).values(state=NODE_LEFT, last_seen_s=now_s)
+            )
+            conn.execute(
+                update(Shard).where(Shard.node_id == msg.node_id).values(active_sessions=0, tokens_per_s=None)
+            )
+        return LeaveResult(known=True, was_live=state == NODE_LIVE)
 
     def expire(self, now_s: float, timeout_s: float) -> list[str]:
         """Mark live nodes silent for longer than ``timeout_s`` as expired; returns their ids."""
@@ -173,8 +272,53 @@ class Store:
                 )
         return ids
 
-    def record_usage(self, r: UsageReport, now_s: float) -> UsageResult:
+    def _touch_gateway(self, s: Session, gateway_id: str, now_s: float) -> None:
+        gw = s.get(Gateway, gateway_id)
+        if gw is None:
+            s.add(Gateway(id=gateway_id, first_seen_s=now_s, last_seen_s=now_s))
+        else:
+            gw.last_seen_s = now_s
+        s.flush()
+
+    def record_gateway_stats(self, g: GatewayStats, now_s: float, nonce: NonceRecord | None = None) -> None:
+        try:
+            self._record_gateway_stats(g, now_s, nonce)
+        except IntegrityError:  # another replica inserted this gateway's first row concurrently
+            self._record_gateway_stats(g, now_s, nonce)
+
+    def _record_gateway_stats(self, g: GatewayStats, now_s: float, nonce: NonceRecord | None) -> None:
         with Session(self.engine) as s, s.begin():
+            self._consume_nonce(s, nonce, now_s)
+            self._touch_gateway(s, g.gateway_id, now_s)
+            s.add(
+                GatewayReport(
+                    gateway_id=g.gateway_id,
+                    at_s=now_s,
+                    interval_s=g.interval_s,
+                    sessions_active=g.sessions_active,
+                    requests_queued=g.requests_queued,
+                    requests=g.requests,
+                    errors=g.errors,
+                    prompt_tokens=g.prompt_tokens,
+                    completion_tokens=g.completion_tokens,
+                    ttft_p50_s=g.ttft_p50_s,
+                    ttft_p95_s=g.ttft_p95_s,
+                    routes=[{"route_id": r.route_id, "sessions": r.sessions} for r in g.routes],
+                    url=g.url,
+                )
+            )
+
+    def record_usage(self, r: UsageReport, now_s: float, nonce: NonceRecord | None = None) -> UsageResult:
+        try:
+            return self._record_usage(r, now_s, nonce)
+        except IntegrityError:
+            # Another replica inserted this gateway, or the same request's rows (a retried report on
+            # another replica), concurrently: the retry sees those rows and counts them as duplicates.
+            return self._record_usage(r, now_s, nonce)
+
+    def _record_usage(self, r: UsageReport, now_s: float, nonce: NonceRecord | None) -> UsageResult:
+        with Session(self.engine) as s, s.begin():
+            self._consume_nonce(s, nonce, now_s)
             gw = s.get(Gateway, r.gateway_id)
             if gw is None:
                 s.add(Gateway(id=r.gateway_id, first_seen_s=now_s, last_seen_s=now_s))
@@ -274,11 +418,11 @@ class Store:
             relay_penalty_ms=relay_penalty_ms,
         )
 
-    def node_rows(self) -> list[dict[str, Any]]:
+    def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:
         with Session(self.engine) as s:
             out = []
             for node, shard in s.execute(
-                select(Node, Shard).outerjoin(Shard, Shard.node_id == Node.id).order_by(Node.id)
+                select(Node, Shard).outerjoin(Shard, Shard.node_id == Node.id).order_by(Node.id).limit(limit)
             ).all():
                 out.append(
                     {
@@ -289,6 +433,7 @@ class Store:
                         "relay_via": node.relay_via,
                         "hardware": node.hardware,
                         "software_version": node.software_version,
+                        "region": node.region,
                         "first_seen_s": node.first_seen_s,
                         "last_seen_s": node.last_seen_s,
                         "shard": None
@@ -303,7 +448,10 @@ class Store:
                             "max_sessions": shard.max_sessions,
                             "queue_depth": shard.queue_depth,
                             "kv_free_tokens": shard.kv_free_tokens,
+                            "kv_used_tokens": shard.kv_used_tokens,
+                            "tokens_per_s": shard.tokens_per_s,
                             "tokens_served_total": shard.tokens_served_total,
+                            "updated_s": shard.updated_s,
                         },
                     }
                 )
@@ -325,10 +473,219 @@ class Store:
                 )
             }
 
-    def table_counts(self) -> dict[str, int]:
-        """Row counts per table (tests use it to check refused requests wrote nothing)."""
+    def table_counts(self, *, operations: bool = False) -> dict[str, int]:
+        """Row counts per registry table, plus ``nonces`` and ``gateway_reports`` with ``operations``
+        (tests use it to check refused requests wrote nothing)."""
+        tables: tuple[Any, ...] = (Model, Gateway, Node, Shard, Usage)
+        if operations:
+            tables += (Nonce, GatewayReport)
         with Session(self.engine) as s:
-            return {
-                t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0
-                for t in (Model, Gateway, Node, Shard, Usage)
-            }
+            return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0 for t in tables}
+
+    # --- replicas and periodic work ---------------------------------------------------------------
+
+    def touch_replica(self, replica_id: str, tracker_id: str, url: str, now_s: float) -> None:
+        with Session(self.engine) as s, s.begin():
+            row = s.get(Replica, replica_id)
+            if row is None:
+                s.add(
+                    Replica(id=replica_id, tracker_id=tracker_id, url=url, started_s=now_s, last_seen_s=now_s)
+                )
+            else:
+                row.last_seen_s = now_s
+                row.url = url
+
+    def replicas(self, now_s: float, live_within_s: float) -> list[dict[str, Any]]:
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(Replica)
+                .where(Replica.last_seen_s >= now_s - live_within_s)
+                .order_by(Replica.started_s)
+            )
+            return [
+                {
+                    "replica_id": r.id,
+                    "tracker_id": r.tracker_id,
+                    "url": r.url,
+                    "started_s": r.started_s,
+                    "last_seen_s": r.last_seen_s,
+                }
+                for r in rows
+            ]
+
+    def drop_replica(self, replica_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(delete(Replica).where(Replica.id == replica_id))
+
+    def claim_task(self, name: str, holder: str, now_s: float, interval_s: float) -> bool:
+        """True for exactly one replica per ``interval_s`` (the one that should run the task now).
+
+        PostgreSQL: a transaction-scoped advisory lock first, so a replica never waits on
+        another's claim, then a conditional update of the task's row (atomic in every
+        database: of two concurrent claims one matches, the other sees the new time).
+        SQLite serialises writers, so the conditional update alone is enough there."""
+        with self.engine.begin() as conn:
+            if self.dialect == "postgresql":
+                key = zlib.crc32(f"swarm-tracker:{name}".encode()) & 0x7FFFFFFF
+                if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}).scalar():
+                    return False
+            due = now_s - interval_s * 0.9  # replicas tick at slightly different moments
+            claimed = conn.execute(
+                update(PeriodicTask)
+                .where(PeriodicTask.name == name, PeriodicTask.last_run_s <= due)
+                .values(last_run_s=now_s, holder=holder)
+            ).rowcount
+            if claimed:
+                return True
+            inserted = conn.execute(
+                self._insert_ignore(PeriodicTask)
+                .values(name=name, last_run_s=now_s, holder=holder)
+                .on_conflict_do_nothing(index_elements=["name"])
+            ).rowcount
+            return bool(inserted)
+
+    def purge(self, now_s: float, *, reports_keep_s: float, replicas_keep_s: float) -> dict[str, int]:
+        """Delete expired nonces, old gateway reports and long-gone replicas; returns rows deleted."""
+        with self.engine.begin() as conn:
+            nonces = conn.execute(delete(Nonce).where(Nonce.expires_at_s < now_s)).rowcount
+            reports = conn.execute(
+                delete(GatewayReport).where(GatewayReport.at_s < now_s - reports_keep_s)
+            ).rowcount
+            replicas = conn.execute(
+                delete(Replica).where(Replica.last_seen_s < now_s - replicas_keep_s)
+            ).rowcount
+        return {"nonces": nonces, "gateway_reports": reports, "replicas": replicas}
+
+    # --- accounting -------------------------------------------------------------------------------
+
+    def usage_summary(
+        self,
+        by: UsageGroup,
+        since_s: float,
+        until_s: float,
+        *,
+        node_id: str | None = None,
+        model: str | None = None,
+        gateway_id: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """Ledger totals per node, model or gateway over ``[since_s, until_s)``, largest first.
+
+        Returns ``rows`` (at most ``limit``, from ``offset``), ``total_rows`` (groups in
+        all) and ``totals`` over every group."""
+        column = {"node": Usage.node_id, "model": Usage.model_fingerprint, "gateway": Usage.gateway_id}[by]
+        where = [Usage.at_s >= since_s, Usage.at_s < until_s]
+        if node_id:
+            where.append(Usage.node_id == node_id)
+        if model:
+            where.append(Usage.model_fingerprint == model)
+        if gateway_id:
+            where.append(Usage.gateway_id == gateway_id)
+        tokens = func.coalesce(func.sum(Usage.tokens), 0)
+        with Session(self.engine) as s:
+            rows = s.execute(
+                select(
+                    column,
+                    tokens.label("tokens"),
+                    func.coalesce(func.sum(Usage.steps), 0),
+                    func.count(func.distinct(Usage.request_id)),
+                    func.min(Usage.at_s),
+                    func.max(Usage.at_s),
+                )
+                .where(*where)
+                .group_by(column)
+                .order_by(tokens.desc(), column)
+                .limit(limit)
+                .offset(offset)
+            ).all()
+            total_rows = s.execute(select(func.count(func.distinct(column))).where(*where)).scalar_one()
+            t_tokens, t_steps, t_requests = s.execute(
+                select(
+                    func.coalesce(func.sum(Usage.tokens), 0),
+                    func.coalesce(func.sum(Usage.steps), 0),
+                    func.count(func.distinct(Usage.request_id)),
+                ).where(*where)
+            ).one()
+        return {
+            "rows": [
+                {
+                    "key": r[0],
+                    "tokens": int(r[1]),
+                    "steps": int(r[2]),
+                    "requests": int(r[3]),
+                    "first_s": r[4],
+                    "last_s": r[5],
+                }
+                for r in rows
+            ],
+            "total_rows": int(total_rows),
+            "totals": {"tokens": int(t_tokens), "steps": int(t_steps), "requests": int(t_requests)},
+        }
+
+    def node_contribution(self, node_id: str, now_s: float, windows_s: dict[str, float]) -> dict[str, Any]:
+        """One node's ledger totals over each named window (and all time), per model, and what its
+        own heartbeats reported."""
+        out: dict[str, Any] = {}
+        with Session(self.engine) as s:
+            for name, window in {**windows_s, "all_time": None}.items():
+                where = [Usage.node_id == node_id]
+                if window is not None:
+                    where.append(Usage.at_s >= now_s - window)
+                tokens, steps, requests = s.execute(
+                    select(
+                        func.coalesce(func.sum(Usage.tokens), 0),
+                        func.coalesce(func.sum(Usage.steps), 0),
+                        func.count(func.distinct(Usage.request_id)),
+                    ).where(*where)
+                ).one()
+                out[name] = {"tokens": int(tokens), "steps": int(steps), "requests": int(requests)}
+            served = s.execute(
+                select(func.coalesce(func.sum(Shard.tokens_served_total), 0)).where(Shard.node_id == node_id)
+            ).scalar_one()
+            node = s.get(Node, node_id)
+        out["heartbeat_tokens_served_total"] = int(served)
+        out["registered"] = node is not None
+        out["state"] = node.state if node is not None else None
+        out["first_seen_s"] = node.first_seen_s if node is not None else None
+        return out
+
+    def recent_usage(self, since_s: float, *, limit: int = 20_000) -> list[tuple[str, str, str, int]]:
+        """``(gateway_id, request_id, node_id, tokens)`` of ledger rows since ``since_s`` (newest first)."""
+        with Session(self.engine) as s:
+            return [
+                (r[0], r[1], r[2], int(r[3]))
+                for r in s.execute(
+                    select(Usage.gateway_id, Usage.request_id, Usage.node_id, Usage.tokens)
+                    .where(Usage.at_s >= since_s)
+                    .order_by(Usage.at_s.desc())
+                    .limit(limit)
+                )
+            ]
+
+    def gateway_reports(self, since_s: float, *, limit: int = 50_000) -> list[dict[str, Any]]:
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(GatewayReport)
+                .where(GatewayReport.at_s >= since_s)
+                .order_by(GatewayReport.at_s.desc())
+                .limit(limit)
+            ).all()
+            return [
+                {
+                    "gateway_id": r.gateway_id,
+                    "at_s": r.at_s,
+                    "interval_s": r.interval_s,
+                    "sessions_active": r.sessions_active,
+                    "requests_queued": r.requests_queued,
+                    "requests": r.requests,
+                    "errors": r.errors,
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens,
+                    "ttft_p50_s": r.ttft_p50_s,
+                    "ttft_p95_s": r.ttft_p95_s,
+                    "routes": r.routes,
+                    "url": r.url,
+                }
+                for r in reversed(rows)
+            ]

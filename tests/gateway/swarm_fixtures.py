@@ -84,7 +84,8 @@ def recovered(gateway_url: str) -> bool:
     lines = metric_lines(gateway_url, "swarm_gateway_")
     moved = any('outcome="recovered"' in line for line in lines if "route_sessions_total" in line)
     replaced = any(
-        "recoveries_total" in line and 'outcome="ok"' in line and not line.endswith(" 0") for line in lines
+        "recoveries_total" in line and 'outcome="ok"' in line and float(line.split()[-1]) > 0
+        for line in lines
     )
     return moved or replaced
 

@@ -13,7 +13,7 @@ import nacl.signing
 import pytest
 import trio
 
-from node.admin import AdminServer, prometheus
+from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig, load_config
 from node.identity import KeyFileError, load_key, load_or_create_key, node_id
 from node.tickets import TicketVerifier
@@ -148,11 +148,6 @@ def test_ticket_verifier() -> None:
 
 
 # --------------------------------------------------------------------------- admin
-
-
-def test_prometheus_rendering() -> None:
-    text = prometheus([("x_total", "counter", "things", [({"a": 'q"z'}, 3.0), ({}, 0.5)])])
-    assert text == '# HELP x_total things\n# TYPE x_total counter\nx_total{a="q\\"z"} 3\nx_total 0.5\n'
 
 
 async def test_admin_server_routes() -> None:

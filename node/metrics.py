@@ -1,0 +1,103 @@
+"""The node's metric declarations (``common.metrics``) and the engine-side timers.
+
+Most node figures live in the session machine's and the scheduler's statistics
+objects: they are declared ``scraped`` and read at every scrape
+(:meth:`node.daemon.NodeDaemon.scrape`). Histograms are pushed:
+
+==============================================  =====================================================
+``swarm_node_batch_seconds``                    wall time of one engine batch (all sessions in it)
+``swarm_node_batch_tokens``                     positions per engine batch
+``swarm_node_step_seconds``                     one step's share of engine time (a job's compute)
+``swarm_node_queue_wait_seconds``               a step's wait between arrival and its first batch
+                                                (observed by the scheduler; see docs/operations.md)
+==============================================  =====================================================
+
+:class:`TimedBackend` wraps the engine backend (it runs on the engine thread;
+prometheus_client's instruments lock internally) and :func:`timed_outcomes`
+wraps the scheduler's completion callback, so the scheduler itself needs no
+metrics code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common import metrics as m
+from node.batching import Slice
+from node.session_machine import StepOutcome
+
+SPECS: dict[str, m.Spec] = {
+    "swarm_node_sessions": m.gauge("Route Sessions held"),
+    "swarm_node_sessions_max": m.gauge("session slots"),
+    "swarm_node_busy_sessions": m.gauge("sessions with a step in flight"),
+    "swarm_node_queue_depth": m.gauge("steps waiting for or in the engine"),
+    "swarm_node_connections": m.gauge("open Session streams"),
+    "swarm_node_kv_tokens_used": m.gauge("KV positions held by sessions"),
+    "swarm_node_kv_tokens_granted": m.gauge("KV positions granted to sessions"),
+    "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots"),
+    "swarm_node_tokens_per_second": m.gauge("positions per second of engine time (busy throughput)"),
+    "swarm_node_decode_ms_per_token": m.gauge("smoothed time of decode-only batches per step"),
+    "swarm_node_draining": m.gauge("1 while the node is shutting down (refusing new sessions)"),
+    "swarm_node_tokens_processed_total": m.counter("positions through the engine", "phase", scraped=True),
+    "swarm_node_engine_seconds_total": m.counter("time spent in engine batches", scraped=True),
+    "swarm_node_batches_total": m.counter("engine batches", scraped=True),
+    "swarm_node_multi_session_batches_total": m.counter(
+        "batches carrying several sessions' work", scraped=True
+    ),
+    "swarm_node_inline_rounds_total": m.counter(
+        "short decode-only rounds run on the event-loop thread", scraped=True
+    ),
+    "swarm_node_frames_total": m.counter("Session frames", "direction", scraped=True),
+    "swarm_node_replays_total": m.counter("replies re-sent from the idempotency cache", scraped=True),
+    "swarm_node_evictions_total": m.counter("sessions evicted by lease or re-attach window", scraped=True),
+    "swarm_node_refusals_total": m.counter("error replies by status", "status", scraped=True),
+    "swarm_node_tickets_total": m.counter("route tickets checked", "outcome", scraped=True),
+    "swarm_node_tracker_calls_total": m.counter(
+        "calls to the tracker, by kind and outcome", "kind", "outcome"
+    ),
+    "swarm_node_tracker_failures_total": m.counter("failed tracker calls", scraped=True),
+    "swarm_node_batch_seconds": m.histogram("wall time of one engine batch"),
+    "swarm_node_batch_tokens": m.histogram("positions per engine batch", buckets=m.TOKEN_BUCKETS),
+    "swarm_node_step_seconds": m.histogram("one step's share of engine time"),
+    "swarm_node_queue_wait_seconds": m.histogram("a step's wait between arrival and its first engine batch"),
+}
+
+
+class Metrics(m.Metrics):
+    def __init__(self) -> None:
+        super().__init__("node", SPECS)
+
+
+class TimedBackend:
+    """A :class:`node.backend.Backend` that times every engine batch; everything else passes through."""
+
+    def __init__(self, inner: Any, metrics: Metrics) -> None:
+        self._inner = inner
+        self._metrics = metrics
+        self.n_batch = inner.n_batch
+
+    def __getattr__(self, name: str) -> Any:  # open, truncate, free, kv_len, has_session, engine ...
+        return getattr(self._inner, name)
+
+    def run(self, slices: list[Slice]) -> list[Any]:
+        t0 = time.perf_counter()
+        try:
+            return list(self._inner.run(slices))
+        finally:
+            self._metrics.observe("swarm_node_batch_seconds", time.perf_counter() - t0)
+            self._metrics.observe("swarm_node_batch_tokens", float(sum(s.count for s in slices)))
+
+
+def timed_outcomes(
+    on_outcome: Callable[[StepOutcome], None], metrics: Metrics
+) -> Callable[[StepOutcome], None]:
+    """The scheduler's completion callback, observing each finished step's engine time first."""
+
+    def record(outcome: StepOutcome) -> None:
+        if outcome.error_status is None and outcome.compute_us > 0:
+            metrics.observe("swarm_node_step_seconds", outcome.compute_us / 1e6)
+        on_outcome(outcome)
+
+    return record
