@@ -47,7 +47,7 @@ def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
         config.resolved_data_dir().mkdir(parents=True, exist_ok=True)
     key = load_or_create_key_at(config.resolved_key_file())
     engine = make_engine(config.resolved_db_url())
-    return Store(engine, nonces_per_key_max=config.nonces_per_key_max), key
+    return Store(engine), key
 
 
 async def serve_tracker(

@@ -53,13 +53,14 @@ class _NonceGrab:
     """The nonce sink handed to ``open_envelope``: refuses what this replica already saw (memory,
     bounded) and keeps the nonce so the write records it in the shared table."""
 
-    def __init__(self, local: NonceCache) -> None:
+    def __init__(self, local: NonceCache, max_live_per_key: int) -> None:
         self.local = local
+        self.max_live_per_key = max_live_per_key
         self.record: NonceRecord | None = None
 
     def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None:
         self.local.check_and_add(public_key, nonce, expires_at_s, now_s)
-        self.record = NonceRecord(public_key, nonce, expires_at_s)
+        self.record = NonceRecord(public_key, nonce, expires_at_s, self.max_live_per_key)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Registry:
     def _open(
         self, envelope: Any, kind: str, signer_field: str = "node_id"
     ) -> tuple[dict[str, Any], NonceRecord | None]:
-        grab = _NonceGrab(self.nonces)
+        grab = _NonceGrab(self.nonces, self.config.nonces_per_key_max)
         try:
             payload = open_envelope(
                 envelope,

@@ -85,6 +85,7 @@ class NonceRecord:
     key_id: str
     nonce: str
     expires_at_s: float
+    max_live_per_key: int = 1000  # refuse (503) when the key already has this many unexpired nonces
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,8 @@ class LeaveResult:
 
 
 class Store:
-    def __init__(self, engine: Engine, *, nonces_per_key_max: int = 1000) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.nonces_per_key_max = nonces_per_key_max
 
     # --- shared replay protection ----------------------------------------------------------------
 
@@ -114,18 +114,20 @@ class Store:
             .select_from(Nonce)
             .where(Nonce.key_id == rec.key_id, Nonce.expires_at_s >= now_s)
         ).scalar_one()
-        if live >= self.nonces_per_key_max:
+        if live >= rec.max_live_per_key:
             raise SignatureError(
                 "nonce_cache_full",
-                f"more than {self.nonces_per_key_max} signed messages from this key in the window; "
+                f"more than {rec.max_live_per_key} signed messages from this key in the window; "
                 "retry later",
             )
+        # RETURNING, not rowcount: drivers report -1 for INSERT ... ON CONFLICT DO NOTHING.
         stmt = (
             self._insert_ignore(Nonce)
             .values(key_id=rec.key_id, nonce=rec.nonce, expires_at_s=rec.expires_at_s)
             .on_conflict_do_nothing(index_elements=["key_id", "nonce"])
+            .returning(Nonce.nonce)
         )
-        if conn.execute(stmt).rowcount == 0:
+        if conn.execute(stmt).first() is None:
             raise SignatureError("replayed_nonce", "nonce already used by this key")
 
     @property
@@ -541,8 +543,9 @@ class Store:
                 self._insert_ignore(PeriodicTask)
                 .values(name=name, last_run_s=now_s, holder=holder)
                 .on_conflict_do_nothing(index_elements=["name"])
-            ).rowcount
-            return bool(inserted)
+                .returning(PeriodicTask.name)
+            ).first()
+            return inserted is not None
 
     def purge(self, now_s: float, *, reports_keep_s: float, replicas_keep_s: float) -> dict[str, int]:
         """Delete expired nonces, old gateway reports and long-gone replicas; returns rows deleted."""

@@ -173,7 +173,7 @@ function renderModels(state) {
 
 function lineChart(id, t, lines, opts = {}) {
   const root = document.getElementById(id);
-  const W = 600, H = 150, L = 44, R = 8, T = 8, B = 20;
+  const W = Math.max(240, Math.round(root.getBoundingClientRect().width) || 600), H = 150, L = 52, R = 8, T = 10, B = 20;
   root.setAttribute("viewBox", `0 0 ${W} ${H}`);
   root.replaceChildren();
   const all = lines.flatMap((l) => l.values).filter((v) => v !== null && v !== undefined && isFinite(v));
@@ -199,16 +199,25 @@ function lineChart(id, t, lines, opts = {}) {
   root.append(svg("text", { x: W - R, y: H - 4, "text-anchor": "end" }, "now"));
   for (const line of lines) {
     let d = "";
+    let area = "";
     let pen = false;
+    let runStart = 0;
+    let prevX = 0;
     line.values.forEach((v, i) => {
-      if (v === null || v === undefined || !isFinite(v)) { pen = false; return; }
-      d += (pen ? "L" : "M") + x(t[i]).toFixed(1) + "," + y(v).toFixed(1);
+      if (v === null || v === undefined || !isFinite(v)) {
+        if (pen && line.fill) area += `L${prevX},${y(0)}L${runStart},${y(0)}Z`;
+        pen = false;
+        return;
+      }
+      const px = x(t[i]).toFixed(1), py = y(v).toFixed(1);
+      d += (pen ? "L" : "M") + px + "," + py;
+      if (line.fill) area += (pen ? "L" : `M${px},${y(0)}L`) + px + "," + py;
+      if (!pen) runStart = px;
+      prevX = px;
       pen = true;
     });
-    if (line.fill && d) {
-      root.append(svg("path", { d: d + `L${x(t[t.length - 1])},${y(0)}L${x(t0)},${y(0)}Z`, fill: line.color,
-        opacity: 0.08 }));
-    }
+    if (pen && line.fill) area += `L${prevX},${y(0)}L${runStart},${y(0)}Z`;
+    if (area) root.append(svg("path", { d: area, fill: line.color, opacity: 0.1 }));
     root.append(svg("path", { d, fill: "none", stroke: line.color, "stroke-width": 2, "stroke-linejoin": "round",
       "data-series": line.name }));
     // dots where a single sample has no neighbour, so isolated points stay visible
