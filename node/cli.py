@@ -231,12 +231,19 @@ def stop(data_dir: str | None, timeout_s: float) -> None:
         raise click.ClickException(f"no running node with data directory {config.resolved_data_dir()}")
     os.kill(pid, signal.SIGTERM)
     click.echo(f"sent SIGTERM to node pid {pid}; waiting up to {timeout_s:g} s for it to drain ...", err=True)
-    try:
-        psutil.Process(pid).wait(timeout=timeout_s)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired as err:
-        raise click.ClickException(f"node pid {pid} still running after {timeout_s:g} s") from err
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            # Not our child: poll. A zombie (exited, not yet reaped by its parent) has stopped.
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"node pid {pid} still running after {timeout_s:g} s")
+        time.sleep(0.1)
     click.echo("stopped")
 
 

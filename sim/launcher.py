@@ -364,6 +364,8 @@ def up(
         click.echo(f"OpenAI base URL:  {swarm.base_url}")
         click.echo(f"model:            {swarm.model_name}")
         click.echo(f"try:              {curl}")
+        for what, url in service_urls(swarm):
+            click.echo(f"{what + ':':<18}{url}")
         if check:
             resp = httpx.post(f"{swarm.base_url}/chat/completions", json=body, timeout=120)
             resp.raise_for_status()
@@ -377,15 +379,9 @@ def up(
 
         signal.signal(signal.SIGTERM, _stop)
         try:
+            dead: set[str] = set()
             while not stop["flag"]:
-                for svc in [swarm.tracker, *swarm.nodes, swarm.gateway]:
-                    if not svc.alive():
-                        click.echo(
-                            f"{svc.name} exited (code {svc.proc.returncode}); "
-                            f"last log lines:\n{svc.log_tail()}",
-                            err=True,
-                        )
-                        stop["flag"] = True
+                stop["flag"] = report_exits(swarm, dead)
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
@@ -393,6 +389,46 @@ def up(
         click.echo("stopping ...", err=True)
         swarm.stop()
         click.echo("stopped.", err=True)
+
+
+def service_urls(swarm: LocalSwarm) -> list[tuple[str, str]]:
+    """Where to look at the running swarm: the dashboard and every service's metrics."""
+    gateway = swarm.base_url.removesuffix("/v1")
+    out = [
+        ("dashboard", f"{swarm.tracker_url}/"),
+        ("tracker metrics", f"{swarm.tracker_url}/metrics"),
+        ("gateway metrics", f"{gateway}/metrics"),
+    ]
+    for node in swarm.nodes:
+        if node.admin_port:
+            out.append((f"{node.name} metrics", f"http://127.0.0.1:{node.admin_port}/metrics"))
+    return out
+
+
+def report_exits(swarm: LocalSwarm, dead: set[str]) -> bool:
+    """Print each service that exited since the last call (once); True when the swarm must stop.
+
+    A dead node is what a swarm is built to survive: the rest keeps serving (the dashboard
+    shows the coverage it leaves). Without the tracker or the gateway nothing can be served."""
+    must_stop = False
+    for svc in [swarm.tracker, *swarm.nodes, swarm.gateway]:
+        if svc.name in dead or svc.alive():
+            continue
+        dead.add(svc.name)
+        click.echo(
+            f"{svc.name} exited (code {svc.proc.returncode}); last log lines:\n{svc.log_tail()}", err=True
+        )
+        if svc is swarm.tracker or svc is swarm.gateway:
+            click.echo(f"the swarm cannot serve without its {svc.name}: stopping", err=True)
+            must_stop = True
+        else:
+            alive = sum(1 for n in swarm.nodes if n.alive())
+            click.echo(
+                f"keeping the swarm up without {svc.name}: {alive} of {len(swarm.nodes)} nodes left "
+                f"(coverage: {swarm.tracker_url}/)",
+                err=True,
+            )
+    return must_stop
 
 
 if __name__ == "__main__":

@@ -42,14 +42,26 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option("--db-url", default=None, help="SQLAlchemy URL (default: SQLite file in the data dir).")
 @click.option("--data-dir", default=None, help="Directory for the key and the SQLite database.")
 @click.option("--port-file", default=None, help="Write the bound port to this file once listening.")
+@click.option(
+    "--key-file", default=None, help="Signing key (replicas share one); default <data-dir>/tracker.key."
+)
+@click.option(
+    "--public-url", default=None, help="This replica's URL as others reach it (dashboard, replicas)."
+)
+@click.option(
+    "--heartbeat-interval-s", type=float, default=None, help="How often nodes are told to heartbeat."
+)
 @click.option("--heartbeat-timeout-s", type=float, default=None, help="Expire nodes silent this long.")
+@click.option(
+    "--no-dashboard", "no_dashboard", is_flag=True, default=False, help="Do not serve the dashboard."
+)
 @click.option(
     "--no-zeroconf", "no_zeroconf", is_flag=True, default=False, help="Do not advertise on the LAN."
 )
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
-def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
-    """Run the tracker until SIGINT or SIGTERM."""
+def serve(ctx: click.Context, no_zeroconf: bool, no_dashboard: bool, **flags: Any) -> None:
+    """Run the tracker (a replica, when several share one PostgreSQL database) until SIGINT or SIGTERM."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from common import logs
@@ -59,6 +71,8 @@ def serve(ctx: click.Context, no_zeroconf: bool, **flags: Any) -> None:
 
     if no_zeroconf:
         flags["zeroconf"] = False
+    if no_dashboard:
+        flags["dashboard"] = False
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 

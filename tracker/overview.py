@@ -286,9 +286,11 @@ def build_state(
         "replica_id": replica_id,
         "replicas": list(replicas),
         "models": models,
+        # "live" counts the nodes heard from recently; "late" the registered-live ones that are not
         "node_counts": {
             **{s: 0 for s in ("live", "expired", "left")},
             **dict(node_counts),
+            "live": max(0, int(node_counts.get("live", 0)) - len(late)),
             "late": len(late),
         },
         "nodes": rows[:MAX_NODE_ROWS],

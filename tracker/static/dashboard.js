@@ -78,7 +78,7 @@ function renderKpis(state) {
   const tiles = [
     ["Live nodes", fmt(counts.live || 0, 0),
       `${counts.late || 0} late · ${counts.expired || 0} expired · ${counts.left || 0} left`,
-      (counts.live || 0) === 0 ? "bad" : ""],
+      (counts.live || 0) === 0 ? "bad" : counts.late ? "warn" : ""],
     ["Models routable", `${routable}/${models}`, models ? "every layer held by a live node" : "no model yet",
       routable < models ? "bad" : ""],
     ["Tokens / s", fmt(tps === null ? state.now.node_tokens_per_s : tps),
@@ -184,8 +184,12 @@ function lineChart(id, t, lines, opts = {}) {
   }
   let max = Math.max(...all, opts.minMax || 0);
   if (max <= 0) max = 1;
-  const nice = Math.pow(10, Math.floor(Math.log10(max)));
-  max = Math.ceil(max / nice) * nice;
+  if (opts.integer) {
+    max = Math.max(3, Math.ceil(max / 3) * 3);  // three grid steps of whole numbers
+  } else {
+    const nice = Math.pow(10, Math.floor(Math.log10(max)));
+    max = Math.ceil(max / nice) * nice;
+  }
   const t0 = t[0], t1 = t[t.length - 1];
   const x = (ti) => L + ((ti - t0) / Math.max(1e-9, t1 - t0)) * (W - L - R);
   const y = (v) => T + (1 - v / max) * (H - T - B);
@@ -237,7 +241,7 @@ function renderCharts(state) {
     { name: "prompt", values: s.prompt_tokens_per_s, color: "var(--accent-2)" },
   ]);
   lineChart("chart-sessions", s.t, [{ name: "sessions", values: s.sessions, color: "var(--ok)", fill: true }],
-    { format: (v) => v.toFixed(0), minMax: 1 });
+    { format: (v) => v.toFixed(0), integer: true });
   lineChart("chart-ttft", s.t, [
     { name: "p50", values: s.ttft_p50_s, color: "var(--accent)" },
     { name: "p95", values: s.ttft_p95_s, color: "var(--warn)" },
