@@ -117,8 +117,7 @@ class Store:
         if live >= rec.max_live_per_key:
             raise SignatureError(
                 "nonce_cache_full",
-                f"more than {rec.max_live_per_key} signed messages from this key in the window; "
-                "retry later",
+                f"more than {rec.max_live_per_key} signed messages from this key in the window; retry later",
             )
         # RETURNING, not rowcount: drivers report -1 for INSERT ... ON CONFLICT DO NOTHING.
         stmt = (
