@@ -55,6 +55,8 @@ def _help(name: str) -> str:
 @click.option(
     "--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker."
 )
+@click.option("--stats-interval-s", type=float, default=None, help=_help("stats_interval_s"))
+@click.option("--public-url", default=None, help=_help("public_url"))
 @click.option("--log-level", default=None, help=_help("log_level"))
 def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     """Run the gateway until SIGINT or SIGTERM."""

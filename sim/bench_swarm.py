@@ -20,6 +20,26 @@ of the shared machine falls on every setup alike. Reported per setup and level: 
 decode tok/s per stream, aggregate tok/s, p50/p95 request latency, the RSS of
 every process, and the ratio of each swarm figure to the baseline's. JSON and
 a PNG chart are written; ``--fail-on`` makes it usable as a gate.
+
+Load tools (one swarm, ``--setups swarmN``; the gateway is started with
+``--gateway-max-sessions`` and ``--gateway-max-queue`` so that it refuses
+work at a concurrency this machine can reach)::
+
+    python -m sim.bench_swarm --mode stress   [--ramp 1,2,4,8,16,32] [--refusal-threshold 0.05]
+    python -m sim.bench_swarm --mode capacity [--ramp 1,2,4,8,16]    [--ttft-slo-s 2.0]
+
+* ``stress`` ramps the concurrency level by level (each client sends
+  ``--requests-per-client`` requests per level) until the share of requests
+  refused (HTTP 429/503: admission control doing its job) passes the threshold;
+  it reports, per level, the refusal and error rates, TTFT and latency p95 and
+  the aggregate tok/s, and the level where refusals began.
+* ``capacity`` ramps until the TTFT p95 passes the SLO and reports the last
+  level under it: the concurrency this swarm serves within the SLO.
+
+Gates (exit code 1, the failures printed): ``--max-error-rate R`` (requests that
+failed other than by a refusal, over the whole run), ``--max-ttft-p95-s S`` at
+``--gate-concurrency C`` (default: the first level), ``--min-capacity N``
+(capacity mode).
 """
 
 from __future__ import annotations
@@ -103,6 +123,121 @@ def stream_one(client: httpx.Client, base_url: str, model: str, prompt: str, max
     ttft = (stamps[0] - t0) if stamps else end - t0
     decode = (n - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
     return RequestStats(ttft, end - t0, n, decode)
+
+
+def attempt_one(
+    client: httpx.Client, base_url: str, model: str, prompt: str, max_tokens: int
+) -> RequestStats | str:
+    """:func:`stream_one`, but a refusal (429/503) is ``"refused"`` and any other failure ``"error"``."""
+    try:
+        return stream_one(client, base_url, model, prompt, max_tokens)
+    except httpx.HTTPStatusError as err:
+        return "refused" if err.response.status_code in (429, 503) else "error"
+    except (httpx.HTTPError, ValueError):
+        return "error"
+
+
+def ramp_level(
+    base_url: str, model: str, concurrency: int, requests_per_client: int, max_tokens: int
+) -> dict:
+    """One level of a ramp: ``concurrency`` clients, ``requests_per_client`` requests each."""
+    outcomes: list[RequestStats | str] = []
+    lock = threading.Lock()
+
+    def client_loop(cid: int) -> None:
+        with httpx.Client() as client:
+            for r in range(requests_per_client):
+                got = attempt_one(client, base_url, model, PROMPTS[(cid + r) % len(PROMPTS)], max_tokens)
+                with lock:
+                    outcomes.append(got)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client_loop, c) for c in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    served = [o for o in outcomes if isinstance(o, RequestStats)]
+    refused = sum(1 for o in outcomes if o == "refused")
+    errors = sum(1 for o in outcomes if o == "error")
+    row = summarize(concurrency, served, wall) if served else {"concurrency": concurrency, "requests": 0}
+    row.update(
+        attempted=len(outcomes),
+        refused=refused,
+        errors=errors,
+        refusal_rate=refused / len(outcomes),
+        error_rate=errors / len(outcomes),
+    )
+    return row
+
+
+def run_ramp(
+    base_url: str,
+    model: str,
+    levels: list[int],
+    *,
+    mode: str,
+    requests_per_client: int,
+    max_tokens: int,
+    refusal_threshold: float,
+    ttft_slo_s: float,
+    say: Callable[[str], None] = print,
+) -> dict:
+    """Stress: until the refusal rate passes the threshold. Capacity: until TTFT p95 passes the SLO."""
+    rows = []
+    stopped_at = None
+    for level in levels:
+        row = ramp_level(base_url, model, level, requests_per_client, max_tokens)
+        rows.append(row)
+        say(
+            f"  c={level:>3}: {row['attempted']} requests, refused {row['refusal_rate']:.0%}, "
+            f"errors {row['error_rate']:.0%}, ttft p95 {row.get('ttft_p95_s', math.nan):.2f} s, "
+            f"{row.get('aggregate_tok_s', 0.0):.1f} tok/s"
+        )
+        if mode == "stress" and row["refusal_rate"] > refusal_threshold:
+            stopped_at = level
+            break
+        if mode == "capacity" and not row.get("ttft_p95_s", math.inf) <= ttft_slo_s:
+            stopped_at = level
+            break
+    under_slo = [
+        r["concurrency"]
+        for r in rows
+        if r.get("ttft_p95_s", math.inf) <= ttft_slo_s and r["refusal_rate"] == 0
+    ]
+    attempted = sum(r["attempted"] for r in rows)
+    return {
+        "mode": mode,
+        "levels": rows,
+        "stopped_at": stopped_at,  # None: the ramp ended before the threshold/SLO was passed
+        "refusal_threshold": refusal_threshold,
+        "ttft_slo_s": ttft_slo_s,
+        # capacity: the highest level (before the stop) served with no refusal and TTFT p95 within the SLO
+        "capacity": max((c for c in under_slo if stopped_at is None or c < stopped_at), default=0),
+        "error_rate": sum(r["errors"] for r in rows) / attempted if attempted else 0.0,
+        "refusal_rate": sum(r["refused"] for r in rows) / attempted if attempted else 0.0,
+    }
+
+
+def ramp_gates(
+    ramp: dict,
+    *,
+    max_error_rate: float | None,
+    max_ttft_p95_s: float | None,
+    gate_concurrency: int | None,
+    min_capacity: int | None,
+) -> list[str]:
+    failures = []
+    if max_error_rate is not None and ramp["error_rate"] > max_error_rate:
+        failures.append(f"error rate {ramp['error_rate']:.3f} > {max_error_rate}")
+    if max_ttft_p95_s is not None:
+        level = gate_concurrency if gate_concurrency is not None else ramp["levels"][0]["concurrency"]
+        row = next((r for r in ramp["levels"] if r["concurrency"] == level), None)
+        p95 = row.get("ttft_p95_s", math.inf) if row else math.inf
+        if not p95 <= max_ttft_p95_s:
+            failures.append(f"ttft p95 at c={level} = {p95:.3f} s > {max_ttft_p95_s} s")
+    if min_capacity is not None and ramp["capacity"] < min_capacity:
+        failures.append(f"capacity {ramp['capacity']} < {min_capacity}")
+    return failures
 
 
 class RssSampler:
@@ -233,7 +368,13 @@ def start_server(model: Path, threads: int, workdir: Path) -> Setup:
 
 
 def start_swarm(
-    model: Path, n_nodes: int, threads: int, max_level: int, workdir: Path, node_cache: Path
+    model: Path,
+    n_nodes: int,
+    threads: int,
+    max_level: int,
+    workdir: Path,
+    node_cache: Path,
+    gateway_args: list[str] | None = None,
 ) -> Setup:
     swarm = start_local_swarm(
         workdir / f"swarm{n_nodes}",
@@ -243,7 +384,7 @@ def start_swarm(
         max_sessions=max(8, max_level),
         session_kv_tokens=1024,
         node_cache=node_cache,
-        gateway_args=["--max-sessions", str(max(8, max_level))],
+        gateway_args=gateway_args or ["--max-sessions", str(max(8, max_level))],
     )
     pids = {"tracker": swarm.tracker.pid, "gateway": swarm.gateway.pid}
     for i, node in enumerate(swarm.nodes):
@@ -392,7 +533,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads-per-node", type=int, default=1)
     ap.add_argument("--fail-on", action="append", default=[], metavar="SETUP.cN.METRIC=MIN")
+    ap.add_argument("--mode", choices=["compare", "stress", "capacity"], default="compare")
+    ap.add_argument("--ramp", default="1,2,4,8,16,32", help="stress/capacity: concurrency levels, in order")
+    ap.add_argument("--requests-per-client", type=int, default=2, help="stress/capacity: per level")
+    ap.add_argument("--refusal-threshold", type=float, default=0.05, help="stress: stop past this share")
+    ap.add_argument("--ttft-slo-s", type=float, default=2.0, help="capacity: TTFT p95 objective")
+    ap.add_argument("--gateway-max-sessions", type=int, default=4, help="stress/capacity: admission")
+    ap.add_argument("--gateway-max-queue", type=int, default=4, help="stress/capacity: admission")
+    ap.add_argument("--gateway-queue-timeout-s", type=float, default=10.0)
+    ap.add_argument("--max-error-rate", type=float, default=None, help="gate: non-refusal failures")
+    ap.add_argument("--max-ttft-p95-s", type=float, default=None, help="gate: TTFT p95 at --gate-concurrency")
+    ap.add_argument("--gate-concurrency", type=int, default=None)
+    ap.add_argument("--min-capacity", type=int, default=None, help="gate (capacity mode)")
     args = ap.parse_args()
+    if args.mode != "compare":
+        raise SystemExit(run_load_mode(args))
     model = test_model_path()
     levels = [int(x) for x in args.concurrency.split(",")]
     setups = args.setups.split(",")
@@ -431,6 +586,75 @@ def main() -> None:
     failures = check_gates(report, args.fail_on)
     if failures:
         raise SystemExit("gate failed: " + "; ".join(failures))
+
+
+def run_load_mode(args: argparse.Namespace) -> int:
+    """``--mode stress|capacity`` against one swarm; the exit code says whether the gates held."""
+    model = test_model_path()
+    levels = [int(x) for x in args.ramp.split(",")]
+    (name,) = [x for x in args.setups.split(",") if x.startswith("swarm")][:1] or ["swarm2"]
+    work = Path(tempfile.mkdtemp(prefix="swarm-load-"))
+    gateway_args = [
+        "--max-sessions",
+        str(args.gateway_max_sessions),
+        "--max-queue",
+        str(args.gateway_max_queue),
+        "--queue-timeout-s",
+        str(args.gateway_queue_timeout_s),
+    ]
+    print(
+        f"starting {name} (gateway: {args.gateway_max_sessions} sessions, queue {args.gateway_max_queue}) ..."
+    )
+    setup = start_swarm(
+        model, int(name[5:]), args.threads_per_node, max(levels), work, work / "node-cache", gateway_args
+    )
+    try:
+        with httpx.Client() as c:
+            stream_one(c, setup.base_url, setup.model, PROMPTS[0], 8)  # warm-up
+        print(f"{args.mode}: ramping {levels} ...", flush=True)
+        ramp = run_ramp(
+            setup.base_url,
+            setup.model,
+            levels,
+            mode=args.mode,
+            requests_per_client=args.requests_per_client,
+            max_tokens=args.max_tokens,
+            refusal_threshold=args.refusal_threshold,
+            ttft_slo_s=args.ttft_slo_s,
+        )
+    finally:
+        setup.stop()
+    report = {
+        "benchmark": f"swarm-{args.mode}",
+        "model": model.name,
+        "setup": setup.info,
+        "gateway": {"max_sessions": args.gateway_max_sessions, "max_queue": args.gateway_max_queue},
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "cpu_count": psutil.cpu_count(),
+        **ramp,
+    }
+    if args.mode == "stress":
+        where = f"c={ramp['stopped_at']}" if ramp["stopped_at"] else "never (within the ramp)"
+        print(
+            f"refusals passed {args.refusal_threshold:.0%} at {where}; "
+            f"errors {ramp['error_rate']:.1%} overall"
+        )
+    else:
+        print(f"capacity within TTFT p95 <= {args.ttft_slo_s} s: c={ramp['capacity']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    failures = ramp_gates(
+        ramp,
+        max_error_rate=args.max_error_rate,
+        max_ttft_p95_s=args.max_ttft_p95_s,
+        gate_concurrency=args.gate_concurrency,
+        min_capacity=args.min_capacity,
+    )
+    for f in failures:
+        print(f"gate failed: {f}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Usage::
 
     python3 -m sim.bench_tracker --out bench-results/tracker.json [--duration-s 5] [--concurrency 8]
+    python3 -m sim.bench_tracker --out bench-results/tracker-replicas.json --replicas \
+        --postgres-url postgresql+psycopg://swarm@127.0.0.1:55432/swarm_test --swarm-nodes 10000
 
 Part 1 times the pure functions (``select_routes`` k=1 and k=4, ``recommend_span``)
 on synthetic swarms of 10, 1 000 and 10 000 nodes, one shard each, spans drawn
@@ -12,12 +14,26 @@ starts ``swarm-tracker serve`` on SQLite in a child
 process (port 0, learnt from ``--port-file``), then this process announces
 ``--nodes`` nodes and sends heartbeats from ``--concurrency`` trio tasks over
 loopback HTTP for ``--duration-s`` seconds each, and reports requests per second.
+
+``--replicas`` (part 3) compares, side by side in one run, one ``swarm-tracker
+serve`` on PostgreSQL with two replicas on the same PostgreSQL database (the
+database is wiped first: give it a scratch database), and SQLite as the
+baseline: the registry is loaded with ``--swarm-nodes`` nodes (10 000 by
+default, written straight into the database), then ``--client-procs`` client
+processes (``--concurrency`` tasks in all, each client's calls spread over the
+replicas) send re-announces, heartbeats and route requests (k=1, over all
+10 000 nodes) for ``--duration-s`` each. Every client process signs its own
+messages; on a small machine the clients, the trackers and PostgreSQL share the
+same cores, so the figures are the machine's, not the tracker's, ceiling: the
+JSON records the core count.
+
 Prints a table and writes everything as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -201,6 +217,286 @@ def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, A
         return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
 
 
+# --- replicas on PostgreSQL ----------------------------------------------------------------------
+
+
+def _node_key(i: int) -> Any:
+    import nacl.signing
+
+    return nacl.signing.SigningKey(i.to_bytes(4, "big") * 8)
+
+
+def _bulk_register(db_url: str, n_nodes: int, seed: int = 7) -> None:
+    """Write ``n_nodes`` live nodes (spans as :func:`synthetic_swarm` draws them) straight into the
+    database, after the trackers migrated it: the HTTP phases then run against a 10 000-node registry
+    without spending minutes announcing it."""
+    from sqlalchemy import insert
+
+    from proto.signing import public_key_hex
+    from tracker.models import Model, Node, Shard
+    from tracker.store import make_engine
+
+    snap = synthetic_swarm(n_nodes, 30, seed)
+    now = time.time()
+    ids = [public_key_hex(_node_key(i + 1)) for i in range(n_nodes)]
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                insert(Model),
+                [
+                    dict(
+                        fingerprint=FP,
+                        name="bench",
+                        architecture="llama",
+                        n_layers=30,
+                        n_embd=576,
+                        first_seen_s=now,
+                    )
+                ],
+            )
+            conn.execute(
+                insert(Node),
+                [
+                    dict(
+                        id=ids[i],
+                        addresses=[f"127.0.0.1:{7000 + i % 1000}"],
+                        relay=False,
+                        relay_via=None,
+                        hardware={
+                            "cpu_cores": 4,
+                            "ram_bytes": 8 << 30,
+                            "gpus": [],
+                            "backends": ["cpu"],
+                            "free_disk_bytes": 10 << 30,
+                        },
+                        software_version="bench",
+                        first_seen_s=now,
+                        last_seen_s=now,
+                        state="live",
+                        region="",
+                    )
+                    for i in range(n_nodes)
+                ],
+            )
+            conn.execute(
+                insert(Shard),
+                [
+                    dict(
+                        node_id=ids[i],
+                        model_fingerprint=FP,
+                        layer_start=s.start,
+                        layer_end=s.end,
+                        decode_ms_per_token=s.decode_ms_per_token,
+                        prefill_tokens_per_s=s.prefill_tokens_per_s,
+                        active_sessions=s.active_sessions,
+                        max_sessions=s.max_sessions,
+                        queue_depth=s.queue_depth,
+                        kv_free_tokens=4096,
+                        tokens_served_total=0,
+                        updated_s=now,
+                    )
+                    for i, s in enumerate(snap.shards)
+                ],
+            )
+    finally:
+        engine.dispose()
+
+
+def _client_phase(args: tuple[str, list[str], int, int, int, float, float]) -> dict[str, Any]:
+    """One client process: ``tasks`` trio tasks, node keys ``first..first+count-1``, one phase."""
+    kind, urls, first, count, tasks, start_at, duration_s = args
+    import trio
+
+    from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
+    from tracker.client import TrackerClient
+
+    model = ModelSpec(FP, "bench", "llama", 30, 576)
+    hw = Hardware(4, 8 << 30, (), ("cpu",), 10 << 30)
+
+    async def run() -> dict[str, Any]:
+        # Half the clients list the replicas in one order, half in the other: load is spread.
+        clients = [
+            TrackerClient(urls if (first + j) % 2 == 0 else list(reversed(urls)), _node_key(first + j + 1))
+            for j in range(count)
+        ]
+        rng = random.Random(first)
+        done = errors = 0
+        latencies: list[float] = []
+        await trio.sleep(max(0.0, start_at - time.time()))
+        stop_at = time.perf_counter() + duration_s
+
+        async def worker(w: int) -> None:
+            nonlocal done, errors
+            i = w
+            while time.perf_counter() < stop_at:
+                c = clients[i % count]
+                t0 = time.perf_counter()
+                try:
+                    if kind == "announce":
+                        start = rng.randrange(0, 10) * 3
+                        end = min(30, start + rng.choice([3, 6, 9, 15]))
+                        a = Announce(
+                            c.key_id,
+                            ("127.0.0.1:7000",),
+                            False,
+                            None,
+                            hw,
+                            "bench",
+                            model,
+                            start,
+                            end,
+                            10.0,
+                            100.0,
+                            4,
+                        )
+                        await c.announce(a)
+                    elif kind == "heartbeat":
+                        await c.heartbeat(Heartbeat(c.key_id, rng.randrange(0, 4), 0, 4096, 16))
+                    else:
+                        body = await c.routes(FP, k=1)
+                        if not body.get("routes"):
+                            raise RuntimeError("no route")
+                    done += 1
+                    latencies.append(time.perf_counter() - t0)
+                except Exception:
+                    errors += 1
+                i += tasks
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for w in range(tasks):
+                nursery.start_soon(worker, w)
+        elapsed = time.perf_counter() - t0
+        for c in clients:
+            await c.aclose()
+        return {"requests": done, "errors": errors, "seconds": elapsed, "latencies": latencies}
+
+    return trio.run(run)
+
+
+def _phase_all(
+    kind: str, urls: list[str], n_nodes: int, concurrency: int, procs: int, duration_s: float
+) -> dict[str, Any]:
+    import multiprocessing
+
+    per = n_nodes // procs
+    start_at = time.time() + 2.0  # every process starts its clock together
+    jobs = [
+        (kind, urls, p * per, per, max(1, concurrency // procs), start_at, duration_s) for p in range(procs)
+    ]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_client_phase, jobs)
+    latencies = sorted(x for p in parts for x in p["latencies"])
+    requests = sum(p["requests"] for p in parts)
+    seconds = max(p["seconds"] for p in parts)
+    return {
+        "requests": requests,
+        "errors": sum(p["errors"] for p in parts),
+        "seconds": seconds,
+        "per_s": requests / seconds,
+        "p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else math.nan,
+        "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)] if latencies else math.nan,
+    }
+
+
+def _wipe(db_url: str) -> None:
+    from sqlalchemy import text
+
+    from tracker.store import make_engine
+
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+
+
+def bench_replicas(
+    postgres_url: str, n_nodes: int, concurrency: int, procs: int, duration_s: float
+) -> list[dict[str, Any]]:
+    """SQLite x1, PostgreSQL x1 and PostgreSQL x2, the same workload against each."""
+    from sim.procs import Supervisor
+
+    rows = []
+    configs = (("sqlite x1", 1, None), ("postgres x1", 1, postgres_url), ("postgres x2", 2, postgres_url))
+    for label, replicas, db in configs:
+        with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp, Supervisor(Path(tmp)) as sup:
+            work = Path(tmp)
+            db_url = db or f"sqlite:///{work / 'tracker.sqlite3'}"
+            if db:
+                _wipe(db)
+            urls = []
+            for r in range(replicas):
+                tracker = sup.start_tracker(
+                    name=f"replica{r}",
+                    db_url=db_url,
+                    heartbeat_timeout_s=3600,
+                    extra_args=[
+                        "--key-file",
+                        str(work / "tracker.key"),
+                        "--no-dashboard",
+                        "--log-level",
+                        "warning",
+                    ],
+                ).ready(60)
+                urls.append(tracker.url)
+                _wait_healthy(tracker.url)  # the first one migrates the schema before the next starts
+            _bulk_register(db_url, n_nodes)
+            row: dict[str, Any] = {
+                "config": label,
+                "replicas": replicas,
+                "db": "postgresql" if db else "sqlite",
+                "nodes": n_nodes,
+                "concurrency": concurrency,
+                "client_procs": procs,
+            }
+            for kind in ("announce", "heartbeat", "routes"):
+                row[kind] = _phase_all(kind, urls, n_nodes, concurrency, procs, duration_s)
+            rows.append(row)
+    return rows
+
+
+def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+def _print_replicas(rows: list[dict[str, Any]]) -> None:
+    print()
+    base = rows[0]
+    print(
+        f"{'config':>12} {'announce/s':>11} {'heartbeat/s':>12} {'routes/s':>9} {'routes p50 ms':>14} "
+        f"{'errors':>7}   ({base['nodes']} nodes, {base['concurrency']} tasks in {base['client_procs']} "
+        f"client processes)"
+    )
+    for r in rows:
+        errors = sum(r[k]["errors"] for k in ("announce", "heartbeat", "routes"))
+        print(
+            f"{r['config']:>12} {r['announce']['per_s']:>11.0f} {r['heartbeat']['per_s']:>12.0f} "
+            f"{r['routes']['per_s']:>9.1f} {r['routes']['p50_ms']:>14.1f} {errors:>7}"
+        )
+    one = next((r for r in rows if r["config"] == "postgres x1"), None)
+    two = next((r for r in rows if r["config"] == "postgres x2"), None)
+    if one and two:
+        ratios = {
+            k: two[k]["per_s"] / one[k]["per_s"] if one[k]["per_s"] else math.nan
+            for k in ("announce", "heartbeat", "routes")
+        }
+        print("  two replicas / one: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+
+
 @click.command()
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Write the results here as JSON.")
 @click.option("--duration-s", type=float, default=5.0, show_default=True, help="Length of each HTTP phase.")
@@ -209,7 +505,29 @@ def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, A
     "--nodes", type=int, default=200, show_default=True, help="Distinct node keys in the HTTP phase."
 )
 @click.option("--skip-http", is_flag=True, help="Only time the pure functions.")
-def main(out: str, duration_s: float, concurrency: int, nodes: int, skip_http: bool) -> None:
+@click.option("--replicas", "replicas", is_flag=True, help="Part 3: two replicas on PostgreSQL vs one.")
+@click.option(
+    "--postgres-url",
+    default=lambda: os.environ.get("SWARM_TEST_POSTGRES_URL", ""),
+    help="Scratch PostgreSQL database for --replicas (wiped!); default $SWARM_TEST_POSTGRES_URL.",
+)
+@click.option(
+    "--swarm-nodes", type=int, default=10_000, show_default=True, help="Registry size for --replicas."
+)
+@click.option(
+    "--client-procs", type=int, default=2, show_default=True, help="Client processes for --replicas."
+)
+def main(
+    out: str,
+    duration_s: float,
+    concurrency: int,
+    nodes: int,
+    skip_http: bool,
+    replicas: bool,
+    postgres_url: str,
+    swarm_nodes: int,
+    client_procs: int,
+) -> None:
     results: dict[str, Any] = {
         "machine": {
             "python": platform.python_version(),
@@ -240,6 +558,11 @@ def main(out: str, duration_s: float, concurrency: int, nodes: int, skip_http: b
             p = http[phase]
             print(f"{phase:>10} {p['per_s']:>8.0f} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} {p['errors']:>7}")
         print(f"{'routes':>10} {http['routes_sequential_per_s']:>8.0f}   (sequential, k=2, {nodes} nodes)")
+    if replicas:
+        if not postgres_url:
+            raise click.UsageError("--replicas needs --postgres-url (or SWARM_TEST_POSTGRES_URL)")
+        results["replicas"] = bench_replicas(postgres_url, swarm_nodes, concurrency, client_procs, duration_s)
+        _print_replicas(results["replicas"])
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
 
