@@ -129,9 +129,7 @@ class _Scraped(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for name, spec in self._specs.items():
-            series = self.values.get(name)
-            if not series:
-                continue
+            series = self.values.get(name, {})
             family: GaugeMetricFamily | CounterMetricFamily
             if spec.kind == "counter":
                 family = CounterMetricFamily(name, spec.help, labels=spec.labels)
