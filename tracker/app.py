@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -90,13 +90,13 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
 
     @app.before_request
     async def _start_clock() -> None:
-        request.scope["swarm_t0"] = time.perf_counter()
+        g.swarm_t0 = time.perf_counter()
 
     @app.after_request
     async def _count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         metrics.inc("swarm_tracker_http_requests_total", endpoint=rule, status=str(response.status_code))
-        t0 = request.scope.get("swarm_t0")
+        t0: float | None = getattr(g, "swarm_t0", None)
         if t0 is not None and response.mimetype != "text/event-stream":
             metrics.observe("swarm_tracker_http_request_seconds", time.perf_counter() - t0, endpoint=rule)
         return response

@@ -105,7 +105,7 @@ def routes_in_use(
         rid = route_label(hops)
         tokens_by_route[rid] = tokens_by_route.get(rid, 0) + max(t for _, t in entries)
         requests_by_route[rid] = requests_by_route.get(rid, 0) + 1
-    out = [
+    out: list[dict[str, Any]] = [
         {
             "route_id": rid,
             "hops": _parse_route(rid),
