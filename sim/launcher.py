@@ -122,6 +122,7 @@ def start_local_swarm(
     node_cache: Path | None = None,
     gateway_args: list[str] | None = None,
     node_args: list[str] | None = None,
+    tracker_args: list[str] | None = None,
     timeout_s: float = 300.0,
     quiet: bool = True,
     relay_nodes: int = 0,
@@ -153,7 +154,7 @@ def start_local_swarm(
     sup = Supervisor(workdir, place=wan.argv if wan else None)
     try:
         t0 = time.monotonic()
-        tracker = sup.start_tracker(host=net.addr("tracker"))
+        tracker = sup.start_tracker(host=net.addr("tracker"), extra_args=tracker_args)
         tracker.wait_port(timeout_s)
         tracker_url = f"http://{net.addr('tracker')}:{tracker.port}"
         net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s)
