@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -97,3 +97,26 @@ def load_layered(
             put(key, value, "command line", f"unknown option {key!r}")
     result: C = cls(**values).validate()
     return result
+
+
+MAX_URLS = 16
+
+
+def parse_urls(urls: str | Sequence[str], what: str = "URL") -> tuple[str, ...]:
+    """``"http://a:7460, http://b:7460"`` (or a list) -> validated, de-duplicated base URLs (no
+    trailing slash), at most :data:`MAX_URLS`; ``ValueError`` names the bad one."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for raw in items:
+        url = raw.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{what} {url!r} must start with http:// or https://")
+        if url not in out:
+            out.append(url)
+    if not out:
+        raise ValueError(f"no {what} given")
+    if len(out) > MAX_URLS:
+        raise ValueError(f"at most {MAX_URLS} {what}s")
+    return tuple(out)

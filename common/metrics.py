@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 # ``*_created`` series double the output and no dashboard here reads them.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 Labels = tuple[tuple[str, str], ...]
 ScrapeValues = Mapping[str, Mapping[Labels, float]]
@@ -285,7 +285,7 @@ class Metrics:
         spec = self.specs[name]
         out = []
         for le in (*spec.buckets, math.inf):
-            key = "+Inf" if math.isinf(le) else prometheus_client.utils.floatToGoString(le)
+            key = "+Inf" if math.isinf(le) else prometheus_client.utils.floatToGoString(le)  # type: ignore[no-untyped-call]
             got = self.registry.get_sample_value(name + "_bucket", {**labels, "le": key})
             out.append((le, 0.0 if got is None else float(got)))
         return out

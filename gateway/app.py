@@ -145,7 +145,7 @@ def create_app(service: GatewayService) -> QuartTrio:
                 "gateway_id": service.gateway_id,
                 "sessions_active": stats.active,
                 "requests_queued": stats.queued,
-                "dashboard": (dashboards() or [None])[0],
+                "dashboard": next(iter(dashboards()), None),
             }
         )
 

@@ -101,10 +101,10 @@ class GatewayConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.tracker_url:
-            from tracker.client import parse_tracker_urls
+            from common.config import parse_urls
 
             try:
-                parse_tracker_urls(self.tracker_url)
+                parse_urls(self.tracker_url, "tracker URL")
             except ValueError as err:
                 raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
         if self.stats_interval_s < 0:

@@ -342,10 +342,10 @@ def _contribution(tracker: str, node: str, timeout_s: float) -> dict[str, Any]:
     """What the tracker's ledger credits this node with (the first replica that answers)."""
     import httpx
 
-    from tracker.client import parse_tracker_urls
+    from common.config import parse_urls
 
     errors = []
-    for base in parse_tracker_urls(tracker):
+    for base in parse_urls(tracker, "tracker URL"):
         try:
             response = httpx.get(f"{base}/v1/usage/nodes/{node}", timeout=timeout_s)
         except httpx.HTTPError as err:

@@ -116,10 +116,10 @@ class NodeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.tracker_url:
-            from tracker.client import parse_tracker_urls
+            from common.config import parse_urls
 
             try:
-                parse_tracker_urls(self.tracker_url)
+                parse_urls(self.tracker_url, "tracker URL")
             except ValueError as err:
                 raise ConfigError(f"tracker_url: {err}") from err
         if len(self.region) > 64:

@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 import nacl.signing
 
+from common.config import parse_urls
 from proto.announce import Announce, GatewayStats, Heartbeat, Leave, UsageReport
 from proto.signing import make_payload, public_key_hex, sign_envelope
 
-MAX_TRACKER_URLS = 16
 _FAILOVER_STATUSES = frozenset({502, 503, 504})
 
 
@@ -56,21 +56,7 @@ class TrackerClientError(Exception):
 
 def parse_tracker_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     """``"http://a:7460, http://b:7460"`` (or a list) -> validated, de-duplicated base URLs."""
-    items = urls.split(",") if isinstance(urls, str) else list(urls)
-    out: list[str] = []
-    for raw in items:
-        url = raw.strip().rstrip("/")
-        if not url:
-            continue
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"tracker URL {url!r} must start with http:// or https://")
-        if url not in out:
-            out.append(url)
-    if not out:
-        raise ValueError("no tracker URL given")
-    if len(out) > MAX_TRACKER_URLS:
-        raise ValueError(f"at most {MAX_TRACKER_URLS} tracker URLs")
-    return tuple(out)
+    return parse_urls(urls, "tracker URL")
 
 
 class TrackerClient:
