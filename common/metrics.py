@@ -25,9 +25,10 @@ Invariants and bounds
       descriptors), the Python platform and GC collectors, and
       ``swarm_build_info{service,version,python}`` = 1.
 
-Thread safety: prometheus_client's metric objects lock internally, so
-``observe`` may be called from an engine thread; :meth:`render` holds one lock
-while it injects the scrape-time values.
+Threads: call everything from the service's own (trio) thread, except
+``observe``/``inc`` of a metric without labels, which may come from any thread
+(prometheus_client's instruments lock internally; no bookkeeping of ours runs
+for them): the node's engine thread times its batches that way.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import platform
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -168,7 +168,6 @@ class Metrics:
         self._instruments: dict[str, Counter | Gauge | Histogram] = {}
         self._series: dict[str, set[tuple[str, ...]]] = {}
         self._sources = list(sources)
-        self._lock = threading.Lock()
         self._label_values: dict[str, set[str]] = {}
         for name, spec in self.specs.items():
             if spec.scraped:
@@ -246,11 +245,10 @@ class Metrics:
         """``value`` while fewer than ``limit`` distinct values of the label ``family`` were seen,
         else ``"other"``: for label values shared by several metrics (routes), so that pushed
         and scrape-time series agree on which values are kept."""
-        with self._lock:
-            seen = self._label_values.setdefault(family, set())
-            if value in seen or len(seen) < limit:
-                seen.add(value)
-                return value
+        seen = self._label_values.setdefault(family, set())
+        if value in seen or len(seen) < limit:
+            seen.add(value)
+            return value
         return OTHER
 
     def total(self, name: str, **match: str) -> float:
@@ -303,12 +301,11 @@ class Metrics:
         unknown = [n for n in values if n not in self.specs or not self.specs[n].scraped]
         if unknown:
             raise MetricsError(f"scrape-time values for undeclared or pushed metrics: {sorted(unknown)}")
-        with self._lock:
-            self._scraped.values = values
-            try:
-                return prometheus_client.generate_latest(self.registry).decode("utf-8")
-            finally:
-                self._scraped.values = {}
+        self._scraped.values = values
+        try:
+            return prometheus_client.generate_latest(self.registry).decode("utf-8")
+        finally:
+            self._scraped.values = {}
 
 
 _VERB = {"counter": "inc", "gauge": "set", "histogram": "observe"}

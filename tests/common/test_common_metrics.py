@@ -111,7 +111,7 @@ def test_registries_are_per_service() -> None:
     Metrics("d", SPECS).render()
 
 
-def test_observe_from_threads() -> None:
+def test_observe_without_labels_from_threads() -> None:
     metrics = Metrics("svc", SPECS, process=False)
 
     def work() -> None:
