@@ -289,7 +289,11 @@ class Grpc:
     # -- clients -------------------------------------------------------------------------------------
 
     def _channel(self, address: str, max_message_bytes: int) -> grpc.aio.Channel:
-        """One channel (one HTTP/2 connection) per address and message limit, shared by its calls."""
+        """One channel (one HTTP/2 connection) per address and message limit, shared by its calls.
+
+        Called from this module's asyncio coroutines only: grpc.aio binds a channel to the
+        running asyncio loop when it is made.
+        """
         key = (address, max_message_bytes)
         channel = self._channels.get(key)
         if channel is None:
@@ -320,11 +324,11 @@ class Grpc:
         stream = MessageStream(
             address, max_buffered_bytes=max_buffered_bytes, max_buffered_messages=max_buffered_messages
         )
-        channel = self._channel(address, max_message_bytes)
         started, finished = trio.Event(), trio.Event()
 
         async def run_call() -> None:
             try:
+                channel = self._channel(address, max_message_bytes)
                 call = channel.stream_stream(method)(metadata=tuple(metadata) or None)
             finally:
                 started.set()
@@ -368,10 +372,10 @@ class Grpc:
         self, address: str, method: str, request: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> bytes:
         """One unary call; the deadline is the caller's trio deadline."""
-        channel = self._channel(address, max_message_bytes)
         timeout = _timeout()
 
         async def call() -> bytes:
+            channel = self._channel(address, max_message_bytes)
             try:
                 reply: bytes = await channel.unary_unary(method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
@@ -391,10 +395,10 @@ class Grpc:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> list[bytes]:
         """A server-streaming call read whole (at most ``max_messages``); deadline as for :meth:`unary`."""
-        channel = self._channel(address, max_message_bytes)
         timeout = _timeout()
 
         async def call() -> list[bytes]:
+            channel = self._channel(address, max_message_bytes)
             out: list[bytes] = []
             rpc = channel.unary_stream(method)(request, timeout=timeout)
             try:
@@ -429,7 +433,7 @@ class Grpc:
         async def abort(context: grpc.aio.ServicerContext, err: BaseException) -> None:
             if isinstance(err, RpcAbort):
                 await context.abort(err.code, err.details)
-            log.error("gRPC handler failed: %s: %s", type(err).__name__, err)
+            log.error("gRPC handler failed: %s: %s", type(err).__name__, err, exc_info=err)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
         for name, stream_fn in service.streams.items():

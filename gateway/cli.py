@@ -51,7 +51,17 @@ def _help(name: str) -> str:
 @click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
 @click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
 @click.option("--max-frame-bytes", type=int, default=None, help=_help("max_frame_bytes"))
-@click.option("--stage-reply-timeout-s", type=float, default=None, help=_help("stage_reply_timeout_s"))
+@click.option("--data-plane", type=click.Choice(["push", "relay"]), default=None, help=_help("data_plane"))
+@click.option(
+    "--activation-encoding",
+    type=click.Choice(["f32", "f16", "int8", "auto"]),
+    default=None,
+    help=_help("activation_encoding"),
+)
+@click.option("--prefill-pipeline-steps", type=int, default=None, help=_help("prefill_pipeline_steps"))
+@click.option("--open-timeout-s", type=float, default=None, help=_help("open_timeout_s"))
+@click.option("--prefill-step-timeout-s", type=float, default=None, help=_help("prefill_step_timeout_s"))
+@click.option("--decode-step-timeout-s", type=float, default=None, help=_help("decode_step_timeout_s"))
 @click.option(
     "--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker."
 )

@@ -54,7 +54,29 @@ class GatewayConfig:
     )
     max_request_bytes: int = _f(1024 * 1024, "largest request body; larger gets 413")
     max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted from a node")
-    stage_reply_timeout_s: float = _f(120.0, "longest wait for one node reply before the request fails")
+    data_plane: str = _f(
+        "push",
+        "push: stages send hidden states to the next stage directly and the last one sends the next "
+        "decode step to the first; relay: every hop goes through this gateway",
+    )
+    activation_encoding: str = _f(
+        "f32",
+        "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (by bandwidth)",
+    )
+    auto_f32_min_mbit_s: float = _f(
+        400.0, "with activation_encoding=auto: hops at least this fast use f32, slower ones f16 or int8"
+    )
+    prefill_pipeline_steps: int = _f(
+        4, "prefill steps in flight at once, so stages work on different chunks (1: one after the other)"
+    )
+    recovery_history_bytes: int = _f(
+        64 * 1024 * 1024, "outputs each stage keeps per session so a replacement of the next can be replayed"
+    )
+    open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
+    prefill_step_timeout_s: float = _f(120.0, "longest wait for one prefill step to pass every stage")
+    decode_step_timeout_s: float = _f(
+        30.0, "ceiling of the decode deadline (it adapts to the measured step time, at least 3 s)"
+    )
     tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
     close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
     report_usage: bool = _f(True, "report per-node token counts of each request to the tracker")
@@ -81,6 +103,7 @@ class GatewayConfig:
             "max_request_bytes",
             "max_frame_bytes",
             "usage_queue_max",
+            "prefill_pipeline_steps",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -93,7 +116,9 @@ class GatewayConfig:
             "queue_timeout_s",
             "route_ttl_s",
             "node_info_ttl_s",
-            "stage_reply_timeout_s",
+            "open_timeout_s",
+            "prefill_step_timeout_s",
+            "decode_step_timeout_s",
             "tracker_timeout_s",
             "close_timeout_s",
             "discovery_timeout_s",
@@ -109,6 +134,14 @@ class GatewayConfig:
                 raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
         if self.stats_interval_s < 0:
             raise ConfigError("stats_interval_s must be >= 0")
+        if self.data_plane not in ("push", "relay"):
+            raise ConfigError(f"data_plane must be push or relay, got {self.data_plane!r}")
+        if self.activation_encoding not in ("f32", "f16", "int8", "auto"):
+            raise ConfigError(
+                f"activation_encoding must be f32, f16, int8 or auto, got {self.activation_encoding!r}"
+            )
+        if self.recovery_history_bytes < 0:
+            raise ConfigError("recovery_history_bytes must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self

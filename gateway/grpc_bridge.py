@@ -44,6 +44,10 @@ class StageStream:
         except StreamClosed as err:
             raise StreamError(str(err)) from err
 
+    def close_sending(self) -> None:
+        """Half-close: queued frames go out first; the node ends the stream once it answered them."""
+        self._stream.close_sending()
+
 
 class NodeChannels:
     """gRPC calls to nodes; one channel per node address, shared by every stream to it."""

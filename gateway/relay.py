@@ -89,6 +89,9 @@ class RelayStageStream:
             raise item
         return item
 
+    def close_sending(self) -> None:
+        """Nothing to flush: sent frames are already queued on the node's socket."""
+
     def close(self) -> None:
         if self._session_id is not None and self._link.sessions.get(self._session_id) is self._send_replies:
             del self._link.sessions[self._session_id]

@@ -49,7 +49,7 @@ from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.protocol import GenerationRequest, TokenLogprob
 from gateway.recovery import RecoveryPolicy, RecoveryReport
-from gateway.route_session import RouteSession, Sampled, open_route_session
+from gateway.route_session import DataPlane, RouteSession, Sampled, open_route_session
 from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
@@ -57,7 +57,7 @@ from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
 from proto.signing import public_key_hex
-from proto.swarm.v1 import status_pb2
+from proto.swarm.v1 import frame_pb2, status_pb2
 from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
@@ -99,9 +99,13 @@ class Job:
     system_fingerprint: str = ""
     route_label: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
+    final_delivered: bool = False  # Finished or Failed went to the HTTP side
 
     def cancel(self) -> None:
-        self.cancel_scope.cancel()
+        """The client is gone: stop the job (a no-op once its final event went out: the Route
+        Session then finishes closing by itself)."""
+        if not self.final_delivered:
+            self.cancel_scope.cancel()
 
 
 @dataclass
@@ -115,6 +119,28 @@ class _Progress:
     last_failure: StageFailed | None = None
     started: bool = False
     recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
+
+
+_ENCODINGS = {
+    "f32": frame_pb2.ENCODING_F32,
+    "f16": frame_pb2.ENCODING_F16,
+    "int8": frame_pb2.ENCODING_INT8_BLOCK,
+    "auto": frame_pb2.ENCODING_F32,  # no per-hop bandwidth estimate yet: the exact encoding
+}
+
+
+def data_plane(config: GatewayConfig) -> DataPlane:
+    """The data-plane settings of every Route Session this gateway runs."""
+    return DataPlane(
+        push=config.data_plane == "push",
+        encoding=_ENCODINGS[config.activation_encoding],
+        pipeline_steps=config.prefill_pipeline_steps,
+        history_bytes=config.recovery_history_bytes,
+        open_timeout_s=config.open_timeout_s,
+        prefill_timeout_s=config.prefill_step_timeout_s,
+        decode_timeout_s=config.decode_step_timeout_s,
+        close_timeout_s=config.close_timeout_s,
+    )
 
 
 def _recoverable(err: StageFailed) -> bool:
@@ -161,14 +187,15 @@ class GatewayService:
             metrics=self.metrics,
         )
         self.node_infos = NodeInfoCache(
-            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.stage_reply_timeout_s
+            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.open_timeout_s
         )
         self.vocabs = VocabStore(
-            config.resolved_data_dir() / "vocab", channels, timeout_s=config.stage_reply_timeout_s
+            config.resolved_data_dir() / "vocab", channels, timeout_s=config.open_timeout_s
         )
         self._usage_send, self._usage_receive = trio.open_memory_channel[UsageReport](config.usage_queue_max)
         self._nursery: trio.Nursery | None = None
         self._active = 0
+        self.plane = data_plane(config)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -293,7 +320,8 @@ class GatewayService:
                     f"alone has {len(prompt)} tokens. Shorten the {where}.",
                     param=where,
                 )
-        return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new)
+        # The last token sampled is never fed back: positions up to prompt + max_new - 2 go through.
+        return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new - 1)
 
     @asynccontextmanager
     async def _open(
@@ -347,8 +375,7 @@ class GatewayService:
                     kv_budget_tokens=prepared.kv_budget,
                     step_tokens=step_limit(prepared.stages, self.config.prefill_step_tokens),
                     max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
-                    reply_timeout_s=self.config.stage_reply_timeout_s,
-                    close_timeout_s=self.config.close_timeout_s,
+                    plane=self.plane,
                     recovery=RecoveryPolicy(
                         span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
                         on_report=lambda report: self._on_span_recovery(job, report),
@@ -361,7 +388,8 @@ class GatewayService:
                         yield session, prepared
                     finally:
                         self._report(job, session, route)
-                        self.metrics.inc("swarm_gateway_hidden_relays_total", session.relays)
+                        if session.relays:
+                            self.metrics.inc("swarm_gateway_hidden_relays_total", session.relays)
                 return
             except StageFailed as err:
                 if entered:
@@ -412,9 +440,7 @@ class GatewayService:
         if not self.config.report_usage:
             return
         entries = tuple(
-            UsageEntry(node_id, tokens, steps)
-            for node_id, tokens, steps in session.usage().entries
-            if tokens > 0
+            UsageEntry(node_id, tokens, steps) for node_id, tokens, steps in session.usage() if tokens > 0
         )
         if not entries:
             return
@@ -454,7 +480,7 @@ class GatewayService:
                     if not progress.started:
                         raise InternalFailure("internal error while starting the request") from err
                     failure = InternalFailure("internal error while generating")
-            if job.cancel_scope.cancelled_caught:
+            if job.cancel_scope.cancelled_caught and not job.final_delivered:
                 self.metrics.inc("swarm_gateway_client_disconnects_total")
                 event(log, "client_disconnected", request_id=job.request_id)
                 return
@@ -549,11 +575,13 @@ class GatewayService:
         request = job.request
         vocab = prepared.vocab
         if progress.generated:
-            # Recovery: the new route has seen nothing; the history (including the last token streamed,
-            # which was about to be decoded) goes in as prefill and yields the next token.
-            sampled: Sampled = await session.prefill([*prepared.prompt, *progress.generated])
+            # Recovery on a new route: it has seen nothing; the history (including the last token
+            # streamed, which was about to be decoded) goes in as prefill and yields the next token.
+            await session.begin([*prepared.prompt, *progress.generated])
+            sampled = await session.next_token()
         else:
-            sampled = await session.prefill(prepared.prompt)
+            await session.begin(prepared.prompt)
+            sampled = await session.next_token()
             self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
         if progress.recovering_since is not None:
             now = trio.current_time()
@@ -579,7 +607,7 @@ class GatewayService:
                 tail = text.finish()
                 await self._emit(job, send, tail.text, tail.tokens)
                 return "length"
-            sampled = await session.decode(token)
+            sampled = await session.next_token()
 
     @staticmethod
     async def _emit(
@@ -603,6 +631,8 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
             send.send_nowait(item)
         except trio.WouldBlock:
             await send.send(item)
+        if isinstance(item, Finished | Failed):
+            job.final_delivered = True
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         job.cancel_scope.cancel()
         await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope

@@ -174,6 +174,7 @@ class StepJob:
     sample: bool
     history: npt.NDArray[np.int32] | None  # last stage with a repetition penalty: tokens so far
     is_decode: bool
+    token_ids: npt.NDArray[np.int32] | None = None  # the step's token ids whatever the stage (may be empty)
 
     @property
     def n_tokens(self) -> int:
@@ -998,6 +999,7 @@ class FrameServer:
             sample=step.sample and self.spec.is_last and not step.replay,
             history=history,
             is_decode=step.phase == frame_pb2.PHASE_DECODE,
+            token_ids=step.token_ids,
         )
 
     # -- outcomes ----------------------------------------------------------------------------------

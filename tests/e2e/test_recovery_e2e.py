@@ -89,7 +89,7 @@ def swarm(
         spare=2,
         layers=["0:15", "15:30", "0:15", "15:30"],
         node_cache=node_cache,
-        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32", "--stage-reply-timeout-s", "10"],
+        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32", "--decode-step-timeout-s", "10"],
         node_args=["--no-benchmark"],
     )
     yield s
@@ -210,7 +210,7 @@ def test_stage_that_stops_answering_is_replaced_after_the_reply_deadline(
     swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str], model_path: Path, node_cache: Path
 ) -> None:
     # A node that hangs (SIGSTOP: the process and its sockets stay, nothing answers) is a failure once
-    # stage_reply_timeout_s (10 s here) passes; a new spare for [0,15) takes over.
+    # the decode deadline (at most 10 s here) passes; a new spare for [0,15) takes over.
     start_and_announce(swarm, "spare_a", "0:15", model_path, node_cache)
     base = swarm.base_url.removesuffix("/v1")
     before = metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok")

@@ -1,12 +1,15 @@
-"""A scripted stand-in for a node: real gRPC on loopback, real frames (proto.codec), no model.
+"""Scripted nodes: the real node stack (session machine, hub, scheduler, pushes, gRPC service) with a
+scripted engine instead of llama.cpp.
 
-It speaks the Session protocol exactly (OPEN/steps/RELEASE/CANCEL with KV
-length and step checks), answers Info and GetVocab (the test model's real
-vocabulary file), and instead of computing, a last stage "samples" the next
-token of a fixed script (the next one after the part of the script the
-session's history ends with, so a session replayed on another route
-continues the same text). Used for the gateway's in-process tests: HTTP API,
-SSE, errors, admission and disconnect handling without llama.cpp. Tests that
+Every :class:`FakeNode` speaks the protocol with the node's own code, so direct
+push, the decode ring, replays and refusals behave as on a real node; only
+the compute is scripted: stages before the last pass zeros on, and a last
+stage "samples" the next token of a fixed script (the one after the part of
+the script the session's token history ends with, so a session replayed on
+another route continues the same text). All fake nodes of a test process run
+in one background thread with one ``trio.run`` (one grpc runtime per process:
+``common.grpc_adapter``). Used by the gateway's in-process tests: HTTP API,
+SSE, errors, admission, disconnects and recovery without llama.cpp. Tests that
 check the numbers use real ``swarm-node`` processes instead.
 """
 
@@ -14,35 +17,127 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import grpc
 import nacl.signing
 import numpy as np
+import trio
 
-from proto import codec, errors
+from common.grpc_adapter import Grpc, open_grpc
+from node.backend import SliceResult
+from node.batching import Slice
+from node.grpc_server import GrpcSettings, ShardService
+from node.hub import Hub
+from node.push import PushLinks
+from node.scheduler import Scheduler
+from node.session_machine import FrameServer, SampledOut, SamplingSpec, ServingSpec
+from proto import codec
 from proto.recipe import Recipe
 from proto.signing import public_key_hex
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
-from proto.vocab import vocab_chunks
 
 N_EMBD = 576
 # Scripted failures shared by every fake node of a test: the next ``left`` decode steps that find a session
-# past ``after`` generated tokens get INTERNAL.
+# past ``after`` generated tokens get INTERNAL on the last stage.
 FAILURES: dict[str, int] = {"left": 0, "after": 0}
 
 
 @dataclass
 class FakeState:
-    sessions: dict[str, int] = field(default_factory=dict)  # session id -> kv_len
-    history: dict[str, list[int]] = field(default_factory=dict)  # last stage: token ids seen per session
-    epochs: dict[str, int] = field(default_factory=dict)
-    opened: int = 0
-    released: int = 0
-    cancelled: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Counters the tests read (from the test thread: plain ints and a dict, updated under the GIL)."""
+
+    node: FakeNode
+
+    @property
+    def sessions(self) -> dict[str, int]:
+        machine = self.node.machine
+        return {} if machine is None else {sid: s.kv_len for sid, s in machine._sessions.items()}
+
+    @property
+    def opened(self) -> int:
+        return self.node.backend.opened
+
+    @property
+    def released(self) -> int:
+        return self.node.count("released")
+
+    @property
+    def cancelled(self) -> int:
+        return self.node.count("cancelled")
+
+
+class ScriptedBackend:
+    """The engine of a fake node: KV lengths per session, scripted tokens on the last stage."""
+
+    n_batch = 512
+
+    def __init__(self, node: FakeNode) -> None:
+        self.node = node
+        self.kv: dict[str, int] = {}
+        self.history: dict[str, list[int]] = {}
+        self.opened = 0
+
+    def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None:
+        self.kv[session_id] = 0
+        self.history[session_id] = []
+        self.opened += 1
+
+    def truncate(self, session_id: str, position: int) -> None:
+        self.kv[session_id] = position
+        del self.history[session_id][position:]
+
+    def free(self, session_id: str) -> None:
+        self.kv.pop(session_id, None)
+        self.history.pop(session_id, None)
+
+    def kv_len(self, session_id: str) -> int:
+        return self.kv[session_id]
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.kv
+
+    def run(self, slices: list[Slice]) -> list[SliceResult]:
+        node = self.node
+        if node.step_delay_s:
+            time.sleep(node.step_delay_s)  # on the scheduler's engine thread, like real compute
+        out = []
+        for s in slices:
+            job = s.pending.job
+            sid = job.session_id
+            if sid not in self.kv:
+                out.append(SliceResult(0, error_status="UNKNOWN_SESSION", error_message="gone"))
+                continue
+            ids = job.token_ids if job.token_ids is not None and len(job.token_ids) else None
+            if (
+                node.is_last
+                and job.is_decode
+                and FAILURES["left"] > 0
+                and node.generated(self.history[sid]) >= FAILURES["after"]
+            ):
+                FAILURES["left"] -= 1
+                out.append(
+                    SliceResult(self.kv[sid], error_status="INTERNAL", error_message="scripted failure")
+                )
+                continue
+            self.kv[sid] += s.count
+            if ids is not None:
+                self.history[sid].extend(int(t) for t in ids[s.offset : s.offset + s.count])
+            if not node.is_last:
+                out.append(SliceResult(self.kv[sid], hidden=np.zeros((s.count, N_EMBD), np.float32)))
+                continue
+            sampled = None
+            if job.sample and s.last:
+                k = node.generated(self.history[sid])
+                token = node.script[k] if k < len(node.script) else node.eos
+                sampled = SampledOut(
+                    token_id=token,
+                    logprob=-0.25,
+                    top_logprobs=((token, -0.25), (node.eos, -3.0)),
+                    end_of_generation=token == node.eos,
+                )
+            out.append(SliceResult(self.kv[sid], sampled=sampled))
+        return out
 
 
 class FakeNode:
@@ -67,32 +162,29 @@ class FakeNode:
         self.vocab, self.script, self.eos = vocab, script, eos
         self.step_delay_s = step_delay_s
         self.kv_per_session = kv_per_session
-        self.state = FakeState()
         self.is_last = end == n_layers
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        handlers = {
-            "Session": grpc.stream_stream_rpc_method_handler(self._session),
-            "Info": grpc.unary_unary_rpc_method_handler(
-                self._info,
-                request_deserializer=shard_service_pb2.InfoRequest.FromString,
-                response_serializer=shard_service_pb2.NodeInfo.SerializeToString,
-            ),
-            "GetVocab": grpc.unary_stream_rpc_method_handler(
-                self._get_vocab,
-                request_deserializer=shard_service_pb2.VocabRequest.FromString,
-                response_serializer=shard_service_pb2.VocabChunk.SerializeToString,
-            ),
-        }
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("swarm.v1.ShardService", handlers),)
-        )
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+        self.backend = ScriptedBackend(self)
+        self.state = FakeState(self)
+        self.machine: FrameServer | None = None
+        self.port = 0
+        self._scope: trio.CancelScope | None = None
+        self._runner: FakeRunner | None = None
+        self.port = runner().start(self)
 
-    def stop(self) -> None:
-        self.server.stop(grace=None)
+    def generated(self, history: list[int]) -> int:
+        """How much of the script the history already ends with: a "model" that is the same on every route."""
+        for k in range(min(len(self.script), len(history)), 0, -1):
+            if history[-k:] == self.script[:k]:
+                return k
+        return 0
 
-    def _info(self, request: object, context: object) -> shard_service_pb2.NodeInfo:
+    def count(self, reason: str) -> int:
+        machine = self.machine
+        if machine is None:
+            return 0
+        return sum(1 for c in list(machine._closed.values()) if c.reason == reason)
+
+    def info(self) -> shard_service_pb2.NodeInfo:
         return shard_service_pb2.NodeInfo(
             node_id=self.node_id,
             model=shard_service_pb2.ModelInfo(
@@ -116,117 +208,127 @@ class FakeNode:
             serves_vocab=self.is_last,
         )
 
-    def _get_vocab(
-        self, request: shard_service_pb2.VocabRequest, context: object
-    ) -> Iterator[shard_service_pb2.VocabChunk]:
-        yield from vocab_chunks(self.vocab, model_fingerprint=self.fingerprint, chunk_bytes=512 * 1024)
+    async def serve(
+        self, grpc_rt: Grpc, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        spec = ServingSpec(
+            node_id=self.node_id,
+            model_fingerprint=self.fingerprint,
+            recipe_fingerprint=self.recipe.fingerprint(),
+            shard_start=self.start,
+            shard_end=self.end,
+            n_embd=N_EMBD,
+            n_vocab=49152,
+            is_first=self.start == 0,
+            is_last=self.is_last,
+            max_sessions=8,
+            session_kv_tokens=self.kv_per_session,
+            n_ctx_train=8192,
+            reattach_window_s=10.0,
+        )
+        self.machine = FrameServer(spec, lambda ticket, sid: None)
+        hub = Hub(self.machine)
+        scheduler = Scheduler(
+            self.backend, hub.on_outcome, max_batch_tokens=512, prefill_chunk_tokens=512, inline_max_ms=0
+        )
+        pushes = PushLinks(
+            lambda address: grpc_rt.open_stream(address, codec.SESSION_METHOD, max_message_bytes=8 << 20),
+            hub.on_push_failed,
+        )
+        hub.attach(scheduler, pushes)
+        service = ShardService(
+            hub,
+            GrpcSettings("127.0.0.1", self.port, 4 << 20, lambda: self.vocab, self.fingerprint, 0.5),
+            self.info,
+            lambda: shard_service_pb2.HealthResponse(status=shard_service_pb2.SERVING_STATUS_SERVING),
+        )
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            async with trio.open_nursery() as nursery:
+                await nursery.start(pushes.run)
+                await nursery.start(scheduler.run)
+                await nursery.start(hub.run_leases, 0.5)
+                self.port = await nursery.start(service.serve, grpc_rt)
+                task_status.started(self.port)
+                await trio.sleep_forever()
 
-    def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        assembler = codec.StepAssembler()
-        for data in requests:
+    def stop(self) -> None:
+        """Stop serving: the gRPC server goes away with every stream (like a node that died)."""
+        runner = self._runner
+        if runner is not None and self._scope is not None:
+            runner.call(self._scope.cancel)
+            runner.release(self)
+
+
+class FakeRunner:
+    """One background thread, one trio.run and one grpc runtime for every fake node of the process.
+
+    grpcio's completion queue is global to a process, so there is one runner for
+    the whole test session (:func:`runner`); nodes are started in it on demand.
+    """
+
+    def __init__(self) -> None:
+        self.live: set[FakeNode] = set()
+        self._done: trio.Event | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._grpc: Grpc | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="fake-nodes", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30) or self._error is not None:
+            raise RuntimeError(f"the fake-node runner did not start: {self._error!r}")
+
+    def _main(self) -> None:
+        async def main() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            self._done = trio.Event()
+            async with open_grpc() as grpc_rt, trio.open_nursery() as nursery:
+                self._grpc, self._nursery = grpc_rt, nursery
+                self._ready.set()
+                await self._done.wait()
+                nursery.cancel_scope.cancel()
+
+        try:
+            trio.run(main)
+        except BaseException as err:  # reported to the test thread
+            self._error = err
+            self._ready.set()
+
+    def start(self, node: FakeNode) -> int:
+        async def start() -> int:
+            assert self._nursery is not None and self._grpc is not None
+            port: int = await self._nursery.start(node.serve, self._grpc)
+            return port
+
+        node._runner = self
+        self.live.add(node)
+        return trio.from_thread.run(start, trio_token=self._token)
+
+    def release(self, node: FakeNode) -> None:
+        """A node stopped; the last one ends the runner (one grpc runtime per process at a time, so
+        tests that run their own must not overlap with it)."""
+        self.live.discard(node)
+        if not self.live and self._done is not None:
+            self.call(self._done.set)
+            self._thread.join(30)
+            if _RUNNER and _RUNNER[0] is self:
+                _RUNNER.clear()
+
+    def call(self, fn: Callable[[], object]) -> None:
+        if self._token is not None:
             try:
-                frame = codec.parse_frame(data)
-                replies = self._handle(frame, assembler)
-                if replies is None:
-                    continue
-                assembler = codec.StepAssembler()
-            except errors.ProtocolError as exc:
-                assembler = codec.StepAssembler()
-                yield codec.serialize_frame(codec.error_frame(exc))
-                continue
-            for reply in replies:
-                yield codec.serialize_frame(reply)
+                trio.from_thread.run_sync(fn, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
 
-    def _generated(self, history: list[int]) -> int:
-        """How much of the script the history already ends with: a "model" that is the same on every route."""
-        for k in range(min(len(self.script), len(history)), 0, -1):
-            if history[-k:] == self.script[:k]:
-                return k
-        return 0
 
-    def _handle(self, frame: frame_pb2.Frame, assembler: codec.StepAssembler) -> list[frame_pb2.Frame] | None:
-        st, sid, kind = self.state, frame.session_id, codec.body_kind(frame)
-        if kind == "open":
-            if frame.open.kv_budget.max_tokens > self.kv_per_session:
-                raise errors.ResourceExhaustedError("budget too large")
-            with st.lock:
-                reattached = sid in st.sessions
-                if reattached:
-                    # Re-attach (docs/protocol.md, Recovery): a higher epoch keeps the KV prefix asked for.
-                    if frame.route_epoch <= st.epochs[sid]:
-                        raise errors.RouteEpochError(f"epoch {frame.route_epoch} is not newer")
-                    kv = min(st.sessions[sid], int(frame.expected_kv_len))
-                    st.sessions[sid] = kv
-                    st.history[sid] = st.history[sid][:kv]
-                else:
-                    kv = 0
-                    st.sessions[sid] = 0
-                    st.history[sid] = []
-                    st.opened += 1
-                st.epochs[sid] = int(frame.route_epoch)
-            return [
-                codec.open_ack_frame(
-                    frame,
-                    reattached=reattached,
-                    kv_len=kv,
-                    node_id=self.node_id,
-                    kv_tokens_granted=frame.open.kv_budget.max_tokens,
-                    max_frame_bytes=4 << 20,
-                    max_step_tokens=512,
-                )
-            ]
-        if kind in ("release", "cancel"):
-            with st.lock:
-                freed = st.sessions.pop(sid, 0)
-                st.history.pop(sid, None)
-                st.epochs.pop(sid, None)
-                if kind == "release":
-                    st.released += 1
-                else:
-                    st.cancelled += 1
-            return [codec.closed_frame(frame, freed_kv_tokens=freed)]
-        if sid not in st.sessions:
-            raise errors.UnknownSessionError("no such session")
-        if frame.route_epoch != st.epochs[sid]:
-            raise errors.RouteEpochError(f"epoch {frame.route_epoch}, the session is at {st.epochs[sid]}")
-        step = assembler.add(frame)
-        if step is None:
-            return None
-        if step.expected_kv_len != st.sessions[sid]:
-            raise errors.PositionMismatchError("kv mismatch")
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
-        with st.lock:
-            generated = self._generated(st.history[sid])
-            if (
-                self.is_last
-                and step.phase == frame_pb2.PHASE_DECODE
-                and FAILURES["left"] > 0
-                and generated >= FAILURES["after"]
-            ):
-                FAILURES["left"] -= 1
-                raise errors.InternalError("scripted failure")
-            st.history[sid].extend(int(t) for t in step.token_ids)
-        with st.lock:
-            st.sessions[sid] = step.end
-        if not self.is_last:
-            return codec.result_frames(
-                step, kv_len=step.end, hidden=np.zeros((step.n_tokens, N_EMBD), np.float32)
-            )
-        sampled: list[frame_pb2.SampledToken] = []
-        if step.sample:
-            with st.lock:
-                k = self._generated(st.history[sid])
-            token = self.script[k] if k < len(self.script) else self.eos
-            sampled.append(
-                frame_pb2.SampledToken(
-                    token_id=token,
-                    logprob=-0.25,
-                    top_logprobs=[
-                        frame_pb2.TokenLogprob(token_id=token, logprob=-0.25),
-                        frame_pb2.TokenLogprob(token_id=self.eos, logprob=-3.0),
-                    ],
-                    end_of_generation=token == self.eos,
-                )
-            )
-        return codec.result_frames(step, kv_len=step.end, sampled=sampled)
+_RUNNER: list[FakeRunner] = []
+
+
+def runner() -> FakeRunner:
+    """The running fake-node runner, started on first use (and again after the last node stopped)."""
+    if not _RUNNER:
+        _RUNNER.append(FakeRunner())
+    return _RUNNER[0]
