@@ -85,7 +85,7 @@ def open_hop_stream(channels: NodeChannels, hop: Hop) -> AbstractAsyncContextMan
     """A Session stream to the hop's node: gRPC, or the node's WebSocket when it is relayed through us."""
     relay = getattr(channels, "open_relay_stream", None)
     if hop.relay and relay is not None:
-        return relay(hop)  # type: ignore[no-any-return]
+        return relay(hop)
     return channels.open_stage_stream(hop.address)
 
 
@@ -248,7 +248,7 @@ class RouteSession:
             elif isinstance(command, Recovered):
                 self.route_epoch = self.machine.epoch
                 if self._recovery is not None:
-                    self._recovery.on_report(command.report)  # type: ignore[arg-type]
+                    self._recovery.on_report(command.report)
             elif isinstance(command, SessionFailed):
                 if self._failure is None:
                     self._failure = _gateway_error(command.failure)

@@ -126,8 +126,8 @@ class Failure:
     node_id: str = ""
     replaceable: bool = True
     retry_after_s: float | None = None
-    status: int = 0
-    retry: int = 0
+    status: status_pb2.Status = status_pb2.STATUS_UNSPECIFIED
+    retry: status_pb2.RetryHint = status_pb2.RETRY_UNSPECIFIED
     retry_after_ms: int = 0
 
 
@@ -774,7 +774,7 @@ class RouteMachine:
         tries another route; later, a ``replaceable`` failure re-runs the whole
         token history on another route.
         """
-        out = [SessionFailed(failure)]
+        out: list[Command] = [SessionFailed(failure)]
         out += self._close_all(release=False, now=now)
         return out
 

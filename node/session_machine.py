@@ -1075,15 +1075,20 @@ class FrameServer:
             if owner is not None:
                 actions.append(self._send(owner, tuple(replies)))
             ring = sess.ring
-            s = outcome.sampled
-            if ring is not None and s is not None and not s.end_of_generation and step.end + 1 <= sess.budget:
+            drawn = outcome.sampled
+            if (
+                ring is not None
+                and drawn is not None
+                and not drawn.end_of_generation
+                and step.end + 1 <= sess.budget
+            ):
                 # The next decode step goes straight to the first stage: step ids follow positions.
                 frames = codec.step_frames(
                     codec.target_header(self._header(sess), ring),
                     frame_pb2.PHASE_DECODE,
                     step_id=step.step_id + step.n_tokens,
                     start=step.end,
-                    token_ids=[s.token_id],
+                    token_ids=[drawn.token_id],
                     sample=True,
                     hop_token=ring.hop_token,
                     max_frame_bytes=self.spec.limits.max_frame_bytes,
