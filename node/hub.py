@@ -87,9 +87,9 @@ class Hub:
         self.scheduler = scheduler
         self.pushes = pushes
 
-    def on_push_failed(self, session_id: str, message: str) -> None:
+    def on_push_failed(self, session_id: str, message: str, epoch: int | None = None) -> None:
         """A push of this session could not be delivered: the machine tells the session's owner."""
-        self.execute_nowait(self.server.push_failed(session_id, message))
+        self.execute_nowait(self.server.push_failed(session_id, message, epoch))
 
     # -- transport API ---------------------------------------------------------------------------
 
@@ -183,7 +183,9 @@ class Hub:
         except ProtocolError as exc:  # a bug: we built a frame the codec refuses
             log.error("push not sent session=%s: %s", push.session_id, exc)
             return
-        self.pushes.push(push.session_id, push.target, data)
+        self.pushes.push(
+            push.session_id, push.target, data, int(push.frames[0].route_epoch) if push.frames else 0
+        )
 
     def _effects_failed(self, failed: list[ControlDone], reply: Send) -> None:
         for done in failed:

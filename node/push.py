@@ -41,7 +41,11 @@ class PushStream(Protocol):
 
 
 PushOpener = Callable[[str], AbstractAsyncContextManager[PushStream]]
-FailureCallback = Callable[[str, str], None]  # (session_id, message)
+FailureCallback = Callable[[str, str, int | None], None]  # (session_id, message, epoch of the push)
+# Refusals that only say a push came too late (the session moved to a new epoch or ended): not failures.
+STALE = frozenset(
+    {status_pb2.STATUS_ROUTE_EPOCH, status_pb2.STATUS_SESSION_CLOSED, status_pb2.STATUS_UNKNOWN_SESSION}
+)
 
 
 @dataclass(eq=False)
@@ -50,6 +54,7 @@ class _Link:
     target: frame_pb2.PushTarget
     send: trio.MemorySendChannel[bytes]
     receive: trio.MemoryReceiveChannel[bytes]
+    epoch: int = 0  # the route epoch of the session when the link was made (hop tokens are per epoch)
     last_used: float = 0.0
     pushed: int = 0
     done: bool = False
@@ -86,8 +91,10 @@ class PushLinks:
                     if now - link.last_used > self.idle_s:
                         self._close(link)
 
-    def push(self, session_id: str, target: frame_pb2.PushTarget, frames: list[bytes]) -> None:
-        """Queue ``frames`` for ``target`` on this session's link (opened on first use)."""
+    def push(
+        self, session_id: str, target: frame_pb2.PushTarget, frames: list[bytes], epoch: int = 0
+    ) -> None:
+        """Queue ``frames`` (of route ``epoch``) for ``target`` on this session's link (made on first use)."""
         key = (session_id, target.address)
         link = self._links.get(key)
         if link is None or link.target.hop_token != target.hop_token:
@@ -100,7 +107,7 @@ class PushLinks:
                 self._fail(session_id, f"this node already holds {self.max_links} push streams")
                 return
             send, receive = trio.open_memory_channel[bytes](self.queue_frames)
-            link = _Link(session_id, target, send, receive)
+            link = _Link(session_id, target, send, receive, epoch)
             self._links[key] = link
             self._nursery.start_soon(self._run_link, link)
         link.last_used = trio.current_time()
@@ -109,7 +116,7 @@ class PushLinks:
                 link.send.send_nowait(data)
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 self._close(link)
-                self._fail(session_id, f"node {_who(target)} does not take pushed steps fast enough")
+                self._fail(session_id, f"node {_who(target)} does not take pushed steps fast enough", epoch)
                 return
             link.pushed += 1
             self._frames += 1
@@ -130,10 +137,10 @@ class PushLinks:
         link.done = True
         link.send.close()
 
-    def _fail(self, session_id: str, message: str) -> None:
+    def _fail(self, session_id: str, message: str, epoch: int | None = None) -> None:
         self._failures += 1
         event(log, "push_failed", level=logging.WARNING, session_id=session_id, message=message)
-        self.on_failure(session_id, message)
+        self.on_failure(session_id, message, epoch)
 
     async def _run_link(self, link: _Link) -> None:
         target = link.target
@@ -145,7 +152,7 @@ class PushLinks:
                 nursery.cancel_scope.cancel()
         except Exception as err:  # any transport failure: the owner replaces the next stage
             if not link.done:
-                self._fail(link.session_id, f"push to node {_who(target)} failed: {err}")
+                self._fail(link.session_id, f"push to node {_who(target)} failed: {err}", link.epoch)
         finally:
             self._close(link)
 
@@ -157,13 +164,14 @@ class PushLinks:
             except ProtocolError as err:
                 self._fail(link.session_id, f"node {_who(link.target)} sent an unreadable reply: {err}")
                 return
-            if codec.body_kind(frame) != "error" or link.done:
+            if codec.body_kind(frame) != "error" or link.done or frame.error.status in STALE:
                 continue
             status = status_pb2.Status.Name(frame.error.status)
             self._fail(
                 link.session_id,
                 f"node {_who(link.target)} refused a pushed step {frame.step_id}: {status}: "
                 f"{frame.error.message}",
+                int(frame.route_epoch) or None,
             )
 
 

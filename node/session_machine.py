@@ -24,10 +24,10 @@ Checks, in the order of docs/protocol.md ("What a node checks, in order")::
     2 route            FINGERPRINT_MISMATCH SHARD_MISMATCH                 (codec.expect_route)
     3 OPEN             TICKET_INVALID RESOURCE_EXHAUSTED CONTEXT_EXCEEDED UNAVAILABLE
       else             UNKNOWN_SESSION SESSION_CLOSED
-    4 sender           TICKET_INVALID: a step from a connection other than the session's
+    4 epoch            ROUTE_EPOCH
+    5 sender           TICKET_INVALID: a step from a connection other than the session's
                        owner without the session's hop token; RELEASE/CANCEL/REPLAY only
                        from the owner
-    5 epoch            ROUTE_EPOCH
     6 step id          == last applied: re-send the cached reply; < : STEP_CONFLICT
     7 KV               POSITION_MISMATCH CONTEXT_EXCEEDED (against the KV length after the
                        steps already accepted)
@@ -676,12 +676,13 @@ class FrameServer:
                 return []  # the rest of a step whose first chunk was already refused
             raise SessionClosedError(f"session {sid!r} was {closed.reason}")
         owner = conn == sess.conn
-        if not owner:
-            self._check_sender(frame, kind, sess)
         if frame.route_epoch != sess.epoch:
+            # Before the sender check: a step pushed in an older epoch is stale, not forged.
             raise RouteEpochError(
                 f"frame of route epoch {frame.route_epoch}; the session is at epoch {sess.epoch}"
             )
+        if not owner:
+            self._check_sender(frame, kind, sess)
         if kind == "cancel":
             return self._close(conn, frame, sess, "cancelled")
         if kind == "replay":
@@ -1149,10 +1150,14 @@ class FrameServer:
             actions.append(self._send(owner, tuple(report)))
         return actions
 
-    def push_failed(self, session_id: str, message: str) -> list[Action]:
-        """The transport could not deliver a push of this session: tell the owner (the next stage failed)."""
+    def push_failed(self, session_id: str, message: str, epoch: int | None = None) -> list[Action]:
+        """The transport could not deliver a push of this session: tell the owner (the next stage failed).
+
+        ``epoch`` is the route epoch of the push that failed, when known: a failure of an older
+        epoch's push is stale (the session has been re-attached since) and dropped.
+        """
         sess = self._sessions.get(session_id)
-        if sess is None or sess.conn is None:
+        if sess is None or sess.conn is None or (epoch is not None and epoch < sess.epoch):
             return []
         notice = self._header(sess).frame(
             frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=sess.kv_len

@@ -215,10 +215,13 @@ def test_broken_stream_reattach_with_a_new_epoch_continues_exactly(
         assert all(a.open_ack.reattached and a.kv_len == session.kv for a in acks), acks
         while len(out) < N_NEW:
             out.append(session.step([out[-1]]).token_id)  # type: ignore[union-attr]
-        # a step from a connection that does not own the session (and has no hop token) is refused
+        # a frame of the old epoch is stale now; one of the new epoch from a connection that does not own
+        # the session (and has no hop token) is refused too
         stale = Raw(swarm.stages[1])
         try:
             frame = stale.hidden_step(session.session_id, session.step_id + 1, session.kv, 1)
+            assert _status(stale.ask(frame)) == S.STATUS_ROUTE_EPOCH
+            frame.route_epoch = 2
             assert _status(stale.ask(frame)) == S.STATUS_TICKET_INVALID
         finally:
             stale.close()
