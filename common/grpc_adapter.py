@@ -71,9 +71,10 @@ class StreamClosed(RpcError):
 
 
 class RpcAbort(Exception):
-    """Raised by a handler: end the call with this status (``code`` is a ``grpc.StatusCode``)."""
+    """Raised by a handler: end the call with this status (``code``: a gRPC status name such as
+    ``"RESOURCE_EXHAUSTED"``, so callers need not import grpc)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: str, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
@@ -432,7 +433,7 @@ class Grpc:
 
         async def abort(context: grpc.aio.ServicerContext, err: BaseException) -> None:
             if isinstance(err, RpcAbort):
-                await context.abort(err.code, err.details)
+                await context.abort(getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN), err.details)
             log.error("gRPC handler failed: %s: %s", type(err).__name__, err, exc_info=err)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 

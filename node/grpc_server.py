@@ -21,7 +21,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import grpc
 import trio
 
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
@@ -105,7 +104,7 @@ class ShardService:
         try:
             conn = self.hub.open_connection()
         except TooManyConnections as err:
-            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+            raise RpcAbort("RESOURCE_EXHAUSTED", str(err)) from err
         self.streams_opened += 1
         try:
             async with trio.open_nursery() as nursery:
@@ -140,12 +139,12 @@ class ShardService:
         request = shard_service_pb2.VocabRequest.FromString(request_bytes)
         if request.model_fingerprint and request.model_fingerprint != self.settings.model_fingerprint:
             raise RpcAbort(
-                grpc.StatusCode.NOT_FOUND,
+                "NOT_FOUND",
                 f"this node serves model {self.settings.model_fingerprint}, not {request.model_fingerprint}",
             )
         data = self.settings.vocab_bytes()
         if data is None:
-            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the vocabulary file is still being prepared; retry")
+            raise RpcAbort("UNAVAILABLE", "the vocabulary file is still being prepared; retry")
         for chunk in vocab_chunks(
             data, model_fingerprint=self.settings.model_fingerprint, chunk_bytes=request.max_chunk_bytes
         ):

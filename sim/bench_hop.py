@@ -1,24 +1,29 @@
-"""Per-hop overhead of the node daemon: one decode step through two nodes on loopback vs in-process.
+"""Per-hop overhead of the data plane: decode through two nodes on loopback vs the same split in-process.
 
-    python3 -m sim.bench_hop [--steps 64] [--out bench-results/hop.json]
+    python -m sim.bench_hop [--tokens 48] [--rounds 4] [--out bench-results/hop.json]
 
-Both setups run the test model split [0,15) + [15,30) with the same engine
-settings (1 compute thread each, flash attention, per-sequence KV):
+Every setup runs the test model split [0,15) + [15,30) with the same engine
+settings (1 compute thread each, per-sequence KV), greedy, the same prompt:
 
-* ``in-process``: two ``ShardEngine`` objects in this process; a decode step is
-  ``engine_a.step`` then ``engine_b.step`` with the hidden state handed over
-  directly;
-* ``loopback``: two ``swarm-node start`` processes (port 0, no tracker,
-  ``--insecure-no-tickets``), driven over gRPC by a minimal client that relays
-  stage A's frames to stage B like a gateway (f32 hidden states, one stream
-  per stage).
+* ``in-process``: two ``ShardEngine`` objects in this process, stepped in lock
+  step (the hidden state handed over directly): the compute floor;
+* ``push``: two ``swarm-node start`` processes (port 0, no tracker,
+  ``--insecure-no-tickets``) driven by the gateway's own Route Session code
+  (``gateway.route_session``, through ``sim.route_client``) with direct push:
+  stage 0 pushes its hidden states to stage 1, stage 1 pushes the next decode
+  step back to stage 0 (the ring) -- two node-to-node transfers per token;
+* ``relay``: the same nodes and code with ``data_plane=relay``: both transfers
+  go through the gateway (four gRPC transits per token).
 
-Both setups are up at the same time; the same prompt is prefilled in both,
-then ``--steps`` greedy decode steps are timed one by one, alternating between
-the two setups so that load from other processes hits both alike. The table
-shows median, min and p90 per step. Per-hop overhead = (loopback -
-in-process) / 2, a hop being one stage's round trip (client -> node ->
-client). The nodes run under ``sim.procs.Supervisor`` and are stopped by pid.
+Rounds rotate the order of the setups so machine drift lands on all of them.
+Decode time per token is a request's decode time over its tokens after the
+first (the span between token arrivals; single arrivals can bunch). Per-hop
+overhead = (setup - in-process) / 2, a hop being one stage-to-stage transfer.
+It also reads the nodes' scheduler counters: engine rounds that ran on the trio
+thread (no thread hand-off) vs on the engine thread (two hand-offs: there and
+back), so the thread hand-offs per stage step are counted, not guessed; gRPC's
+own completion-queue wake-up (one per message, inside grpcio) comes on top.
+All processes started here are stopped by pid.
 """
 
 from __future__ import annotations
@@ -64,6 +69,23 @@ class InProcess:
         self.b.open_session("bench")
         self.pos = 0
 
+    def reset(self) -> None:
+        for engine in (self.a, self.b):
+            engine.release("bench")
+            engine.open_session("bench")
+        self.pos = 0
+
+    def generate(self, prompt: list[int], n_new: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens and the decode time of each one after the first."""
+        self.reset()
+        tokens = [self.step(prompt)]
+        times = []
+        while len(tokens) < n_new:
+            t0 = time.perf_counter()
+            tokens.append(self.step([tokens[-1]]))
+            times.append(time.perf_counter() - t0)
+        return tokens, times
+
     def step(self, tokens: list[int]) -> int:
         from node.engine import Work
 
@@ -88,53 +110,84 @@ def _start_node(sup: Supervisor, name: str, model: Path, layers: str, cache: Pat
         max_sessions=MAX_SESSIONS,
         session_kv_tokens=SESSION_KV,
         cache_dir=cache,
-        admin=False,
+        admin=True,
         extra_args=["--batch-tokens", str(BATCH), "--no-benchmark", "--log-level", "warning"],
     )
 
 
-def run(model: Path, cache: Path, prompt: list[int], steps: int) -> dict[str, Any]:
-    """Both setups live at once; decode steps alternate between them so load drift hits both alike."""
-    from node.loopback_client import RouteSession, Stage, node_info
+def _scheduler_counts(admin_ports: list[int]) -> list[tuple[float, float]]:
+    """(inline rounds, all rounds) of each node, from its admin /metrics."""
+    import httpx
 
+    out = []
+    for port in admin_ports:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        values = {
+            line.split()[0]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(("swarm_node_inline_rounds_total ", "swarm_node_batches_total "))
+        }
+        out.append(
+            (values.get("swarm_node_inline_rounds_total", 0.0), values.get("swarm_node_batches_total", 0.0))
+        )
+    return out
+
+
+def run(model: Path, cache: Path, prompt: list[int], n_new: int, rounds: int) -> dict[str, Any]:
+    """All setups live at once; each round runs one request per setup, in a rotating order."""
+    import trio
+
+    from common.grpc_adapter import open_grpc
+    from gateway.grpc_bridge import NodeChannels
+    from gateway.route_session import DataPlane
+    from sim.route_client import generate, route_on
+
+    results: dict[str, Any] = {"in-process": [], "push": [], "relay": []}
+    tokens: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-hop-") as tmp, Supervisor(Path(tmp)) as sup:
-        inproc = None
-        session = None
+        nodes = [
+            _start_node(sup, name, model, layers, cache) for name, layers in (("a", "0:15"), ("b", "15:30"))
+        ]
+        ports = [node.wait_port(180) for node in nodes]
+        admin = [node.admin_port for node in nodes]
+        inproc = InProcess(model, cache)
         try:
-            nodes = [
-                _start_node(sup, name, model, layers, cache)
-                for name, layers in (("a", "0:15"), ("b", "15:30"))
-            ]
-            ports = [node.wait_port(180) for node in nodes]
-            stages = [Stage(f"127.0.0.1:{port}", node_info(f"127.0.0.1:{port}")) for port in ports]
-            inproc = InProcess(model, cache)
-            session = RouteSession(stages, b"{}", budget=SESSION_KV)
-            local = [inproc.step(prompt)]
-            remote = [session.step(prompt).token_id]  # type: ignore[union-attr]
-            t_local: list[float] = []
-            t_remote: list[float] = []
-            for i in range(steps):
-                order = ("local", "remote") if i % 2 == 0 else ("remote", "local")
-                for which in order:
-                    t0 = time.perf_counter()
-                    if which == "local":
-                        local.append(inproc.step([local[-1]]))
-                        t_local.append(time.perf_counter() - t0)
-                    else:
-                        remote.append(session.step([remote[-1]]).token_id)  # type: ignore[union-attr]
-                        t_remote.append(time.perf_counter() - t0)
-            session.release()
+
+            async def main() -> list[tuple[float, float]]:
+                async with open_grpc() as grpc_rt:
+                    channels = NodeChannels(grpc_rt, max_frame_bytes=4 * 1024 * 1024)
+                    route, stages = await route_on(channels, [f"127.0.0.1:{p}" for p in ports])
+                    planes = {"push": DataPlane(push=True), "relay": DataPlane(push=False)}
+                    for plane in planes.values():  # warm-up: channels, caches
+                        await generate(channels, route, stages, prompt, 4, plane=plane)
+                    before = _scheduler_counts(admin)
+                    names = ["in-process", "push", "relay"]
+                    for r in range(rounds):
+                        for name in names[r % 3 :] + names[: r % 3]:
+                            if name == "in-process":
+                                toks, times = inproc.generate(prompt, n_new)
+                            else:
+                                gen = await generate(
+                                    channels, route, stages, prompt, n_new, plane=planes[name]
+                                )
+                                toks, times = gen.tokens, gen.intervals_s()
+                            tokens.setdefault(name, toks)
+                            results[name] += times
+                    after = _scheduler_counts(admin)
+                    return [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+
+            counts = trio.run(main)
         finally:
-            if session is not None:
-                session.close()
-            if inproc is not None:
-                inproc.close()
-    return {"in-process": (t_local, local), "loopback": (t_remote, remote)}
+            inproc.close()
+    results["tokens"] = tokens
+    results["scheduler"] = counts
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=64, help="timed decode steps (default 64)")
+    parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per setup (default 4)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="node cache (shards); default: a temp dir"
@@ -148,37 +201,58 @@ def main(argv: list[str] | None = None) -> int:
     with Vocabulary(model) as vocab:
         prompt = vocab.tokenize(PROMPT, add_special=True)
     with tempfile.TemporaryDirectory(prefix="bench-hop-cache-") as tmp_cache:
-        measured = run(model, args.cache_dir or Path(tmp_cache), prompt, args.steps)
-    inproc_t, inproc_tokens = measured["in-process"]
-    loop_t, loop_tokens = measured["loopback"]
-    same = inproc_tokens == loop_tokens
+        measured = run(model, args.cache_dir or Path(tmp_cache), prompt, args.tokens, args.rounds)
+    tokens = measured["tokens"]
+    same = tokens["push"] == tokens["in-process"] == tokens["relay"]
     rows = {
         name: {
-            "median_ms": statistics.median(t) * 1e3,
-            "min_ms": min(t) * 1e3,
-            "p90_ms": _pct(t, 90) * 1e3,
+            "median_ms": statistics.median(measured[name]) * 1e3,
+            "min_ms": min(measured[name]) * 1e3,
+            "p90_ms": _pct(measured[name], 90) * 1e3,
+            "requests": len(measured[name]),
         }
-        for name, t in (("in-process", inproc_t), ("loopback", loop_t))
+        for name in ("in-process", "push", "relay")
     }
-    overhead_ms = (rows["loopback"]["median_ms"] - rows["in-process"]["median_ms"]) / 2
-    overhead_min_ms = (rows["loopback"]["min_ms"] - rows["in-process"]["min_ms"]) / 2
-    ratio = rows["loopback"]["median_ms"] / rows["in-process"]["median_ms"]
-    print(f"decode step, test model split [0,15)+[15,30), 1 thread per stage, {args.steps} steps")
-    print(f"{'setup':<12} {'median ms':>10} {'min ms':>10} {'p90 ms':>10}")
-    for name, r in rows.items():
-        print(f"{name:<12} {r['median_ms']:>10.2f} {r['min_ms']:>10.2f} {r['p90_ms']:>10.2f}")
+    floor = rows["in-process"]["median_ms"]
+    for name in ("push", "relay"):
+        rows[name]["per_hop_overhead_ms"] = (rows[name]["median_ms"] - floor) / 2
+        rows[name]["ratio_to_in_process"] = rows[name]["median_ms"] / floor
+    handoffs = []
+    for inline, total in measured["scheduler"]:
+        thread_rounds = max(0.0, total - inline)
+        handoffs.append(
+            {
+                "rounds": total,
+                "inline_rounds": inline,
+                "handoffs_per_step": 2 * thread_rounds / max(1.0, total),
+            }
+        )
     print(
-        f"per-hop overhead: {overhead_ms:.2f} ms (median), {overhead_min_ms:.2f} ms (min)   "
-        f"loopback / in-process: {ratio:.2f}x   same tokens: {same}"
+        f"decode per token, test model split [0,15)+[15,30), 1 thread per stage, "
+        f"{args.rounds} x {args.tokens} tokens"
     )
+    print(
+        f"{'setup':<12} {'median ms':>10} {'min ms':>10} {'p90 ms':>10} {'per hop ms':>11} {'x in-proc':>10}"
+    )
+    for name, r in rows.items():
+        hop = f"{r['per_hop_overhead_ms']:11.2f}" if "per_hop_overhead_ms" in r else f"{'':>11}"
+        ratio = f"{r['ratio_to_in_process']:10.2f}" if "ratio_to_in_process" in r else f"{'':>10}"
+        print(f"{name:<12} {r['median_ms']:>10.2f} {r['min_ms']:>10.2f} {r['p90_ms']:>10.2f} {hop} {ratio}")
+    for i, h in enumerate(handoffs):
+        print(
+            f"node {i}: {h['rounds']:.0f} engine rounds, {h['inline_rounds']:.0f} on the trio thread; "
+            f"thread hand-offs per stage step: {h['handoffs_per_step']:.2f} "
+            "(+1 grpcio completion wake-up per message)"
+        )
+    print(f"same tokens in every setup: {same}")
     result: dict[str, Any] = {
         "benchmark": "bench_hop",
-        "steps": args.steps,
+        "tokens_per_request": args.tokens,
+        "rounds": args.rounds,
         "prompt_tokens": len(prompt),
         "rows": rows,
-        "per_hop_overhead_ms": overhead_ms,
-        "per_hop_overhead_min_ms": overhead_min_ms,
-        "ratio": ratio,
+        "per_hop_overhead_ms": rows["push"]["per_hop_overhead_ms"],
+        "handoffs": handoffs,
         "same_tokens": same,
         "machine": {
             "python": platform.python_version(),

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 from common.vocab import Vocabulary
-from node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, StageStream, node_info, ticket_bytes
 from node.reference import ReferenceModel
 from node.shard import extract_shard, extract_vocab
 from proto import codec
@@ -36,6 +35,7 @@ from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_tic
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2
 from proto.vocab import VocabAssembler
 from sim.procs import Service, Supervisor
+from tests.node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, StageStream, node_info, ticket_bytes
 
 pytestmark = pytest.mark.slow
 

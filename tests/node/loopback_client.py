@@ -1,4 +1,4 @@
-"""A minimal blocking Route Session client over gRPC: what a gateway does, minus everything else.
+"""A minimal blocking Route Session client over gRPC for the node tests: hand-made frames, no gateway.
 
 For tests, benchmarks (``sim/bench_hop.py``) and operators poking at a node.
 :class:`StageStream` is one bidirectional ``Session`` stream (frames out, reply
