@@ -32,7 +32,15 @@ class SliceResult:
 class Backend(Protocol):
     n_batch: int
 
-    def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None: ...
+    def open(
+        self,
+        session_id: str,
+        budget: int,
+        sampling: SamplingSpec,
+        source: str = "",
+        positions: int = 0,
+        move: bool = False,
+    ) -> None: ...
     def truncate(self, session_id: str, position: int) -> None: ...
     def free(self, session_id: str) -> None: ...
     def run(self, slices: list[Slice]) -> list[SliceResult]: ...
@@ -50,7 +58,15 @@ class EngineBackend:
         self.engine = engine
         self.n_batch = engine.n_batch
 
-    def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None:
+    def open(
+        self,
+        session_id: str,
+        budget: int,
+        sampling: SamplingSpec,
+        source: str = "",
+        positions: int = 0,
+        move: bool = False,
+    ) -> None:
         from node.sampling import SamplingParams
 
         params = SamplingParams(
@@ -62,8 +78,16 @@ class EngineBackend:
             repetition_penalty=sampling.repetition_penalty,
             penalty_last_n=sampling.penalty_last_n,
             top_logprobs=sampling.top_logprobs,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            logit_bias=sampling.logit_bias,
+            grammar=sampling.grammar,
+            completion_start=sampling.completion_start,
+            choices=sampling.choices,
         )
-        self.engine.open_session(session_id, sampling=params, kv_budget=budget)
+        self.engine.open_session(
+            session_id, sampling=params, kv_budget=budget, source=source, positions=positions, move=move
+        )
 
     def truncate(self, session_id: str, position: int) -> None:
         self.engine.truncate(session_id, position)
@@ -103,15 +127,23 @@ class EngineBackend:
                 continue
             sampled = None
             if r.sampled is not None:
-                t = r.sampled
+                first, *others = [self._out(t) for t in (r.sampled, *r.choices)]
                 sampled = SampledOut(
-                    token_id=int(t.token),
-                    logprob=float(t.logprob),
-                    top_logprobs=tuple((int(i), float(p)) for i, p in t.top_logprobs),
-                    end_of_generation=self.engine.is_eog(int(t.token)),
+                    first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others)
                 )
             out.append(SliceResult(r.kv_len, hidden=r.hidden, sampled=sampled))
         return out
+
+    def _out(self, t: object) -> SampledOut:
+        from node.sampling import SampledToken
+
+        assert isinstance(t, SampledToken)
+        return SampledOut(
+            token_id=int(t.token),
+            logprob=float(t.logprob),
+            top_logprobs=tuple((int(i), float(p)) for i, p in t.top_logprobs),
+            end_of_generation=self.engine.is_eog(int(t.token)),
+        )
 
 
 def now_s() -> float:

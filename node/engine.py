@@ -38,6 +38,7 @@ import llama_cpp
 import numpy as np
 
 from node import architectures
+from node.constraints import ConstraintError, GrammarConstraint, LLTokenizer, tokenizer_for
 from node.errors import (
     DecodeError,
     EngineError,
@@ -57,7 +58,7 @@ from node.llama_runtime import (
     new_context,
     ubatch_plan,
 )
-from node.sampling import SampledToken, SamplingParams, sample
+from node.sampling import SampledToken, SamplingParams, sample_choices
 from node.shard import ShardFiles
 from proto.recipe import Recipe
 
@@ -147,7 +148,7 @@ class Work:
     hidden: np.ndarray | None = None  # float32 [n, n_embd], other stages
     sample: bool = False  # last stage: sample a token after this piece's last position
     return_logits: bool = False  # last stage: also return the raw logits of the last position
-    history: np.ndarray | None = None  # token ids for the repetition penalty (last stage)
+    history: np.ndarray | None = None  # token ids so far, for penalties and grammars (last stage)
 
     @property
     def n_tokens(self) -> int:
@@ -165,6 +166,7 @@ class WorkResult:
     sampled: SampledToken | None = None
     logits: np.ndarray | None = None
     error: EngineError | None = None
+    choices: tuple[SampledToken, ...] = ()  # n > 1: the other choices' first tokens
 
     @property
     def ok(self) -> bool:
@@ -179,6 +181,7 @@ class _Session:
     sampling: SamplingParams
     kv_len: int = 0
     last_used_s: float = field(default_factory=time.monotonic)
+    constraint: GrammarConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,8 @@ class ShardEngine:
         self._batch.use_embeddings(True)
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
+        self._choices: dict[int, tuple[SampledToken, ...]] = {}
+        self._lltokenizer: LLTokenizer | None = None  # llguidance's tokenizer, built on the first grammar
         self.recipe = runtime_recipe(files.model.fingerprint, config)
         self.recipe_fingerprint = self.recipe.fingerprint()
         self._steps = 0
@@ -268,12 +273,26 @@ class ShardEngine:
     # -- sessions ----------------------------------------------------------------------------
 
     def open_session(
-        self, session_id: str, *, sampling: SamplingParams | None = None, kv_budget: int | None = None
+        self,
+        session_id: str,
+        *,
+        sampling: SamplingParams | None = None,
+        kv_budget: int | None = None,
+        source: str = "",
+        positions: int = 0,
+        move: bool = False,
     ) -> int:
-        """Reserve a sequence for ``session_id``; returns its KV budget in tokens."""
+        """Reserve a sequence for ``session_id``; returns its KV budget in tokens.
+
+        With ``source``, the session starts with the first ``positions`` positions of that session's
+        KV: ``move`` takes the source's sequence over (a kept session; the source is gone afterwards,
+        nothing is copied), else the KV is copied (llama.cpp's sequence copy: with per-sequence KV
+        streams the whole sequence is copied, then the copy is cut at ``positions``).
+        """
         if session_id in self._sessions:
             raise EngineError(f"session {session_id!r} is already open")
-        if not self._free_seqs:
+        src = self._session(source) if source else None
+        if not self._free_seqs and not (src is not None and move):
             raise SessionLimitError(f"all {self.config.max_sessions} session slots are in use")
         budget = self.session_kv_limit if kv_budget is None else int(kv_budget)
         if budget < 1 or budget > self.session_kv_limit:
@@ -281,11 +300,39 @@ class ShardEngine:
                 f"requested KV budget {budget} tokens; "
                 f"this node allows 1..{self.session_kv_limit} per session"
             )
+        if src is not None and not (1 <= positions <= min(src.kv_len, budget)):
+            raise PositionError(
+                f"cannot start {session_id!r} from {positions} positions of {source!r} "
+                f"(it holds {src.kv_len}; budget {budget})"
+            )
         params = (sampling or SamplingParams()).validate()
-        seq = self._free_seqs.pop(0)
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._sessions[session_id] = _Session(session_id, seq, budget, params)
+        constraint = self._constraint(params)
+        if src is not None and move:
+            del self._sessions[source]
+            seq = src.seq
+        else:
+            seq = self._free_seqs.pop(0)
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            if src is not None:
+                llama_cpp.llama_memory_seq_cp(self._mem, src.seq, seq, -1, -1)
+        sess = _Session(session_id, seq, budget, params, constraint=constraint)
+        if src is not None:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, positions, -1)
+            sess.kv_len = positions
+        self._sessions[session_id] = sess
         return budget
+
+    def _constraint(self, params: SamplingParams) -> GrammarConstraint | None:
+        """The session's grammar (last stage); the vocabulary's llguidance tokenizer is built once."""
+        if not params.grammar or not self.is_last:
+            return None
+        if self._lltokenizer is None:
+            eog = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
+            self._lltokenizer = tokenizer_for(self._vocab, self.n_vocab, eog)
+        try:
+            return GrammarConstraint(self._lltokenizer, params.grammar, self.n_vocab)
+        except ConstraintError as err:
+            raise EngineError(str(err)) from err
 
     def release(self, session_id: str) -> None:
         sess = self._sessions.pop(session_id, None)
@@ -386,6 +433,7 @@ class ShardEngine:
         hidden_out: dict[int, np.ndarray] = {}
         sampled: dict[int, SampledToken] = {}
         logits_out: dict[int, np.ndarray] = {}
+        self._choices = {}
         if accepted:
             try:
                 self._run(works, accepted, hidden_out, sampled, logits_out)
@@ -412,6 +460,7 @@ class ShardEngine:
                     hidden=hidden_out.get(i),
                     sampled=sampled.get(i),
                     logits=logits_out.get(i),
+                    choices=self._choices.get(i, ()),
                     error=error,
                 )
             )
@@ -531,7 +580,12 @@ class ShardEngine:
                 logits_out[i] = logits.copy()
             if w.sample:
                 sess = self._sessions[w.session_id]
-                sampled[i] = sample(logits, sess.sampling, w.start_pos + w.n_tokens, w.history)
+                drawn = sample_choices(
+                    logits, sess.sampling, w.start_pos + w.n_tokens, w.history, sess.constraint
+                )
+                sampled[i] = drawn[0]
+                if len(drawn) > 1:
+                    self._choices[i] = tuple(drawn[1:])
 
     # -- bookkeeping -------------------------------------------------------------------------
 

@@ -6,21 +6,42 @@ call. So a replacement last stage (recovery after a node failure) or a replayed
 step draws exactly the token the original would have drawn: sampling has no
 hidden state to lose.
 
-Order of operations (as in common llama.cpp chains): repetition penalty on the
-raw logits, then top-k, top-p, min-p filtering, then temperature, then the
-draw. ``temperature <= 0`` is greedy (argmax, ties to the lowest id).
+Order of operations: ``logit_bias`` added to the raw logits; the repetition
+penalty (llama.cpp's: divide positive, multiply negative logits of the last
+``penalty_last_n`` tokens of the whole history); OpenAI's frequency and
+presence penalties over the completion so far (``logit[j] -= count[j] *
+frequency_penalty + (count[j] > 0) * presence_penalty``, counting the tokens
+at positions ``>= completion_start``); the grammar constraint (tokens it does
+not allow are out); then top-k, top-p, min-p filtering, temperature and the
+draw. ``temperature <= 0`` is greedy (argmax of the adjusted logits, ties to
+the lowest id).
+
+Every input of a draw is a function of the token history (the constraint's
+state too: :class:`Constraint` is handed the completion tokens and rebuilds
+from them), so a replayed history reproduces every draw.
+
+``choices`` > 1 (n > 1 sharing one prompt): the draw of the first completion
+token also draws ``choices - 1`` more tokens from the same adjusted logits,
+choice ``i`` with seed ``(seed + i) mod 2**63`` -- exactly what a separate
+request with that seed draws.
 
 Reported logprobs are those of the model's distribution (log-softmax of the raw
-logits, before penalties, filters and temperature), like OpenAI's API.
+logits, before bias, penalties, constraint, filters and temperature), like
+OpenAI's API.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16
+SEED_MODULUS = 2**63
 
 
 class SamplingError(ValueError):
@@ -37,6 +58,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off
     penalty_last_n: int = 64
     top_logprobs: int = 0  # how many alternatives to report (0..MAX_TOP_LOGPROBS)
+    frequency_penalty: float = 0.0  # OpenAI's, over the completion (-2..2)
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its raw logit), -100..100
+    grammar: str = ""  # llguidance grammar (node/constraints.py); "" = unconstrained
+    completion_start: int = 0  # position of the first completion token
+    choices: int = 1  # tokens drawn at completion_start (n > 1)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether anything changes the logits before the filters (else greedy is a plain argmax)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or self.grammar
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(
+            self.frequency_penalty or self.presence_penalty or self.grammar
+        )
 
     def validate(self) -> SamplingParams:
         if not (0.0 <= self.temperature <= 100.0) or not np.isfinite(self.temperature):
@@ -55,7 +99,25 @@ class SamplingParams:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if not (0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise SamplingError(f"{name} must be in [-2, 2], got {value}")
+        if any(not (-100.0 <= b <= 100.0) for _, b in self.logit_bias):
+            raise SamplingError("logit_bias values must be in [-100, 100]")
+        if self.completion_start < 0:
+            raise SamplingError(f"completion_start must be >= 0, got {self.completion_start}")
+        if not (1 <= self.choices <= MAX_CHOICES):
+            raise SamplingError(f"choices must be in [1, {MAX_CHOICES}], got {self.choices}")
         return self
+
+
+class Constraint(Protocol):
+    """A grammar over the completion (node/constraints.py): which tokens may come next."""
+
+    def allowed(self, completion: Sequence[int]) -> npt.NDArray[np.bool_] | None:
+        """A mask over the vocabulary after ``completion`` (the tokens so far); None: no limit."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -78,41 +140,80 @@ def logsumexp(logits: np.ndarray) -> float:
     return m + float(np.log(shifted.sum(dtype=np.float64)))
 
 
+def adjusted_logits(
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: np.ndarray | None = None,
+    constraint: Constraint | None = None,
+) -> np.ndarray:
+    """The logits the draw uses (float64): bias, penalties and constraint applied (module docstring)."""
+    work = logits.astype(np.float64)
+    n = work.size
+    for token, bias in params.logit_bias:
+        if 0 <= token < n:
+            work[token] += bias
+    hist = np.zeros(0, np.int64) if history is None else np.asarray(history, dtype=np.int64)
+    if params.repetition_penalty != 1.0 and params.penalty_last_n > 0 and hist.size:
+        recent = np.unique(hist[-params.penalty_last_n :])
+        recent = recent[(recent >= 0) & (recent < n)]
+        vals = work[recent]
+        work[recent] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    completion = hist[params.completion_start :]
+    if (params.frequency_penalty or params.presence_penalty) and completion.size:
+        ids, counts = np.unique(completion[(completion >= 0) & (completion < n)], return_counts=True)
+        work[ids] -= counts * params.frequency_penalty + params.presence_penalty
+    if constraint is not None:
+        mask = constraint.allowed(completion.tolist())
+        if mask is not None and mask[:n].any():
+            work[~mask[:n]] = -np.inf
+    return work
+
+
 def sample(
-    logits: np.ndarray, params: SamplingParams, position: int, history: np.ndarray | None = None
+    logits: np.ndarray,
+    params: SamplingParams,
+    position: int,
+    history: np.ndarray | None = None,
+    constraint: Constraint | None = None,
 ) -> SampledToken:
-    """Pick the next token from one row of logits (float32, vocabulary-sized)."""
+    """Pick the next token (at ``position``) from one row of logits (float32, vocabulary-sized)."""
+    return sample_choices(logits, params, position, history, constraint)[0]
+
+
+def sample_choices(
+    logits: np.ndarray,
+    params: SamplingParams,
+    position: int,
+    history: np.ndarray | None = None,
+    constraint: Constraint | None = None,
+) -> list[SampledToken]:
+    """The session's token, then, at ``completion_start`` with ``choices`` > 1, one per other choice."""
     logits = np.asarray(logits, dtype=np.float32)
     lse = logsumexp(logits)
-    if params.temperature <= 0.0 and params.repetition_penalty == 1.0:
-        token = int(np.argmax(logits))
+    n = params.choices if position == params.completion_start else 1
+    seeds = [(params.seed + i) % SEED_MODULUS for i in range(n)]
+    if params.temperature <= 0.0 and not params.adjusts:
+        tokens = [int(np.argmax(logits))] * n
     else:
-        work = logits.astype(np.float64)
-        if params.repetition_penalty != 1.0 and history is not None and params.penalty_last_n > 0:
-            recent = np.unique(np.asarray(history[-params.penalty_last_n :], dtype=np.int64))
-            recent = recent[(recent >= 0) & (recent < work.size)]
-            vals = work[recent]
-            work[recent] = np.where(
-                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
-            )
+        work = adjusted_logits(logits, params, history, constraint)
         if params.temperature <= 0.0:
-            token = int(np.argmax(work))
+            tokens = [int(np.argmax(work))] * n
         else:
-            token = _draw(work, params, position)
+            tokens = [_draw(work, params, position, seed) for seed in seeds]
     tops: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs:
         k = params.top_logprobs
         idx = np.argpartition(-logits, k - 1)[:k]
         idx = idx[np.lexsort((idx, -logits[idx]))]
         tops = tuple((int(i), float(logits[i]) - lse) for i in idx)
-    return SampledToken(token=token, logprob=float(logits[token]) - lse, top_logprobs=tops)
+    return [SampledToken(token=t, logprob=float(logits[t]) - lse, top_logprobs=tops) for t in tokens]
 
 
-def _draw(work: np.ndarray, params: SamplingParams, position: int) -> int:
-    if params.top_k and params.top_k < work.size:
-        cand = np.argpartition(-work, params.top_k - 1)[: params.top_k]
-    else:
-        cand = np.arange(work.size)
+def _draw(work: np.ndarray, params: SamplingParams, position: int, seed: int) -> int:
+    finite = np.isfinite(work)
+    cand = np.arange(work.size) if finite.all() else np.flatnonzero(finite)
+    if params.top_k and params.top_k < cand.size:
+        cand = cand[np.argpartition(-work[cand], params.top_k - 1)[: params.top_k]]
     # Sort candidates by logit (descending, ties by id) so filters are well defined.
     cand = cand[np.lexsort((cand, -work[cand]))]
     vals = work[cand]
@@ -128,5 +229,5 @@ def _draw(work: np.ndarray, params: SamplingParams, position: int) -> int:
     scaled = vals / params.temperature
     p = np.exp(scaled - scaled.max())
     p /= p.sum()
-    rng = np.random.Generator(np.random.PCG64([params.seed, position]))
+    rng = np.random.Generator(np.random.PCG64([seed, position]))
     return int(cand[int(np.searchsorted(np.cumsum(p), rng.random(), side="right").clip(0, len(cand) - 1))])

@@ -200,7 +200,12 @@ class Scheduler:
                 if isinstance(e, OpenKv):
                     if self.backend.has_session(e.session_id):  # a stale sequence of an evicted id
                         self.backend.free(e.session_id)
-                    self.backend.open(e.session_id, e.budget, e.sampling)
+                    if e.source:
+                        self.backend.open(
+                            e.session_id, e.budget, e.sampling, e.source, e.source_positions, e.move
+                        )
+                    else:
+                        self.backend.open(e.session_id, e.budget, e.sampling)
                 elif isinstance(e, TruncateKv):
                     self.backend.truncate(e.session_id, e.position)
                 elif isinstance(e, FreeKv):

@@ -143,6 +143,9 @@ class ServingSpec:
     max_pending_bytes: int = 256 * 1024 * 1024  # decoded tensors of pending steps, all sessions
     max_history_bytes: int = 64 * 1024 * 1024  # kept pushed outputs per session (OPEN may ask less)
     max_history_total_bytes: int = 512 * 1024 * 1024  # all sessions; the oldest histories go first
+    max_kept_sessions: int = 4  # released sessions kept warm (Release.keep_ms); 0: never keep
+    max_kept_kv_tokens: int = 8192  # positions all kept sessions hold together
+    max_keep_s: float = 120.0  # longest a released session is kept
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -160,6 +163,19 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     penalty_last_n: int = 64
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str = ""
+    completion_start: int = 0
+    choices: int = 1
+
+    @property
+    def needs_history(self) -> bool:
+        """The draw looks at the token history (penalties, grammar)."""
+        return self.repetition_penalty != 1.0 or bool(
+            self.frequency_penalty or self.presence_penalty or self.grammar
+        )
 
 
 @dataclass(frozen=True)
@@ -172,7 +188,7 @@ class StepJob:
     tokens: npt.NDArray[np.int32] | None  # first stage
     hidden: npt.NDArray[np.float32] | None  # other stages, [n, n_embd]
     sample: bool
-    history: npt.NDArray[np.int32] | None  # last stage with a repetition penalty: tokens so far
+    history: npt.NDArray[np.int32] | None  # last stage with penalties or a grammar: tokens so far
     is_decode: bool
     token_ids: npt.NDArray[np.int32] | None = None  # the step's token ids whatever the stage (may be empty)
 
@@ -188,6 +204,7 @@ class SampledOut:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
     end_of_generation: bool = False
+    choices: tuple[SampledOut, ...] = ()  # n > 1: the other choices' first tokens (SamplingParams.choices)
 
 
 @dataclass(frozen=True)
@@ -214,6 +231,9 @@ class OpenKv:
     session_id: str
     budget: int
     sampling: SamplingSpec
+    source: str = ""  # start from this session's KV (KvSource): its first source_positions positions
+    source_positions: int = 0
+    move: bool = False  # the source is a kept session: take its sequence over instead of copying
 
 
 @dataclass(frozen=True)
@@ -349,6 +369,17 @@ class _History:
         return rows[start:end], tokens[start:end]
 
 
+@dataclass
+class _Kept:
+    """A released session whose KV stays on the engine for a while (warm conversations)."""
+
+    session_id: str
+    kv_len: int
+    history_tokens: list[int]
+    history: _History | None
+    expires_at: float
+
+
 @dataclass(frozen=True)
 class _Closed:
     reason: str  # "released", "cancelled", "evicted", "failed"
@@ -367,6 +398,8 @@ class MachineStats:
     kv_tokens_used: int
     kv_tokens_granted: int
     kv_tokens_capacity: int
+    kept_sessions: int
+    kept_kv_tokens: int
     connections: int
     frames_in: int
     frames_out: int
@@ -398,6 +431,8 @@ class FrameServer:
         self._pending_bytes = 0
         self._history_bytes = 0
         self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # released sessions kept warm, oldest first
+        self._reused = 0
         self.draining = False
 
     # -- connections ---------------------------------------------------------------------------
@@ -521,10 +556,22 @@ class FrameServer:
         block = int(frame.open.output_block_size) or DEFAULT_BLOCK_SIZE
         if sess is not None:
             return self._reattach(conn, frame, sess, encoding, block, max_out, now)
-        if len(self._sessions) >= self.spec.max_sessions:
-            raise ResourceExhaustedError(
-                f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
-            )
+        actions: list[Action] = []
+        source, positions, move = self._kv_source(frame.open, budget)
+        if source == sid:
+            source, positions, move = "", 0, False
+        victims = [sid] if sid in self._kept else []  # a kept session's id opened afresh: its KV goes
+        if not move:
+            # Kept sessions are given up first (oldest first) when a new session needs their slot.
+            over = len(self._sessions) + len(self._kept) - (self.spec.max_sessions - 1) - len(victims)
+            others = [k for k in self._kept if k != sid]
+            if over > len(others):
+                raise ResourceExhaustedError(
+                    f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
+                )
+            victims += others[: max(0, over)]
+        for victim in victims:
+            actions += self._evict_kept(victim)
         self._closed.pop(sid, None)
         sess = _Session(
             session_id=sid,
@@ -538,11 +585,63 @@ class FrameServer:
             last_step_id=int(frame.step_id),
             expires_at=now + self.spec.idle_lease_s,
         )
+        if positions:
+            sess.kv_len = positions
+            if move:
+                kept = self._kept.pop(source)
+                sess.history_tokens = kept.history_tokens[:positions]
+                if kept.history is not None:
+                    self._histories.pop(source, None)
+                    sess.history = kept.history
+                    self._histories[sid] = None
+            else:
+                sess.history_tokens = self._sessions[source].history_tokens[:positions]
+            self._reused += positions
         self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)
         self._sessions[sid] = sess
-        event(log, "session_opened", session_id=sid, epoch=sess.epoch, kv_budget=budget, conn=conn)
-        return [OpenKv(sid, budget, sampling), self._send(conn, reply)]
+        event(
+            log,
+            "session_opened",
+            session_id=sid,
+            epoch=sess.epoch,
+            kv_budget=budget,
+            conn=conn,
+            reused_positions=positions or None,
+        )
+        opened = (
+            OpenKv(sid, budget, sampling, source, positions, move)
+            if positions
+            else OpenKv(sid, budget, sampling)
+        )
+        return [*actions, opened, self._send(conn, reply)]
+
+    def _kv_source(self, body: frame_pb2.OpenSession, budget: int) -> tuple[str, int, bool]:
+        """(source, positions, move) for an OPEN with a KvSource this node can honour, else ("", 0, False)."""
+        if not body.HasField("kv_source"):
+            return "", 0, False
+        source, positions = body.kv_source.session_id, int(body.kv_source.positions)
+        if positions < 1 or positions > budget:
+            return "", 0, False
+        kept = self._kept.get(source)
+        if kept is not None:
+            return (source, positions, True) if kept.kv_len >= positions else ("", 0, False)
+        live = self._sessions.get(source)
+        if live is not None and live.kv_len >= positions:
+            return source, positions, False
+        return "", 0, False
+
+    def _evict_kept(self, sid: str) -> list[Action]:
+        kept = self._kept.pop(sid, None)
+        if kept is None:
+            return []
+        if kept.history is not None:
+            self._history_bytes -= kept.history.nbytes
+            kept.history.release()
+        self._histories.pop(sid, None)
+        self._evictions += 1
+        event(log, "kept_session_dropped", session_id=sid, freed_kv_tokens=kept.kv_len)
+        return [FreeKv(sid)]
 
     def _check_targets(self, body: frame_pb2.OpenSession) -> None:
         if body.HasField("downstream") and self.spec.is_last:
@@ -637,8 +736,6 @@ class FrameServer:
         s = codec.sampling_settings(params)
         if not self.spec.is_last:
             return SamplingSpec()
-        if s.frequency_penalty or s.presence_penalty:
-            raise BadFrameError("frequency_penalty and presence_penalty are not supported by this node")
         if s.temperature > 100:
             raise BadFrameError("sampling: temperature must be <= 100")
         if s.min_p >= 1:
@@ -656,6 +753,12 @@ class FrameServer:
             repetition_penalty=s.repetition_penalty,
             penalty_last_n=s.penalty_last_n,
             top_logprobs=s.n_top_logprobs,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            logit_bias=s.logit_bias,
+            grammar=s.grammar,
+            completion_start=s.completion_start,
+            choices=s.choices,
         )
 
     # -- frames of an existing session ----------------------------------------------------------
@@ -684,7 +787,7 @@ class FrameServer:
         if not owner:
             self._check_sender(frame, kind, sess)
         if kind == "cancel":
-            return self._close(conn, frame, sess, "cancelled")
+            return self._close(conn, frame, sess, "cancelled", now)
         if kind == "replay":
             return self._replay_history(conn, frame, sess)
         reply_conn = conn if owner else sess.conn
@@ -699,7 +802,7 @@ class FrameServer:
                 f"step id {frame.step_id} is not above the last applied {sess.last_step_id}"
             )
         if kind == "release":
-            return self._close(conn, frame, sess, "released")
+            return self._close(conn, frame, sess, "released", now)
         return self._step(conn, frame, sess, now)
 
     def _check_sender(self, frame: frame_pb2.Frame, kind: str | None, sess: _Session) -> None:
@@ -726,18 +829,47 @@ class FrameServer:
             frames.append(copy)
         return [self._send(conn, tuple(frames))]
 
-    def _close(self, conn: int, frame: frame_pb2.Frame, sess: _Session, reason: str) -> list[Action]:
+    def _close(
+        self, conn: int, frame: frame_pb2.Frame, sess: _Session, reason: str, now: float
+    ) -> list[Action]:
         actions: list[Action] = []
         if sess.busy_job is not None:
             actions.append(Drop(sess.busy_job))
             self._jobs.pop(sess.busy_job, None)  # its result is dropped, never sent
         freed = sess.kv_len
-        self._forget(sess)
-        actions.append(FreeKv(sess.session_id))
+        keep = 0
+        if reason == "released" and frame.release.keep_ms and self.spec.max_kept_sessions > 0:
+            keep = min(int(frame.release.keep_positions), sess.kv_len, self.spec.max_kept_kv_tokens)
+        if keep > 0:
+            actions += self._keep(sess, keep, now + min(frame.release.keep_ms / 1000, self.spec.max_keep_s))
+            freed -= keep
+        else:
+            self._forget(sess)
+            actions.append(FreeKv(sess.session_id))
         reply = (codec.closed_frame(frame, freed_kv_tokens=freed),)
         self._remember_closed(sess.session_id, _Closed(reason, int(frame.step_id), reply))
         event(log, f"session_{reason}", session_id=sess.session_id, freed_kv_tokens=freed)
         actions.append(self._send(conn, reply))
+        return actions
+
+    def _keep(self, sess: _Session, positions: int, until: float) -> list[Action]:
+        """RELEASE with keep_ms: the session's first ``positions`` stay on the engine until ``until``."""
+        sid = sess.session_id
+        self._drop_pending(sess)
+        history = sess.history
+        if history is not None:
+            before = history.nbytes
+            history.truncate(positions)
+            self._history_bytes += history.nbytes - before
+        self._sessions.pop(sid, None)
+        self._kept[sid] = _Kept(sid, positions, sess.history_tokens[:positions], history, until)
+        actions: list[Action] = [TruncateKv(sid, positions)]
+        while self._kept and (
+            len(self._kept) > self.spec.max_kept_sessions
+            or sum(k.kv_len for k in self._kept.values()) > self.spec.max_kept_kv_tokens
+        ):
+            actions += self._evict_kept(next(iter(self._kept)))
+        event(log, "session_kept", session_id=sid, kept_kv_tokens=positions)
         return actions
 
     def _forget(self, sess: _Session) -> None:
@@ -780,7 +912,7 @@ class FrameServer:
         self._histories.move_to_end(sess.session_id)
         while self._history_bytes > self.spec.max_history_total_bytes and self._histories:
             oldest = next(iter(self._histories))
-            victim = self._sessions.get(oldest)
+            victim = self._sessions.get(oldest) or self._kept.get(oldest)
             self._histories.pop(oldest)
             if victim is not None and victim.history is not None:
                 self._history_bytes -= victim.history.nbytes
@@ -983,7 +1115,7 @@ class FrameServer:
                 raise ShapeError("hidden states contain NaN or infinity")
             hidden = np.ascontiguousarray(h, dtype=np.float32)
         history: npt.NDArray[np.int32] | None = None
-        if self.spec.is_last and sess.sampling.repetition_penalty != 1.0:
+        if self.spec.is_last and sess.sampling.needs_history:
             history = np.asarray([*sess.history_tokens, *step.token_ids.tolist()], dtype=np.int32)
         if check_queue and len(self._jobs) >= self.spec.max_queued_steps:
             raise ResourceExhaustedError(
@@ -1061,14 +1193,14 @@ class FrameServer:
         if self.spec.is_last:
             sampled = []
             if outcome.sampled is not None:
-                s = outcome.sampled
-                token = frame_pb2.SampledToken(
-                    token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
-                )
-                token.top_logprobs.extend(
-                    frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs
-                )
-                sampled.append(token)
+                for s in (outcome.sampled, *outcome.sampled.choices):
+                    token = frame_pb2.SampledToken(
+                        token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
+                    )
+                    token.top_logprobs.extend(
+                        frame_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in s.top_logprobs
+                    )
+                    sampled.append(token)
             replies = codec.result_frames(
                 step, kv_len=sess.kv_len, sampled=sampled, compute_us=outcome.compute_us
             )
@@ -1191,6 +1323,9 @@ class FrameServer:
                 self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
                 event(log, "session_evicted", session_id=sid, freed_kv_tokens=sess.kv_len)
                 actions.append(FreeKv(sid))
+        for sid, kept in list(self._kept.items()):
+            if now >= kept.expires_at:
+                actions += self._evict_kept(sid)
         return actions
 
     def drain(self) -> list[Action]:
@@ -1214,6 +1349,8 @@ class FrameServer:
             self._forget(sess)
             self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
             actions.append(FreeKv(sid))
+        for sid in list(self._kept):
+            actions += self._evict_kept(sid)
         return actions
 
     # -- introspection -------------------------------------------------------------------------------
@@ -1240,6 +1377,8 @@ class FrameServer:
             kv_tokens_used=sum(s.kv_len for s in sessions),
             kv_tokens_granted=sum(s.budget for s in sessions),
             kv_tokens_capacity=self.spec.max_sessions * self.spec.session_kv_tokens,
+            kept_sessions=len(self._kept),
+            kept_kv_tokens=sum(k.kv_len for k in self._kept.values()),
             connections=len(self._conns),
             frames_in=self._frames_in,
             frames_out=self._frames_out,

@@ -65,6 +65,9 @@ VOCAB_METHOD = f"/{SERVICE}/GetVocab"
 SCHEMA_VERSION = 2  # 2: direct push (PushTarget, hop tokens, reports, REPLAY)
 HIDDEN = "hidden"  # name of the hidden-state tensor, float32 [n_tokens, n_embd]
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per session
+MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar (tool schemas included) in one OPEN
+MAX_CHOICES = 16  # n of one request (sessions sharing one prompt)
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # gRPC's default receive limit
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _LOGPROB_SLACK = 1e-4
@@ -219,9 +222,17 @@ class SamplingSettings:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     n_top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str = ""
+    completion_start: int = 0
+    choices: int = 1
 
     def to_wire(self) -> frame_pb2.SamplingParams:
         return frame_pb2.SamplingParams(
+            logit_bias=[frame_pb2.TokenBias(token_id=t, bias=b) for t, b in self.logit_bias],
+            grammar=self.grammar,
+            completion_start=self.completion_start,
+            choices=self.choices,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -238,11 +249,17 @@ class SamplingSettings:
 def sampling_settings(params: frame_pb2.SamplingParams) -> SamplingSettings:
     """Defaults applied and ranges checked (:class:`BadFrameError` when out of range)."""
     defaults = SamplingSettings()
-    values = {
-        name: getattr(params, name) if params.HasField(name) else getattr(defaults, name)
-        for name in SamplingSettings.__dataclass_fields__
+    scalars = set(SamplingSettings.__dataclass_fields__) - {"logit_bias", "grammar"}
+    values: dict[str, object] = {
+        name: getattr(params, name) if params.HasField(name) else getattr(defaults, name) for name in scalars
     }
-    settings = SamplingSettings(**values)
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise BadFrameError(f"sampling: at most {MAX_LOGIT_BIAS} logit_bias entries")
+    if len(params.grammar) > MAX_GRAMMAR_CHARS:
+        raise BadFrameError(f"sampling: grammar longer than {MAX_GRAMMAR_CHARS} characters")
+    values["logit_bias"] = tuple((int(b.token_id), float(b.bias)) for b in params.logit_bias)
+    values["grammar"] = params.grammar
+    settings = SamplingSettings(**values)  # type: ignore[arg-type]
     checks = (
         (math.isfinite(settings.temperature) and settings.temperature >= 0, "temperature must be >= 0"),
         (0 < settings.top_p <= 1, "top_p must be in (0, 1]"),
@@ -254,6 +271,11 @@ def sampling_settings(params: frame_pb2.SamplingParams) -> SamplingSettings:
         (abs(settings.frequency_penalty) <= 2, "frequency_penalty must be in [-2, 2]"),
         (abs(settings.presence_penalty) <= 2, "presence_penalty must be in [-2, 2]"),
         (settings.n_top_logprobs <= MAX_TOP_LOGPROBS, f"n_top_logprobs must be <= {MAX_TOP_LOGPROBS}"),
+        (
+            all(math.isfinite(b) and abs(b) <= 100 for _, b in settings.logit_bias),
+            "logit_bias values must be in [-100, 100]",
+        ),
+        (1 <= settings.choices <= MAX_CHOICES, f"choices must be in [1, {MAX_CHOICES}]"),
     )
     for ok, message in checks:
         if not ok:
@@ -327,8 +349,8 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
         result = frame.result
         if frame.kv_len < end:
             raise BadFrameError(f"kv_len {frame.kv_len} after a step ending at position {end}")
-        if len(result.sampled) > 1 or (result.sampled and not _is_last_chunk(frame)):
-            raise BadFrameError("at most one sampled token, on the last chunk")
+        if len(result.sampled) > MAX_CHOICES or (result.sampled and not _is_last_chunk(frame)):
+            raise BadFrameError(f"at most {MAX_CHOICES} sampled tokens (choices), on the last chunk")
         for token in result.sampled:
             if token.token_id < 0 or len(token.top_logprobs) > MAX_TOP_LOGPROBS:
                 raise BadFrameError("bad sampled token")
@@ -467,8 +489,11 @@ def open_frame(
     upstream_token: bytes = b"",
     ring: frame_pb2.PushTarget | None = None,
     history_bytes: int = 0,
+    kv_source: tuple[str, int] | None = None,
 ) -> frame_pb2.Frame:
     """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session).
+
+    ``kv_source`` (session id, positions) starts a new session from another session's KV.
 
     ``downstream``/``ring``/``upstream_token``/``history_bytes`` set up direct
     push (docs/protocol.md, Direct push); without them the stage answers every
@@ -487,6 +512,9 @@ def open_frame(
         frame.open.ring.CopyFrom(ring)
     frame.open.upstream_token = upstream_token
     frame.open.history_bytes = history_bytes
+    if kv_source is not None:
+        frame.open.kv_source.session_id = kv_source[0]
+        frame.open.kv_source.positions = kv_source[1]
     return frame
 
 
@@ -559,9 +587,19 @@ def open_ack_frame(
     return frame
 
 
-def release_frame(header: SessionHeader, *, step_id: int, expected_kv_len: int = 0) -> frame_pb2.Frame:
+def release_frame(
+    header: SessionHeader,
+    *,
+    step_id: int,
+    expected_kv_len: int = 0,
+    keep_ms: int = 0,
+    keep_positions: int = 0,
+) -> frame_pb2.Frame:
+    """RELEASE; ``keep_ms`` > 0 asks the node to keep the first ``keep_positions`` positions warm."""
     frame = header.frame(frame_pb2.PHASE_RELEASE, step_id=step_id, expected_kv_len=expected_kv_len)
     frame.release.SetInParent()
+    frame.release.keep_ms = keep_ms
+    frame.release.keep_positions = keep_positions
     return frame
 
 

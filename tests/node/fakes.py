@@ -27,13 +27,25 @@ class FakeBackend:
         self.fail_at_offset: tuple[str, int] | None = None  # fail this session's slice at this offset
         self.log: list[tuple[str, str]] = []
 
-    def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None:
+    def open(
+        self,
+        session_id: str,
+        budget: int,
+        sampling: SamplingSpec,
+        source: str = "",
+        positions: int = 0,
+        move: bool = False,
+    ) -> None:
         if session_id in self.kv:
             raise RuntimeError(f"{session_id} already open")
-        if len(self.kv) >= self.max_sessions:
+        if source and self.kv.get(source, -1) < positions:
+            raise RuntimeError(f"{source} holds fewer than {positions} positions")
+        if len(self.kv) >= self.max_sessions and not (source and move):
             raise RuntimeError("no slot")
-        self.kv[session_id] = 0
-        self.log.append(("open", session_id))
+        if source and move:
+            del self.kv[source]
+        self.kv[session_id] = positions if source else 0
+        self.log.append(("open", session_id) if not source else ("open", session_id, source, positions, move))
 
     def truncate(self, session_id: str, position: int) -> None:
         if session_id not in self.kv:

@@ -244,13 +244,33 @@ def test_first_stage_takes_token_ids() -> None:
     assert status_of(h.feed(too_big[0])) == S.STATUS_SHAPE
 
 
-def test_sampling_refused_when_unsupported() -> None:
+def test_sampling_refused_when_out_of_range() -> None:
     h = Harness(is_last=True)
-    sampling = codec.SamplingSettings(frequency_penalty=0.5)
+    sampling = codec.SamplingSettings(temperature=150.0)
     actions = h.feed(
         codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=8, sampling=sampling)
     )
     assert status_of(actions) == S.STATUS_BAD_FRAME
+
+
+def test_sampling_controls_reach_the_engine() -> None:
+    h = Harness(is_last=True)
+    sampling = codec.SamplingSettings(
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        logit_bias=((5, -100.0),),
+        grammar='start: "x"',
+        completion_start=3,
+        choices=2,
+    )
+    actions = h.feed(
+        codec.open_frame(h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=8, sampling=sampling)
+    )
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    spec = opened.sampling
+    assert (spec.frequency_penalty, spec.presence_penalty, spec.logit_bias) == (0.5, -0.25, ((5, -100.0),))
+    assert (spec.grammar, spec.completion_start, spec.choices) == ('start: "x"', 3, 2)
+    assert spec.needs_history
 
 
 # --------------------------------------------------------------------------- refusals

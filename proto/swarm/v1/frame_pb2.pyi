@@ -110,7 +110,7 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "penalty_last_n", "frequency_penalty", "presence_penalty", "n_top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "penalty_last_n", "frequency_penalty", "presence_penalty", "n_top_logprobs", "logit_bias", "grammar", "completion_start", "choices")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,10 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     N_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_START_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -131,7 +135,27 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     presence_penalty: float
     n_top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.RepeatedCompositeFieldContainer[TokenBias]
+    grammar: str
+    completion_start: int
+    choices: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., grammar: _Optional[str] = ..., completion_start: _Optional[int] = ..., choices: _Optional[int] = ...) -> None: ...
+
+class TokenBias(_message.Message):
+    __slots__ = ("token_id", "bias")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    bias: float
+    def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("session_id", "positions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    positions: int
+    def __init__(self, session_id: _Optional[str] = ..., positions: _Optional[int] = ...) -> None: ...
 
 class PushTarget(_message.Message):
     __slots__ = ("node_id", "address", "hop_token", "shard", "recipe_fingerprint")
@@ -154,7 +178,7 @@ class KvBudget(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes")
+    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes", "kv_source")
     ROUTE_TICKET_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +189,7 @@ class OpenSession(_message.Message):
     UPSTREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     route_ticket: bytes
     kv_budget: KvBudget
     sampling: SamplingParams
@@ -175,7 +200,8 @@ class OpenSession(_message.Message):
     upstream_token: bytes
     ring: PushTarget
     history_bytes: int
-    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ...) -> None: ...
+    kv_source: KvSource
+    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
 
 class OpenAck(_message.Message):
     __slots__ = ("node_id", "kv_tokens_granted", "max_frame_bytes", "max_step_tokens", "reattached")
@@ -258,8 +284,12 @@ class ReplayAck(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., positions: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("keep_ms", "keep_positions")
+    KEEP_MS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    keep_ms: int
+    keep_positions: int
+    def __init__(self, keep_ms: _Optional[int] = ..., keep_positions: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("reason",)

@@ -1,0 +1,120 @@
+"""Warm KV on a node: RELEASE with keep_ms keeps a session, OPEN with a KvSource reuses it (sans-IO)."""
+
+from __future__ import annotations
+
+from node.session_machine import FreeKv, OpenKv, Send, TruncateKv
+from proto import codec
+from proto.swarm.v1 import status_pb2
+from tests.node.test_session_machine import Harness, status_of
+
+S = status_pb2
+
+
+def open_from(h: Harness, sid: str, source: str, positions: int, budget: int = 32, step_id: int = 1) -> list:
+    return h.feed(
+        codec.open_frame(
+            h.header(sid),
+            step_id=step_id,
+            route_ticket=b"good",
+            kv_budget_tokens=budget,
+            kv_source=(source, positions),
+        )
+    )
+
+
+def release(h: Harness, sid: str, step_id: int, keep_ms: int, keep_positions: int) -> list:
+    return h.feed(
+        codec.release_frame(h.header(sid), step_id=step_id, keep_ms=keep_ms, keep_positions=keep_positions)
+    )
+
+
+def ack_kv(actions: list) -> int:
+    (send,) = [a for a in actions if isinstance(a, Send)]
+    return int(send.frames[0].kv_len)
+
+
+def prefilled(h: Harness, sid: str, n: int) -> None:
+    h.open(sid)
+    h.run_step(sid, 2, 0, n)
+
+
+def test_released_session_is_kept_and_taken_over_by_a_prefix_open() -> None:
+    h = Harness(max_sessions=2)
+    prefilled(h, "s1", 10)
+    actions = release(h, "s1", 99, keep_ms=5000, keep_positions=8)
+    assert TruncateKv("s1", 8) in actions and not any(isinstance(a, FreeKv) for a in actions)
+    (send,) = [a for a in actions if isinstance(a, Send)]
+    assert send.frames[0].closed.freed_kv_tokens == 2
+    assert h.m.statistics().kept_sessions == 1 and h.m.statistics().sessions == 0
+    # The next turn: starts from 6 of the 8 kept positions, taking the sequence over.
+    actions = open_from(h, "s2", "s1", 6)
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    assert (opened.source, opened.source_positions, opened.move) == ("s1", 6, True)
+    assert ack_kv(actions) == 6 and h.m.kv_len("s2") == 6
+    assert h.m.statistics().kept_sessions == 0
+    # Steps continue from the reused prefix.
+    assert h.run_step("s2", 8, 6, 3).kv_len == 9
+
+
+def test_a_live_session_is_copied_for_another_choice() -> None:
+    h = Harness(max_sessions=3)
+    prefilled(h, "p", 10)
+    actions = open_from(h, "c1", "p", 10)
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    assert (opened.source, opened.source_positions, opened.move) == ("p", 10, False)
+    assert ack_kv(actions) == 10
+    assert h.m.kv_len("p") == 10  # the source is untouched
+
+
+def test_unusable_sources_start_empty() -> None:
+    h = Harness(max_sessions=6)
+    prefilled(h, "p", 5)
+    for sid, source, positions in (("a", "nope", 3), ("b", "p", 6), ("c", "p", 0), ("d", "p", 40)):
+        actions = open_from(h, sid, source, positions, budget=32)
+        (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+        assert opened.source == "" and ack_kv(actions) == 0, (sid, source, positions)
+
+
+def test_kept_sessions_go_first_when_slots_run_out_and_expire() -> None:
+    h = Harness(max_sessions=2)
+    prefilled(h, "s1", 4)
+    release(h, "s1", 99, keep_ms=60_000, keep_positions=4)
+    prefilled(h, "s2", 4)
+    # Both slots taken (one live, one kept): a new session evicts the kept one instead of refusing.
+    actions = h.open("s3")
+    assert actions[0] == FreeKv("s1") and ack_kv(actions) == 0
+    assert h.m.statistics().kept_sessions == 0
+    # Nothing kept and both slots live: refused as before.
+    assert status_of(h.open("s4")) == S.STATUS_RESOURCE_EXHAUSTED
+    # A kept session ends at its lease.
+    release(h, "s2", 99, keep_ms=1000, keep_positions=4)
+    h.now += 0.5
+    assert h.m.tick(h.now) == []
+    h.now += 1.0
+    assert h.m.tick(h.now) == [FreeKv("s2")]
+
+
+def test_kept_sessions_are_bounded_in_count_and_positions() -> None:
+    h = Harness(max_sessions=6, max_kept_sessions=2, max_kept_kv_tokens=12)
+    for i in range(3):
+        prefilled(h, f"s{i}", 5)
+    release(h, "s0", 99, keep_ms=60_000, keep_positions=5)
+    release(h, "s1", 99, keep_ms=60_000, keep_positions=5)
+    actions = release(h, "s2", 99, keep_ms=60_000, keep_positions=5)
+    assert FreeKv("s0") in actions  # three would pass both bounds: the oldest goes
+    assert h.m.statistics().kept_sessions == 2 and h.m.statistics().kept_kv_tokens == 10
+    # keep_ms 0 or a node that keeps nothing: freed at once, as before.
+    h2 = Harness(max_kept_sessions=0)
+    prefilled(h2, "s", 3)
+    assert FreeKv("s") in release(h2, "s", 99, keep_ms=5000, keep_positions=3)
+
+
+def test_a_cancelled_session_is_never_kept_and_drain_frees_kept_ones() -> None:
+    h = Harness(max_sessions=3)
+    prefilled(h, "s1", 4)
+    actions = h.feed(codec.cancel_frame(h.header("s1"), step_id=99))
+    assert FreeKv("s1") in actions
+    prefilled(h, "s2", 4)
+    release(h, "s2", 99, keep_ms=5000, keep_positions=4)
+    assert FreeKv("s2") in h.m.drain()
+    assert h.m.statistics().kept_sessions == 0
