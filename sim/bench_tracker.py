@@ -315,9 +315,17 @@ def _client_phase(args: tuple[str, list[str], int, int, int, float, float]) -> d
     hw = Hardware(4, 8 << 30, (), ("cpu",), 10 << 30)
 
     async def run() -> dict[str, Any]:
-        # Half the clients list the replicas in one order, half in the other: load is spread.
+        import httpx
+
+        # One connection pool for the process (a client per node key would each build its own);
+        # half the keys list the replicas in one order, half in the other: load is spread.
+        shared = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=tasks * 2))
         clients = [
-            TrackerClient(urls if (first + j) % 2 == 0 else list(reversed(urls)), _node_key(first + j + 1))
+            TrackerClient(
+                urls if (first + j) % 2 == 0 else list(reversed(urls)),
+                _node_key(first + j + 1),
+                transport=shared,
+            )
             for j in range(count)
         ]
         rng = random.Random(first)
@@ -368,8 +376,7 @@ def _client_phase(args: tuple[str, list[str], int, int, int, float, float]) -> d
             for w in range(tasks):
                 nursery.start_soon(worker, w)
         elapsed = time.perf_counter() - t0
-        for c in clients:
-            await c.aclose()
+        await shared.aclose()  # the clients' own aclose would close the shared transport once each
         return {"requests": done, "errors": errors, "seconds": elapsed, "latencies": latencies}
 
     return trio.run(run)

@@ -93,7 +93,10 @@ class Registry:
         self.limiter = trio.CapacityLimiter(config.resolved_db_threads())
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
-        self._snapshot_stale = True
+        # Structural changes (announce, restore, leave, expiry) bump the generation: a snapshot
+        # older than the caller's generation is never served. Load figures only age (ttl).
+        self._generation = 0
+        self._snapshot_generation = -1
         self._snapshot_lock = trio.Lock()
         self.replica_id = uuid.uuid4().hex
         self.url = ""  # set by the server once it listens
@@ -192,7 +195,7 @@ class Registry:
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         result = await self._signed_write("announce", self.store.announce, a, self.clock(), nonce)
-        self._snapshot_stale = True
+        self.invalidate_snapshot()
         self.metrics.inc("swarm_tracker_announces_total")
         if result.restored:
             self.metrics.inc("swarm_tracker_restorations_total")
@@ -226,7 +229,7 @@ class Registry:
         restored = await self._signed_write("heartbeat", self.store.heartbeat, h, self.clock(), nonce)
         self.metrics.inc("swarm_tracker_heartbeats_total")
         if restored:
-            self._snapshot_stale = True
+            self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_restorations_total")
             event(log, "node_restored", node_id=h.node_id)
         return {
@@ -243,7 +246,7 @@ class Registry:
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         result = await self._signed_write("leave", self.store.leave, msg, self.clock(), nonce)
-        self._snapshot_stale = True
+        self.invalidate_snapshot()
         self.metrics.inc("swarm_tracker_leaves_total")
         event(log, "node_left", node_id=msg.node_id, reason=msg.reason, was_live=result.was_live)
         return {"node_id": msg.node_id, "state": "left"}
@@ -281,7 +284,7 @@ class Registry:
     async def expire_once(self) -> list[str]:
         expired = await self._db(self.store.expire, self.clock(), self.config.heartbeat_timeout_s)
         if expired:
-            self._snapshot_stale = True
+            self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_expirations_total", len(expired))
             for node_id in expired:
                 event(log, "node_expired", node_id=node_id, timeout_s=self.config.heartbeat_timeout_s)
@@ -330,22 +333,31 @@ class Registry:
 
     # --- reads ----------------------------------------------------------------------------------
 
+    def invalidate_snapshot(self) -> None:
+        """The registry changed shape: the next route request reads it afresh (waiting if need be)."""
+        self._generation += 1
+
     async def snapshot(self) -> SwarmSnapshot:
+        """The routing snapshot: at most ``snapshot_ttl_s`` old, and never older than the last
+        structural change this replica made.
+
+        Only one refresh runs at a time. While it runs, callers that need no newer structure get
+        the current snapshot instead of waiting (its load figures are a refresh older): under load
+        a slow database read must not turn every request into a wait for the next read."""
         now = self.clock()
-        fresh = (
-            self._snapshot is not None
-            and not self._snapshot_stale
-            and now - self._snapshot_at <= self.config.snapshot_ttl_s
-        )
-        if fresh and self._snapshot is not None:
-            return self._snapshot
+        want = self._generation
+        snap = self._snapshot
+        if snap is not None and self._snapshot_generation >= want:
+            if now - self._snapshot_at <= self.config.snapshot_ttl_s or self._snapshot_lock.locked():
+                return snap
         async with self._snapshot_lock:  # one refresh at a time; the others reuse its result
-            if self._snapshot is not None and self._snapshot_at >= now and not self._snapshot_stale:
-                return self._snapshot
+            snap = self._snapshot
+            if snap is not None and self._snapshot_generation >= want and self._snapshot_at >= now:
+                return snap  # a refresh that began after this call finished while we waited
             return await self._refresh_snapshot(now)
 
     async def _refresh_snapshot(self, now: float) -> SwarmSnapshot:
-        self._snapshot_stale = False
+        generation = self._generation
         try:
             snap = await self._db(
                 functools.partial(
@@ -360,10 +372,9 @@ class Registry:
             # Ride out a short database outage on the last snapshot, but never on one older than
             # the heartbeat timeout: past that it may list nodes that have since died.
             if self._snapshot is not None and now - self._snapshot_at <= self.config.heartbeat_timeout_s:
-                self._snapshot_stale = True
                 return self._snapshot
             raise
-        self._snapshot, self._snapshot_at = snap, now
+        self._snapshot, self._snapshot_at, self._snapshot_generation = snap, now, generation
         return snap
 
     @staticmethod

@@ -288,7 +288,7 @@ async def test_database_outage_is_503_and_routes_ride_it_out(
 
     for name in ("heartbeat", "snapshot", "expire"):
         monkeypatch.setattr(env.store, name, down)
-    env.registry._snapshot_stale = True  # force a refresh attempt
+    env.registry.invalidate_snapshot()  # force a refresh attempt
     status, body = await env.post("/v1/heartbeat", env.heartbeat_env(1))
     assert status == 503 and body["error"]["code"] == "storage_unavailable"
     # Routes keep coming from the last snapshot while it is younger than the heartbeat timeout ...
