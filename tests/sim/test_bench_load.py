@@ -52,6 +52,7 @@ class FakeGateway:
                         with gw.lock:
                             gw.inflight -= 1
                     return
+                released = False
                 try:
                     time.sleep(gw.delay * inflight)
                     self.send_response(200)
@@ -61,11 +62,16 @@ class FakeGateway:
                     for i in range(body["max_tokens"]):
                         chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
                         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    # Free the slot before the client can see the end (and send its next request).
+                    with gw.lock:
+                        gw.inflight -= 1
+                    released = True
                     self.wfile.write(b"data: [DONE]\n\n")
                     self.close_connection = True
                 finally:
-                    with gw.lock:
-                        gw.inflight -= 1
+                    if not released:
+                        with gw.lock:
+                            gw.inflight -= 1
 
             def log_message(self, *args: object) -> None:
                 pass
