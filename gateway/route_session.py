@@ -156,6 +156,18 @@ class RouteSession:
     async def begin(self, prompt: Sequence[int]) -> None:
         await self._events_send.send(("begin", list(prompt)))
 
+    async def begin_choice(self, prompt: Sequence[int], first: Sampled) -> None:
+        """n > 1: continue another choice of ``prompt`` from its first token (see the machine)."""
+        await self._events_send.send(("begin_choice", list(prompt), first))
+
+    @property
+    def reused(self) -> int:
+        """Prompt positions taken from the KV source (not prefilled)."""
+        return self.machine.reused
+
+    def kept_prefix(self) -> list[int]:
+        return self.machine.kept_prefix()
+
     async def next_token(self) -> Sampled:
         """The next generated token; raises the session's failure once it cannot go on."""
         item = await self._tokens.receive()
@@ -211,6 +223,10 @@ class RouteSession:
             if m.phase != "ready":
                 return []  # the session already failed; next_token() raises it
             return m.begin(event[1], now)  # type: ignore[arg-type]
+        if kind == "begin_choice":
+            if m.phase != "ready":
+                return []
+            return m.begin_choice(event[1], event[2], now)  # type: ignore[arg-type]
         if kind == "stop":
             return m.stop(release=bool(event[1]), now=now)
         raise AssertionError(f"unknown event {kind!r}")
@@ -355,6 +371,8 @@ async def open_route_session(
     max_frame_bytes: int,
     plane: DataPlane = DataPlane(),
     recovery: RecoveryPolicy | None = None,
+    kv_source: tuple[str, int] | None = None,
+    keep_ms: int = 0,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -393,6 +411,8 @@ async def open_route_session(
         decode_timeout_s=plane.decode_timeout_s,
         decode_timeout_floor_s=plane.decode_timeout_floor_s,
         close_timeout_s=plane.close_timeout_s,
+        kv_source=kv_source,
+        keep_ms=keep_ms,
     )
     specs = [
         StageSpec(

@@ -101,6 +101,11 @@ class RouteConfig:
     decode_timeout_s: float = 30.0  # ceiling of the adaptive decode deadline
     decode_timeout_floor_s: float = 3.0
     close_timeout_s: float = 5.0
+    # Start from another session's KV on every stage (its first positions): a kept session of an
+    # earlier request (warm conversations) or the live session of choice 0 (n > 1). Nodes that cannot
+    # honour it start empty; a route whose stages disagree is re-opened empty.
+    kv_source: tuple[str, int] | None = None
+    keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Sampled:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
     end_of_generation: bool
+    choices: tuple[Sampled, ...] = ()  # n > 1: the other choices' first tokens (from the same logits)
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,7 @@ class _Stage:
     kv: int = 0
     reported_step: int = 0
     closed: bool = False
+    closed_ok: bool = False  # the stage confirmed RELEASE/CANCEL (not a timeout or a broken stream)
     tokens: int = 0  # positions computed (usage)
     steps: int = 0
     granted: int = 0
@@ -260,6 +267,7 @@ class MachineStats:
     forwarded_bytes: int
     committed: int
     ewma_step_s: float
+    reused: int
 
 
 _OPENING, _READY, _RUNNING, _RECOVERING, _CLOSING, _DONE = (
@@ -305,6 +313,8 @@ class RouteMachine:
         self._forwarded = 0
         self._forwarded_bytes = 0
         self._released = False
+        self.reused = 0  # prompt positions taken from the KV source instead of prefilled
+        self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
 
     # -- small helpers ------------------------------------------------------------------------------
 
@@ -353,6 +363,7 @@ class RouteMachine:
             self._forwarded_bytes,
             self.committed,
             self._ewma_step_s,
+            self.reused,
         )
 
     def _direct(self, a: int, b: int) -> bool:
@@ -403,6 +414,9 @@ class RouteMachine:
             last = k == n - 1
             stage.acked = False
             stage.keep = 0 if k in fresh else keep
+            source = self.config.kv_source if self._reuse_open else None
+            if source is not None:
+                stage.keep = source[1]
             stage.reopen_at = math.inf
             stage.open_frame = codec.open_frame(
                 stage.header,
@@ -417,7 +431,10 @@ class RouteMachine:
                 upstream_token=hop[k - 1] if k > 0 else (hop[n - 1] if n > 1 else b""),
                 ring=self._target(k, 0, hop[k]) if last and n > 1 else None,
                 history_bytes=0 if last else self.config.history_bytes,
+                kv_source=source,
             )
+            if source is not None:  # the frame's expected_kv_len stays 0: the session is new
+                stage.open_frame.expected_kv_len = 0
             out.append(SendFrame(stage.slot, stage.open_frame))
         self._progress_at = now
         return out
@@ -426,6 +443,8 @@ class RouteMachine:
         stage = self._stages[k]
         if frame.step_id != self.base or stage.acked:
             return []  # an ack of an older OPEN
+        if self._reuse_open and frame.kv_len == 0:
+            stage.keep = 0  # this node could not reuse the source: it starts empty
         if frame.kv_len != stage.keep:
             return self._stage_failed(
                 k,
@@ -454,6 +473,15 @@ class RouteMachine:
             )
         if not all(s.acked for s in self._stages):
             return []
+        if self.phase == _OPENING and self._reuse_open:
+            self._reuse_open = False
+            held = {s.kv for s in self._stages}
+            if len(held) > 1:
+                # Some stages reused the source, others could not: start every stage empty (next epoch).
+                self.epoch += 1
+                self.base = self._close_id() + 1
+                return self._open_epoch(now, keep=0, fresh=frozenset(range(self.n)))
+            self.reused = self.committed = held.pop()
         if self.phase == _OPENING:
             self.phase = _READY
             self._deadline = math.inf
@@ -472,11 +500,34 @@ class RouteMachine:
             raise ValueError("empty prompt")
         if len(prompt) > self.config.kv_budget:
             raise ValueError(f"a prompt of {len(prompt)} positions does not fit the budget")
+        if self.reused >= len(prompt):
+            raise ValueError(f"{self.reused} positions were reused; the prompt must be longer")
         self.tokens = [int(t) for t in prompt]
         self.prompt_len = len(self.tokens)
+        self._sent_end = self.committed = self.reused
         self.phase = _RUNNING
         self._progress_at = now
         return self._pump(now)
+
+    def begin_choice(self, prompt: Sequence[int], first: Sampled, now: float) -> list[Command]:
+        """n > 1: another choice of a prompt whose KV this session copied (``kv_source``), with its
+        first token already drawn by the last stage of choice 0. If the copy was refused, the prompt
+        is prefilled here and the same token is drawn again (same logits, same seed)."""
+        if self.phase != _READY:
+            raise RuntimeError(f"begin_choice() in phase {self.phase}")
+        if self.reused != len(prompt):
+            self.reused = self.committed = 0
+            return self.begin(prompt, now)
+        self.tokens = [*(int(t) for t in prompt), first.token_id]
+        self.prompt_len = len(prompt)
+        self._sent_end = self.committed = len(prompt)
+        self._eog = first.end_of_generation
+        self.phase = _RUNNING
+        self._progress_at = now
+        out: list[Command] = [EmitToken(first, len(prompt))]
+        out += self._decode_step(now)
+        self._arm(now)
+        return out
 
     def _pump(self, now: float) -> list[Command]:
         """Send what the pipeline has room for: prefill steps, or the next decode step."""
@@ -601,7 +652,7 @@ class RouteMachine:
             return []  # an older epoch's frame: superseded
         if self.phase == _CLOSING:
             if kind == "closed":
-                stage.closed = True
+                stage.closed = stage.closed_ok = True
                 return self._maybe_closed(now)
             return []
         if kind == "open_ack":
@@ -661,12 +712,17 @@ class RouteMachine:
         out: list[Command] = []
         sampled = frame.result.sampled
         if sampled:
-            t = sampled[0]
+            first, *others = [
+                Sampled(
+                    int(t.token_id),
+                    float(t.logprob),
+                    tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
+                    bool(t.end_of_generation),
+                )
+                for t in sampled
+            ]
             token = Sampled(
-                int(t.token_id),
-                float(t.logprob),
-                tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
-                bool(t.end_of_generation),
+                first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others)
             )
             if len(self.tokens) == end:
                 self.tokens.append(token.token_id)
@@ -1015,7 +1071,13 @@ class RouteMachine:
             if stage.closed:
                 continue
             frame = (
-                codec.release_frame(stage.header, step_id=self._close_id(), expected_kv_len=stage.kv)
+                codec.release_frame(
+                    stage.header,
+                    step_id=self._close_id(),
+                    expected_kv_len=stage.kv,
+                    keep_ms=self.config.keep_ms,
+                    keep_positions=self.committed if self.config.keep_ms else 0,
+                )
                 if release
                 else codec.cancel_frame(stage.header, step_id=self._close_id(), reason="session ended")
             )
@@ -1023,6 +1085,15 @@ class RouteMachine:
         self._deadline = now + self.config.close_timeout_s
         out += self._maybe_closed(now)
         return out
+
+    def kept_prefix(self) -> list[int]:
+        """After a RELEASE with ``keep_ms`` that every stage confirmed: the tokens of the KV the route
+        keeps (the committed positions); empty otherwise."""
+        if not (self.done and self._released and self.config.keep_ms and self.recoveries == 0):
+            return []
+        if not all(s.closed_ok for s in self._stages):
+            return []
+        return self.tokens[: self.committed]
 
     def _maybe_closed(self, now: float) -> list[Command]:
         if self.phase == _CLOSING and all(s.closed for s in self._stages):

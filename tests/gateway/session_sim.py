@@ -194,7 +194,13 @@ class SimSwarm:
                     (n, j) for n, j in self.jobs if not (n == node.name and j.job_id == action.job_id)
                 ]  # type: ignore[attr-defined]
             elif isinstance(action, OpenKv):
-                node.kv[action.session_id] = 0
+                node.kv[action.session_id] = action.source_positions if action.source else 0
+                if action.source:  # KV reuse: the source's first positions (and token history)
+                    tokens = node.tokens.get(action.source, [])[: action.source_positions]
+                    node.tokens[action.session_id] = list(tokens)
+                    if action.move:
+                        node.kv.pop(action.source, None)
+                        node.tokens.pop(action.source, None)
             elif isinstance(action, TruncateKv):
                 node.kv[action.session_id] = action.position
                 if action.session_id in node.tokens:
