@@ -8,13 +8,20 @@ builders at the bottom produce the response objects, streaming chunks and both
 logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
-``min_p``, ``repetition_penalty``.
+``min_p``, ``repetition_penalty``, ``cache_prompt`` and llama.cpp's
+``grammar`` (GBNF or Lark) and ``json_schema``.
+
+Fields this module does not know are ignored (their names are returned in
+:attr:`GenerationRequest.ignored` for a debug log), like vLLM, llama.cpp and
+Ollama do; known fields whose absence would change the answer (audio, guided
+decoding under vLLM's names, ``ignore_eos``...) get a 400 naming them.
 
 Nothing here does I/O or imports an event loop; the standard library only.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,33 +37,45 @@ MAX_SEED = 2**63 - 1
 MAX_MESSAGES = 4096
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
-# Accepted and ignored: they change nothing about what the swarm computes.
-_IGNORED = frozenset(
-    {
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "parallel_tool_calls",
-        "prompt_cache_key",
-        "safety_identifier",
-    }
-)
-# Known but not supported: a clear 400 rather than a silent difference.
+MAX_N = 16
+MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 128
+# Known, and refused when set: ignoring them would change the answer. (Anything else unknown is ignored.)
 _UNSUPPORTED = frozenset(
     {
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "audio",
-        "modalities",
         "prediction",
         "web_search_options",
-        "reasoning_effort",
         "suffix",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "ignore_eos",
+        "min_tokens",
+        "mirostat",
+        "images",
     }
 )
+_HINTS = {
+    "functions": "use 'tools'",
+    "function_call": "use 'tool_choice'",
+    "guided_json": "use 'response_format'",
+    "guided_regex": "use 'grammar' (Lark)",
+    "guided_choice": "use 'response_format' with an enum schema",
+    "guided_grammar": "use 'grammar'",
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant made (history) or makes (response)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
 
 
 @dataclass(frozen=True)
@@ -64,12 +83,43 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: Mapping[str, Any]  # JSON schema of the arguments
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``response_format`` (or llama.cpp's ``json_schema``/``grammar``): what the output must match."""
+
+    kind: str  # "text", "json_object", "json_schema", "grammar"
+    schema: Mapping[str, Any] | None = None
+    name: str = ""
+    grammar: str = ""  # kind "grammar": GBNF or Lark text
 
 
 @dataclass(frozen=True)
@@ -95,6 +145,19 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: ResponseFormat = ResponseFormat("text")
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # "auto", "none", "required" or "function"
+    tool_name: str = ""  # tool_choice "function": the function's name
+    parallel_tool_calls: bool = True
+    cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
+    ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
+
+    @property
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def n_top_logprobs(self) -> int:
@@ -157,12 +220,40 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for s in items if s))  # empty strings never match: drop them
 
 
-def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """Refuse known-but-unsupported fields that are set; return the unknown ones (ignored)."""
+    ignored = []
     for name in body:
-        if name in _UNSUPPORTED and body[name] not in (None, [], {}):
-            raise _bad(f"'{name}' is not supported by this gateway", name, "unsupported_parameter")
-        if name not in known and name not in _IGNORED and name not in _UNSUPPORTED:
-            raise _bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        if name in _UNSUPPORTED and body[name] not in (None, [], {}, False, 0):
+            hint = f"; {_HINTS[name]}" if name in _HINTS else ""
+            raise _bad(f"'{name}' is not supported by this gateway{hint}", name, "unsupported_parameter")
+        if name not in known and name not in _UNSUPPORTED:
+            ignored.append(name)
+    return tuple(ignored)
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad(
+            "'logit_bias' must be an object mapping token ids to numbers", "logit_bias", "invalid_type"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad(f"logit_bias key {key!r} is not a token id", "logit_bias", "invalid_type") from None
+        if token < 0:
+            raise _bad(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise _bad(f"logit_bias value for token {token} must be a number in [-100, 100]", "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
 
 
 def _model(body: Mapping[str, Any]) -> str:
@@ -173,12 +264,9 @@ def _model(body: Mapping[str, Any]) -> str:
 
 
 def _common(body: Mapping[str, Any]) -> dict[str, Any]:
-    n = _integer(body, "n", 1, 128)
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n", "unsupported_value")
-    logit_bias = body.get("logit_bias")
-    if logit_bias not in (None, {}):
-        raise _bad("'logit_bias' is not supported by this gateway", "logit_bias", "unsupported_parameter")
+    n = _integer(body, "n", 1, 128) or 1
+    if n > MAX_N:
+        raise _bad(f"n={n} is more than this gateway's limit of {MAX_N} choices", "n", "unsupported_value")
     stream = _boolean(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -191,14 +279,6 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         if unknown:
             raise _bad(f"unknown stream option(s) {sorted(unknown)}", "stream_options")
         include_usage = _boolean(options, "include_usage")
-    for name in ("frequency_penalty", "presence_penalty"):
-        # The nodes' samplers do not apply these yet (node/sampling.py): refuse rather than ignore.
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(
-                f"'{name}' other than 0 is not supported by this swarm yet; use 'repetition_penalty'",
-                name,
-                "unsupported_value",
-            )
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         top_p = 1e-9  # OpenAI accepts 0: keep only the most likely token
@@ -215,7 +295,122 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "top_k": _integer(body, "top_k", 0, 1 << 20) or 0,
         "min_p": _number(body, "min_p", 0.0, 0.0, 0.999),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        "n": n,
+        "logit_bias": _logit_bias(body),
+        "cache_prompt": body.get("cache_prompt") is not False,
+        "response_format": _grammar_fields(body),
     }
+
+
+def _grammar_fields(body: Mapping[str, Any]) -> ResponseFormat:
+    """llama.cpp's ``grammar`` (GBNF or Lark) and ``json_schema`` extensions (both endpoints)."""
+    grammar, schema = body.get("grammar"), body.get("json_schema")
+    if grammar is not None and schema is not None:
+        raise _bad("give either 'grammar' or 'json_schema', not both", "grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise _bad("'grammar' must be a non-empty string (GBNF or Lark)", "grammar", "invalid_type")
+        return ResponseFormat("grammar", grammar=grammar)
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise _bad("'json_schema' must be a JSON schema object", "json_schema", "invalid_type")
+        return ResponseFormat("json_schema", schema=schema, name="json_schema")
+    return ResponseFormat("text")
+
+
+def _response_format(body: Mapping[str, Any], fallback: ResponseFormat) -> ResponseFormat:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return fallback
+    param = "response_format"
+    if not isinstance(fmt, dict):
+        raise _bad("'response_format' must be an object", param, "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return fallback
+    if fallback.kind != "text":
+        raise _bad("give either 'response_format' or 'grammar'/'json_schema', not both", param)
+    if kind == "json_object":
+        return ResponseFormat("json_object", schema={"type": "object"})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad(
+                "response_format.json_schema must be an object", param + ".json_schema", "invalid_type"
+            )
+        name = spec.get("name", "")
+        if not isinstance(name, str):
+            raise _bad("response_format.json_schema.name must be a string", param + ".json_schema.name")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _bad(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param + ".json_schema.schema",
+                "invalid_type",
+            )
+        return ResponseFormat("json_schema", schema=schema, name=name)
+    raise _bad(
+        f"response_format type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
+        param + ".type",
+        "unsupported_value",
+    )
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
+    raw = body.get("tools")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be a list", "tools", "invalid_type")
+    if len(raw) > MAX_TOOLS:
+        raise _bad(f"at most {MAX_TOOLS} tools", "tools")
+    out: list[Tool] = []
+    for i, tool in enumerate(raw):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise _bad("only tools of type 'function' are supported", param + ".type", "unsupported_value")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad("a tool needs function.name", param + ".function.name", "missing_required_parameter")
+        name = fn["name"]
+        if len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
+            raise _bad(
+                f"function name {name!r} must be 1-64 letters, digits, '_' or '-'", param + ".function.name"
+            )
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad("function.parameters must be a JSON schema object", param + ".function.parameters")
+        description = fn.get("description", "")
+        if not isinstance(description, str):
+            raise _bad("function.description must be a string", param + ".function.description")
+        if any(t.name == name for t in out):
+            raise _bad(f"two tools are named {name!r}", param + ".function.name")
+        out.append(Tool(name, description, params, bool(fn.get("strict", False))))
+    return tuple(out)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> tuple[str, str]:
+    value = body.get("tool_choice")
+    if value is None:
+        return ("auto", "") if tools else ("none", "")
+    if value in ("auto", "none", "required"):
+        if value == "required" and not tools:
+            raise _bad("tool_choice 'required' needs 'tools'", "tool_choice")
+        return str(value), ""
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not any(t.name == name for t in tools):
+            raise _bad(f"tool_choice names a function that is not in 'tools': {name!r}", "tool_choice")
+        return "function", name
+    raise _bad(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+        "invalid_value",
+    )
+
+
+_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "cache_prompt", "grammar", "json_schema")
 
 
 def _seed(value: int | None) -> int | None:
@@ -259,13 +454,43 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise _bad(f"invalid role {role!r}: expected one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise _bad("tool calls are not supported", f"messages[{i}]", "unsupported_value")
+        if message.get("function_call"):
+            raise _bad("'function_call' in messages is not supported; use 'tool_calls'", f"messages[{i}]")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise _bad("message name must be a string", f"messages[{i}].name", "invalid_type")
-        out.append(ChatMessage(role=str(role), content=_content(message.get("content"), i), name=name))
+        calls = _message_tool_calls(message.get("tool_calls"), i) if role == "assistant" else ()
+        call_id = message.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise _bad("a tool message needs 'tool_call_id'", f"messages[{i}].tool_call_id", "invalid_type")
+        out.append(
+            ChatMessage(
+                role=str(role),
+                content=_content(message.get("content"), i),
+                name=name,
+                tool_calls=calls,
+                tool_call_id=call_id if role == "tool" else None,
+            )
+        )
     return tuple(out)
+
+
+def _message_tool_calls(raw: Any, index: int) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(raw, list):
+        raise _bad("'tool_calls' must be a list", param, "invalid_type")
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("a tool call needs function.name", f"{param}[{j}].function.name", "invalid_type")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(str(call.get("id") or f"call_{index}_{j}"), fn["name"], arguments))
+    return tuple(calls)
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -282,6 +507,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             "max_completion_tokens",
             "max_tokens",
             "n",
+            "parallel_tool_calls",
             "presence_penalty",
             "response_format",
             "seed",
@@ -289,21 +515,21 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             "stream",
             "stream_options",
             "temperature",
+            "tool_choice",
+            "tools",
             "top_p",
             "top_logprobs",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
+            *_EXTENSIONS,
         }
     )
-    _check_fields(body, known)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad(
-            "only response_format {'type': 'text'} is supported", "response_format", "unsupported_value"
-        )
+    ignored = _check_fields(body, known)
     messages = _messages(body)
     common = _common(body)
+    common["response_format"] = _response_format(body, common["response_format"])
+    tools = _tools(body)
+    choice, tool_name = _tool_choice(body, tools)
+    if choice != "none" and tools and common["response_format"].kind != "text":
+        raise _bad("give either tools or a response format, not both", "response_format")
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 31)
     legacy = _integer(body, "max_tokens", 1, 1 << 31)
     if max_tokens is None:
@@ -318,6 +544,11 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         max_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top or 0,
+        tools=tools,
+        tool_choice=choice,
+        tool_name=tool_name,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        ignored=ignored,
         **{**common, "seed": _seed(common["seed"])},
     )
 
@@ -359,12 +590,10 @@ def parse_completion_request(body: Any) -> GenerationRequest:
             "stream_options",
             "temperature",
             "top_p",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
+            *_EXTENSIONS,
         }
     )
-    _check_fields(body, known)
+    ignored = _check_fields(body, known)
     text, tokens = _prompt(body)
     best_of = _integer(body, "best_of", 1, 20)
     if best_of is not None and best_of != 1:
@@ -381,6 +610,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         max_tokens=16 if "max_tokens" not in body else max_tokens,
         logprobs=top is not None,
         top_logprobs=top or 0,
+        ignored=ignored,
         **{**common, "seed": _seed(common["seed"])},
     )
 
