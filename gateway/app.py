@@ -9,8 +9,14 @@ become HTTP statuses::
     anything else                   -> 500 (logged)
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (docs/gateway.md), and
+``GET /v1/models``, ``GET /health`` (200 only while a model has a complete
+route), ``GET /healthz`` (liveness), ``GET /metrics`` (docs/gateway.md), and
 ``GET /``: a small page linking the swarm dashboard the tracker serves.
+
+CORS (``cors_origins``): allowed origins get ``Access-Control-Allow-*`` headers
+and their preflight ``OPTIONS`` requests a 204. Every request ends with one
+access-log line (``request_done``: method, path, status, tokens, time to first
+token, total time) unless ``access_log`` is off.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import hashlib
 import html
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,7 +47,8 @@ from gateway.errors import (
     error_body,
 )
 from gateway.protocol import GenerationRequest
-from gateway.serving import Delta, Failed, Finished, GatewayService, Job
+from gateway.serving import ChoiceEnd, Delta, Failed, Finished, GatewayService, Job
+from gateway.tools import assistant_message
 
 log = logging.getLogger("swarm.gateway")
 DRAIN_FACTOR = 4
@@ -104,14 +112,35 @@ def create_app(service: GatewayService) -> QuartTrio:
                 "We could not parse the JSON body of your request: it is not valid JSON.", code="invalid_json"
             ) from err
 
+    cors = service.config.cors()
+
     @app.errorhandler(Exception)
     async def _on_error(err: Exception) -> Response:
         return _error_response(err)
+
+    @app.before_request
+    async def _preflight() -> Response | None:
+        request.started_s = time.monotonic()  # type: ignore[attr-defined]
+        if request.method == "OPTIONS" and cors:
+            return Response("", status=204)
+        return None
 
     @app.after_request
     async def _count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         metrics.inc("swarm_gateway_http_requests_total", endpoint=rule, status=str(response.status_code))
+        origin = request.headers.get("origin")
+        if cors and origin and ("*" in cors or origin in cors):
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "access-control-request-headers", "authorization, content-type"
+            )
+            response.headers["Access-Control-Max-Age"] = "600"
+            if "*" not in cors:
+                response.headers["Vary"] = "Origin"
+        if service.config.access_log and not isinstance(response.response, _Streamed):
+            _access(response.status_code, getattr(request, "job", None), _where())
         return response
 
     def dashboards() -> list[str]:
@@ -135,6 +164,18 @@ def create_app(service: GatewayService) -> QuartTrio:
             '<a href="/metrics">/metrics</a></p></body></html>'
         )
         return Response(page, mimetype="text/html")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 only while some model has a complete route (load balancers, readiness probes)."""
+        try:
+            models = await service.tracker_models(max_age_s=2.0)
+        except GatewayError as err:
+            return _json({"status": "unavailable", "reason": err.message}, 503)
+        ready = [protocol.model_id(str(m.get("name", ""))) for m in models if m.get("routable")]
+        if not ready:
+            return _json({"status": "unavailable", "reason": "no model has a complete route"}, 503)
+        return _json({"status": "ok", "models": ready})
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -160,7 +201,7 @@ def create_app(service: GatewayService) -> QuartTrio:
     @app.get("/v1/models/<path:model>")
     async def model(model: str) -> Response:
         for entry in (await service.list_models())["data"]:
-            if model in (entry["id"], entry.get("fingerprint")):
+            if model in (entry["id"], entry.get("fingerprint"), entry.get("name")):
                 return _json(entry)
         raise ModelNotFound(f"The model '{model}' does not exist or no node serves it", param="model")
 
@@ -173,10 +214,13 @@ def create_app(service: GatewayService) -> QuartTrio:
         return await _generate(protocol.parse_completion_request(await read_json()))
 
     async def _generate(req: GenerationRequest) -> Response:
+        if req.ignored:
+            event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
         job = await service.start_job(req, client_key())
+        request.job = job  # type: ignore[attr-defined]
         if req.stream:
             response = Response(
-                _sse(job),
+                _Streamed(_sse(job, _where() if service.config.access_log else None)),
                 mimetype="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -191,29 +235,82 @@ def create_app(service: GatewayService) -> QuartTrio:
     return app
 
 
+class _Streamed:
+    """An SSE body (its access-log line is written when the stream ends)."""
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self._body = body
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._body
+
+
+def _where() -> tuple[str, str, float | None]:
+    return request.method, request.path, getattr(request, "started_s", None)
+
+
+def _access(status: int, job: Job | None, where: tuple[str, str, float | None]) -> None:
+    method, path, started = where
+    fields: dict[str, Any] = {"method": method, "path": path, "status": status}
+    if started is not None:
+        fields["total_s"] = round(time.monotonic() - started, 4)
+    if job is not None:
+        fields.update(
+            request_id=job.request_id,
+            prompt_tokens=job.prompt_tokens,
+            completion_tokens=job.completion_tokens,
+            ttft_s=None if job.ttft_s is None else round(job.ttft_s, 4),
+            reused_tokens=job.reused_tokens or None,
+            route=job.route_label,
+        )
+    event(log, "request_done", **fields)
+
+
 async def _collect(job: Job) -> dict[str, Any]:
     req = job.request
-    texts: list[str] = []
-    logprobs: list[protocol.TokenLogprob] = []
+    texts: list[list[str]] = [[] for _ in range(req.n)]
+    logprobs: list[list[protocol.TokenLogprob]] = [[] for _ in range(req.n)]
+    ends: dict[int, ChoiceEnd] = {}
     async for item in job.events:
         if isinstance(item, Delta):
-            texts.append(item.text)
-            logprobs.extend(item.logprobs)
+            texts[item.index].append(item.text)
+            logprobs[item.index].extend(item.logprobs)
+        elif isinstance(item, ChoiceEnd):
+            ends[item.index] = item
         elif isinstance(item, Failed):
             raise item.error
         elif isinstance(item, Finished):
             build = protocol.chat_completion if req.kind == "chat" else protocol.text_completion
-            return build(
+            body = build(
                 job.request_id,
                 job.created,
                 req.model,
-                "".join(texts),
+                "".join(texts[0]),
                 item.finish_reason,
-                logprobs if req.logprobs else None,
+                logprobs[0] if req.logprobs else None,
                 item.prompt_tokens,
                 item.completion_tokens,
                 job.system_fingerprint,
             )
+            choices = []
+            for i in range(req.n):
+                end = ends.get(i, ChoiceEnd(i, item.finish_reason))
+                choice = {**body["choices"][0], "index": i, "finish_reason": end.finish_reason}
+                lp = logprobs[i] if req.logprobs else None
+                text = "".join(texts[i])
+                if req.kind == "chat":
+                    choice["message"] = (
+                        assistant_message(text, end.tool_calls)
+                        if end.tool_calls
+                        else {"role": "assistant", "content": text, "refusal": None}
+                    )
+                    choice["logprobs"] = None if lp is None else protocol.chat_logprobs(lp)
+                else:
+                    choice["text"] = text
+                    choice["logprobs"] = None if lp is None else protocol.completion_logprobs(lp, 0)
+                choices.append(choice)
+            body["choices"] = choices
+            return body
     raise InternalFailure("the generation ended without a result")
 
 
@@ -221,48 +318,69 @@ def _dump(obj: Any) -> bytes:
     return protocol.sse_event(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
 
 
-async def _sse(job: Job) -> AsyncIterator[bytes]:
+async def _sse(job: Job, access: tuple[str, str, float | None] | None = None) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's streaming format, ending with ``data: [DONE]``."""
     req = job.request
     base = (job.request_id, job.created, req.model, job.system_fingerprint)
     usage_kw: dict[str, Any] = {"include_usage": req.include_usage}
     chat = req.kind == "chat"
-    offset = 0
+    offsets = [0] * req.n
+    status = 200
+
+    def indexed(chunk: dict[str, Any], index: int) -> bytes:
+        for choice in chunk["choices"]:
+            choice["index"] = index
+        return _dump(chunk)
+
     try:
         if chat:
-            yield _dump(protocol.chat_chunk(*base, delta={"role": "assistant", "content": ""}, **usage_kw))
+            for i in range(req.n):
+                yield indexed(
+                    protocol.chat_chunk(*base, delta={"role": "assistant", "content": ""}, **usage_kw), i
+                )
         async for item in job.events:
             if isinstance(item, Delta):
                 lp = item.logprobs if req.logprobs else None
                 if chat:
-                    yield _dump(
-                        protocol.chat_chunk(*base, delta={"content": item.text}, logprobs=lp, **usage_kw)
-                    )
+                    chunk = protocol.chat_chunk(*base, delta={"content": item.text}, logprobs=lp, **usage_kw)
                 else:
-                    yield _dump(
-                        protocol.completion_chunk(
-                            *base, text=item.text, logprobs=lp, text_offset=offset, **usage_kw
-                        )
+                    chunk = protocol.completion_chunk(
+                        *base, text=item.text, logprobs=lp, text_offset=offsets[item.index], **usage_kw
                     )
-                offset += len(item.text)
-            elif isinstance(item, Finished):
+                yield indexed(chunk, item.index)
+                offsets[item.index] += len(item.text)
+            elif isinstance(item, ChoiceEnd):
+                if chat and item.tool_calls:
+                    calls = [
+                        {
+                            "index": j,
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for j, c in enumerate(item.tool_calls)
+                    ]
+                    yield indexed(
+                        protocol.chat_chunk(*base, delta={"tool_calls": calls}, **usage_kw), item.index
+                    )
                 if chat:
-                    yield _dump(
-                        protocol.chat_chunk(*base, delta={}, finish_reason=item.finish_reason, **usage_kw)
-                    )
+                    chunk = protocol.chat_chunk(*base, delta={}, finish_reason=item.finish_reason, **usage_kw)
                 else:
-                    yield _dump(
-                        protocol.completion_chunk(*base, finish_reason=item.finish_reason, **usage_kw)
-                    )
+                    chunk = protocol.completion_chunk(*base, finish_reason=item.finish_reason, **usage_kw)
+                yield indexed(chunk, item.index)
+            elif isinstance(item, Finished):
                 if req.include_usage:
                     usage = protocol.usage(item.prompt_tokens, item.completion_tokens)
                     build = protocol.chat_chunk if chat else protocol.completion_chunk
                     yield _dump(build(*base, usage_block=usage, include_usage=True, usage_only=True))
                 break
             elif isinstance(item, Failed):
+                status = item.error.status
                 yield _dump(error_body(item.error))
                 break
         yield protocol.sse_event("[DONE]")
     finally:
         job.cancel()
         job.events.close()
+        if access is not None:
+            _access(status, job, access)

@@ -77,13 +77,17 @@ class ChatTemplate:
         self._template = env.from_string(self.source)
         self._bos, self._eos = bos_token, eos_token
 
-    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """``extra``: more template variables (``tools`` for templates that render tools themselves)."""
         try:
             text = self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
+                **extra,
             )
         except TemplateError:
             raise

@@ -67,6 +67,10 @@ def _help(name: str) -> str:
 )
 @click.option("--stats-interval-s", type=float, default=None, help=_help("stats_interval_s"))
 @click.option("--public-url", default=None, help=_help("public_url"))
+@click.option("--kv-keep-s", type=float, default=None, help=_help("kv_keep_s"))
+@click.option("--prefix-min-tokens", type=int, default=None, help=_help("prefix_min_tokens"))
+@click.option("--model-alias", default=None, help=_help("model_alias"))
+@click.option("--cors-origins", default=None, help=_help("cors_origins"))
 @click.option("--log-level", default=None, help=_help("log_level"))
 def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
     """Run the gateway until SIGINT or SIGTERM."""

@@ -88,7 +88,40 @@ class GatewayConfig:
         5.0, "how often statistics (sessions, tokens, TTFT) go to the tracker's dashboard; 0 = never"
     )
     public_url: str = _f("", "this gateway's URL as clients reach it, shown on the swarm dashboard")
+    kv_keep_s: float = _f(
+        30.0,
+        "after a request its KV stays on the route this long, so the next turn of the conversation (or a "
+        "request sharing its prefix, from the same client) prefills only what is new; 0 = off",
+    )
+    prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
+    prefix_route_slack: int = _f(
+        2,
+        "a request goes to the route that keeps its prefix unless that route carries this many more of "
+        "this gateway's sessions than the least loaded one",
+    )
+    model_alias: str = _f(
+        "",
+        "extra model ids: ALIAS=MODEL[,ALIAS=MODEL...] (MODEL: a model's name, id or fingerprint); every "
+        "model is also served under an id made from its name (lowercase, dashes)",
+    )
+    cors_origins: str = _f(
+        "", "browser origins allowed to call the API (comma-separated, or *); empty = no CORS headers"
+    )
+    access_log: bool = _f(True, "one log line per request: status, tokens, time to first token, total time")
     log_level: str = _f("info", "debug, info, warning or error")
+
+    def aliases(self) -> dict[str, str]:
+        """``model_alias`` as {alias: model}."""
+        out: dict[str, str] = {}
+        for item in filter(None, (x.strip() for x in self.model_alias.split(","))):
+            alias, sep, target = item.partition("=")
+            if not sep or not alias.strip() or not target.strip():
+                raise ValueError(f"expected ALIAS=MODEL, got {item!r}")
+            out[alias.strip()] = target.strip()
+        return out
+
+    def cors(self) -> tuple[str, ...]:
+        return tuple(filter(None, (x.strip() for x in self.cors_origins.split(","))))
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
@@ -132,6 +165,14 @@ class GatewayConfig:
                 parse_urls(self.tracker_url, "tracker URL")
             except ValueError as err:
                 raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
+        if self.kv_keep_s < 0 or self.kv_keep_s > 600:
+            raise ConfigError("kv_keep_s must be in [0, 600]")
+        if self.prefix_min_tokens < 1 or self.prefix_route_slack < 0:
+            raise ConfigError("prefix_min_tokens must be >= 1 and prefix_route_slack >= 0")
+        try:
+            self.aliases()
+        except ValueError as err:
+            raise ConfigError(f"model_alias: {err}") from err
         if self.stats_interval_s < 0:
             raise ConfigError("stats_interval_s must be >= 0")
         if self.data_plane not in ("push", "relay"):

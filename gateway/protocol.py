@@ -808,21 +808,50 @@ def completion_chunk(
     return chunk
 
 
-def model_list(models: Sequence[Mapping[str, Any]], created: int) -> dict[str, Any]:
-    """``GET /v1/models`` from the tracker's routable models (one entry per name and fingerprint)."""
+def model_id(name: str) -> str:
+    """The stable id of a model a person would type: its name, lowercase, runs of other characters as
+    one dash (``"SmolLM2 135M Instruct"`` -> ``"smollm2-135m-instruct"``)."""
+    out = []
+    for ch in name.lower():
+        out.append(ch if ch.isalnum() or ch in "._" else "-")
+    return "-".join(filter(None, "".join(out).split("-"))) or "model"
+
+
+def model_list(
+    models: Sequence[Mapping[str, Any]],
+    created: int,
+    aliases: Mapping[str, str] | None = None,
+    tool_formats: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``GET /v1/models``: every model the tracker knows, routable or still being assembled.
+
+    One entry per model under its stable id (:func:`model_id`), plus one per alias naming it. Extensions:
+    ``name`` (the GGUF's), ``fingerprint``, ``n_layers``, ``live_nodes``, ``status`` (``ready`` when a
+    complete route exists, else ``assembling``), ``coverage`` (share of layers served), ``tool_format``.
+    """
     data: list[dict[str, Any]] = []
     for m in models:
-        data.append(
-            {
-                "id": str(m["name"]),
-                "object": "model",
-                "created": created,
-                "owned_by": "swarm",
-                "fingerprint": m.get("fingerprint"),
-                "n_layers": m.get("n_layers"),  # extension
-                "live_nodes": m.get("live_nodes"),
-            }
-        )  # extension
+        name = str(m.get("name", ""))
+        fingerprint = m.get("fingerprint")
+        routable = bool(m.get("routable"))
+        coverage = m.get("coverage")
+        entry = {
+            "id": model_id(name),
+            "object": "model",
+            "created": created,
+            "owned_by": "swarm",
+            "name": name,  # extension
+            "fingerprint": fingerprint,
+            "n_layers": m.get("n_layers"),
+            "live_nodes": m.get("live_nodes"),
+            "status": "ready" if routable else "assembling",
+            "coverage": 1.0 if routable else (coverage if isinstance(coverage, int | float) else None),
+            "tool_format": (tool_formats or {}).get(str(fingerprint), None),
+        }
+        data.append(entry)
+        for alias, target in (aliases or {}).items():
+            if target in (name, fingerprint, entry["id"]):
+                data.append({**entry, "id": alias})
     return {"object": "list", "data": data}
 
 

@@ -12,6 +12,20 @@ Session sends CANCEL to every stage (their KV is freed at once).
 
 After every session the per-node token counts go to a bounded queue that a
 background task reports to the tracker (signed usage reports).
+
+n > 1: choice 0 prefills the prompt once; its last stage draws every choice's
+first token from the same logits (choice ``i`` with seed ``seed + i``), and
+choices 1..n-1 then open on the same route with a KV source naming choice 0's
+session (each stage copies the prompt's KV) and continue from their first
+token. Each choice equals a separate request with its seed. A choice whose
+copy is refused (the route is full) prefills the prompt itself and draws the
+same first token.
+
+Warm conversations: a request that finished normally asks its stages to keep
+its KV for ``kv_keep_s`` (RELEASE ``keep_ms``) and is recorded in the
+:class:`gateway.prefix_cache.PrefixCache` under its client; the next request of
+that client whose prompt starts with those tokens opens on the same route with
+a KV source and prefills only the rest (docs/gateway.md, Warm conversations).
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import nacl.signing
 import trio
 
 from common.logs import event
-from gateway import protocol
+from gateway import protocol, structured, tools
 from gateway.admission import AdmissionPolicy
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -47,7 +61,8 @@ from gateway.gate import Gate
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
-from gateway.protocol import GenerationRequest, TokenLogprob
+from gateway.prefix_cache import Hit, PrefixCache
+from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_session import DataPlane, RouteSession, Sampled, open_route_session
 from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
@@ -70,13 +85,23 @@ MAX_RECOVERIES = 2
 class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...]
+    index: int = 0  # the choice
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """One choice is complete (before ``Finished``): why, and the tool calls it made."""
+
+    index: int
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # choice 0's: "stop", "length" or "tool_calls"
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # all choices
 
 
 @dataclass(frozen=True)
@@ -86,7 +111,7 @@ class Failed:
     completion_tokens: int
 
 
-Event = Delta | Finished | Failed
+Event = Delta | ChoiceEnd | Finished | Failed
 
 
 @dataclass
@@ -100,6 +125,14 @@ class Job:
     route_label: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
     final_delivered: bool = False  # Finished or Failed went to the HTTP side
+    arrived_s: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None  # until choice 0's first token
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0  # prompt positions reused from a kept prefix
+    model_key: str = ""  # what the tracker knows the model by (alias and id resolved)
+    seed: int = 0  # choice i draws with seed + i
+    grammar: str = ""  # the constraint of every choice (gateway/structured.py)
 
     def cancel(self) -> None:
         """The client is gone: stop the job (a no-op once its final event went out: the Route
@@ -109,16 +142,37 @@ class Job:
 
 
 @dataclass
+class _Fork:
+    """n > 1: what choices 1..n-1 continue from (choice 0's session, once its first tokens exist)."""
+
+    route: Route | None = None
+    prepared: _Prepared | None = None
+    session_id: str = ""
+    firsts: tuple[Sampled, ...] = ()
+    ready: trio.Event = field(default_factory=trio.Event)
+    opened: set[int] = field(default_factory=set)  # choices that opened (or gave up opening)
+    all_opened: trio.Event = field(default_factory=trio.Event)
+
+    def mark_opened(self, progress: _Progress, others: int) -> None:
+        self.opened.add(progress.index)
+        if len(self.opened) >= others:
+            self.all_opened.set()
+
+
+@dataclass
 class _Progress:
-    """What a request has produced so far; survives a move to another route."""
+    """What one choice of a request has produced so far; survives a move to another route."""
 
     text: TextStream[TokenLogprob | None]
+    index: int = 0
+    tool_stream: tools.ToolStream | None = None
     generated: list[int] = field(default_factory=list)  # every sampled token, streamed or end-of-generation
     prompt_tokens: int = 0
     recoveries: int = 0
     last_failure: StageFailed | None = None
     started: bool = False
     recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
+    finish_reason: str = "stop"
 
 
 _ENCODINGS = {
@@ -159,6 +213,7 @@ class _Prepared:
     prompt: list[int]
     max_new: int
     kv_budget: int
+    grammar: str = ""
 
 
 class GatewayService:
@@ -196,6 +251,10 @@ class GatewayService:
         self._nursery: trio.Nursery | None = None
         self._active = 0
         self.plane = data_plane(config)
+        self.prefix = PrefixCache(ttl_s=max(0.0, config.kv_keep_s - 1.0), min_tokens=config.prefix_min_tokens)
+        self._aliases = config.aliases()
+        self._models: list[dict[str, Any]] = []
+        self._models_at = -1e9
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -245,13 +304,37 @@ class GatewayService:
 
     # ------------------------------------------------------------------ models
 
-    async def list_models(self) -> dict[str, Any]:
+    async def tracker_models(self, max_age_s: float = 0.0) -> list[dict[str, Any]]:
+        """The tracker's models (cached for ``max_age_s``)."""
+        now = trio.current_time()
+        if now - self._models_at <= max_age_s and self._models:
+            return self._models
         try:
             with trio.fail_after(self.config.tracker_timeout_s):
                 models = await self.tracker.models()
         except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
             raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
-        return protocol.model_list([m for m in models if m.get("routable")], int(time.time()))
+        self._models, self._models_at = models, now
+        return models
+
+    async def list_models(self) -> dict[str, Any]:
+        """Every model the tracker knows: routable ones, and those still being assembled with their
+        coverage; under the stable id (see :func:`protocol.model_id`) and every alias."""
+        models = await self.tracker_models()
+        formats = {fp: tools.tool_format(v.template.source) for fp, v in self.vocabs.loaded().items()}
+        return protocol.model_list(models, int(time.time()), self._aliases, formats)
+
+    async def resolve_model(self, model: str) -> str:
+        """A model id, alias, name or fingerprint -> what the tracker knows the model by."""
+        target = self._aliases.get(model, model)
+        try:
+            models = await self.tracker_models(max_age_s=10.0)
+        except UpstreamFailed:
+            return target
+        for m in models:
+            if target in (m.get("name"), m.get("fingerprint"), protocol.model_id(str(m.get("name", "")))):
+                return str(m.get("fingerprint") or m.get("name"))
+        return target
 
     # ------------------------------------------------------------------ jobs
 
@@ -260,13 +343,20 @@ class GatewayService:
         if self._nursery is None:
             raise Overloaded("the gateway is shutting down", retry_after_s=5)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
-        send, receive = trio.open_memory_channel[Event](EVENT_BUFFER)
+        if request.tools_active:
+            structured.check_tool_schemas(request.tools)
+        grammar = structured.grammar_for(request)  # a schema it cannot enforce is a 400 here
+        model_key = await self.resolve_model(request.model)
+        send, receive = trio.open_memory_channel[Event](EVENT_BUFFER * request.n)
         job = Job(
             request=request,
             client=client,
             request_id=prefix + secrets.token_hex(12),
             events=receive,
             cancel_scope=trio.CancelScope(),
+            model_key=model_key,
+            seed=request.seed if request.seed is not None else secrets.randbits(63),
+            grammar=grammar,
         )
         try:
             await self._nursery.start(self._run_job, job, send)
@@ -288,9 +378,8 @@ class GatewayService:
         stages = [infos[i] for i in range(len(route.hops))]
         vocab = await self.vocabs.get(route.model_fingerprint, stages)
         if request.kind == "chat":
-            text = vocab.template.render(
-                [m.to_template() for m in request.messages], add_generation_prompt=True
-            )
+            messages, extra = tools.template_messages(request, vocab.template.source)
+            text = vocab.template.render(messages, add_generation_prompt=True, **extra)
             prompt = await vocab.tokenize(text, add_special=False)
         elif request.prompt_tokens is not None:
             vocab.check_ids(request.prompt_tokens)
@@ -299,6 +388,12 @@ class GatewayService:
             prompt = await vocab.tokenize(request.prompt_text or "", add_special=True)
         if not prompt:
             raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        bad = [t for t, _ in request.logit_bias if t >= vocab.n_vocab]
+        if bad:
+            raise InvalidRequest(
+                f"logit_bias names token {bad[0]}, outside the vocabulary (size {vocab.n_vocab})",
+                param="logit_bias",
+            )
         limit = min(kv_limit(stages), max((s.n_ctx_train for s in stages), default=0) or kv_limit(stages))
         where = "messages" if request.kind == "chat" else "prompt"
         if request.max_tokens is not None:
@@ -323,11 +418,63 @@ class GatewayService:
         # The last token sampled is never fed back: positions up to prompt + max_new - 2 go through.
         return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new - 1)
 
+    def _warm(self, request: GenerationRequest) -> bool:
+        return self.config.kv_keep_s > 0 and request.cache_prompt and request.n == 1
+
+    async def _pick(
+        self, job: Job, request: GenerationRequest, candidates: list[Route], fork: _Fork | None
+    ) -> tuple[Route, _Prepared, Hit | None]:
+        """The route and the prepared prompt: n > 1 choices go to choice 0's route; a request whose
+        prompt extends a kept prefix of its client goes to the route keeping it when that route has
+        room (at most ``prefix_route_slack`` more sessions than the least loaded); else least loaded."""
+        if fork is not None and fork.route is not None and fork.prepared is not None:
+            same = [r for r in candidates if r.hops == fork.route.hops]
+            if same:
+                route = self.routes.acquire(same)
+                p = fork.prepared
+                return route, _Prepared(route, p.stages, p.vocab, p.prompt, p.max_new, p.kv_budget), None
+        route = self.routes.acquire(candidates)
+        try:
+            prepared = await self._prepare(request, route)
+        except BaseException:
+            self.routes.release(route)
+            raise
+        if not self._warm(request):
+            return route, prepared, None
+        hit = self.prefix.lookup(job.client, route.model_fingerprint, prepared.prompt, trio.current_time())
+        if hit is None:
+            self.prefix.take(None)
+            return route, prepared, None
+        holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
+        if holder is None or (
+            holder is not route
+            and self.routes.route_load(holder)
+            > self.routes.route_load(route) + self.config.prefix_route_slack
+        ):
+            self.prefix.take(None)
+            return route, prepared, None
+        self.prefix.take(hit)
+        if holder is not route:
+            self.routes.release(route)
+            route = self.routes.acquire([holder])
+            try:
+                prepared = await self._prepare(request, route)
+            except BaseException:
+                self.routes.release(route)
+                raise
+        return route, prepared, hit
+
     @asynccontextmanager
     async def _open(
-        self, job: Job, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+        self,
+        job: Job,
+        request: GenerationRequest,
+        avoid: frozenset[str] = frozenset(),
+        *,
+        progress: _Progress | None = None,
+        fork: _Fork | None = None,
     ) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
-        """Pick the least loaded route, prepare, OPEN on every stage.
+        """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage.
 
         A node that fails before the session is open (unreachable, full, stale
         Info, refused OPEN) is excluded and the request moves to another route:
@@ -335,25 +482,39 @@ class GatewayService:
         excluded nodes; at most ``OPEN_ATTEMPTS`` routes are tried. Nothing was
         streamed yet, so this is invisible to the client.
         """
-        model_routes = await self.routes.routes(request.model)
+        model_routes = await self.routes.routes(job.model_key or request.model)
         excluded: set[str] = set(avoid)
         last_error: StageFailed | None = None
-        for _attempt in range(OPEN_ATTEMPTS):
+        index = progress.index if progress is not None else 0
+        for attempt in range(OPEN_ATTEMPTS):
             candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
             if not candidates:
                 try:
-                    model_routes = await self.routes.fetch_excluding(request.model, frozenset(excluded))
+                    model_routes = await self.routes.fetch_excluding(
+                        job.model_key or request.model, frozenset(excluded)
+                    )
                 except NoRoute:
                     if last_error is None:
                         raise
                     break
                 candidates = list(model_routes.routes)
-            route = self.routes.acquire(candidates)
+            use_fork = fork if attempt == 0 and not avoid else None
+            route, prepared, hit = await self._pick(job, request, candidates, use_fork)
             label = self.metrics.route_label(route.route_id)
             entered = False
+            kv_source: tuple[str, int] | None = None
+            if hit is not None:
+                kv_source = (hit.entry.session_id, hit.positions)
+            elif (
+                use_fork is not None
+                and use_fork.route is not None
+                and route.hops == use_fork.route.hops
+                and len(use_fork.firsts) > index
+            ):
+                kv_source = (use_fork.session_id, len(prepared.prompt))
             try:
-                prepared = await self._prepare(request, route)
-                seed = request.seed if request.seed is not None else secrets.randbits(63)
+                base_seed = job.seed
+                seed = (base_seed + index) % (1 << 63)
                 sampling = codec.SamplingSettings(
                     temperature=request.temperature,
                     top_p=request.top_p,
@@ -364,12 +525,18 @@ class GatewayService:
                     frequency_penalty=request.frequency_penalty,
                     presence_penalty=request.presence_penalty,
                     n_top_logprobs=request.n_top_logprobs,
+                    logit_bias=request.logit_bias,
+                    grammar=job.grammar,
+                    completion_start=len(prepared.prompt),
+                    choices=request.n if index == 0 else 1,
                 )
+                session_id = secrets.token_hex(16)
+                warm = self._warm(request)
                 async with open_route_session(
                     self.channels,
                     route,
                     prepared.stages,
-                    session_id=secrets.token_hex(16),
+                    session_id=session_id,
                     request_id=job.request_id,
                     sampling=sampling,
                     kv_budget_tokens=prepared.kv_budget,
@@ -380,16 +547,31 @@ class GatewayService:
                         span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
                         on_report=lambda report: self._on_span_recovery(job, report),
                     ),
+                    kv_source=kv_source,
+                    keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
                 ) as session:
                     entered = True
-                    job.route_label = label
-                    job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
+                    if fork is not None and index == 0:
+                        fork.route, fork.prepared, fork.session_id = route, prepared, session_id
+                    if index == 0:
+                        job.route_label = label
+                        job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
                     try:
                         yield session, prepared
                     finally:
                         self._report(job, session, route)
                         if session.relays:
                             self.metrics.inc("swarm_gateway_hidden_relays_total", session.relays)
+                        if warm and session.finished and session.recoveries == 0:
+                            m = session.machine
+                            self.prefix.put(
+                                job.client,
+                                route.model_fingerprint,
+                                [h.node_id for h in route.hops],
+                                session_id,
+                                m.tokens[: m.committed],
+                                trio.current_time(),
+                            )
                 return
             except StageFailed as err:
                 if entered:
@@ -403,14 +585,18 @@ class GatewayService:
                     node_id=err.node_id,
                     error=err.message,
                 )
+                if use_fork is not None and isinstance(err, StageBusy):
+                    continue  # the fork's route is full: another route, with a prefill of its own
                 self.routes.invalidate(request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
+                    self.prefix.forget_node(hop.node_id)
                 excluded.add(err.node_id)
                 last_error = err
             finally:
                 self.routes.release(route)
-        assert last_error is not None  # the loop either returned, raised, or recorded a failure
+        if last_error is None:
+            raise Overloaded("every route tried is full right now; retry later", retry_after_s=2)
         if isinstance(last_error, StageBusy):
             raise Overloaded(
                 f"every route tried is full right now ({last_error.message}); retry later",
@@ -459,16 +645,28 @@ class GatewayService:
     ) -> None:
         request = job.request
         arrived = trio.current_time()
-        progress = _Progress(TextStream(request.stop))
+        progresses = [self._progress(request, i) for i in range(request.n)]
         failure: GatewayError | None = None
         async with send:
             with job.cancel_scope:
                 try:
                     async with self.gate.slot(job.client):
-                        await self._run_sessions(job, send, progress, arrived, task_status)
+                        if request.n == 1:
+                            await self._run_sessions(job, send, progresses[0], arrived, task_status)
+                        else:
+                            await self._run_choices(job, send, progresses, arrived, task_status)
+                        await _deliver(
+                            job,
+                            send,
+                            Finished(
+                                progresses[0].finish_reason,
+                                progresses[0].prompt_tokens,
+                                sum(len(p.generated) for p in progresses),
+                            ),
+                        )
                     return
                 except GatewayError as err:
-                    if not progress.started:
+                    if not progresses[0].started:
                         self.metrics.inc("swarm_gateway_rejections_total", reason=err.code or err.type)
                         raise
                     failure = err
@@ -477,9 +675,12 @@ class GatewayService:
                 except Exception as err:
                     event(log, "job_failed", level=logging.ERROR, request_id=job.request_id, error=repr(err))
                     log.exception("job %s failed", job.request_id)
-                    if not progress.started:
+                    if not progresses[0].started:
                         raise InternalFailure("internal error while starting the request") from err
                     failure = InternalFailure("internal error while generating")
+                finally:
+                    job.prompt_tokens = progresses[0].prompt_tokens
+                    job.completion_tokens = sum(len(p.generated) for p in progresses)
             if job.cancel_scope.cancelled_caught and not job.final_delivered:
                 self.metrics.inc("swarm_gateway_client_disconnects_total")
                 event(log, "client_disconnected", request_id=job.request_id)
@@ -490,9 +691,52 @@ class GatewayService:
                 )
                 with trio.move_on_after(1):
                     try:
-                        await send.send(Failed(failure, progress.prompt_tokens, len(progress.generated)))
+                        await send.send(Failed(failure, progresses[0].prompt_tokens, job.completion_tokens))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
+
+    @staticmethod
+    def _progress(request: GenerationRequest, index: int) -> _Progress:
+        stream = tools.ToolStream(request.tools) if request.tools_active else None
+        return _Progress(TextStream(request.stop), index=index, tool_stream=stream)
+
+    async def _run_choices(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        progresses: list[_Progress],
+        arrived: float,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
+        """n > 1: choice 0 first; once its first tokens exist the other choices fork its KV."""
+        fork = _Fork()
+        others = len(progresses) - 1
+
+        async def choice(i: int) -> None:
+            try:
+                await self._run_sessions(job, send, progresses[i], arrived, trio.TASK_STATUS_IGNORED, fork)
+            finally:
+                fork.mark_opened(progresses[i], others)
+
+        async def first(*, task_status: trio.TaskStatus[None]) -> None:
+            await self._run_sessions(job, send, progresses[0], arrived, task_status, fork)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(first)
+                task_status.started()
+                await fork.ready.wait()
+                for i in range(1, len(progresses)):
+                    nursery.start_soon(choice, i)
+        except BaseExceptionGroup as group:
+            # One choice's failure is the request's: the first gateway error, else the first error.
+            leaves = list(group.exceptions)
+            while any(isinstance(e, BaseExceptionGroup) for e in leaves):
+                leaves = [
+                    x for e in leaves for x in (e.exceptions if isinstance(e, BaseExceptionGroup) else [e])
+                ]
+            chosen = next((e for e in leaves if isinstance(e, GatewayError)), leaves[0])
+            raise chosen from None
 
     async def _run_sessions(
         self,
@@ -501,8 +745,9 @@ class GatewayService:
         progress: _Progress,
         arrived: float,
         task_status: trio.TaskStatus[None],
+        fork: _Fork | None = None,
     ) -> None:
-        """Run the request on a route; if a stage fails mid-generation, continue on another route.
+        """Run one choice on a route; if a stage fails mid-generation, continue on another route.
 
         Recovery replays the token history (prompt and every token streamed so
         far) as prefill on a route without the failed node, then decoding
@@ -512,27 +757,37 @@ class GatewayService:
         """
         request = job.request
         avoid: set[str] = set()
+        index = progress.index
         while True:
             in_body = False
             failed_before = progress.last_failure
             try:
-                async with self._open(job, request, frozenset(avoid)) as (session, prepared):
+                async with self._open(job, request, frozenset(avoid), progress=progress, fork=fork) as (
+                    session,
+                    prepared,
+                ):
                     in_body = True
+                    if index > 0 and fork is not None:
+                        fork.mark_opened(progress, len(fork.firsts) - 1)
                     if not progress.started:
                         progress.started = True
                         progress.prompt_tokens = len(prepared.prompt)
-                        self.metrics.inc("swarm_gateway_prompt_tokens_total", progress.prompt_tokens)
-                        task_status.started()
-                    reason = await self._generate(job, session, prepared, send, arrived, progress)
+                        if index == 0:
+                            self.metrics.inc("swarm_gateway_prompt_tokens_total", progress.prompt_tokens)
+                            task_status.started()
+                    reason = await self._generate(job, session, prepared, send, arrived, progress, fork)
                     session.finished = True
-                    self.metrics.inc(
-                        "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
-                    )
-                    self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
-                    # The client gets its last chunk now; RELEASE to the stages follows on the way out.
-                    await _deliver(
-                        job, send, Finished(reason, progress.prompt_tokens, len(progress.generated))
-                    )
+                    progress.finish_reason = reason
+                    if index == 0:
+                        job.reused_tokens = session.reused
+                        self.metrics.inc(
+                            "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
+                        )
+                        self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                    if fork is not None and index == 0 and len(fork.firsts) > 1:
+                        # Choice 0's KV is the others' source: keep it until they have opened.
+                        with trio.move_on_after(self.config.open_timeout_s):
+                            await fork.all_opened.wait()
                 return
             except GatewayError as err:
                 if not in_body and failed_before is not None:
@@ -551,6 +806,7 @@ class GatewayService:
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
                 avoid.add(err.node_id)
                 self.routes.invalidate(request.model)
+                self.prefix.forget_node(err.node_id)
                 self.metrics.inc(
                     "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
                 )
@@ -562,6 +818,9 @@ class GatewayService:
                     tokens_so_far=len(progress.generated),
                     error=err.message,
                 )
+            finally:
+                if fork is not None and index == 0 and not fork.ready.is_set():
+                    fork.ready.set()  # choice 0 failed before its first token: the others try alone
 
     async def _generate(
         self,
@@ -571,18 +830,32 @@ class GatewayService:
         send: trio.MemorySendChannel[Event],
         arrived: float,
         progress: _Progress,
+        fork: _Fork | None = None,
     ) -> str:
         request = job.request
         vocab = prepared.vocab
+        index = progress.index
         if progress.generated:
             # Recovery on a new route: it has seen nothing; the history (including the last token
             # streamed, which was about to be decoded) goes in as prefill and yields the next token.
             await session.begin([*prepared.prompt, *progress.generated])
             sampled = await session.next_token()
+        elif index > 0 and fork is not None and len(fork.firsts) > index:
+            await session.begin_choice(prepared.prompt, fork.firsts[index])
+            sampled = await session.next_token()
         else:
             await session.begin(prepared.prompt)
             sampled = await session.next_token()
-            self.metrics.observe("swarm_gateway_time_to_first_token_seconds", trio.current_time() - arrived)
+            if index == 0:
+                now = trio.current_time()
+                job.ttft_s = now - arrived
+                self.metrics.observe("swarm_gateway_time_to_first_token_seconds", now - arrived)
+                if fork is not None:
+                    first = Sampled(
+                        sampled.token_id, sampled.logprob, sampled.top_logprobs, sampled.end_of_generation
+                    )
+                    fork.firsts = (first, *sampled.choices)
+                    fork.ready.set()
         if progress.recovering_since is not None:
             now = trio.current_time()
             self.metrics.observe("swarm_gateway_recovery_seconds", now - progress.recovering_since)
@@ -595,27 +868,54 @@ class GatewayService:
             self.metrics.inc("swarm_gateway_completion_tokens_total")
             if sampled.end_of_generation or token in vocab.eog:
                 tail = text.finish()
-                await self._emit(job, send, tail.text, tail.tokens)
-                return "stop"
+                return await self._end(job, send, progress, tail.text, tail.tokens, "stop")
             piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
             entry = _logprob_entry(vocab, sampled) if request.logprobs else None
             out = text.push(piece, entry)
-            await self._emit(job, send, out.text, out.tokens)
+            await self._emit(job, send, out.text, out.tokens, progress)
             if out.stopped:
-                return "stop"
+                return await self._end(job, send, progress, "", (), "stop")
             if len(progress.generated) >= prepared.max_new:
                 tail = text.finish()
-                await self._emit(job, send, tail.text, tail.tokens)
-                return "length"
+                return await self._end(job, send, progress, tail.text, tail.tokens, "length")
             sampled = await session.next_token()
+
+    async def _end(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        progress: _Progress,
+        text: str,
+        entries: tuple[TokenLogprob | None, ...],
+        reason: str,
+    ) -> str:
+        """The choice's last text, then its end (with the tool calls it made)."""
+        await self._emit(job, send, text, entries, progress)
+        calls: tuple[ToolCall, ...] = ()
+        if progress.tool_stream is not None:
+            rest, calls = progress.tool_stream.finish()
+            await self._emit(job, send, rest, (), progress, raw=True)
+        if calls:
+            reason = "tool_calls"
+        await _deliver(job, send, ChoiceEnd(progress.index, reason, calls))
+        return reason
 
     @staticmethod
     async def _emit(
-        job: Job, send: trio.MemorySendChannel[Event], text: str, entries: tuple[TokenLogprob | None, ...]
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        text: str,
+        entries: tuple[TokenLogprob | None, ...],
+        progress: _Progress | None = None,
+        *,
+        raw: bool = False,
     ) -> None:
         logprobs = tuple(e for e in entries if e is not None)
+        index = progress.index if progress is not None else 0
+        if progress is not None and progress.tool_stream is not None and not raw:
+            text = progress.tool_stream.push(text)
         if text or logprobs:
-            await _deliver(job, send, Delta(text, logprobs))
+            await _deliver(job, send, Delta(text, logprobs, index))
 
 
 async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -> None:

@@ -1,4 +1,4 @@
-"""Constrained output: OpenAI ``response_format``, tools and llama.cpp's ``grammar``/``json_schema`` as one grammar.
+"""Constrained output: response_format, tools and llama.cpp's grammar/json_schema as one grammar.
 
 The gateway turns what a request asks for into one llguidance grammar (Lark
 syntax, JSON schemas embedded as ``%json{...}``) that travels in OPEN
@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from gateway.errors import InvalidRequest
 from gateway.protocol import GenerationRequest, Tool
 
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {  # noqa: UP037 - a stub-only type
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
@@ -35,7 +42,9 @@ def _check(grammar: str, param: str, what: str) -> str:
     if is_error:
         detail = "; ".join(messages) or "llguidance refused it"
         raise InvalidRequest(
-            f"{what} cannot be enforced by constrained sampling: {detail}", param=param, code="unsupported_value"
+            f"{what} cannot be enforced by constrained sampling: {detail}",
+            param=param,
+            code="unsupported_value",
         )
     return grammar
 
@@ -43,7 +52,7 @@ def _check(grammar: str, param: str, what: str) -> str:
 def _schema_with_options(schema: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(schema)
     guidance = dict(out.get("x-guidance") or {})
-    for key, value in JSON_OPTIONS.items():
+    for key, value in dict(JSON_OPTIONS).items():
         guidance.setdefault(key, value)
     out["x-guidance"] = guidance
     return out

@@ -83,6 +83,10 @@ class VocabStore:
         self._loaded: dict[str, LoadedVocab] = {}
         self._locks: dict[str, trio.Lock] = {}
 
+    def loaded(self) -> dict[str, LoadedVocab]:
+        """The vocabularies loaded now, by model fingerprint."""
+        return dict(self._loaded)
+
     def path(self, fingerprint: str) -> Path:
         return self._dir / f"{fingerprint}.gguf"
 

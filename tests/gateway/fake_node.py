@@ -78,9 +78,19 @@ class ScriptedBackend:
         self.history: dict[str, list[int]] = {}
         self.opened = 0
 
-    def open(self, session_id: str, budget: int, sampling: SamplingSpec) -> None:
-        self.kv[session_id] = 0
-        self.history[session_id] = []
+    def open(
+        self,
+        session_id: str,
+        budget: int,
+        sampling: SamplingSpec,
+        source: str = "",
+        positions: int = 0,
+        move: bool = False,
+    ) -> None:
+        self.kv[session_id] = positions if source else 0
+        self.history[session_id] = list(self.history.get(source, []))[:positions] if source else []
+        if source and move:
+            self.free(source)
         self.opened += 1
 
     def truncate(self, session_id: str, position: int) -> None:

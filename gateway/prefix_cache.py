@@ -1,0 +1,117 @@
+"""Which route holds which kept prefix: the gateway's index of warm KV (pure; no I/O, no clock of its own).
+
+After a request whose Route Session was released with ``keep_ms`` (every stage
+confirmed), the route keeps the session's KV for the committed tokens (prompt
+plus the generated tokens fed back). :class:`PrefixCache` remembers, per entry,
+the client it belongs to, the model, the node chain, the session id and those
+tokens. A new request looks up the entry of the same client and model whose
+tokens share the longest prefix with its prompt; the request then opens on that
+route with ``KvSource(session id, positions)`` and prefills only the rest.
+
+Isolation: an entry is found only by the client key it was stored under (a hash
+of the API key, else the client's address) and only for a prompt whose first
+``positions`` tokens are exactly the entry's: no client can reach another's KV,
+and the session ids nodes know them by are 128-bit secrets of this gateway.
+
+An entry is taken (removed) when used: the nodes hand its sequence to the new
+session, which is kept again under its own id when it ends. Entries expire a
+little before the nodes drop them (``ttl_s``), and they are bounded in number
+(``max_entries``, the oldest go first) and per node (``max_per_node``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kept:
+    client: str
+    model: str  # fingerprint
+    nodes: tuple[str, ...]  # the route's node ids, in stage order
+    session_id: str
+    tokens: tuple[int, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Kept
+    positions: int  # prompt positions the route can reuse
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    def __init__(
+        self, *, ttl_s: float, max_entries: int = 1024, max_per_node: int = 8, min_tokens: int = 16
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.max_per_node = max_per_node
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[str, Kept] = OrderedDict()  # by session id, oldest first
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(
+        self,
+        client: str,
+        model: str,
+        nodes: Sequence[str],
+        session_id: str,
+        tokens: Sequence[int],
+        now: float,
+    ) -> None:
+        if len(tokens) < self.min_tokens or self.ttl_s <= 0:
+            return
+        entry = Kept(client, model, tuple(nodes), session_id, tuple(tokens), now + self.ttl_s)
+        self._entries[session_id] = entry
+        self._entries.move_to_end(session_id)
+        for node in entry.nodes:  # a node keeps a bounded number of sessions: so does the index
+            held = [k for k, e in self._entries.items() if node in e.nodes]
+            for k in held[: max(0, len(held) - self.max_per_node)]:
+                del self._entries[k]
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def lookup(self, client: str, model: str, prompt: Sequence[int], now: float) -> Hit | None:
+        """The entry sharing the longest prefix with ``prompt`` (at least ``min_tokens``, and at least
+        one prompt token left to prefill), not removed yet (see :meth:`take`)."""
+        best: Hit | None = None
+        for sid, entry in list(self._entries.items()):
+            if entry.expires_at <= now:
+                del self._entries[sid]
+                continue
+            if entry.client != client or entry.model != model:
+                continue
+            n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            if n >= self.min_tokens and (best is None or n > best.positions):
+                best = Hit(entry, n)
+        return best
+
+    def take(self, hit: Hit | None) -> None:
+        """The hit is being used (or was found useless): it leaves the index."""
+        if hit is None:
+            self.misses += 1
+            return
+        self._entries.pop(hit.entry.session_id, None)
+        self.hits += 1
+        self.reused_tokens += hit.positions
+
+    def forget_node(self, node_id: str) -> None:
+        """A node failed or left: what it kept is gone."""
+        for sid in [k for k, e in self._entries.items() if node_id in e.nodes]:
+            del self._entries[sid]
