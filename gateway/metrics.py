@@ -50,6 +50,12 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_tracker_route_requests_total": m.counter(
         "route look-ups at the tracker, by outcome", "outcome"
     ),
+    "swarm_gateway_prefix_reuse_total": m.counter(
+        "requests that could reuse a kept prefix (warm conversations), by outcome (hit, miss)", "outcome"
+    ),
+    "swarm_gateway_prefix_reused_tokens_total": m.counter(
+        "prompt positions taken from KV kept on the route instead of prefilled"
+    ),
     "swarm_gateway_hidden_relays_total": m.counter(
         "hidden-state frames this gateway relayed from one stage to the next"
     ),

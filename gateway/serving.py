@@ -769,6 +769,12 @@ class GatewayService:
                     in_body = True
                     if index > 0 and fork is not None:
                         fork.mark_opened(progress, len(fork.firsts) - 1)
+                    if index == 0 and not progress.started and self._warm(request):
+                        job.reused_tokens = session.reused
+                        outcome = "hit" if session.reused else "miss"
+                        self.metrics.inc("swarm_gateway_prefix_reuse_total", outcome=outcome)
+                        if session.reused:
+                            self.metrics.inc("swarm_gateway_prefix_reused_tokens_total", session.reused)
                     if not progress.started:
                         progress.started = True
                         progress.prompt_tokens = len(prepared.prompt)
@@ -779,7 +785,6 @@ class GatewayService:
                     session.finished = True
                     progress.finish_reason = reason
                     if index == 0:
-                        job.reused_tokens = session.reused
                         self.metrics.inc(
                             "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
                         )
