@@ -69,6 +69,7 @@ def _help(name: str) -> str:
 @click.option("--public-url", default=None, help=_help("public_url"))
 @click.option("--kv-keep-s", type=float, default=None, help=_help("kv_keep_s"))
 @click.option("--prefix-min-tokens", type=int, default=None, help=_help("prefix_min_tokens"))
+@click.option("--prefix-exact/--prefix-inexact", "prefix_exact", default=None, help=_help("prefix_exact"))
 @click.option("--model-alias", default=None, help=_help("model_alias"))
 @click.option("--cors-origins", default=None, help=_help("cors_origins"))
 @click.option("--log-level", default=None, help=_help("log_level"))

@@ -94,6 +94,12 @@ class GatewayConfig:
         "request sharing its prefix, from the same client) prefills only what is new; 0 = off",
     )
     prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
+    prefix_exact: bool = _f(
+        True,
+        "reuse only kept positions computed in whole prefill steps, so a warm request's output is "
+        "bit-identical to a cold one's; false reuses every matching position (faster; low-order bits may "
+        "differ, as with llama.cpp's cache_prompt)",
+    )
     prefix_route_slack: int = _f(
         2,
         "a request goes to the route that keeps its prefix unless that route carries this many more of "

@@ -13,6 +13,14 @@ of the API key, else the client's address) and only for a prompt whose first
 ``positions`` tokens are exactly the entry's: no client can reach another's KV,
 and the session ids nodes know them by are 128-bit secrets of this gateway.
 
+Exactness: llama.cpp's low-order bits depend on how a prompt is cut into
+batches, so with ``exact`` (the default) a request reuses only positions that
+the kept session computed in whole prefill steps from position 0, cut at a
+multiple of the step: its prefill then runs in exactly the steps a cold run
+would use, and its output is bit-identical to a cold run's. Without it every
+matching position is reused (as llama.cpp's own ``cache_prompt`` does), which
+is faster and may change low-order bits.
+
 An entry is taken (removed) when used: the nodes hand its sequence to the new
 session, which is kept again under its own id when it ends. Entries expire a
 little before the nodes drop them (``ttl_s``), and they are bounded in number
@@ -34,6 +42,8 @@ class Kept:
     session_id: str
     tokens: tuple[int, ...]
     expires_at: float
+    exact: int = 0  # positions computed as a cold run would (whole prefill steps); see lookup()
+    step: int = 1  # the session's prefill step
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixCache:
     def __init__(
-        self, *, ttl_s: float, max_entries: int = 1024, max_per_node: int = 8, min_tokens: int = 16
+        self,
+        *,
+        ttl_s: float,
+        max_entries: int = 1024,
+        max_per_node: int = 8,
+        min_tokens: int = 16,
+        exact: bool = True,
     ) -> None:
+        self.exact = exact
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.max_per_node = max_per_node
@@ -74,10 +91,22 @@ class PrefixCache:
         session_id: str,
         tokens: Sequence[int],
         now: float,
+        *,
+        exact: int = 0,
+        step: int = 1,
     ) -> None:
-        if len(tokens) < self.min_tokens or self.ttl_s <= 0:
+        if len(tokens) < self.min_tokens or self.ttl_s <= 0 or (self.exact and exact < self.min_tokens):
             return
-        entry = Kept(client, model, tuple(nodes), session_id, tuple(tokens), now + self.ttl_s)
+        entry = Kept(
+            client,
+            model,
+            tuple(nodes),
+            session_id,
+            tuple(tokens),
+            now + self.ttl_s,
+            min(exact, len(tokens)),
+            max(1, step),
+        )
         self._entries[session_id] = entry
         self._entries.move_to_end(session_id)
         for node in entry.nodes:  # a node keeps a bounded number of sessions: so does the index
@@ -98,6 +127,8 @@ class PrefixCache:
             if entry.client != client or entry.model != model:
                 continue
             n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            if self.exact:
+                n = (min(n, entry.exact) // entry.step) * entry.step
             if n >= self.min_tokens and (best is None or n > best.positions):
                 best = Hit(entry, n)
         return best

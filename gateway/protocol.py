@@ -331,7 +331,12 @@ def _response_format(body: Mapping[str, Any], fallback: ResponseFormat) -> Respo
     if fallback.kind != "text":
         raise _bad("give either 'response_format' or 'grammar'/'json_schema', not both", param)
     if kind == "json_object":
-        return ResponseFormat("json_object", schema={"type": "object"})
+        schema = fmt.get("schema", {"type": "object"})  # llama.cpp's extension: a schema here too
+        if not isinstance(schema, dict):
+            raise _bad(
+                "response_format.schema must be a JSON schema object", param + ".schema", "invalid_type"
+            )
+        return ResponseFormat("json_object", schema=schema)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):

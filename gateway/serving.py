@@ -251,7 +251,11 @@ class GatewayService:
         self._nursery: trio.Nursery | None = None
         self._active = 0
         self.plane = data_plane(config)
-        self.prefix = PrefixCache(ttl_s=max(0.0, config.kv_keep_s - 1.0), min_tokens=config.prefix_min_tokens)
+        self.prefix = PrefixCache(
+            ttl_s=max(0.0, config.kv_keep_s - 1.0),
+            min_tokens=config.prefix_min_tokens,
+            exact=config.prefix_exact,
+        )
         self._aliases = config.aliases()
         self._models: list[dict[str, Any]] = []
         self._models_at = -1e9
@@ -322,7 +326,30 @@ class GatewayService:
         coverage; under the stable id (see :func:`protocol.model_id`) and every alias."""
         models = await self.tracker_models()
         formats = {fp: tools.tool_format(v.template.source) for fp, v in self.vocabs.loaded().items()}
+        if any(not m.get("routable") for m in models):
+            models = await self._with_coverage(models)
         return protocol.model_list(models, int(time.time()), self._aliases, formats)
+
+    async def _with_coverage(self, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Models still being assembled: the share of their layers some live node serves."""
+        try:
+            with trio.fail_after(self.config.tracker_timeout_s):
+                swarm = await self.tracker.swarm()
+        except (TrackerClientError, httpx.HTTPError, trio.TooSlowError):
+            return models
+        covered: dict[str, set[int]] = {}
+        for node in swarm.get("nodes", []):
+            shard = node.get("shard") if isinstance(node, dict) else None
+            if node.get("state") != "live" or not isinstance(shard, dict):
+                continue
+            layers = covered.setdefault(str(shard.get("model_fingerprint")), set())
+            layers.update(range(int(shard.get("start", 0)), int(shard.get("end", 0))))
+        out = []
+        for m in models:
+            n = int(m.get("n_layers") or 0)
+            share = len(covered.get(str(m.get("fingerprint")), ())) / n if n else 0.0
+            out.append({**m, "coverage": round(share, 4)})
+        return out
 
     async def resolve_model(self, model: str) -> str:
         """A model id, alias, name or fingerprint -> what the tracker knows the model by."""
@@ -571,6 +598,8 @@ class GatewayService:
                                 session_id,
                                 m.tokens[: m.committed],
                                 trio.current_time(),
+                                exact=m.aligned_prefix,
+                                step=m.config.step_tokens,
                             )
                 return
             except StageFailed as err:

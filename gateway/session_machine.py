@@ -1086,6 +1086,17 @@ class RouteMachine:
         out += self._maybe_closed(now)
         return out
 
+    @property
+    def aligned_prefix(self) -> int:
+        """Positions computed exactly as a cold run of a longer prompt would compute them: whole prefill
+        steps from position 0 (or from a reused prefix that was itself aligned). Reusing at most this
+        many positions, in a multiple of ``step_tokens``, keeps a warm request bit-exact with a cold one
+        (llama.cpp's low-order bits depend on how a prompt is cut into batches)."""
+        if self.recoveries or self.prompt_len == 0:
+            return 0
+        step = self.config.step_tokens
+        return self.reused + ((self.prompt_len - self.reused) // step) * step
+
     def kept_prefix(self) -> list[int]:
         """After a RELEASE with ``keep_ms`` that every stage confirmed: the tokens of the KV the route
         keeps (the committed positions); empty otherwise."""

@@ -38,7 +38,7 @@ import llama_cpp
 import numpy as np
 
 from node import architectures
-from node.constraints import ConstraintError, GrammarConstraint, LLTokenizer, tokenizer_for
+from node.constraints import ConstraintError, GrammarConstraint, LLTokenizer, Pieces, tokenizer_for
 from node.errors import (
     DecodeError,
     EngineError,
@@ -252,6 +252,7 @@ class ShardEngine:
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
         self._choices: dict[int, tuple[SampledToken, ...]] = {}
+        self._pieces: Pieces | None = None
         self._lltokenizer: LLTokenizer | None = None  # llguidance's tokenizer, built on the first grammar
         self.recipe = runtime_recipe(files.model.fingerprint, config)
         self.recipe_fingerprint = self.recipe.fingerprint()
@@ -326,11 +327,12 @@ class ShardEngine:
         """The session's grammar (last stage); the vocabulary's llguidance tokenizer is built once."""
         if not params.grammar or not self.is_last:
             return None
-        if self._lltokenizer is None:
+        if self._lltokenizer is None or self._pieces is None:
             eog = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
             self._lltokenizer = tokenizer_for(self._vocab, self.n_vocab, eog)
+            self._pieces = Pieces(self._lltokenizer, self.n_vocab, eog)
         try:
-            return GrammarConstraint(self._lltokenizer, params.grammar, self.n_vocab)
+            return GrammarConstraint(self._lltokenizer, params.grammar, self.n_vocab, self._pieces)
         except ConstraintError as err:
             raise EngineError(str(err)) from err
 
@@ -580,8 +582,9 @@ class ShardEngine:
                 logits_out[i] = logits.copy()
             if w.sample:
                 sess = self._sessions[w.session_id]
+                position = w.start_pos + w.n_tokens
                 drawn = sample_choices(
-                    logits, sess.sampling, w.start_pos + w.n_tokens, w.history, sess.constraint
+                    logits, sess.sampling, position, w.history, sess.constraint, sess.budget - position + 1
                 )
                 sampled[i] = drawn[0]
                 if len(drawn) > 1:

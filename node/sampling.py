@@ -115,8 +115,11 @@ class SamplingParams:
 class Constraint(Protocol):
     """A grammar over the completion (node/constraints.py): which tokens may come next."""
 
-    def allowed(self, completion: Sequence[int]) -> npt.NDArray[np.bool_] | None:
-        """A mask over the vocabulary after ``completion`` (the tokens so far); None: no limit."""
+    def allowed(
+        self, completion: Sequence[int], remaining: int | None = None
+    ) -> npt.NDArray[np.bool_] | None:
+        """A mask over the vocabulary after ``completion`` (the tokens so far), with ``remaining`` tokens
+        left to the session's budget (this one included; None: unknown); None: no limit."""
         ...
 
 
@@ -145,6 +148,7 @@ def adjusted_logits(
     params: SamplingParams,
     history: np.ndarray | None = None,
     constraint: Constraint | None = None,
+    remaining: int | None = None,
 ) -> np.ndarray:
     """The logits the draw uses (float64): bias, penalties and constraint applied (module docstring)."""
     work = logits.astype(np.float64)
@@ -163,7 +167,7 @@ def adjusted_logits(
         ids, counts = np.unique(completion[(completion >= 0) & (completion < n)], return_counts=True)
         work[ids] -= counts * params.frequency_penalty + params.presence_penalty
     if constraint is not None:
-        mask = constraint.allowed(completion.tolist())
+        mask = constraint.allowed(completion.tolist(), remaining)
         if mask is not None and mask[:n].any():
             work[~mask[:n]] = -np.inf
     return work
@@ -175,9 +179,10 @@ def sample(
     position: int,
     history: np.ndarray | None = None,
     constraint: Constraint | None = None,
+    remaining: int | None = None,
 ) -> SampledToken:
     """Pick the next token (at ``position``) from one row of logits (float32, vocabulary-sized)."""
-    return sample_choices(logits, params, position, history, constraint)[0]
+    return sample_choices(logits, params, position, history, constraint, remaining)[0]
 
 
 def sample_choices(
@@ -186,6 +191,7 @@ def sample_choices(
     position: int,
     history: np.ndarray | None = None,
     constraint: Constraint | None = None,
+    remaining: int | None = None,
 ) -> list[SampledToken]:
     """The session's token, then, at ``completion_start`` with ``choices`` > 1, one per other choice."""
     logits = np.asarray(logits, dtype=np.float32)
@@ -195,7 +201,7 @@ def sample_choices(
     if params.temperature <= 0.0 and not params.adjusts:
         tokens = [int(np.argmax(logits))] * n
     else:
-        work = adjusted_logits(logits, params, history, constraint)
+        work = adjusted_logits(logits, params, history, constraint, remaining)
         if params.temperature <= 0.0:
             tokens = [int(np.argmax(work))] * n
         else:

@@ -161,3 +161,51 @@ def test_grammar_masks_follow_the_history_and_rebuild_after_a_cut(lltokenizer: t
     cut = completion[:3]
     assert np.array_equal(fresh.allowed(cut), c.allowed(cut))
     assert np.array_equal(fresh.allowed(completion), c.allowed(completion))
+
+
+@pytest.mark.parametrize(
+    ("text", "cost"),
+    [
+        ("", 0),
+        ("<tool_call>\n", 0),
+        ("{", 1),
+        ('{"a', 5),
+        ('{"a"', 3),
+        ('{"a": ', 2),
+        ('{"a": "x', 2),
+        ('{"a": [1, {"b": ', 4),
+        ('{"a": 1}', 0),
+        ('{"a": "}\\"', 2),
+    ],
+)
+def test_json_scan_counts_what_closing_needs(text: str, cost: int) -> None:
+    from node.constraints import JsonScan
+
+    scan = JsonScan()
+    scan.feed(text)
+    assert scan.cost() == cost
+
+
+def test_json_closes_before_the_budget_ends(lltokenizer: tuple) -> None:
+    """Random logits favour long strings; with 24 tokens of budget the JSON still closes (and parses)."""
+    from node.constraints import GrammarConstraint, Pieces
+
+    tok, n, vocab = lltokenizer
+    eog = [t for t in range(n) if vocab.is_eog(t)]
+    pieces = Pieces(tok, n, eog)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        {"type": "object"}, defaults={"whitespace_flexible": False}
+    )
+    rng = np.random.default_rng(5)
+    for trial in range(5):
+        c = GrammarConstraint(tok, grammar, n, pieces)
+        completion: list[int] = []
+        budget = 24
+        params = SamplingParams(temperature=1.0, seed=trial, grammar=grammar)
+        for pos in range(budget):
+            logits = rng.normal(0, 1, n).astype(np.float32)
+            token = sample(logits, params, pos, np.asarray(completion, np.int32), c, budget - pos).token
+            if vocab.is_eog(token):
+                break
+            completion.append(token)
+        assert isinstance(json.loads(vocab.detokenize(completion)), dict), vocab.detokenize(completion)

@@ -1,0 +1,70 @@
+"""The gateway's index of kept prefixes (pure): isolation by client and model, exact alignment, bounds."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.prefix_cache import PrefixCache, common_prefix
+
+NODES = ("n1", "n2")
+TOKENS = list(range(1000, 1600))
+
+
+def test_longest_prefix_of_the_same_client_and_model_only() -> None:
+    cache = PrefixCache(ttl_s=30, min_tokens=16, exact=False)
+    cache.put("alice", "m", NODES, "s-short", TOKENS[:100], now=0)
+    cache.put("alice", "m", NODES, "s-long", TOKENS[:300], now=0)
+    cache.put("bob", "m", NODES, "s-bob", TOKENS[:500], now=0)
+    hit = cache.lookup("alice", "m", [*TOKENS[:400], 7], now=1)
+    assert hit is not None and hit.entry.session_id == "s-long" and hit.positions == 300
+    assert cache.lookup("carol", "m", TOKENS[:400], now=1) is None  # another client never matches
+    assert cache.lookup("alice", "other-model", TOKENS[:400], now=1) is None
+    # A prompt that diverges early, or is too short to leave a token to prefill, reuses less.
+    assert cache.lookup("alice", "m", [*TOKENS[:10], 1, 2, 3], now=1) is None
+    hit = cache.lookup("alice", "m", TOKENS[:300], now=1)
+    assert hit is not None and hit.positions == 299
+
+
+def test_exact_mode_reuses_whole_prefill_steps_only() -> None:
+    cache = PrefixCache(ttl_s=30, min_tokens=16, exact=True)
+    cache.put("a", "m", NODES, "s", TOKENS[:590], now=0, exact=512, step=256)
+    hit = cache.lookup("a", "m", [*TOKENS[:590], 5, 6], now=1)
+    assert hit is not None and hit.positions == 512
+    hit = cache.lookup("a", "m", [*TOKENS[:400], 5], now=1)
+    assert hit is not None and hit.positions == 256
+    assert cache.lookup("a", "m", [*TOKENS[:200], 5], now=1) is None  # less than one whole step
+    cache.put("a", "m", NODES, "unaligned", TOKENS[:100], now=0, exact=0, step=256)
+    assert "unaligned" not in {e.session_id for e in cache._entries.values()}  # noqa: SLF001
+
+
+def test_take_removes_expiry_and_bounds() -> None:
+    cache = PrefixCache(ttl_s=10, min_tokens=4, exact=False, max_entries=3, max_per_node=2)
+    cache.put("a", "m", ("x", "y"), "s1", TOKENS[:50], now=0)
+    hit = cache.lookup("a", "m", TOKENS[:60], now=1)
+    cache.take(hit)
+    assert cache.lookup("a", "m", TOKENS[:60], now=1) is None and cache.hits == 1
+    cache.put("a", "m", ("x", "y"), "s2", TOKENS[:50], now=0)
+    assert cache.lookup("a", "m", TOKENS[:60], now=10.5) is None and len(cache) == 0  # expired
+    for i in range(3):
+        cache.put("a", "m", ("x", "y"), f"k{i}", TOKENS[: 50 + i], now=20)
+    assert len(cache) == 2  # two per node
+    for i in range(3):
+        cache.put("a", "m", (f"p{i}", f"q{i}"), f"o{i}", TOKENS[:50], now=20)
+    assert len(cache) == 3  # three in all, the oldest went first
+    cache.forget_node("p2")
+    assert "o2" not in {e.session_id for e in cache._entries.values()}  # noqa: SLF001
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 3), max_size=30),
+    b=st.lists(st.integers(0, 3), max_size=30),
+)
+def test_a_hit_is_always_an_exact_prefix_of_the_prompt(a: list[int], b: list[int]) -> None:
+    assert a[: common_prefix(a, b)] == b[: common_prefix(a, b)]
+    cache = PrefixCache(ttl_s=5, min_tokens=1, exact=False)
+    cache.put("c", "m", NODES, "s", a, now=0)
+    hit = cache.lookup("c", "m", b, now=0)
+    if hit is not None:
+        assert 1 <= hit.positions < len(b) and list(hit.entry.tokens[: hit.positions]) == b[: hit.positions]
