@@ -126,12 +126,16 @@ def test_json_schema_strict_validates_and_unsupported_features_are_named(
     r = client.chat.completions.create(
         model=swarm.model,
         messages=[{"role": "user", "content": "Is the sky blue?"}],
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": schema, "strict": True},
+        },
         temperature=0,
         max_tokens=40,
     )
     obj = json.loads(r.choices[0].message.content or "")
-    assert obj["answer"] in ("yes", "no") and 0 <= obj["confidence"] <= 100 and set(obj) == set(schema["required"])
+    assert obj["answer"] in ("yes", "no") and 0 <= obj["confidence"] <= 100
+    assert set(obj) == set(schema["required"])
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=swarm.model,
@@ -245,11 +249,13 @@ def test_n_choices_equal_separate_requests_with_seed_plus_i(
     else:
         r = client.chat.completions.create(n=3, **base)
         assert [c.index for c in r.choices] == [0, 1, 2]
-        assert r.usage.completion_tokens == sum(12 if c.finish_reason == "length" else 0 for c in r.choices) or True
+        assert 3 <= r.usage.completion_tokens <= 36  # all three choices counted
         texts = [c.message.content or "" for c in r.choices]
     separate = []
     for i in range(3):
-        one = client.chat.completions.create(**{**base, "seed": 1234 + i, "extra_body": {"cache_prompt": False}})
+        one = client.chat.completions.create(
+            **{**base, "seed": 1234 + i, "extra_body": {"cache_prompt": False}}
+        )
         separate.append(one.choices[0].message.content or "")
     assert texts == separate
     assert len(set(texts)) > 1  # different seeds draw different stories
