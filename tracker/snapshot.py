@@ -6,6 +6,10 @@ Pure data: no I/O, no clocks, no database. The tracker builds a
 functions (``tracker.routing.select_routes`` and
 ``tracker.placement.recommend_span``).
 
+Latency: a hop's one-way latency is ``latency_ms[(a, b)]`` when given, else
+half the RTT predicted by the two nodes' network coordinates, else
+``default_latency_ms``; bandwidth: each node's announced uplink.
+
 Layer ranges are half-open: a shard ``[start, end)`` holds blocks
 ``start .. end-1``; a model has layers ``0 .. n_layers-1`` and a route tiles
 boundaries ``0 = b0 < b1 < ... < bk = n_layers`` with one shard per hop.
@@ -14,6 +18,8 @@ boundaries ``0 = b0 < b1 < ... < bk = n_layers`` with one shard per hop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tracker.coordinates import NetCoord
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,18 @@ class ShardView:
     region: str = ""  # free-form locality hint for latency estimates
     # Free KV cache room reported by the last heartbeat (tokens); None = not reported.
     kv_free_tokens: int | None = None
+    # The node's network coordinate (tracker/coordinates.py); None = not measured yet.
+    coord: NetCoord | None = None
+    # The node's uplink (what it sends activations with), as announced; None = unknown.
+    uplink_mbit_s: float | None = None
 
 
 @dataclass(frozen=True)
 class SwarmSnapshot:
     models: tuple[ModelInfo, ...]
     shards: tuple[ShardView, ...]
-    # Known one-way latency between two node ids (ms); missing pairs use the default.
+    # Known one-way latency between two node ids (ms); pairs missing here are estimated from the
+    # nodes' coordinates, or cost ``default_latency_ms`` when either has none (or an untrusted one).
     latency_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     default_latency_ms: float = 5.0
     relay_penalty_ms: float = 10.0

@@ -1,0 +1,332 @@
+"""Network coordinates: pairwise latency estimates without n^2 state (Vivaldi with a height).
+
+Pure: standard library only, no I/O, no clock (times are passed in), no randomness
+(directions for coincident points come from a hash of the peer's id).
+
+The model
+    Every endpoint (node or gateway) has a :class:`NetCoord`: a point ``vec`` in
+    R^3 (milliseconds), a ``height_ms`` >= ``MIN_HEIGHT_MS`` and an ``error``
+    estimate in [``MIN_ERROR``, 1]. The predicted round-trip time between two
+    endpoints is ``|vec_a - vec_b| + height_a + height_b``: the Euclidean part
+    models the core of the internet, the heights the access links every path
+    to an endpoint crosses (Dabek et al., "Vivaldi", SIGCOMM 2004). One number
+    per endpoint and dimension: the tracker stores O(n) state, and any pair's
+    latency is predicted on demand.
+
+Samples and claims
+    Nodes and gateways measure RTTs to the peers they talk to and report them
+    (``proto.announce.RttSample``). The tracker keeps, per reporter, its latest
+    *claim* per peer (bounded: ``MAX_CLAIMS_PER_REPORTER``, at most
+    ``claim_ttl`` old). An endpoint's coordinate is refitted from its own
+    claims, checked against what the peers claimed about it
+    (:func:`observations`):
+
+    * a pair only the endpoint claimed counts with its claim;
+    * a pair both sides claimed counts with the **larger** claim (RTT is
+      symmetric and queueing only adds delay, so the larger honest value is the
+      safe one, and a lowered claim cannot win) -- unless the two claims are
+      more than ``dispute_ratio`` apart: then one side lies, the pair counts for
+      neither, and it is a *dispute* for both;
+    * a pair only the peer claimed does not move the endpoint; the tracker asks
+      the endpoint to measure that peer too (:func:`probe_back`), so every pair
+      between nodes soon has both sides.
+
+    The error estimate of an endpoint is at least the share of its two-sided
+    pairs that are disputed. Routing ignores coordinates whose error exceeds
+    ``UNTRUSTED_ERROR`` (such an endpoint is priced like one without a
+    coordinate, at a pessimistic typical latency).
+
+    Each step of the update is clipped to ``max_step_ratio`` of the predicted
+    distance (at least ``max_step_floor_ms``), and observations far off the
+    current prediction (``outlier_factor`` times the endpoint's median misfit,
+    in log ratio, and at least a factor ``min_outlier_ratio``) count less, or
+    not at all beyond twice that.
+
+What a liar can do (and what it cannot)
+    A liar controls the claims it reports and nothing else.
+
+    * Claims move only the reporter's own coordinate, never the peer named:
+      a liar cannot pull or push an honest node's coordinate with its claims.
+      It influences honest coordinates only through its own position, as a peer
+      in their refits, where it is one observation of many, weighted by its
+      confidence (Vivaldi's ``e_i / (e_i + e_j)``) and filtered as an outlier
+      when far off.
+    * It cannot look closer to a node than that node measured it: once both
+      sides reported the pair, the larger claim wins, and a claim far below the
+      other side's is a dispute. A liar that claims to be near nodes that
+      measured it far ends up with every pair disputed: no coordinate, or an
+      untrusted one -- routing then prices it pessimistically.
+    * Before anyone measured it, a liar can look close to whomever it names.
+      The tracker asks those peers to measure it back (their next heartbeat),
+      so this lasts one or two heartbeat intervals.
+    * An honest node with a share ``f`` of lying counterparts gets an error of
+      at least ``f`` (its disputes) and keeps its position: with ``f`` below
+      ``UNTRUSTED_ERROR`` it stays usable. ``tests/tracker/test_coordinates.py``
+      measures the honest error with 5-20 % liars of three kinds.
+    * Many identities (Sybils) are out of scope: each one is placed only by its
+      own claims, and each pair with an honest node is checked from both sides.
+    * Gateways cannot be measured back (they accept no gRPC): a gateway's claims
+      place only that gateway, and so only change its own routes.
+
+Bounds
+    A claim's RTT is in ``(0, MAX_RTT_MS]``; a refit looks at most
+    ``MAX_OBSERVATIONS`` observations; every step is clipped (above).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+DIMENSIONS = 3
+MIN_HEIGHT_MS = 0.05
+MIN_ERROR = 0.01
+MAX_RTT_MS = 60_000.0
+MAX_CLAIMS_PER_REPORTER = 32  # peers whose latest RTT claim the tracker keeps per reporter
+MAX_OBSERVATIONS = 96  # observations one refit looks at
+DISPUTE_SLACK_MS = 10.0  # two claims within this (plus the ratio) never dispute: jitter on short paths
+UNTRUSTED_ERROR = 0.5  # a coordinate with a larger error estimate is not used for routing
+
+Vec = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class NetCoord:
+    vec: Vec
+    height_ms: float = MIN_HEIGHT_MS
+    error: float = 1.0  # Vivaldi's relative error estimate: 1 = knows nothing yet
+
+    def rtt_ms(self, other: NetCoord) -> float:
+        """Predicted round-trip time to ``other`` (milliseconds)."""
+        a, b = self.vec, other.vec
+        return math.dist(a, b) + self.height_ms + other.height_ms
+
+    def one_way_ms(self, other: NetCoord) -> float:
+        return 0.5 * self.rtt_ms(other)
+
+    def __post_init__(self) -> None:
+        if len(self.vec) != DIMENSIONS or not all(
+            math.isfinite(x) for x in (*self.vec, self.height_ms, self.error)
+        ):
+            raise ValueError(f"a network coordinate needs {DIMENSIONS} finite numbers, a height and an error")
+
+    def is_finite(self) -> bool:
+        return all(math.isfinite(x) for x in (*self.vec, self.height_ms, self.error))
+
+
+ORIGIN = NetCoord((0.0, 0.0, 0.0), MIN_HEIGHT_MS, 1.0)
+
+
+@dataclass(frozen=True)
+class VivaldiParams:
+    cc: float = 0.25  # how far one observation moves a coordinate (times the confidence weight)
+    ce: float = 0.25  # how fast the error estimate follows
+    max_step_ratio: float = 0.5  # one observation moves at most this share of the predicted distance
+    max_step_floor_ms: float = 40.0  # ... or this much, whichever is larger
+    passes: int = 2  # passes over the observations per refit
+    dispute_ratio: float = 2.0  # two claims about one pair further apart than this: the pair is dropped
+    outlier_factor: float = 3.0  # skip observations this many median misfits off the prediction ...
+    min_outlier_ratio: float = 2.0  # ... but never those within this factor of it
+
+
+DEFAULT_PARAMS = VivaldiParams()
+
+
+@dataclass(frozen=True)
+class Observation:
+    peer_key: str  # the peer's id (only its hash is used: the direction when two points coincide)
+    peer: NetCoord
+    rtt_ms: float
+
+
+def _unit_from_key(key: str, salt: int) -> Vec:
+    """A deterministic pseudo-random unit vector (two coincident points need some direction)."""
+    digest = hashlib.sha256(f"{salt}:{key}".encode()).digest()
+    v = [int.from_bytes(digest[4 * i : 4 * i + 4], "big") / 2**31 - 1.0 for i in range(DIMENSIONS)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return (v[0] / norm, v[1] / norm, v[2] / norm)
+
+
+def own_rtt(x0: float, x1: float, x2: float, h: float, o: Observation) -> float:
+    """Predicted RTT from the point (x0, x1, x2) with height h to the observation's peer."""
+    y0, y1, y2 = o.peer.vec
+    euclid = math.sqrt((x0 - y0) ** 2 + (x1 - y1) ** 2 + (x2 - y2) ** 2)
+    return euclid + h + max(o.peer.height_ms, MIN_HEIGHT_MS)
+
+
+def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DEFAULT_PARAMS) -> NetCoord:
+    """``own`` after ``params.passes`` Vivaldi steps over ``obs`` (in the order given, at most
+    ``MAX_OBSERVATIONS`` of them). Observations with a non-finite or out-of-range RTT or peer
+    are skipped; the result is always finite."""
+    x0, x1, x2 = own.vec
+    h = max(own.height_ms, MIN_HEIGHT_MS)
+    e = min(max(own.error, MIN_ERROR), 1.0)
+    usable = [o for o in obs[:MAX_OBSERVATIONS] if 0.0 < o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
+    for p in range(params.passes):
+        # Robust filter: an observation whose RTT is further off the current prediction than
+        # ``outlier_factor`` times this endpoint's median misfit (in log ratio; at least a factor
+        # ``min_outlier_ratio``) is skipped this pass. With liars a minority of the observations,
+        # the median is an honest one, so wild claims do nothing and mild ones do little.
+        misfit = [abs(math.log(o.rtt_ms / own_rtt(x0, x1, x2, h, o))) for o in usable]
+        if misfit:
+            ordered = sorted(misfit)
+            median = ordered[len(ordered) // 2]
+            cutoff = max(params.outlier_factor * median, math.log(params.min_outlier_ratio))
+        for o, m in zip(usable, misfit, strict=True):
+            if m > 2.0 * cutoff:
+                continue
+            trust = 1.0 if m <= cutoff else (cutoff / m) ** 2
+            y0, y1, y2 = o.peer.vec
+            hj = max(o.peer.height_ms, MIN_HEIGHT_MS)
+            ej = min(max(o.peer.error, MIN_ERROR), 1.0)
+            d0, d1, d2 = x0 - y0, x1 - y1, x2 - y2
+            euclid = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+            dist = euclid + h + hj
+            residual = o.rtt_ms - dist  # > 0: too close in the model, move away
+            weight = e / (e + ej)
+            rel = abs(residual) / o.rtt_ms
+            gain = params.ce * weight * trust
+            e = min(max(rel * gain + e * (1.0 - gain), MIN_ERROR), 1.0)
+            limit = max(params.max_step_floor_ms, params.max_step_ratio * dist)
+            residual = min(max(residual, -limit), limit)
+            step = params.cc * weight * trust * residual
+            if euclid > 1e-9:
+                u0, u1, u2 = d0 / euclid, d1 / euclid, d2 / euclid
+            else:
+                u0, u1, u2 = _unit_from_key(o.peer_key, p)
+            # Height-vector arithmetic: moving along the unit vector of [x - y, h + hj], whose
+            # norm is the predicted RTT, changes the position and the height in proportion.
+            x0 += step * u0 * euclid / dist if euclid > 1e-9 else step * u0
+            x1 += step * u1 * euclid / dist if euclid > 1e-9 else step * u1
+            x2 += step * u2 * euclid / dist if euclid > 1e-9 else step * u2
+            h = max(MIN_HEIGHT_MS, h + step * (h + hj) / dist)
+    if not all(math.isfinite(v) for v in (x0, x1, x2, h, e)):
+        return own
+    return NetCoord((x0, x1, x2), h, e)
+
+
+def disputed(mine: float, theirs: float, ratio: float) -> bool:
+    """Two claims about one pair that cannot both be honest: one is ``ratio`` times the other
+    (plus ``DISPUTE_SLACK_MS`` for jitter on short paths)."""
+    lo, hi = (mine, theirs) if mine <= theirs else (theirs, mine)
+    return hi > ratio * lo + DISPUTE_SLACK_MS
+
+
+def observations(
+    own_claims: Mapping[str, float],
+    claims_about: Mapping[str, float],
+    peers: Mapping[str, NetCoord | None],
+    params: VivaldiParams = DEFAULT_PARAMS,
+) -> tuple[list[Observation], int, int]:
+    """The observations one endpoint's refit uses (see the module docstring), in a fixed
+    order, with the number of two-sided pairs and how many of them are disputed.
+
+    ``own_claims``: peer id -> RTT this endpoint reported; ``claims_about``: peer id -> RTT
+    that peer reported about this endpoint; ``peers``: the known peers' coordinates, None
+    for a known peer without one yet (it counts as the origin, so a new swarm can start);
+    a peer id missing from ``peers`` is not a known endpoint and is skipped. At most
+    ``MAX_OBSERVATIONS``, sorted by peer id. A claim only the peer made is not used here
+    (see :func:`probe_back`)."""
+    out: list[Observation] = []
+    both = disputes = 0
+    for peer_id in sorted(own_claims):
+        if peer_id not in peers:
+            continue
+        rtt = own_claims[peer_id]
+        other = claims_about.get(peer_id)
+        if other is not None:
+            both += 1
+            if disputed(rtt, other, params.dispute_ratio):
+                disputes += 1
+                continue  # one side lies: the pair counts for neither
+            rtt = max(rtt, other)
+        out.append(Observation(peer_id, peers[peer_id] or ORIGIN, rtt))
+    return out[:MAX_OBSERVATIONS], both, disputes
+
+
+def probe_back(own_claims: Mapping[str, float], claims_about: Mapping[str, float], limit: int) -> list[str]:
+    """Peers that measured this endpoint but were not measured by it (sorted, at most ``limit``):
+    the tracker asks the endpoint to probe them, so every pair gets checked from both sides."""
+    return sorted(p for p in claims_about if p not in own_claims)[:limit]
+
+
+def refit(
+    own: NetCoord | None,
+    own_claims: Mapping[str, float],
+    claims_about: Mapping[str, float],
+    peers: Mapping[str, NetCoord | None],
+    params: VivaldiParams = DEFAULT_PARAMS,
+) -> NetCoord | None:
+    """The endpoint's new coordinate, or its old one (None: still unknown) when it has no
+    observation of a known peer. A first coordinate starts at the origin. The error
+    estimate is at least the share of its two-sided pairs that are disputed (an endpoint
+    others contradict counts for little in their refits, and routing prices it as unknown
+    past ``UNTRUSTED_ERROR``)."""
+    obs, both, disputes = observations(own_claims, claims_about, peers, params)
+    new = update(own if own is not None else ORIGIN, obs, params) if obs else own
+    share = disputes / both if both else 0.0
+    if new is not None and share > new.error:
+        new = NetCoord(new.vec, new.height_ms, min(1.0, share))
+    return new
+
+
+def merge_claims(
+    previous: Mapping[str, tuple[float, float]],
+    fresh: Iterable[tuple[str, float]],
+    now_s: float,
+    *,
+    max_age_s: float,
+    limit: int = MAX_CLAIMS_PER_REPORTER,
+) -> dict[str, tuple[float, float]]:
+    """A reporter's claim table (peer id -> (rtt_ms, at_s)) after a report: fresh claims replace
+    older ones, claims older than ``max_age_s`` go, and at most ``limit`` newest stay."""
+    table = {k: v for k, v in previous.items() if now_s - v[1] <= max_age_s}
+    for peer_id, rtt in fresh:
+        table[peer_id] = (float(rtt), now_s)
+    if len(table) > limit:
+        newest = sorted(table.items(), key=lambda kv: (-kv[1][1], kv[0]))[:limit]
+        table = dict(newest)
+    return table
+
+
+def typical_one_way_ms(
+    coords: Sequence[NetCoord], quantile: float = 0.75, max_points: int = 64
+) -> float | None:
+    """The ``quantile`` of predicted one-way latencies over pairs of (at most ``max_points``,
+    evenly picked) coordinates; None with fewer than two. Routing prices a hop to an endpoint
+    without a coordinate at this (pessimistic) figure."""
+    if len(coords) < 2:
+        return None
+    stride = max(1, len(coords) // max_points)
+    pts = list(coords[::stride])[:max_points]
+    values = sorted(a.one_way_ms(b) for i, a in enumerate(pts) for b in pts[i + 1 :])
+    if not values:
+        return None
+    idx = min(len(values) - 1, max(0, math.ceil(quantile * len(values)) - 1))
+    return values[idx]
+
+
+__all__ = [
+    "DIMENSIONS",
+    "MAX_CLAIMS_PER_REPORTER",
+    "MAX_OBSERVATIONS",
+    "MAX_RTT_MS",
+    "MIN_ERROR",
+    "MIN_HEIGHT_MS",
+    "NetCoord",
+    "ORIGIN",
+    "Observation",
+    "VivaldiParams",
+    "DEFAULT_PARAMS",
+    "merge_claims",
+    "observations",
+    "probe_back",
+    "disputed",
+    "UNTRUSTED_ERROR",
+    "DISPUTE_SLACK_MS",
+    "refit",
+    "typical_one_way_ms",
+    "update",
+]
