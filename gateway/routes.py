@@ -15,6 +15,7 @@ limits) for ``node_info_ttl_s``; a route's stages must agree on the recipe.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class Hop:
     end: int
     address: str
     relay: bool = False
+    # The tracker's estimates for the link that carries this stage's input (from the previous
+    # stage; for the first stage, from this gateway), None where nothing was measured: the round
+    # trip (network coordinates) and the sender's uplink (for the first stage always None).
+    rtt_ms: float | None = None
+    bandwidth_mbit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class Route:
     ticket: bytes  # canonical JSON of the tracker-signed envelope, passed to every stage in OPEN
     expires_at_s: float
     expected_ms_per_token: float
+    ring_rtt_ms: float | None = None  # estimated round trip last stage <-> first stage (the decode ring)
+    exit_rtt_ms: float | None = None  # estimated round trip last stage <-> this gateway
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,14 @@ class ModelRoutes:
 
 def route_id(hops: Sequence[Hop]) -> str:
     return ">".join(f"{h.node_id[:8]}[{h.start}:{h.end})" for h in hops)
+
+
+def _opt_float(value: Any) -> float | None:
+    """An optional estimate from the tracker: a finite number >= 0, or None (absent, null, nonsense)."""
+    if value is None or isinstance(value, bool):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
@@ -81,6 +97,8 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     int(h["end"]),
                     str(h["address"]),
                     bool(h.get("relay", False)),
+                    _opt_float(h.get("rtt_ms")),
+                    _opt_float(h.get("bandwidth_mbit_s")),
                 )
                 for h in r["hops"]
             )
@@ -94,6 +112,8 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     canonical_json(r["ticket"]),
                     float(r["expires_at"]),
                     float(r["expected_ms_per_token"]),
+                    _opt_float(r.get("ring_rtt_ms")),
+                    _opt_float(r.get("exit_rtt_ms")),
                 )
             )
         return ModelRoutes(str(model["fingerprint"]), str(model["name"]), tuple(routes), now_s)
@@ -153,7 +173,10 @@ class RouteCache:
     async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
         try:
             with trio.fail_after(self._timeout_s):
-                body = await self._tracker.routes(model, k=self._k, exclude=exclude)
+                # Our id lets the tracker price routes from where this gateway is (its coordinate).
+                body = await self._tracker.routes(
+                    model, k=self._k, exclude=exclude, gateway_id=self._tracker.key_id
+                )
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))
             if err.status == 404:

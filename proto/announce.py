@@ -28,6 +28,9 @@ MAX_LIST = 32
 MAX_NAME = 200
 MAX_LAYERS = 100_000
 MAX_USAGE_ENTRIES = 256
+MAX_RTT_SAMPLES = 32  # RTT samples per heartbeat or gateway report (docs/tracker.md, Network coordinates)
+MAX_RTT_MS = 60_000.0
+MAX_UPLINK_MBIT_S = 1_000_000.0
 
 
 class PayloadError(ValueError):
@@ -105,6 +108,40 @@ def check_address(addr: str) -> str:
     if not m or not 1 <= int(m.group(2)) <= 65535 or len(addr) > 255:
         raise PayloadError(f"address {addr!r} must be host:port with a port in 1..65535")
     return addr
+
+
+# --- round-trip samples -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RttSample:
+    """A round trip the sender measured to a peer (a node or a gateway, by id)."""
+
+    peer_id: str
+    rtt_ms: float
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> RttSample:
+        o = _obj(obj, where)
+        _check_keys(o, frozenset({"peer_id", "rtt_ms"}), where)
+        return cls(_hex64(o, "peer_id", where), _num(o, "rtt_ms", 0.0, MAX_RTT_MS, where, open_lo=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "rtt_ms": self.rtt_ms}
+
+
+def _rtt_samples(o: Mapping[str, Any], where: str, sender: str) -> tuple[RttSample, ...]:
+    """The optional ``rtt_samples`` list: at most ``MAX_RTT_SAMPLES``, one per peer, never the sender."""
+    raw = o.get("rtt_samples", [])
+    if not isinstance(raw, list) or len(raw) > MAX_RTT_SAMPLES:
+        raise PayloadError(f"{where}.rtt_samples must be a list of at most {MAX_RTT_SAMPLES} objects")
+    samples = tuple(RttSample.from_json(x, f"{where}.rtt_samples[]") for x in raw)
+    peers = [s.peer_id for s in samples]
+    if len(set(peers)) != len(peers):
+        raise PayloadError(f"{where}.rtt_samples must name each peer once")
+    if sender in peers:
+        raise PayloadError(f"{where}.rtt_samples must not name the sender itself")
+    return samples
 
 
 # --- announce ----------------------------------------------------------------------------------
@@ -203,6 +240,7 @@ _ANNOUNCE_KEYS = (
             "prefill_tokens_per_s",
             "max_sessions",
             "region",
+            "uplink_mbit_s",
         }
     )
     | ENVELOPE_FIELDS
@@ -224,6 +262,7 @@ class Announce:
     prefill_tokens_per_s: float
     max_sessions: int
     region: str = ""  # free-form locality the operator chose ("eu-west", "home-lab"); "" = unsaid
+    uplink_mbit_s: float | None = None  # the node's upload rate (what activations leave with); None = unsaid
 
     @classmethod
     def from_json(cls, obj: Any) -> Announce:
@@ -254,6 +293,9 @@ class Announce:
             prefill_tokens_per_s=_num(o, "prefill_tokens_per_s", 0.0, 1e9, w, open_lo=True),
             max_sessions=_int(o, "max_sessions", 1, 1 << 20, w),
             region=_str(o, "region", w, max_len=64, min_len=0) if "region" in o else "",
+            uplink_mbit_s=_num(o, "uplink_mbit_s", 0.0, MAX_UPLINK_MBIT_S, w, open_lo=True)
+            if o.get("uplink_mbit_s") is not None
+            else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -273,6 +315,8 @@ class Announce:
         }
         if self.region:
             body["region"] = self.region
+        if self.uplink_mbit_s is not None:
+            body["uplink_mbit_s"] = self.uplink_mbit_s
         return body
 
 
@@ -280,7 +324,15 @@ class Announce:
 
 _HEARTBEAT_KEYS = (
     frozenset(
-        {"node_id", "active_sessions", "queue_depth", "kv_free_tokens", "tokens_served", "kv_used_tokens"}
+        {
+            "node_id",
+            "active_sessions",
+            "queue_depth",
+            "kv_free_tokens",
+            "tokens_served",
+            "kv_used_tokens",
+            "rtt_samples",
+        }
     )
     | ENVELOPE_FIELDS
 )
@@ -294,6 +346,7 @@ class Heartbeat:
     kv_free_tokens: int
     tokens_served: int  # tokens processed since the previous heartbeat
     kv_used_tokens: int | None = None  # KV positions held by sessions now (None = not reported)
+    rtt_samples: tuple[RttSample, ...] = ()  # round trips measured since the last report
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -301,13 +354,15 @@ class Heartbeat:
         o = _obj(obj, w)
         _check_keys(o, _HEARTBEAT_KEYS, w)
         big = 1 << 40
+        node_id = _hex64(o, "node_id", w)
         return cls(
-            _hex64(o, "node_id", w),
+            node_id,
             _int(o, "active_sessions", 0, 1 << 20, w),
             _int(o, "queue_depth", 0, 1 << 20, w),
             _int(o, "kv_free_tokens", 0, big, w),
             _int(o, "tokens_served", 0, big, w),
             _int(o, "kv_used_tokens", 0, big, w) if o.get("kv_used_tokens") is not None else None,
+            _rtt_samples(o, w, node_id),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -320,6 +375,8 @@ class Heartbeat:
         }
         if self.kv_used_tokens is not None:
             body["kv_used_tokens"] = self.kv_used_tokens
+        if self.rtt_samples:
+            body["rtt_samples"] = [x.to_json() for x in self.rtt_samples]
         return body
 
 
@@ -435,6 +492,7 @@ class GatewayStats:
     ttft_p95_s: float | None
     routes: tuple[RouteStat, ...] = ()
     url: str = ""  # the gateway's public base URL, if it knows one
+    rtt_samples: tuple[RttSample, ...] = ()  # round trips to nodes measured since the last report
 
     @classmethod
     def from_json(cls, obj: Any) -> GatewayStats:
@@ -453,14 +511,16 @@ class GatewayStats:
             "ttft_p95_s",
             "routes",
             "url",
+            "rtt_samples",
         }
         _check_keys(o, frozenset(keys) | ENVELOPE_FIELDS, w)
         routes = o.get("routes", [])
         if not isinstance(routes, list) or len(routes) > MAX_ROUTE_STATS:
             raise PayloadError(f"{w}.routes must be a list of at most {MAX_ROUTE_STATS} objects")
         big = 1 << 40
+        gateway_id = _hex64(o, "gateway_id", w)
         return cls(
-            gateway_id=_hex64(o, "gateway_id", w),
+            gateway_id=gateway_id,
             interval_s=_num(o, "interval_s", 0.0, 3600.0, w, open_lo=True),
             sessions_active=_int(o, "sessions_active", 0, 1 << 20, w),
             requests_queued=_int(o, "requests_queued", 0, 1 << 20, w),
@@ -472,10 +532,11 @@ class GatewayStats:
             ttft_p95_s=_opt_seconds(o, "ttft_p95_s", w),
             routes=tuple(RouteStat.from_json(r) for r in routes),
             url=_str(o, "url", w, max_len=255, min_len=0) if "url" in o else "",
+            rtt_samples=_rtt_samples(o, w, gateway_id),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "gateway_id": self.gateway_id,
             "interval_s": self.interval_s,
             "sessions_active": self.sessions_active,
@@ -489,3 +550,6 @@ class GatewayStats:
             "routes": [{"route_id": r.route_id, "sessions": r.sessions} for r in self.routes],
             "url": self.url,
         }
+        if self.rtt_samples:
+            body["rtt_samples"] = [x.to_json() for x in self.rtt_samples]
+        return body

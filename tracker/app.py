@@ -199,15 +199,19 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             body = await read_json()
             if not isinstance(body, dict):
                 raise BadRequest("body must be a JSON object")
-            unknown = set(body) - {"model", "k", "exclude"}
+            unknown = set(body) - {"model", "k", "exclude", "gateway_id"}
             if unknown:
                 raise BadRequest(f"unknown field(s) {sorted(unknown)}")
             model, k, exclude = body.get("model"), body.get("k", 1), body.get("exclude", [])
+            gateway_id = body.get("gateway_id")
         else:
             model = request.args.get("model")
             k = _int_arg("k", request.args.get("k", "1"))
             raw = request.args.get("exclude", "")
             exclude = [x for x in raw.split(",") if x]
+            gateway_id = request.args.get("gateway_id")
+        if gateway_id is not None and (not isinstance(gateway_id, str) or len(gateway_id) > 64):
+            raise BadRequest("gateway_id must be a gateway's id (64 hex characters)")
         if not isinstance(model, str) or not model:
             raise BadRequest("model (fingerprint or name) is required")
         if isinstance(k, bool) or not isinstance(k, int):
@@ -218,7 +222,7 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             or len(exclude) > 1024
         ):
             raise BadRequest("exclude must be a list of at most 1024 node ids")
-        result = await registry.routes(model, k, frozenset(exclude))
+        result = await registry.routes(model, k, frozenset(exclude), gateway_id or None)
         return _json(result, 200 if result["routes"] else 503)
 
     probes = trio.CapacityLimiter(MAX_CONCURRENT_PROBES)

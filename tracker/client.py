@@ -168,9 +168,16 @@ class TrackerClient:
         )
 
     async def routes(
-        self, model: str, k: int = 1, exclude: frozenset[str] | set[str] = frozenset()
+        self,
+        model: str,
+        k: int = 1,
+        exclude: frozenset[str] | set[str] = frozenset(),
+        gateway_id: str | None = None,
     ) -> dict[str, Any]:
-        request = {"model": model, "k": k, "exclude": sorted(exclude)}
+        """Routes for ``model``; with ``gateway_id`` priced from that gateway's network position."""
+        request: dict[str, Any] = {"model": model, "k": k, "exclude": sorted(exclude)}
+        if gateway_id:
+            request["gateway_id"] = gateway_id
         # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
         return await self._call("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
 

@@ -58,6 +58,9 @@ class TrackerConfig:
     snapshot_ttl_s: float = _f(1.0, "how stale the cached routing snapshot may be (load figures only)")
     default_latency_ms: float = _f(5.0, "assumed one-way latency between two nodes")
     relay_penalty_ms: float = _f(10.0, "extra cost of a hop through a gateway relay")
+    rtt_claim_ttl_s: float = _f(600.0, "how long a reported round trip counts for network coordinates")
+    rtt_probe_hints: int = _f(2, "random peers each heartbeat answer asks a node to measure (0 = none)")
+    rtt_probe_back_max: int = _f(6, "peers that measured a node it is asked to measure back, per answer")
     db_threads: int = _f(0, "worker threads for the database; 0 = 1 for SQLite, 4 otherwise")
     zeroconf: bool = _f(True, "advertise _swarm-tracker._tcp.local. on the LAN")
     replica_heartbeat_interval_s: float = _f(5.0, "how often this replica records itself as alive")
@@ -98,6 +101,7 @@ class TrackerConfig:
             "reports_keep_s",
             "dashboard_push_interval_s",
             "dashboard_series_window_s",
+            "rtt_claim_ttl_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -113,6 +117,8 @@ class TrackerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if not 0 <= self.rtt_probe_hints <= 16 or not 0 <= self.rtt_probe_back_max <= 32:
+            raise ConfigError("rtt_probe_hints must be in 0..16 and rtt_probe_back_max in 0..32")
         if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:
             raise ConfigError("snapshot_ttl_s, default_latency_ms and relay_penalty_ms must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -38,9 +38,13 @@ Samples and claims
 
     Each step of the update is clipped to ``max_step_ratio`` of the predicted
     distance (at least ``max_step_floor_ms``), and observations far off the
-    current prediction (``outlier_factor`` times the endpoint's median misfit,
-    in log ratio, and at least a factor ``min_outlier_ratio``) count less, or
-    not at all beyond twice that.
+    current prediction (``outlier_factor`` times the 75th percentile of the
+    endpoint's misfits, in log ratio, and at least a factor
+    ``min_outlier_ratio``) count less, or not at all beyond twice that. The
+    reference is a high quantile, not the median, so that an honest minority
+    of observations (up to a quarter) that the current position does not fit
+    yet still moves it: a filter keyed to the median can freeze a coordinate
+    in a wrong place.
 
 What a liar can do (and what it cannot)
     A liar controls the claims it reports and nothing else.
@@ -127,7 +131,8 @@ class VivaldiParams:
     max_step_floor_ms: float = 40.0  # ... or this much, whichever is larger
     passes: int = 2  # passes over the observations per refit
     dispute_ratio: float = 2.0  # two claims about one pair further apart than this: the pair is dropped
-    outlier_factor: float = 3.0  # skip observations this many median misfits off the prediction ...
+    outlier_quantile: float = 0.75  # the misfit a refit compares against: this quantile of its own ...
+    outlier_factor: float = 3.0  # ... and observations this many times that far off count less or not
     min_outlier_ratio: float = 2.0  # ... but never those within this factor of it
 
 
@@ -166,14 +171,15 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
     usable = [o for o in obs[:MAX_OBSERVATIONS] if 0.0 < o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
     for p in range(params.passes):
         # Robust filter: an observation whose RTT is further off the current prediction than
-        # ``outlier_factor`` times this endpoint's median misfit (in log ratio; at least a factor
-        # ``min_outlier_ratio``) is skipped this pass. With liars a minority of the observations,
-        # the median is an honest one, so wild claims do nothing and mild ones do little.
+        # ``outlier_factor`` times this endpoint's typical misfit (the ``outlier_quantile`` of its
+        # misfits, in log ratio; at least a factor ``min_outlier_ratio``) counts less, and beyond
+        # twice that not at all, this pass. With liars under a quarter of the observations the
+        # reference is an honest misfit, so wild claims do nothing and mild ones do little.
         misfit = [abs(math.log(o.rtt_ms / own_rtt(x0, x1, x2, h, o))) for o in usable]
         if misfit:
             ordered = sorted(misfit)
-            median = ordered[len(ordered) // 2]
-            cutoff = max(params.outlier_factor * median, math.log(params.min_outlier_ratio))
+            typical = ordered[min(len(ordered) - 1, int(params.outlier_quantile * len(ordered)))]
+            cutoff = max(params.outlier_factor * typical, math.log(params.min_outlier_ratio))
         for o, m in zip(usable, misfit, strict=True):
             if m > 2.0 * cutoff:
                 continue

@@ -27,6 +27,7 @@ SPECS: dict[str, m.Spec] = {
     "swarm_tracker_routes_issued_total": m.counter("routes handed out with a ticket"),
     "swarm_tracker_usage_tokens_total": m.counter("tokens recorded in the usage ledger"),
     "swarm_tracker_gateway_reports_total": m.counter("gateway statistics reports accepted"),
+    "swarm_tracker_rtt_samples_total": m.counter("round-trip samples received (network coordinates)"),
     "swarm_tracker_periodic_runs_total": m.counter(
         "periodic maintenance rounds, by whether this replica held the lock", "outcome"
     ),

@@ -60,6 +60,13 @@ class Gateway(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # hex ed25519 public key
     first_seen_s: Mapped[float] = mapped_column(Double)
     last_seen_s: Mapped[float] = mapped_column(Double)
+    # Network coordinate (tracker/coordinates.py); all NULL until the first RTT samples arrive.
+    coord_x: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_y: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_z: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_height_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_error: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_updated_s: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Node(Base):
@@ -75,6 +82,14 @@ class Node(Base):
     last_seen_s: Mapped[float] = mapped_column(Double)
     state: Mapped[str] = mapped_column(String(16), index=True)
     region: Mapped[str] = mapped_column(String(64), server_default="")
+    uplink_mbit_s: Mapped[float | None] = mapped_column(Double, nullable=True)  # as announced
+    # Network coordinate (tracker/coordinates.py); all NULL until the first RTT samples arrive.
+    coord_x: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_y: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_z: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_height_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_error: Mapped[float | None] = mapped_column(Double, nullable=True)
+    coord_updated_s: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Shard(Base):
@@ -177,3 +192,20 @@ class GatewayReport(Base):
     ttft_p95_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     routes: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     url: Mapped[str] = mapped_column(String(255))
+
+
+class RttClaim(Base):
+    """The latest round trip a node or gateway (``reporter_id``) reported to a peer.
+
+    At most ``tracker.coordinates.MAX_CLAIMS_PER_REPORTER`` per reporter, none older
+    than the tracker's ``rtt_claim_ttl_s`` (trimmed on every report and by the purge);
+    the refit of an endpoint reads its own claims and the claims about it (the index
+    on ``peer_id``). Ids are not foreign keys: a peer may be a node or a gateway."""
+
+    __tablename__ = "rtt_claims"
+    __table_args__ = (Index("ix_rtt_claims_peer_id_at_s", "peer_id", "at_s"),)
+
+    reporter_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rtt_ms: Mapped[float] = mapped_column(Double)
+    at_s: Mapped[float] = mapped_column(Double)

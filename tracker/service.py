@@ -33,7 +33,7 @@ import trio
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.logs import event
-from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, UsageReport
+from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, RttSample, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker import overview
 from tracker.config import TrackerConfig
@@ -43,7 +43,7 @@ from tracker.models import NODE_STATES
 from tracker.placement import layer_coverage, recommend_span
 from tracker.routing import select_routes
 from tracker.snapshot import ModelInfo, SwarmSnapshot
-from tracker.store import NonceRecord, Store, UsageGroup
+from tracker.store import NonceRecord, RttResult, Store, UsageGroup
 
 log = logging.getLogger("swarm.tracker")
 T = TypeVar("T")
@@ -232,12 +232,47 @@ class Registry:
             self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_restorations_total")
             event(log, "node_restored", node_id=h.node_id)
+        rtt = await self._record_rtt(h.node_id, h.rtt_samples)
         return {
             "node_id": h.node_id,
             "state": "live",
             "restored": restored,
             "heartbeat_interval_s": self.config.heartbeat_interval_s,
+            "probe": await self._probe_hints(h.node_id, rtt),
         }
+
+    async def _record_rtt(self, reporter_id: str, samples: tuple[RttSample, ...]) -> RttResult | None:
+        """Claims and the refit of the reporter's coordinate (its own transaction, after the signed
+        write: a lost refit only delays a coordinate by one report)."""
+        if not samples:
+            return None
+        result = await self._db(
+            functools.partial(
+                self.store.record_rtt,
+                reporter_id,
+                samples,
+                self.clock(),
+                claim_ttl_s=self.config.rtt_claim_ttl_s,
+                probe_back_max=self.config.rtt_probe_back_max,
+            )
+        )
+        self.metrics.inc("swarm_tracker_rtt_samples_total", len(samples))
+        return result
+
+    async def _probe_hints(self, node_id: str, rtt: RttResult | None) -> list[dict[str, str]]:
+        """Who the node should measure: peers that measured it (so each pair is checked from both
+        sides) and a few random live nodes (so coordinates span the whole swarm)."""
+        hints: dict[str, str] = dict(rtt.probe) if rtt is not None else {}
+        want = len(hints) + self.config.rtt_probe_hints
+        if self.config.rtt_probe_hints:
+            shards = (await self.snapshot()).shards
+            for _ in range(4 * self.config.rtt_probe_hints if shards else 0):  # a few draws, not a scan
+                if len(hints) >= want:
+                    break
+                s = shards[self.rng.randrange(len(shards))]
+                if not s.relayed and s.address and s.node_id != node_id:
+                    hints.setdefault(s.node_id, s.address)
+        return [{"node_id": n, "address": a} for n, a in sorted(hints.items())]
 
     async def leave(self, envelope: Any) -> dict[str, Any]:
         payload, nonce = self._open(envelope, "leave")
@@ -259,6 +294,9 @@ class Registry:
             raise BadRequest(str(err)) from err
         await self._signed_write("gateway_stats", self.store.record_gateway_stats, g, self.clock(), nonce)
         self.metrics.inc("swarm_tracker_gateway_reports_total")
+        rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
+        if rtt is not None and rtt.coordinate is not None:
+            self._snapshot_stale = True  # routes for this gateway are priced from its new position
         return {"recorded": True}
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
@@ -307,6 +345,7 @@ class Registry:
                     self.clock(),
                     reports_keep_s=self.config.reports_keep_s,
                     replicas_keep_s=max(3600.0, 10 * self._replica_live_s()),
+                    claims_keep_s=self.config.rtt_claim_ttl_s,
                 )
             )
             event(log, "purged", **done["purged"])
@@ -392,13 +431,19 @@ class Registry:
                 counts[s.model_fingerprint] += 1
         return max(named, key=lambda m: (counts[m.fingerprint], m.fingerprint))
 
-    async def routes(self, model: str, k: int, exclude: frozenset[str]) -> dict[str, Any]:
+    async def routes(
+        self, model: str, k: int, exclude: frozenset[str], gateway_id: str | None = None
+    ) -> dict[str, Any]:
+        """Routes for ``model``; priced from ``gateway_id``'s network coordinate when it has one."""
         if not 1 <= k <= self.config.max_routes_k:
             raise BadRequest(f"k must be in 1..{self.config.max_routes_k}")
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
+        origin = snap.gateway_coords.get(gateway_id) if gateway_id else None
         t0 = time.perf_counter()
-        selection = select_routes(snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng)
+        selection = select_routes(
+            snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
+        )
         self.metrics.observe("swarm_tracker_route_selection_seconds", time.perf_counter() - t0)
         now = self.clock()
         shard_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
@@ -423,9 +468,15 @@ class Registry:
                             "end": h.end,
                             "address": h.address,
                             "relay": shard_of[h.node_id].relayed,
+                            # The link into this stage (from the gateway for the first): estimated
+                            # round trip and the sender's uplink; null where nothing was measured.
+                            "rtt_ms": _ms(route.hop_rtt_ms[i]),
+                            "bandwidth_mbit_s": route.hop_bandwidth_mbit_s[i],
                         }
-                        for h in route.hops
+                        for i, h in enumerate(route.hops)
                     ],
+                    "ring_rtt_ms": _ms(route.ring_rtt_ms),
+                    "exit_rtt_ms": _ms(route.exit_rtt_ms),
                     "ticket": sign_route_ticket(self.key, ticket),
                     "expires_at": ticket.expires_at_s,
                 }
@@ -581,6 +632,10 @@ class Registry:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             series_window_s=window,
         )
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _model_json(m: ModelInfo) -> dict[str, Any]:

@@ -75,6 +75,9 @@ class SwarmSnapshot:
     latency_ms: dict[tuple[str, str], float] = field(default_factory=dict)
     default_latency_ms: float = 5.0
     relay_penalty_ms: float = 10.0
+    # Network coordinates of the gateways (by gateway id) that reported RTT samples: a route for
+    # a gateway is priced from where that gateway is (``select_routes(origin=...)``).
+    gateway_coords: dict[str, NetCoord] = field(default_factory=dict)
 
     def model(self, fingerprint: str) -> ModelInfo | None:
         """The model with this fingerprint, or None."""

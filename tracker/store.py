@@ -18,8 +18,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from proto.announce import Announce, GatewayStats, Heartbeat, Leave, UsageReport
+from proto.announce import Announce, GatewayStats, Heartbeat, Leave, RttSample, UsageReport
 from proto.signing import SignatureError
+from tracker import coordinates
+from tracker.coordinates import NetCoord
 from tracker.errors import Conflict, UnknownNode
 from tracker.migrate import upgrade_if_needed
 from tracker.models import (
@@ -33,6 +35,7 @@ from tracker.models import (
     Nonce,
     PeriodicTask,
     Replica,
+    RttClaim,
     Shard,
     Usage,
 )
@@ -89,9 +92,51 @@ class NonceRecord:
 
 
 @dataclass(frozen=True)
+class RttResult:
+    coordinate: NetCoord | None  # the reporter's coordinate after the refit (None: none yet)
+    probe: tuple[tuple[str, str], ...]  # (node id, address) of peers that measured it and it should measure
+
+
+@dataclass(frozen=True)
 class LeaveResult:
     known: bool  # the node was registered
     was_live: bool
+
+
+GATEWAY_COORD_KEEP_S = 86_400.0  # gateways heard from within this long keep their coordinate in snapshots
+MAX_GATEWAY_COORDS = 10_000
+
+
+def _coord(
+    x: float | None, y: float | None, z: float | None, height: float | None, error: float | None
+) -> NetCoord | None:
+    if x is None or y is None or z is None or height is None or error is None:
+        return None
+    try:
+        return NetCoord((x, y, z), height, error)
+    except ValueError:  # a non-finite value never written by this code: treat as unknown
+        return None
+
+
+def _coord_json(c: NetCoord | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {
+        "vec": [round(v, 3) for v in c.vec],
+        "height_ms": round(c.height_ms, 3),
+        "error": round(c.error, 4),
+    }
+
+
+def _coord_of(row: Node | Gateway) -> NetCoord | None:
+    return _coord(row.coord_x, row.coord_y, row.coord_z, row.coord_height_ms, row.coord_error)
+
+
+def _set_coord(row: Node | Gateway, c: NetCoord, now_s: float) -> None:
+    row.coord_x, row.coord_y, row.coord_z = c.vec
+    row.coord_height_ms = c.height_ms
+    row.coord_error = c.error
+    row.coord_updated_s = now_s
 
 
 class Store:
@@ -184,6 +229,7 @@ class Store:
             node.hardware = a.hardware.to_json()
             node.software_version = a.software_version
             node.region = a.region
+            node.uplink_mbit_s = a.uplink_mbit_s
             node.last_seen_s = now_s
             node.state = NODE_LIVE
             s.flush()
@@ -246,6 +292,96 @@ class Store:
                 )
             )
         return state != NODE_LIVE
+
+    def record_rtt(
+        self,
+        reporter_id: str,
+        samples: tuple[RttSample, ...],
+        now_s: float,
+        *,
+        claim_ttl_s: float,
+        probe_back_max: int = 8,
+    ) -> RttResult:
+        """Keep a node's or gateway's RTT claims and refit its network coordinate from them and
+        from the claims about it (tracker/coordinates.py); returns the new coordinate and the
+        nodes it should measure back. The reporter must be registered (UnknownNode)."""
+        with Session(self.engine) as s, s.begin():
+            own_row: Any = s.get(Node, reporter_id)
+            if own_row is None:
+                own_row = s.get(Gateway, reporter_id)
+            if own_row is None:
+                raise UnknownNode(f"{reporter_id} is neither a registered node nor a known gateway")
+            previous = {
+                p: (r, t)
+                for p, r, t in s.execute(
+                    select(RttClaim.peer_id, RttClaim.rtt_ms, RttClaim.at_s).where(
+                        RttClaim.reporter_id == reporter_id
+                    )
+                )
+            }
+            table = coordinates.merge_claims(
+                previous, [(x.peer_id, x.rtt_ms) for x in samples], now_s, max_age_s=claim_ttl_s
+            )
+            gone = [p for p in previous if p not in table]
+            if gone:
+                s.execute(
+                    delete(RttClaim).where(RttClaim.reporter_id == reporter_id, RttClaim.peer_id.in_(gone))
+                )
+            for peer_id, (rtt, at_s) in table.items():
+                if at_s == now_s:
+                    s.execute(
+                        self._insert_ignore(RttClaim)
+                        .values(reporter_id=reporter_id, peer_id=peer_id, rtt_ms=rtt, at_s=now_s)
+                        .on_conflict_do_update(
+                            index_elements=["reporter_id", "peer_id"], set_={"rtt_ms": rtt, "at_s": now_s}
+                        )
+                    )
+            about = {
+                r: v
+                for r, v in s.execute(
+                    select(RttClaim.reporter_id, RttClaim.rtt_ms)
+                    .where(RttClaim.peer_id == reporter_id, RttClaim.at_s >= now_s - claim_ttl_s)
+                    .order_by(RttClaim.at_s.desc())
+                    .limit(coordinates.MAX_OBSERVATIONS)
+                )
+            }
+            mine = {p: r for p, (r, _) in table.items()}
+            peers = self._coordinates(s, set(mine) | set(about))
+            own = _coord_of(own_row)
+            new = coordinates.refit(own, mine, about, peers)
+            if new is not None and new != own:
+                _set_coord(own_row, new, now_s)
+            wanted = coordinates.probe_back(mine, about, 4 * probe_back_max)
+            probe: list[tuple[str, str]] = []
+            if wanted:
+                for nid, addresses, relay in s.execute(
+                    select(Node.id, Node.addresses, Node.relay)
+                    .where(Node.id.in_(wanted), Node.state == NODE_LIVE)
+                    .order_by(Node.id)
+                ):
+                    if not relay and addresses and len(probe) < probe_back_max:
+                        probe.append((nid, addresses[0]))
+        return RttResult(coordinate=new, probe=tuple(probe))
+
+    @staticmethod
+    def _coordinates(s: Session, ids: set[str]) -> dict[str, NetCoord | None]:
+        """Known endpoints among ``ids`` (nodes, then gateways) -> their coordinate or None."""
+        if not ids:
+            return {}
+        out: dict[str, NetCoord | None] = {}
+        for table in (Node, Gateway):
+            for row in s.execute(
+                select(
+                    table.id,
+                    table.coord_x,
+                    table.coord_y,
+                    table.coord_z,
+                    table.coord_height_ms,
+                    table.coord_error,
+                ).where(table.id.in_(sorted(ids)))
+            ):
+                out.setdefault(row[0], _coord(*row[1:]))
+        return out
 
     def leave(self, msg: Leave, now_s: float, nonce: NonceRecord | None = None) -> LeaveResult:
         """Take the node out of routing now (state ``left``); its sessions drain on the node."""
@@ -390,11 +526,35 @@ class Store:
                     Node.relay,
                     Node.addresses,
                     Node.relay_via,
+                    Node.region,
+                    Node.uplink_mbit_s,
+                    Node.coord_x,
+                    Node.coord_y,
+                    Node.coord_z,
+                    Node.coord_height_ms,
+                    Node.coord_error,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .where(Node.state == NODE_LIVE, Node.last_seen_s >= cutoff)
                 .order_by(Shard.node_id, Shard.model_fingerprint)
             ).all()
+            gateway_coords = {
+                g[0]: c
+                for g in s.execute(
+                    select(
+                        Gateway.id,
+                        Gateway.coord_x,
+                        Gateway.coord_y,
+                        Gateway.coord_z,
+                        Gateway.coord_height_ms,
+                        Gateway.coord_error,
+                    )
+                    .where(Gateway.coord_x.is_not(None), Gateway.last_seen_s >= now_s - GATEWAY_COORD_KEEP_S)
+                    .order_by(Gateway.last_seen_s.desc())
+                    .limit(MAX_GATEWAY_COORDS)
+                )
+                if (c := _coord(*g[1:])) is not None
+            }
         shards = tuple(
             ShardView(
                 node_id=r[0],
@@ -409,14 +569,23 @@ class Store:
                 kv_free_tokens=r[9],
                 relayed=r[10],
                 address=_route_address(r[10], r[11], r[12]),
+                region=r[13],
+                uplink_mbit_s=r[14],
+                coord=_coord(r[15], r[16], r[17], r[18], r[19]),
             )
             for r in rows
         )
+        # A hop to a node without a (trusted) coordinate costs a pessimistic typical latency.
+        placed = [
+            c for sh in shards if (c := sh.coord) is not None and c.error <= coordinates.UNTRUSTED_ERROR
+        ]
+        typical = coordinates.typical_one_way_ms(placed)
         return SwarmSnapshot(
             models=models,
             shards=shards,
-            default_latency_ms=default_latency_ms,
+            default_latency_ms=max(default_latency_ms, typical or 0.0),
             relay_penalty_ms=relay_penalty_ms,
+            gateway_coords=gateway_coords,
         )
 
     def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:
@@ -435,6 +604,8 @@ class Store:
                         "hardware": node.hardware,
                         "software_version": node.software_version,
                         "region": node.region,
+                        "uplink_mbit_s": node.uplink_mbit_s,
+                        "coordinate": _coord_json(_coord_of(node)),
                         "first_seen_s": node.first_seen_s,
                         "last_seen_s": node.last_seen_s,
                         "shard": None
@@ -546,9 +717,18 @@ class Store:
             ).first()
             return inserted is not None
 
-    def purge(self, now_s: float, *, reports_keep_s: float, replicas_keep_s: float) -> dict[str, int]:
-        """Delete expired nonces, old gateway reports and long-gone replicas; returns rows deleted."""
+    def purge(
+        self,
+        now_s: float,
+        *,
+        reports_keep_s: float,
+        replicas_keep_s: float,
+        claims_keep_s: float = 3600.0,
+    ) -> dict[str, int]:
+        """Delete expired nonces, old gateway reports, long-gone replicas and old RTT claims;
+        returns rows deleted."""
         with self.engine.begin() as conn:
+            claims = conn.execute(delete(RttClaim).where(RttClaim.at_s < now_s - claims_keep_s)).rowcount
             nonces = conn.execute(delete(Nonce).where(Nonce.expires_at_s < now_s)).rowcount
             reports = conn.execute(
                 delete(GatewayReport).where(GatewayReport.at_s < now_s - reports_keep_s)
@@ -556,7 +736,7 @@ class Store:
             replicas = conn.execute(
                 delete(Replica).where(Replica.last_seen_s < now_s - replicas_keep_s)
             ).rowcount
-        return {"nonces": nonces, "gateway_reports": reports, "replicas": replicas}
+        return {"nonces": nonces, "gateway_reports": reports, "replicas": replicas, "rtt_claims": claims}
 
     # --- accounting -------------------------------------------------------------------------------
 
