@@ -31,7 +31,6 @@ when the generation ends.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ from gateway.protocol import ChatMessage, GenerationRequest, Tool, ToolCall
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def template_has_tools(source: str) -> bool:
@@ -121,15 +119,23 @@ def new_call_id() -> str:
 
 def parse_calls(text: str, tools: Sequence[Tool]) -> tuple[str, tuple[ToolCall, ...]]:
     """Split generated text into (content before the calls, calls). Text that is not a valid call to one
-    of ``tools`` stays content."""
+    of ``tools`` stays content. Each call's JSON is decoded as JSON (a string argument may contain the
+    closing tag itself)."""
     start = text.find(TOOL_OPEN)
     if start < 0:
         return text, ()
     names = {t.name for t in tools}
+    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
-    for match in _CALL.finditer(text, start):
+    at = start
+    while at < len(text):
+        if not text.startswith(TOOL_OPEN, at):
+            return text, ()
+        body = at + len(TOOL_OPEN)
+        while body < len(text) and text[body].isspace():
+            body += 1
         try:
-            obj = json.loads(match.group(1))
+            obj, end = decoder.raw_decode(text, body)
         except ValueError:
             return text, ()
         if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -137,8 +143,10 @@ def parse_calls(text: str, tools: Sequence[Tool]) -> tuple[str, tuple[ToolCall, 
         arguments = obj.get("arguments", obj.get("parameters", {}))
         args_text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(new_call_id(), str(obj["name"]), args_text))
-    if not calls:
-        return text, ()
+        rest = text[end:].lstrip()
+        if rest.startswith(TOOL_CLOSE):
+            rest = rest[len(TOOL_CLOSE) :].lstrip()
+        at = len(text) - len(rest)
     return text[:start].rstrip(), tuple(calls)
 
 

@@ -53,6 +53,8 @@ class ConstraintError(ValueError):
     """The grammar cannot be used (llguidance refused it)."""
 
 
+# Tokens kept in hand for what a grammar forces after the JSON (a tool call's closing tag, the end token).
+CLOSING_MARGIN = 8
 _CLOSERS = frozenset('"}],:0123456789.- \n')
 
 
@@ -216,7 +218,7 @@ class GrammarConstraint:
 
     def _closing(self, mask: npt.NDArray[np.bool_], remaining: int) -> npt.NDArray[np.bool_]:
         cost = self._scan.cost()
-        if cost == 0 or remaining > cost + 2:
+        if cost == 0 or remaining > cost + CLOSING_MARGIN:
             return mask
         pieces = self._pieces
         assert pieces is not None

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from openai_swarm import Swarm, two_stage_swarm
+from openai_swarm import Swarm
 from pydantic import BaseModel
 from swarm_fixtures import metric_lines
 
@@ -32,16 +32,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[Swarm]:
-    with two_stage_swarm(
-        tmp_path_factory.mktemp("features"),
-        model_path,
-        node_cache,
-        15,
-        30,
-        gateway_args=["--model-alias", "smol=smollm2-135m-8k-lc100k-mix1-ep2", "--cors-origins", "*"],
-    ) as s:
-        yield s
+def swarm(smol_swarm: Swarm) -> Swarm:
+    return smol_swarm
 
 
 @pytest.fixture(scope="module")
