@@ -1,4 +1,5 @@
-"""Payloads nodes and gateways send the tracker: announce, heartbeat, leave, usage report, gateway stats.
+"""Payloads nodes and gateways send the tracker: announce, heartbeat, leave, usage report, gateway
+stats, spot-check results and evidence.
 
 Pure: standard library only. Each payload type is a frozen dataclass with
 ``from_json(obj)`` (validates a decoded, already signature-checked payload and
@@ -469,6 +470,40 @@ class RouteStat:
         return cls(_str(o, "route_id", w, max_len=400), _int(o, "sessions", 0, 1 << 20, w))
 
 
+MAX_NODE_SPEEDS = 64
+
+
+@dataclass(frozen=True)
+class NodeSpeed:
+    """One node's decode time as a gateway measured it: its share of the route's per-token time
+    (apportioned by the stages' layer counts), averaged over ``samples`` sessions."""
+
+    node_id: str
+    model_fingerprint: str
+    decode_ms_per_token: float
+    samples: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> NodeSpeed:
+        w = "gateway_stats.nodes[]"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"node_id", "model_fingerprint", "decode_ms_per_token", "samples"}), w)
+        return cls(
+            _hex64(o, "node_id", w),
+            _hex64(o, "model_fingerprint", w),
+            _num(o, "decode_ms_per_token", 0.0, 1e7, w, open_lo=True),
+            _int(o, "samples", 1, 1 << 30, w),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "model_fingerprint": self.model_fingerprint,
+            "decode_ms_per_token": self.decode_ms_per_token,
+            "samples": self.samples,
+        }
+
+
 def _opt_seconds(o: Mapping[str, Any], key: str, where: str) -> float | None:
     return None if o.get(key) is None else _num(o, key, 0.0, 86_400.0, where)
 
@@ -493,6 +528,8 @@ class GatewayStats:
     routes: tuple[RouteStat, ...] = ()
     url: str = ""  # the gateway's public base URL, if it knows one
     rtt_samples: tuple[RttSample, ...] = ()  # round trips to nodes measured since the last report
+    # What this gateway measured of each node's decode time (routing trusts this, not the claim).
+    nodes: tuple[NodeSpeed, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any) -> GatewayStats:
@@ -512,11 +549,15 @@ class GatewayStats:
             "routes",
             "url",
             "rtt_samples",
+            "nodes",
         }
         _check_keys(o, frozenset(keys) | ENVELOPE_FIELDS, w)
         routes = o.get("routes", [])
         if not isinstance(routes, list) or len(routes) > MAX_ROUTE_STATS:
             raise PayloadError(f"{w}.routes must be a list of at most {MAX_ROUTE_STATS} objects")
+        nodes = o.get("nodes", [])
+        if not isinstance(nodes, list) or len(nodes) > MAX_NODE_SPEEDS:
+            raise PayloadError(f"{w}.nodes must be a list of at most {MAX_NODE_SPEEDS} objects")
         big = 1 << 40
         gateway_id = _hex64(o, "gateway_id", w)
         return cls(
@@ -533,6 +574,7 @@ class GatewayStats:
             routes=tuple(RouteStat.from_json(r) for r in routes),
             url=_str(o, "url", w, max_len=255, min_len=0) if "url" in o else "",
             rtt_samples=_rtt_samples(o, w, gateway_id),
+            nodes=tuple(NodeSpeed.from_json(n) for n in nodes),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -552,4 +594,220 @@ class GatewayStats:
         }
         if self.rtt_samples:
             body["rtt_samples"] = [x.to_json() for x in self.rtt_samples]
+        if self.nodes:  # only when there is something: a tracker without the field still accepts the rest
+            body["nodes"] = [n.to_json() for n in self.nodes]
         return body
+
+
+# --- spot-check results and evidence (gateway -> tracker) ----------------------------------------
+
+MAX_CHECK_ENTRIES = 256
+MAX_CHECKS_PER_REPORT = 10_000  # checks one node may be credited with in one report
+MAX_EVIDENCE_RUNS = 4
+MAX_TOP_LOGPROBS = 64
+
+
+@dataclass(frozen=True)
+class CheckPass:
+    node_id: str
+    checks: int  # spot checks this node passed since the gateway's previous report
+
+
+@dataclass(frozen=True)
+class CheckResults:
+    """Nodes that passed spot checks at one gateway (a check: the node's every step report of a
+    request equalled an independent route's, bit for bit)."""
+
+    gateway_id: str
+    passed: tuple[CheckPass, ...]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CheckResults:
+        w = "check_results"
+        o = _obj(obj, w)
+        _check_keys(o, frozenset({"gateway_id", "passed"}) | ENVELOPE_FIELDS, w)
+        items = o.get("passed")
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_CHECK_ENTRIES:
+            raise PayloadError(f"{w}.passed must be a list of 1..{MAX_CHECK_ENTRIES} objects")
+        passed: list[CheckPass] = []
+        seen: set[str] = set()
+        for item in items:
+            e = _obj(item, f"{w}.passed[]")
+            _check_keys(e, frozenset({"node_id", "checks"}), f"{w}.passed[]")
+            node = _hex64(e, "node_id", f"{w}.passed[]")
+            if node in seen:
+                raise PayloadError(f"{w}.passed lists node {node[:16]} twice")
+            seen.add(node)
+            passed.append(CheckPass(node, _int(e, "checks", 1, MAX_CHECKS_PER_REPORT, f"{w}.passed[]")))
+        return cls(_hex64(o, "gateway_id", w), tuple(passed))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gateway_id": self.gateway_id,
+            "passed": [{"node_id": p.node_id, "checks": p.checks} for p in self.passed],
+        }
+
+
+@dataclass(frozen=True)
+class StepClaim:
+    """What one node reported about one step: the output digest (hex; stages before the last) and,
+    for the last stage, the sampled token with its logprob and top logprobs."""
+
+    node_id: str
+    epoch: int
+    step_id: int
+    digest: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> StepClaim:
+        o = _obj(obj, where)
+        _check_keys(
+            o,
+            frozenset({"node_id", "epoch", "step_id", "digest", "token_id", "logprob", "top_logprobs"}),
+            where,
+        )
+        digest = o.get("digest")
+        if (
+            not isinstance(digest, str)
+            or len(digest) > 128
+            or any(c not in "0123456789abcdef" for c in digest)
+        ):
+            raise PayloadError(f"{where}.digest must be at most 128 lowercase hex characters")
+        token = _int(o, "token_id", 0, 1 << 31, where) if o.get("token_id") is not None else None
+        logprob = _num(o, "logprob", -1e30, 0.0, where) if o.get("logprob") is not None else None
+        tops = o.get("top_logprobs", [])
+        if not isinstance(tops, list) or len(tops) > MAX_TOP_LOGPROBS:
+            raise PayloadError(f"{where}.top_logprobs must be a list of at most {MAX_TOP_LOGPROBS} pairs")
+        pairs: list[tuple[int, float]] = []
+        for pair in tops:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise PayloadError(f"{where}.top_logprobs[] must be [token_id, logprob]")
+            p = {"t": pair[0], "l": pair[1]}
+            pairs.append((_int(p, "t", 0, 1 << 31, where), _num(p, "l", -1e30, 0.0, where)))
+        return cls(
+            _hex64(o, "node_id", where),
+            _int(o, "epoch", 0, 1 << 31, where),
+            _int(o, "step_id", 0, 1 << 62, where),
+            digest,
+            token,
+            logprob,
+            tuple(pairs),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "node_id": self.node_id,
+            "epoch": self.epoch,
+            "step_id": self.step_id,
+            "digest": self.digest,
+        }
+        if self.token_id is not None:
+            out["token_id"] = self.token_id
+            out["logprob"] = self.logprob
+            out["top_logprobs"] = [list(p) for p in self.top_logprobs]
+        return out
+
+    def says_same_as(self, other: StepClaim) -> bool:
+        """Both reports claim the same output (digest and sampled token, bit for bit)."""
+        return (self.digest, self.token_id, self.logprob, self.top_logprobs) == (
+            other.digest,
+            other.token_id,
+            other.logprob,
+            other.top_logprobs,
+        )
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A gateway's verdict on a spot check: two runs of a request parted at one step and a third
+    (the judge) decided it. ``conclusive``: the judge agreed with exactly one run, and ``liar``
+    is the node of the other one at that stage."""
+
+    gateway_id: str
+    request_id: str
+    liar: str  # "" when the verdict is not conclusive
+    conclusive: bool
+    stage: int
+    positions: tuple[int, int]
+    reports: tuple[tuple[str, StepClaim], ...]  # (run name, its report of the step)
+    judge: StepClaim
+    detail: str
+    time_s: float
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Evidence:
+        w = "evidence"
+        o = _obj(obj, w)
+        keys = {"gateway_id", "request_id", "liar", "conclusive", "stage", "positions", "reports"}
+        _check_keys(o, frozenset(keys | {"judge", "detail", "time"}) | ENVELOPE_FIELDS, w)
+        liar = o.get("liar")
+        if liar != "":
+            liar = _hex64(o, "liar", w)
+        conclusive = _bool(o, "conclusive", w)
+        if conclusive and not liar:
+            raise PayloadError(f"{w}: a conclusive verdict must name the liar")
+        positions = o.get("positions")
+        if (
+            not isinstance(positions, list)
+            or len(positions) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
+            or not 0 <= positions[0] < positions[1] <= 1 << 31
+        ):
+            raise PayloadError(f"{w}.positions must be [start, end] with 0 <= start < end")
+        raw = o.get("reports")
+        if not isinstance(raw, Mapping) or not 2 <= len(raw) <= MAX_EVIDENCE_RUNS:
+            raise PayloadError(f"{w}.reports must map 2..{MAX_EVIDENCE_RUNS} run names to reports")
+        reports = []
+        for name, report in sorted(raw.items()):
+            if not isinstance(name, str) or not 1 <= len(name) <= 32:
+                raise PayloadError(f"{w}.reports keys must be run names of 1..32 characters")
+            reports.append((name, StepClaim.from_json(report, f"{w}.reports.{name}")))
+        return cls(
+            gateway_id=_hex64(o, "gateway_id", w),
+            request_id=_str(o, "request_id", w, max_len=128),
+            liar=str(liar),
+            conclusive=conclusive,
+            stage=_int(o, "stage", 0, 10_000, w),
+            positions=(positions[0], positions[1]),
+            reports=tuple(reports),
+            judge=StepClaim.from_json(o.get("judge"), f"{w}.judge"),
+            detail=_str(o, "detail", w, max_len=400, min_len=0) if "detail" in o else "",
+            time_s=_num(o, "time", 0.0, 1e11, w) if "time" in o else 0.0,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gateway_id": self.gateway_id,
+            "request_id": self.request_id,
+            "liar": self.liar,
+            "conclusive": self.conclusive,
+            "stage": self.stage,
+            "positions": list(self.positions),
+            "reports": {name: r.to_json() for name, r in self.reports},
+            "judge": self.judge.to_json(),
+            "detail": self.detail,
+            "time": self.time_s,
+        }
+
+    def inconsistency(self) -> str | None:
+        """Why this verdict does not follow from its own reports (None: it does).
+
+        A conclusive verdict needs the liar's report to disagree with the judge, at least one
+        other run to agree with it, and the judge to be another node than the liar: a gateway
+        cannot ban a node with reports that do not convict it."""
+        if not self.conclusive:
+            return None
+        if self.judge.node_id == self.liar:
+            return "the judge is the accused node"
+        accused = [r for _, r in self.reports if r.node_id == self.liar]
+        others = [r for _, r in self.reports if r.node_id != self.liar]
+        if not accused:
+            return "no report of the accused node"
+        if all(r.says_same_as(self.judge) for r in accused):
+            return "the accused node's report agrees with the judge"
+        if not any(r.says_same_as(self.judge) for r in others):
+            return "no other run agrees with the judge"
+        return None

@@ -3,7 +3,7 @@
 Every error leaves through :func:`_error_response`, the one place exceptions
 become HTTP statuses::
 
-    TrackerError (tracker.errors)      -> its status_hint (400/401/404/409/413)
+    TrackerError (tracker.errors)      -> its status_hint (400/401/403/404/409/413)
     SignatureError (proto.signing)     -> 400 malformed_envelope, 503 nonce_cache_full, else 401
     RequestEntityTooLarge              -> 413 payload_too_large
     other HTTPException (404/405 ...)  -> its own code
@@ -141,9 +141,7 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
 
     @app.get("/v1/usage/nodes/<node_id>")
     async def node_usage(node_id: str) -> Response:
-        if len(node_id) != 64 or any(c not in "0123456789abcdef" for c in node_id):
-            raise BadRequest("node id must be 64 lowercase hex characters")
-        return _json(await registry.node_usage(node_id))
+        return _json(await registry.node_usage(_node_id(node_id)))
 
     @app.get("/v1/replicas")
     async def replicas() -> Response:
@@ -175,7 +173,37 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
 
     @app.post("/v1/announce")
     async def announce() -> Response:
-        return _json(await registry.announce(await read_json()))
+        return _json(await registry.announce(await read_json(), remote=str(request.remote_addr or "")))
+
+    @app.post("/v1/checks")
+    async def checks() -> Response:
+        return _json(await registry.trust.report_checks(await read_json()))
+
+    @app.post("/v1/evidence")
+    async def evidence() -> Response:
+        return _json(await registry.trust.report_evidence(await read_json()))
+
+    @app.get("/v1/trust/nodes/<node_id>")
+    async def node_trust(node_id: str) -> Response:
+        return _json(await registry.trust.node_trust(_node_id(node_id)))
+
+    @app.get("/v1/trust/bans")
+    async def bans() -> Response:
+        return _json(await registry.trust.bans())
+
+    @app.get("/v1/usage/nodes/<node_id>/ledger")
+    async def node_ledger(node_id: str) -> Response:
+        args = request.args
+        unknown = set(args) - {"since", "limit"}
+        if unknown:
+            raise BadRequest(f"unknown parameter(s) {sorted(unknown)}")
+        return _json(
+            await registry.trust.ledger(
+                _node_id(node_id),
+                _float_arg("since", args.get("since")) or 0.0,
+                _int_arg("limit", args.get("limit", "100")),
+            )
+        )
 
     @app.post("/v1/heartbeat")
     async def heartbeat() -> Response:
@@ -255,6 +283,12 @@ def _static(name: str) -> Response:
         raise NotFound(f"no static file {name!r}")
     body, mimetype = entry
     return Response(body, mimetype=mimetype, headers={"Cache-Control": "no-cache"})
+
+
+def _node_id(node_id: str) -> str:
+    if len(node_id) != 64 or any(c not in "0123456789abcdef" for c in node_id):
+        raise BadRequest("node id must be 64 lowercase hex characters")
+    return node_id
 
 
 def _float_arg(name: str, value: str | None) -> float | None:

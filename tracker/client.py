@@ -10,6 +10,9 @@
         start, end = await tracker.recommend(model, capacity_layers=10)
         await tracker.report_usage(report)          # proto.announce.UsageReport (gateway key)
         await tracker.report_stats(stats)           # proto.announce.GatewayStats (gateway key)
+        await tracker.report_checks(results)        # proto.announce.CheckResults (gateway key)
+        await tracker.report_evidence(evidence)     # proto.announce.Evidence (gateway key)
+        ledger = await tracker.node_ledger(node_id) # rows with the signed reports (proto.ledger)
 
 Replicas: the client takes one URL or several (a sequence, or one string with
 commas). It talks to one replica at a time and sticks to it; when that replica
@@ -38,7 +41,7 @@ import httpx
 import nacl.signing
 
 from common.config import parse_urls
-from proto.announce import Announce, GatewayStats, Heartbeat, Leave, UsageReport
+from proto.announce import Announce, CheckResults, Evidence, GatewayStats, Heartbeat, Leave, UsageReport
 from proto.signing import make_payload, public_key_hex, sign_envelope
 
 _FAILOVER_STATUSES = frozenset({502, 503, 504})
@@ -165,6 +168,38 @@ class TrackerClient:
             "POST",
             "/v1/gateway-stats",
             body=lambda: self.signed("gateway_stats", payload, signer_field="gateway_id"),
+        )
+
+    async def report_checks(self, results: CheckResults) -> dict[str, Any]:
+        """Nodes that passed spot checks here (``POST /v1/checks``; registered gateways only)."""
+        payload = results.to_json()
+        return await self._call(
+            "POST",
+            "/v1/checks",
+            body=lambda: self.signed("check_results", payload, signer_field="gateway_id"),
+        )
+
+    async def report_evidence(self, evidence: Evidence) -> dict[str, Any]:
+        """A spot check's verdict (``POST /v1/evidence``): a conclusive one bans the liar."""
+        payload = evidence.to_json()
+        return await self._call(
+            "POST", "/v1/evidence", body=lambda: self.signed("evidence", payload, signer_field="gateway_id")
+        )
+
+    async def node_trust(self, node_id: str) -> dict[str, Any]:
+        """Checks passed and failed, probation, ban, challenges and evidence of one node."""
+        return dict(await self._call("GET", f"/v1/trust/nodes/{node_id}"))
+
+    async def bans(self) -> dict[str, Any]:
+        return dict(await self._call("GET", "/v1/trust/bans"))
+
+    async def node_ledger(self, node_id: str, since_s: float = 0.0, limit: int = 100) -> dict[str, Any]:
+        """A node's ledger rows with the gateways' signed reports and the tracker's receipts
+        (check each with ``proto.ledger.verify_ledger_entry``)."""
+        return dict(
+            await self._call(
+                "GET", f"/v1/usage/nodes/{node_id}/ledger", params={"since": since_s, "limit": limit}
+            )
         )
 
     async def routes(

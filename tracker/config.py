@@ -71,6 +71,35 @@ class TrackerConfig:
     dashboard_series_window_s: float = _f(900.0, "how much history the dashboard's plots show")
     dashboard_max_clients: int = _f(64, "most dashboard event streams open at once; more get 503")
     usage_query_max_rows: int = _f(1000, "largest page of the accounting API")
+    registered_gateways: str = _f(
+        "",
+        "hex public keys of the gateways allowed to report usage, statistics, spot checks and "
+        "evidence (comma or space separated); empty = any gateway (private swarms only)",
+    )
+    probation_checks: int = _f(3, "spot checks a node must pass before it is off probation")
+    probation_penalty_ms: float = _f(
+        1000.0, "routing cost added to a node on probation (trusted nodes first, probation still used)"
+    )
+    ban_node_s: float = _f(30 * 86_400.0, "how long a node caught lying stays banned (its key)")
+    ban_host_s: float = _f(
+        86_400.0, "how long new keys from the hosts a liar announced from are refused; 0 = no host bans"
+    )
+    evidence_per_node_max: int = _f(20, "evidence records kept per node (the oldest go first)")
+    evidence_keep_s: float = _f(90 * 86_400.0, "how long evidence and usage report receipts are kept")
+    observed_speed_alpha: float = _f(
+        0.3, "weight of a gateway's new decode-time report in the observed speed (EWMA)"
+    )
+    observed_speed_keep_s: float = _f(
+        86_400.0, "a measured decode time older than this no longer counts for routing"
+    )
+    challenge_nodes: bool = _f(
+        True, "challenge every announced node (a known input through its span) before routing to it"
+    )
+    challenge_concurrency: int = _f(2, "challenges running at once")
+    challenge_queue_max: int = _f(1000, "challenges waiting at most; more wait for the periodic sweep")
+    challenge_timeout_s: float = _f(60.0, "longest one challenge attempt may take (connect, OPEN, PREFILL)")
+    challenge_attempts: int = _f(3, "attempts before a node that does not answer counts as failed")
+    challenge_tokens: int = _f(8, "positions in the challenge input")
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:
@@ -81,6 +110,14 @@ class TrackerConfig:
 
     def resolved_db_url(self) -> str:
         return self.db_url or f"sqlite:///{self.resolved_data_dir() / 'tracker.sqlite3'}"
+
+    def gateway_keys(self) -> frozenset[str]:
+        """The registered gateways' public keys (empty: every gateway is accepted)."""
+        keys = frozenset(k for k in self.registered_gateways.replace(",", " ").split() if k)
+        for k in keys:
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ConfigError(f"registered_gateways: {k[:20]!r} is not a 64-character lowercase hex key")
+        return keys
 
     def resolved_db_threads(self) -> int:
         if self.db_threads > 0:
@@ -102,6 +139,10 @@ class TrackerConfig:
             "dashboard_push_interval_s",
             "dashboard_series_window_s",
             "rtt_claim_ttl_s",
+            "ban_node_s",
+            "evidence_keep_s",
+            "observed_speed_keep_s",
+            "challenge_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -114,11 +155,22 @@ class TrackerConfig:
             "max_routes_k",
             "dashboard_max_clients",
             "usage_query_max_rows",
+            "evidence_per_node_max",
+            "challenge_concurrency",
+            "challenge_queue_max",
+            "challenge_attempts",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if not 0 <= self.rtt_probe_hints <= 16 or not 0 <= self.rtt_probe_back_max <= 32:
             raise ConfigError("rtt_probe_hints must be in 0..16 and rtt_probe_back_max in 0..32")
+        if not 1 <= self.challenge_tokens <= 256:
+            raise ConfigError("challenge_tokens must be in 1..256")
+        if self.probation_checks < 0 or self.probation_penalty_ms < 0 or self.ban_host_s < 0:
+            raise ConfigError("probation_checks, probation_penalty_ms and ban_host_s must be >= 0")
+        if not 0.0 < self.observed_speed_alpha <= 1.0:
+            raise ConfigError("observed_speed_alpha must be in (0, 1]")
+        self.gateway_keys()  # raises on a malformed key
         if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:
             raise ConfigError("snapshot_ttl_s, default_latency_ms and relay_penalty_ms must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):

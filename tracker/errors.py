@@ -6,6 +6,10 @@
     ├── BadRequest               400  malformed JSON, wrong types, values out of range
     │   └── SignatureRefused     401  forged signature, stale timestamp, replayed nonce, key/node mismatch
     │                                 (raised as proto.signing.SignatureError and mapped to this)
+    ├── Forbidden                403  the signer may not do this (one-line reason)
+    │   ├── Banned               403  a banned node key, or a new key from a banned host
+    │   ├── UnregisteredGateway  403  reports from a gateway the operator did not register
+    │   └── NameBound            403  a registered model name announced with another fingerprint
     ├── NotFound                 404
     │   ├── UnknownModel         404  no model with that fingerprint or name
     │   └── UnknownNode          404  heartbeat from a node that never announced ("announce first")
@@ -38,6 +42,23 @@ class BadRequest(TrackerError):
 class SignatureRefused(BadRequest):
     status_hint = 401
     code = "signature_refused"
+
+
+class Forbidden(TrackerError):
+    status_hint = 403
+    code = "forbidden"
+
+
+class Banned(Forbidden):
+    code = "banned"
+
+
+class UnregisteredGateway(Forbidden):
+    code = "unregistered_gateway"
+
+
+class NameBound(Forbidden):
+    code = "model_name_bound"
 
 
 class NotFound(TrackerError):

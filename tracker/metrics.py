@@ -31,6 +31,12 @@ SPECS: dict[str, m.Spec] = {
     "swarm_tracker_periodic_runs_total": m.counter(
         "periodic maintenance rounds, by whether this replica held the lock", "outcome"
     ),
+    "swarm_tracker_challenges_total": m.counter("node challenges finished, by outcome", "outcome"),
+    "swarm_tracker_checks_credited_total": m.counter("spot checks passed, credited to nodes"),
+    "swarm_tracker_evidence_total": m.counter(
+        "verdicts reported by gateways, by whether they were conclusive", "conclusive"
+    ),
+    "swarm_tracker_bans_total": m.counter("nodes banned on conclusive evidence"),
     "swarm_tracker_route_selection_seconds": m.histogram("time spent in select_routes"),
     "swarm_tracker_nodes": m.gauge("registered nodes by state", "state"),
     "swarm_tracker_models": m.gauge("registered models"),

@@ -36,7 +36,10 @@ NAMING = {
 NODE_LIVE = "live"
 NODE_EXPIRED = "expired"
 NODE_LEFT = "left"  # said goodbye (signed leave): out of routing at once, back only by announcing
-NODE_STATES = (NODE_LIVE, NODE_EXPIRED, NODE_LEFT)
+NODE_BANNED = "banned"  # caught lying (conclusive evidence): out of routing, its announces refused
+NODE_CHALLENGING = "challenging"  # announced; not routable until the tracker's challenge answered
+NODE_CHALLENGE_FAILED = "challenge_failed"  # answered the challenge wrongly (or not at all): out
+NODE_STATES = (NODE_LIVE, NODE_EXPIRED, NODE_LEFT, NODE_BANNED, NODE_CHALLENGING, NODE_CHALLENGE_FAILED)
 
 
 class Base(DeclarativeBase):
@@ -90,6 +93,8 @@ class Node(Base):
     coord_height_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
     coord_error: Mapped[float | None] = mapped_column(Double, nullable=True)
     coord_updated_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # The address the last announce came from (host bans use it, with the announced addresses).
+    announced_from: Mapped[str] = mapped_column(String(64), server_default="")
 
 
 class Shard(Base):
@@ -112,6 +117,10 @@ class Shard(Base):
     kv_used_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Positions per second between the last two heartbeats (None until two have arrived).
     tokens_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Decode time registered gateways measured (EWMA of their reports) and when it was last
+    # reported; routing uses max(claim, observed) while the observation is fresh.
+    observed_ms_per_token: Mapped[float | None] = mapped_column(Double, nullable=True)
+    observed_at_s: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Usage(Base):
@@ -134,6 +143,8 @@ class Usage(Base):
     tokens: Mapped[int] = mapped_column(BigInteger)
     steps: Mapped[int] = mapped_column(BigInteger)
     at_s: Mapped[float] = mapped_column(Double)
+    # The signed report this row came from (usage_reports.id); None for rows older than receipts.
+    report_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Nonce(Base):
@@ -208,4 +219,91 @@ class RttClaim(Base):
     reporter_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     rtt_ms: Mapped[float] = mapped_column(Double)
+    at_s: Mapped[float] = mapped_column(Double)
+
+
+class UsageReportRow(Base):
+    """A gateway's signed usage report as received, with the tracker's countersignature (receipt):
+    the evidence behind ledger rows, which a node can fetch and check (``GET .../ledger``)."""
+
+    __tablename__ = "usage_reports"
+    __table_args__ = (Index("ix_usage_reports_gateway_id_request_id", "gateway_id", "request_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    gateway_id: Mapped[str] = mapped_column(String(64))
+    request_id: Mapped[str] = mapped_column(String(128))
+    envelope: Mapped[dict[str, Any]] = mapped_column(JSON)  # exactly as the gateway signed it
+    receipt: Mapped[dict[str, Any]] = mapped_column(JSON)  # the tracker's signed receipt of it
+    at_s: Mapped[float] = mapped_column(Double, index=True)
+
+
+class Reputation(Base):
+    """What the swarm has learnt about a node: spot checks passed and failed, a ban, its challenge.
+
+    Keyed by node id without a foreign key: a ban outlives whatever happens to the node's row."""
+
+    __tablename__ = "node_reputation"
+
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    checks_passed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    checks_failed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    banned_until_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    ban_reason: Mapped[str] = mapped_column(String(400), server_default="")
+    updated_s: Mapped[float] = mapped_column(Double)
+
+
+class TrustEvidence(Base):
+    """A gateway's signed verdict about a node (bounded per node; the oldest go first)."""
+
+    __tablename__ = "trust_evidence"
+    __table_args__ = (Index("ix_trust_evidence_node_id_at_s", "node_id", "at_s"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(String(64))
+    gateway_id: Mapped[str] = mapped_column(String(64))
+    request_id: Mapped[str] = mapped_column(String(128))
+    conclusive: Mapped[bool] = mapped_column(Boolean)
+    at_s: Mapped[float] = mapped_column(Double, index=True)
+    envelope: Mapped[dict[str, Any]] = mapped_column(JSON)  # exactly as the gateway signed it
+
+
+class BannedHost(Base):
+    """A host a node caught lying announced from: new keys from it are refused until ``until_s``."""
+
+    __tablename__ = "banned_hosts"
+
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    since_s: Mapped[float] = mapped_column(Double)
+    until_s: Mapped[float] = mapped_column(Double, index=True)
+    reason: Mapped[str] = mapped_column(String(400))
+    node_id: Mapped[str] = mapped_column(String(64))
+
+
+class ChallengeResult(Base):
+    """The tracker's challenge of a node's shard: the input it sent and the digest it got back.
+
+    Digests of trusted nodes (off probation, not banned) with the same model, recipe, span and
+    input are the reference a newcomer's digest is compared with."""
+
+    __tablename__ = "challenge_results"
+    __table_args__ = (
+        Index(
+            "ix_challenge_results_reference",
+            "model_fingerprint",
+            "recipe_fingerprint",
+            "layer_start",
+            "layer_end",
+            "input_id",
+        ),
+    )
+
+    node_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    recipe_fingerprint: Mapped[str] = mapped_column(String(64))
+    layer_start: Mapped[int] = mapped_column(Integer)
+    layer_end: Mapped[int] = mapped_column(Integer)
+    input_id: Mapped[str] = mapped_column(String(32))
+    digest: Mapped[str] = mapped_column(String(64))  # hex; "" when the node gave no usable answer
+    outcome: Mapped[str] = mapped_column(String(24))  # passed, no_reference, mismatch, failed
+    detail: Mapped[str] = mapped_column(String(400))
     at_s: Mapped[float] = mapped_column(Double)

@@ -18,7 +18,9 @@ Cost of a route (milliseconds per generated token), for the gateway at ``origin`
 
     * ``compute(s) = decode_ms_per_token * (1 + (active + queue) / max_sessions)``
       plus ``saturated_penalty_ms`` when the shard is full (active >= max or no
-      free KV) plus ``snapshot.relay_penalty_ms`` when it is reached through a relay;
+      free KV) plus ``snapshot.relay_penalty_ms`` when it is reached through a relay
+      plus ``snapshot.probation_penalty_ms`` when its node is on probation (trusted
+      nodes first; probation nodes still serve, their requests checked);
     * ``latency(a, b)`` is one-way: ``snapshot.latency_ms[(a, b)]`` if given, else
       half the RTT the two nodes' network coordinates predict
       (:mod:`tracker.coordinates`; a coordinate whose error exceeds
@@ -147,6 +149,8 @@ def shard_cost_ms(shard: ShardView, snapshot: SwarmSnapshot, costs: RoutingCosts
         cost += costs.saturated_penalty_ms
     if shard.relayed:
         cost += snapshot.relay_penalty_ms
+    if shard.probation:
+        cost += snapshot.probation_penalty_ms
     return cost
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import hypercorn.config
@@ -22,8 +23,10 @@ import nacl.signing
 import trio
 
 from common import files
+from common.grpc_adapter import Grpc, open_grpc
 from common.logs import event
 from tracker.app import create_app
+from tracker.challenger import Challenger
 from tracker.config import TrackerConfig
 from tracker.dashboard import DashboardFeed
 from tracker.discovery import advertise
@@ -50,6 +53,16 @@ def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
     return Store(engine), key
 
 
+@asynccontextmanager
+async def _grpc_if(wanted: bool) -> AsyncIterator[Grpc | None]:
+    """The gRPC runtime the challenges need (tracker/challenger.py), only when challenges are on."""
+    if not wanted:
+        yield None
+        return
+    async with open_grpc() as grpc_rt:
+        yield grpc_rt
+
+
 async def serve_tracker(
     config: TrackerConfig,
     *,
@@ -57,11 +70,25 @@ async def serve_tracker(
     on_ready: Callable[[RunningTracker], None] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    async with _grpc_if(config.challenge_nodes) as grpc_rt:
+        await _serve_tracker(config, grpc_rt, shutdown, on_ready, task_status)
+
+
+async def _serve_tracker(
+    config: TrackerConfig,
+    grpc_rt: Grpc | None,
+    shutdown: trio.Event | None,
+    on_ready: Callable[[RunningTracker], None] | None,
+    task_status: trio.TaskStatus[int],
+) -> None:
     store, key = await trio.to_thread.run_sync(_open_store, config)
     registry: Registry | None = None
     try:
         registry = Registry(store, config, key)
         await registry.start()
+        if grpc_rt is not None:
+            # Set before the socket listens: no announce goes live unchallenged.
+            registry.challenger = Challenger(registry, grpc_rt)
         feed = (
             DashboardFeed(
                 registry,
@@ -94,6 +121,8 @@ async def serve_tracker(
                 with helpers:
                     async with trio.open_nursery() as inner:
                         await inner.start(registry.run_periodic)
+                        if registry.challenger is not None:
+                            await inner.start(registry.challenger.run)
                         if feed is not None:
                             await inner.start(feed.run)
                         if config.zeroconf:

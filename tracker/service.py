@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nacl.signing
 import trio
@@ -39,11 +39,15 @@ from tracker import overview
 from tracker.config import TrackerConfig
 from tracker.errors import BadRequest, Conflict, StorageUnavailable, UnknownModel
 from tracker.metrics import Labels, Metrics
-from tracker.models import NODE_STATES
+from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.placement import layer_coverage, recommend_span
 from tracker.routing import select_routes
 from tracker.snapshot import ModelInfo, SwarmSnapshot
 from tracker.store import NonceRecord, RttResult, Store, UsageGroup
+from tracker.trust import TrustService
+
+if TYPE_CHECKING:
+    from tracker.challenger import Challenger
 
 log = logging.getLogger("swarm.tracker")
 T = TypeVar("T")
@@ -100,6 +104,10 @@ class Registry:
         self._snapshot_lock = trio.Lock()
         self.replica_id = uuid.uuid4().hex
         self.url = ""  # set by the server once it listens
+        self.trust = TrustService(self)
+        # Set by the server when challenges are on (tracker/challenger.py); without one, announced
+        # nodes go live at once (in-process uses, challenge_nodes = false).
+        self.challenger: Challenger | None = None
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -161,6 +169,7 @@ class Registry:
         """Bring the schema to head (runs alembic in a worker thread)."""
         before, after = await self._db(self.store.upgrade)
         event(log, "db_ready", dialect=self.store.dialect, revision_before=before, revision=after)
+        self.trust.warn_if_open()
 
     async def join(self, url: str) -> None:
         """Record this replica; refuse to serve next to a live replica that signs with another key."""
@@ -188,14 +197,27 @@ class Registry:
 
     # --- writes ---------------------------------------------------------------------------------
 
-    async def announce(self, envelope: Any) -> dict[str, Any]:
+    def _challenges(self, relayed: bool) -> bool:
+        """Whether a node must answer a challenge before it is routable (relayed nodes cannot be
+        dialled: they go live on probation)."""
+        return self.config.challenge_nodes and self.challenger is not None and not relayed
+
+    async def announce(self, envelope: Any, *, remote: str = "") -> dict[str, Any]:
         payload, nonce = self._open(envelope, "announce")
         try:
             a = Announce.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        result = await self._signed_write("announce", self.store.announce, a, self.clock(), nonce)
+        challenge = self._challenges(a.relay)
+        result = await self._signed_write(
+            "announce",
+            functools.partial(
+                self.store.announce, a, self.clock(), nonce, remote=remote, challenge=challenge
+            ),
+        )
         self.invalidate_snapshot()
+        if challenge and self.challenger is not None:
+            self.challenger.enqueue(a.node_id)
         self.metrics.inc("swarm_tracker_announces_total")
         if result.restored:
             self.metrics.inc("swarm_tracker_restorations_total")
@@ -212,7 +234,7 @@ class Registry:
         )
         return {
             "node_id": a.node_id,
-            "state": "live",
+            "state": NODE_CHALLENGING if challenge else NODE_LIVE,
             "created": result.created,
             "restored": result.restored,
             "tracker_id": self.tracker_id,
@@ -226,16 +248,21 @@ class Registry:
             h = Heartbeat.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        restored = await self._signed_write("heartbeat", self.store.heartbeat, h, self.clock(), nonce)
+        challenge = self._challenges(False)
+        restored = await self._signed_write(
+            "heartbeat", functools.partial(self.store.heartbeat, h, self.clock(), nonce, challenge=challenge)
+        )
         self.metrics.inc("swarm_tracker_heartbeats_total")
         if restored:
             self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_restorations_total")
-            event(log, "node_restored", node_id=h.node_id)
+            event(log, "node_restored", node_id=h.node_id, challenge=challenge)
+            if challenge and self.challenger is not None:
+                self.challenger.enqueue(h.node_id)  # a relayed node is skipped by the challenger
         rtt = await self._record_rtt(h.node_id, h.rtt_samples)
         return {
             "node_id": h.node_id,
-            "state": "live",
+            "state": NODE_CHALLENGING if restored and challenge else NODE_LIVE,
             "restored": restored,
             "heartbeat_interval_s": self.config.heartbeat_interval_s,
             "probe": await self._probe_hints(h.node_id, rtt),
@@ -292,12 +319,22 @@ class Registry:
             g = GatewayStats.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        await self._signed_write("gateway_stats", self.store.record_gateway_stats, g, self.clock(), nonce)
+        self.trust.require_gateway(g.gateway_id, "gateway_stats")  # its node speeds steer routing
+        observed = await self._signed_write(
+            "gateway_stats",
+            functools.partial(
+                self.store.record_gateway_stats,
+                g,
+                self.clock(),
+                nonce,
+                speed_alpha=self.config.observed_speed_alpha,
+            ),
+        )
         self.metrics.inc("swarm_tracker_gateway_reports_total")
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
             self._snapshot_stale = True  # routes for this gateway are priced from its new position
-        return {"recorded": True}
+        return {"recorded": True, "node_speeds": observed}
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
         payload, nonce = self._open(envelope, "usage", signer_field="gateway_id")
@@ -305,7 +342,19 @@ class Registry:
             r = UsageReport.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        result = await self._signed_write("usage", self.store.record_usage, r, self.clock(), nonce)
+        self.trust.require_gateway(r.gateway_id, "usage")
+        now = self.clock()
+        result = await self._signed_write(
+            "usage",
+            functools.partial(
+                self.store.record_usage,
+                r,
+                now,
+                nonce,
+                envelope=dict(envelope),
+                receipt=self.trust.usage_receipt(envelope, now),
+            ),
+        )
         tokens = sum(e.tokens for e in r.entries)
         self.metrics.inc("swarm_tracker_usage_tokens_total", tokens)
         event(
@@ -348,7 +397,26 @@ class Registry:
                     claims_keep_s=self.config.rtt_claim_ttl_s,
                 )
             )
+            done["purged"].update(
+                await self._db(
+                    functools.partial(
+                        self.store.purge_trust, self.clock(), keep_s=self.config.evidence_keep_s
+                    )
+                )
+            )
             event(log, "purged", **done["purged"])
+        if self.challenger is not None and await self._claim(
+            "challenge_sweep", self.config.challenge_timeout_s
+        ):
+            waiting = await self._db(
+                functools.partial(
+                    self.store.challenging_nodes,
+                    self.clock(),
+                    live_within_s=self.config.heartbeat_timeout_s,
+                    limit=self.config.challenge_queue_max,
+                )
+            )
+            done["challenges_queued"] = sum(self.challenger.enqueue(n) for n in waiting)
         return done
 
     async def run_periodic(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -405,6 +473,9 @@ class Registry:
                     self.config.heartbeat_timeout_s,
                     default_latency_ms=self.config.default_latency_ms,
                     relay_penalty_ms=self.config.relay_penalty_ms,
+                    probation_checks=self.config.probation_checks,
+                    probation_penalty_ms=self.config.probation_penalty_ms,
+                    observed_keep_s=self.config.observed_speed_keep_s,
                 )
             )
         except StorageUnavailable:
@@ -472,6 +543,7 @@ class Registry:
                             # round trip and the sender's uplink; null where nothing was measured.
                             "rtt_ms": _ms(route.hop_rtt_ms[i]),
                             "bandwidth_mbit_s": route.hop_bandwidth_mbit_s[i],
+                            "probation": shard_of[h.node_id].probation,
                         }
                         for i, h in enumerate(route.hops)
                     ],

@@ -64,6 +64,8 @@ class ShardView:
     coord: NetCoord | None = None
     # The node's uplink (what it sends activations with), as announced; None = unknown.
     uplink_mbit_s: float | None = None
+    # Not yet trusted: fewer spot checks passed than the tracker requires (routing adds a penalty).
+    probation: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class SwarmSnapshot:
     # Network coordinates of the gateways (by gateway id) that reported RTT samples: a route for
     # a gateway is priced from where that gateway is (``select_routes(origin=...)``).
     gateway_coords: dict[str, NetCoord] = field(default_factory=dict)
+    probation_penalty_ms: float = 0.0  # extra cost of a shard on probation
 
     def model(self, fingerprint: str) -> ModelInfo | None:
         """The model with this fingerprint, or None."""

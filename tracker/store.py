@@ -22,12 +22,16 @@ from proto.announce import Announce, GatewayStats, Heartbeat, Leave, RttSample, 
 from proto.signing import SignatureError
 from tracker import coordinates
 from tracker.coordinates import NetCoord
-from tracker.errors import Conflict, UnknownNode
+from tracker.errors import Banned, Conflict, UnknownNode
 from tracker.migrate import upgrade_if_needed
 from tracker.models import (
+    NODE_BANNED,
+    NODE_CHALLENGING,
     NODE_EXPIRED,
     NODE_LEFT,
     NODE_LIVE,
+    BannedHost,
+    ChallengeResult,
     Gateway,
     GatewayReport,
     Model,
@@ -36,10 +40,14 @@ from tracker.models import (
     PeriodicTask,
     Replica,
     RttClaim,
+    Reputation,
     Shard,
+    TrustEvidence,
     Usage,
+    UsageReportRow,
 )
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
+from tracker.trust_store import TrustStore
 
 UsageGroup = Literal["node", "model", "gateway"]
 
@@ -139,7 +147,7 @@ def _set_coord(row: Node | Gateway, c: NetCoord, now_s: float) -> None:
     row.coord_updated_s = now_s
 
 
-class Store:
+class Store(TrustStore):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
@@ -186,15 +194,29 @@ class Store:
 
     # --- writes ---------------------------------------------------------------------------------
 
-    def announce(self, a: Announce, now_s: float, nonce: NonceRecord | None = None) -> AnnounceResult:
+    def announce(
+        self,
+        a: Announce,
+        now_s: float,
+        nonce: NonceRecord | None = None,
+        *,
+        remote: str = "",
+        challenge: bool = False,
+    ) -> AnnounceResult:
+        """Register or refresh the node and its shard. ``remote``: the address the announce came
+        from (host bans); ``challenge``: the node waits in ``challenging`` until the tracker's
+        challenge answered, instead of going live at once."""
         try:
-            return self._announce(a, now_s, nonce)
+            return self._announce(a, now_s, nonce, remote, challenge)
         except IntegrityError:
             # Another tracker replica inserted the same node or model concurrently: retry as an update.
-            return self._announce(a, now_s, nonce)
+            return self._announce(a, now_s, nonce, remote, challenge)
 
-    def _announce(self, a: Announce, now_s: float, nonce: NonceRecord | None) -> AnnounceResult:
+    def _announce(
+        self, a: Announce, now_s: float, nonce: NonceRecord | None, remote: str, challenge: bool
+    ) -> AnnounceResult:
         with Session(self.engine) as s, s.begin():
+            self.check_announce(s, a, remote, now_s)
             self._consume_nonce(s, nonce, now_s)
             model = s.get(Model, a.model.fingerprint)
             if model is None:
@@ -230,8 +252,9 @@ class Store:
             node.software_version = a.software_version
             node.region = a.region
             node.uplink_mbit_s = a.uplink_mbit_s
+            node.announced_from = remote[:64]
             node.last_seen_s = now_s
-            node.state = NODE_LIVE
+            node.state = NODE_CHALLENGING if challenge else NODE_LIVE
             s.flush()
             shard = s.scalars(
                 select(Shard).where(
@@ -254,11 +277,15 @@ class Store:
             shard.updated_s = now_s
         return AnnounceResult(created=created, restored=restored)
 
-    def heartbeat(self, h: Heartbeat, now_s: float, nonce: NonceRecord | None = None) -> bool:
+    def heartbeat(
+        self, h: Heartbeat, now_s: float, nonce: NonceRecord | None = None, *, challenge: bool = False
+    ) -> bool:
         """Record load; returns True when the node was expired and is now restored.
 
         A node that left must announce again (404), so a heartbeat still in flight
-        when it said goodbye cannot bring it back. Core statements rather than the
+        when it said goodbye cannot bring it back; a banned node is refused (403). A
+        node waiting for or failing its challenge keeps that state; a restored node
+        waits for a new challenge when ``challenge``. Core statements rather than the
         ORM: this is the hottest write path.
         """
         with self.engine.begin() as conn:
@@ -273,8 +300,16 @@ class Store:
             state, previous_s = row
             if state == NODE_LEFT:
                 raise UnknownNode(f"node {h.node_id} left the swarm: announce to rejoin")
+            if state == NODE_BANNED:
+                until = self.banned_until(conn, h.node_id, now_s)
+                if until is not None:
+                    raise Banned(f"node {h.node_id[:16]} is banned for {until - now_s:.0f} s more")
+                raise UnknownNode(f"node {h.node_id} was banned and the ban ran out: announce to rejoin")
             self._consume_nonce(conn, nonce, now_s)
-            conn.execute(update(Node).where(Node.id == h.node_id).values(last_seen_s=now_s, state=NODE_LIVE))
+            new_state = state
+            if state == NODE_EXPIRED:
+                new_state = NODE_CHALLENGING if challenge else NODE_LIVE
+            conn.execute(update(Node).where(Node.id == h.node_id).values(last_seen_s=now_s, state=new_state))
             rate = None
             if previous_s is not None and now_s - previous_s > 0.05:
                 rate = h.tokens_served / (now_s - previous_s)
@@ -291,7 +326,7 @@ class Store:
                     updated_s=now_s,
                 )
             )
-        return state != NODE_LIVE
+        return state == NODE_EXPIRED
 
     def record_rtt(
         self,
@@ -401,11 +436,14 @@ class Store:
     def expire(self, now_s: float, timeout_s: float) -> list[str]:
         """Mark live nodes silent for longer than ``timeout_s`` as expired; returns their ids."""
         cutoff = now_s - timeout_s
+        waiting = (NODE_LIVE, NODE_CHALLENGING)  # a node silent during its challenge expires too
         with Session(self.engine) as s, s.begin():
-            ids = list(s.scalars(select(Node.id).where(Node.state == NODE_LIVE, Node.last_seen_s < cutoff)))
+            ids = list(s.scalars(select(Node.id).where(Node.state.in_(waiting), Node.last_seen_s < cutoff)))
             if ids:
                 s.execute(
-                    update(Node).where(Node.id.in_(ids), Node.last_seen_s < cutoff).values(state=NODE_EXPIRED)
+                    update(Node)
+                    .where(Node.id.in_(ids), Node.state.in_(waiting), Node.last_seen_s < cutoff)
+                    .values(state=NODE_EXPIRED)
                 )
         return ids
 
@@ -417,16 +455,23 @@ class Store:
             gw.last_seen_s = now_s
         s.flush()
 
-    def record_gateway_stats(self, g: GatewayStats, now_s: float, nonce: NonceRecord | None = None) -> None:
+    def record_gateway_stats(
+        self, g: GatewayStats, now_s: float, nonce: NonceRecord | None = None, *, speed_alpha: float = 0.3
+    ) -> int:
+        """Keep the report for the dashboard and fold its measured node speeds into the shards
+        (EWMA with weight ``speed_alpha``); returns how many shards' observed speed changed."""
         try:
-            self._record_gateway_stats(g, now_s, nonce)
+            return self._record_gateway_stats(g, now_s, nonce, speed_alpha)
         except IntegrityError:  # another replica inserted this gateway's first row concurrently
-            self._record_gateway_stats(g, now_s, nonce)
+            return self._record_gateway_stats(g, now_s, nonce, speed_alpha)
 
-    def _record_gateway_stats(self, g: GatewayStats, now_s: float, nonce: NonceRecord | None) -> None:
+    def _record_gateway_stats(
+        self, g: GatewayStats, now_s: float, nonce: NonceRecord | None, speed_alpha: float
+    ) -> int:
         with Session(self.engine) as s, s.begin():
             self._consume_nonce(s, nonce, now_s)
             self._touch_gateway(s, g.gateway_id, now_s)
+            observed = self.record_observed(s, g, now_s, speed_alpha)
             s.add(
                 GatewayReport(
                     gateway_id=g.gateway_id,
@@ -444,16 +489,34 @@ class Store:
                     url=g.url,
                 )
             )
+        return observed
 
-    def record_usage(self, r: UsageReport, now_s: float, nonce: NonceRecord | None = None) -> UsageResult:
+    def record_usage(
+        self,
+        r: UsageReport,
+        now_s: float,
+        nonce: NonceRecord | None = None,
+        *,
+        envelope: dict[str, Any] | None = None,
+        receipt: dict[str, Any] | None = None,
+    ) -> UsageResult:
+        """Ledger rows for the report's new (request, node) pairs; with ``envelope`` and ``receipt``
+        the signed report and the tracker's countersignature are kept and linked to those rows."""
         try:
-            return self._record_usage(r, now_s, nonce)
+            return self._record_usage(r, now_s, nonce, envelope, receipt)
         except IntegrityError:
             # Another replica inserted this gateway, or the same request's rows (a retried report on
             # another replica), concurrently: the retry sees those rows and counts them as duplicates.
-            return self._record_usage(r, now_s, nonce)
+            return self._record_usage(r, now_s, nonce, envelope, receipt)
 
-    def _record_usage(self, r: UsageReport, now_s: float, nonce: NonceRecord | None) -> UsageResult:
+    def _record_usage(
+        self,
+        r: UsageReport,
+        now_s: float,
+        nonce: NonceRecord | None,
+        envelope: dict[str, Any] | None,
+        receipt: dict[str, Any] | None,
+    ) -> UsageResult:
         with Session(self.engine) as s, s.begin():
             self._consume_nonce(s, nonce, now_s)
             gw = s.get(Gateway, r.gateway_id)
@@ -470,6 +533,18 @@ class Store:
                 )
             )
             recorded = 0
+            report_id: int | None = None
+            if envelope is not None and receipt is not None and any(e.node_id not in seen for e in r.entries):
+                row = UsageReportRow(
+                    gateway_id=r.gateway_id,
+                    request_id=r.request_id,
+                    envelope=envelope,
+                    receipt=receipt,
+                    at_s=now_s,
+                )
+                s.add(row)
+                s.flush()
+                report_id = row.id
             for e in r.entries:
                 if e.node_id in seen:
                     continue
@@ -483,6 +558,7 @@ class Store:
                         tokens=e.tokens,
                         steps=e.steps,
                         at_s=now_s,
+                        report_id=report_id,
                     )
                 )
                 recorded += 1
@@ -497,8 +573,15 @@ class Store:
         *,
         default_latency_ms: float = 5.0,
         relay_penalty_ms: float = 10.0,
+        probation_checks: int = 0,
+        probation_penalty_ms: float = 0.0,
+        observed_keep_s: float = 86_400.0,
     ) -> SwarmSnapshot:
-        """Models and the shards of nodes that are live and heard from within ``timeout_s``."""
+        """Models and the shards of nodes that are live and heard from within ``timeout_s``.
+
+        A shard's decode time is the larger of the node's claim and what registered gateways
+        measured (when measured within ``observed_keep_s``): claiming to be fast gains nothing.
+        A node with fewer than ``probation_checks`` passed spot checks is on probation."""
         cutoff = now_s - timeout_s
         with Session(self.engine) as s:
             models = tuple(
@@ -533,8 +616,12 @@ class Store:
                     Node.coord_z,
                     Node.coord_height_ms,
                     Node.coord_error,
+                    Shard.observed_ms_per_token,
+                    Shard.observed_at_s,
+                    Reputation.checks_passed,
                 )
                 .join(Node, Node.id == Shard.node_id)
+                .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
                 .where(Node.state == NODE_LIVE, Node.last_seen_s >= cutoff)
                 .order_by(Shard.node_id, Shard.model_fingerprint)
             ).all()
@@ -555,13 +642,14 @@ class Store:
                 )
                 if (c := _coord(*g[1:])) is not None
             }
+        fresh = now_s - observed_keep_s
         shards = tuple(
             ShardView(
                 node_id=r[0],
                 model_fingerprint=r[1],
                 start=r[2],
                 end=r[3],
-                decode_ms_per_token=r[4],
+                decode_ms_per_token=r[4] if r[20] is None or (r[21] or 0.0) < fresh else max(r[4], r[20]),
                 prefill_tokens_per_s=r[5],
                 active_sessions=r[6],
                 max_sessions=r[7],
@@ -572,6 +660,7 @@ class Store:
                 region=r[13],
                 uplink_mbit_s=r[14],
                 coord=_coord(r[15], r[16], r[17], r[18], r[19]),
+                probation=(r[22] or 0) < probation_checks,
             )
             for r in rows
         )
@@ -586,13 +675,20 @@ class Store:
             default_latency_ms=max(default_latency_ms, typical or 0.0),
             relay_penalty_ms=relay_penalty_ms,
             gateway_coords=gateway_coords,
+            probation_penalty_ms=probation_penalty_ms,
         )
 
     def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:
         with Session(self.engine) as s:
             out = []
-            for node, shard in s.execute(
-                select(Node, Shard).outerjoin(Shard, Shard.node_id == Node.id).order_by(Node.id).limit(limit)
+            for node, shard, passed, failed, banned_until in s.execute(
+                select(
+                    Node, Shard, Reputation.checks_passed, Reputation.checks_failed, Reputation.banned_until_s
+                )
+                .outerjoin(Shard, Shard.node_id == Node.id)
+                .outerjoin(Reputation, Reputation.node_id == Node.id)
+                .order_by(Node.id)
+                .limit(limit)
             ).all():
                 out.append(
                     {
@@ -608,6 +704,9 @@ class Store:
                         "coordinate": _coord_json(_coord_of(node)),
                         "first_seen_s": node.first_seen_s,
                         "last_seen_s": node.last_seen_s,
+                        "checks_passed": int(passed or 0),
+                        "checks_failed": int(failed or 0),
+                        "banned_until_s": banned_until,
                         "shard": None
                         if shard is None
                         else {
@@ -624,6 +723,7 @@ class Store:
                             "tokens_per_s": shard.tokens_per_s,
                             "tokens_served_total": shard.tokens_served_total,
                             "updated_s": shard.updated_s,
+                            "observed_ms_per_token": shard.observed_ms_per_token,
                         },
                     }
                 )
@@ -650,7 +750,15 @@ class Store:
         (tests use it to check refused requests wrote nothing)."""
         tables: tuple[Any, ...] = (Model, Gateway, Node, Shard, Usage)
         if operations:
-            tables += (Nonce, GatewayReport)
+            tables += (
+                Nonce,
+                GatewayReport,
+                Reputation,
+                TrustEvidence,
+                BannedHost,
+                ChallengeResult,
+                UsageReportRow,
+            )
         with Session(self.engine) as s:
             return {t.__tablename__: s.scalar(select(func.count()).select_from(t)) or 0 for t in tables}
 

@@ -83,6 +83,10 @@ def test_config(tmp_path: Path, **overrides: object) -> TrackerConfig:
         heartbeat_timeout_s=3.0,
         expiry_check_interval_s=0.1,
         snapshot_ttl_s=0.0,
+        # The trust machinery has tests of its own (test_tracker_trust.py): elsewhere nodes are
+        # trusted at once and fake nodes (no gRPC server behind their addresses) are not challenged.
+        probation_checks=0,
+        challenge_nodes=False,
     )
     return replace(base, **overrides).validate()  # type: ignore[arg-type]
 

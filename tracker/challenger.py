@@ -1,0 +1,372 @@
+"""The tracker's challenge runner: is a newly announced node where it says, holding what it says?
+
+Every node that announces (or comes back after expiring) waits in state
+``challenging`` until this runner has, through ``common.grpc_adapter``:
+
+1. asked ``Info`` at the node's announced address and checked that the node
+   there has the announced key, model and span;
+2. opened a Route Session on it alone, with a tracker-signed ticket for a
+   one-hop route (no downstream, so the node answers with its output rows);
+3. sent one PREFILL of the span's challenge input (``tracker/challenge.py``)
+   and read the answer: output rows and digest, or a greedy sampled token;
+4. released the session, and compared the digest with trusted nodes' answers.
+
+A mismatch, a wrong identity or an answer inconsistent with itself keeps the
+node out (``challenge_failed``); no trusted reference yet lets it in on
+probation; a node that does not answer (refused connection, timeout, busy, a
+ticket it does not accept yet) is tried ``challenge_attempts`` times, then
+counts as failed. Relayed nodes cannot be dialled and are let in on probation.
+
+Bounds: ``challenge_concurrency`` challenges at once, at most
+``challenge_queue_max`` waiting (more are picked up by the periodic sweep of
+nodes still ``challenging``), one in flight per node, each attempt within
+``challenge_timeout_s``; the answer read is at most the input's rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from common.grpc_adapter import Grpc, RpcError, StreamClosed
+from common.logs import event
+from proto import codec
+from proto.errors import ProtocolError, error_from_body
+from proto.signing import RouteTicket, TicketHop, route_ticket_bytes, sign_route_ticket
+from proto.swarm.v1 import frame_pb2, shard_service_pb2, status_pb2
+from tracker.challenge import TOP_LOGPROBS, ChallengeInput, challenge_input, sampled_digest, verdict
+from tracker.trust_store import ChallengeTarget
+
+if TYPE_CHECKING:
+    from tracker.service import Registry
+
+log = logging.getLogger("swarm.tracker.challenge")
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_RETRYABLE = frozenset(
+    {
+        status_pb2.STATUS_TICKET_INVALID,  # the node may not have learnt the tracker's key yet
+        status_pb2.STATUS_RESOURCE_EXHAUSTED,
+        status_pb2.STATUS_UNAVAILABLE,
+        status_pb2.STATUS_INTERNAL,
+    }
+)
+
+
+class ChallengeFailed(Exception):
+    """The node's answer is wrong in itself (not a digest mismatch): it stays out."""
+
+
+class Unanswered(Exception):
+    """The node did not answer this attempt (connection, timeout, busy): try again later."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    node_id: str
+    outcome: str  # passed, no_reference, mismatch, failed, skipped, gone
+    routable: bool
+    detail: str
+    digest: str = ""
+    recipe: str = ""
+
+
+class Challenger:
+    def __init__(self, registry: Registry, grpc_rt: Grpc, *, clock: Callable[[], float] = time.time) -> None:
+        self.registry = registry
+        self.grpc = grpc_rt
+        self.config = registry.config
+        self.clock = clock
+        self._secret = hashlib.sha256(b"swarm-challenge-key/" + bytes(registry.key)).digest()
+        self._send, self._receive = trio.open_memory_channel[str](self.config.challenge_queue_max)
+        self._pending: set[str] = set()  # queued or running: one challenge per node at a time
+        self.completed = 0
+
+    # -- queue -------------------------------------------------------------------------------------
+
+    def enqueue(self, node_id: str) -> bool:
+        """Ask for a challenge of ``node_id`` (no-op when one is queued or running, or the queue is
+        full: the periodic sweep finds the node again)."""
+        if node_id in self._pending:
+            return False
+        try:
+            self._send.send_nowait(node_id)
+        except trio.WouldBlock:
+            return False
+        self._pending.add(node_id)
+        return True
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.config.challenge_concurrency):
+                nursery.start_soon(self._worker)
+            task_status.started()
+
+    async def _worker(self) -> None:
+        async for node_id in self._receive:
+            try:
+                await self.challenge(node_id)
+            except Exception as err:  # a bug must not stop the runner; the sweep retries the node
+                event(log, "challenge_error", level=logging.ERROR, node_id=node_id, error=repr(err))
+            finally:
+                self._pending.discard(node_id)
+
+    # -- one challenge -----------------------------------------------------------------------------
+
+    async def challenge(self, node_id: str) -> Outcome:
+        reg = self.registry
+        target = await reg._db(reg.store.challenge_target, node_id)
+        if target is None:
+            return Outcome(node_id, "gone", False, "the node is not waiting for a challenge")
+        if not target.address:
+            await reg._db(reg.store.skip_challenge, node_id)
+            reg.invalidate_snapshot()
+            result = Outcome(node_id, "skipped", True, "relayed node: cannot be dialled, on probation")
+            self._log(target, result)
+            return result
+        last = "no attempt"
+        for attempt in range(self.config.challenge_attempts):
+            if attempt:
+                await trio.sleep(min(30.0, 1.0 * 3**attempt))
+            try:
+                with trio.fail_after(self.config.challenge_timeout_s):
+                    recipe, spec, digest = await self._attempt(target)
+                break
+            except (Unanswered, trio.TooSlowError) as err:
+                last = "no answer in time" if isinstance(err, trio.TooSlowError) else str(err)
+            except ChallengeFailed as err:
+                return await self._finish(target, "failed", False, str(err), "", "", "")
+        else:
+            detail = f"no answer after {self.config.challenge_attempts} attempts: {last}"
+            return await self._finish(target, "failed", False, detail, "", "", "")
+        refs = await reg._db(self._references, target, recipe, spec.input_id)
+        v = verdict(digest, refs)
+        return await self._finish(target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id)
+
+    def _references(self, target: ChallengeTarget, recipe: str, input_id: str) -> set[str]:
+        return self.registry.store.challenge_references(
+            target, recipe, input_id, self.clock(), probation_checks=self.config.probation_checks
+        )
+
+    async def _finish(
+        self,
+        target: ChallengeTarget,
+        outcome: str,
+        routable: bool,
+        detail: str,
+        digest: str,
+        recipe: str,
+        input_id: str,
+    ) -> Outcome:
+        reg = self.registry
+        moved = await reg._db(
+            _finish_call(reg, target, recipe, input_id, digest, outcome, detail, routable, self.clock())
+        )
+        if moved:
+            reg.invalidate_snapshot()
+        self.completed += 1
+        reg.metrics.inc("swarm_tracker_challenges_total", outcome=outcome)
+        result = Outcome(target.node_id, outcome, routable, detail, digest, recipe)
+        self._log(target, result)
+        return result
+
+    def _log(self, target: ChallengeTarget, result: Outcome) -> None:
+        event(
+            log,
+            "node_challenged",
+            level=logging.INFO if result.routable else logging.WARNING,
+            node_id=target.node_id,
+            model=target.model_fingerprint,
+            start=target.start,
+            end=target.end,
+            outcome=result.outcome,
+            routable=result.routable,
+            detail=result.detail,
+        )
+
+    async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
+        """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
+        try:
+            raw = await self.grpc.unary(
+                target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
+            )
+        except RpcError as err:
+            raise Unanswered(f"Info failed: {err}") from err
+        try:
+            info = shard_service_pb2.NodeInfo.FromString(raw)
+        except Exception as err:  # protobuf's DecodeError: the peer is not a node
+            raise ChallengeFailed(f"Info answer is not a NodeInfo: {err}") from err
+        if info.node_id != target.node_id:
+            raise ChallengeFailed(
+                f"the node at {target.address} is {info.node_id[:16]!r}, not the announced key"
+            )
+        if (info.model.fingerprint, info.shard.start, info.shard.end) != (
+            target.model_fingerprint,
+            target.start,
+            target.end,
+        ):
+            raise ChallengeFailed("the node at the announced address serves another model or span")
+        if info.model.n_embd != target.n_embd or info.model.n_vocab < 1:
+            raise ChallengeFailed("the node reports another width than the model's, or no vocabulary")
+        recipe = info.recipe.fingerprint
+        spec = challenge_input(
+            self._secret,
+            model_fingerprint=target.model_fingerprint,
+            start=target.start,
+            end=target.end,
+            n_layers=target.n_layers,
+            n_embd=target.n_embd,
+            n_vocab=int(info.model.n_vocab),
+            n_tokens=self.config.challenge_tokens,
+        )
+        digest = await self._session(target, recipe, spec)
+        return recipe, spec, digest
+
+    async def _session(self, target: ChallengeTarget, recipe: str, spec: ChallengeInput) -> str:
+        reg = self.registry
+        now = self.clock()
+        ticket = RouteTicket(
+            tracker_id=reg.tracker_id,
+            session_id=secrets.token_hex(16),
+            model_fingerprint=target.model_fingerprint,
+            hops=(TicketHop(target.node_id, target.start, target.end, target.address),),
+            issued_at_s=now,
+            expires_at_s=now + self.config.challenge_timeout_s,
+        )
+        envelope = sign_route_ticket(reg.key, ticket)
+        header = codec.SessionHeader(
+            ticket.session_id,
+            1,
+            target.model_fingerprint,
+            recipe,
+            target.start,
+            target.end,
+            request_id="tracker-challenge",
+        )
+        n = self.config.challenge_tokens
+        limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
+        try:
+            async with self.grpc.open_stream(
+                target.address, codec.SESSION_METHOD, max_message_bytes=MAX_MESSAGE_BYTES
+            ) as stream:
+                await stream.send(
+                    codec.serialize_frame(
+                        codec.open_frame(
+                            header,
+                            step_id=1,
+                            route_ticket=route_ticket_bytes(envelope),
+                            kv_budget_tokens=n + 1,
+                            sampling=codec.SamplingSettings(temperature=0.0, n_top_logprobs=TOP_LOGPROBS),
+                            max_frame_bytes=MAX_MESSAGE_BYTES,
+                        ),
+                        limits,
+                    )
+                )
+                _expect(codec.parse_frame(await stream.receive(), limits), "open_ack")
+                for frame in codec.step_frames(
+                    header,
+                    frame_pb2.PHASE_PREFILL,
+                    step_id=2,
+                    start=0,
+                    token_ids=spec.token_ids,
+                    hidden=spec.hidden,
+                    sample=spec.sample,
+                    max_frame_bytes=MAX_MESSAGE_BYTES,
+                ):
+                    await stream.send(codec.serialize_frame(frame, limits))
+                replies = [_expect(codec.parse_frame(await stream.receive(), limits), "result")]
+                while replies[-1].HasField("chunk") and replies[-1].chunk.index < replies[-1].chunk.count - 1:
+                    if len(replies) > n:
+                        raise ChallengeFailed("the answer has more chunks than positions")
+                    replies.append(_expect(codec.parse_frame(await stream.receive(), limits), "result"))
+                digest = _digest(replies, spec, n, target.n_embd, limits)
+                await stream.send(
+                    codec.serialize_frame(
+                        codec.release_frame(header, step_id=n + 3, expected_kv_len=n), limits
+                    )
+                )
+                with trio.move_on_after(2.0):
+                    await stream.receive()  # closed (best effort: the session times out on the node anyway)
+                return digest
+        except StreamClosed as err:
+            raise Unanswered(f"session stream failed: {err}") from err
+        except ProtocolError as err:
+            if isinstance(err, _Refused) and err.status in _RETRYABLE:
+                raise Unanswered(f"refused: {err}") from err
+            raise ChallengeFailed(f"protocol: {err}") from err
+
+
+class _Refused(ProtocolError):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status  # type: ignore[assignment]
+        super().__init__(message)
+
+
+def _expect(frame: frame_pb2.Frame, kind: str) -> frame_pb2.Frame:
+    got = codec.body_kind(frame)
+    if got == "error":
+        err = error_from_body(frame.error)
+        raise _Refused(frame.error.status, f"{err.status_name}: {err.message}")
+    if got != kind:
+        raise ChallengeFailed(f"expected {kind}, got {got}")
+    return frame
+
+
+def _digest(
+    replies: list[frame_pb2.Frame],
+    spec: ChallengeInput,
+    n_tokens: int,
+    n_embd: int,
+    limits: codec.FrameLimits,
+) -> str:
+    """The digest of a node's answer (refusing answers that are inconsistent in themselves)."""
+    step = codec.reassemble(replies, limits)
+    if (step.start, step.end) != (0, n_tokens):
+        raise ChallengeFailed(f"the answer covers positions [{step.start}, {step.end}), not [0, {n_tokens})")
+    if spec.sample:
+        if len(step.sampled) != 1:
+            raise ChallengeFailed("the last stage answered without exactly one sampled token")
+        t = step.sampled[0]
+        return sampled_digest(
+            t.token_id, t.logprob, [(p.token_id, p.logprob) for p in t.top_logprobs], t.end_of_generation
+        )
+    hidden = step.tensors.get(codec.HIDDEN)
+    if hidden is None or hidden.shape != (n_tokens, n_embd):
+        raise ChallengeFailed("the answer has no output rows of the model's width")
+    digest = codec.output_digest(hidden)
+    claimed = bytes(replies[-1].result.output_digest)
+    if claimed != digest:
+        raise ChallengeFailed("the node's output digest does not match the rows it sent")
+    return digest.hex()
+
+
+def _finish_call(
+    reg: Registry,
+    target: ChallengeTarget,
+    recipe: str,
+    input_id: str,
+    digest: str,
+    outcome: str,
+    detail: str,
+    routable: bool,
+    now_s: float,
+) -> Callable[[], Any]:
+    def call() -> bool:
+        return reg.store.finish_challenge(
+            target,
+            recipe=recipe,
+            input_id=input_id,
+            digest=digest,
+            outcome=outcome,
+            detail=detail,
+            routable=routable,
+            now_s=now_s,
+        )
+
+    return call
