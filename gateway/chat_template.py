@@ -5,13 +5,20 @@ it is rendered with jinja2's ``ImmutableSandboxedEnvironment`` (no attribute
 access to Python internals, no mutation of the inputs), with the helpers
 Hugging Face templates expect (``raise_exception``, ``strftime_now``) and the
 same whitespace settings as ``transformers`` (``trim_blocks``,
-``lstrip_blocks``). Pure: jinja2 and the standard library.
+``lstrip_blocks``). The output is produced piece by piece and refused as soon
+as it passes ``max_chars``, so a template that only *outputs* too much never
+holds more than that. Pure: jinja2 and the standard library.
+
+The sandbox limits what a template can reach, not how long it runs or how
+much it allocates in one expression: the gateway renders in worker processes
+(``gateway/template_sandbox.py``) with a time limit and a memory limit.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import jinja2
@@ -66,33 +73,88 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now(datetime.UTC).strftime(fmt)
 
 
+MAX_POWER_EXPONENT = 4096
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus run-time checks of ``*`` and ``**`` (which also stops jinja2 from folding
+    them at compile time: ``{{ 'x' * 10**10 }}`` would otherwise be built while compiling)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, str | list | tuple)
+                    and isinstance(n, int)
+                    and len(seq) * n > MAX_RENDERED_CHARS
+                ):
+                    raise TemplateError(
+                        f"chat template refused: a repetition of {len(seq) * n} items", param="messages"
+                    )
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_POWER_EXPONENT:
+            raise TemplateError(f"chat template refused: an exponent of {right}", param="messages")
+        return super().call_binop(context, operator, left, right)
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """A template as text, not compiled: what the gateway holds (compiling an untrusted template can
+    itself exhaust memory, so it is compiled only in the sandbox's worker processes)."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def compile(self) -> ChatTemplate:
+        return ChatTemplate(self.source, bos_token=self.bos_token, eos_token=self.eos_token)
+
+
 class ChatTemplate:
     def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         self.source = source or FALLBACK_TEMPLATE
         self._template = env.from_string(self.source)
         self._bos, self._eos = bos_token, eos_token
 
+    @property
+    def bos_token(self) -> str:
+        return self._bos
+
+    @property
+    def eos_token(self) -> str:
+        return self._eos
+
     def render(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        max_chars: int = MAX_RENDERED_CHARS,
+        **extra: Any,
     ) -> str:
         """``extra``: more template variables (``tools`` for templates that render tools themselves)."""
+        pieces: list[str] = []
+        total = 0
         try:
-            text = self._template.render(
+            for piece in self._template.generate(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
                 **extra,
-            )
-        except TemplateError:
+            ):
+                total += len(piece)
+                if total > max_chars:
+                    raise InvalidRequest(
+                        f"rendered prompt is too long (over {max_chars} characters)", param="messages"
+                    )
+                pieces.append(piece)
+        except InvalidRequest:  # TemplateError too: raise_exception() or the size limit
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, OverflowError) as err:
             raise TemplateError(f"chat template failed: {err}", param="messages") from err
-        if len(text) > MAX_RENDERED_CHARS:
-            raise InvalidRequest("rendered prompt is too long", param="messages")
-        return text
+        return "".join(pieces)

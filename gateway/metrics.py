@@ -47,6 +47,9 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_stats_reports_total": m.counter(
         "statistics reports sent to the tracker (dashboard), by outcome", "outcome"
     ),
+    "swarm_gateway_trust_reports_total": m.counter(
+        "spot-check results and verdicts sent to the tracker, by kind and outcome", "kind", "outcome"
+    ),
     "swarm_gateway_tracker_route_requests_total": m.counter(
         "route look-ups at the tracker, by outcome", "outcome"
     ),

@@ -123,6 +123,11 @@ async def _serve(
                     url=config.public_url,
                 )
             )
+        from gateway.trust_report import report_trust_loop  # spot checks and verdicts to the tracker
+
+        nursery.start_soon(
+            functools.partial(report_trust_loop, service, tracker, timeout_s=config.tracker_timeout_s)
+        )
         trigger = shutdown.wait if shutdown is not None else None
         async with trio.open_nursery() as http:
             binds = await http.start(

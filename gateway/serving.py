@@ -68,6 +68,7 @@ from gateway.route_session import DataPlane, RouteSession, Sampled, open_route_s
 from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
+from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
@@ -248,6 +249,7 @@ class GatewayService:
             config.resolved_data_dir() / "vocab", channels, timeout_s=config.open_timeout_s
         )
         self._usage_send, self._usage_receive = trio.open_memory_channel[UsageReport](config.usage_queue_max)
+        self.observed = ObservedSpeed()
         self._nursery: trio.Nursery | None = None
         self._active = 0
         self.plane = data_plane(config)
@@ -406,7 +408,7 @@ class GatewayService:
         vocab = await self.vocabs.get(route.model_fingerprint, stages)
         if request.kind == "chat":
             messages, extra = tools.template_messages(request, vocab.template.source)
-            text = vocab.template.render(messages, add_generation_prompt=True, **extra)
+            text = await vocab.render_chat(messages, add_generation_prompt=True, **extra)
             prompt = await vocab.tokenize(text, add_special=False)
         elif request.prompt_tokens is not None:
             vocab.check_ids(request.prompt_tokens)
@@ -652,6 +654,7 @@ class GatewayService:
         )
 
     def _report(self, job: Job, session: RouteSession, route: Route) -> None:
+        self.observed.record(session, route.model_fingerprint)  # measured node speeds (trust_report)
         if not self.config.report_usage:
             return
         entries = tuple(

@@ -5,7 +5,9 @@ with what happened since the previous report, read from its own metrics (so
 the serving code needs nothing extra): requests finished and failed, prompt and
 generated tokens, TTFT p50/p95 estimated from the TTFT histogram's buckets
 observed in the interval, sessions and queue now, and the sessions on each
-cached route (at most ``proto.announce.MAX_ROUTE_STATS``, busiest first).
+cached route (at most ``proto.announce.MAX_ROUTE_STATS``, busiest first), and
+the decode time it measured of each node (``gateway/trust_report.py``: routing
+trusts that rather than the node's claim).
 
 A failed report is counted (``swarm_gateway_stats_reports_total{outcome}``)
 and logged once per outage; the next interval reports the next delta, so an
@@ -78,6 +80,7 @@ def build_report(
         ttft_p95_s=None if math.isnan(p95) else min(p95, 86_400.0),
         routes=tuple(RouteStat(r[:400], int(n)) for r, n in inflight[:MAX_ROUTE_STATS] if n > 0),
         url=url[:255],
+        nodes=observed.drain() if (observed := getattr(service, "observed", None)) is not None else (),
     )
 
 

@@ -165,7 +165,9 @@ async def report_trust_loop(
         if len(pending) > MAX_PENDING_EVIDENCE:
             dropped = len(pending) - MAX_PENDING_EVIDENCE
             del pending[:dropped]
-            service.metrics.inc("swarm_gateway_trust_reports_total", dropped, kind="evidence", outcome="dropped")
+            service.metrics.inc(
+                "swarm_gateway_trust_reports_total", dropped, kind="evidence", outcome="dropped"
+            )
         try:
             await report_trust_once(service, tracker, timeout_s=timeout_s)
             if failing:

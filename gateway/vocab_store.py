@@ -17,15 +17,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from common import files
 from common.vocab import Vocabulary
-from gateway.chat_template import ChatTemplate, template_source
+from gateway.chat_template import TemplateSource, template_source
 from gateway.errors import InvalidRequest, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import StageInfo
+from gateway.template_sandbox import TemplateSandbox
 from proto.errors import ProtocolError
 
 MAX_LOADED = 8
@@ -37,10 +39,18 @@ class LoadedVocab:
     fingerprint: str
     vocab: Vocabulary
     token_bytes: tuple[bytes, ...]
-    template: ChatTemplate
+    template: TemplateSource  # text only: compiled in the sandbox's processes, never here
     n_vocab: int
     eog: frozenset[int]
     limiter: trio.CapacityLimiter
+    sandbox: TemplateSandbox | None = None
+
+    async def render_chat(self, messages: Sequence[dict[str, Any]], **extra: Any) -> str:
+        """The chat prompt, rendered by the model's template in the sandbox's worker processes
+        (time and memory limits, off the event loop); in process only without a sandbox."""
+        if self.sandbox is None:
+            return self.template.compile().render(messages, **extra)
+        return await self.sandbox.render(self.template, messages, **extra)
 
     async def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return await trio.to_thread.run_sync(
@@ -69,9 +79,7 @@ def _load(path: Path, fingerprint: str) -> LoadedVocab:
         if 0 <= t < n
     }
     source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
-    template = ChatTemplate(
-        source, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, "")
-    )
+    template = TemplateSource(source, special.get(vocab.bos, ""), special.get(vocab.eos, ""))
     return LoadedVocab(fingerprint, vocab, pieces, template, n, eog, trio.CapacityLimiter(1))
 
 
@@ -82,6 +90,7 @@ class VocabStore:
         self._timeout_s = timeout_s
         self._loaded: dict[str, LoadedVocab] = {}
         self._locks: dict[str, trio.Lock] = {}
+        self.sandbox = TemplateSandbox()
 
     def loaded(self) -> dict[str, LoadedVocab]:
         """The vocabularies loaded now, by model fingerprint."""
@@ -103,6 +112,8 @@ class VocabStore:
                 data = await self._download(fingerprint, stages)
                 await files.write_atomic(path, data)
             loaded = await trio.to_thread.run_sync(_load, path, fingerprint)
+            loaded.sandbox = self.sandbox
+            await self.sandbox.warm()
             while len(self._loaded) >= MAX_LOADED:
                 _, old = self._loaded.popitem()
                 old.vocab.close()
@@ -124,3 +135,4 @@ class VocabStore:
         for loaded in self._loaded.values():
             loaded.vocab.close()
         self._loaded.clear()
+        self.sandbox.close()

@@ -213,7 +213,8 @@ def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, A
     from sim.procs import Supervisor
 
     with tempfile.TemporaryDirectory(prefix="bench-tracker-") as tmp, Supervisor(Path(tmp)) as sup:
-        tracker = sup.start_tracker(extra_args=["--log-level", "warning"]).ready(30)
+        # The announced nodes are not real (no gRPC server): nothing to challenge.
+        tracker = sup.start_tracker(extra_args=["--log-level", "warning", "--no-challenges"]).ready(30)
         return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
 
 
@@ -445,6 +446,7 @@ def bench_replicas(
                         "--key-file",
                         str(work / "tracker.key"),
                         "--no-dashboard",
+                        "--no-challenges",
                         "--log-level",
                         "warning",
                     ],

@@ -58,9 +58,31 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option(
     "--no-zeroconf", "no_zeroconf", is_flag=True, default=False, help="Do not advertise on the LAN."
 )
+@click.option(
+    "--registered-gateways",
+    default=None,
+    help="Hex public keys (comma separated) of the gateways whose usage, statistics, spot checks and "
+    "evidence are accepted; empty: any gateway (private swarms only).",
+)
+@click.option(
+    "--probation-checks", type=int, default=None, help="Spot checks a node must pass to leave probation."
+)
+@click.option("--ban-node-s", type=float, default=None, help="How long a node caught lying is banned.")
+@click.option(
+    "--ban-host-s", type=float, default=None, help="How long new keys from a liar's hosts are refused."
+)
+@click.option(
+    "--no-challenges",
+    "no_challenges",
+    is_flag=True,
+    default=False,
+    help="Route to announced nodes without challenging them first (trusted, private swarms).",
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
-def serve(ctx: click.Context, no_zeroconf: bool, no_dashboard: bool, **flags: Any) -> None:
+def serve(
+    ctx: click.Context, no_zeroconf: bool, no_dashboard: bool, no_challenges: bool, **flags: Any
+) -> None:
     """Run the tracker (a replica, when several share one PostgreSQL database) until SIGINT or SIGTERM."""
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -73,6 +95,8 @@ def serve(ctx: click.Context, no_zeroconf: bool, no_dashboard: bool, **flags: An
         flags["zeroconf"] = False
     if no_dashboard:
         flags["dashboard"] = False
+    if no_challenges:
+        flags["challenge_nodes"] = False
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 

@@ -392,7 +392,7 @@ class TrustStore:
                 rep = self._reputation(s, target.node_id, now_s)
                 rep.checks_failed += 1
                 rep.updated_s = now_s
-            moved = s.execute(
+            moved = s.connection().execute(
                 update(Node)
                 .where(Node.id == target.node_id, Node.state == NODE_CHALLENGING)
                 .values(state=NODE_LIVE if routable else NODE_CHALLENGE_FAILED)

@@ -44,7 +44,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
     nodes, expected = fake.nodes, fake.expected
     sup = Supervisor(tmp)
     try:
-        tracker = sup.start_tracker().ready(60)
+        tracker = sup.start_tracker(extra_args=["--no-challenges"]).ready(60)  # fake nodes: no engine
         for node in nodes:
             announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
         gateway = sup.start_gateway(tracker_url=url(tracker)).ready(60)
