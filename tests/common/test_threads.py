@@ -53,6 +53,9 @@ ALLOWED: dict[str, dict[str, str]] = {
         "run_coroutine_threadsafe": "zeroconf: running a call on the private loop",
     },
     "gateway.vocab_store": {"trio.to_thread": "llama.cpp vocabularies: loading and tokenizing"},
+    "gateway.template_sandbox": {
+        "trio.to_thread": "chat templates: starting a worker process, and the blocking pipe to it"
+    },
 }
 
 _MODULES = {"threading", "_thread", "concurrent", "concurrent.futures", "asyncio", "trio_asyncio"}
