@@ -85,7 +85,7 @@ async def run(renders: int) -> dict[str, Any]:
                 for _ in range(2):
                     nursery.start_soon(_many, sandbox, source, messages, renders // 2)
             pair_s = time.perf_counter() - t
-            case = {
+            case: dict[str, Any] = {
                 "messages": n,
                 "chars": len(expected),
                 "in_process": _summary(local),

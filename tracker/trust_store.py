@@ -392,11 +392,15 @@ class TrustStore:
                 rep = self._reputation(s, target.node_id, now_s)
                 rep.checks_failed += 1
                 rep.updated_s = now_s
-            moved = s.connection().execute(
-                update(Node)
-                .where(Node.id == target.node_id, Node.state == NODE_CHALLENGING)
-                .values(state=NODE_LIVE if routable else NODE_CHALLENGE_FAILED)
-            ).rowcount
+            moved = (
+                s.connection()
+                .execute(
+                    update(Node)
+                    .where(Node.id == target.node_id, Node.state == NODE_CHALLENGING)
+                    .values(state=NODE_LIVE if routable else NODE_CHALLENGE_FAILED)
+                )
+                .rowcount
+            )
         return bool(moved)
 
     def skip_challenge(self, node_id: str) -> bool:

@@ -93,9 +93,7 @@ async def start_tracker(nursery: trio.Nursery, tmp_path: Path, **over: Any) -> R
 async def announce(url: str, i: int) -> None:
     async with TrackerClient(url, node_key(i)) as client:
         await client.announce(
-            Announce(
-                nid(i), (f"127.0.0.{i}:9000",), False, None, HARDWARE, "t", MODEL, 0, 30, 10.0, 100.0, 4
-            )
+            Announce(nid(i), (f"127.0.0.{i}:9000",), False, None, HARDWARE, "t", MODEL, 0, 30, 10.0, 100.0, 4)
         )
 
 
