@@ -282,7 +282,9 @@ async def test_routing_uses_the_measured_decode_time_not_the_claim(tracker: Trac
     # a stale measurement stops counting
     tracker.clock.advance(tracker.config.observed_speed_keep_s + 1)
     for seed in (honest, liar):
-        await tracker.post("/v1/heartbeat", tracker.heartbeat(seed))
+        status, body = await tracker.post("/v1/heartbeat", tracker.heartbeat(seed))
+        assert status == 200, body
+    tracker.clock.advance(0.01)  # the cached snapshot is at most snapshot_ttl_s (0) old
     snap = await tracker.registry.snapshot()
     assert {s.node_id: s.decode_ms_per_token for s in snap.shards}[hexkey(liar)] == 0.01
     assert select_routes(snap, MODEL.fingerprint, 1, rng=random.Random(0)).routes
