@@ -95,7 +95,7 @@ class GatewayConfig:
     )
     prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
     prefix_exact: bool = _f(
-        True,
+        False,
         "reuse only kept positions computed in whole prefill steps, so a warm request's output is "
         "bit-identical to a cold one's; false reuses every matching position (faster; low-order bits may "
         "differ, as with llama.cpp's cache_prompt)",

@@ -24,6 +24,12 @@ def smol_swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_
         node_cache,
         15,
         30,
-        gateway_args=["--model-alias", "smol=smollm2-135m-8k-lc100k-mix1-ep2", "--cors-origins", "*"],
+        gateway_args=[
+            "--model-alias",
+            "smol=smollm2-135m-8k-lc100k-mix1-ep2",
+            "--cors-origins",
+            "*",
+            "--prefix-exact",  # warm turns bit-identical to cold ones, so texts can be compared
+        ],
     ) as s:
         yield s

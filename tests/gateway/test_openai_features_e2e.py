@@ -368,6 +368,30 @@ def test_warm_turns_reuse_the_kept_kv_and_give_the_cold_text(swarm: Swarm) -> No
     assert reused_tokens(swarm) == before
 
 
+def test_default_gateway_reuses_every_matching_position(swarm: Swarm) -> None:
+    """A gateway with the defaults (``prefix_exact`` off, like llama.cpp's cache_prompt): the second turn
+    prefills only what is new."""
+    from swarm_fixtures import url
+
+    gateway = swarm.supervisor.start_gateway(tracker_url=url(swarm.tracker), name="gw-default").ready(60)
+    base = url(gateway)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="default-gateway", max_retries=0, timeout=300)
+    messages: list[dict] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is rain?"},
+    ]
+    first = client.chat.completions.create(model=swarm.model, messages=messages, temperature=0, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And snow?"},
+    ]
+    second = client.chat.completions.create(model=swarm.model, messages=messages, temperature=0, max_tokens=8)
+    lines = metric_lines(base, "swarm_gateway_prefix_reused_tokens_total")
+    reused = sum(float(line.split()[-1]) for line in lines if not line.startswith("#"))
+    assert reused >= first.usage.prompt_tokens - 1 and reused < second.usage.prompt_tokens
+    gateway.stop(15)
+
+
 # --------------------------------------------------------------------------- endpoint hygiene
 
 
