@@ -4,7 +4,13 @@
     ├── ShardError                 shard extraction / loading refused (bad file, bad range, ...)
     │   ├── NotGGUFError           the file is not a GGUF model
     │   ├── UnsupportedArchitecture architecture not in SUPPORTED_ARCHITECTURES
-    │   └── LayerRangeError        empty range, or outside the model's layers
+    │   ├── LayerRangeError        empty range, or outside the model's layers
+    │   ├── ManifestError          a model manifest that is malformed, or bytes that do not match it
+    │   ├── FetchError             a source could not deliver the shard's bytes (says which and why)
+    │   │   ├── RangeNotSupported  an HTTP server that ignores Range requests
+    │   │   └── IntegrityError     a tensor's bytes kept failing their manifest digest
+    │   ├── DiskSpaceError         not enough free disk in the cache for the shard
+    │   └── CapacityError          the node's memory cannot hold even one layer of the model
     └── EngineError                the layer-range engine refused a piece of work
         ├── SessionLimitError      no free sequence slot (RESOURCE_EXHAUSTED)
         ├── KVBudgetError          the session would exceed its KV budget (RESOURCE_EXHAUSTED)
@@ -37,6 +43,30 @@ class UnsupportedArchitecture(ShardError):
 
 
 class LayerRangeError(ShardError):
+    pass
+
+
+class ManifestError(ShardError):
+    pass
+
+
+class FetchError(ShardError):
+    pass
+
+
+class RangeNotSupported(FetchError):
+    pass
+
+
+class IntegrityError(FetchError):
+    pass
+
+
+class DiskSpaceError(ShardError):
+    pass
+
+
+class CapacityError(ShardError):
     pass
 
 

@@ -10,7 +10,8 @@ from gguf import GGUFReader
 
 from node import shard as shard_mod
 from node.errors import LayerRangeError, NotGGUFError, ShardError, UnsupportedArchitecture
-from node.fingerprint import model_fingerprint, sha256_file
+from node.fingerprint import model_fingerprint, sha256_file, store_manifest
+from node.manifest import Manifest, build_manifest
 from node.shard import extract_shard, extract_vocab, parse_layers, read_model_meta
 
 
@@ -37,7 +38,7 @@ def test_middle_shard_has_only_its_blocks_and_metadata(model_path: Path, node_ca
     assert meta["llama.vocab_size"] == 1
     assert meta["tokenizer.ggml.model"] == "none"
     assert meta["swarm.shard.start"] == 10 and meta["swarm.shard.end"] == 20
-    assert meta["swarm.source.sha256"] == sha256_file(model_path)
+    assert meta["swarm.source.fingerprint"] == model_fingerprint(model_path, None)
     assert meta["swarm.source.block_count"] == 30
     assert files.embeddings_path is None and not files.is_first and not files.is_last
 
@@ -85,19 +86,43 @@ def test_fingerprint_is_cached_and_invalidated_by_change(tmp_path: Path, model_p
     shutil.copy(model_path, copy)
     cache = tmp_path / "cache"
     digest = model_fingerprint(copy, cache)
-    assert digest == sha256_file(model_path)
-    assert (cache / "fingerprints.json").is_file()
-    # A cached digest is trusted while the file's identity holds ...
+    assert digest == build_manifest(model_path).fingerprint()
+    assert digest != sha256_file(model_path)  # the manifest's digest, not the whole file's
+    index = cache / "manifests" / "local.json"
+    stored = cache / "manifests" / f"{digest}.json"
+    assert index.is_file() and stored.is_file()
+    # A cached fingerprint is trusted while the file's identity holds (not hashed again) ...
     import json
 
-    data = json.loads((cache / "fingerprints.json").read_text())
-    data[str(copy.resolve())]["sha256"] = "f" * 64
-    (cache / "fingerprints.json").write_text(json.dumps(data))
-    assert model_fingerprint(copy, cache) == "f" * 64
+    other = Manifest(1, 0, "0" * 64, ())
+    store_manifest(cache, other)
+    data = json.loads(index.read_text())
+    data[str(copy.resolve())]["fingerprint"] = other.fingerprint()
+    data[str(copy.resolve())]["size"] = copy.stat().st_size
+    index.write_text(json.dumps(data))
+    assert model_fingerprint(copy, cache) == digest  # ... but a stored manifest of another size is not
+    data[str(copy.resolve())]["fingerprint"] = digest
+    index.write_text(json.dumps(data))
+    stored.write_bytes(stored.read_bytes().replace(b'"format":1', b'"format":1 '))  # no longer its digest
+    assert model_fingerprint(copy, cache) == digest  # rebuilt, not trusted
     # ... and recomputed once the file changes.
     with open(copy, "ab") as fh:
         fh.write(b"\0")
-    assert model_fingerprint(copy, cache) == sha256_file(copy)
+    assert model_fingerprint(copy, cache) == build_manifest(copy).fingerprint() != digest
+
+
+def test_old_whole_file_fingerprint_cache_is_ignored(tmp_path: Path, model_path: Path) -> None:
+    """A cache from before manifests (fingerprints.json, shards under the whole-file digest) is not reused."""
+    import json
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old = sha256_file(model_path)
+    ident = {"size": model_path.stat().st_size, "mtime_ns": model_path.stat().st_mtime_ns}
+    (cache / "fingerprints.json").write_text(json.dumps({str(model_path): {**ident, "sha256": old}}))
+    files = extract_shard(model_path, 20, 30, cache)
+    assert files.model.fingerprint == build_manifest(model_path).fingerprint() != old
+    assert files.path.parent.name == files.model.fingerprint[:16]
 
 
 def test_vocab_only_file_has_no_tensors(model_path: Path, node_cache: Path) -> None:
