@@ -35,26 +35,153 @@ def shard() -> None:
 
 @shard.command("extract")
 @click.option(
-    "--model", "model_path", required=True, type=click.Path(path_type=Path), help="Whole-model GGUF file."
+    "--model",
+    "model_spec",
+    required=True,
+    help="Whole-model GGUF file, an http(s) URL of one, or a model name/fingerprint the tracker knows.",
 )
 @click.option("--layers", required=True, help="Half-open layer range START:END, e.g. 0:15.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where shards are written.")
-def shard_extract(model_path: Path, layers: str, cache_dir: Path | None) -> None:
-    """Write the partial GGUF holding layers START..END-1 of MODEL."""
-    from node.shard import extract_shard, parse_layers, read_model_meta
+@click.option("--manifest", "manifest_arg", default="", help="The model's manifest (FILE or URL) for a URL.")
+@click.option("--tracker", "tracker_url", default="", help="Tracker whose model registry resolves --model.")
+@click.option(
+    "--peer", "peers", multiple=True, help="A node (HOST:PORT) to fetch span bytes from (repeatable)."
+)
+@click.option("--stall-timeout-s", type=float, default=60.0, show_default=True, help="Give up a read after.")
+def shard_extract(
+    model_spec: str,
+    layers: str,
+    cache_dir: Path | None,
+    manifest_arg: str,
+    tracker_url: str,
+    peers: tuple[str, ...],
+    stall_timeout_s: float,
+) -> None:
+    """Write the partial GGUF holding layers START..END-1 of MODEL (fetching only those bytes for a URL)."""
+    from node.assemble import is_url
+    from node.progress import Progress
+    from node.shard import extract_shard, parse_layers
 
     cache = cache_dir or default_cache_dir()
-    try:
-        meta = read_model_meta(model_path, cache)
-        start, end = parse_layers(layers, meta.n_layers)
-        files = extract_shard(model_path, start, end, cache)
-    except NodeError as err:
-        raise click.ClickException(str(err)) from err
+    local = Path(model_spec).expanduser()
+    fetched = ""
+    if local.is_file() or not (is_url(model_spec) or tracker_url or peers):
+        try:
+            files = extract_shard(local, *_layers_syntax(layers), cache, progress=Progress)
+        except NodeError as err:
+            raise click.ClickException(str(err)) from err
+    else:
+        from common.cli import run_once
+
+        run = functools.partial(
+            _extract_remote, model_spec, layers, cache, manifest_arg, tracker_url, peers, stall_timeout_s
+        )
+        files, fetched = run_once(PROG, run, clear_errors=(NodeError, OSError))
+    meta = files.model
+    parse_layers(f"{files.start}:{files.end}", meta.n_layers, meta.split_points)
     click.echo(f"model        {meta.name} ({meta.architecture}, {meta.n_layers} layers, width {meta.n_embd})")
     click.echo(f"fingerprint  {meta.fingerprint}")
-    click.echo(f"shard        [{start}, {end}) -> {files.path} ({files.path.stat().st_size / 1e6:.1f} MB)")
+    size = files.size_bytes()
+    click.echo(f"shard        [{files.start}, {files.end}) -> {files.path} ({size / 1e6:.1f} MB)")
     if files.embeddings_path:
         click.echo(f"embeddings   {files.embeddings_path}")
+    if fetched:
+        click.echo(f"fetched      {fetched}")
+
+
+def _layers_syntax(spec: str) -> tuple[int, int]:
+    from node.shard import parse_layers
+
+    try:
+        return parse_layers(spec, 1 << 30)
+    except NodeError as err:
+        raise click.ClickException(str(err)) from err
+
+
+async def _extract_remote(
+    spec: str,
+    layers: str,
+    cache: Path,
+    manifest_arg: str,
+    tracker_url: str,
+    peers: tuple[str, ...],
+    stall_timeout_s: float,
+) -> tuple[Any, str]:
+    import contextlib
+
+    import nacl.signing
+
+    from common.grpc_adapter import open_grpc
+    from node.assemble import assemble_shard, byte_sources, http_client, prepare_remote, resolve
+    from node.progress import Progress
+    from node.shard import parse_layers
+
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(http_client(stall_timeout_s))
+        grpc_rt = await stack.enter_async_context(open_grpc())
+        tracker = None
+        if tracker_url:
+            from tracker.client import TrackerClient
+
+            # Registry reads are not signed: a throw-away key satisfies the client.
+            tracker = await stack.enter_async_context(
+                TrackerClient(tracker_url, nacl.signing.SigningKey.generate())
+            )
+        source = await resolve(
+            spec, cache_dir=cache, client=client, tracker=tracker, grpc_rt=grpc_rt,
+            manifest_arg=manifest_arg, peers=list(peers),
+        )  # fmt: skip
+        sources = byte_sources(source, client, grpc_rt)
+        prepared = await prepare_remote(source, cache, sources)
+        start, end = parse_layers(layers, prepared.meta.n_layers, prepared.meta.split_points)
+        done = await assemble_shard(
+            source, start, end, cache, sources, progress=Progress, stall_timeout_s=stall_timeout_s
+        )
+        if done.statistics is None:
+            return done.files, "nothing (already complete in the cache)"
+        st = done.statistics
+        by = ", ".join(f"{k}: {v / 1e6:.1f} MB" for k, v in st.bytes_by_source.items())
+        return done.files, (
+            f"{(st.bytes_needed - st.bytes_resumed) / 1e6:.1f} MB of tensors ({by or 'resumed'}) "
+            f"in {st.elapsed_s:.1f} s; {st.bytes_resumed / 1e6:.1f} MB resumed; "
+            f"{st.refetched_tensors} tensor(s) refused and fetched again"
+        )
+
+
+@main.group()
+def model() -> None:
+    """Model manifests (what identifies a model without its whole file)."""
+
+
+@model.command("manifest")
+@click.argument("model_path", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option(
+    "--output", "-o", type=click.Path(path_type=Path), default=None, help="Write here (default stdout)."
+)
+@click.option(
+    "--cache-dir", type=click.Path(path_type=Path), default=None, help="Reuse/keep the result here."
+)
+def model_manifest(model_path: Path, output: Path | None, cache_dir: Path | None) -> None:
+    """Hash MODEL into its manifest (JSON); publish it next to the file as FILE.manifest.json.
+
+    The model's fingerprint, printed on stderr, is the sha256 of these bytes.
+    """
+    from node.fingerprint import local_manifest
+    from node.progress import Progress
+
+    try:
+        with Progress("verifying", model_path.stat().st_size, model_path.name) as bar:
+            manifest = local_manifest(model_path, cache_dir or default_cache_dir(), bar.update)
+    except NodeError as err:
+        raise click.ClickException(str(err)) from err
+    data = manifest.canonical_bytes()
+    if output is None:
+        click.echo(data.decode())
+    else:
+        from common.files import write_atomic_sync
+
+        write_atomic_sync(output, data)
+    click.echo(f"fingerprint {manifest.fingerprint()}", err=True)
 
 
 @shard.command("vocab")

@@ -6,7 +6,9 @@ without a thread hand-off. Frames stay bytes here: ``Session`` carries
 serialized ``Frame`` messages (docs/protocol.md, Transport) that
 :meth:`node.hub.Hub.feed` parses; replies come from the connection's bounded
 outbound channel. ``Info``/``Health`` answer from fresh snapshots; ``GetVocab``
-streams the metadata-only GGUF held in memory.
+streams the metadata-only GGUF held in memory; ``GetManifest`` and
+``GetTensorBytes`` serve the model's manifest and the bytes of this node's
+span to joining nodes (``node.peer_serve``, bounded and rate-limited there).
 
 Flow control: a stream reads its next message only after the hub accepted the
 previous one (the adapter stops reading from gRPC while its buffer is full),
@@ -26,6 +28,7 @@ import trio
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
 from common.logs import event
 from node.hub import Connection, Hub, TooManyConnections
+from node.peer_serve import PeerRefused, TensorServer
 from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
@@ -41,6 +44,8 @@ class GrpcSettings:
     vocab_bytes: Callable[[], bytes | None]  # None while the file is still being written
     model_fingerprint: str
     shutdown_grace_s: float = 5.0
+    # GetManifest / GetTensorBytes (node.peer_serve); None: this node does not serve its span's bytes.
+    tensors: Callable[[], TensorServer | None] = lambda: None
 
 
 class ShardService:
@@ -63,8 +68,8 @@ class ShardService:
         return Service(
             codec.SERVICE,
             streams={"Session": self._session},
-            unary={"Info": self._info_rpc, "Health": self._health_rpc},
-            server_streams={"GetVocab": self._vocab_rpc},
+            unary={"Info": self._info_rpc, "Health": self._health_rpc, "GetManifest": self._manifest_rpc},
+            server_streams={"GetVocab": self._vocab_rpc, "GetTensorBytes": self._tensor_bytes_rpc},
         )
 
     async def serve(
@@ -149,3 +154,33 @@ class ShardService:
             data, model_fingerprint=self.settings.model_fingerprint, chunk_bytes=request.max_chunk_bytes
         ):
             yield chunk.SerializeToString()
+
+    def _tensor_server(self) -> TensorServer:
+        server = self.settings.tensors()
+        if server is None:
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "this node does not serve its span's bytes (yet)")
+        return server
+
+    async def _manifest_rpc(self, request_bytes: bytes, call: CallInfo) -> bytes:
+        request = shard_service_pb2.ManifestRequest.FromString(request_bytes)
+        try:
+            data = self._tensor_server().manifest(request.model_fingerprint)
+        except PeerRefused as err:
+            raise RpcAbort(getattr(grpc.StatusCode, err.code), str(err)) from err
+        reply = shard_service_pb2.ManifestReply(
+            model_fingerprint=request.model_fingerprint, manifest_json=data
+        )
+        return reply.SerializeToString()
+
+    async def _tensor_bytes_rpc(self, request_bytes: bytes, call: CallInfo) -> AsyncIterator[bytes]:
+        request = shard_service_pb2.TensorBytesRequest.FromString(request_bytes)
+        try:
+            chunks = await self._tensor_server().tensor_bytes(
+                request.model_fingerprint, request.offset, request.length, request.max_chunk_bytes
+            )
+        except PeerRefused as err:
+            raise RpcAbort(getattr(grpc.StatusCode, err.code), str(err)) from err
+        offset = request.offset
+        for data in chunks:
+            yield shard_service_pb2.TensorBytesChunk(offset=offset, data=data).SerializeToString()
+            offset += len(data)

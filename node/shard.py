@@ -696,9 +696,7 @@ def extract_vocab(model_path: Path, cache_dir: Path, *, fingerprint: str | None 
     reader = _open_gguf(model_path)
     meta = model_meta(Path(model_path), reader, fingerprint=fingerprint or "0" * 64)
     if fingerprint is None:
-        meta = replace(
-            meta, fingerprint=local_manifest(Path(model_path), cache_dir).fingerprint()
-        )
+        meta = replace(meta, fingerprint=local_manifest(Path(model_path), cache_dir).fingerprint())
     out_dir = shard_dir(cache_dir, meta.fingerprint)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "vocab.gguf"

@@ -8,6 +8,7 @@
         await tracker.leave(leave)                  # proto.announce.Leave
         routes = await tracker.routes(model, k=2)   # dict, see docs/tracker.md
         start, end = await tracker.recommend(model, capacity_layers=10)
+        entry = await tracker.registry_model("SmolLM2")  # manifest, sources, peers
         await tracker.report_usage(report)          # proto.announce.UsageReport (gateway key)
         await tracker.report_stats(stats)           # proto.announce.GatewayStats (gateway key)
         await tracker.report_checks(results)        # proto.announce.CheckResults (gateway key)
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import nacl.signing
@@ -221,6 +223,38 @@ class TrackerClient:
             "GET", "/v1/recommend", params={"model": model, "capacity_layers": capacity_layers}
         )
         return int(body["start"]), int(body["end"])
+
+    async def registry_models(self, source: str | None = None) -> list[dict[str, Any]]:
+        """Registered models (``swarm-tracker model add``), optionally only those listing ``source``."""
+        params = {"source": source} if source else None
+        return list((await self._call("GET", "/v1/registry/models", params=params))["models"])
+
+    async def registry_model(self, model: str) -> dict[str, Any]:
+        """A registered model by name or fingerprint: manifest, source URLs, live peers (404 if unknown)."""
+        return dict(await self._call("GET", f"/v1/registry/models/{quote(model, safe='')}"))
+
+    async def register_model(self, registration: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+        """Register a model (``registration``: the payload to sign; signed here with this client's key)."""
+        return dict(
+            await self._call(
+                "POST",
+                "/v1/registry/models",
+                body=lambda: {
+                    "registration": self.signed("model_registration", registration, signer_field="signer_id"),
+                    "manifest": manifest,
+                },
+            )
+        )
+
+    async def unregister_model(self, model: str) -> dict[str, Any]:
+        payload = {"model": model}
+        return dict(
+            await self._call(
+                "POST",
+                "/v1/registry/remove",
+                body=lambda: self.signed("model_removal", payload, signer_field="signer_id"),
+            )
+        )
 
     async def models(self) -> list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/models"))["models"])

@@ -142,3 +142,37 @@ class VocabChunk(_message.Message):
     sha256: str
     model_fingerprint: str
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., sha256: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("model_fingerprint",)
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    def __init__(self, model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("model_fingerprint", "manifest_json")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    manifest_json: bytes
+    def __init__(self, model_fingerprint: _Optional[str] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
+
+class TensorBytesRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "offset", "length", "max_chunk_bytes")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    offset: int
+    length: int
+    max_chunk_bytes: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorBytesChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

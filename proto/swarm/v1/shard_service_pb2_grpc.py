@@ -55,6 +55,16 @@ class ShardServiceStub:
                 request_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabRequest.SerializeToString,
                 response_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabChunk.FromString,
                 _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/swarm.v1.ShardService/GetManifest',
+                request_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestReply.FromString,
+                _registered_method=True)
+        self.GetTensorBytes = channel.unary_stream(
+                '/swarm.v1.ShardService/GetTensorBytes',
+                request_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesRequest.SerializeToString,
+                response_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesChunk.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer:
@@ -90,6 +100,24 @@ class ShardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetManifest(self, request, context):
+        """The manifest of the model this node serves (its canonical JSON, whose
+        sha256 is the model fingerprint), so a joining node can verify bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensorBytes(self, request, context):
+        """Raw bytes of the model file that this node holds: the header, or a range
+        inside one tensor of its span (offsets are the model file's). At most a
+        few MiB per call, in chunks; each node bounds the calls it serves at
+        once and the bytes per second. NOT_FOUND: not held here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +140,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.GetVocab,
                     request_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabRequest.FromString,
                     response_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabChunk.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestRequest.FromString,
+                    response_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestReply.SerializeToString,
+            ),
+            'GetTensorBytes': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTensorBytes,
+                    request_deserializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesRequest.FromString,
+                    response_serializer=proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +260,60 @@ class ShardService:
             '/swarm.v1.ShardService/GetVocab',
             proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabRequest.SerializeToString,
             proto_dot_swarm_dot_v1_dot_shard__service__pb2.VocabChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.ShardService/GetManifest',
+            proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestRequest.SerializeToString,
+            proto_dot_swarm_dot_v1_dot_shard__service__pb2.ManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensorBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.v1.ShardService/GetTensorBytes',
+            proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesRequest.SerializeToString,
+            proto_dot_swarm_dot_v1_dot_shard__service__pb2.TensorBytesChunk.FromString,
             options,
             channel_credentials,
             insecure,
