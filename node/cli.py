@@ -216,9 +216,39 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     default=None,
     help="TOML file with node settings (also SWARM_NODE_CONFIG).",
 )
-@click.option("--model", default=None, help="Whole-model GGUF file.")
-@click.option("--layers", default=None, help="START:END to serve, or 'auto' (ask the tracker).")
-@click.option("--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take.")
+@click.option(
+    "--model",
+    default=None,
+    help="The model: a GGUF file, an http(s) URL of one (only the shard's bytes are fetched), or a model "
+    "name/fingerprint the tracker's registry knows.",
+)
+@click.option("--manifest", default=None, help="With a URL model: its manifest (FILE or URL).")
+@click.option(
+    "--peer", "peer_list", multiple=True, help="A node (HOST:PORT) to fetch span bytes from (repeatable)."
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="START:END to serve, or 'auto' (as many as memory holds; the tracker picks).",
+)
+@click.option(
+    "--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take (an override)."
+)
+@click.option(
+    "--memory-limit-mb", type=int, default=None, help="Most memory (MiB) the node uses; default: what it has."
+)
+@click.option(
+    "--memory-overhead-mb", type=int, default=None, help="Fixed overhead counted (default 200 MiB)."
+)
+@click.option("--gpu-layers", default=None, help="Layers to offload to the GPU: N, all or auto (default 0).")
+@click.option(
+    "--serve-span-bytes-per-s",
+    type=int,
+    default=None,
+    help="Upload limit for nodes fetching this span (default 32 MiB/s; 0 = none; -1 = do not serve).",
+)
+@click.option("--fetch-stall-timeout-s", type=float, default=None, help="Retry a source silent this long.")
+@click.option("--fetch-slow-bytes-per-s", type=int, default=None, help="Prefer peers over a slower URL.")
 @click.option(
     "--tracker",
     "tracker_url",
@@ -288,6 +318,9 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
 
     if no_benchmark:
         flags["benchmark"] = False
+    peer_list = flags.pop("peer_list", ())
+    if peer_list:
+        flags["peers"] = ",".join(peer_list)
     config = _load(config_file, flags)
     logs.configure(config.log_level)
     pid_file = _claim_pid_file(config.resolved_data_dir())

@@ -37,11 +37,46 @@ def _xdg(var: str, fallback: str, leaf: str) -> str:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    model: str = _f("", "path of the whole-model GGUF file (required for start)")
+    model: str = _f(
+        "",
+        "the model (required for start): a whole-model GGUF path, an http(s) URL of one (only the shard's "
+        "bytes are fetched), or a model name or fingerprint the tracker's registry knows",
+    )
+    manifest: str = _f(
+        "", "with a URL model: its manifest (FILE or URL); empty = the registry or <url>.manifest.json"
+    )
+    peers: str = _f(
+        "", "nodes (HOST:PORT, commas) to fetch the span's bytes from, besides the registry's peers"
+    )
     layers: str = _f(
         "auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)"
     )
-    capacity_layers: int = _f(0, "with layers=auto: most layers this node takes; 0 = all")
+    capacity_layers: int = _f(
+        0, "with layers=auto: most layers this node takes; 0 = as many as its memory holds (memory_limit_mb)"
+    )
+    memory_limit_mb: int = _f(
+        0,
+        "most memory (MiB) this node uses in all; 0 = what the machine allows (available RAM, the cgroup's "
+        "limit, RLIMIT_AS)",
+    )
+    memory_overhead_mb: int = _f(
+        200, "fixed memory (MiB) counted for the process itself besides weights, KV and compute buffers"
+    )
+    gpu_layers: str = _f(
+        "0",
+        "layers of the shard to offload to the GPU: a number, 'all', or 'auto' (as many as fit in free "
+        "device memory); 0 = none",
+    )
+    serve_span_bytes_per_s: int = _f(
+        32 * 1024 * 1024,
+        "most bytes per second this node sends to joining nodes fetching its span (0 = no limit, -1 = do not "
+        "serve them)",
+    )
+    serve_span_streams: int = _f(4, "most span fetches served at once")
+    fetch_stall_timeout_s: float = _f(60.0, "a model source that sends nothing this long is retried")
+    fetch_slow_bytes_per_s: int = _f(
+        1_000_000, "a source measured slower than this gives way to the others (peers); 0 = keep the order"
+    )
     tracker_url: str = _f(
         "",
         "tracker base URL, or several replicas separated by commas (calls fail over between them);"
@@ -93,6 +128,9 @@ class NodeConfig:
 
     def resolved_model_path(self) -> Path:
         return Path(self.model).expanduser()
+
+    def peer_addresses(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.peers.split(",") if p.strip())
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
@@ -152,6 +190,19 @@ class NodeConfig:
             raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
         if self.capacity_layers < 0:
             raise ConfigError("capacity_layers must be >= 0")
+        if self.memory_limit_mb < 0 or self.memory_overhead_mb < 0:
+            raise ConfigError("memory_limit_mb and memory_overhead_mb must be >= 0")
+        if self.gpu_layers not in ("all", "auto") and not (
+            self.gpu_layers.isdigit() and int(self.gpu_layers) >= 0
+        ):
+            raise ConfigError(f"gpu_layers must be a number >= 0, 'all' or 'auto', got {self.gpu_layers!r}")
+        if self.serve_span_bytes_per_s < -1 or self.serve_span_streams < 1:
+            raise ConfigError("serve_span_bytes_per_s must be >= -1 and serve_span_streams >= 1")
+        if self.fetch_stall_timeout_s <= 0 or self.fetch_slow_bytes_per_s < 0:
+            raise ConfigError("fetch_stall_timeout_s must be > 0 and fetch_slow_bytes_per_s >= 0")
+        for peer in self.peer_addresses():
+            if ":" not in peer:
+                raise ConfigError(f"peers: {peer!r} is not HOST:PORT")
         if self.tracker_id and (
             len(self.tracker_id) != 64 or any(c not in "0123456789abcdef" for c in self.tracker_id)
         ):

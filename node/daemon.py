@@ -3,12 +3,15 @@
 Start-up, in order (each step logs one event):
 
 1. identity (``node.key`` in the data dir, created on first start);
-2. the tracker: ``tracker_url`` or zeroconf discovery; ``layers=auto`` asks its
-   recommend endpoint;
-3. the shard files (extracted once, then cached) and the vocabulary file;
+2. the tracker: ``tracker_url`` or zeroconf discovery;
+3. the model, its layers and the shard files (``node.joining``): a local file
+   or a URL / registry name (only the span's bytes fetched and verified),
+   ``layers=auto`` sized to this node's memory and asked of the tracker, the
+   GPU offload; then the vocabulary file;
 4. the engine, then a short benchmark of it, then the hardware probe;
 5. the scheduler, the lease timer, the gRPC server (port written to
-   ``port_file``), the admin HTTP server;
+   ``port_file``; it also serves the span's bytes to joining nodes), the
+   admin HTTP server;
 6. announce + heartbeats in the background (retrying while the tracker is away).
 
 :func:`run_node` reports a :class:`NodeReady` once the gRPC port serves.
@@ -122,6 +125,7 @@ class NodeDaemon:
         self._tracker_scope = trio.CancelScope()
         self.left_tracker = False
         self._tracker_client: Any = None  # the heartbeat loop's TrackerClient, for /status
+        self.tensors: Any = None  # node.peer_serve.TensorServer once the span's bytes can be served
 
     # -- start-up ----------------------------------------------------------------------------------
 
@@ -130,13 +134,14 @@ class NodeDaemon:
         from node.engine import EngineConfig, ShardEngine
         from node.grpc_server import GrpcSettings, ShardService
         from node.hardware import probe
+        from node.joining import join
         from node.scheduler import Scheduler
-        from node.shard import extract_shard, parse_layers, read_model_meta, shard_dir
+        from node.shard import shard_dir
         from node.startup_bench import run_benchmark
 
         cfg = self.config
         if not cfg.model:
-            raise ConfigError("model is required: --model FILE (or model = ... in the config file)")
+            raise ConfigError("model is required: --model FILE|URL|NAME (or model = ... in the config file)")
         key, created = load_or_create_key(cfg.resolved_data_dir())
         self.key = key
         self.node_id = node_id(key)
@@ -144,19 +149,17 @@ class NodeDaemon:
             log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir())
         )
         cache = cfg.resolved_cache_dir()
-        model_path = cfg.resolved_model_path()
         if not cfg.no_tracker:
             self.tracker_url = await self._find_tracker()
-        if cfg.layers == "auto":
-            meta = await trio.to_thread.run_sync(read_model_meta, model_path, cache)
-            start, end = await self._recommend(meta.fingerprint, meta.n_layers)
-        else:
-            # Syntax only here; extract_shard checks the range against the model. A restart with
-            # the same range reuses the shard's manifest without parsing or hashing the model.
-            start, end = parse_layers(cfg.layers, 1 << 30)
-        files = await trio.to_thread.run_sync(extract_shard, model_path, start, end, cache)
+        # The model, the layers (sized to this node's memory with layers=auto), the shard files (cut or
+        # fetched and verified), the GPU offload: node/joining.py.
+        joined = await join(cfg, key=key, tracker_url=self.tracker_url)
+        self.joined = joined
+        files = joined.files
+        start, end = files.start, files.end
         meta = files.model
         self.meta = meta
+        stats = joined.statistics
         event(
             log,
             "shard_ready",
@@ -167,6 +170,12 @@ class NodeDaemon:
             n_layers=meta.n_layers,
             auto=cfg.layers == "auto",
             path=str(files.path),
+            shard_bytes=files.size_bytes(),
+            fetched=joined.fetched,
+            fetched_bytes=(stats.bytes_needed - stats.bytes_resumed) if stats else 0,
+            capacity_layers=joined.capacity_layers,
+            gpu_layers=joined.gpu_layers,
+            join_s=round(joined.join_s, 3),
         )
         self._vocab_bytes: bytes | None = None
         cached_vocab = shard_dir(cache, meta.fingerprint) / "vocab.gguf"
@@ -177,6 +186,7 @@ class NodeDaemon:
             max_sessions=cfg.max_sessions,
             session_kv_tokens=cfg.session_kv_tokens,
             n_batch_tokens=cfg.batch_tokens,
+            n_gpu_layers=joined.gpu_layers,
         )
         engine = await trio.to_thread.run_sync(ShardEngine, files, engine_config, cache)
         try:
@@ -192,7 +202,19 @@ class NodeDaemon:
                 prefill_tokens_per_s=round(self.prefill_tps, 1),
                 measured=cfg.benchmark,
             )
-            self.hardware = await trio.to_thread.run_sync(probe, cache)
+            offload = engine.backend if joined.gpu_layers > 0 and engine.backend != "cpu" else None
+            self.hardware = await trio.to_thread.run_sync(probe, cache, offload)
+            if cfg.serve_span_bytes_per_s >= 0:
+                from node.peer_serve import build_tensor_server
+
+                self.tensors = await build_tensor_server(
+                    meta.fingerprint,
+                    joined.manifest,
+                    files,
+                    joined.header_file,
+                    max_streams=cfg.serve_span_streams,
+                    bytes_per_s=float(cfg.serve_span_bytes_per_s),
+                )
             event(log, "hardware", **self.hardware.to_json())
             self.engine = engine
             limits = codec.FrameLimits(max_frame_bytes=cfg.max_frame_bytes)
@@ -259,6 +281,7 @@ class NodeDaemon:
                         lambda: self._vocab_bytes,
                         meta.fingerprint,
                         cfg.shutdown_grace_s,
+                        tensors=lambda: self.tensors,
                     ),
                     self.info,
                     self.health,
@@ -293,7 +316,7 @@ class NodeDaemon:
                 if self.tracker_url:
                     nursery.start_soon(self._tracker_loop)
                 if self._vocab_bytes is None:
-                    nursery.start_soon(self._prepare_vocab, model_path, cache)
+                    nursery.start_soon(self._prepare_vocab, joined.header_file, cache, meta.fingerprint)
                 self.ready = NodeReady(
                     self.node_id, port, admin_port, start, end, meta.fingerprint, engine.recipe_fingerprint
                 )
@@ -315,11 +338,13 @@ class NodeDaemon:
                 await trio.to_thread.run_sync(engine.close)
             event(log, "node_stopped", node_id=self.node_id)
 
-    async def _prepare_vocab(self, model_path: Path, cache: Path) -> None:
+    async def _prepare_vocab(self, header_file: Path, cache: Path, fingerprint: str) -> None:
         """First start only: write the vocabulary file in the background (parsing the GGUF takes seconds)."""
         from node.shard import extract_vocab
 
-        path = await trio.to_thread.run_sync(extract_vocab, model_path, cache)
+        path = await trio.to_thread.run_sync(
+            functools.partial(extract_vocab, header_file, cache, fingerprint=fingerprint)
+        )
         self._vocab_bytes = await read_bytes(path)
         event(log, "vocab_ready", path=str(path), bytes=len(self._vocab_bytes))
 
@@ -368,23 +393,6 @@ class NodeDaemon:
             self.metrics.inc("swarm_node_tracker_calls_total", kind="leave", outcome="failed")
             event(log, "leave_failed", level=logging.WARNING, error=repr(err), note="the tracker expires us")
 
-    async def _recommend(self, fingerprint: str, n_layers: int) -> tuple[int, int]:
-        from tracker.client import TrackerClient, TrackerClientError
-
-        capacity = self.config.capacity_layers or n_layers
-        async with TrackerClient(self.tracker_url, self.key) as client:
-            while True:
-                try:
-                    with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
-                        return await client.recommend(fingerprint, capacity)
-                except TrackerClientError as err:
-                    if err.status == 404:  # a model the swarm does not know yet: start at layer 0
-                        return 0, min(capacity, n_layers)
-                    raise
-                except (httpx.TransportError, trio.TooSlowError) as err:
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
-                    await trio.sleep(self.config.tracker_retry_s)
-
     async def _reachable(self, port: int) -> bool:
         """Ask the tracker to dial our gRPC port from outside (tracker/reachability.py).
 
@@ -427,6 +435,7 @@ class NodeDaemon:
             prefill_tokens_per_s=self.prefill_tps,
             max_sessions=self.spec.max_sessions,
             region=self.config.region,
+            capacity_layers=min(meta.n_layers, self.joined.capacity_layers or self.config.capacity_layers),
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -614,6 +623,24 @@ class NodeDaemon:
             "tracker_failovers": self._tracker_client.failovers if self._tracker_client is not None else 0,
             "region": self.config.region,
             "relay": self._relay_status(),
+            "join": self._join_status(),
+        }
+
+    def _join_status(self) -> dict[str, Any]:
+        j = self.joined
+        stats = j.statistics
+        return {
+            "fetched": j.fetched,
+            "fetched_bytes_by_source": stats.bytes_by_source if stats else {},
+            "shard_bytes": j.files.size_bytes(),
+            "capacity_layers": j.capacity_layers,
+            "memory_budget_bytes": j.budget.bytes if j.budget else None,
+            "memory_budget_source": j.budget.source if j.budget else None,
+            "gpu_layers": j.gpu_layers,
+            "gpu": j.device.description if j.device else None,
+            "backend": self.engine.backend,
+            "join_s": round(j.join_s, 3),
+            "serving_span_bytes": self.tensors.statistics().bytes_sent if self.tensors is not None else None,
         }
 
     def _relay_status(self) -> dict[str, Any] | None:

@@ -75,6 +75,9 @@ class EngineConfig:
     kv_type: str = "f16"
     kv_unified: bool = False
     capture: str = "auto"  # "auto": compiled C callback if possible; "python": ctypes callback
+    n_gpu_layers: int = (
+        0  # layers offloaded to the GPU, counted from the shard's last (> layers: all + output)
+    )
 
     def context_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
@@ -94,14 +97,28 @@ class EngineConfig:
         )
 
 
-def runtime_recipe(model_fingerprint: str, config: EngineConfig) -> Recipe:
+def runtime_recipe(model_fingerprint: str, config: EngineConfig, backend: str = "cpu") -> Recipe:
     """Everything that changes the numbers a stage computes; every stage of a route must agree."""
     return Recipe(
         llama_cpp_build=f"llama-cpp-python {llama_cpp.__version__}",
         model_fingerprint=model_fingerprint,
         kv_type=config.kv_type,
         flash_attention=config.flash_attn,
+        backend=backend,
     )
+
+
+def offload_backend(n_gpu_layers: int, n_layer: int) -> str:
+    """The recipe's backend for a shard of ``n_layer`` layers with ``n_gpu_layers`` offloaded."""
+    if n_gpu_layers <= 0:
+        return "cpu"
+    from node.llama_runtime import offload_devices
+
+    devices = offload_devices()
+    if not devices or not llama_cpp.llama_supports_gpu_offload():
+        return "cpu"  # llama.cpp offloads nothing without a device
+    name = devices[0].backend
+    return name if n_gpu_layers > n_layer else f"{name}+cpu"
 
 
 class TokenEmbeddings:
@@ -215,7 +232,7 @@ class ShardEngine:
         )
         if self.is_first and self._embeddings is None:
             raise EngineError("first-stage shard has no token embeddings file")
-        self._model: ctypes.c_void_p | None = load_model(files.path)
+        self._model: ctypes.c_void_p | None = load_model(files.path, n_gpu_layers=config.n_gpu_layers)
         self._ctx: ctypes.c_void_p | None = None
         self._capture: TensorCapture | None = None
         capture_name = ""
@@ -254,14 +271,16 @@ class ShardEngine:
         self._choices: dict[int, tuple[SampledToken, ...]] = {}
         self._pieces: Pieces | None = None
         self._lltokenizer: LLTokenizer | None = None  # llguidance's tokenizer, built on the first grammar
-        self.recipe = runtime_recipe(files.model.fingerprint, config)
+        self.backend = offload_backend(config.n_gpu_layers, files.n_layers)
+        self.recipe = runtime_recipe(files.model.fingerprint, config, self.backend)
         self.recipe_fingerprint = self.recipe.fingerprint()
         self._steps = 0
         self._decodes = 0
         self._tokens = 0
         self._compute_s = 0.0
         log.info(
-            "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d capture=%s",
+            "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d capture=%s "
+            "backend=%s gpu_layers=%d",
             files.start,
             files.end,
             self.is_first,
@@ -269,6 +288,8 @@ class ShardEngine:
             config.max_sessions,
             self.session_kv_limit,
             "none" if self._capture is None else ("c" if self._capture.compiled else "python"),
+            self.backend,
+            config.n_gpu_layers,
         )
 
     # -- sessions ----------------------------------------------------------------------------

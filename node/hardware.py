@@ -1,9 +1,11 @@
 """What this machine has: CPU cores, RAM, GPUs, llama.cpp backends, free disk (best effort).
 
 GPUs are found through the vendors' tools when they are installed
-(``nvidia-smi``, ``rocm-smi``); none of it is required. The llama.cpp
-backends come from the loaded library (``cpu`` always; ``gpu-offload`` when the
-build can offload layers). Nothing here fails the node: a probe that cannot
+(``nvidia-smi``, ``rocm-smi``), else through llama.cpp's own device list;
+none of it is required. The backends list ``cpu`` always, and the GPU backend
+(``cuda``, ``vulkan``, ``metal`` ...) plus ``gpu-offload`` only when this node
+actually offloads layers of its shard (a build that could offload but does
+not says nothing about it). Nothing here fails the node: a probe that cannot
 run reports nothing.
 """
 
@@ -54,13 +56,14 @@ def rocm_gpus() -> list[Gpu]:
     return gpus
 
 
-def llama_backends() -> list[str]:
+def llama_backends(offloading: str | None = None) -> list[str]:
+    """``cpu``, plus the GPU backend and ``gpu-offload`` when ``offloading`` names the backend in use."""
     backends = ["cpu"]
+    if offloading:
+        backends += [offloading.split("+")[0][:64], "gpu-offload"]
     try:
         import llama_cpp
 
-        if llama_cpp.llama_supports_gpu_offload():
-            backends.append("gpu-offload")
         if llama_cpp.llama_supports_rpc():
             backends.append("rpc")
     except Exception as err:  # a broken build must not stop the probe
@@ -68,7 +71,17 @@ def llama_backends() -> list[str]:
     return backends
 
 
-def probe(disk_path: Path) -> Hardware:
+def llama_gpus() -> list[Gpu]:
+    try:
+        from node.llama_runtime import offload_devices
+
+        return [Gpu((d.description or d.name)[:200], d.total_bytes) for d in offload_devices()]
+    except Exception as err:  # a broken build must not stop the probe
+        log.warning("llama.cpp device probe failed: %s", err)
+        return []
+
+
+def probe(disk_path: Path, offloading: str | None = None) -> Hardware:
     try:
         import psutil
 
@@ -84,7 +97,7 @@ def probe(disk_path: Path) -> Hardware:
     return Hardware(
         cpu_cores=max(1, int(cores)),
         ram_bytes=ram,
-        gpus=tuple(nvidia_gpus() + rocm_gpus()),
-        backends=tuple(llama_backends()),
+        gpus=tuple(nvidia_gpus() + rocm_gpus() or llama_gpus()),
+        backends=tuple(llama_backends(offloading)),
         free_disk_bytes=free,
     )

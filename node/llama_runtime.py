@@ -517,3 +517,68 @@ def ubatch_plan(seq_ids: np.ndarray, n_ubatch: int, kv_unified: bool) -> list[np
                 break
         plan.append(np.array([i for group in idxs for i in group], dtype=np.int64))
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices llama.cpp can offload to (ggml's backend registry)
+# ---------------------------------------------------------------------------------------------
+
+_DEVICE_KINDS = {1: "gpu", 2: "igpu"}  # enum ggml_backend_dev_type: CPU 0, GPU 1, IGPU 2, ACCEL 3
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device the loaded llama.cpp build can offload layers to."""
+
+    name: str  # ggml's device name, e.g. "Vulkan0", "CUDA0", "Metal"
+    description: str  # e.g. "NVIDIA GeForce RTX 3060", "llvmpipe (LLVM 15.0.6, 256 bits)"
+    backend: str  # the backend, lower case: "vulkan", "cuda", "metal", "rocm" ...
+    kind: str  # "gpu" (own memory) or "igpu" (shares host memory)
+    free_bytes: int
+    total_bytes: int
+
+
+def offload_devices() -> list[Device]:
+    """GPUs (dedicated or integrated) in ggml's registry, with their free memory now; [] on a CPU build."""
+    init_backend()
+    ggml = ctypes.CDLL(str(_llama_lib_dir() / "libggml.so"))
+    base = _ggml_base_lib()
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+    for fn in (base.ggml_backend_dev_name, base.ggml_backend_dev_description):
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_char_p
+    base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_type.restype = ctypes.c_int
+    base.ggml_backend_dev_memory.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
+    base.ggml_backend_dev_memory.restype = None
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_name.restype = ctypes.c_char_p
+    found = []
+    for i in range(int(ggml.ggml_backend_dev_count())):
+        dev = ggml.ggml_backend_dev_get(i)
+        kind = _DEVICE_KINDS.get(int(base.ggml_backend_dev_type(dev)))
+        if dev is None or kind is None:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = base.ggml_backend_dev_backend_reg(dev)
+        backend = (base.ggml_backend_reg_name(reg) or b"?").decode().lower() if reg else "?"
+        found.append(
+            Device(
+                name=(base.ggml_backend_dev_name(dev) or b"?").decode(),
+                description=(base.ggml_backend_dev_description(dev) or b"").decode(errors="replace")[:200],
+                backend=backend,
+                kind=kind,
+                free_bytes=int(free.value),
+                total_bytes=int(total.value),
+            )
+        )
+    return found

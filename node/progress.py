@@ -10,9 +10,10 @@ way it emits a structured ``progress`` log event at most every
 ``<phase>_done`` (or ``_failed``) event at the end: a log file gets plain,
 readable lines with the same figures as the bar.
 
-``update`` may be called from a worker thread (hashing, copying); the state
-it touches is a few integers under a lock, and tqdm and ``logging`` are
-thread-safe. Nothing here grows with the bytes processed.
+``update`` may be called from one worker thread at a time (hashing,
+copying: the calls of one phase are sequential); the state it touches is a
+few integers, and tqdm and ``logging`` are thread-safe. Nothing here grows
+with the bytes processed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from types import TracebackType
 from typing import Any
@@ -70,7 +70,6 @@ class Progress:
         self._t0 = clock()
         self._last_report = self._t0
         self._interval = log_interval_s
-        self._lock = threading.Lock()
         self._closed = False
         self._bar: Any = None
         if bar if bar is not None else _use_bar():
@@ -91,12 +90,11 @@ class Progress:
     def update(self, n: int) -> None:
         if n <= 0:
             return
-        with self._lock:
-            self.done_bytes += n
-            now = self._clock()
-            due = now - self._last_report >= self._interval
-            if due:
-                self._last_report = now
+        self.done_bytes += n
+        now = self._clock()
+        due = now - self._last_report >= self._interval
+        if due:
+            self._last_report = now
         if self._bar is not None:
             self._bar.update(n)
         if due:

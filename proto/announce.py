@@ -242,6 +242,7 @@ _ANNOUNCE_KEYS = (
             "max_sessions",
             "region",
             "uplink_mbit_s",
+            "capacity_layers",
         }
     )
     | ENVELOPE_FIELDS
@@ -264,6 +265,8 @@ class Announce:
     max_sessions: int
     region: str = ""  # free-form locality the operator chose ("eu-west", "home-lab"); "" = unsaid
     uplink_mbit_s: float | None = None  # the node's upload rate (what activations leave with); None = unsaid
+    # Most layers of this model the node's memory holds (node/capacity.py); 0 = not computed.
+    capacity_layers: int = 0
 
     @classmethod
     def from_json(cls, obj: Any) -> Announce:
@@ -297,6 +300,7 @@ class Announce:
             uplink_mbit_s=_num(o, "uplink_mbit_s", 0.0, MAX_UPLINK_MBIT_S, w, open_lo=True)
             if o.get("uplink_mbit_s") is not None
             else None,
+            capacity_layers=_int(o, "capacity_layers", 0, model.n_layers, w) if "capacity_layers" in o else 0,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -318,6 +322,8 @@ class Announce:
             body["region"] = self.region
         if self.uplink_mbit_s is not None:
             body["uplink_mbit_s"] = self.uplink_mbit_s
+        if self.capacity_layers:
+            body["capacity_layers"] = self.capacity_layers
         return body
 
 

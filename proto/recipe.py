@@ -1,11 +1,18 @@
 """The runtime-recipe fingerprint every stage of a route must share (pure).
 
 Two stages only compose into the whole model bit for bit if they run the same
-llama.cpp build, the same source model, the same KV cache type and the same
+llama.cpp build, the same source model, the same KV cache type, the same
 attention kernel (flash attention on or off changed the whole test model's
-greedy output after 12 tokens; docs/engine.md). The fingerprint is sha256 over a canonical JSON
-object of exactly those fields, so every party computes the same hex string
-without depending on protobuf serialization order.
+greedy output after 12 tokens; docs/engine.md) and the same compute backend
+(a GPU's kernels round differently from the CPU's). The fingerprint is sha256
+over a canonical JSON object of exactly those fields, so every party computes
+the same hex string without depending on protobuf serialization order.
+
+``backend`` is ``"cpu"`` for a node that offloads nothing, ``"<backend>"``
+(``"cuda"``, ``"vulkan"``, ``"metal"`` ...) when every layer of its shard and
+its output run on that device, and ``"<backend>+cpu"`` when only some do. It
+enters the canonical JSON only when it is not ``"cpu"``, so CPU nodes keep
+the fingerprints they had before the field existed.
 """
 
 from __future__ import annotations
@@ -25,15 +32,18 @@ class Recipe:
     model_fingerprint: str
     kv_type: str
     flash_attention: bool
+    backend: str = "cpu"
 
     def canonical_json(self) -> bytes:
-        fields = {
+        fields: dict[str, object] = {
             "format": RECIPE_FORMAT,
             "llama_cpp_build": self.llama_cpp_build,
             "model_fingerprint": self.model_fingerprint.lower(),
             "kv_type": self.kv_type.lower(),
             "flash_attention": self.flash_attention,
         }
+        if self.backend.lower() != "cpu":
+            fields["backend"] = self.backend.lower()
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
     def fingerprint(self) -> str:
@@ -47,6 +57,7 @@ class Recipe:
             kv_type=self.kv_type,
             flash_attention=self.flash_attention,
             fingerprint=self.fingerprint(),
+            backend=self.backend,
         )
 
     @classmethod
@@ -57,4 +68,5 @@ class Recipe:
             model_fingerprint=message.model_fingerprint,
             kv_type=message.kv_type,
             flash_attention=message.flash_attention,
+            backend=message.backend or "cpu",
         )

@@ -218,10 +218,21 @@ class TrackerClient:
         # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
         return await self._call("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
 
-    async def recommend(self, model: str, capacity_layers: int) -> tuple[int, int]:
-        body = await self._call(
-            "GET", "/v1/recommend", params={"model": model, "capacity_layers": capacity_layers}
-        )
+    async def recommend(
+        self,
+        model: str,
+        capacity_layers: int,
+        *,
+        memory_bytes: int | None = None,
+        kv_bytes_per_layer: int | None = None,
+    ) -> tuple[int, int]:
+        """A span of at most ``capacity_layers``; with ``memory_bytes`` (what the node has for weights and
+        KV) and ``kv_bytes_per_layer`` the tracker also checks the span's bytes for a registered model."""
+        params: dict[str, Any] = {"model": model, "capacity_layers": capacity_layers}
+        if memory_bytes is not None:
+            params["memory_bytes"] = memory_bytes
+            params["kv_bytes_per_layer"] = kv_bytes_per_layer or 0
+        body = await self._call("GET", "/v1/recommend", params=params)
         return int(body["start"]), int(body["end"])
 
     async def registry_models(self, source: str | None = None) -> list[dict[str, Any]]:
