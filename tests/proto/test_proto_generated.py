@@ -25,7 +25,7 @@ def test_generated_modules_import_from_repo_root_without_warnings() -> None:
     code = (
         "from proto.swarm.v1 import frame_pb2, status_pb2, shard_service_pb2, shard_service_pb2_grpc\n"
         "assert set(shard_service_pb2.DESCRIPTOR.services_by_name['ShardService'].methods_by_name) == "
-        "{'Session', 'Info', 'Health', 'GetVocab'}\n"
+        "{'Session', 'Info', 'Health', 'GetVocab', 'GetManifest', 'GetTensorBytes'}\n"
         "assert frame_pb2.DESCRIPTOR.package == 'swarm.v1'\n"
     )
     completed = subprocess.run(
