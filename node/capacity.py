@@ -16,11 +16,13 @@ and fits when that is at most the node's memory budget: the smallest of the
 configured ``memory_limit_mb``, the cgroup's memory limit (v2 ``memory.max``
 or v1 ``memory.limit_in_bytes``), ``RLIMIT_AS`` and the RAM available now
 (free plus reclaimable, plus what the process already holds).
-:meth:`Sizing.max_layers` is the longest run of consecutive layers that fits
-wherever it lies between the first and last layers; ``--layers auto`` asks
-the tracker for at most that many and checks the span it gets with
-:meth:`Sizing.fits` (the first and last stages carry more), shrinking until
-it fits.
+:meth:`Sizing.max_layers` -- the node's announced capacity -- is the longest
+run of consecutive layers that fits *wherever* it lies, first and last stages
+included, so any span of that length the tracker recommends fits and nodes of
+equal memory tile the model. ``--layers auto`` asks the tracker for at most
+that many (with the bytes it has, so a tracker that knows the model's
+per-layer bytes checks spans exactly) and checks the span it gets with
+:meth:`Sizing.fits` before fetching anything.
 
 With GPU offload, offloaded layers live in device memory: their weights and
 KV count against the device's free memory (less :data:`GPU_MARGIN_BYTES`)
@@ -99,14 +101,11 @@ class Sizing:
         return self.span_bytes(start, end) <= budget_bytes
 
     def max_layers(self, budget_bytes: int) -> int:
-        """The most consecutive layers that fit anywhere (the heaviest window, no first/last extras)."""
+        """The most consecutive layers that fit wherever they lie (first and last stages included)."""
         n = self.n_layers
-        per = [self.layer_bytes[i] + self.kv_bytes_per_layer[i] for i in range(n)]
-        room = budget_bytes - self.fixed_bytes
         best = 0
         for k in range(1, n + 1):
-            heaviest = max(sum(per[a : a + k]) for a in range(0, n - k + 1))
-            if heaviest > room:
+            if max(self.span_bytes(a, a + k) for a in range(0, n - k + 1)) > budget_bytes:
                 break
             best = k
         return best

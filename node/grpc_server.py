@@ -158,7 +158,7 @@ class ShardService:
     def _tensor_server(self) -> TensorServer:
         server = self.settings.tensors()
         if server is None:
-            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "this node does not serve its span's bytes (yet)")
+            raise RpcAbort("UNAVAILABLE", "this node does not serve its span's bytes (yet)")
         return server
 
     async def _manifest_rpc(self, request_bytes: bytes, call: CallInfo) -> bytes:
@@ -166,7 +166,7 @@ class ShardService:
         try:
             data = self._tensor_server().manifest(request.model_fingerprint)
         except PeerRefused as err:
-            raise RpcAbort(getattr(grpc.StatusCode, err.code), str(err)) from err
+            raise RpcAbort(err.code, str(err)) from err
         reply = shard_service_pb2.ManifestReply(
             model_fingerprint=request.model_fingerprint, manifest_json=data
         )
@@ -179,7 +179,7 @@ class ShardService:
                 request.model_fingerprint, request.offset, request.length, request.max_chunk_bytes
             )
         except PeerRefused as err:
-            raise RpcAbort(getattr(grpc.StatusCode, err.code), str(err)) from err
+            raise RpcAbort(err.code, str(err)) from err
         offset = request.offset
         for data in chunks:
             yield shard_service_pb2.TensorBytesChunk(offset=offset, data=data).SerializeToString()

@@ -218,8 +218,9 @@ class _Joiner:
         sizing, budget, capacity, device = None, None, 0, None
         meta: ModelMeta | None = None
         if cfg.layers == "auto" or cfg.gpu_layers == "auto":
-            meta, manifest = await run_sync(self._local_meta, path)
-            sizing, budget, capacity, device = await self._size(meta, manifest, path)
+            found, whole = await run_sync(self._local_meta, path)
+            sizing, budget, capacity, device = await self._size(found, whole, path)
+            meta = found
         if meta is not None and cfg.layers == "auto":
             start, end = await self._recommend(meta, capacity, sizing, budget, device)
         else:
@@ -227,9 +228,8 @@ class _Joiner:
             # the same range reuses the shard's record without parsing or hashing the model.
             start, end = parse_layers(cfg.layers, 1 << 30)
         files = await run_sync(lambda: extract_shard(path, start, end, self.cache, progress=Progress))
-        manifest = await run_sync(load_manifest, self.cache, files.model.fingerprint)
-        if manifest is None:  # the content store was cleaned: hash again
-            manifest = await run_sync(local_manifest, path, self.cache)
+        stored: Manifest | None = await run_sync(load_manifest, self.cache, files.model.fingerprint)
+        manifest = stored if stored is not None else await run_sync(local_manifest, path, self.cache)
         if device is None and cfg.gpu_layers not in ("0", "auto"):
             device = await run_sync(_gpu_device, cfg)
         self._warn_if_too_big(sizing, budget, start, end, device)

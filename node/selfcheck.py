@@ -20,6 +20,10 @@ settings = ContextSettings(n_seq_max=1, n_ctx=256, n_batch=64, n_ubatch=64)
 with ReferenceModel(test_model_path(), settings) as ref:
     logits = ref.prefill([1, 2, 3])
     assert np.isfinite(logits).all()
+from node.llama_runtime import offload_devices
+devices = offload_devices()
+print("GPU offload: " + (", ".join(f"{d.name} ({d.description}, {d.free_bytes // 2**20} MiB free)" for d in devices)
+                         if devices else "none (a CPU build, or no device)"))
 print(llama_build_info())
 """
 
@@ -27,7 +31,9 @@ print(llama_build_info())
 def main() -> int:
     proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=False)
     if proc.returncode == 0:
-        print("llama.cpp self-check passed:", proc.stdout.strip().splitlines()[-1])
+        lines = proc.stdout.strip().splitlines()
+        print("llama.cpp self-check passed:", lines[-1])
+        print(lines[-2])
         return 0
     if proc.returncode == -signal.SIGILL:
         print(

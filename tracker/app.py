@@ -69,16 +69,21 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
     """The HTTP API; with a ``feed`` (running in the server's nursery) also the dashboard."""
     app = QuartTrio("swarm_tracker", static_folder=None)
     limit = registry.config.max_body_bytes
-    app.config["MAX_CONTENT_LENGTH"] = limit
+    # The largest any endpoint takes (a model registration carries its manifest); each endpoint reads
+    # at most its own limit (read_json stops reading past it).
+    app.config["MAX_CONTENT_LENGTH"] = max(limit, registry.config.registry_max_body_bytes)
     metrics = registry.metrics
 
-    async def read_json() -> Any:
+    async def read_json(max_bytes: int = limit) -> Any:
         length = request.content_length
-        if length is not None and length > limit:
-            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {limit}-byte limit")
-        body = await request.get_data(cache=False)
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        if length is not None and length > max_bytes:
+            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {max_bytes}-byte limit")
+        chunks = bytearray()
+        async for chunk in request.body:
+            chunks += chunk
+            if len(chunks) > max_bytes:
+                raise PayloadTooLarge(f"request body exceeds the {max_bytes}-byte limit")
+        body = bytes(chunks)
         try:
             return json.loads(body)
         except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurd nesting
@@ -272,7 +277,34 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
         if not model:
             raise BadRequest("model (fingerprint or name) is required")
         capacity = _int_arg("capacity_layers", request.args.get("capacity_layers"))
-        return _json(await registry.recommend(model, capacity))
+        memory = request.args.get("memory_bytes")
+        return _json(
+            await registry.recommend(
+                model,
+                capacity,
+                _int_arg("memory_bytes", memory) if memory is not None else None,
+                _int_arg("kv_bytes_per_layer", request.args.get("kv_bytes_per_layer", "0")),
+            )
+        )
+
+    @app.post("/v1/registry/models")
+    async def register_model() -> Response:
+        return _json(await registry.register_model(await read_json(registry.config.registry_max_body_bytes)))
+
+    @app.get("/v1/registry/models")
+    async def registry_models() -> Response:
+        unknown = set(request.args) - {"source"}
+        if unknown:
+            raise BadRequest(f"unknown parameter(s) {sorted(unknown)}")
+        return _json(await registry.registry_models(request.args.get("source") or None))
+
+    @app.get("/v1/registry/models/<path:model>")
+    async def registry_model(model: str) -> Response:
+        return _json(await registry.registry_model(model))
+
+    @app.post("/v1/registry/remove")
+    async def remove_registration() -> Response:
+        return _json(await registry.remove_registration(await read_json()))
 
     return app
 

@@ -1,4 +1,4 @@
-"""``swarm-tracker``: serve, db upgrade|downgrade|current, keygen, id."""
+"""``swarm-tracker``: serve, db upgrade|downgrade|current, keygen, id, model add|list|remove."""
 
 from __future__ import annotations
 
@@ -201,6 +201,141 @@ def show_id(ctx: click.Context, data_dir: str | None) -> None:
     except KeyFileError as err:
         raise click.ClickException(str(err)) from err
     click.echo(bytes(key.verify_key).hex())
+
+
+@main.group()
+def model() -> None:
+    """The model registry: models nodes can join by name, with their manifests and download URLs."""
+
+
+def _signing_key(ctx: click.Context, data_dir: str | None, key_file: str | None) -> Any:
+    from tracker.keys import KeyFileError, load_key
+
+    config = _config(ctx, data_dir=data_dir, key_file=key_file)
+    path = config.resolved_key_file()
+    if not path.exists():
+        raise click.ClickException(
+            f"no signing key at {path}: registry changes are signed with the tracker's key (or a key in "
+            "its registry_keys); give --key-file or --data-dir"
+        )
+    try:
+        return load_key(path)
+    except KeyFileError as err:
+        raise click.ClickException(str(err)) from err
+
+
+def _tracker_call(url: str, key: Any, call: str, *args: Any, timeout_s: float = 60.0) -> Any:
+    import httpx
+    import trio
+
+    from common.cli import run_once
+    from tracker.client import TrackerClient, TrackerClientError
+
+    async def go() -> Any:
+        async with TrackerClient(url, key) as client:
+            with trio.fail_after(timeout_s):
+                return await getattr(client, call)(*args)
+
+    return run_once(PROG, go, clear_errors=(TrackerClientError, httpx.HTTPError, trio.TooSlowError, OSError))
+
+
+@model.command("add")
+@click.argument("source")
+@click.option("--name", default=None, help="Name nodes join with (default: the GGUF's general.name).")
+@click.option(
+    "--source",
+    "sources",
+    multiple=True,
+    help="A URL nodes fetch the file from (repeatable; a URL SOURCE is listed by default).",
+)
+@click.option("--replace", is_flag=True, default=False, help="Re-bind a name registered to another model.")
+@click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
+@click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
+@click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
+@click.pass_context
+def model_add(
+    ctx: click.Context,
+    source: str,
+    name: str | None,
+    sources: tuple[str, ...],
+    replace: bool,
+    tracker_url: str,
+    data_dir: str | None,
+    key_file: str | None,
+) -> None:
+    """Register the model in SOURCE (a GGUF file or an http(s) URL of one): manifest, name, sources.
+
+    A file is hashed once (its manifest); a URL is described by the manifest published next to it
+    (URL.manifest.json) or, without one, by streaming the whole file once.
+    """
+    import httpx
+    from tqdm import tqdm
+
+    from tracker.model_add import ModelAddError, describe_file, describe_url, is_url, registration_payload
+
+    key = _signing_key(ctx, data_dir, key_file)
+    urls = list(dict.fromkeys([*([source] if is_url(source) else []), *sources]))
+    try:
+        if is_url(source):
+            with httpx.Client(timeout=httpx.Timeout(60.0), follow_redirects=True) as client:
+                bar = tqdm(unit="B", unit_scale=True, desc="hashing", disable=None)
+
+                def seen(n: int, total: int) -> None:
+                    bar.total = total
+                    bar.update(n)
+
+                described, streamed = describe_url(source, client, seen)
+                bar.close()
+        else:
+            from pathlib import Path
+
+            path = Path(source).expanduser()
+            if not path.is_file():
+                raise click.ClickException(f"{source}: no such file (or give an http(s) URL)")
+            with tqdm(
+                total=path.stat().st_size, unit="B", unit_scale=True, desc="hashing", disable=None
+            ) as bar:
+                described = describe_file(path, bar.update)
+    except ModelAddError as err:
+        raise click.ClickException(str(err)) from err
+    payload = registration_payload(described, name, urls, replace)
+    answer = _tracker_call(tracker_url, key, "register_model", payload, described.manifest.to_json())
+    click.echo(f"fingerprint  {answer['fingerprint']}")
+    click.echo(f"name         {answer['name']} ({'new' if answer['created'] else 'updated'})")
+    click.echo(
+        f"model        {described.architecture}, {described.n_layers} layers, width {described.n_embd}"
+    )
+    click.echo(f"sources      {', '.join(urls) or '(none: nodes fetch from peers)'}")
+    click.echo(
+        f"join with    swarm-node start --model {answer['name']!r} --layers auto --tracker {tracker_url}"
+    )
+
+
+@model.command("list")
+@click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
+def model_list(tracker_url: str) -> None:
+    """Print the registered models (JSON)."""
+    import json
+
+    import nacl.signing
+
+    models = _tracker_call(tracker_url, nacl.signing.SigningKey.generate(), "registry_models")
+    click.echo(json.dumps(models, indent=2))
+
+
+@model.command("remove")
+@click.argument("model_name")
+@click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
+@click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
+@click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
+@click.pass_context
+def model_remove(
+    ctx: click.Context, model_name: str, tracker_url: str, data_dir: str | None, key_file: str | None
+) -> None:
+    """Drop the registration of MODEL_NAME (a name or fingerprint); nodes already serving it go on."""
+    key = _signing_key(ctx, data_dir, key_file)
+    answer = _tracker_call(tracker_url, key, "unregister_model", model_name)
+    click.echo(f"removed {answer['fingerprint']}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,13 @@ class TrackerConfig:
         1000, "bound on unexpired nonces per signing key in the shared table; over it, 503"
     )
     max_body_bytes: int = _f(64 * 1024, "largest accepted request body; larger gets 413")
+    registry_max_body_bytes: int = _f(
+        16 * 1024 * 1024, "largest model registration (with its manifest) accepted; larger gets 413"
+    )
+    registry_keys: str = _f(
+        "",
+        "public keys (64 hex, commas) besides the tracker's own that may register and remove models",
+    )
     route_ticket_ttl_s: float = _f(300.0, "lifetime of a route ticket")
     max_routes_k: int = _f(16, "largest k a route request may ask for")
     snapshot_ttl_s: float = _f(1.0, "how stale the cached routing snapshot may be (load figures only)")
@@ -104,6 +111,9 @@ class TrackerConfig:
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
+
+    def registry_key_ids(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.registry_keys.split(",") if k.strip())
 
     def resolved_key_file(self) -> Path:
         return Path(self.key_file).expanduser() if self.key_file else self.resolved_data_dir() / "tracker.key"
@@ -171,6 +181,11 @@ class TrackerConfig:
         if not 0.0 < self.observed_speed_alpha <= 1.0:
             raise ConfigError("observed_speed_alpha must be in (0, 1]")
         self.gateway_keys()  # raises on a malformed key
+        if self.registry_max_body_bytes < self.max_body_bytes:
+            raise ConfigError("registry_max_body_bytes must be at least max_body_bytes")
+        for k in self.registry_key_ids():
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ConfigError(f"registry_keys: {k!r} is not 64 lowercase hex characters")
         if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:
             raise ConfigError("snapshot_ttl_s, default_latency_ms and relay_penalty_ms must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -15,6 +15,7 @@
     │   └── UnknownNode          404  heartbeat from a node that never announced ("announce first")
     ├── PayloadTooLarge          413  request body over the configured limit
     ├── Conflict                 409  e.g. announce for a model whose layer count disagrees with the registry
+    │   └── NoFittingSpan        409  no span of the model fits the capacity a joining node gave
     └── StorageUnavailable       503  the database cannot be reached right now (retry later)
 
 Pure module: imported by the routing and placement functions, so it imports
@@ -82,6 +83,10 @@ class PayloadTooLarge(TrackerError):
 class Conflict(TrackerError):
     status_hint = 409
     code = "conflict"
+
+
+class NoFittingSpan(Conflict):
+    code = "no_fitting_span"
 
 
 class StorageUnavailable(TrackerError):

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -55,6 +56,30 @@ class Model(Base):
     n_layers: Mapped[int] = mapped_column(Integer)
     n_embd: Mapped[int] = mapped_column(Integer)
     first_seen_s: Mapped[float] = mapped_column(Double)
+
+
+class RegisteredModel(Base):
+    """A model an operator registered (``swarm-tracker model add``): its manifest and where to fetch it.
+
+    ``name`` is bound to one fingerprint (unique); the signed registration is kept as sent."""
+
+    __tablename__ = "registered_models"
+
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    architecture: Mapped[str] = mapped_column(String(64))
+    n_layers: Mapped[int] = mapped_column(Integer)
+    n_embd: Mapped[int] = mapped_column(Integer)
+    file_size: Mapped[int] = mapped_column(BigInteger)
+    split_points: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    layer_bytes: Mapped[list[int]] = mapped_column(JSON)
+    first_extra_bytes: Mapped[int] = mapped_column(BigInteger)
+    last_extra_bytes: Mapped[int] = mapped_column(BigInteger)
+    sources: Mapped[list[str]] = mapped_column(JSON)
+    manifest: Mapped[str] = mapped_column(Text)  # canonical JSON; sha256 of it is the fingerprint
+    registration: Mapped[str] = mapped_column(Text)  # the signed envelope, as received
+    signer_id: Mapped[str] = mapped_column(String(64))
+    registered_s: Mapped[float] = mapped_column(Double)
 
 
 class Gateway(Base):
@@ -121,6 +146,8 @@ class Shard(Base):
     # reported; routing uses max(claim, observed) while the observation is fresh.
     observed_ms_per_token: Mapped[float | None] = mapped_column(Double, nullable=True)
     observed_at_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Most layers of this model the node's memory holds, as it announced (None = not said).
+    capacity_layers: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Usage(Base):

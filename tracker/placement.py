@@ -22,15 +22,21 @@ Choice
 Split points
     A model that can only be cut at some boundaries (``ModelInfo.split_points``,
     e.g. one served whole) gets spans that start and end there: a span is
-    shortened to the last split point within capacity, and when no split point
-    lies within capacity the shortest allowed span is recommended (longer than
-    ``capacity_layers``: the node decides whether it can hold it).
+    shortened to the last split point within capacity.
+
+Memory
+    A joining node may also say how many bytes it has for weights and KV
+    (:class:`SpanMemory`); for a model whose per-layer bytes are known
+    (``ModelInfo.layer_bytes``, from the registered manifest) only spans whose
+    weights, KV and first/last-stage extras (token embeddings, LM head) fit
+    are candidates.
 
 Invariants
-    ``0 <= start < end <= L``, both ends at split points, and ``end - start <=
-    capacity_layers`` unless the split points allow no span that short; with no
-    shards for the model and no split points the answer is
-    ``(0, min(capacity_layers, L))``.
+    ``0 <= start < end <= L``, both ends at split points, ``end - start <=
+    capacity_layers``, and the span fits the node's memory when both are known;
+    when no span does, :class:`tracker.errors.NoFittingSpan` (the node then
+    asks again with less, or cannot serve this model). With no shards for the
+    model and no split points the answer is ``(0, min(capacity_layers, L))``.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tracker.errors import UnknownModel
-from tracker.snapshot import SwarmSnapshot
+from tracker.errors import NoFittingSpan, UnknownModel
+from tracker.snapshot import ModelInfo, SwarmSnapshot
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,25 @@ class PlacementWeights:
 
 
 DEFAULT_WEIGHTS = PlacementWeights()
+
+
+@dataclass(frozen=True)
+class SpanMemory:
+    """What a joining node has for a span: bytes for weights and KV, and its KV bytes per layer."""
+
+    memory_bytes: int
+    kv_bytes_per_layer: int = 0
+
+    def fits(self, model: ModelInfo, start: int, end: int) -> bool:
+        """True when ``[start, end)`` fits (always, when the model's layer bytes are unknown)."""
+        if model.layer_bytes is None or len(model.layer_bytes) != model.n_layers:
+            return True
+        need = sum(model.layer_bytes[start:end]) + self.kv_bytes_per_layer * (end - start)
+        if start == 0:
+            need += model.first_extra_bytes
+        if end == model.n_layers:
+            need += model.last_extra_bytes
+        return need <= self.memory_bytes
 
 
 def layer_coverage(
@@ -85,11 +110,13 @@ def recommend_span(
     *,
     rng: random.Random,
     weights: PlacementWeights = DEFAULT_WEIGHTS,
+    memory: SpanMemory | None = None,
 ) -> tuple[int, int]:
     """The half-open span ``(start, end)`` a node holding ``capacity_layers`` layers should serve.
 
-    Raises :class:`tracker.errors.UnknownModel` for a model not in the snapshot and
-    ``ValueError`` for ``capacity_layers < 1``.
+    Raises :class:`tracker.errors.UnknownModel` for a model not in the snapshot,
+    :class:`tracker.errors.NoFittingSpan` when no span fits, and ``ValueError``
+    for ``capacity_layers < 1``.
     """
     if capacity_layers < 1:
         raise ValueError(f"capacity_layers must be >= 1, got {capacity_layers}")
@@ -102,17 +129,24 @@ def recommend_span(
     cap = min(capacity_layers, n)
     points = None if model.split_points is None else sorted({0, n, *model.split_points})
 
+    def fits(a: int, b: int) -> bool:
+        return memory is None or memory.fits(model, a, b)
+
     def end_from(a: int) -> int:
-        if points is None:
-            return min(a + cap, n)
-        inside = [p for p in points if a < p <= a + cap]
-        return max(inside) if inside else min(p for p in points if p > a)
+        """The farthest allowed end from ``a`` within capacity that fits (``a`` itself if none)."""
+        ends = (
+            range(min(a + cap, n), a, -1)
+            if points is None
+            else sorted((p for p in points if a < p <= a + cap), reverse=True)
+        )
+        return next((b for b in ends if fits(a, b)), a)
 
     def start_to(b: int) -> int:
-        if points is None:
-            return max(b - cap, 0)
-        inside = [p for p in points if b - cap <= p < b]
-        return min(inside) if inside else max(p for p in points if p < b)
+        """The earliest allowed start before ``b`` within capacity that fits (``b`` itself if none)."""
+        starts = (
+            range(max(b - cap, 0), b) if points is None else sorted(p for p in points if b - cap <= p < b)
+        )
+        return next((a for a in starts if fits(a, b)), b)
 
     cover = layer_coverage(snapshot, model_fingerprint, n, weights)
     prefix = [0.0]
@@ -137,11 +171,22 @@ def recommend_span(
                 candidates.add((a, b))
     for b in open_ends:
         candidates.add((start_to(b), b))
-    if points is not None:
-        candidates = {(a, b) for a, b in candidates if model.allows(a, b)}
+    candidates = {(a, b) for a, b in candidates if a < b and model.allows(a, b) and fits(a, b)}
+    if not candidates:
+        # Nothing anchored fits (a node that holds fewer layers than a first or last stage needs,
+        # split points farther apart than its capacity): any span that fits, the longest first.
+        allowed = range(n + 1) if points is None else points
+        spans = [(a, b) for a in allowed for b in allowed if 0 < b - a <= cap and fits(a, b)]
+        if not spans:
+            raise NoFittingSpan(
+                f"no span of model {model_fingerprint[:16]} fits: at most {capacity_layers} layers"
+                + (f" and {memory.memory_bytes} bytes" if memory is not None else "")
+                + ("" if points is None else f", cut only at {', '.join(map(str, points))}")
+            )
+        candidates = {max(spans, key=lambda s: (s[1] - s[0], -s[0]))}
 
     best: tuple[float, int, float] | None = None
-    choice = (0, end_from(0))
+    choice = min(candidates)
     for a, b in sorted(candidates):
         aligned = (a in open_starts) + (b in open_ends)
         score = prefix[b] - prefix[a]
@@ -153,4 +198,4 @@ def recommend_span(
     return choice
 
 
-__all__ = ["PlacementWeights", "DEFAULT_WEIGHTS", "layer_coverage", "recommend_span"]
+__all__ = ["PlacementWeights", "DEFAULT_WEIGHTS", "SpanMemory", "layer_coverage", "recommend_span"]

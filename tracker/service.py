@@ -40,7 +40,9 @@ from tracker.config import TrackerConfig
 from tracker.errors import BadRequest, Conflict, StorageUnavailable, UnknownModel
 from tracker.metrics import Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
-from tracker.placement import layer_coverage, recommend_span
+from tracker.placement import SpanMemory, layer_coverage, recommend_span
+from tracker.registry import KIND as REGISTRATION_KIND
+from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
 from tracker.routing import select_routes
 from tracker.snapshot import ModelInfo, SwarmSnapshot
 from tracker.store import NonceRecord, RttResult, Store, UsageGroup
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarm.tracker")
 T = TypeVar("T")
+MAX_REGISTRY_PEERS = 32
 
 
 class _NonceGrab:
@@ -562,13 +565,132 @@ class Registry:
             "uncovered": [list(r) for r in selection.uncovered],
         }
 
-    async def recommend(self, model: str, capacity_layers: int) -> dict[str, Any]:
+    async def recommend(
+        self,
+        model: str,
+        capacity_layers: int,
+        memory_bytes: int | None = None,
+        kv_bytes_per_layer: int = 0,
+    ) -> dict[str, Any]:
         if capacity_layers < 1:
             raise BadRequest("capacity_layers must be >= 1")
+        if memory_bytes is not None and (memory_bytes < 0 or kv_bytes_per_layer < 0):
+            raise BadRequest("memory_bytes and kv_bytes_per_layer must be >= 0")
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
-        start, end = recommend_span(snap, info.fingerprint, capacity_layers, rng=self.rng)
+        memory = SpanMemory(memory_bytes, kv_bytes_per_layer) if memory_bytes is not None else None
+        start, end = recommend_span(snap, info.fingerprint, capacity_layers, rng=self.rng, memory=memory)
         return {"model": _model_json(info), "start": start, "end": end}
+
+    # --- the model registry -----------------------------------------------------------------------
+
+    def _check_registry_signer(self, payload: dict[str, Any], kind: str) -> str:
+        signer = str(payload.get(SIGNER_FIELD, ""))
+        if signer != self.tracker_id and signer not in self.config.registry_key_ids():
+            err = SignatureError(
+                "untrusted_key",
+                "only the tracker's key or one of its registry_keys may change the model registry",
+            )
+            self._refused(kind, err)
+            raise err
+        return signer
+
+    async def register_model(self, body: Any) -> dict[str, Any]:
+        """``POST /v1/registry/models``: ``{"registration": <signed envelope>, "manifest": {...}}``."""
+        from proto.manifest import Manifest, ManifestInvalid
+
+        if not isinstance(body, dict) or set(body) != {"registration", "manifest"}:
+            raise BadRequest("body must be an object with exactly registration and manifest")
+        payload, nonce = self._open(body["registration"], REGISTRATION_KIND, signer_field=SIGNER_FIELD)
+        signer = self._check_registry_signer(payload, REGISTRATION_KIND)
+        try:
+            reg = ModelRegistration.from_json(payload)
+            manifest = Manifest.from_json(body["manifest"])
+        except (PayloadError, ManifestInvalid) as err:
+            raise BadRequest(str(err)) from err
+        if manifest.fingerprint() != reg.fingerprint:
+            raise BadRequest(
+                f"the manifest hashes to {manifest.fingerprint()}, "
+                f"not the registered fingerprint {reg.fingerprint}"
+            )
+        prof = profile(manifest, reg.n_layers)
+        if not all(prof.layer_bytes) or any(
+            t.name.startswith(f"blk.{reg.n_layers}.") for t in manifest.tensors
+        ):
+            raise BadRequest(f"the manifest's blocks do not match n_layers={reg.n_layers}")
+        import json
+
+        entry = {
+            "fingerprint": reg.fingerprint,
+            "name": reg.name,
+            "architecture": reg.architecture,
+            "n_layers": reg.n_layers,
+            "n_embd": reg.n_embd,
+            "file_size": manifest.file_size,
+            "split_points": list(reg.split_points) if reg.split_points is not None else None,
+            "layer_bytes": list(prof.layer_bytes),
+            "first_extra_bytes": prof.first_extra_bytes,
+            "last_extra_bytes": prof.last_extra_bytes,
+            "sources": list(reg.sources),
+            "manifest": manifest.canonical_bytes().decode(),
+            "registration": json.dumps(body["registration"], separators=(",", ":")),
+            "signer_id": signer,
+        }
+        created = await self._signed_write(
+            REGISTRATION_KIND, self.store.register_model, entry, reg.replace, self.clock(), nonce
+        )
+        self._snapshot_stale = True
+        event(
+            log,
+            "model_registered",
+            fingerprint=reg.fingerprint,
+            model_name=reg.name,
+            sources=len(reg.sources),
+            created=created,
+            signer=signer,
+        )
+        return {"fingerprint": reg.fingerprint, "name": reg.name, "created": created}
+
+    async def remove_registration(self, envelope: Any) -> dict[str, Any]:
+        """``POST /v1/registry/remove``: a signed ``{"model": name or fingerprint}``."""
+        payload, nonce = self._open(envelope, REMOVAL_KIND, signer_field=SIGNER_FIELD)
+        self._check_registry_signer(payload, REMOVAL_KIND)
+        model = payload.get("model")
+        if set(payload) - {"model", SIGNER_FIELD, "kind", "timestamp", "nonce"} or not isinstance(model, str):
+            raise BadRequest("a removal carries exactly model (a name or fingerprint)")
+        removed = await self._signed_write(
+            REMOVAL_KIND, self.store.remove_registration, model, self.clock(), nonce
+        )
+        if removed is None:
+            raise UnknownModel(f"no registered model {model!r}")
+        self._snapshot_stale = True
+        event(log, "model_unregistered", fingerprint=removed, model=model)
+        return {"fingerprint": removed, "removed": True}
+
+    async def registry_models(self, source: str | None) -> dict[str, Any]:
+        return {"models": await self._db(self.store.registered_models, source)}
+
+    async def registry_model(self, model: str) -> dict[str, Any]:
+        """A registered model with its manifest, source URLs and live peers (nodes serving spans of it)."""
+        if not model or len(model) > 256:
+            raise BadRequest("model must be a name or fingerprint")
+        if len(model) != 64:
+            try:
+                check_name(model, "model")
+            except PayloadError as err:
+                raise BadRequest(str(err)) from err
+        entry = await self._db(self.store.registered_model, model)
+        if entry is None:
+            raise UnknownModel(f"no registered model with name or fingerprint {model!r}")
+        snap = await self.snapshot()
+        peers = [
+            {"node_id": s.node_id, "address": s.address, "start": s.start, "end": s.end}
+            for s in snap.shards
+            if s.model_fingerprint == entry["fingerprint"] and not s.relayed and s.address
+        ]
+        if len(peers) > MAX_REGISTRY_PEERS:
+            peers = self.rng.sample(peers, MAX_REGISTRY_PEERS)
+        return {**entry, "peers": peers}
 
     async def list_models(self) -> dict[str, Any]:
         snap = await self.snapshot()

@@ -32,6 +32,11 @@ class ModelInfo:
     # Layer boundaries a shard may start or end at (the model's published split points);
     # None: every boundary 0..n_layers. Some models can only be cut at some layers (or served whole).
     split_points: tuple[int, ...] | None = None
+    # Bytes per layer and of the first/last stages' extras (token embeddings; LM head), known for a
+    # model registered with its manifest (tracker/registry.py); None: unknown (capacity in layers only).
+    layer_bytes: tuple[int, ...] | None = None
+    first_extra_bytes: int = 0
+    last_extra_bytes: int = 0
 
     def allows(self, start: int, end: int) -> bool:
         """True if ``[start, end)`` starts and ends at boundaries the model may be cut at."""

@@ -38,6 +38,7 @@ from tracker.models import (
     Node,
     Nonce,
     PeriodicTask,
+    RegisteredModel,
     Replica,
     Reputation,
     RttClaim,
@@ -239,6 +240,21 @@ class Store(TrustStore):
                     f"model {a.model.fingerprint} is registered with n_layers={model.n_layers}, "
                     f"n_embd={model.n_embd}, architecture={model.architecture!r}; the announce disagrees"
                 )
+            registered = s.get(RegisteredModel, a.model.fingerprint)
+            if registered is not None and (
+                registered.n_layers,
+                registered.n_embd,
+                registered.architecture,
+            ) != (
+                a.model.n_layers,
+                a.model.n_embd,
+                a.model.architecture,
+            ):
+                raise Conflict(
+                    f"model {a.model.fingerprint} is registered with n_layers={registered.n_layers}, "
+                    f"n_embd={registered.n_embd}, architecture={registered.architecture!r}; "
+                    "the announce disagrees"
+                )
             node = s.get(Node, a.node_id)
             created = node is None
             restored = node is not None and node.state != NODE_LIVE
@@ -274,6 +290,7 @@ class Store(TrustStore):
             shard.kv_free_tokens = None
             shard.kv_used_tokens = None
             shard.tokens_per_s = None
+            shard.capacity_layers = a.capacity_layers or None
             shard.updated_s = now_s
         return AnnounceResult(created=created, restored=restored)
 
@@ -564,6 +581,93 @@ class Store(TrustStore):
                 recorded += 1
         return UsageResult(recorded=recorded, duplicates=len(r.entries) - recorded)
 
+    # --- the model registry -------------------------------------------------------------------------
+
+    def register_model(
+        self, entry: dict[str, Any], replace: bool, now_s: float, nonce: NonceRecord | None
+    ) -> bool:
+        """Insert or update a registered model; returns True if it is new. A name bound to another
+        fingerprint is a :class:`Conflict` unless ``replace`` (then that binding is dropped)."""
+        with Session(self.engine) as s, s.begin():
+            self._consume_nonce(s, nonce, now_s)
+            other = s.scalars(
+                select(RegisteredModel).where(
+                    RegisteredModel.name == entry["name"], RegisteredModel.fingerprint != entry["fingerprint"]
+                )
+            ).first()
+            if other is not None:
+                if not replace:
+                    raise Conflict(
+                        f"the name {entry['name']!r} is registered to model {other.fingerprint}; "
+                        "register with --replace to bind it to this one"
+                    )
+                s.delete(other)
+                s.flush()
+            row = s.get(RegisteredModel, entry["fingerprint"])
+            created = row is None
+            if row is None:
+                row = RegisteredModel(fingerprint=entry["fingerprint"])
+                s.add(row)
+            for key, value in entry.items():
+                setattr(row, key, value)
+            row.registered_s = now_s
+        return created
+
+    def remove_registration(self, model: str, now_s: float, nonce: NonceRecord | None) -> str | None:
+        """Drop the registration of a name or fingerprint; returns the fingerprint removed (None if none)."""
+        with Session(self.engine) as s, s.begin():
+            self._consume_nonce(s, nonce, now_s)
+            row = (
+                s.get(RegisteredModel, model)
+                or s.scalars(select(RegisteredModel).where(RegisteredModel.name == model)).first()
+            )
+            if row is None:
+                return None
+            fingerprint = row.fingerprint
+            s.delete(row)
+        return fingerprint
+
+    @staticmethod
+    def _registered_json(r: RegisteredModel, *, manifest: bool) -> dict[str, Any]:
+        import json
+
+        out: dict[str, Any] = {
+            "fingerprint": r.fingerprint,
+            "name": r.name,
+            "architecture": r.architecture,
+            "n_layers": r.n_layers,
+            "n_embd": r.n_embd,
+            "file_size": r.file_size,
+            "split_points": r.split_points,
+            "sources": list(r.sources),
+            "signer_id": r.signer_id,
+            "registered_s": r.registered_s,
+            "layer_bytes": list(r.layer_bytes),
+            "first_extra_bytes": r.first_extra_bytes,
+            "last_extra_bytes": r.last_extra_bytes,
+        }
+        if manifest:
+            out["manifest"] = json.loads(r.manifest)
+            out["registration"] = json.loads(r.registration)
+        return out
+
+    def registered_models(self, source: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
+        """Registered models (without manifests), optionally those listing ``source`` (with manifests)."""
+        with Session(self.engine) as s:
+            rows = list(s.scalars(select(RegisteredModel).order_by(RegisteredModel.name).limit(limit)))
+            if source is not None:
+                return [self._registered_json(r, manifest=True) for r in rows if source in r.sources]
+            return [self._registered_json(r, manifest=False) for r in rows]
+
+    def registered_model(self, model: str) -> dict[str, Any] | None:
+        """A registered model by fingerprint or name, with its manifest and signed registration."""
+        with Session(self.engine) as s:
+            row = (
+                s.get(RegisteredModel, model)
+                or s.scalars(select(RegisteredModel).where(RegisteredModel.name == model)).first()
+            )
+            return None if row is None else self._registered_json(row, manifest=True)
+
     # --- reads ----------------------------------------------------------------------------------
 
     def snapshot(
@@ -584,16 +688,33 @@ class Store(TrustStore):
         A node with fewer than ``probation_checks`` passed spot checks is on probation."""
         cutoff = now_s - timeout_s
         with Session(self.engine) as s:
-            models = tuple(
-                ModelInfo(
+            # Registered models carry what announces cannot: their split points and bytes per layer.
+            registered = {
+                r.fingerprint: ModelInfo(
+                    fingerprint=r.fingerprint,
+                    name=r.name,
+                    n_layers=r.n_layers,
+                    n_embd=r.n_embd,
+                    architecture=r.architecture,
+                    split_points=tuple(r.split_points) if r.split_points is not None else None,
+                    layer_bytes=tuple(r.layer_bytes),
+                    first_extra_bytes=r.first_extra_bytes,
+                    last_extra_bytes=r.last_extra_bytes,
+                )
+                for r in s.scalars(select(RegisteredModel))
+            }
+            announced = {
+                m.fingerprint: ModelInfo(
                     fingerprint=m.fingerprint,
                     name=m.name,
                     n_layers=m.n_layers,
                     n_embd=m.n_embd,
                     architecture=m.architecture,
                 )
-                for m in s.scalars(select(Model).order_by(Model.fingerprint))
-            )
+                for m in s.scalars(select(Model))
+            }
+            merged = {**announced, **registered}
+            models = tuple(merged[fp] for fp in sorted(merged))
             rows = s.execute(
                 select(
                     Shard.node_id,

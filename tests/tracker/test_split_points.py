@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from tracker.errors import NoFittingSpan
 from tracker.placement import recommend_span
 from tracker.routing import select_routes
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
@@ -36,10 +39,15 @@ def test_spans_are_shortened_to_the_last_split_point_within_capacity() -> None:
     assert recommend_span(_snap(points, _shard("a", 0, 5)), FP, 3, rng=random.Random(0)) == (5, 8)
 
 
-def test_a_model_served_whole_gets_the_whole_span_even_past_capacity() -> None:
+def test_a_model_served_whole_is_recommended_only_to_a_node_that_holds_it() -> None:
+    """Placement never recommends a span longer than the node's capacity (issue 14): a model that can
+    only be served whole goes to nodes that hold all of it; others are told nothing fits."""
     snap = _snap((0, 62), n=62)
-    for cap in (10, 31, 62, 100):
+    for cap in (62, 100):
         assert recommend_span(snap, FP, cap, rng=random.Random(1)) == (0, 62)
+    for cap in (10, 31, 61):
+        with pytest.raises(NoFittingSpan, match="cut only at 0, 62"):
+            recommend_span(snap, FP, cap, rng=random.Random(1))
 
 
 def test_routes_skip_shards_cut_where_the_model_cannot_be_cut() -> None:
