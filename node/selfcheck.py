@@ -21,9 +21,8 @@ with ReferenceModel(test_model_path(), settings) as ref:
     logits = ref.prefill([1, 2, 3])
     assert np.isfinite(logits).all()
 from node.llama_runtime import offload_devices
-devices = offload_devices()
-print("GPU offload: " + (", ".join(f"{d.name} ({d.description}, {d.free_bytes // 2**20} MiB free)" for d in devices)
-                         if devices else "none (a CPU build, or no device)"))
+devices = [f"{d.name} ({d.description}, {d.free_bytes // 2**20} MiB free)" for d in offload_devices()]
+print("GPU offload: " + (", ".join(devices) or "none (a CPU build, or no device)"))
 print(llama_build_info())
 """
 
