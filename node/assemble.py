@@ -353,7 +353,8 @@ async def assemble_shard(
             stall_timeout_s=stall_timeout_s,
             slow_bytes_per_s=slow_bytes_per_s,
         )
-        already = sum(p.partial_path.stat().st_size for p in todo if p.partial_path.exists())
+        # A resumed .partial file has its full size but only the blocks written so far on the disk.
+        already = sum(p.partial_path.stat().st_blocks * 512 for p in todo if p.partial_path.exists())
         await run_sync(
             check_free_disk, todo[0].path.parent, max(0, sum(p.size for p in todo) - already),
             f"the shard [{start}, {end}) of {meta.name}",

@@ -291,7 +291,7 @@ class Supervisor:
         self,
         name: str,
         *,
-        model: Path,
+        model: Path | str,  # a GGUF path, a URL, or a registered model name
         layers: str,
         tracker_url: str | None,
         host: str = "127.0.0.1",

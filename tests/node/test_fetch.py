@@ -21,7 +21,7 @@ from node.cli import main
 from node.fingerprint import local_manifest
 from node.manifest import Manifest
 from node.shard import extract_shard
-from tests.node.range_server import RangeServer
+from sim.range_server import RangeServer
 
 MODEL = "/models/smollm2.gguf"
 

@@ -30,8 +30,8 @@ from node.joining import model_sizing
 from node.reference import ReferenceModel
 from node.shard import extract_shard, open_reader, read_model_meta
 from sim.procs import LaunchError, Supervisor, console_script
+from sim.range_server import RangeServer
 from tests.node.loopback_client import RouteSession, Stage, node_info, ticket_bytes
-from tests.node.range_server import RangeServer
 from tests.node.test_daemon_e2e import http_json, start_node, wait_for_route
 
 pytestmark = pytest.mark.slow

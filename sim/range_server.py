@@ -1,4 +1,4 @@
-"""A static file server on loopback for fetch tests: honours Range (or not), and misbehaves on request.
+"""A static file server on loopback for fetch tests and benchmarks: Range or not, misbehaving on request.
 
 It serves files from a mapping ``url path -> local file`` and counts every body
 byte it sends per path. Misbehaviours, all off by default: ``ranges=False``
@@ -9,7 +9,9 @@ byte it sends per path. Misbehaviours, all off by default: ``ranges=False``
 (the first answer is cut off after that many bytes) and ``on_first_range``
 (a callback run once, before the first range answer's body).
 
-A test helper, so it may use threads (the product may not).
+A test and benchmark tool (tests/node/test_fetch.py, sim/bench_join.py), so it
+may use threads (the product may not): one per connection, for the life of the
+``with`` block.
 """
 
 from __future__ import annotations
