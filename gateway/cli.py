@@ -59,6 +59,8 @@ def _help(name: str) -> str:
     help=_help("activation_encoding"),
 )
 @click.option("--prefill-pipeline-steps", type=int, default=None, help=_help("prefill_pipeline_steps"))
+@click.option("--check-fraction", type=float, default=None, help=_help("check_fraction"))
+@click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))
 @click.option("--open-timeout-s", type=float, default=None, help=_help("open_timeout_s"))
 @click.option("--prefill-step-timeout-s", type=float, default=None, help=_help("prefill_step_timeout_s"))
 @click.option("--decode-step-timeout-s", type=float, default=None, help=_help("decode_step_timeout_s"))

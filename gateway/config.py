@@ -72,6 +72,17 @@ class GatewayConfig:
     recovery_history_bytes: int = _f(
         64 * 1024 * 1024, "outputs each stage keeps per session so a replacement of the next can be replayed"
     )
+    check_fraction: float = _f(
+        0.05,
+        "share of requests also run on a second route and compared step by step (spot checks; "
+        "requests touching a node on probation are always checked)",
+    )
+    check_judge_timeout_s: float = _f(120.0, "longest wait for a third route to judge a disagreement")
+    probation_checks: int = _f(
+        3,
+        "spot checks a node must pass (seen by this gateway or the tracker) before its requests are sampled",
+    )
+    exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
     open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
     prefill_step_timeout_s: float = _f(120.0, "longest wait for one prefill step to pass every stage")
     decode_step_timeout_s: float = _f(
@@ -187,6 +198,12 @@ class GatewayConfig:
             raise ConfigError(
                 f"activation_encoding must be f32, f16, int8 or auto, got {self.activation_encoding!r}"
             )
+        if not 0.0 <= self.check_fraction <= 1.0:
+            raise ConfigError(f"check_fraction must be in [0, 1], got {self.check_fraction}")
+        if self.probation_checks < 0:
+            raise ConfigError("probation_checks must be >= 0")
+        if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:
+            raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:
             raise ConfigError("recovery_history_bytes must be >= 0")
         if self.log_level not in ("debug", "info", "warning", "error"):

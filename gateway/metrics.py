@@ -62,6 +62,11 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_hidden_relays_total": m.counter(
         "hidden-state frames this gateway relayed from one stage to the next"
     ),
+    "swarm_gateway_checks_total": m.counter(
+        "spot checks (a request also run on a second route), by outcome: started, passed, liar_caught,"
+        " inconclusive, abandoned (the shadow failed), no_shadow (no second route)",
+        "outcome",
+    ),
     "swarm_gateway_recoveries_total": m.counter(
         "stage failures recovered mid-generation, by kind (span: one stage replaced, route: whole route)"
         " and outcome",

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -53,6 +54,7 @@ from gateway.session_machine import (
     SendFrame,
     SessionFailed,
     StageSpec,
+    StepReport,
 )
 from proto import codec
 from proto.errors import ProtocolError, RemoteError
@@ -63,7 +65,7 @@ log = logging.getLogger("swarm.gateway")
 EVENT_QUEUE = 64  # messages waiting for the driver; readers wait when it is full (flow control)
 LOOKUP_TIMEOUT_S = 20.0  # one replacement look-up at the tracker, Info calls included
 
-__all__ = ["DataPlane", "RouteSession", "Sampled", "open_hop_stream", "open_route_session"]
+__all__ = ["DataPlane", "RouteSession", "Run", "Sampled", "open_hop_stream", "open_route_session"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,29 @@ class DataPlane:
     decode_timeout_s: float = 30.0
     decode_timeout_floor_s: float = 3.0
     close_timeout_s: float = 5.0
+
+
+class Run(Protocol):
+    """What the service needs of a request's run: a Route Session, or a checked pair of them."""
+
+    finished: bool
+
+    @property
+    def relays(self) -> int: ...
+
+    @property
+    def recoveries(self) -> int: ...
+
+    @property
+    def reused(self) -> int: ...
+
+    def usage(self) -> list[tuple[str, int, int]]: ...
+
+    async def begin(self, prompt: Sequence[int]) -> None: ...
+
+    async def begin_choice(self, prompt: Sequence[int], first: Sampled) -> None: ...
+
+    async def next_token(self) -> Sampled: ...
 
 
 def open_hop_stream(channels: NodeChannels, hop: Hop) -> AbstractAsyncContextManager[StageStream]:
@@ -134,6 +159,7 @@ class RouteSession:
         self._failure: GatewayError | None = None
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
+        self.on_step: Callable[[StepReport], None] | None = None  # with report_steps (spot checks)
 
     # -- what callers use ------------------------------------------------------------------------------
 
@@ -261,6 +287,9 @@ class RouteSession:
             elif isinstance(command, FindReplacement):
                 assert self._nursery is not None
                 self._nursery.start_soon(self._find, command)
+            elif isinstance(command, StepReport):
+                if self.on_step is not None:
+                    self.on_step(command)
             elif isinstance(command, Recovered):
                 self.route_epoch = self.machine.epoch
                 if self._recovery is not None:
@@ -373,6 +402,7 @@ async def open_route_session(
     recovery: RecoveryPolicy | None = None,
     kv_source: tuple[str, int] | None = None,
     keep_ms: int = 0,
+    report_steps: bool = False,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -413,6 +443,7 @@ async def open_route_session(
         close_timeout_s=plane.close_timeout_s,
         kv_source=kv_source,
         keep_ms=keep_ms,
+        report_steps=report_steps,
     )
     specs = [
         StageSpec(

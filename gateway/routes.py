@@ -48,6 +48,7 @@ class Hop:
     # trip (network coordinates) and the sender's uplink (for the first stage always None).
     rtt_ms: float | None = None
     bandwidth_mbit_s: float | None = None
+    probation: bool = False  # the tracker has not seen this node pass enough spot checks yet
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     bool(h.get("relay", False)),
                     _opt_float(h.get("rtt_ms")),
                     _opt_float(h.get("bandwidth_mbit_s")),
+                    bool(h.get("probation", False)),
                 )
                 for h in r["hops"]
             )

@@ -31,10 +31,11 @@ a KV source and prefills only the rest (docs/gateway.md, Warm conversations).
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ import trio
 from common.logs import event
 from gateway import protocol, structured, tools
 from gateway.admission import AdmissionPolicy
+from gateway.checked import CheckedSession
+from gateway.checks import CheckPolicy, Divergence, Verdict, evidence
 from gateway.config import GatewayConfig
 from gateway.errors import (
     ContextLengthExceeded,
@@ -64,8 +67,9 @@ from gateway.metrics import Labels, Metrics
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
-from gateway.route_session import DataPlane, RouteSession, Sampled, open_route_session
-from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
+from gateway.route_session import DataPlane, RouteSession, Run, Sampled, open_route_session
+from gateway.routes import Hop, NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
+from gateway.session_machine import StepReport
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
 from gateway.trust_report import ObservedSpeed
@@ -261,6 +265,12 @@ class GatewayService:
         self._aliases = config.aliases()
         self._models: list[dict[str, Any]] = []
         self._models_at = -1e9
+        self.checks = CheckPolicy(config.check_fraction)
+        self._rng = random.Random()
+        self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
+        self.evidence: list[dict[str, Any]] = []  # verdicts waiting to go to the tracker
+        self.checks_passed: dict[str, int] = {}  # node id -> checks passed since the last report
+        self._passes: dict[str, int] = {}  # node id -> checks passed, as seen by this gateway
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -502,7 +512,7 @@ class GatewayService:
         *,
         progress: _Progress | None = None,
         fork: _Fork | None = None,
-    ) -> AsyncIterator[tuple[RouteSession, _Prepared]]:
+    ) -> AsyncIterator[tuple[Run, _Prepared]]:
         """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage.
 
         A node that fails before the session is open (unreachable, full, stale
@@ -512,7 +522,7 @@ class GatewayService:
         streamed yet, so this is invisible to the client.
         """
         model_routes = await self.routes.routes(job.model_key or request.model)
-        excluded: set[str] = set(avoid)
+        excluded: set[str] = set(avoid) | self._liars()
         last_error: StageFailed | None = None
         index = progress.index if progress is not None else 0
         for attempt in range(OPEN_ATTEMPTS):
@@ -561,36 +571,47 @@ class GatewayService:
                 )
                 session_id = secrets.token_hex(16)
                 warm = self._warm(request)
-                async with open_route_session(
-                    self.channels,
-                    route,
-                    prepared.stages,
-                    session_id=session_id,
-                    request_id=job.request_id,
-                    sampling=sampling,
-                    kv_budget_tokens=prepared.kv_budget,
-                    step_tokens=step_limit(prepared.stages, self.config.prefill_step_tokens),
-                    max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
-                    plane=self.plane,
-                    recovery=RecoveryPolicy(
-                        span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
-                        on_report=lambda report: self._on_span_recovery(job, report),
-                    ),
-                    kv_source=kv_source,
-                    keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
-                ) as session:
+                step_tokens = step_limit(prepared.stages, self.config.prefill_step_tokens)
+                # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither
+                # the forked nor the kept KV (see docs/security.md).
+                checkable = request.n == 1 and kv_source is None
+                checked = checkable and self.checks.wants(
+                    self._rng, any(self._on_probation(h) for h in route.hops)
+                )
+                async with (
+                    self._session(
+                        job,
+                        request,
+                        route,
+                        prepared,
+                        sampling,
+                        step_tokens,
+                        report_steps=checked,
+                        session_id=session_id,
+                        kv_source=kv_source,
+                        keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
+                    ) as session,
+                    AsyncExitStack() as stack,
+                ):
                     entered = True
                     if fork is not None and index == 0:
                         fork.route, fork.prepared, fork.session_id = route, prepared, session_id
                     if index == 0:
                         job.route_label = label
                         job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
+                    run: Run = session
+                    if checked:
+                        run = await self._checked(
+                            stack, job, request, route, prepared, sampling, step_tokens, session
+                        )
                     try:
-                        yield session, prepared
+                        yield run, prepared
                     finally:
-                        self._report(job, session, route)
-                        if session.relays:
-                            self.metrics.inc("swarm_gateway_hidden_relays_total", session.relays)
+                        self._report(job, run, route)
+                        if run.relays:
+                            self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
+                        if isinstance(run, CheckedSession):
+                            self._checks_done(job, run)
                         if warm and session.finished and session.recoveries == 0:
                             m = session.machine
                             self.prefix.put(
@@ -635,6 +656,162 @@ class GatewayService:
             )
         raise last_error
 
+    def _session(
+        self,
+        job: Job,
+        request: GenerationRequest,
+        route: Route,
+        prepared: _Prepared,
+        sampling: codec.SamplingSettings,
+        step_tokens: int,
+        *,
+        report_steps: bool,
+        stages: Sequence[StageInfo] | None = None,
+        session_id: str | None = None,
+        kv_source: tuple[str, int] | None = None,
+        keep_ms: int = 0,
+    ) -> AbstractAsyncContextManager[RouteSession]:
+        """One Route Session of this request on ``route`` (the primary, a shadow or a judge)."""
+        stage_infos = list(stages if stages is not None else prepared.stages)
+        return open_route_session(
+            self.channels,
+            route,
+            stage_infos,
+            session_id=session_id or secrets.token_hex(16),
+            request_id=job.request_id,
+            sampling=sampling,
+            kv_budget_tokens=prepared.kv_budget,
+            step_tokens=step_tokens,
+            max_frame_bytes=frame_limit(stage_infos, self.config.max_frame_bytes),
+            plane=self.plane,
+            recovery=RecoveryPolicy(
+                span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
+                on_report=lambda report: self._on_span_recovery(job, report),
+            ),
+            report_steps=report_steps,
+            kv_source=kv_source,
+            keep_ms=keep_ms,
+        )
+
+    async def _other_route(
+        self, model: str, like: Route, avoid: frozenset[str]
+    ) -> tuple[Route, list[StageInfo]]:
+        """A route with ``like``'s layer boundaries and none of ``avoid``'s nodes (shadow or judge)."""
+        spans = [(h.start, h.end) for h in like.hops]
+        avoid = avoid | self._liars()
+        for fresh in (False, True):
+            pool = (
+                await self.routes.fetch_excluding(model, avoid) if fresh else await self.routes.routes(model)
+            )
+            for candidate in pool.routes:
+                if [(h.start, h.end) for h in candidate.hops] != spans:
+                    continue
+                if avoid & {h.node_id for h in candidate.hops}:
+                    continue
+                stages = [await self.node_infos.get(h, like.model_fingerprint) for h in candidate.hops]
+                return candidate, stages
+        raise NoRoute(f"no second route with the same layer boundaries {spans} and other nodes")
+
+    async def _checked(
+        self,
+        stack: AsyncExitStack,
+        job: Job,
+        request: GenerationRequest,
+        route: Route,
+        prepared: _Prepared,
+        sampling: codec.SamplingSettings,
+        step_tokens: int,
+        primary: RouteSession,
+    ) -> Run:
+        """The request also runs on a shadow route (spot check), or unchecked when there is none."""
+        primary_nodes = frozenset(h.node_id for h in route.hops)
+        try:
+            shadow_route, stages = await self._other_route(
+                job.model_key or request.model, route, primary_nodes
+            )
+            shadow = await stack.enter_async_context(
+                self._session(
+                    job,
+                    request,
+                    shadow_route,
+                    prepared,
+                    sampling,
+                    step_tokens,
+                    report_steps=True,
+                    stages=stages,
+                )
+            )
+        except GatewayError as err:
+            self.metrics.inc("swarm_gateway_checks_total", outcome="no_shadow")
+            event(log, "check_skipped", request_id=job.request_id, reason=err.message)
+            return primary
+
+        @asynccontextmanager
+        async def open_judge(avoid: frozenset[str]) -> AsyncIterator[RouteSession]:
+            judge_route, judge_stages = await self._other_route(job.model_key or request.model, route, avoid)
+            async with self._session(
+                job,
+                request,
+                judge_route,
+                prepared,
+                sampling,
+                step_tokens,
+                report_steps=True,
+                stages=judge_stages,
+            ) as judge:
+                yield judge
+
+        self.metrics.inc("swarm_gateway_checks_total", outcome="started")
+        return CheckedSession(
+            primary,
+            shadow,
+            stack=stack,
+            open_judge=open_judge,
+            on_verdict=lambda v, d, r: self._on_verdict(job, v, d, r),
+            judge_timeout_s=self.config.check_judge_timeout_s,
+        )
+
+    def _on_probation(self, hop: Hop) -> bool:
+        """Always checked: the tracker says so, or this gateway has not seen it pass enough checks."""
+        return hop.probation or self._passes.get(hop.node_id, 0) < self.config.probation_checks
+
+    def _liars(self) -> frozenset[str]:
+        now = time.monotonic()
+        for node, until in list(self._excluded.items()):
+            if until <= now:
+                del self._excluded[node]
+        return frozenset(self._excluded)
+
+    def _on_verdict(self, job: Job, result: Verdict, divergence: Divergence, judge: StepReport) -> None:
+        if result.liar is None:
+            self.metrics.inc("swarm_gateway_checks_total", outcome="inconclusive")
+        else:
+            self.metrics.inc("swarm_gateway_checks_total", outcome="liar_caught")
+            self._excluded[result.node_id] = time.monotonic() + self.config.exclude_liars_s
+            self.routes.invalidate(job.model_key or job.request.model)
+        event(
+            log,
+            "spot_check_verdict",
+            level=logging.WARNING,
+            request_id=job.request_id,
+            liar=result.node_id or None,
+            stage=divergence.key[0],
+            positions=[divergence.key[1], divergence.key[2]],
+            detail=result.detail,
+        )
+        self.evidence.append(evidence(self.gateway_id, job.request_id, result, divergence, judge))
+
+    def _checks_done(self, job: Job, run: CheckedSession) -> None:
+        stats = run.stats
+        passed = stats.divergences == 0 and stats.unchecked_since is None and stats.compared_steps > 0
+        if passed:
+            self.metrics.inc("swarm_gateway_checks_total", outcome="passed")
+            for node in run.node_ids:
+                self.checks_passed[node] = self.checks_passed.get(node, 0) + 1
+                self._passes[node] = self._passes.get(node, 0) + 1
+        elif stats.unchecked_since is not None:
+            self.metrics.inc("swarm_gateway_checks_total", outcome="abandoned")
+
     def _on_span_recovery(self, job: Job, report: RecoveryReport) -> None:
         outcome = "ok" if report.ok else "failed"
         self.metrics.inc("swarm_gateway_recoveries_total", kind="span", outcome=outcome)
@@ -653,7 +830,7 @@ class GatewayService:
             error=report.error or None,
         )
 
-    def _report(self, job: Job, session: RouteSession, route: Route) -> None:
+    def _report(self, job: Job, session: Run, route: Route) -> None:
         self.observed.record(session, route.model_fingerprint)  # measured node speeds (trust_report)
         if not self.config.report_usage:
             return
@@ -862,7 +1039,7 @@ class GatewayService:
     async def _generate(
         self,
         job: Job,
-        session: RouteSession,
+        session: Run,
         prepared: _Prepared,
         send: trio.MemorySendChannel[Event],
         arrived: float,

@@ -106,6 +106,7 @@ class RouteConfig:
     # honour it start empty; a route whose stages disagree is re-opened empty.
     kv_source: tuple[str, int] | None = None
     keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
+    report_steps: bool = False  # emit every stage's step report (spot checks compare them)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,21 @@ class Recovered:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """What stage ``stage`` (node ``node_id``) reported for a step (with ``report_steps``): two honest
+    nodes given the same inputs report the same digest, token and logprobs, bit for bit."""
+
+    stage: int
+    node_id: str
+    epoch: int
+    step_id: int
+    start: int
+    end: int
+    digest: bytes
+    sampled: Sampled | None
+
+
+@dataclass(frozen=True)
 class Closed:
     released: bool
 
@@ -212,12 +228,29 @@ Command = (
     | FindReplacement
     | EmitToken
     | Recovered
+    | StepReport
     | Closed
     | SessionFailed
 )
 
 
 # --------------------------------------------------------------------------- state
+
+
+def _sampled(frame: frame_pb2.Frame) -> Sampled | None:
+    """The sampled token of a last stage's result (n > 1: the other choices ride along)."""
+    if not frame.result.sampled:
+        return None
+    first, *others = [
+        Sampled(
+            int(t.token_id),
+            float(t.logprob),
+            tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
+            bool(t.end_of_generation),
+        )
+        for t in frame.result.sampled
+    ]
+    return Sampled(first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others))
 
 
 def _status_name(status: int) -> str:
@@ -689,18 +722,32 @@ class RouteMachine:
         stage.reported_step = max(stage.reported_step, int(frame.step_id))
         stage.tokens += end - int(frame.expected_kv_len)  # the whole step (its last chunk, when chunked)
         stage.steps += 1
+        reported: list[Command] = []
+        if self.config.report_steps:
+            reported.append(
+                StepReport(
+                    k,
+                    stage.spec.node_id,
+                    self.epoch,
+                    int(frame.step_id),
+                    int(frame.expected_kv_len),
+                    end,
+                    bytes(frame.result.output_digest),
+                    _sampled(frame),
+                )
+            )
         if self.phase == _RECOVERING:
             rec = self._recovery
             if rec is not None and rec.replaying and k == rec.index and end >= self.committed:
-                return self._resume(now)
-            return []
+                return reported + self._resume(now)
+            return reported
         if k != self.n - 1 or self.phase != _RUNNING:
-            return []
+            return reported
         # The last stage finished a step: every stage has it.
         while self._inflight and self._inflight[0].end <= end:
             self._inflight.pop(0)
         if end <= self.committed:
-            return []  # a duplicate report
+            return reported  # a duplicate report
         self.committed = end
         if frame.phase == frame_pb2.PHASE_DECODE and not math.isnan(self._last_report_at):
             took = now - self._last_report_at
@@ -709,21 +756,9 @@ class RouteMachine:
             )
         self._last_report_at = now
         self._progress_at = now
-        out: list[Command] = []
-        sampled = frame.result.sampled
-        if sampled:
-            first, *others = [
-                Sampled(
-                    int(t.token_id),
-                    float(t.logprob),
-                    tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
-                    bool(t.end_of_generation),
-                )
-                for t in sampled
-            ]
-            token = Sampled(
-                first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others)
-            )
+        out: list[Command] = reported
+        token = _sampled(frame)
+        if token is not None:
             if len(self.tokens) == end:
                 self.tokens.append(token.token_id)
                 self._eog = token.end_of_generation

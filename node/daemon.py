@@ -32,6 +32,7 @@ import functools
 import importlib.metadata
 import logging
 import math
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -44,13 +45,14 @@ import trio
 from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
+from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
-from node.session_machine import FrameServer, ServingSpec
+from node.session_machine import FrameServer, ServingSpec, StepOutcome
 from node.tickets import TicketVerifier
 from proto import codec
 from proto.announce import Announce, Heartbeat, Leave, ModelSpec
@@ -142,6 +144,10 @@ class NodeDaemon:
         cfg = self.config
         if not cfg.model:
             raise ConfigError("model is required: --model FILE|URL|NAME (or model = ... in the config file)")
+        # Test-only lying (node/failpoints.py): refused here, before anything loads, outside a test.
+        self.failpoints = failpoints.from_environment()
+        if self.failpoints.active:
+            event(log, "failpoints_active", level=logging.WARNING, kinds=sorted(self.failpoints.kinds))
         key, created = load_or_create_key(cfg.resolved_data_dir())
         self.key = key
         self.node_id = node_id(key)
@@ -252,9 +258,17 @@ class NodeDaemon:
                 )
             self.machine = FrameServer(self.spec, self.verifier)
             self.hub = Hub(self.machine)
+            on_outcome = self.hub.on_outcome
+            if self.failpoints.active:
+                lies = dataclasses.replace(self.failpoints, n_vocab=meta.n_vocab)
+                rng = random.Random(0)
+
+                def on_outcome(outcome: StepOutcome) -> None:
+                    self.hub.on_outcome(lies.corrupt(outcome, rng))
+
             self.scheduler = Scheduler(
                 TimedBackend(EngineBackend(engine), self.metrics),
-                timed_outcomes(self.hub.on_outcome, self.metrics),
+                timed_outcomes(on_outcome, self.metrics),
                 max_batch_tokens=cfg.batch_tokens,
                 prefill_chunk_tokens=min(cfg.prefill_chunk_tokens, cfg.batch_tokens),
             )
@@ -431,7 +445,7 @@ class NodeDaemon:
             ),
             shard_start=self.spec.shard_start,
             shard_end=self.spec.shard_end,
-            decode_ms_per_token=self.decode_ms,
+            decode_ms_per_token=self.failpoints.announced_decode_ms(self.decode_ms),
             prefill_tokens_per_s=self.prefill_tps,
             max_sessions=self.spec.max_sessions,
             region=self.config.region,

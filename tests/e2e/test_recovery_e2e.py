@@ -89,7 +89,19 @@ def swarm(
         spare=2,
         layers=["0:15", "15:30", "0:15", "15:30"],
         node_cache=node_cache,
-        gateway_args=["--route-ttl-s", "1", "--prefill-step-tokens", "32", "--decode-step-timeout-s", "10"],
+        # Recovery is what is tested here: no spot checks (a shadow route would take the spares).
+        gateway_args=[
+            "--route-ttl-s",
+            "1",
+            "--prefill-step-tokens",
+            "32",
+            "--decode-step-timeout-s",
+            "10",
+            "--check-fraction",
+            "0",
+            "--probation-checks",
+            "0",
+        ],
         node_args=["--no-benchmark"],
     )
     yield s

@@ -134,12 +134,17 @@ class ScriptedBackend:
             if ids is not None:
                 self.history[sid].extend(int(t) for t in ids[s.offset : s.offset + s.count])
             if not node.is_last:
-                out.append(SliceResult(self.kv[sid], hidden=np.zeros((s.count, N_EMBD), np.float32)))
+                hidden = np.zeros((s.count, N_EMBD), np.float32)
+                if node.lie == "perturb":
+                    hidden[0, 0] = np.nextafter(np.float32(0), np.float32(1))  # one ulp
+                out.append(SliceResult(self.kv[sid], hidden=hidden))
                 continue
             sampled = None
             if job.sample and s.last:
                 k = node.generated(self.history[sid])
                 token = node.script[k] if k < len(node.script) else node.eos
+                if node.lie == "swap":
+                    token = (token + 1) % 49152
                 sampled = SampledOut(
                     token_id=token,
                     logprob=-0.25,
@@ -164,7 +169,9 @@ class FakeNode:
         eos: int,
         step_delay_s: float = 0.0,
         kv_per_session: int = 512,
+        lie: str | None = None,
     ) -> None:
+        self.lie = lie  # "swap" (last stage: another token) or "perturb" (one ulp of one output value)
         self.key = nacl.signing.SigningKey(bytes([seed]) * 32)
         self.node_id = public_key_hex(self.key)
         self.fingerprint, self.start, self.end, self.n_layers = fingerprint, start, end, n_layers

@@ -29,6 +29,7 @@ def announce(
     end: int,
     port: int,
     max_sessions: int = 8,
+    decode_ms_per_token: float = 10.0,
 ) -> None:
     async def run() -> None:
         async with TrackerClient(tracker_url, key) as client:
@@ -44,7 +45,7 @@ def announce(
                         model=model,
                         shard_start=start,
                         shard_end=end,
-                        decode_ms_per_token=10.0,
+                        decode_ms_per_token=decode_ms_per_token,
                         prefill_tokens_per_s=500.0,
                         max_sessions=max_sessions,
                     )

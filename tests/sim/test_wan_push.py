@@ -49,7 +49,16 @@ def swarm(
         layers=["0:10", "10:20", "20:30", "10:20"],
         node_cache=node_cache,
         node_args=["--no-benchmark"],
-        gateway_args=["--routes-k", "1", "--route-ttl-s", "1"],
+        gateway_args=[
+            "--routes-k",
+            "1",
+            "--route-ttl-s",
+            "1",
+            "--check-fraction",
+            "0",
+            "--probation-checks",
+            "0",
+        ],
         wan_profile=load_profile("link-10ms"),
     )
     yield s

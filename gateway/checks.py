@@ -1,0 +1,177 @@
+"""Spot checks: compare two runs of the same request, find the first step where they part, judge it.
+
+Splits are bit-exact: two honest nodes with the same runtime recipe, given
+the same inputs, report the same output digest (stages before the last) and
+the same sampled token and logprobs (the last stage), bit for bit. A checked
+request therefore runs on two routes with the same layer boundaries and no
+node in common -- the *primary* and the *shadow*, each an ordinary Route
+Session, so a node cannot tell a check from real traffic -- and every step
+report of one is compared with the other's report for the same stage and
+positions (:class:`Comparator`).
+
+Where they part, the first divergence (the earliest positions, then the
+lowest stage: there, both stages had the same inputs) names two suspects; a
+third run, the *judge*, on yet another route, reports the same step, and the
+run that disagrees with the judge holds the liar (:func:`verdict`). Pure: no
+I/O; the service (``gateway.serving``) runs the sessions.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.session_machine import Sampled, StepReport
+
+Key = tuple[int, int, int]  # (stage, start, end)
+
+
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Which requests are checked: a fraction at random, and every one touching a node on probation."""
+
+    fraction: float = 0.05
+
+    def wants(self, rng: random.Random, on_probation: bool) -> bool:
+        return on_probation or rng.random() < self.fraction
+
+
+def key(report: StepReport) -> Key:
+    return (report.stage, report.start, report.end)
+
+
+def _same_sampled(a: Sampled | None, b: Sampled | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (
+        a.token_id == b.token_id
+        and a.logprob == b.logprob
+        and a.top_logprobs == b.top_logprobs
+        and a.end_of_generation == b.end_of_generation
+    )
+
+
+def agree(a: StepReport, b: StepReport) -> bool:
+    """Two reports of the same step say the same thing (digest and sampled token)."""
+    return a.digest == b.digest and _same_sampled(a.sampled, b.sampled)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    key: Key
+    reports: Mapping[str, StepReport]  # run name -> its report of that step
+
+
+class Comparator:
+    """The step reports of several runs of one request, keyed by (stage, positions)."""
+
+    def __init__(self, runs: tuple[str, ...] = ("primary", "shadow"), max_reports: int = 200_000) -> None:
+        self._reports: dict[str, dict[Key, StepReport]] = {run: {} for run in runs}
+        self._divergent: set[Key] = set()
+        self.compared = 0
+        self._max = max_reports
+
+    def add_run(self, run: str) -> None:
+        self._reports.setdefault(run, {})
+
+    def drop_run(self, run: str) -> None:
+        self._reports.pop(run, None)
+
+    @property
+    def runs(self) -> tuple[str, ...]:
+        return tuple(self._reports)
+
+    def report(self, run: str, k: Key) -> StepReport | None:
+        return self._reports.get(run, {}).get(k)
+
+    def reports(self, run: str) -> list[StepReport]:
+        return list(self._reports.get(run, {}).values())
+
+    def add(self, run: str, report: StepReport) -> bool:
+        """Record a report; True when it disagrees with another run's report of the same step."""
+        mine = self._reports.get(run)
+        if mine is None or sum(len(r) for r in self._reports.values()) >= self._max:
+            return False
+        k = key(report)
+        mine[k] = report
+        diverged = False
+        for other, theirs in self._reports.items():
+            if other == run or k not in theirs:
+                continue
+            self.compared += 1
+            if not agree(report, theirs[k]):
+                self._divergent.add(k)
+                diverged = True
+        return diverged
+
+    def first_divergence(self) -> Divergence | None:
+        """The earliest divergent step (by positions, then stage), with every run's report of it."""
+        if not self._divergent:
+            return None
+        k = min(self._divergent, key=lambda k: (k[1], k[0]))
+        return Divergence(k, {run: r[k] for run, r in self._reports.items() if k in r})
+
+    def settled_before(self, k: Key, runs: tuple[str, str]) -> bool:
+        """Both runs reported every step before ``k`` that either reported (nothing earlier is unknown)."""
+        a, b = (self._reports[r] for r in runs)
+        earlier = {x for x in (*a, *b) if (x[1], x[0]) < (k[1], k[0])}
+        return all(x in a and x in b for x in earlier)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``liar``: the run whose node lied at ``key`` (node ``node_id``); None: the judge agrees with
+    neither (``detail`` says why) -- the request then fails instead of guessing."""
+
+    key: Key
+    liar: str | None
+    node_id: str
+    honest: tuple[str, ...]
+    detail: str
+
+
+def verdict(divergence: Divergence, judge: StepReport) -> Verdict:
+    """Decide between the two runs that parted at ``divergence`` with the judge's report of the step."""
+    k = divergence.key
+    agreeing = [run for run, r in divergence.reports.items() if agree(r, judge)]
+    disagreeing = [run for run, r in divergence.reports.items() if not agree(r, judge)]
+    if len(agreeing) == 1 and len(disagreeing) == 1:
+        liar = disagreeing[0]
+        return Verdict(k, liar, divergence.reports[liar].node_id, tuple(agreeing), "outvoted by the judge")
+    return Verdict(k, None, "", tuple(agreeing), f"the judge agrees with {agreeing or 'neither run'}")
+
+
+def _describe(report: StepReport) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "node_id": report.node_id,
+        "epoch": report.epoch,
+        "step_id": report.step_id,
+        "digest": report.digest.hex(),
+    }
+    if report.sampled is not None:
+        out["token_id"] = report.sampled.token_id
+        out["logprob"] = report.sampled.logprob
+        out["top_logprobs"] = [list(p) for p in report.sampled.top_logprobs]
+    return out
+
+
+def evidence(
+    gateway_id: str, request_id: str, result: Verdict, divergence: Divergence, judge: StepReport
+) -> dict[str, Any]:
+    """What a gateway tells the tracker about a verdict (it signs the whole as its own statement)."""
+    stage, start, end = divergence.key
+    return {
+        "gateway_id": gateway_id,
+        "request_id": request_id,
+        "liar": result.node_id,
+        "conclusive": result.liar is not None,
+        "stage": stage,
+        "positions": [start, end],
+        "reports": {run: _describe(r) for run, r in divergence.reports.items()},
+        "judge": _describe(judge),
+        "detail": result.detail,
+        "time": time.time(),
+    }

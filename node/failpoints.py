@@ -1,0 +1,96 @@
+"""Test-only fault injection: make a node lie, to test that the swarm catches liars.
+
+A node lies only when it is started with ``SWARM_NODE_FAILPOINTS`` *and*
+``SWARM_TEST_ONLY_FAILPOINTS=I_ACCEPT_A_LYING_NODE`` in its environment; a
+start with the first and not the second is refused with an error (so a stray
+variable never turns a volunteer's node into a liar). The specification is a
+comma-separated list:
+
+``swap_sampler``
+    the last stage replaces every sampled token by another one (its logprob
+    kept), like a node whose sampler was swapped;
+``perturb_hidden``
+    a stage before the last changes one value of its output by one ulp (the
+    smallest lie there is);
+``no_model``
+    the node computes nothing: zeros instead of hidden states, tokens drawn
+    from a seeded generator instead of sampled;
+``fake_speed``
+    the node announces a decode time of 0.01 ms per token (routing must not
+    believe it).
+
+The hooks run on the node's trio thread on every step outcome
+(:func:`corrupt`), before the session machine sees it; nothing else of the
+node changes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from node.config import ConfigError
+from node.session_machine import SampledOut, StepOutcome
+
+ENV = "SWARM_NODE_FAILPOINTS"
+CONSENT_ENV = "SWARM_TEST_ONLY_FAILPOINTS"
+CONSENT = "I_ACCEPT_A_LYING_NODE"
+KINDS = frozenset({"swap_sampler", "perturb_hidden", "no_model", "fake_speed"})
+
+
+class FailpointError(ConfigError):
+    """Failpoints asked for outside a test (or an unknown one)."""
+
+
+@dataclass(frozen=True)
+class Failpoints:
+    kinds: frozenset[str] = frozenset()
+    n_vocab: int = 1
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kinds)
+
+    def announced_decode_ms(self, measured_ms: float) -> float:
+        return 0.01 if "fake_speed" in self.kinds else measured_ms
+
+    def corrupt(self, outcome: StepOutcome, rng: random.Random) -> StepOutcome:
+        """The lie this node tells about one step's outcome (unchanged without failpoints)."""
+        if not self.kinds or outcome.error_status is not None:
+            return outcome
+        hidden, sampled = outcome.hidden, outcome.sampled
+        if hidden is not None and ("perturb_hidden" in self.kinds or "no_model" in self.kinds):
+            hidden = np.array(hidden, dtype=np.float32, copy=True)
+            if "no_model" in self.kinds:
+                hidden[:] = 0.0
+            else:
+                hidden.reshape(-1)[0] = np.nextafter(hidden.reshape(-1)[0], np.float32(np.inf))
+        if sampled is not None and ("swap_sampler" in self.kinds or "no_model" in self.kinds):
+            if "no_model" in self.kinds:
+                token = rng.randrange(self.n_vocab)
+            else:
+                token = (sampled.token_id + 1) % max(2, self.n_vocab)
+            sampled = SampledOut(token, sampled.logprob, sampled.top_logprobs, False)
+        return replace(outcome, hidden=hidden, sampled=sampled)
+
+
+def from_environment(env: Mapping[str, str] | None = None, *, n_vocab: int = 1) -> Failpoints:
+    """The failpoints the environment asks for; raises :class:`FailpointError` outside a test."""
+    env = os.environ if env is None else env
+    spec = env.get(ENV, "").strip()
+    if not spec:
+        return Failpoints()
+    if env.get(CONSENT_ENV) != CONSENT:
+        raise FailpointError(
+            f"{ENV} is set: failpoints make this node lie and exist for tests only; refusing to start "
+            f"(unset {ENV})"
+        )
+    kinds = frozenset(k.strip() for k in spec.split(",") if k.strip())
+    unknown = kinds - KINDS
+    if unknown:
+        raise FailpointError(f"unknown failpoints {sorted(unknown)}; known: {sorted(KINDS)}")
+    return Failpoints(kinds, n_vocab)

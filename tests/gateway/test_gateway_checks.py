@@ -1,0 +1,130 @@
+"""Spot checks through the real gateway and tracker processes, with scripted nodes on the real node stack.
+
+Three disjoint routes of two stages ([0,15) and [15,30), three nodes each); the
+gateway checks every request (``--check-fraction 1``). With honest nodes every
+check passes and nobody is accused. With one liar -- a last stage that swaps
+the sampled token, or a first stage that changes one output value by one
+ulp -- the first checked request that touches it finds the divergence, a third
+route judges it, the liar is excluded, and every answer the client received
+is the honest text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from fake_node import FakeNode
+from swarm_fixtures import announce, metric_lines, scripted_nodes, url
+
+from proto.announce import ModelSpec
+from sim.procs import Supervisor
+
+SCRIPT_TEXT = "Two routes compute the same words; a third decides when they do not agree."
+
+
+def _swarm(
+    tmp: Path, model_path: Path, fingerprint: str, first_seed: int, liar: tuple[int, str] | None
+) -> dict:
+    fake = scripted_nodes(
+        model_path,
+        tmp / "cache",
+        SCRIPT_TEXT,
+        fingerprint,
+        [(0, 15), (15, 30)] * 3,
+        first_seed=first_seed,
+    )
+    if liar is not None:
+        index, kind = liar
+        fake.nodes[index].lie = kind
+    model = ModelSpec(
+        fingerprint=fingerprint, name="fake-checks", architecture="llama", n_layers=30, n_embd=576
+    )
+    sup = Supervisor(tmp)
+    tracker = sup.start_tracker().ready(60)
+    for i, node in enumerate(fake.nodes):
+        # The third pair claims to be slow: the two routes the gateway caches are the first two pairs
+        # (the liar is among them), and the third pair is there to judge.
+        slow = 40.0 if i >= 4 else 10.0
+        announce(url(tracker), node.key, model, node.start, node.end, node.port, decode_ms_per_token=slow)
+    gateway = sup.start_gateway(tracker_url=url(tracker), extra_args=["--check-fraction", "1"]).ready(60)
+    return {"nodes": fake.nodes, "sup": sup, "gateway": gateway, "expected": fake.expected}
+
+
+def _close(swarm: dict) -> None:
+    swarm["sup"].stop_all()
+    for node in swarm["nodes"]:
+        node.stop()
+
+
+def _checks(swarm: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in metric_lines(url(swarm["gateway"]), "swarm_gateway_checks_total"):
+        outcome = line.split('outcome="')[1].split('"')[0]
+        out[outcome] = float(line.split()[-1])
+    return out
+
+
+def _verdicts(swarm: dict) -> list[dict]:
+    lines = swarm["gateway"].log_path.read_text(errors="replace").splitlines()
+    return [json.loads(line) for line in lines if '"spot_check_verdict"' in line]
+
+
+def _ask(swarm: dict, n: int, *, stream: bool = False) -> list[str]:
+    client = openai.OpenAI(base_url=url(swarm["gateway"]) + "/v1", api_key="t", max_retries=0, timeout=60)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "user", "content": "go"}]
+        if stream:
+            chunks = client.chat.completions.create(model="fake-checks", stream=True, messages=messages)
+            out.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            reply = client.chat.completions.create(model="fake-checks", messages=messages)
+            out.append(reply.choices[0].message.content or "")
+    return out
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[dict]:
+    swarm = _swarm(tmp_path_factory.mktemp("checks-honest"), model_path, "c1" * 32, 60, None)
+    try:
+        yield swarm
+    finally:
+        _close(swarm)
+
+
+def test_an_honest_swarm_passes_every_check_and_nobody_is_accused(honest: dict) -> None:
+    answers = _ask(honest, 4) + _ask(honest, 2, stream=True)
+    assert answers == [honest["expected"]] * 6
+    checks = _checks(honest)
+    assert checks.get("started", 0) >= 6 and checks.get("passed", 0) == checks["started"]
+    assert checks.get("liar_caught", 0) == 0 and not _verdicts(honest)
+
+
+@pytest.mark.parametrize(("liar", "kind"), [(1, "swap"), (0, "perturb")], ids=["swapped-sampler", "one-ulp"])
+def test_a_liar_is_caught_excluded_and_the_client_only_sees_honest_text(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, liar: int, kind: str
+) -> None:
+    swarm = _swarm(
+        tmp_path_factory.mktemp(f"checks-{kind}"),
+        model_path,
+        ("c2" if kind == "swap" else "c3") * 32,
+        70 + liar * 10,
+        (liar, kind),
+    )
+    try:
+        liar_node: FakeNode = swarm["nodes"][liar]
+        answers = _ask(swarm, 6) + _ask(swarm, 2, stream=True)
+        assert answers == [swarm["expected"]] * 8  # before, at and after the detection
+        verdicts = _verdicts(swarm)
+        assert verdicts and {v["liar"] for v in verdicts} == {liar_node.node_id}
+        assert _checks(swarm).get("liar_caught", 0) >= 1
+        # Excluded: once caught, the liar opens no more sessions.
+        opened = liar_node.backend.opened
+        _ask(swarm, 3)
+        assert liar_node.backend.opened == opened
+    finally:
+        _close(swarm)
