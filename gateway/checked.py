@@ -18,6 +18,9 @@ did not both produce. When the judge agrees with neither, or no judge can be
 found, the request fails cleanly (:class:`CheckFailed`). When the shadow
 fails for an ordinary reason (a node died), the request goes on unchecked.
 
+The judge runs on nodes of neither run when the swarm has them, else on any
+nodes but the two in dispute at the divergent stage.
+
 Bounds: at most three runs; the judge is given ``judge_timeout_s`` to reach the
 divergent step; reports are kept per run up to the comparator's bound.
 """
@@ -136,16 +139,14 @@ class CheckedSession:
                 await self._judge()
                 continue
             i = self._delivered
-            for name in list(self.runs):
-                if name not in self.runs:
-                    continue
+            while missing := [n for n in self.runs if len(self._tokens[n]) <= i]:
+                name = missing[0]
                 try:
-                    while len(self._tokens[name]) <= i:
-                        self._tokens[name].append(await self.runs[name].next_token())
+                    self._tokens[name].append(await self.runs[name].next_token())
                 except GatewayError:
-                    if name == "primary" and "shadow" not in self.runs:
+                    if len(self.runs) == 1:
                         raise
-                    self._lose(name)
+                    self._lose(name)  # renames the survivor "primary": look again
             if self._diverged:
                 continue
             names = list(self.runs)
@@ -199,13 +200,7 @@ class CheckedSession:
         first = div.key
         await self._wait_report(SETTLE_TIMEOUT_S, lambda: self.comparator.settled_before(first, pair))
         div = self.comparator.first_divergence() or div  # it only gets earlier
-        avoid = frozenset(self.node_ids)
-        try:
-            judge = await self._stack.enter_async_context(self._open_judge(avoid))
-        except GatewayError as err:
-            raise CheckFailed(
-                f"two routes disagree at stage {div.key[0]} and no third route can judge: {err.message}"
-            ) from err
+        judge = await self._open_judge_for(div)
         self.comparator.add_run("judge")
         self._tokens["judge"] = []
         self._listen("judge", judge)
@@ -261,6 +256,23 @@ class CheckedSession:
             positions=[div.key[1], div.key[2]],
             tokens_delivered=self._delivered,
         )
+
+    async def _open_judge_for(self, div: Divergence) -> RouteSession:
+        """A third run: on nodes of neither run if the swarm has them, else on none of the two nodes
+        in dispute (the stages before them agreed, so sharing those proves nothing wrong)."""
+        stage = div.key[0]
+        everyone = frozenset(self.node_ids)
+        disputants = frozenset(self.runs[name].node_ids[stage] for name in ("primary", "shadow"))
+        error: GatewayError | None = None
+        for avoid in (everyone, disputants):
+            try:
+                return await self._stack.enter_async_context(self._open_judge(avoid))
+            except GatewayError as err:
+                error = err
+        assert error is not None
+        raise CheckFailed(
+            f"two routes disagree at stage {stage} and no third route can judge: {error.message}"
+        ) from error
 
 
 def _same_token(a: Sampled, b: Sampled) -> bool:

@@ -538,7 +538,14 @@ class GatewayService:
                     break
                 candidates = list(model_routes.routes)
             use_fork = fork if attempt == 0 and not avoid else None
-            route, prepared, hit = await self._pick(job, request, candidates, use_fork)
+            try:
+                route, prepared, hit = await self._pick(job, request, candidates, use_fork)
+            except StageFailed as err:  # a node of the route picked did not answer Info: another route
+                self.routes.invalidate(job.model_key or request.model)
+                self.prefix.forget_node(err.node_id)
+                excluded.add(err.node_id)
+                last_error = err
+                continue
             label = self.metrics.route_label(route.route_id)
             entered = False
             kv_source: tuple[str, int] | None = None
@@ -685,7 +692,9 @@ class GatewayService:
             max_frame_bytes=frame_limit(stage_infos, self.config.max_frame_bytes),
             plane=self.plane,
             recovery=RecoveryPolicy(
-                span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
+                span_finder(
+                    self.routes, self.node_infos, job.model_key or request.model, route.model_fingerprint
+                ),
                 on_report=lambda report: self._on_span_recovery(job, report),
             ),
             report_steps=report_steps,

@@ -1,6 +1,6 @@
 """Test-only fault injection: make a node lie, to test that the swarm catches liars.
 
-A node lies only when it is started with ``SWARM_NODE_FAILPOINTS`` *and*
+A node lies only when it is started with ``SWARM_TEST_NODE_FAILPOINTS`` *and*
 ``SWARM_TEST_ONLY_FAILPOINTS=I_ACCEPT_A_LYING_NODE`` in its environment; a
 start with the first and not the second is refused with an error (so a stray
 variable never turns a volunteer's node into a liar). The specification is a
@@ -36,7 +36,7 @@ import numpy as np
 from node.config import ConfigError
 from node.session_machine import SampledOut, StepOutcome
 
-ENV = "SWARM_NODE_FAILPOINTS"
+ENV = "SWARM_TEST_NODE_FAILPOINTS"
 CONSENT_ENV = "SWARM_TEST_ONLY_FAILPOINTS"
 CONSENT = "I_ACCEPT_A_LYING_NODE"
 KINDS = frozenset({"swap_sampler", "perturb_hidden", "no_model", "fake_speed"})

@@ -60,7 +60,8 @@ Invariants:
 * Nothing is sent to the engine before check 8 passes, so every refusal leaves
   the session exactly as it was.
 * A session has at most one job in flight; further steps wait in its pending
-  queue (at most ``max_pending_steps``, and at most ``max_pending_bytes`` of
+  queue (at most ``max_pending_steps`` -- replayed steps excepted, which the
+  session's KV budget bounds --, and at most ``max_pending_bytes`` of
   decoded tensors on the node), so a pipelined prefill's chunks can arrive
   while the previous one computes; past the bounds a step is refused with
   RESOURCE_EXHAUSTED (retry SAME). CANCEL and RELEASE are answered at once.
@@ -1051,7 +1052,9 @@ class FrameServer:
         else:
             self._job(step, sess, check_queue=False)  # the same checks now, so a refusal is immediate
             nbytes = sum(int(t.nbytes) for t in step.tensors.values())
-            if len(sess.pending) >= self.spec.max_pending_steps:
+            # A replay (a replaced stage catching up) arrives all at once: its steps are bounded by the
+            # session's KV budget (positions must follow on) and by the bytes bound, not by the count.
+            if not step.replay and len(sess.pending) >= self.spec.max_pending_steps:
                 raise ResourceExhaustedError(
                     f"{len(sess.pending)} steps of this session are already waiting here",
                     retry=status_pb2.RETRY_SAME,

@@ -101,6 +101,9 @@ def swarm(
             "0",
             "--probation-checks",
             "0",
+            # Each request prefills its whole prompt (a kept prefix would skip the prefill test 2 kills).
+            "--kv-keep-s",
+            "0",
         ],
         node_args=["--no-benchmark"],
     )

@@ -111,6 +111,7 @@ class Harness:
         phase=frame_pb2.PHASE_PREFILL,
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
         width: int = N_EMBD,
+        replay: bool = False,
     ) -> list[frame_pb2.Frame]:
         hidden = np.arange(n * width, dtype=np.float32).reshape(n, width)
         return codec.step_frames(
@@ -120,6 +121,7 @@ class Harness:
             start=start,
             hidden=hidden,
             max_frame_bytes=max_frame_bytes,
+            replay=replay,
         )
 
     def step(self, sid: str, step_id: int, start: int, n: int, **kw: object) -> list:
@@ -416,6 +418,20 @@ def test_steps_wait_behind_the_running_one_within_bounds() -> None:
     # a cancel drops the waiting steps with the session
     h.feed(codec.cancel_frame(h.header("a"), step_id=50))
     assert h.m.statistics().pending_steps == 0 and h.m.statistics().pending_bytes == 0
+
+
+def test_a_replay_may_queue_more_steps_than_a_prefill_but_not_past_the_budget() -> None:
+    # A replaced stage gets its whole history at once (REPLAY from upstream): the step-count bound
+    # would refuse it; the positions (KV budget) and the bytes bound still hold.
+    h = Harness(max_pending_steps=2)
+    h.open(budget=12)
+    (first,) = h.step("s1", 2, 0, 2, replay=True)
+    for i in range(1, 5):
+        assert h.step("s1", 2 + i, 2 * i, 2, replay=True) == []
+    assert h.m.statistics().pending_steps == 4
+    assert status_of(h.step("s1", 7, 10, 4, replay=True)) == S.STATUS_CONTEXT_EXCEEDED
+    assert status_of(h.step("s1", 7, 9, 1, replay=True)) == S.STATUS_POSITION_MISMATCH
+    assert status_of(h.step("s1", 7, 10, 1)) == S.STATUS_RESOURCE_EXHAUSTED  # an ordinary step: bounded
 
 
 def test_engine_error_is_reported_with_the_kv_it_left() -> None:

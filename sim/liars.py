@@ -1,0 +1,195 @@
+"""A swarm with a lying node in it: what the spot-check tests and ``sim/bench_checks.py`` share.
+
+The swarm has two honest nodes per half of the model ([0, n/2) and [n/2, n))
+and one *liar slot*: a node started with a test-only failpoint (see
+``node/failpoints.py``) on the half where its lie applies. A checked request
+needs two disjoint routes and, when they disagree, a judge whose node at the
+disputed stage is neither of theirs: three nodes on the liar's half, two on the
+other, so five node processes in all.
+
+The gateway is driven by the official ``openai`` client, greedily, and every
+answer is compared with the whole model's greedy output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+from node.failpoints import CONSENT, CONSENT_ENV, ENV
+from sim.launcher import LocalSwarm, _wait_announced, start_local_swarm
+from sim.procs import Service
+
+# Where each lie can be told: a swapped sampler and a node without the model at the last stage
+# (they change sampled tokens), a one-ulp change at the first (it changes the hidden state it sends).
+LIE_STAGE = {"swap_sampler": 1, "no_model": 1, "perturb_hidden": 0}
+
+
+@dataclass
+class LiarSwarm:
+    swarm: LocalSwarm
+    model: Path
+    node_cache: Path
+    halves: tuple[str, str]  # "0:15", "15:30"
+    liars: list[Service] = field(default_factory=list)
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.swarm.gateway.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.swarm.base_url, api_key="test", max_retries=0, timeout=300)
+
+    def start_liar(self, kind: str, *, timeout_s: float = 300.0) -> Service:
+        """A node telling lie ``kind`` (a fresh identity each time), live at the tracker."""
+        name = f"liar-{kind}-{len(self.liars) + 1}"
+        layers = self.halves[LIE_STAGE[kind]]
+        env = {ENV: kind, CONSENT_ENV: CONSENT} if kind else {}
+        node = self.swarm.supervisor.start_node(
+            name,
+            model=self.model,
+            layers=layers,
+            tracker_url=self.swarm.tracker_url,
+            cache_dir=self.node_cache,
+            extra_args=["--no-benchmark"],
+            env=env,
+        )
+        node.wait_port(timeout_s)
+        _wait_announced(self.swarm.tracker_url, node, timeout_s)
+        self.liars.append(node)
+        return node
+
+    def stop_liar(self, node: Service) -> None:
+        node.stop()
+
+
+def start_liar_swarm(
+    workdir: Path,
+    *,
+    model: Path,
+    node_cache: Path,
+    n_layers: int,
+    check_fraction: float,
+    probation_checks: int,
+    extra_gateway_args: Sequence[str] = (),
+    quiet: bool = True,
+) -> LiarSwarm:
+    half = n_layers // 2
+    halves = (f"0:{half}", f"{half}:{n_layers}")
+    swarm = start_local_swarm(
+        workdir,
+        model=model,
+        n_nodes=2,
+        spare=2,
+        layers=[halves[0], halves[1], halves[0], halves[1]],
+        node_cache=node_cache,
+        gateway_args=[
+            "--route-ttl-s",
+            "1",
+            "--check-fraction",
+            str(check_fraction),
+            "--probation-checks",
+            str(probation_checks),
+            *extra_gateway_args,
+        ],
+        node_args=["--no-benchmark"],
+        quiet=quiet,
+    )
+    return LiarSwarm(swarm, model, node_cache, halves)
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """One sample of the Prometheus text at ``base/metrics`` (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    key = f"{name}{{{want}}}" if labels else name
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def chat(client: openai.OpenAI, model: str, question: str, n_new: int) -> tuple[str, float, float]:
+    """(text, seconds to the first token, seconds in all) of one greedy streamed chat."""
+    t0 = time.perf_counter()
+    first = 0.0
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=n_new,
+        temperature=0,
+        stream=True,
+    )
+    parts: list[str] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not parts:
+                first = time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+    return "".join(parts), first, time.perf_counter() - t0
+
+
+def verdicts(gateway: Service) -> list[dict]:
+    """The gateway's ``spot_check_verdict`` log events."""
+    lines = gateway.log_text().splitlines()
+    return [json.loads(line) for line in lines if '"spot_check_verdict"' in line]
+
+
+@dataclass
+class Detection:
+    kind: str
+    node_id: str
+    requests: int  # sent until the liar was caught (every answer checked against the reference)
+    caught: bool
+    wrong_answers: int
+    seconds: float
+    verdict: dict | None
+
+
+def requests_until_caught(
+    ls: LiarSwarm,
+    liar: Service,
+    kind: str,
+    questions: Sequence[str],
+    expected: Callable[[str], str],
+    *,
+    n_new: int,
+    max_requests: int,
+    concurrency: int = 2,
+) -> Detection:
+    """Send ``questions`` round-robin, ``concurrency`` at a time, until the gateway names the liar.
+
+    Every answer is compared with ``expected(question)``; a wrong one is counted, never hidden.
+    """
+    node_id = liar.extra["node_id"]
+    client = ls.client()
+    base = ls.gateway_url
+    caught_before = metric(base, "swarm_gateway_checks_total", outcome="liar_caught")
+    sent = wrong = 0
+    t0 = time.perf_counter()
+    found: dict | None = None
+    with ThreadPoolExecutor(concurrency) as pool:
+        while sent < max_requests and found is None:
+            batch = [questions[(sent + i) % len(questions)] for i in range(concurrency)]
+            sent += len(batch)
+            answers = list(pool.map(lambda q: chat(client, ls.swarm.model_name, q, n_new)[0], batch))
+            wrong += sum(a != expected(q) for q, a in zip(batch, answers, strict=True))
+            if metric(base, "swarm_gateway_checks_total", outcome="liar_caught") > caught_before:
+                found = next((v for v in verdicts(ls.swarm.gateway) if v.get("liar") == node_id), None)
+                if found is None:  # someone else was named: keep the evidence visible
+                    found = {"unexpected": verdicts(ls.swarm.gateway)}
+    return Detection(
+        kind,
+        node_id,
+        sent,
+        found is not None and found.get("liar") == node_id,
+        wrong,
+        time.perf_counter() - t0,
+        found,
+    )

@@ -1,0 +1,113 @@
+"""Spot checks against real lying nodes: tracker, gateway and node processes on loopback.
+
+The swarm (``sim/liars.py``): two honest nodes per half of the model and, per
+test, one node started with a test-only failpoint on the half where its lie
+applies. The gateway runs with its defaults for checks (``check_fraction``
+0.05; a node is checked on every request until it passed
+``probation_checks`` = 3 checks here). Every answer the official ``openai``
+client gets is compared with the whole model's greedy output in one plain
+llama.cpp context: a liar must be named within a bounded number of requests
+and no client may see a token it made up.
+
+1. an honest swarm: every request is checked (all nodes are new), none is
+   accused, the checks pass and the text is exact;
+2. a last stage whose sampler was swapped (every token replaced by another);
+3. a first stage whose output is off by one ulp in one value (the smallest lie);
+4. a last stage that does not run the model at all (zeros and random tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sim.liars import LiarSwarm, metric, requests_until_caught, start_liar_swarm, verdicts
+from tests.e2e.swarm_helpers import Reference
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 12
+QUESTIONS = ("What is the capital of France?", "Name three colours.", "Count to five.")
+MAX_REQUESTS = 12  # a new liar is on probation: the first request through it is checked
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Iterator[dict[str, str]]:
+    ref = Reference(model_path)
+    try:
+        yield {q: ref.chat(q, N_NEW) for q in QUESTIONS}
+    finally:
+        ref.close()
+
+
+@pytest.fixture(scope="module")
+def liar_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LiarSwarm]:
+    from node.shard import read_model_meta
+
+    n_layers = read_model_meta(model_path, node_cache).n_layers
+    ls = start_liar_swarm(
+        tmp_path_factory.mktemp("liars"),
+        model=model_path,
+        node_cache=node_cache,
+        n_layers=n_layers,
+        check_fraction=0.05,
+        probation_checks=3,
+        # Warm prefixes are never checked (a shadow route holds no kept KV): off, so every
+        # request is eligible and the count of requests to detection is the checks' alone.
+        extra_gateway_args=["--kv-keep-s", "0"],
+    )
+    try:
+        yield ls
+    finally:
+        ls.swarm.stop()
+
+
+def test_an_honest_swarm_is_checked_and_never_accused(
+    liar_swarm: LiarSwarm, reference: dict[str, str]
+) -> None:
+    base = liar_swarm.gateway_url
+    client = liar_swarm.client()
+    from sim.liars import chat
+
+    for q in QUESTIONS:
+        text, _, _ = chat(client, liar_swarm.swarm.model_name, q, N_NEW)
+        assert text == reference[q]
+    assert metric(base, "swarm_gateway_checks_total", outcome="started") == len(QUESTIONS)
+    assert metric(base, "swarm_gateway_checks_total", outcome="passed") == len(QUESTIONS)
+    assert metric(base, "swarm_gateway_checks_total", outcome="liar_caught") == 0
+    assert metric(base, "swarm_gateway_checks_total", outcome="inconclusive") == 0
+    assert verdicts(liar_swarm.swarm.gateway) == []
+
+
+@pytest.mark.parametrize("kind", ["swap_sampler", "perturb_hidden", "no_model"])
+def test_a_lying_node_is_named_and_no_client_sees_its_lie(
+    liar_swarm: LiarSwarm, reference: dict[str, str], kind: str
+) -> None:
+    liar = liar_swarm.start_liar(kind)
+    try:
+        found = requests_until_caught(
+            liar_swarm,
+            liar,
+            kind,
+            QUESTIONS,
+            reference.__getitem__,
+            n_new=N_NEW,
+            max_requests=MAX_REQUESTS,
+        )
+        print(f"{kind}: caught after {found.requests} requests in {found.seconds:.1f} s: {found.verdict}")
+        assert found.wrong_answers == 0
+        assert found.caught, f"{kind} not caught in {found.requests} requests: {found.verdict}"
+        assert found.verdict is not None and found.verdict["stage"] == (1 if kind != "perturb_hidden" else 0)
+        # The liar is avoided from now on: later requests are exact and never routed through it.
+        before = metric(liar_swarm.gateway_url, "swarm_gateway_checks_total", outcome="liar_caught")
+        again = requests_until_caught(
+            liar_swarm, liar, kind, QUESTIONS, reference.__getitem__, n_new=N_NEW, max_requests=4
+        )
+        assert again.wrong_answers == 0 and not again.caught
+        assert metric(liar_swarm.gateway_url, "swarm_gateway_checks_total", outcome="liar_caught") == before
+    finally:
+        liar_swarm.stop_liar(liar)

@@ -1,0 +1,56 @@
+"""Test-only lying (node/failpoints.py): refused without consent, and each lie is the lie it claims."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from node.failpoints import CONSENT, CONSENT_ENV, ENV, FailpointError, Failpoints, from_environment
+from node.session_machine import SampledOut, StepOutcome
+
+
+def test_no_failpoints_no_lies() -> None:
+    fp = from_environment({})
+    assert not fp.active
+    outcome = StepOutcome(1, kv_len=3, hidden=np.ones((2, 4), np.float32))
+    assert fp.corrupt(outcome, random.Random(0)) is outcome
+    assert fp.announced_decode_ms(12.5) == 12.5
+
+
+def test_failpoints_without_consent_are_refused() -> None:
+    with pytest.raises(FailpointError, match="tests only"):
+        from_environment({ENV: "swap_sampler"})
+    with pytest.raises(FailpointError, match="tests only"):
+        from_environment({ENV: "swap_sampler", CONSENT_ENV: "yes"})
+    with pytest.raises(FailpointError, match="unknown failpoints"):
+        from_environment({ENV: "swap_sampler,lie_politely", CONSENT_ENV: CONSENT})
+
+
+def test_each_lie_changes_what_it_says_and_nothing_else() -> None:
+    hidden = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    outcome = StepOutcome(
+        7, kv_len=5, hidden=hidden.copy(), sampled=SampledOut(10, -0.5, ((10, -0.5), (11, -1.0)))
+    )
+    rng = random.Random(0)
+
+    swapped = Failpoints(frozenset({"swap_sampler"}), n_vocab=100).corrupt(outcome, rng)
+    assert swapped.sampled is not None and swapped.sampled.token_id == 11
+    assert swapped.sampled.logprob == -0.5 and np.array_equal(swapped.hidden, hidden)
+
+    perturbed = Failpoints(frozenset({"perturb_hidden"}), n_vocab=100).corrupt(outcome, rng)
+    assert perturbed.hidden is not None
+    diff = perturbed.hidden != hidden
+    assert diff.sum() == 1  # one value, by one ulp
+    assert perturbed.hidden.reshape(-1)[0] == np.nextafter(hidden.reshape(-1)[0], np.float32(np.inf))
+    assert perturbed.sampled == outcome.sampled
+    assert outcome.hidden is not None and np.array_equal(outcome.hidden, hidden)  # the input is not touched
+
+    empty = Failpoints(frozenset({"no_model"}), n_vocab=100).corrupt(outcome, rng)
+    assert empty.hidden is not None and not empty.hidden.any()
+    assert empty.sampled is not None and 0 <= empty.sampled.token_id < 100
+
+    assert Failpoints(frozenset({"fake_speed"})).announced_decode_ms(40.0) == 0.01
+    failed = StepOutcome(8, kv_len=5, error_status="INTERNAL")
+    assert Failpoints(frozenset({"no_model"}), n_vocab=100).corrupt(failed, rng) is failed
