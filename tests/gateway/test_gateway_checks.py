@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from fake_node import FakeNode
+from fake_node import FAILURES, FakeNode
 from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 
 from proto.announce import ModelSpec
@@ -102,6 +102,30 @@ def test_an_honest_swarm_passes_every_check_and_nobody_is_accused(honest: dict) 
     checks = _checks(honest)
     assert checks.get("started", 0) >= 6 and checks.get("passed", 0) == checks["started"]
     assert checks.get("liar_caught", 0) == 0 and not _verdicts(honest)
+
+
+def test_a_checked_request_whose_routes_all_fail_ends_with_a_clean_error(honest: dict) -> None:
+    # Every step after the third token fails on every node: the primary, then the shadow, give up
+    # (after their recoveries); the client gets the error as an event, never an internal error.
+    FAILURES.update(left=100, after=3)
+    try:
+        client = openai.OpenAI(
+            base_url=url(honest["gateway"]) + "/v1", api_key="t", max_retries=0, timeout=60
+        )
+        stream = client.chat.completions.create(
+            model="fake-checks", stream=True, messages=[{"role": "user", "content": "go"}]
+        )
+        texts: list[str] = []
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                texts.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+        assert "internal error" not in info.value.message
+        with pytest.raises(openai.APIStatusError) as plain:
+            client.chat.completions.create(model="fake-checks", messages=[{"role": "user", "content": "go"}])
+        assert plain.value.status_code in (502, 503), plain.value.body
+    finally:
+        FAILURES.update(left=0)
+    assert '"job_failed"' not in honest["gateway"].log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize(("liar", "kind"), [(1, "swap"), (0, "perturb")], ids=["swapped-sampler", "one-ulp"])

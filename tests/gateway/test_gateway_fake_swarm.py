@@ -42,11 +42,17 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
     nodes, script, eos, expected = fake.nodes, fake.script, fake.eos, fake.expected
     sup = Supervisor(tmp)
     try:
-        tracker = sup.start_tracker(extra_args=["--no-challenges"]).ready(60)  # fake nodes: no engine
+        # Fake nodes: no engine to challenge. Spot checks are test_gateway_checks.py's subject: here
+        # nothing is on probation and each request runs on one route.
+        tracker = sup.start_tracker(extra_args=["--no-challenges", "--probation-checks", "0"]).ready(60)
         for node in nodes:
             announce(url(tracker), node.key, MODEL, node.start, node.end, node.port)
         gateway = sup.start_gateway(
-            tracker_url=url(tracker), extra_args=["--max-sessions", "8", "--max-queue", "8"]
+            tracker_url=url(tracker),
+            extra_args=[
+                *("--max-sessions", "8", "--max-queue", "8"),
+                *("--check-fraction", "0", "--probation-checks", "0"),
+            ],
         ).ready(60)
         yield {
             "supervisor": sup,
