@@ -80,7 +80,8 @@ class GatewayConfig:
     check_judge_timeout_s: float = _f(120.0, "longest wait for a third route to judge a disagreement")
     probation_checks: int = _f(
         3,
-        "spot checks a node must pass (seen by this gateway or the tracker) before its requests are sampled",
+        "spot checks a node must pass (seen by this gateway or the tracker) before its requests are "
+        "sampled; 0: no probation here (the tracker's probation flag is ignored too)",
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
     open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")

@@ -781,8 +781,10 @@ class GatewayService:
         )
 
     def _on_probation(self, hop: Hop) -> bool:
-        """Always checked: the tracker says so, or this gateway has not seen it pass enough checks."""
-        return hop.probation or self._passes.get(hop.node_id, 0) < self.config.probation_checks
+        """Always checked: the tracker says so, or this gateway has not seen it pass enough checks
+        (``probation_checks`` 0: nothing is, a swarm whose operator trusts every node)."""
+        needed = self.config.probation_checks
+        return needed > 0 and (hop.probation or self._passes.get(hop.node_id, 0) < needed)
 
     def _liars(self) -> frozenset[str]:
         now = time.monotonic()

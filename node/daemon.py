@@ -260,11 +260,12 @@ class NodeDaemon:
             self.hub = Hub(self.machine)
             on_outcome = self.hub.on_outcome
             if self.failpoints.active:
-                lies = dataclasses.replace(self.failpoints, n_vocab=meta.n_vocab)
-                rng = random.Random(0)
+                liar = failpoints.Liar(
+                    dataclasses.replace(self.failpoints, n_vocab=meta.n_vocab), random.Random(0)
+                )
 
                 def on_outcome(outcome: StepOutcome) -> None:
-                    self.hub.on_outcome(lies.corrupt(outcome, rng))
+                    self.hub.on_outcome(liar(outcome))
 
             self.scheduler = Scheduler(
                 TimedBackend(EngineBackend(engine), self.metrics),

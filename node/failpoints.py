@@ -17,7 +17,10 @@ comma-separated list:
     from a seeded generator instead of sampled;
 ``fake_speed``
     the node announces a decode time of 0.01 ms per token (routing must not
-    believe it).
+    believe it);
+``honest_steps=N``
+    the lies above start after the node's first N steps (a liar that answers
+    the tracker's join challenge honestly and lies to clients afterwards).
 
 The hooks run on the node's trio thread on every step outcome
 (:func:`corrupt`), before the session machine sees it; nothing else of the
@@ -50,6 +53,7 @@ class FailpointError(ConfigError):
 class Failpoints:
     kinds: frozenset[str] = frozenset()
     n_vocab: int = 1
+    honest_steps: int = 0
 
     @property
     def active(self) -> bool:
@@ -78,6 +82,21 @@ class Failpoints:
         return replace(outcome, hidden=hidden, sampled=sampled)
 
 
+class Liar:
+    """Applies :meth:`Failpoints.corrupt` to a node's step outcomes, after its honest steps."""
+
+    def __init__(self, failpoints: Failpoints, rng: random.Random) -> None:
+        self.failpoints = failpoints
+        self.rng = rng
+        self.steps = 0
+
+    def __call__(self, outcome: StepOutcome) -> StepOutcome:
+        self.steps += 1
+        if self.steps <= self.failpoints.honest_steps:
+            return outcome
+        return self.failpoints.corrupt(outcome, self.rng)
+
+
 def from_environment(env: Mapping[str, str] | None = None, *, n_vocab: int = 1) -> Failpoints:
     """The failpoints the environment asks for; raises :class:`FailpointError` outside a test."""
     env = os.environ if env is None else env
@@ -89,8 +108,17 @@ def from_environment(env: Mapping[str, str] | None = None, *, n_vocab: int = 1) 
             f"{ENV} is set: failpoints make this node lie and exist for tests only; refusing to start "
             f"(unset {ENV})"
         )
-    kinds = frozenset(k.strip() for k in spec.split(",") if k.strip())
+    kinds: set[str] = set()
+    honest = 0
+    for item in (k.strip() for k in spec.split(",")):
+        if item.startswith("honest_steps="):
+            try:
+                honest = int(item.split("=", 1)[1])
+            except ValueError:
+                raise FailpointError(f"{ENV}: honest_steps must be an integer, got {item!r}") from None
+        elif item:
+            kinds.add(item)
     unknown = kinds - KINDS
-    if unknown:
-        raise FailpointError(f"unknown failpoints {sorted(unknown)}; known: {sorted(KINDS)}")
-    return Failpoints(kinds, n_vocab)
+    if unknown or honest < 0:
+        raise FailpointError(f"unknown failpoints {sorted(unknown)}; known: {sorted(KINDS)}, honest_steps=N")
+    return Failpoints(frozenset(kinds), n_vocab, honest)

@@ -38,6 +38,8 @@ belongs to the model it was told to serve.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -45,7 +47,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -650,17 +652,31 @@ def extract_shard(
     meta.check_range(start, end)
     meta = replace(meta, fingerprint=_hash_local(model_path, cache_dir, progress))
     plans = shard_plans(reader, meta, start, end, cache_dir)
-    todo = [p for p in plans if not plan_is_done(p, meta, start, end)]
-    if todo:
-        need = sum(p.size for p in todo)
-        check_free_disk(plans[0].path.parent, need, f"the shard [{start}, {end}) of {meta.name}")
-        with _progress(progress, "extracting", need, f"[{start}, {end})") as bar:
-            for plan in todo:
-                bar.update(len(plan.header))
-                write_from_local(plan, reader, model_path, bar.update)
+    # Nodes sharing a cache may cut the same shard at once: one writes, the others wait and reuse it.
+    with _cache_lock(plans[0].path.with_name(f".{plans[0].path.name}.lock")):
+        todo = [p for p in plans if not plan_is_done(p, meta, start, end)]
+        if todo:
+            need = sum(p.size for p in todo)
+            check_free_disk(plans[0].path.parent, need, f"the shard [{start}, {end}) of {meta.name}")
+            with _progress(progress, "extracting", need, f"[{start}, {end})") as bar:
+                for plan in todo:
+                    bar.update(len(plan.header))
+                    write_from_local(plan, reader, model_path, bar.update)
     files = shard_files(meta, start, end, cache_dir)
     write_shard_record(files, cache_dir, key, source)
     return files
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created) across processes; released on exit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _hash_local(model_path: Path, cache_dir: Path, progress: Callable[[str, int, str], Any] | None) -> str:

@@ -7,6 +7,12 @@ needs two disjoint routes and, when they disagree, a judge whose node at the
 disputed stage is neither of theirs: three nodes on the liar's half, two on the
 other, so five node processes in all.
 
+The tracker challenges every node that joins (one step on its span, compared
+with trusted nodes): a liar that lies from its first step never gets in. The
+liars here answer that step honestly and lie from then on
+(``honest_steps=1``), so what catches them is the gateways' spot checks; the
+verdict goes to the tracker, which bans the key.
+
 The gateway is driven by the official ``openai`` client, greedily, and every
 answer is compared with the whole model's greedy output.
 """
@@ -47,11 +53,22 @@ class LiarSwarm:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.swarm.base_url, api_key="test", max_retries=0, timeout=300)
 
-    def start_liar(self, kind: str, *, timeout_s: float = 300.0) -> Service:
-        """A node telling lie ``kind`` (a fresh identity each time), live at the tracker."""
+    def start_liar(self, kind: str, *, honest_steps: int = 1, timeout_s: float = 300.0) -> Service:
+        """A node telling lie ``kind`` (a fresh identity each time), live at the tracker.
+
+        ``honest_steps`` 1: it answers the tracker's join challenge (one step) honestly and lies from
+        then on, as a liar that knows a challenge when it sees one would. With 0 it lies at once and
+        the challenge keeps it out: use :meth:`start_node_only` and :func:`tracker_state` then.
+        """
+        node = self.start_node_only(kind, honest_steps=honest_steps, timeout_s=timeout_s)
+        _wait_announced(self.swarm.tracker_url, node, timeout_s)
+        return node
+
+    def start_node_only(self, kind: str, *, honest_steps: int, timeout_s: float = 300.0) -> Service:
+        """Start the liar and wait for its ports and id; not for the tracker to let it in."""
         name = f"liar-{kind}-{len(self.liars) + 1}"
         layers = self.halves[LIE_STAGE[kind]]
-        env = {ENV: kind, CONSENT_ENV: CONSENT} if kind else {}
+        env = {ENV: f"{kind},honest_steps={honest_steps}", CONSENT_ENV: CONSENT}
         node = self.swarm.supervisor.start_node(
             name,
             model=self.model,
@@ -62,12 +79,19 @@ class LiarSwarm:
             env=env,
         )
         node.wait_port(timeout_s)
-        _wait_announced(self.swarm.tracker_url, node, timeout_s)
+        health = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=10).json()
+        node.extra["node_id"] = health["node_id"]
         self.liars.append(node)
         return node
 
     def stop_liar(self, node: Service) -> None:
         node.stop()
+
+
+def tracker_state(tracker_url: str, node_id: str) -> str | None:
+    """The node's state at the tracker (``live``, ``challenging``, ``challenge_failed``...), or None."""
+    nodes = httpx.get(f"{tracker_url}/v1/swarm", timeout=10).json().get("nodes", [])
+    return next((n.get("state") for n in nodes if n.get("node_id") == node_id), None)
 
 
 def start_liar_swarm(
@@ -100,6 +124,12 @@ def start_liar_swarm(
             *extra_gateway_args,
         ],
         node_args=["--no-benchmark"],
+        # Every node here announces from 127.0.0.1: a host ban (the default for a liar's host) would
+        # refuse the next liars and honest spares alike. The key ban stays.
+        # A node on probation costs routing 1 s more by default, so trusted nodes take the traffic and
+        # a new liar may get none: here it competes on its merits, so what is measured is how fast
+        # spot checks catch a liar that serves.
+        tracker_args=["--ban-host-s", "0", "--probation-penalty-ms", "0"],
         quiet=quiet,
     )
     return LiarSwarm(swarm, model, node_cache, halves)
@@ -115,24 +145,36 @@ def metric(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def chat(client: openai.OpenAI, model: str, question: str, n_new: int) -> tuple[str, float, float]:
-    """(text, seconds to the first token, seconds in all) of one greedy streamed chat."""
+@dataclass
+class Answer:
+    text: str
+    ttft_s: float  # seconds to the first content
+    total_s: float
+    completion_tokens: int  # as the gateway counted them (usage)
+
+
+def chat(client: openai.OpenAI, model: str, question: str, n_new: int) -> Answer:
+    """One greedy streamed chat, timed."""
     t0 = time.perf_counter()
     first = 0.0
+    tokens = 0
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question}],
         max_tokens=n_new,
         temperature=0,
         stream=True,
+        stream_options={"include_usage": True},
     )
     parts: list[str] = []
     for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
             if not parts:
                 first = time.perf_counter() - t0
             parts.append(chunk.choices[0].delta.content)
-    return "".join(parts), first, time.perf_counter() - t0
+    return Answer("".join(parts), first, time.perf_counter() - t0, tokens)
 
 
 def verdicts(gateway: Service) -> list[dict]:
@@ -178,7 +220,7 @@ def requests_until_caught(
         while sent < max_requests and found is None:
             batch = [questions[(sent + i) % len(questions)] for i in range(concurrency)]
             sent += len(batch)
-            answers = list(pool.map(lambda q: chat(client, ls.swarm.model_name, q, n_new)[0], batch))
+            answers = list(pool.map(lambda q: chat(client, ls.swarm.model_name, q, n_new).text, batch))
             wrong += sum(a != expected(q) for q, a in zip(batch, answers, strict=True))
             if metric(base, "swarm_gateway_checks_total", outcome="liar_caught") > caught_before:
                 found = next((v for v in verdicts(ls.swarm.gateway) if v.get("liar") == node_id), None)

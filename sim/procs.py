@@ -46,6 +46,9 @@ from typing import Any
 import httpx
 
 STRIPPED_PREFIXES = ("SWARM_NODE_", "SWARM_TRACKER_", "SWARM_GATEWAY_")
+# Gateway flags for a run that tests something else than spot checks and counts routes, sessions or
+# steps: no request runs on a second route (checks are tested in tests/*/test_*checks*).
+NO_SPOT_CHECKS = ("--check-fraction", "0", "--probation-checks", "0")
 FIXED_ENV = {
     "PYTHONUNBUFFERED": "1",
     "OPENBLAS_NUM_THREADS": "1",

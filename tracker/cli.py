@@ -67,6 +67,12 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option(
     "--probation-checks", type=int, default=None, help="Spot checks a node must pass to leave probation."
 )
+@click.option(
+    "--probation-penalty-ms",
+    type=float,
+    default=None,
+    help="Routing cost added to a node on probation (0: it competes with trusted nodes on its merits).",
+)
 @click.option("--ban-node-s", type=float, default=None, help="How long a node caught lying is banned.")
 @click.option(
     "--ban-host-s", type=float, default=None, help="How long new keys from a liar's hosts are refused."

@@ -11,19 +11,33 @@ and no client may see a token it made up.
 
 1. an honest swarm: every request is checked (all nodes are new), none is
    accused, the checks pass and the text is exact;
-2. a last stage whose sampler was swapped (every token replaced by another);
-3. a first stage whose output is off by one ulp in one value (the smallest lie);
-4. a last stage that does not run the model at all (zeros and random tokens).
+2. a node that lies from its first step is kept out by the tracker's join
+   challenge (it never becomes routable);
+3. liars that answer the join challenge honestly and lie afterwards: a last
+   stage whose sampler was swapped (every token replaced by another), a first
+   stage whose output is off by one ulp in one value (the smallest lie), a
+   last stage that does not run the model at all (zeros and random tokens).
+   Each is named by the gateway, excluded there, and banned by the tracker
+   on the gateway's evidence.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sim.liars import LiarSwarm, metric, requests_until_caught, start_liar_swarm, verdicts
+from sim.liars import (
+    LiarSwarm,
+    chat,
+    metric,
+    requests_until_caught,
+    start_liar_swarm,
+    tracker_state,
+    verdicts,
+)
 from tests.e2e.swarm_helpers import Reference
 
 pytestmark = pytest.mark.slow
@@ -71,16 +85,27 @@ def test_an_honest_swarm_is_checked_and_never_accused(
 ) -> None:
     base = liar_swarm.gateway_url
     client = liar_swarm.client()
-    from sim.liars import chat
-
     for q in QUESTIONS:
-        text, _, _ = chat(client, liar_swarm.swarm.model_name, q, N_NEW)
-        assert text == reference[q]
+        assert chat(client, liar_swarm.swarm.model_name, q, N_NEW).text == reference[q]
     assert metric(base, "swarm_gateway_checks_total", outcome="started") == len(QUESTIONS)
     assert metric(base, "swarm_gateway_checks_total", outcome="passed") == len(QUESTIONS)
     assert metric(base, "swarm_gateway_checks_total", outcome="liar_caught") == 0
     assert metric(base, "swarm_gateway_checks_total", outcome="inconclusive") == 0
     assert verdicts(liar_swarm.swarm.gateway) == []
+
+
+@pytest.mark.parametrize("kind", ["swap_sampler", "perturb_hidden", "no_model"])
+def test_a_node_lying_from_its_first_step_never_gets_in(liar_swarm: LiarSwarm, kind: str) -> None:
+    liar = liar_swarm.start_node_only(kind, honest_steps=0)
+    try:
+        node_id = liar.extra["node_id"]
+        deadline = time.monotonic() + 120
+        while (state := tracker_state(liar_swarm.swarm.tracker_url, node_id)) in (None, "challenging"):
+            assert time.monotonic() < deadline, f"the tracker never finished challenging {kind}"
+            time.sleep(0.2)
+        assert state == "challenge_failed"
+    finally:
+        liar_swarm.stop_liar(liar)
 
 
 @pytest.mark.parametrize("kind", ["swap_sampler", "perturb_hidden", "no_model"])
@@ -109,5 +134,10 @@ def test_a_lying_node_is_named_and_no_client_sees_its_lie(
         )
         assert again.wrong_answers == 0 and not again.caught
         assert metric(liar_swarm.gateway_url, "swarm_gateway_checks_total", outcome="liar_caught") == before
+        # The gateway's evidence reached the tracker (reported every 2 s), which banned the key.
+        deadline = time.monotonic() + 30
+        while tracker_state(liar_swarm.swarm.tracker_url, found.node_id) != "banned":
+            assert time.monotonic() < deadline, "the tracker did not ban the liar on the gateway's evidence"
+            time.sleep(0.2)
     finally:
         liar_swarm.stop_liar(liar)

@@ -25,7 +25,7 @@ from gateway.chat_template import ChatTemplate
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
-from sim.procs import Service, Supervisor
+from sim.procs import NO_SPOT_CHECKS, Service, Supervisor
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         wait_until(two_routes, 60, "two node-disjoint routes at the tracker", interval_s=0.25)
         gateway = sup.start_gateway(
             tracker_url=url(tracker),
-            extra_args=["--max-sessions", "8", "--max-queue", "16", "--routes-k", "2"],
+            extra_args=["--max-sessions", "8", "--max-queue", "16", "--routes-k", "2", *NO_SPOT_CHECKS],
         ).ready(60)
         yield {
             "supervisor": sup,
@@ -293,7 +293,7 @@ def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, sw
         .start_gateway(
             tracker_url=url(swarm["tracker"]),
             name="small-gateway",
-            extra_args=["--max-sessions", "1", "--max-queue", "0"],
+            extra_args=["--max-sessions", "1", "--max-queue", "0", *NO_SPOT_CHECKS],
         )
         .ready(60)
     )
@@ -353,7 +353,7 @@ def test_long_prompt_in_many_steps_and_small_frames(swarm: dict, reference) -> N
         .start_gateway(
             tracker_url=url(swarm["tracker"]),
             name="chunky-gateway",
-            extra_args=["--prefill-step-tokens", "64", "--max-frame-bytes", "131072"],
+            extra_args=["--prefill-step-tokens", "64", "--max-frame-bytes", "131072", *NO_SPOT_CHECKS],
         )
         .ready(60)
     )

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from node.failpoints import CONSENT, CONSENT_ENV, ENV, FailpointError, Failpoints, from_environment
+from node.failpoints import CONSENT, CONSENT_ENV, ENV, FailpointError, Failpoints, Liar, from_environment
 from node.session_machine import SampledOut, StepOutcome
 
 
@@ -54,3 +54,14 @@ def test_each_lie_changes_what_it_says_and_nothing_else() -> None:
     assert Failpoints(frozenset({"fake_speed"})).announced_decode_ms(40.0) == 0.01
     failed = StepOutcome(8, kv_len=5, error_status="INTERNAL")
     assert Failpoints(frozenset({"no_model"}), n_vocab=100).corrupt(failed, rng) is failed
+
+
+def test_a_liar_may_answer_its_first_steps_honestly() -> None:
+    fp = from_environment({ENV: "swap_sampler,honest_steps=2", CONSENT_ENV: CONSENT}, n_vocab=100)
+    assert fp.kinds == {"swap_sampler"} and fp.honest_steps == 2
+    liar = Liar(fp, random.Random(0))
+    outcome = StepOutcome(1, kv_len=1, sampled=SampledOut(5, -0.1))
+    tokens = [liar(outcome).sampled.token_id for _ in range(4)]  # type: ignore[union-attr]
+    assert tokens == [5, 5, 6, 6]
+    with pytest.raises(FailpointError, match="integer"):
+        from_environment({ENV: "swap_sampler,honest_steps=x", CONSENT_ENV: CONSENT})
