@@ -318,9 +318,9 @@ class Store(TrustStore):
             if state == NODE_LEFT:
                 raise UnknownNode(f"node {h.node_id} left the swarm: announce to rejoin")
             if state == NODE_BANNED:
-                until = self.banned_until(conn, h.node_id, now_s)
-                if until is not None:
-                    raise Banned(f"node {h.node_id[:16]} is banned for {until - now_s:.0f} s more")
+                ban = self.ban_of(conn, h.node_id, now_s)
+                if ban is not None:
+                    raise Banned(f"node {h.node_id[:16]} is banned for {ban[0] - now_s:.0f} s more: {ban[1]}")
                 raise UnknownNode(f"node {h.node_id} was banned and the ban ran out: announce to rejoin")
             self._consume_nonce(conn, nonce, now_s)
             new_state = state
@@ -436,14 +436,17 @@ class Store(TrustStore):
         return out
 
     def leave(self, msg: Leave, now_s: float, nonce: NonceRecord | None = None) -> LeaveResult:
-        """Take the node out of routing now (state ``left``); its sessions drain on the node."""
+        """Take the node out of routing now (state ``left``, or still ``banned``); its sessions drain
+        on the node."""
         with self.engine.begin() as conn:
             state = conn.execute(select(Node.state).where(Node.id == msg.node_id)).scalar_one_or_none()
             if state is None:
                 raise UnknownNode(f"node {msg.node_id} is not registered")
             self._consume_nonce(conn, nonce, now_s)
+            # A banned node stays banned: leaving must not wipe the state its ban put it in.
+            new_state = NODE_BANNED if state == NODE_BANNED else NODE_LEFT
             conn.execute(
-                update(Node).where(Node.id == msg.node_id).values(state=NODE_LEFT, last_seen_s=now_s)
+                update(Node).where(Node.id == msg.node_id).values(state=new_state, last_seen_s=now_s)
             )
             conn.execute(
                 update(Shard).where(Shard.node_id == msg.node_id).values(active_sessions=0, tokens_per_s=None)
