@@ -573,7 +573,12 @@ class GatewayService:
                     max_frame_bytes=frame_limit(prepared.stages, self.config.max_frame_bytes),
                     plane=self.plane,
                     recovery=RecoveryPolicy(
-                        span_finder(self.routes, self.node_infos, request.model, route.model_fingerprint),
+                        span_finder(
+                            self.routes,
+                            self.node_infos,
+                            job.model_key or request.model,
+                            route.model_fingerprint,
+                        ),
                         on_report=lambda report: self._on_span_recovery(job, report),
                     ),
                     kv_source=kv_source,
@@ -618,7 +623,7 @@ class GatewayService:
                 )
                 if use_fork is not None and isinstance(err, StageBusy):
                     continue  # the fork's route is full: another route, with a prefill of its own
-                self.routes.invalidate(request.model)
+                self.routes.invalidate(job.model_key or request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
                     self.prefix.forget_node(hop.node_id)
@@ -684,18 +689,19 @@ class GatewayService:
                 try:
                     async with self.gate.slot(job.client):
                         if request.n == 1:
+                            # Finished goes out from inside the session (before RELEASE).
                             await self._run_sessions(job, send, progresses[0], arrived, task_status)
                         else:
                             await self._run_choices(job, send, progresses, arrived, task_status)
-                        await _deliver(
-                            job,
-                            send,
-                            Finished(
-                                progresses[0].finish_reason,
-                                progresses[0].prompt_tokens,
-                                sum(len(p.generated) for p in progresses),
-                            ),
-                        )
+                            await _deliver(
+                                job,
+                                send,
+                                Finished(
+                                    progresses[0].finish_reason,
+                                    progresses[0].prompt_tokens,
+                                    sum(len(p.generated) for p in progresses),
+                                ),
+                            )
                     return
                 except GatewayError as err:
                     if not progresses[0].started:
@@ -821,6 +827,11 @@ class GatewayService:
                             "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
                         )
                         self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                    if fork is None:
+                        # The client gets its last chunk now; RELEASE to the stages follows on the way out.
+                        await _deliver(
+                            job, send, Finished(reason, progress.prompt_tokens, len(progress.generated))
+                        )
                     if fork is not None and index == 0 and len(fork.firsts) > 1:
                         # Choice 0's KV is the others' source: keep it until they have opened.
                         with trio.move_on_after(self.config.open_timeout_s):
@@ -842,7 +853,7 @@ class GatewayService:
                 progress.recovering_since = trio.current_time()
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
                 avoid.add(err.node_id)
-                self.routes.invalidate(request.model)
+                self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
                 self.metrics.inc(
                     "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
