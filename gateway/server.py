@@ -98,6 +98,7 @@ async def _serve(
     task_status: trio.TaskStatus[int],
 ) -> None:
     service = GatewayService(config, tracker, key, channels)
+    service.vocabs.registry = tracker  # registered models' vocabularies need a proof (vocab_store.py)
     app = create_app(service)
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
     hc = hypercorn.config.Config()

@@ -492,10 +492,17 @@ class Registry:
 
     @staticmethod
     def resolve_model(snap: SwarmSnapshot, model: str) -> ModelInfo:
-        """A fingerprint, or a name (the fingerprint with the most live shards wins)."""
+        """A fingerprint, or a name: a registered name resolves only to its registered fingerprint;
+        among unregistered ones the fingerprint with the most live shards wins."""
         found = snap.model(model)
         if found is not None:
             return found
+        bound = snap.registered_names.get(model)
+        if bound is not None:
+            info = snap.model(bound)
+            if info is None:  # registered moments ago: the snapshot lists registered models
+                raise UnknownModel(f"model {model!r} is registered to {bound[:16]}, which is not known yet")
+            return info
         named = [m for m in snap.models if m.name == model]
         if not named:
             raise UnknownModel(f"no model with fingerprint or name {model!r}")
@@ -696,6 +703,8 @@ class Registry:
         snap = await self.snapshot()
         out = []
         for m in snap.models:
+            if snap.registered_names.get(m.name, m.fingerprint) != m.fingerprint:
+                continue  # its name is registered to another model: listed (and reached) by that one
             shards = [s for s in snap.shards if s.model_fingerprint == m.fingerprint]
             cover = layer_coverage(snap, m.fingerprint, m.n_layers)
             routable = bool(select_routes(snap, m.fingerprint, 1, rng=random.Random(0)).routes)

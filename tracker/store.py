@@ -22,7 +22,7 @@ from proto.announce import Announce, GatewayStats, Heartbeat, Leave, RttSample, 
 from proto.signing import SignatureError
 from tracker import coordinates
 from tracker.coordinates import NetCoord
-from tracker.errors import Banned, Conflict, UnknownNode
+from tracker.errors import Banned, Conflict, NameBound, UnknownNode
 from tracker.migrate import upgrade_if_needed
 from tracker.models import (
     NODE_BANNED,
@@ -218,6 +218,14 @@ class Store(TrustStore):
     ) -> AnnounceResult:
         with Session(self.engine) as s, s.begin():
             self.check_announce(s, a, remote, now_s)
+            bound = s.scalars(
+                select(RegisteredModel.fingerprint).where(RegisteredModel.name == a.model.name)
+            ).first()
+            if bound is not None and bound != a.model.fingerprint:
+                raise NameBound(
+                    f"the model name {a.model.name!r} is registered to fingerprint {bound[:16]}; this node "
+                    f"serves {a.model.fingerprint[:16]} (announce it under another name)"
+                )
             self._consume_nonce(s, nonce, now_s)
             model = s.get(Model, a.model.fingerprint)
             if model is None:
@@ -800,6 +808,7 @@ class Store(TrustStore):
             relay_penalty_ms=relay_penalty_ms,
             gateway_coords=gateway_coords,
             probation_penalty_ms=probation_penalty_ms,
+            registered_names={m.name: fp for fp, m in registered.items()},
         )
 
     def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:

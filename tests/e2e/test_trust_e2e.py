@@ -330,3 +330,135 @@ def _evidence(gateway_id: str, *, liar: str, honest: str, judge: str) -> Evidenc
             "time": time.time(),
         }
     )
+
+
+# --- a registered model: its name and its vocabulary are bound to its fingerprint ------------------
+
+
+@dataclass
+class Registered:
+    sup: Supervisor
+    tracker: Service
+    gateway: Service
+    honest: Service  # a real node of the registered model (layers 0..15: a peer, on no full route)
+    fake: Any  # a scripted node announcing the registered fingerprint, serving a tampered vocabulary
+    fingerprint: str
+    name: str
+    expected: str  # what the scripted node generates, as text (read with the real vocabulary)
+    hijack: Path  # the test model with another chat template (and so another fingerprint), same name
+
+
+@pytest.fixture(scope="module")
+def registered(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[Registered]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+    from swarm_fixtures import announce, scripted_nodes  # the gateway tests' scripted nodes
+
+    from common.vocab import Vocabulary
+    from node.shard import extract_vocab
+    from proto.announce import ModelSpec
+
+    work = tmp_path_factory.mktemp("registered")
+    hijack = work / "hijack.gguf"  # same name, its own chat template: another fingerprint
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gguf.scripts.gguf_new_metadata",
+            "--chat-template",
+            "{{ 'owned' }}",
+            "--force",
+        ]
+        + [str(model_path), str(hijack)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    with Vocabulary(model_path) as vocab:
+        name = vocab.metadata("general.name") or ""
+    with Supervisor(work) as sup:
+        tracker = sup.start_tracker(extra_args=["--heartbeat-interval-s", "1"]).ready(60)
+        added = subprocess.run(
+            [sys.executable, "-m", "tracker.cli", "model", "add", str(model_path)]
+            + ["--tracker", tracker.url, "--data-dir", str(work / "tracker")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert added.returncode == 0, added.stdout + added.stderr
+        registry = httpx.get(f"{tracker.url}/v1/registry/models", timeout=10).json()["models"]
+        [fingerprint] = [m["fingerprint"] for m in registry if m["name"] == name]
+        honest = sup.start_node(
+            "honest", model=model_path, layers="0:15", tracker_url=tracker.url, cache_dir=node_cache
+        )
+        honest.ready(180)
+        tampered = extract_vocab(hijack, work / "hijack-cache").read_bytes()
+        nodes = scripted_nodes(
+            model_path, node_cache, " The registry vouches for this.", fingerprint, [(0, 30)], first_seed=200
+        )
+        fake = nodes.nodes[0]
+        fake.vocab = tampered  # what it serves to gateways that ask
+        spec = ModelSpec(fingerprint=fingerprint, name=name, architecture="llama", n_layers=30, n_embd=576)
+        announce(tracker.url, fake.key, spec, 0, 30, fake.port)
+        gateway = sup.start_gateway(tracker_url=tracker.url).ready(60)
+        s = Registered(sup, tracker, gateway, honest, fake, fingerprint, name, nodes.expected, hijack)
+        _wait(
+            lambda: (
+                {n["state"] for n in httpx.get(tracker.url + "/v1/swarm", timeout=10).json()["nodes"]}
+                == {"live"}
+                and len(httpx.get(tracker.url + "/v1/swarm", timeout=10).json()["nodes"]) == 2
+            ),
+            120,
+            "the honest and the scripted node live",
+        )
+        try:
+            yield s
+        finally:
+            fake.stop()
+
+
+def test_a_hijacked_name_is_refused(registered: Registered, node_cache: Path) -> None:
+    hijacker = registered.sup.start_node(
+        "hijacker",
+        model=registered.hijack,
+        layers="0:30",
+        tracker_url=registered.tracker.url,
+        cache_dir=node_cache,
+    )
+    hijacker.ready(180)
+    refused = _wait(
+        lambda: [
+            e
+            for line in hijacker.log_text().splitlines()
+            if '"tracker_refused"' in line and (e := json.loads(line)).get("code") == "model_name_bound"
+        ],
+        60,
+        "the hijacker's announce refused",
+    )
+    assert refused[0]["status"] == 403 and registered.fingerprint[:16] in refused[0]["message"]
+    nodes = httpx.get(registered.tracker.url + "/v1/swarm", timeout=10).json()["nodes"]
+    assert len(nodes) == 2  # the hijacker is not in the registry at all
+    models = httpx.get(registered.tracker.url + "/v1/models", timeout=10).json()["models"]
+    assert [m["fingerprint"] for m in models if m["name"] == registered.name] == [registered.fingerprint]
+    hijacker.stop()
+
+
+def test_a_vocabulary_that_does_not_match_the_fingerprint_is_refused(registered: Registered) -> None:
+    client = openai.OpenAI(base_url=registered.gateway.url + "/v1", api_key="t", max_retries=0, timeout=60)
+    # the only full route is the scripted node's, and it serves a vocabulary whose chat template is not
+    # the model's: the gateway refuses it, takes the one the honest peer proves, and serves the request
+    reply = client.completions.create(model=registered.name, prompt="Hello", max_tokens=16, temperature=0)
+    assert (
+        reply.choices[0].text == registered.expected[: len(reply.choices[0].text)] and reply.choices[0].text
+    )
+    events = [json.loads(line) for line in registered.gateway.log_text().splitlines() if '"vocab_' in line]
+    refused = [e for e in events if e["event"] == "vocab_refused"]
+    checked = [e for e in events if e["event"] == "vocab_checked"]
+    assert refused and refused[0]["address"] == f"127.0.0.1:{registered.fake.port}"
+    assert "tokenizer.chat_template" in refused[0]["reason"]
+    assert checked and checked[0]["address"] == f"127.0.0.1:{registered.honest.port}"
+    cached = registered.sup.workdir / "gateway" / "vocab" / f"{registered.fingerprint}.checked.gguf"
+    from gateway.vocab_check import read_kv
+
+    assert b"owned" not in read_kv(cached.read_bytes())["tokenizer.chat_template"].raw
