@@ -143,14 +143,12 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
                 "1",
             ]
         ).ready(60)
-        nodes = {
-            name: sup.start_node(
+        nodes: dict[str, Service] = {}
+        for name, path in (("a", model_path), ("b", model_path), ("h", hostile)):
+            # One at a time: nodes sharing a cache must not write the same shard file at once.
+            nodes[name] = sup.start_node(
                 name, model=path, layers="0:30", tracker_url=tracker.url, cache_dir=node_cache
-            )
-            for name, path in (("a", model_path), ("b", model_path), ("h", hostile))
-        }
-        for node in nodes.values():
-            node.ready(180)
+            ).ready(180)
         gateway = sup.start_gateway(tracker_url=tracker.url, extra_args=["--route-ttl-s", "1"]).ready(60)
         s = Swarm(sup, tracker, gateway, nodes, gateway_key, model_path, node_cache)
         _wait(lambda: all(s.state(n) == "live" for n in nodes), 120, "three live nodes")
