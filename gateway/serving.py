@@ -974,6 +974,8 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
     own scope is cancelled, so the way out is a plain cancellation (CANCEL to every stage, the
     disconnect counted) and never a BrokenResourceError inside the Route Session's nurseries.
     """
+    if isinstance(item, Finished | Failed):  # the access log reads them when the response is built
+        job.prompt_tokens, job.completion_tokens = item.prompt_tokens, item.completion_tokens
     try:
         try:
             send.send_nowait(item)
