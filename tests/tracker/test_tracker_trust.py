@@ -206,6 +206,8 @@ async def test_conclusive_evidence_bans_the_key_and_new_keys_from_its_hosts(trac
     assert trust["state"] == "banned" and trust["checks_failed"] == 1 and len(trust["evidence"]) == 1
     # the signed envelope is kept as received
     assert trust["evidence"][0]["envelope"]["public_key"] == public_key_hex(GW)
+    state = await tracker.registry.dashboard_state()  # the dashboard lists the banned node too
+    assert {n["node_id"]: n["state"] for n in state["nodes"]}[hexkey(1)] == "banned"
     # host bans run out first, then the key's
     tracker.clock.advance(tracker.config.ban_host_s + 1)
     assert (await tracker.post("/v1/announce", tracker.announce(4, host="10.0.0.1")))[0] == 200
