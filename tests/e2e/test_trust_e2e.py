@@ -228,6 +228,18 @@ def test_a_forged_usage_report_credits_nothing_and_the_ledger_checks_out(swarm: 
     assert answer.status_code == 401 and answer.json()["error"]["reason"] == "bad_signature"
     assert swarm.call(swarm.gateway_key, "node_usage", node)["all_time"]["tokens"] == total
     assert all(r["request_id"] != "forged-1" for r in ledger_rows(node))
+    # what a node operator runs: every row checked against the gateway's and the tracker's signatures
+    checked = subprocess.run(
+        [sys.executable, "-m", "node.cli", "ledger", "--tracker", swarm.tracker_url]
+        + ["--node-id", node, "--tracker-id", tracker_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stderr
+    summary = json.loads(checked.stdout)
+    assert summary["rows"] == summary["verified"] >= 1 and summary["tokens_verified"] == total
+    assert summary["tokens_by_gateway"] == {public_key_hex(swarm.gateway_key): total}
 
 
 def test_a_hostile_chat_template_is_refused_and_the_gateway_keeps_serving(swarm: Swarm) -> None:
