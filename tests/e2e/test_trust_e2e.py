@@ -149,7 +149,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             nodes[name] = sup.start_node(
                 name, model=path, layers="0:30", tracker_url=tracker.url, cache_dir=node_cache
             ).ready(180)
-        gateway = sup.start_gateway(tracker_url=tracker.url, extra_args=["--route-ttl-s", "1"]).ready(60)
+        gateway = sup.start_gateway(
+            tracker_url=tracker.url, extra_args=["--route-ttl-s", "1", "--stats-interval-s", "1"]
+        ).ready(60)
         s = Swarm(sup, tracker, gateway, nodes, gateway_key, model_path, node_cache)
         _wait(lambda: all(s.state(n) == "live" for n in nodes), 120, "three live nodes")
         yield s
@@ -240,6 +242,27 @@ def test_a_forged_usage_report_credits_nothing_and_the_ledger_checks_out(swarm: 
     summary = json.loads(checked.stdout)
     assert summary["rows"] == summary["verified"] >= 1 and summary["tokens_verified"] == total
     assert summary["tokens_by_gateway"] == {public_key_hex(swarm.gateway_key): total}
+
+
+def test_routing_uses_the_decode_time_the_gateway_measured(swarm: Swarm) -> None:
+    model = _model(swarm, "a")
+    client = swarm.openai()
+    for _ in range(2):
+        client.completions.create(model=model, prompt="Count: one, two,", max_tokens=12, temperature=0)
+
+    def measured() -> dict[str, float]:
+        return {
+            n: float(row["shard"]["observed_ms_per_token"])
+            for n, row in swarm.swarm_nodes().items()
+            if row["shard"] and row["shard"]["observed_ms_per_token"] is not None
+        }
+
+    speeds = _wait(measured, 20, "a statistics report with measured node speeds")
+    for node, ms in speeds.items():
+        claimed = swarm.swarm_nodes()[node]["shard"]["decode_ms_per_token"]
+        # what one token took through the whole model on this loaded 2-core machine: a few ms to a few
+        # hundred, never the 0.01 ms a liar would claim
+        assert 0.5 < ms < 5000, (node, ms, claimed)
 
 
 def test_a_hostile_chat_template_is_refused_and_the_gateway_keeps_serving(swarm: Swarm) -> None:
