@@ -66,6 +66,13 @@ class NodeChannels:
         # proto.codec.parse_frame against max_frame_bytes.
         self._max_message_bytes = max(max_frame_bytes, MAX_VOCAB_CHUNK_BYTES) + 64 * 1024
 
+    async def health(self, address: str) -> bytes:
+        """One ``Health`` call (a ping: a few bytes each way); the caller's deadline bounds it."""
+        try:
+            return await self._grpc.unary(address, codec.HEALTH_METHOD, b"", max_message_bytes=64 * 1024)
+        except RpcError as err:
+            raise StreamError(f"Health from {address} failed: {err}") from err
+
     async def info(self, address: str) -> shard_service_pb2.NodeInfo:
         try:
             data = await self._grpc.unary(

@@ -256,6 +256,15 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Tracker URL, or several replicas separated by commas; default: discover it with zeroconf.",
 )
 @click.option("--region", default=None, help="Locality shown on the swarm dashboard (e.g. eu-west).")
+@click.option(
+    "--uplink-mbit-s", type=float, default=None, help="This machine's upload rate, announced for routing."
+)
+@click.option(
+    "--rtt-probe-interval-s",
+    type=float,
+    default=None,
+    help="Seconds between pings of peers for network coordinates (default 15; 0 = never).",
+)
 @click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
 @click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
 @click.option(

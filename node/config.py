@@ -83,6 +83,12 @@ class NodeConfig:
         " empty = discover it on the LAN with zeroconf",
     )
     region: str = _f("", "free-form locality shown on the swarm dashboard, e.g. eu-west or home-lab")
+    uplink_mbit_s: float = _f(
+        0.0, "this machine's upload rate, announced so routes can price sending activations; 0 = unsaid"
+    )
+    rtt_probe_interval_s: float = _f(
+        15.0, "how often peers are pinged for the tracker's network coordinates; 0 = never"
+    )
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
     no_tracker: bool = _f(
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
@@ -186,6 +192,8 @@ class NodeConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0 <= self.uplink_mbit_s <= 1_000_000 or self.rtt_probe_interval_s < 0:
+            raise ConfigError("uplink_mbit_s must be in 0..1000000 and rtt_probe_interval_s >= 0")
         if self.heartbeat_interval_s < 0 or self.shutdown_grace_s < 0 or self.threads < 0:
             raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
         if self.capacity_layers < 0:
