@@ -28,7 +28,7 @@ import trio
 
 from common.logs import event
 from common.metrics import bucket_delta, quantile_from_buckets
-from common.rtt import RttSampler
+from common.rtt import RttSampler, parse_hints
 from proto.announce import MAX_ROUTE_STATS, GatewayStats, RouteStat
 from tracker.client import TrackerClient, TrackerClientError
 
@@ -117,7 +117,9 @@ async def report_stats_loop(
         before, last_t = reading, now_t
         try:
             with trio.fail_after(timeout_s):
-                await tracker.report_stats(report)
+                answer = await tracker.report_stats(report)
+            if rtt is not None:  # random nodes the tracker wants measured, besides our routes' nodes
+                rtt.hint(parse_hints(answer.get("probe") if isinstance(answer, dict) else None))
             service.metrics.inc("swarm_gateway_stats_reports_total", outcome="ok")
             if failing:
                 event(log, "stats_reports_resumed")

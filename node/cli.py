@@ -313,6 +313,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option(
     "--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark."
 )
+@click.option(
+    "--unmeasured-decode-ms",
+    type=float,
+    default=None,
+    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
+)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 @click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
@@ -428,6 +434,12 @@ def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | 
 
 
 @main.command()
+@click.option(
+    "--unmeasured-decode-ms",
+    type=float,
+    default=None,
+    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
+)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def keygen(data_dir: str | None) -> None:
     """Create the node key if it does not exist yet; print the node id."""
@@ -443,6 +455,12 @@ def keygen(data_dir: str | None) -> None:
 
 
 @main.command("id")
+@click.option(
+    "--unmeasured-decode-ms",
+    type=float,
+    default=None,
+    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
+)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def show_id(data_dir: str | None) -> None:
     """Print the node id (hex ed25519 public key); fails if there is no key yet."""

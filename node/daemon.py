@@ -197,7 +197,10 @@ class NodeDaemon:
                 bench = await trio.to_thread.run_sync(run_benchmark, engine)
                 self.decode_ms, self.prefill_tps = bench.decode_ms_per_token, bench.prefill_tokens_per_s
             else:
-                self.decode_ms, self.prefill_tps = 10.0, 1000.0  # placeholders until measured
+                self.decode_ms, self.prefill_tps = (
+                    cfg.unmeasured_decode_ms,
+                    1000.0,
+                )  # placeholders, not measured
             event(
                 log,
                 "benchmark",

@@ -337,7 +337,12 @@ class Registry:
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
             self._snapshot_stale = True  # routes for this gateway are priced from its new position
-        return {"recorded": True, "node_speeds": observed}
+        # Random live nodes for the gateway to measure too (nodes cannot measure a gateway back).
+        return {
+            "recorded": True,
+            "node_speeds": observed,
+            "probe": await self._probe_hints(g.gateway_id, None),
+        }
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
         payload, nonce = self._open(envelope, "usage", signer_field="gateway_id")
