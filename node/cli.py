@@ -434,12 +434,6 @@ def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | 
 
 
 @main.command()
-@click.option(
-    "--unmeasured-decode-ms",
-    type=float,
-    default=None,
-    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
-)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def keygen(data_dir: str | None) -> None:
     """Create the node key if it does not exist yet; print the node id."""
@@ -455,12 +449,6 @@ def keygen(data_dir: str | None) -> None:
 
 
 @main.command("id")
-@click.option(
-    "--unmeasured-decode-ms",
-    type=float,
-    default=None,
-    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
-)
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def show_id(data_dir: str | None) -> None:
     """Print the node id (hex ed25519 public key); fails if there is no key yet."""
