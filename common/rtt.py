@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import trio
 
 from common.logs import event
-from proto.announce import MAX_RTT_MS, MAX_RTT_SAMPLES, PayloadError, RttSample, check_address
+from proto.announce import MAX_RTT_MS, MAX_RTT_SAMPLES, MIN_RTT_MS, PayloadError, RttSample, check_address
 
 log = logging.getLogger("swarm.rtt")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -70,7 +70,7 @@ class RttBook:
         self._fresh: set[str] = set()  # peers measured since the last report
 
     def record(self, peer_id: str, rtt_ms: float) -> None:
-        if not (math.isfinite(rtt_ms) and 0.0 < rtt_ms <= MAX_RTT_MS):
+        if not (math.isfinite(rtt_ms) and MIN_RTT_MS <= rtt_ms <= MAX_RTT_MS):
             return
         samples = self._peers.pop(peer_id, None)
         if samples is None:

@@ -73,7 +73,7 @@ What a liar can do (and what it cannot)
       place only that gateway, and so only change its own routes.
 
 Bounds
-    A claim's RTT is in ``(0, MAX_RTT_MS]``; a refit looks at most
+    A claim's RTT is in ``[MIN_RTT_MS, MAX_RTT_MS]`` (others are skipped); a refit looks at most
     ``MAX_OBSERVATIONS`` observations; every step is clipped (above).
 """
 
@@ -88,6 +88,7 @@ DIMENSIONS = 3
 MIN_HEIGHT_MS = 0.05
 MIN_ERROR = 0.01
 MAX_RTT_MS = 60_000.0
+MIN_RTT_MS = 0.001  # a claim below one microsecond is not a measurement
 MAX_CLAIMS_PER_REPORTER = 32  # peers whose latest RTT claim the tracker keeps per reporter
 MAX_OBSERVATIONS = 96  # observations one refit looks at
 DISPUTE_SLACK_MS = 10.0  # two claims within this (plus the ratio) never dispute: jitter on short paths
@@ -168,7 +169,9 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
     x0, x1, x2 = own.vec
     h = max(own.height_ms, MIN_HEIGHT_MS)
     e = min(max(own.error, MIN_ERROR), 1.0)
-    usable = [o for o in obs[:MAX_OBSERVATIONS] if 0.0 < o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
+    usable = [
+        o for o in obs[:MAX_OBSERVATIONS] if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()
+    ]
     for p in range(params.passes):
         # Robust filter: an observation whose RTT is further off the current prediction than
         # ``outlier_factor`` times this endpoint's typical misfit (the ``outlier_quantile`` of its
@@ -319,6 +322,7 @@ __all__ = [
     "MAX_CLAIMS_PER_REPORTER",
     "MAX_OBSERVATIONS",
     "MAX_RTT_MS",
+    "MIN_RTT_MS",
     "MIN_ERROR",
     "MIN_HEIGHT_MS",
     "NetCoord",
