@@ -9,8 +9,10 @@ heartbeat interval:
   measured it but that it has not measured (probe-back, at most 6);
 * every gateway measures the nodes of its route pools (at most 16) and 4 random
   live nodes;
-* a measured RTT is the geography's true RTT (twice the one-way latency) times
-  uniform [1, 1 + ``rtt_noise``] (queueing);
+* a reported RTT is the geography's true RTT (twice the one-way latency) times
+  1 + ``rtt_noise`` x the least of three uniform [0, 1] draws: each ping pays
+  some queueing, and the node reports the minimum of its last three pings
+  (``common.rtt.RttBook``);
 * the tracker keeps each reporter's latest claim per peer (at most
   ``MAX_CLAIMS_PER_REPORTER``, none older than ``claim_ttl_s``) and refits every
   reporter with :func:`tracker.coordinates.refit` from its own claims and the
@@ -135,7 +137,8 @@ class SimCoordinates:
     def _measure(self, a: str, b: str) -> float:
         self.measurements += 1
         true = 2.0 * self.geo.one_way_ms(self._where[a], self._where[b])
-        return true * (1.0 + self.noise * self.rng.random())
+        r = self.rng.random
+        return true * (1.0 + self.noise * min(r(), r(), r()))
 
     def _claim(self, reporter: str, peer: str, rtt: float, now_s: float) -> None:
         table = self._claims.setdefault(reporter, {})
