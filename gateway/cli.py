@@ -69,6 +69,7 @@ def _help(name: str) -> str:
 )
 @click.option("--stats-interval-s", type=float, default=None, help=_help("stats_interval_s"))
 @click.option("--public-url", default=None, help=_help("public_url"))
+@click.option("--rtt-probe-interval-s", type=float, default=None, help=_help("rtt_probe_interval_s"))
 @click.option("--kv-keep-s", type=float, default=None, help=_help("kv_keep_s"))
 @click.option("--prefix-min-tokens", type=int, default=None, help=_help("prefix_min_tokens"))
 @click.option("--prefix-exact/--prefix-inexact", "prefix_exact", default=None, help=_help("prefix_exact"))

@@ -100,6 +100,9 @@ class GatewayConfig:
         5.0, "how often statistics (sessions, tokens, TTFT) go to the tracker's dashboard; 0 = never"
     )
     public_url: str = _f("", "this gateway's URL as clients reach it, shown on the swarm dashboard")
+    rtt_probe_interval_s: float = _f(
+        15.0, "how often the nodes of cached routes are pinged (reported with the statistics); 0 = never"
+    )
     kv_keep_s: float = _f(
         30.0,
         "after a request its KV stays on the route this long, so the next turn of the conversation (or a "
@@ -193,6 +196,8 @@ class GatewayConfig:
             raise ConfigError(f"model_alias: {err}") from err
         if self.stats_interval_s < 0:
             raise ConfigError("stats_interval_s must be >= 0")
+        if self.rtt_probe_interval_s < 0:
+            raise ConfigError("rtt_probe_interval_s must be >= 0")
         if self.data_plane not in ("push", "relay"):
             raise ConfigError(f"data_plane must be push or relay, got {self.data_plane!r}")
         if self.activation_encoding not in ("f32", "f16", "int8", "auto"):

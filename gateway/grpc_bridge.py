@@ -3,7 +3,9 @@
 All of it is trio (``common.grpc_adapter`` runs grpc.aio on this thread): a
 Session stream is a :class:`StageStream` (``send``/``receive`` bytes, bounded
 buffers), ``Info`` is a unary call and ``GetVocab`` a server stream read whole
-and checked by ``proto.vocab.VocabAssembler``. Deadlines are the caller's trio
+and checked by ``proto.vocab.VocabAssembler``; ``GetManifest`` and
+``GetTensorBytes`` (the model file's header) are what the vocabulary is checked
+against (``gateway/vocab_store.py``). Deadlines are the caller's trio
 deadlines. Raw bytes both ways: the Session method carries serialized frames
 (docs/protocol.md, Transport), parsed by ``proto.codec``.
 """
@@ -20,6 +22,11 @@ from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabA
 
 # Frames queued towards one node: enough for a chunked prefill step in flight, bounded in bytes too.
 SEND_BUFFER_FRAMES = 64
+# What proves a vocabulary (gateway/vocab_check.py): a manifest, the model file's header.
+MANIFEST_METHOD = "/swarm.v1.ShardService/GetManifest"
+TENSOR_BYTES_METHOD = "/swarm.v1.ShardService/GetTensorBytes"
+MAX_PROOF_BYTES = 64 * 1024 * 1024
+PROOF_CHUNK_BYTES = 1024 * 1024
 
 
 class StreamError(Exception):
@@ -59,6 +66,13 @@ class NodeChannels:
         # proto.codec.parse_frame against max_frame_bytes.
         self._max_message_bytes = max(max_frame_bytes, MAX_VOCAB_CHUNK_BYTES) + 64 * 1024
 
+    async def health(self, address: str) -> bytes:
+        """One ``Health`` call (a ping: a few bytes each way); the caller's deadline bounds it."""
+        try:
+            return await self._grpc.unary(address, codec.HEALTH_METHOD, b"", max_message_bytes=64 * 1024)
+        except RpcError as err:
+            raise StreamError(f"Health from {address} failed: {err}") from err
+
     async def info(self, address: str) -> shard_service_pb2.NodeInfo:
         try:
             data = await self._grpc.unary(
@@ -90,6 +104,48 @@ class NodeChannels:
             if data is not None:
                 return data
         raise StreamError(f"GetVocab from {address} ended early: missing {assembler.missing()}")
+
+    async def manifest(self, address: str, model_fingerprint: str) -> bytes:
+        """The model's manifest as the node holds it (``GetManifest``; not checked here)."""
+        request = shard_service_pb2.ManifestRequest(model_fingerprint=model_fingerprint)
+        try:
+            data = await self._grpc.unary(
+                address, MANIFEST_METHOD, request.SerializeToString(), max_message_bytes=MAX_PROOF_BYTES
+            )
+        except RpcError as err:
+            raise StreamError(f"GetManifest from {address} failed: {err}") from err
+        return bytes(shard_service_pb2.ManifestReply.FromString(data).manifest_json)
+
+    async def file_bytes(self, address: str, model_fingerprint: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of the model file (``GetTensorBytes``: the header, or
+        inside one tensor the node holds), in order, at most :data:`MAX_PROOF_BYTES`."""
+        if length > MAX_PROOF_BYTES:
+            raise StreamError(f"{length} bytes asked of {address} (at most {MAX_PROOF_BYTES})")
+        request = shard_service_pb2.TensorBytesRequest(
+            model_fingerprint=model_fingerprint,
+            offset=offset,
+            length=length,
+            max_chunk_bytes=PROOF_CHUNK_BYTES,
+        )
+        try:
+            chunks = await self._grpc.server_stream(
+                address,
+                TENSOR_BYTES_METHOD,
+                request.SerializeToString(),
+                max_messages=length // PROOF_CHUNK_BYTES + 2,
+                max_message_bytes=PROOF_CHUNK_BYTES + 64 * 1024,
+            )
+        except RpcError as err:
+            raise StreamError(f"GetTensorBytes from {address} failed: {err}") from err
+        out = bytearray()
+        for raw in chunks:
+            chunk = shard_service_pb2.TensorBytesChunk.FromString(raw)
+            if chunk.offset != offset + len(out) or len(out) + len(chunk.data) > length:
+                raise StreamError(f"GetTensorBytes from {address} sent bytes out of order or out of range")
+            out += chunk.data
+        if len(out) != length:
+            raise StreamError(f"GetTensorBytes from {address} sent {len(out)} of {length} bytes")
+        return bytes(out)
 
     @asynccontextmanager
     async def open_stage_stream(self, address: str) -> AsyncIterator[StageStream]:

@@ -236,6 +236,17 @@ class RouteCache:
     def inflight(self) -> dict[str, int]:
         return dict(self._inflight)
 
+    def peers(self) -> list[tuple[str, str]]:
+        """(node id, address) of the nodes of the cached routes reached over gRPC (what this gateway
+        pings for the tracker's network coordinates), busiest models' routes first."""
+        out: dict[str, str] = {}
+        for cached in sorted(self._models.values(), key=lambda m: -m.fetched_at_s):
+            for route in cached.routes:
+                for hop in route.hops:
+                    if not hop.relay and hop.address:
+                        out.setdefault(hop.node_id, hop.address)
+        return list(out.items())
+
     def cached_counts(self) -> dict[str, int]:
         return {m.name: len(m.routes) for m in self._models.values()}
 

@@ -98,6 +98,7 @@ async def _serve(
     task_status: trio.TaskStatus[int],
 ) -> None:
     service = GatewayService(config, tracker, key, channels)
+    service.vocabs.registry = tracker  # registered models' vocabularies need a proof (vocab_store.py)
     app = create_app(service)
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
     hc = hypercorn.config.Config()
@@ -113,6 +114,17 @@ async def _serve(
         if config.stats_interval_s > 0:
             from gateway.stats_report import report_stats_loop
 
+            rtt = None
+            if config.rtt_probe_interval_s > 0:  # pings of the routes' nodes, reported with the statistics
+                from common.rtt import RttSampler, RttSettings
+
+                rtt = RttSampler(
+                    channels.health,
+                    service.routes.peers,
+                    RttSettings(interval_s=config.rtt_probe_interval_s),
+                    own_id=service.gateway_id,
+                )
+                await nursery.start(rtt.run)
             nursery.start_soon(
                 functools.partial(
                     report_stats_loop,
@@ -121,6 +133,7 @@ async def _serve(
                     interval_s=config.stats_interval_s,
                     timeout_s=config.tracker_timeout_s,
                     url=config.public_url,
+                    rtt=rtt,
                 )
             )
         from gateway.trust_report import report_trust_loop  # spot checks and verdicts to the tracker

@@ -646,7 +646,7 @@ class GatewayService:
                 )
                 if use_fork is not None and isinstance(err, StageBusy):
                     continue  # the fork's route is full: another route, with a prefill of its own
-                self.routes.invalidate(request.model)
+                self.routes.invalidate(job.model_key or request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
                     self.prefix.forget_node(hop.node_id)
@@ -872,18 +872,19 @@ class GatewayService:
                 try:
                     async with self.gate.slot(job.client):
                         if request.n == 1:
+                            # Finished goes out from inside the session (before RELEASE).
                             await self._run_sessions(job, send, progresses[0], arrived, task_status)
                         else:
                             await self._run_choices(job, send, progresses, arrived, task_status)
-                        await _deliver(
-                            job,
-                            send,
-                            Finished(
-                                progresses[0].finish_reason,
-                                progresses[0].prompt_tokens,
-                                sum(len(p.generated) for p in progresses),
-                            ),
-                        )
+                            await _deliver(
+                                job,
+                                send,
+                                Finished(
+                                    progresses[0].finish_reason,
+                                    progresses[0].prompt_tokens,
+                                    sum(len(p.generated) for p in progresses),
+                                ),
+                            )
                     return
                 except GatewayError as err:
                     if not progresses[0].started:
@@ -1009,6 +1010,11 @@ class GatewayService:
                             "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
                         )
                         self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                    if fork is None:
+                        # The client gets its last chunk now; RELEASE to the stages follows on the way out.
+                        await _deliver(
+                            job, send, Finished(reason, progress.prompt_tokens, len(progress.generated))
+                        )
                     if fork is not None and index == 0 and len(fork.firsts) > 1:
                         # Choice 0's KV is the others' source: keep it until they have opened.
                         with trio.move_on_after(self.config.open_timeout_s):
@@ -1030,7 +1036,7 @@ class GatewayService:
                 progress.recovering_since = trio.current_time()
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
                 avoid.add(err.node_id)
-                self.routes.invalidate(request.model)
+                self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
                 self.metrics.inc(
                     "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
@@ -1151,6 +1157,8 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
     own scope is cancelled, so the way out is a plain cancellation (CANCEL to every stage, the
     disconnect counted) and never a BrokenResourceError inside the Route Session's nurseries.
     """
+    if isinstance(item, Finished | Failed):  # the access log reads them when the response is built
+        job.prompt_tokens, job.completion_tokens = item.prompt_tokens, item.completion_tokens
     try:
         try:
             send.send_nowait(item)

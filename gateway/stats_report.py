@@ -4,10 +4,12 @@ Every ``stats_interval_s`` the gateway signs a :class:`proto.announce.GatewaySta
 with what happened since the previous report, read from its own metrics (so
 the serving code needs nothing extra): requests finished and failed, prompt and
 generated tokens, TTFT p50/p95 estimated from the TTFT histogram's buckets
-observed in the interval, sessions and queue now, and the sessions on each
-cached route (at most ``proto.announce.MAX_ROUTE_STATS``, busiest first), and
-the decode time it measured of each node (``gateway/trust_report.py``: routing
-trusts that rather than the node's claim).
+observed in the interval, sessions and queue now, the sessions on each
+cached route (at most ``proto.announce.MAX_ROUTE_STATS``, busiest first), the
+decode time it measured of each node (``gateway/trust_report.py``: routing
+trusts that rather than the node's claim), and the round trips measured to the
+nodes of its routes since the last report (``common.rtt``; for the tracker's
+network coordinates).
 
 A failed report is counted (``swarm_gateway_stats_reports_total{outcome}``)
 and logged once per outage; the next interval reports the next delta, so an
@@ -26,6 +28,7 @@ import trio
 
 from common.logs import event
 from common.metrics import bucket_delta, quantile_from_buckets
+from common.rtt import RttSampler, parse_hints
 from proto.announce import MAX_ROUTE_STATS, GatewayStats, RouteStat
 from tracker.client import TrackerClient, TrackerClientError
 
@@ -56,7 +59,13 @@ def _read(metrics: Any) -> _Reading:
 
 
 def build_report(
-    gateway_id: str, service: Any, before: _Reading | None, now: _Reading, interval_s: float, url: str
+    gateway_id: str,
+    service: Any,
+    before: _Reading | None,
+    now: _Reading,
+    interval_s: float,
+    url: str,
+    rtt: RttSampler | None = None,
 ) -> GatewayStats:
     """The report for one interval (``before`` is None for the first one: everything so far)."""
 
@@ -81,6 +90,7 @@ def build_report(
         routes=tuple(RouteStat(r[:400], int(n)) for r, n in inflight[:MAX_ROUTE_STATS] if n > 0),
         url=url[:255],
         nodes=observed.drain() if (observed := getattr(service, "observed", None)) is not None else (),
+        rtt_samples=rtt.take_samples() if rtt is not None else (),
     )
 
 
@@ -91,6 +101,7 @@ async def report_stats_loop(
     interval_s: float,
     timeout_s: float,
     url: str = "",
+    rtt: RttSampler | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Send one report per ``interval_s`` until cancelled."""
@@ -102,11 +113,13 @@ async def report_stats_loop(
         await trio.sleep(interval_s)
         now_t = trio.current_time()
         reading = _read(service.metrics)
-        report = build_report(service.gateway_id, service, before, reading, now_t - last_t, url)
+        report = build_report(service.gateway_id, service, before, reading, now_t - last_t, url, rtt)
         before, last_t = reading, now_t
         try:
             with trio.fail_after(timeout_s):
-                await tracker.report_stats(report)
+                answer = await tracker.report_stats(report)
+            if rtt is not None:  # random nodes the tracker wants measured, besides our routes' nodes
+                rtt.hint(parse_hints(answer.get("probe") if isinstance(answer, dict) else None))
             service.metrics.inc("swarm_gateway_stats_reports_total", outcome="ok")
             if failing:
                 event(log, "stats_reports_resumed")

@@ -1,9 +1,21 @@
-"""Vocabularies by model fingerprint: fetched once from a node (GetVocab), cached on disk, loaded vocab-only.
+"""Vocabularies by model fingerprint: fetched once from a node (GetVocab), checked against the model's
+own header, cached on disk, loaded vocab-only.
 
 The gateway holds no weights. The first request for a model downloads the
 metadata-only GGUF from a node that serves it (``proto.vocab.VocabAssembler``
-checks order, size and sha256), writes it atomically to
-``<data_dir>/vocab/<fingerprint>.gguf`` and loads it with llama.cpp's
+checks order, size and sha256) and checks it against the model: a node of the
+route (or, for a model registered at the tracker, one of its peers) shows the
+model's manifest (whose digest must be the fingerprint) and the model file's
+header (whose sha256 the manifest holds); every key/value of the vocabulary
+must be the header's, and none that shapes tokenizing or prompting may be
+missing (``gateway/vocab_check.py``). A vocabulary that fails is refused and
+the next node is asked; whichever node served it, the tokenizer and chat
+template used are the model's. A registered model whose proof no node can
+show is refused; an unregistered one (a private swarm's own file, or fake
+nodes in tests) is used unchecked and logged (``vocab_unchecked``).
+
+The checked file is written atomically to
+``<data_dir>/vocab/<fingerprint>.checked.gguf`` and loaded with llama.cpp's
 ``vocab_only`` (``common.vocab.Vocabulary``). A later start finds the file and
 skips the download. At most :data:`MAX_LOADED` vocabularies stay loaded.
 
@@ -14,24 +26,34 @@ never calls into llama.cpp.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from common import files
+from common.logs import event
 from common.vocab import Vocabulary
 from gateway.chat_template import TemplateSource, template_source
 from gateway.errors import InvalidRequest, UpstreamFailed
-from gateway.grpc_bridge import NodeChannels, StreamError
+from gateway.grpc_bridge import MAX_PROOF_BYTES, NodeChannels, StreamError
 from gateway.routes import StageInfo
 from gateway.template_sandbox import TemplateSandbox
+from gateway.vocab_check import KV, VocabMismatch, check_vocab_against_header, read_kv
 from proto.errors import ProtocolError
+from proto.manifest import Manifest, ManifestInvalid
+from tracker.client import TrackerClient as Registry
+from tracker.client import TrackerClientError
 
 MAX_LOADED = 8
 MAX_VOCAB_BYTES = 64 * 1024 * 1024
+MAX_PROOF_PEERS = 8
+log = logging.getLogger("swarm.gateway.vocab")
 
 
 @dataclass
@@ -91,13 +113,18 @@ class VocabStore:
         self._loaded: dict[str, LoadedVocab] = {}
         self._locks: dict[str, trio.Lock] = {}
         self.sandbox = TemplateSandbox()
+        # The tracker, when there is one (set by the server): a model registered there needs a proof.
+        self.registry: Registry | None = None
+        self.refused = 0  # vocabularies refused because they did not match the model's header
 
     def loaded(self) -> dict[str, LoadedVocab]:
         """The vocabularies loaded now, by model fingerprint."""
         return dict(self._loaded)
 
     def path(self, fingerprint: str) -> Path:
-        return self._dir / f"{fingerprint}.gguf"
+        # ".checked": written only after the check against the model's header (or for a model
+        # nobody could prove, see _proof); files of earlier, unchecked versions are not read.
+        return self._dir / f"{fingerprint}.checked.gguf"
 
     async def get(self, fingerprint: str, stages: Sequence[StageInfo]) -> LoadedVocab:
         loaded = self._loaded.get(fingerprint)
@@ -121,15 +148,86 @@ class VocabStore:
             return loaded
 
     async def _download(self, fingerprint: str, stages: Sequence[StageInfo]) -> bytes:
-        sources = [s for s in stages if s.serves_vocab] or list(stages)
+        """A vocabulary from a stage of the route, checked against the model's own header."""
+        peers = await self._registered_peers(fingerprint)
+        header = await self._proof(fingerprint, stages, peers)
+        sources = [s.address for s in stages if s.serves_vocab] or [s.address for s in stages]
         errors: list[str] = []
-        for stage in sources:
+        for address in dict.fromkeys([*sources, *(peers or [])]):
             try:
                 with trio.fail_after(self._timeout_s):
-                    return await self._channels.get_vocab(stage.address, fingerprint, MAX_VOCAB_BYTES)
+                    data = await self._channels.get_vocab(address, fingerprint, MAX_VOCAB_BYTES)
             except (StreamError, ProtocolError, trio.TooSlowError) as err:
-                errors.append(f"{stage.node_id[:8]}: {err!r}")
+                errors.append(f"{address}: {err!r}")
+                continue
+            if header is not None:
+                try:
+                    compared = check_vocab_against_header(
+                        await trio.to_thread.run_sync(read_kv, data), header
+                    )
+                except VocabMismatch as err:
+                    self.refused += 1
+                    errors.append(f"{address}: {err}")
+                    event(
+                        log,
+                        "vocab_refused",
+                        level=logging.WARNING,
+                        model=fingerprint,
+                        address=address,
+                        reason=str(err),
+                    )
+                    continue
+                event(log, "vocab_checked", model=fingerprint, address=address, keys=compared)
+            return data
         raise UpstreamFailed(f"no node gave the vocabulary of model {fingerprint[:12]}: {'; '.join(errors)}")
+
+    async def _registered_peers(self, fingerprint: str) -> list[str] | None:
+        """The addresses of nodes serving a registered model (None: not registered, or no tracker)."""
+        if self.registry is None:
+            return None
+        try:
+            with trio.fail_after(self._timeout_s):
+                entry = await self.registry.registry_model(fingerprint)
+        except TrackerClientError as err:
+            if err.status == 404:
+                return None
+            raise UpstreamFailed(f"the tracker's model registry failed: {err}", retry_after_s=5) from err
+        except (httpx.HTTPError, trio.TooSlowError) as err:
+            raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
+        return [str(p["address"]) for p in entry.get("peers", []) if p.get("address")][:MAX_PROOF_PEERS]
+
+    async def _proof(
+        self, fingerprint: str, stages: Sequence[StageInfo], peers: list[str] | None
+    ) -> dict[str, KV] | None:
+        """The key/values of the model's header, proven by its manifest; None when no node can show
+        them and the model is not registered (a private swarm's own model: used unchecked, logged)."""
+        errors: list[str] = []
+        for address in dict.fromkeys([*(s.address for s in stages), *(peers or [])]):
+            try:
+                with trio.fail_after(self._timeout_s):
+                    manifest = Manifest.from_bytes(
+                        await self._channels.manifest(address, fingerprint), expected_fingerprint=fingerprint
+                    )
+                    if manifest.header_size > MAX_PROOF_BYTES:
+                        raise ManifestInvalid(f"a header of {manifest.header_size} bytes")
+                    header = await self._channels.file_bytes(address, fingerprint, 0, manifest.header_size)
+            except (StreamError, ProtocolError, ManifestInvalid, trio.TooSlowError) as err:
+                errors.append(f"{address}: {err}")
+                continue
+            if hashlib.sha256(header).hexdigest() != manifest.header_sha256:
+                errors.append(f"{address}: header bytes that do not match the manifest")
+                continue
+            try:
+                return await trio.to_thread.run_sync(read_kv, header)
+            except VocabMismatch as err:
+                errors.append(f"{address}: {err}")
+        if peers is not None:
+            raise UpstreamFailed(
+                f"model {fingerprint[:12]} is registered, but no node showed its manifest and header to "
+                f"check its vocabulary against: {'; '.join(errors)[:1000]}"
+            )
+        event(log, "vocab_unchecked", level=logging.WARNING, model=fingerprint, errors=errors[:4])
+        return None
 
     def close(self) -> None:
         for loaded in self._loaded.values():

@@ -256,6 +256,15 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Tracker URL, or several replicas separated by commas; default: discover it with zeroconf.",
 )
 @click.option("--region", default=None, help="Locality shown on the swarm dashboard (e.g. eu-west).")
+@click.option(
+    "--uplink-mbit-s", type=float, default=None, help="This machine's upload rate, announced for routing."
+)
+@click.option(
+    "--rtt-probe-interval-s",
+    type=float,
+    default=None,
+    help="Seconds between pings of peers for network coordinates (default 15; 0 = never).",
+)
 @click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
 @click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
 @click.option(
@@ -303,6 +312,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 )
 @click.option(
     "--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark."
+)
+@click.option(
+    "--unmeasured-decode-ms",
+    type=float,
+    default=None,
+    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
 )
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 @click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")
@@ -496,6 +511,85 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
             f"({c['all_time']['requests']} requests)",
             err=True,
         )
+
+
+@main.command()
+@click.option("--tracker", "tracker_url", required=True, help="The tracker's URL.")
+@click.option(
+    "--data-dir", default="~/.swarm/node", show_default=True, help="The node's data directory (its key)."
+)
+@click.option("--node-id", default=None, help="Check another node's ledger (default: this data dir's node).")
+@click.option(
+    "--tracker-id",
+    default=None,
+    help="The tracker key receipts must carry (pin it); default: what the tracker says it is (unpinned).",
+)
+@click.option("--since", type=float, default=0.0, show_default=True, help="Rows from this UNIX time on.")
+@click.option("--timeout-s", type=float, default=10.0, show_default=True)
+def ledger(
+    tracker_url: str,
+    data_dir: str,
+    node_id: str | None,
+    tracker_id: str | None,
+    since: float,
+    timeout_s: float,
+) -> None:
+    """Fetch this node's usage ledger and check every row: the gateway's signed report lists the node
+    with exactly its tokens, and the tracker signed a receipt of that report (proto.ledger).
+
+    Prints a JSON summary; exits with status 1 when a row does not check out."""
+    import json
+    from pathlib import Path
+
+    import httpx
+
+    from node.identity import key_path, load_key
+    from node.identity import node_id as id_of
+    from proto.ledger import LedgerError, verify_ledger_entry
+
+    base = tracker_url.rstrip("/")
+    node = node_id or id_of(load_key(key_path(Path(data_dir).expanduser())))
+    try:
+        pinned = tracker_id or str(httpx.get(f"{base}/healthz", timeout=timeout_s).json()["tracker_id"])
+        rows: list[dict[str, Any]] = []
+        cursor: float | None = since
+        while cursor is not None and len(rows) < 1_000_000:
+            page = httpx.get(
+                f"{base}/v1/usage/nodes/{node}/ledger",
+                params={"since": cursor, "limit": 1000},
+                timeout=timeout_s,
+            )
+            if page.status_code != 200:
+                raise click.ClickException(f"{base}: HTTP {page.status_code}: {page.text[:200]}")
+            body = page.json()
+            seen = {(r["gateway_id"], r["request_id"]) for r in rows}
+            fresh = [r for r in body["entries"] if (r["gateway_id"], r["request_id"]) not in seen]
+            rows += fresh
+            cursor = body["next_since"] if fresh else None  # a page of nothing new: done
+    except (httpx.HTTPError, ValueError, KeyError) as err:
+        raise click.ClickException(f"{base}: {err!r}") from err
+    by_gateway: dict[str, int] = {}
+    failures = []
+    for row in rows:
+        try:
+            report = verify_ledger_entry(row, node_id=node, tracker_public_key=pinned)
+        except LedgerError as err:
+            failures.append({"request_id": row.get("request_id"), "error": str(err)})
+            continue
+        by_gateway[report.gateway_id] = by_gateway.get(report.gateway_id, 0) + int(row["tokens"])
+    summary = {
+        "node_id": node,
+        "tracker_id": pinned,
+        "tracker_id_pinned": tracker_id is not None,
+        "rows": len(rows),
+        "verified": len(rows) - len(failures),
+        "tokens_verified": sum(by_gateway.values()),
+        "tokens_by_gateway": by_gateway,
+        "failures": failures[:100],
+    }
+    click.echo(json.dumps(summary, indent=2))
+    if failures:
+        sys.exit(1)
 
 
 def _contribution(tracker: str, node: str, timeout_s: float) -> dict[str, Any]:

@@ -83,6 +83,12 @@ class NodeConfig:
         " empty = discover it on the LAN with zeroconf",
     )
     region: str = _f("", "free-form locality shown on the swarm dashboard, e.g. eu-west or home-lab")
+    uplink_mbit_s: float = _f(
+        0.0, "this machine's upload rate, announced so routes can price sending activations; 0 = unsaid"
+    )
+    rtt_probe_interval_s: float = _f(
+        15.0, "how often peers are pinged for the tracker's network coordinates; 0 = never"
+    )
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
     no_tracker: bool = _f(
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
@@ -121,6 +127,9 @@ class NodeConfig:
     tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
     discovery_timeout_s: float = _f(3.0, "how long zeroconf discovery of the tracker may take")
     benchmark: bool = _f(True, "measure prefill and decode speed of the shard at start-up")
+    unmeasured_decode_ms: float = _f(
+        10.0, "with benchmark off: the per-token time announced instead of a measurement (tests)"
+    )
     shutdown_grace_s: float = _f(5.0, "how long streams may drain on SIGINT/SIGTERM")
     data_dir: str = _f("~/.swarm/node", "directory of the node key (node.key, mode 0600)")
     cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
@@ -186,6 +195,10 @@ class NodeConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0 < self.unmeasured_decode_ms <= 1e6:
+            raise ConfigError("unmeasured_decode_ms must be in (0, 1000000]")
+        if not 0 <= self.uplink_mbit_s <= 1_000_000 or self.rtt_probe_interval_s < 0:
+            raise ConfigError("uplink_mbit_s must be in 0..1000000 and rtt_probe_interval_s >= 0")
         if self.heartbeat_interval_s < 0 or self.shutdown_grace_s < 0 or self.threads < 0:
             raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
         if self.capacity_layers < 0:

@@ -45,6 +45,7 @@ import trio
 from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
+from common.rtt import RttSampler, RttSettings, parse_hints
 from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
@@ -52,6 +53,7 @@ from node.hub import Hub
 from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
+from node.rtt import node_sampler
 from node.session_machine import FrameServer, ServingSpec, StepOutcome
 from node.tickets import TicketVerifier
 from proto import codec
@@ -128,6 +130,7 @@ class NodeDaemon:
         self.left_tracker = False
         self._tracker_client: Any = None  # the heartbeat loop's TrackerClient, for /status
         self.tensors: Any = None  # node.peer_serve.TensorServer once the span's bytes can be served
+        self.rtt: RttSampler | None = None  # round trips to peers, for the tracker's coordinates
 
     # -- start-up ----------------------------------------------------------------------------------
 
@@ -200,7 +203,10 @@ class NodeDaemon:
                 bench = await trio.to_thread.run_sync(run_benchmark, engine)
                 self.decode_ms, self.prefill_tps = bench.decode_ms_per_token, bench.prefill_tokens_per_s
             else:
-                self.decode_ms, self.prefill_tps = 10.0, 1000.0  # placeholders until measured
+                self.decode_ms, self.prefill_tps = (
+                    cfg.unmeasured_decode_ms,
+                    1000.0,
+                )  # placeholders, not measured
             event(
                 log,
                 "benchmark",
@@ -285,6 +291,11 @@ class NodeDaemon:
                 )
                 self.hub.attach(self.scheduler, self.pushes)
                 await nursery.start(self.pushes.run)
+                if self.tracker_url and cfg.rtt_probe_interval_s > 0:
+                    self.rtt = node_sampler(
+                        grpc_rt, self.pushes, self.node_id, RttSettings(interval_s=cfg.rtt_probe_interval_s)
+                    )
+                    await nursery.start(self.rtt.run)
                 await nursery.start(self.scheduler.run)
                 await nursery.start(self.hub.run_leases, cfg.lease_check_interval_s)
                 self.grpc = ShardService(
@@ -451,6 +462,7 @@ class NodeDaemon:
             max_sessions=self.spec.max_sessions,
             region=self.config.region,
             capacity_layers=min(meta.n_layers, self.joined.capacity_layers or self.config.capacity_layers),
+            uplink_mbit_s=self.config.uplink_mbit_s or None,
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -465,6 +477,7 @@ class NodeDaemon:
             kv_free_tokens=max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted),
             tokens_served=max(0, served),
             kv_used_tokens=stats.kv_tokens_used,
+            rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
         )
 
     async def _tracker_loop(self) -> None:
@@ -515,7 +528,9 @@ class NodeDaemon:
                                 heartbeat_interval_s=interval,
                             )
                         else:
-                            await client.heartbeat(self._heartbeat())
+                            answer = await client.heartbeat(self._heartbeat())
+                            if self.rtt is not None:  # whom the tracker wants measured next
+                                self.rtt.hint(parse_hints(answer.get("probe")))
                             self.counters.heartbeats += 1
                             self.metrics.inc("swarm_node_tracker_calls_total", kind="heartbeat", outcome="ok")
                     await trio.sleep(interval)
@@ -637,6 +652,7 @@ class NodeDaemon:
             "tracker_in_use": self._tracker_client.url if self._tracker_client is not None else None,
             "tracker_failovers": self._tracker_client.failovers if self._tracker_client is not None else 0,
             "region": self.config.region,
+            "rtt": dataclasses.asdict(self.rtt.statistics()) if self.rtt is not None else None,
             "relay": self._relay_status(),
             "join": self._join_status(),
         }

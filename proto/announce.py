@@ -31,6 +31,7 @@ MAX_LAYERS = 100_000
 MAX_USAGE_ENTRIES = 256
 MAX_RTT_SAMPLES = 32  # RTT samples per heartbeat or gateway report (docs/tracker.md, Network coordinates)
 MAX_RTT_MS = 60_000.0
+MIN_RTT_MS = 0.001  # one microsecond: anything shorter is not a measurement
 MAX_UPLINK_MBIT_S = 1_000_000.0
 
 
@@ -125,7 +126,7 @@ class RttSample:
     def from_json(cls, obj: Any, where: str) -> RttSample:
         o = _obj(obj, where)
         _check_keys(o, frozenset({"peer_id", "rtt_ms"}), where)
-        return cls(_hex64(o, "peer_id", where), _num(o, "rtt_ms", 0.0, MAX_RTT_MS, where, open_lo=True))
+        return cls(_hex64(o, "peer_id", where), _num(o, "rtt_ms", MIN_RTT_MS, MAX_RTT_MS, where))
 
     def to_json(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "rtt_ms": self.rtt_ms}

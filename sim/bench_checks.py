@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from node.shard import read_model_meta
     from node.testmodel import test_model_path
     from sim.liars import start_liar_swarm
-    from tests.e2e.swarm_helpers import Reference
+    from sim.reference import Reference
 
     model = test_model_path()
     work = Path(tempfile.mkdtemp(prefix="bench-checks-"))

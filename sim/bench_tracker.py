@@ -9,7 +9,12 @@ Usage::
 Part 1 times the pure functions (``select_routes`` k=1 and k=4, ``recommend_span``)
 on synthetic swarms of 10, 1 000 and 10 000 nodes, one shard each, spans drawn
 on a 30-layer and an 80-layer model with boundaries on a coarse grid (as
-placement produces); the first nodes always form one complete chain. Part 2
+placement produces); the first nodes always form one complete chain. The same
+swarms are timed again with network coordinates (``coords_k1``/``coords_k4``):
+every node placed around one of six region centres (a world-like layout, 40-200
+ms between regions, heights 1-25 ms, uplinks 20/100/500 Mbit/s) and the route
+asked for a gateway in the first region -- the search the tracker runs once
+nodes have measured each other. Part 2
 starts ``swarm-tracker serve`` on SQLite in a child
 process (port 0, learnt from ``--port-file``), then this process announces
 ``--nodes`` nodes and sends heartbeats from ``--concurrency`` trio tasks over
@@ -32,6 +37,7 @@ Prints a table and writes everything as JSON to ``--out``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tracker.coordinates import NetCoord  # noqa: E402
 from tracker.placement import recommend_span  # noqa: E402
 from tracker.routing import select_routes  # noqa: E402
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot  # noqa: E402
@@ -87,6 +94,25 @@ def synthetic_swarm(n_nodes: int, n_layers: int, seed: int) -> SwarmSnapshot:
     return SwarmSnapshot(models=(ModelInfo(FP, "bench", n_layers, 576),), shards=tuple(shards))
 
 
+def with_coordinates(snap: SwarmSnapshot, seed: int) -> tuple[SwarmSnapshot, NetCoord]:
+    """The swarm placed around six region centres (see the module docstring), and a gateway."""
+    rng = random.Random(seed)
+    centres = [(rng.uniform(-100, 100), rng.uniform(-100, 100), rng.uniform(-30, 30)) for _ in range(6)]
+    shards = tuple(
+        dataclasses.replace(
+            s,
+            coord=NetCoord(
+                tuple(x + rng.gauss(0.0, 8.0) for x in rng.choice(centres)),  # type: ignore[arg-type]
+                rng.uniform(1.0, 25.0),
+                rng.uniform(0.05, 0.3),
+            ),
+            uplink_mbit_s=rng.choice([20.0, 100.0, 500.0]),
+        )
+        for s in snap.shards
+    )
+    return dataclasses.replace(snap, shards=shards), NetCoord(centres[0], 1.0, 0.05)
+
+
 def _time_ms(fn: Any, repeats: int) -> dict[str, float]:
     samples = []
     for _ in range(repeats):
@@ -114,6 +140,14 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
                     lambda k=k, snap=snap, rng=rng: select_routes(snap, FP, k, rng=rng), repeats
                 )
             row["routes_found_k4"] = len(select_routes(snap, FP, 4, rng=rng).routes)
+            placed, origin = with_coordinates(snap, seed=n)
+            for k in (1, 4):
+                row[f"coords_k{k}"] = _time_ms(
+                    lambda k=k, snap=placed, rng=rng, origin=origin: select_routes(
+                        snap, FP, k, rng=rng, origin=origin
+                    ),
+                    repeats,
+                )
             row["recommend_span"] = _time_ms(
                 lambda snap=snap, rng=rng: recommend_span(snap, FP, 8, rng=rng), repeats
             )
@@ -546,13 +580,14 @@ def main(
         "routing": bench_routing([10, 1000, 10000], [30, 80]),
     }
     print(
-        f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'recommend ms':>13} "
-        f"{'routes(k=4)':>11}"
+        f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'coords k=1':>11} "
+        f"{'coords k=4':>11} {'recommend ms':>13} {'routes(k=4)':>11}"
     )
     for r in results["routing"]:
         print(
             f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>14.2f} "
-            f"{r['select_routes_k4']['median_ms']:>14.2f} {r['recommend_span']['median_ms']:>13.2f} "
+            f"{r['select_routes_k4']['median_ms']:>14.2f} {r['coords_k1']['median_ms']:>11.2f} "
+            f"{r['coords_k4']['median_ms']:>11.2f} {r['recommend_span']['median_ms']:>13.2f} "
             f"{r['routes_found_k4']:>11}"
         )
     if not skip_http:

@@ -17,12 +17,14 @@ import click
 from sim.des.config import Scenario, ScenarioError, load_scenario, with_policy
 
 POLICY_HELP = (
-    "a policy: 'ours' (tracker placement and routing), 'random-placement', 'nearest-routing', "
-    "'baseline' (both baselines), or 'placement=tracker|random,routing=tracker|nearest'"
+    "a policy: 'ours' (tracker placement and routing), 'blind-routing' (tracker routing without "
+    "network coordinates, as before them), 'random-placement', 'nearest-routing', 'baseline' (both "
+    "baselines), or 'placement=tracker|random,routing=tracker|blind|nearest'"
 )
 
 _NAMED = {
     "ours": ("tracker", "tracker"),
+    "blind-routing": ("tracker", "blind"),
     "random-placement": ("random", "tracker"),
     "nearest-routing": ("tracker", "nearest"),
     "baseline": ("random", "nearest"),

@@ -4,7 +4,8 @@ Every node that announces (or comes back after expiring) waits in state
 ``challenging`` until this runner has, through ``common.grpc_adapter``:
 
 1. asked ``Info`` at the node's announced address and checked that the node
-   there has the announced key, model and span;
+   there has the announced key, model and span, and a runtime recipe whose
+   fingerprint its fields hash to;
 2. opened a Route Session on it alone, with a tracker-signed ticket for a
    one-hop route (no downstream, so the node answers with its output rows);
 3. sent one PREFILL of the span's challenge input (``tracker/challenge.py``)
@@ -25,13 +26,14 @@ nodes still ``challenging``), one in flight per node, each attempt within
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -39,6 +41,7 @@ from common.grpc_adapter import Grpc, RpcError, StreamClosed
 from common.logs import event
 from proto import codec
 from proto.errors import ProtocolError, error_from_body
+from proto.recipe import Recipe
 from proto.signing import RouteTicket, TicketHop, route_ticket_bytes, sign_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, status_pb2
 from tracker.challenge import TOP_LOGPROBS, ChallengeInput, challenge_input, sampled_digest, verdict
@@ -166,7 +169,17 @@ class Challenger:
     ) -> Outcome:
         reg = self.registry
         moved = await reg._db(
-            _finish_call(reg, target, recipe, input_id, digest, outcome, detail, routable, self.clock())
+            functools.partial(
+                reg.store.finish_challenge,
+                target,
+                recipe=recipe,
+                input_id=input_id,
+                digest=digest,
+                outcome=outcome,
+                detail=detail,
+                routable=routable,
+                now_s=self.clock(),
+            )
         )
         if moved:
             reg.invalidate_snapshot()
@@ -214,6 +227,12 @@ class Challenger:
             raise ChallengeFailed("the node at the announced address serves another model or span")
         if info.model.n_embd != target.n_embd or info.model.n_vocab < 1:
             raise ChallengeFailed("the node reports another width than the model's, or no vocabulary")
+        claimed = Recipe.from_wire(info.recipe)
+        if (
+            claimed.fingerprint() != info.recipe.fingerprint
+            or claimed.model_fingerprint != target.model_fingerprint
+        ):
+            raise ChallengeFailed("the node's runtime recipe does not hash to the fingerprint it gives")
         recipe = info.recipe.fingerprint
         spec = challenge_input(
             self._secret,
@@ -344,29 +363,3 @@ def _digest(
     if claimed != digest:
         raise ChallengeFailed("the node's output digest does not match the rows it sent")
     return digest.hex()
-
-
-def _finish_call(
-    reg: Registry,
-    target: ChallengeTarget,
-    recipe: str,
-    input_id: str,
-    digest: str,
-    outcome: str,
-    detail: str,
-    routable: bool,
-    now_s: float,
-) -> Callable[[], Any]:
-    def call() -> bool:
-        return reg.store.finish_challenge(
-            target,
-            recipe=recipe,
-            input_id=input_id,
-            digest=digest,
-            outcome=outcome,
-            detail=detail,
-            routable=routable,
-            now_s=now_s,
-        )
-
-    return call

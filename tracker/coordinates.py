@@ -73,7 +73,7 @@ What a liar can do (and what it cannot)
       place only that gateway, and so only change its own routes.
 
 Bounds
-    A claim's RTT is in ``(0, MAX_RTT_MS]``; a refit looks at most
+    A claim's RTT is in ``[MIN_RTT_MS, MAX_RTT_MS]`` (others are skipped); a refit looks at most
     ``MAX_OBSERVATIONS`` observations; every step is clipped (above).
 """
 
@@ -88,6 +88,7 @@ DIMENSIONS = 3
 MIN_HEIGHT_MS = 0.05
 MIN_ERROR = 0.01
 MAX_RTT_MS = 60_000.0
+MIN_RTT_MS = 0.001  # a claim below one microsecond is not a measurement
 MAX_CLAIMS_PER_REPORTER = 32  # peers whose latest RTT claim the tracker keeps per reporter
 MAX_OBSERVATIONS = 96  # observations one refit looks at
 DISPUTE_SLACK_MS = 10.0  # two claims within this (plus the ratio) never dispute: jitter on short paths
@@ -154,13 +155,6 @@ def _unit_from_key(key: str, salt: int) -> Vec:
     return (v[0] / norm, v[1] / norm, v[2] / norm)
 
 
-def own_rtt(x0: float, x1: float, x2: float, h: float, o: Observation) -> float:
-    """Predicted RTT from the point (x0, x1, x2) with height h to the observation's peer."""
-    y0, y1, y2 = o.peer.vec
-    euclid = math.sqrt((x0 - y0) ** 2 + (x1 - y1) ** 2 + (x2 - y2) ** 2)
-    return euclid + h + max(o.peer.height_ms, MIN_HEIGHT_MS)
-
-
 def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DEFAULT_PARAMS) -> NetCoord:
     """``own`` after ``params.passes`` Vivaldi steps over ``obs`` (in the order given, at most
     ``MAX_OBSERVATIONS`` of them). Observations with a non-finite or out-of-range RTT or peer
@@ -168,45 +162,63 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
     x0, x1, x2 = own.vec
     h = max(own.height_ms, MIN_HEIGHT_MS)
     e = min(max(own.error, MIN_ERROR), 1.0)
-    usable = [o for o in obs[:MAX_OBSERVATIONS] if 0.0 < o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
+    # (peer x, y, z, height, error, rtt, key) of the usable observations, read once.
+    peers = [
+        (
+            o.peer.vec[0],
+            o.peer.vec[1],
+            o.peer.vec[2],
+            max(o.peer.height_ms, MIN_HEIGHT_MS),
+            min(max(o.peer.error, MIN_ERROR), 1.0),
+            o.rtt_ms,
+            o.peer_key,
+        )
+        for o in obs[:MAX_OBSERVATIONS]
+        if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()
+    ]
+    sqrt, log = math.sqrt, math.log
+    floor_ratio = log(params.min_outlier_ratio)
     for p in range(params.passes):
         # Robust filter: an observation whose RTT is further off the current prediction than
         # ``outlier_factor`` times this endpoint's typical misfit (the ``outlier_quantile`` of its
         # misfits, in log ratio; at least a factor ``min_outlier_ratio``) counts less, and beyond
         # twice that not at all, this pass. With liars under a quarter of the observations the
         # reference is an honest misfit, so wild claims do nothing and mild ones do little.
-        misfit = [abs(math.log(o.rtt_ms / own_rtt(x0, x1, x2, h, o))) for o in usable]
+        misfit = [
+            abs(log(rtt / (sqrt((x0 - y0) ** 2 + (x1 - y1) ** 2 + (x2 - y2) ** 2) + h + hj)))
+            for y0, y1, y2, hj, _ej, rtt, _k in peers
+        ]
+        cutoff = 0.0
         if misfit:
             ordered = sorted(misfit)
             typical = ordered[min(len(ordered) - 1, int(params.outlier_quantile * len(ordered)))]
-            cutoff = max(params.outlier_factor * typical, math.log(params.min_outlier_ratio))
-        for o, m in zip(usable, misfit, strict=True):
+            cutoff = max(params.outlier_factor * typical, floor_ratio)
+        for (y0, y1, y2, hj, ej, rtt, key), m in zip(peers, misfit, strict=True):
             if m > 2.0 * cutoff:
                 continue
             trust = 1.0 if m <= cutoff else (cutoff / m) ** 2
-            y0, y1, y2 = o.peer.vec
-            hj = max(o.peer.height_ms, MIN_HEIGHT_MS)
-            ej = min(max(o.peer.error, MIN_ERROR), 1.0)
             d0, d1, d2 = x0 - y0, x1 - y1, x2 - y2
-            euclid = math.sqrt(d0 * d0 + d1 * d1 + d2 * d2)
+            euclid = sqrt(d0 * d0 + d1 * d1 + d2 * d2)
             dist = euclid + h + hj
-            residual = o.rtt_ms - dist  # > 0: too close in the model, move away
+            residual = rtt - dist  # > 0: too close in the model, move away
             weight = e / (e + ej)
-            rel = abs(residual) / o.rtt_ms
             gain = params.ce * weight * trust
-            e = min(max(rel * gain + e * (1.0 - gain), MIN_ERROR), 1.0)
+            e = min(max(abs(residual) / rtt * gain + e * (1.0 - gain), MIN_ERROR), 1.0)
             limit = max(params.max_step_floor_ms, params.max_step_ratio * dist)
             residual = min(max(residual, -limit), limit)
             step = params.cc * weight * trust * residual
-            if euclid > 1e-9:
-                u0, u1, u2 = d0 / euclid, d1 / euclid, d2 / euclid
-            else:
-                u0, u1, u2 = _unit_from_key(o.peer_key, p)
             # Height-vector arithmetic: moving along the unit vector of [x - y, h + hj], whose
             # norm is the predicted RTT, changes the position and the height in proportion.
-            x0 += step * u0 * euclid / dist if euclid > 1e-9 else step * u0
-            x1 += step * u1 * euclid / dist if euclid > 1e-9 else step * u1
-            x2 += step * u2 * euclid / dist if euclid > 1e-9 else step * u2
+            if euclid > 1e-9:
+                scale = step / dist
+                x0 += scale * d0
+                x1 += scale * d1
+                x2 += scale * d2
+            else:  # two coincident points: a direction from the peer's id
+                u0, u1, u2 = _unit_from_key(key, p)
+                x0 += step * u0
+                x1 += step * u1
+                x2 += step * u2
             h = max(MIN_HEIGHT_MS, h + step * (h + hj) / dist)
     if not all(math.isfinite(v) for v in (x0, x1, x2, h, e)):
         return own
@@ -319,6 +331,7 @@ __all__ = [
     "MAX_CLAIMS_PER_REPORTER",
     "MAX_OBSERVATIONS",
     "MAX_RTT_MS",
+    "MIN_RTT_MS",
     "MIN_ERROR",
     "MIN_HEIGHT_MS",
     "NetCoord",

@@ -360,6 +360,11 @@ class _Graph:
                 entry = np.where(self.has, self.leg_weight * legs, entry)
             self.entry_arr = entry
             self.entry = entry.tolist()
+            self.start_groups = {x: np.asarray(g, dtype=np.intp) for x, g in self.by_start.items()}
+            ends: dict[int, list[int]] = {}
+            for i, e in enumerate(self.end_of):
+                ends.setdefault(e, []).append(i)
+            self.end_groups = {x: np.asarray(g, dtype=np.intp) for x, g in ends.items()}
         self.exit = self.entry  # one-way latency is symmetric
 
     # -- costs of single links ---------------------------------------------------------------------------
@@ -429,23 +434,13 @@ class _Graph:
         return self._shortest_flat(cost)
 
     def _finish(
-        self, last: list[int], dist: list[float] | FloatArray, first_of: list[int], pred: list[int]
+        self, last: list[int], dist: list[float], first_of: list[int], pred: list[int]
     ) -> tuple[int, ...] | None:
         """The best complete path among the shards ending at L, with the ring and exit priced exactly."""
         if not last:
             return None
         ties = self.ties
-        if self.positioned and not self.latency and len(last) > 8:
-            lst = np.asarray(last, dtype=np.intp)
-            heads = np.asarray([first_of[p] for p in last], dtype=np.intp)
-            diff = self.pos[lst] - self.pos[heads]
-            ring = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h[lst] + self.half_h[heads]
-            ring = np.where(self.has[lst] & self.has[heads], ring, self.default_ms)
-            ring = np.where(lst == heads, 0.0, self.ring_weight * ring)
-            total = np.asarray(dist)[lst] + ring + self.entry_arr[lst]
-            j = int(lst[np.lexsort((self.tie_arr[lst], total))[0]])
-        else:
-            j = min(last, key=lambda p: (dist[p] + self.ring_ms(p, first_of[p]) + self.exit[p], ties[p]))
+        j = min(last, key=lambda p: (dist[p] + self.ring_ms(p, first_of[p]) + self.exit[p], ties[p]))
         path = []
         while j >= 0:
             path.append(j)
@@ -533,64 +528,77 @@ class _Graph:
         """With network coordinates: per boundary, the undominated predecessors price every
         successor in one vectorised step (see the module docstring)."""
         n = len(cost)
-        dist = np.full(n, _INF)
-        pred = [-1] * n
-        first_of = [-1] * n
         cost_arr = np.asarray(cost, dtype=float)
-        ends_at: dict[int, list[int]] = {}
+        dist = np.full(n, _INF)
+        pred = np.full(n, -1, dtype=np.intp)
+        first = np.full(n, -1, dtype=np.intp)
         default = self.default_ms
         for x in self.starts:
-            here = np.asarray([j for j in self.by_start[x] if cost[j] < _INF], dtype=np.intp)
+            here = self.start_groups[x]
+            here = here[cost_arr[here] < _INF]  # infinite cost = banned shard
             if here.size == 0:
                 continue
             if x == 0:
                 dist[here] = self.entry_arr[here] + cost_arr[here]
-                for j in here.tolist():
-                    first_of[j] = j
-            else:
-                pl = ends_at.get(x)
-                if not pl:
-                    continue
-                preds = np.asarray(pl, dtype=np.intp)
-                before = dist[preds] + self.tx_arr[preds]  # each one's value before the hop's latency
-                # A successor without a usable coordinate: the cheapest predecessor, plus the default.
-                cheapest = int(np.lexsort((self.tie_arr[preds], before))[0])
-                best = np.full(here.size, float(before[cheapest]) + default)
-                choice = np.full(here.size, int(preds[cheapest]), dtype=np.intp)
-                placed = self.has[here]
-                if placed.any():
-                    succ = here[placed]
-                    # One with a coordinate: the cheapest predecessor without one, plus the default ...
-                    sub_best = np.full(succ.size, _INF)
-                    sub_choice = np.full(succ.size, -1, dtype=np.intp)
-                    unplaced = preds[~self.has[preds]]
-                    if unplaced.size:
-                        u = int(
-                            np.lexsort((self.tie_arr[unplaced], dist[unplaced] + self.tx_arr[unplaced]))[0]
-                        )
-                        p0 = int(unplaced[u])
-                        sub_best[:] = dist[p0] + self.tx[p0] + default
-                        sub_choice[:] = p0
-                    # ... or the best of the undominated predecessors with one, at the predicted latency.
-                    with_pos = preds[self.has[preds]]
-                    if with_pos.size:
-                        a = dist[with_pos] + self.tx_arr[with_pos] + self.half_h[with_pos]
-                        keep = _frontier(a, self.pos[with_pos], self.tie_arr[with_pos])
-                        front = with_pos[keep]
-                        value, arg = _price(a[keep], self.pos[front], self.pos[succ])
-                        value = value + self.half_h[succ]
-                        better = value < sub_best
-                        sub_best = np.where(better, value, sub_best)
-                        sub_choice = np.where(better, front[arg], sub_choice)
-                    best[placed] = sub_best
-                    choice[placed] = sub_choice
-                dist[here] = best + cost_arr[here]
-                for j, p in zip(here.tolist(), choice.tolist(), strict=True):
-                    pred[j] = p
-                    first_of[j] = first_of[p]
-            for j in here.tolist():
-                ends_at.setdefault(self.end_of[j], []).append(j)
-        return self._finish(ends_at.get(self.n_layers, []), dist, first_of, pred)
+                first[here] = here
+                continue
+            preds = self.end_groups.get(x)
+            if preds is None:
+                continue
+            preds = preds[dist[preds] < _INF]  # shards ending here that a chain reaches
+            if preds.size == 0:
+                continue
+            before = dist[preds] + self.tx_arr[preds]  # each one's value before the hop's latency
+            # A successor without a usable coordinate: the cheapest predecessor, plus the default.
+            cheapest = int(np.lexsort((self.tie_arr[preds], before))[0])
+            best = np.full(here.size, float(before[cheapest]) + default)
+            choice = np.full(here.size, int(preds[cheapest]), dtype=np.intp)
+            placed = self.has[here]
+            if placed.any():
+                succ = here[placed]
+                # One with a coordinate: the cheapest predecessor without one, plus the default ...
+                sub_best = np.full(succ.size, _INF)
+                sub_choice = np.full(succ.size, -1, dtype=np.intp)
+                unplaced = preds[~self.has[preds]]
+                if unplaced.size:
+                    u = int(np.lexsort((self.tie_arr[unplaced], dist[unplaced] + self.tx_arr[unplaced]))[0])
+                    p0 = int(unplaced[u])
+                    sub_best[:] = dist[p0] + self.tx[p0] + default
+                    sub_choice[:] = p0
+                # ... or the best of the undominated predecessors with one, at the predicted latency.
+                with_pos = preds[self.has[preds]]
+                if with_pos.size:
+                    a = dist[with_pos] + self.tx_arr[with_pos] + self.half_h[with_pos]
+                    keep = _frontier(a, self.pos[with_pos], self.tie_arr[with_pos])
+                    front = with_pos[keep]
+                    value, arg = _price(a[keep], self.pos[front], self.pos[succ])
+                    value = value + self.half_h[succ]
+                    better = value < sub_best
+                    sub_best = np.where(better, value, sub_best)
+                    sub_choice = np.where(better, front[arg], sub_choice)
+                best[placed] = sub_best
+                choice[placed] = sub_choice
+            dist[here] = best + cost_arr[here]
+            pred[here] = choice
+            first[here] = first[choice]  # (a choice of -1 only where dist is infinite)
+        lasts = self.end_groups.get(self.n_layers)
+        if lasts is None:
+            return None
+        lasts = lasts[dist[lasts] < _INF]
+        if lasts.size == 0:
+            return None
+        heads = first[lasts]
+        diff = self.pos[lasts] - self.pos[heads]
+        ring = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h[lasts] + self.half_h[heads]
+        ring = np.where(self.has[lasts] & self.has[heads], ring, default)
+        ring = np.where(lasts == heads, 0.0, self.ring_weight * ring)
+        total = dist[lasts] + ring + self.entry_arr[lasts]  # exit = entry: latency is symmetric
+        j = int(lasts[np.lexsort((self.tie_arr[lasts], total))[0]])
+        path = []
+        while j >= 0:
+            path.append(j)
+            j = int(pred[j])
+        return tuple(reversed(path))
 
 
 def _pairwise_distances(a: FloatArray, b: FloatArray) -> FloatArray:

@@ -337,7 +337,12 @@ class Registry:
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
             self._snapshot_stale = True  # routes for this gateway are priced from its new position
-        return {"recorded": True, "node_speeds": observed}
+        # Random live nodes for the gateway to measure too (nodes cannot measure a gateway back).
+        return {
+            "recorded": True,
+            "node_speeds": observed,
+            "probe": await self._probe_hints(g.gateway_id, None),
+        }
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
         payload, nonce = self._open(envelope, "usage", signer_field="gateway_id")
@@ -492,10 +497,17 @@ class Registry:
 
     @staticmethod
     def resolve_model(snap: SwarmSnapshot, model: str) -> ModelInfo:
-        """A fingerprint, or a name (the fingerprint with the most live shards wins)."""
+        """A fingerprint, or a name: a registered name resolves only to its registered fingerprint;
+        among unregistered ones the fingerprint with the most live shards wins."""
         found = snap.model(model)
         if found is not None:
             return found
+        bound = snap.registered_names.get(model)
+        if bound is not None:
+            info = snap.model(bound)
+            if info is None:  # registered moments ago: the snapshot lists registered models
+                raise UnknownModel(f"model {model!r} is registered to {bound[:16]}, which is not known yet")
+            return info
         named = [m for m in snap.models if m.name == model]
         if not named:
             raise UnknownModel(f"no model with fingerprint or name {model!r}")
@@ -696,6 +708,8 @@ class Registry:
         snap = await self.snapshot()
         out = []
         for m in snap.models:
+            if snap.registered_names.get(m.name, m.fingerprint) != m.fingerprint:
+                continue  # its name is registered to another model: listed (and reached) by that one
             shards = [s for s in snap.shards if s.model_fingerprint == m.fingerprint]
             cover = layer_coverage(snap, m.fingerprint, m.n_layers)
             routable = bool(select_routes(snap, m.fingerprint, 1, rng=random.Random(0)).routes)

@@ -86,6 +86,8 @@ class SwarmSnapshot:
     # a gateway is priced from where that gateway is (``select_routes(origin=...)``).
     gateway_coords: dict[str, NetCoord] = field(default_factory=dict)
     probation_penalty_ms: float = 0.0  # extra cost of a shard on probation
+    # Model names an operator registered, and the one fingerprint each resolves to.
+    registered_names: dict[str, str] = field(default_factory=dict)
 
     def model(self, fingerprint: str) -> ModelInfo | None:
         """The model with this fingerprint, or None."""

@@ -22,7 +22,7 @@ from proto.announce import Announce, GatewayStats, Heartbeat, Leave, RttSample, 
 from proto.signing import SignatureError
 from tracker import coordinates
 from tracker.coordinates import NetCoord
-from tracker.errors import Banned, Conflict, UnknownNode
+from tracker.errors import Banned, Conflict, NameBound, UnknownNode
 from tracker.migrate import upgrade_if_needed
 from tracker.models import (
     NODE_BANNED,
@@ -218,6 +218,14 @@ class Store(TrustStore):
     ) -> AnnounceResult:
         with Session(self.engine) as s, s.begin():
             self.check_announce(s, a, remote, now_s)
+            bound = s.scalars(
+                select(RegisteredModel.fingerprint).where(RegisteredModel.name == a.model.name)
+            ).first()
+            if bound is not None and bound != a.model.fingerprint:
+                raise NameBound(
+                    f"the model name {a.model.name!r} is registered to fingerprint {bound[:16]}; this node "
+                    f"serves {a.model.fingerprint[:16]} (announce it under another name)"
+                )
             self._consume_nonce(s, nonce, now_s)
             model = s.get(Model, a.model.fingerprint)
             if model is None:
@@ -318,9 +326,9 @@ class Store(TrustStore):
             if state == NODE_LEFT:
                 raise UnknownNode(f"node {h.node_id} left the swarm: announce to rejoin")
             if state == NODE_BANNED:
-                until = self.banned_until(conn, h.node_id, now_s)
-                if until is not None:
-                    raise Banned(f"node {h.node_id[:16]} is banned for {until - now_s:.0f} s more")
+                ban = self.ban_of(conn, h.node_id, now_s)
+                if ban is not None:
+                    raise Banned(f"node {h.node_id[:16]} is banned for {ban[0] - now_s:.0f} s more: {ban[1]}")
                 raise UnknownNode(f"node {h.node_id} was banned and the ban ran out: announce to rejoin")
             self._consume_nonce(conn, nonce, now_s)
             new_state = state
@@ -436,14 +444,17 @@ class Store(TrustStore):
         return out
 
     def leave(self, msg: Leave, now_s: float, nonce: NonceRecord | None = None) -> LeaveResult:
-        """Take the node out of routing now (state ``left``); its sessions drain on the node."""
+        """Take the node out of routing now (state ``left``, or still ``banned``); its sessions drain
+        on the node."""
         with self.engine.begin() as conn:
             state = conn.execute(select(Node.state).where(Node.id == msg.node_id)).scalar_one_or_none()
             if state is None:
                 raise UnknownNode(f"node {msg.node_id} is not registered")
             self._consume_nonce(conn, nonce, now_s)
+            # A banned node stays banned: leaving must not wipe the state its ban put it in.
+            new_state = NODE_BANNED if state == NODE_BANNED else NODE_LEFT
             conn.execute(
-                update(Node).where(Node.id == msg.node_id).values(state=NODE_LEFT, last_seen_s=now_s)
+                update(Node).where(Node.id == msg.node_id).values(state=new_state, last_seen_s=now_s)
             )
             conn.execute(
                 update(Shard).where(Shard.node_id == msg.node_id).values(active_sessions=0, tokens_per_s=None)
@@ -797,6 +808,7 @@ class Store(TrustStore):
             relay_penalty_ms=relay_penalty_ms,
             gateway_coords=gateway_coords,
             probation_penalty_ms=probation_penalty_ms,
+            registered_names={m.name: fp for fp, m in registered.items()},
         )
 
     def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:

@@ -116,9 +116,14 @@ class TrustStore:
                 f"host {ban.host} is banned for new nodes for {ban.until_s - now_s:.0f} s more: {ban.reason}"
             )
 
-    def banned_until(self, s: Session | Connection, node_id: str, now_s: float) -> float | None:
-        until = s.execute(select(Reputation.banned_until_s).where(Reputation.node_id == node_id)).scalar()
-        return until if until is not None and until > now_s else None
+    def ban_of(self, s: Session | Connection, node_id: str, now_s: float) -> tuple[float, str] | None:
+        """``(until, reason)`` of the node's ban while it lasts, else None."""
+        row = s.execute(
+            select(Reputation.banned_until_s, Reputation.ban_reason).where(Reputation.node_id == node_id)
+        ).first()
+        if row is None or row[0] is None or row[0] <= now_s:
+            return None
+        return float(row[0]), str(row[1])
 
     def record_observed(self, s: Session, g: GatewayStats, now_s: float, alpha: float) -> int:
         """Fold a gateway's measured decode times into the shards' observed speed (EWMA)."""

@@ -66,6 +66,10 @@ class NetworkConfig:
     access_latency_ms_max: float = 0.3
     gateway_regions: tuple[str, ...] = ()  # one gateway per entry; empty = one in the first region
     gateway_bandwidth_mbps: float = 10_000.0  # gateways sit in data centres; not a bottleneck by default
+    # Network coordinates (routing "tracker"): random peers a tracker asks each node to measure per
+    # heartbeat, and the queueing noise of a measured round trip (true RTT times uniform [1, 1 + this]).
+    rtt_probes_per_heartbeat: int = 2
+    rtt_noise: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -125,12 +129,18 @@ class GatewayConfig:
     max_route_ms_per_token: float = 0.0
     prefill_chunk_tokens: int = 256
     step_token_budget: int = 512  # tokens one batch step of a node may hold (decode first)
+    # "relay": every hop is gateway -> stage -> gateway; "push": stages send hidden states to the next
+    # stage and the last one the sampled token to the gateway and, for the next step, to the first.
+    data_plane: str = "relay"
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
     placement: str = "tracker"  # "tracker" (tracker.placement.recommend_span) or "random"
-    routing: str = "tracker"  # "tracker" (tracker.routing.select_routes) or "nearest"
+    # "tracker": tracker.routing.select_routes with network coordinates (measured in the simulation)
+    # and the asking gateway's position; "blind": the same function without coordinates (the
+    # tracker before coordinates: every hop the same default latency); "nearest": the baseline.
+    routing: str = "tracker"
 
 
 @dataclass(frozen=True)
@@ -249,8 +259,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 def _validate_policy(policy: PolicyConfig) -> None:
     if policy.placement not in ("tracker", "random"):
         raise ScenarioError(f"policy.placement must be 'tracker' or 'random', got {policy.placement!r}")
-    if policy.routing not in ("tracker", "nearest"):
-        raise ScenarioError(f"policy.routing must be 'tracker' or 'nearest', got {policy.routing!r}")
+    if policy.routing not in ("tracker", "blind", "nearest"):
+        raise ScenarioError(f"policy.routing must be 'tracker', 'blind' or 'nearest', got {policy.routing!r}")
 
 
 def _validate(s: Scenario) -> None:
@@ -293,6 +303,9 @@ def _validate(s: Scenario) -> None:
     need(0 <= s.workload.start_s < s.run.duration_s, "workload.start_s must be in [0, run.duration_s)")
     need(s.gateway.max_route_ms_per_token >= 0, "gateway.max_route_ms_per_token must be >= 0")
     need(s.gateway.routes_k >= 1, "gateway.routes_k must be >= 1")
+    need(s.gateway.data_plane in ("relay", "push"), "gateway.data_plane must be 'relay' or 'push'")
+    need(s.network.rtt_probes_per_heartbeat >= 0, "network.rtt_probes_per_heartbeat must be >= 0")
+    need(0 <= s.network.rtt_noise <= 10, "network.rtt_noise must be in [0, 10]")
     need(s.gateway.prefill_chunk_tokens >= 1, "gateway.prefill_chunk_tokens must be >= 1")
     need(
         s.gateway.step_token_budget >= s.gateway.prefill_chunk_tokens,

@@ -1,9 +1,14 @@
-"""The gateway: admission, Route Sessions, frame relay and recovery.
+"""The gateway: admission, Route Sessions, the data plane and recovery.
 
-Topology (the gateway-relayed data plane, docs/simulation.md): the gateway
+Data planes (``gateway.data_plane``, docs/simulation.md). ``relay``: the gateway
 opens one stream per stage and relays every frame, so a hop is gateway ->
-stage -> gateway. The first stage receives token ids, later stages hidden states
-(``n_tokens * n_embd * 2`` bytes), the last stage returns the sampled token.
+stage -> gateway. ``push``: the gateway sends token ids to the first stage; each
+stage pushes its hidden states straight to the next; the last stage sends the
+sampled token to the gateway and, for the next decode step, straight to the
+first stage (the decode ring), so decode runs without the gateway. The first
+stage receives token ids, later stages hidden states (``n_tokens * n_embd * 2``
+bytes), the last stage sends the sampled token. Recovery replays through the
+gateway in both.
 
 Routes
     Each gateway keeps, per model, a pool of ``routes_k`` data-parallel routes
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 from sim.des.config import GatewayConfig, ModelConfig
 from sim.des.events import EventLoop
+from sim.des.geography import Geography
 from sim.des.metrics import Metrics
 from sim.des.node import GONE, SERVING, SimNode, WorkItem
 from sim.des.policies import PlannedRoute, Routing
@@ -67,8 +73,13 @@ class Gateways:
         metrics: Metrics,
         rng: random.Random,
         on_session_left_node: Callable[[SimNode], None],
+        geo: Geography | None = None,
     ) -> None:
         self.cfg = cfg
+        self._push = cfg.data_plane == "push"
+        self._geo = geo
+        if self._push and geo is None:
+            raise ValueError("the push data plane needs the geography (node-to-node latency)")
         self.models = models
         self.fingerprints = fingerprints
         self.n_gateways = n_gateways
@@ -189,8 +200,30 @@ class Gateways:
             n.sessions[s.id] = s
         self.metrics.stages_per_session[len(route)] += 1
         s.phase = PREFILL
+        s.ring_prefill = s.ring_tokens = 0
         self._send_prefill(s)
         return True
+
+    def pools(self) -> list[list[str]]:
+        """Per gateway: the node ids of its pooled routes (what it measures for coordinates)."""
+        out: list[list[str]] = [[] for _ in range(self.n_gateways)]
+        for (g, _m), pool in sorted(self._pools.items()):
+            seen = dict.fromkeys(out[g])
+            for route, _ in pool.routes:
+                for n in route:
+                    seen[n.node_id] = None
+            out[g] = list(seen)
+        return out
+
+    def push_pairs(self) -> list[tuple[str, str]]:
+        """(stage, next stage) of every running session's route, with the ring (last, first)."""
+        pairs: dict[tuple[str, str], None] = {}
+        for s in self.sessions.values():
+            r = s.route
+            for a, b in zip(r, r[1:] + r[:1], strict=True):
+                if a is not b:
+                    pairs[(a.node_id, b.node_id)] = None
+        return list(pairs)
 
     # -- the session's work ----------------------------------------------------
     def _send(self, s: Session, item: WorkItem, hidden: bool) -> None:
@@ -212,9 +245,22 @@ class Gateways:
         ctx = s.prompt_tokens + s.tokens_out
         self._send(s, WorkItem(s, 0, len(s.route) - 1, 1, float(ctx), True, "decode"), hidden=False)
 
-    def on_output(self, node: SimNode, item: WorkItem, t_at_gateway: float) -> None:
-        """A stage's output frame reached (at ``t_at_gateway``) the gateway, which relays it."""
+    def on_output(self, node: SimNode, item: WorkItem, t_sent: float) -> None:
+        """A stage's output frame left ``node``'s uplink at ``t_sent``."""
         s = item.session
+        if self._push:
+            if item.stale:
+                return
+            if item.hop < item.last_hop:  # straight to the next stage
+                nxt = s.route[item.hop + 1]
+                item.hop += 1
+                self.loop.schedule_at(t_sent + self._one_way_s(node, nxt), nxt.arrive, item)
+                return
+            if item.kind != "replay" and item.last_hop == len(s.route) - 1:
+                self._ring(node, item, t_sent)
+            self.loop.schedule_at(t_sent + node.gateway_latency_s[s.gateway], self._pass_done, item)
+            return
+        t_at_gateway = t_sent + node.gateway_latency_s[s.gateway]
         if item.hop < item.last_hop:
             item.hop += 1
             nxt = s.route[item.hop]
@@ -223,6 +269,29 @@ class Gateways:
             self.loop.schedule_at(t, nxt.arrive, item)
         else:
             self.loop.schedule_at(t_at_gateway, self._pass_done, item)
+
+    def _one_way_s(self, a: SimNode, b: SimNode) -> float:
+        if a is b:
+            return 0.0
+        assert self._geo is not None
+        return self._geo.one_way_ms(a.endpoint, b.endpoint) / 1000.0
+
+    def _ring(self, last: SimNode, item: WorkItem, t_sent: float) -> None:
+        """Push: the last stage sampled a token; unless it was the last one, it sends the next
+        decode step to the first stage itself."""
+        s = item.session
+        if item.kind == "prefill":
+            s.ring_prefill += item.n_tokens
+            if s.ring_prefill < s.prompt_tokens:
+                return
+            s.ring_tokens = 1
+        else:
+            s.ring_tokens += 1
+        if s.ring_tokens >= s.output_tokens:
+            return
+        first = s.route[0]
+        step = WorkItem(s, 0, len(s.route) - 1, 1, float(s.prompt_tokens + s.ring_tokens), True, "decode")
+        self.loop.schedule_at(t_sent + self._one_way_s(last, first), first.arrive, step)
 
     def _pass_done(self, item: WorkItem) -> None:
         if item.stale:
@@ -236,7 +305,7 @@ class Gateways:
             s.last_token_s = now
             if s.tokens_out >= s.output_tokens:
                 self._complete(s)
-            else:
+            elif not self._push:  # with push the last stage already sent the next step
                 self._send_decode(s)
         elif item.kind == "prefill":
             s.prefill_tokens_done += item.n_tokens
@@ -250,7 +319,8 @@ class Gateways:
                     self._complete(s)
                 else:
                     s.phase = DECODE
-                    self._send_decode(s)
+                    if not self._push:
+                        self._send_decode(s)
         else:  # replay
             s.replay_chunks_left -= 1
             if s.replay_chunks_left == 0:
@@ -359,6 +429,7 @@ class Gateways:
         s.recovery_lost_s += lost
         self.metrics.recovered(lost)
         s.phase = s.resume_phase
+        s.ring_prefill, s.ring_tokens = s.prefill_tokens_done, s.tokens_out
         if s.phase == PREFILL:
             self._send_prefill(s)
         else:

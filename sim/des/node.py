@@ -6,8 +6,9 @@ decode tokens first, then prefill chunks while the step's token budget
 lasts. A step's duration comes from :class:`sim.des.hardware.StepCost`.
 
 Outputs leave through the node's uplink, which sends one frame at a time
-(frames queue behind each other), then travel to the gateway, which relays
-them (see :mod:`sim.des.gateway`).
+(frames queue behind each other); where they go from there (the gateway, or
+the next stage with direct push) is the gateway's data plane
+(see :mod:`sim.des.gateway`): ``on_output`` gets the time the frame has left.
 
 States: ``loading`` (fetching its shard) -> ``serving`` -> ``draining``
 (graceful leave: no new sessions, finishes the ones it has) -> ``gone``.
@@ -170,7 +171,7 @@ class SimNode:
             start = now if now > self._uplink_free_at else self._uplink_free_at
             done = start + n_bytes * 8.0 / self._uplink_bps
             self._uplink_free_at = done
-            self._on_output(self, it, done + self.gateway_latency_s[it.session.gateway])
+            self._on_output(self, it, done)
         if self.decode_q or self.prefill_q:
             self._start_step()
 

@@ -2,7 +2,10 @@
 
 "tracker" policies call the tracker's real pure functions
 (:func:`tracker.placement.recommend_span`, :func:`tracker.routing.select_routes`);
-nothing here re-implements them. The baselines exist only to compare against:
+nothing here re-implements them. Routing "tracker" passes the asking gateway's
+network coordinate (``origin``) and a snapshot with the nodes' coordinates;
+"blind" is the same function on a snapshot without them (the tracker before
+network coordinates). The baselines exist only to compare against:
 
 ``random`` placement
     a node takes a span as long as its memory allows, at a uniformly random start.
@@ -27,8 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tracker.coordinates import NetCoord
 from tracker.placement import recommend_span
-from tracker.routing import select_routes
+from tracker.routing import DEFAULT_COSTS, RoutingCosts, select_routes
 from tracker.snapshot import ShardView, SwarmSnapshot
 
 
@@ -40,6 +44,8 @@ class PlannedRoute:
 
 # one-way latency in ms from a node to a gateway (by index)
 LatencyFn = Callable[[str, int], float]
+# a gateway's network coordinate (by index), None when it has none yet
+OriginFn = Callable[[int], NetCoord | None]
 
 
 class Placement:
@@ -64,9 +70,17 @@ class Placement:
 
 
 class Routing:
-    def __init__(self, kind: str, latency_ms: LatencyFn) -> None:
+    def __init__(
+        self,
+        kind: str,
+        latency_ms: LatencyFn,
+        origin: OriginFn = lambda _g: None,
+        costs: RoutingCosts = DEFAULT_COSTS,
+    ) -> None:
         self.kind = kind
         self._latency_ms = latency_ms
+        self._origin = origin if kind == "tracker" else (lambda _g: None)
+        self.costs = costs
         self.calls = 0  # how many times a route selector ran
         self.wall_s = 0.0  # time spent inside route selection (machine-dependent)
 
@@ -80,9 +94,17 @@ class Routing:
         exclude: frozenset[str] = frozenset(),
     ) -> list[PlannedRoute]:
         self.calls += 1
-        if self.kind == "tracker":
+        if self.kind in ("tracker", "blind"):
             t0 = time.perf_counter()
-            sel = select_routes(snapshot, fingerprint, k, exclude_nodes=exclude, rng=rng)
+            sel = select_routes(
+                snapshot,
+                fingerprint,
+                k,
+                exclude_nodes=exclude,
+                rng=rng,
+                costs=self.costs,
+                origin=self._origin(gateway),
+            )
             self.wall_s += time.perf_counter() - t0
             return [
                 PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token) for r in sel.routes
@@ -115,7 +137,7 @@ class Routing:
             if s.model_fingerprint == fingerprint and a <= s.start and s.end <= b and s.node_id not in exclude
         ]
         self.calls += 1
-        if self.kind == "tracker":
+        if self.kind in ("tracker", "blind"):
             restricted = SwarmSnapshot(
                 models=snapshot.models,
                 shards=tuple(kept) + tuple(inside),
@@ -124,7 +146,15 @@ class Routing:
                 relay_penalty_ms=snapshot.relay_penalty_ms,
             )
             t0 = time.perf_counter()
-            sel = select_routes(restricted, fingerprint, 1, exclude_nodes=exclude, rng=rng)
+            sel = select_routes(
+                restricted,
+                fingerprint,
+                1,
+                exclude_nodes=exclude,
+                rng=rng,
+                costs=self.costs,
+                origin=self._origin(gateway),
+            )
             self.wall_s += time.perf_counter() - t0
             if sel.routes:
                 r = sel.routes[0]

@@ -56,6 +56,8 @@ class Session:
         "recovery_lost_s",
         "replay_chunks_left",
         "recovery_attempts",
+        "ring_prefill",
+        "ring_tokens",
     )
 
     def __init__(
@@ -90,6 +92,10 @@ class Session:
         self.recovery_lost_s = 0.0
         self.replay_chunks_left = 0
         self.recovery_attempts = 0
+        # Direct push: what has left the last stage (it pushes the next decode step to the first
+        # stage itself, before the gateway counted the token).
+        self.ring_prefill = 0
+        self.ring_tokens = 0
 
     @property
     def finished(self) -> bool:

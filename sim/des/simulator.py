@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from sim.des.config import Scenario
+from sim.des.coords import SimCoordinates, gateway_key
 from sim.des.events import EventLoop
 from sim.des.gateway import Gateways
 from sim.des.geography import PRESETS, Geography
 from sim.des.metrics import Metrics, gini, percentiles
+from sim.des.node import SERVING
 from sim.des.policies import Placement, Routing
 from sim.des.session import Session
 from sim.des.snapshots import SnapshotCache
 from sim.des.swarm import Swarm
 from sim.des.workload import Request, poisson_requests, trace_requests
+from tracker.routing import RoutingCosts
 from tracker.snapshot import ModelInfo
 
 
@@ -63,8 +66,21 @@ class Simulation:
         typical = statistics.median(
             self.geo.one_way_ms(self.geo.place_node(), self.gateway_endpoints[0]) for _ in range(101)
         )
+        # Network coordinates, measured in the simulation, for routing "tracker" (sim/des/coords.py).
+        self.coords: SimCoordinates | None = None
+        if sc.policy.routing == "tracker":
+            self.coords = SimCoordinates(
+                self.geo,
+                self.gateway_endpoints,
+                _rng(seed, "coordinates"),
+                probes_per_heartbeat=sc.network.rtt_probes_per_heartbeat,
+                noise=sc.network.rtt_noise,
+            )
         self.cache = SnapshotCache(
-            infos, default_latency_ms=round(2 * typical, 3), single_gateway=len(self.gateway_endpoints) == 1
+            infos,
+            default_latency_ms=round(2 * typical, 3),
+            single_gateway=len(self.gateway_endpoints) == 1,
+            coordinates=self.coords,
         )
         self.swarm = Swarm(
             sc,
@@ -77,7 +93,13 @@ class Simulation:
             _rng(seed, "nodes"),
             _rng(seed, "churn"),
         )
-        self.routing = Routing(sc.policy.routing, self._latency_to_gateway)
+        coords = self.coords
+        self.routing = Routing(
+            sc.policy.routing,
+            self._latency_to_gateway,
+            (lambda g: coords.coord(gateway_key(g))) if coords is not None else (lambda g: None),
+            RoutingCosts(activation_bytes_per_value=2.0),  # the simulated frames are f16
+        )
         self.gateways = Gateways(
             sc.gateway,
             sc.models,
@@ -92,6 +114,7 @@ class Simulation:
             self.metrics,
             _rng(seed, "routing"),
             self.swarm.session_left,
+            geo=self.geo,
         )
         self.swarm.on_output = self.gateways.on_output
         self.swarm.on_stage_lost = self.gateways.stage_lost
@@ -133,6 +156,10 @@ class Simulation:
         self._schedule_next_request()
 
     def _heartbeat(self) -> None:
+        if self.coords is not None:
+            serving = {n.node_id: n.endpoint for n in self.swarm.nodes.values() if n.state == SERVING}
+            live = self.coords.sync(serving)
+            self.coords.heartbeat(self.loop.now, live, self.gateways.push_pairs(), self.gateways.pools())
         self.cache.refresh_load()
         self.gateways.drain_queues()
         self.loop.schedule_in(self.sc.nodes.heartbeat_interval_s, self._heartbeat)
@@ -162,7 +189,8 @@ class Simulation:
         wall = time.perf_counter() - wall0
         result = self._summarise()
         events = self.loop.events_processed
-        tracker_s = self.swarm.placement.wall_s + self.routing.wall_s
+        coords_s = self.coords.wall_s if self.coords is not None else 0.0
+        tracker_s = self.swarm.placement.wall_s + self.routing.wall_s + coords_s
         result["performance"] = {
             "wall_time_s": round(wall, 3),
             "events": events,
@@ -170,6 +198,7 @@ class Simulation:
             # wall time inside the tracker's pure functions (placement, route selection)
             "placement_wall_s": round(self.swarm.placement.wall_s, 3),
             "route_selection_wall_s": round(self.routing.wall_s, 3),
+            "coordinates_wall_s": round(coords_s, 3),
             "events_per_s_excluding_tracker": round(events / (wall - tracker_s), 1)
             if wall > tracker_s
             else None,
@@ -203,6 +232,7 @@ class Simulation:
         return {
             "scenario": sc.run.name,
             "policy": {"placement": sc.policy.placement, "routing": sc.policy.routing},
+            "data_plane": sc.gateway.data_plane,
             "seed": sc.run.seed,
             "duration_s": end,
             "requests": counts,

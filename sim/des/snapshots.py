@@ -13,16 +13,26 @@ heartbeats. So does this cache:
   selection, and *placed* (also nodes still loading their shard) for
   placement, so joiners that arrive together do not all pick the same gap.
 
-Latency hints: the snapshot's ``latency_ms`` is keyed by node pairs, which
-cannot scale to thousands of nodes (n^2 entries). The cache fills it only
-for small swarms (``max_latency_pairs_nodes``) with the real single-gateway
-star cost of a hop ``a -> b`` (``a -> gateway -> b``); larger swarms get the
-swarm's median one-way latency as ``default_latency_ms``.
+Latency, with network coordinates (``coordinates`` given: routing "tracker"):
+each view carries the node's coordinate as the simulated tracker has it
+(:mod:`sim.des.coords`) and its uplink (as announced), and
+``default_latency_ms`` (the price of a hop to a node without a coordinate) is
+the tracker's: the larger of the configured default and the 75th percentile of
+predicted one-way latencies, recomputed at each load refresh.
+
+Without (routing "blind", the tracker before coordinates): the snapshot's
+``latency_ms`` is keyed by node pairs, which cannot scale to thousands of nodes
+(n^2 entries). The cache fills it only for small swarms
+(``max_latency_pairs_nodes``) with the real single-gateway star cost of a hop
+``a -> b`` (``a -> gateway -> b``); larger swarms get the swarm's median one-way
+latency as ``default_latency_ms``.
 """
 
 from __future__ import annotations
 
+from sim.des.coords import SimCoordinates
 from sim.des.node import LOADING, SERVING, SimNode
+from tracker.coordinates import UNTRUSTED_ERROR, typical_one_way_ms
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 
@@ -33,8 +43,11 @@ class SnapshotCache:
         default_latency_ms: float,
         single_gateway: bool,
         max_latency_pairs_nodes: int = 150,
+        coordinates: SimCoordinates | None = None,
     ) -> None:
         self.models = models
+        self._coords = coordinates
+        self._base_default_ms = default_latency_ms
         self.default_latency_ms = default_latency_ms
         self._single_gateway = single_gateway
         self._max_pairs_nodes = max_latency_pairs_nodes
@@ -77,10 +90,17 @@ class SnapshotCache:
             self.version += 1
 
     def refresh_load(self) -> None:
-        """Heartbeat: every live node's load reaches the tracker."""
+        """Heartbeat: every live node's load (and its latest coordinate) reaches the tracker."""
         nodes = self._nodes
         for nid in self._routable_views:
             self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = self._view(nodes[nid])
+        if self._coords is not None:
+            placed = [
+                c
+                for v in self._routable_views.values()
+                if (c := v.coord) is not None and c.error <= UNTRUSTED_ERROR
+            ]
+            self.default_latency_ms = max(self._base_default_ms, typical_one_way_ms(placed) or 0.0)
         self._routable = None
         self._placed = None
         self.version += 1
@@ -112,14 +132,14 @@ class SnapshotCache:
         return self._placed
 
     def _latency_pairs(self, shards: tuple[ShardView, ...]) -> dict[tuple[str, str], float]:
-        if not self._single_gateway or len(shards) > self._max_pairs_nodes:
+        if self._coords is not None or not self._single_gateway or len(shards) > self._max_pairs_nodes:
             return {}
         to_gw = {s.node_id: self._nodes[s.node_id].gateway_latency_s[0] * 1000.0 for s in shards}
         return {(a, b): to_gw[a] + to_gw[b] for a in to_gw for b in to_gw if a != b}
 
-    @staticmethod
-    def _view(node: SimNode) -> ShardView:
+    def _view(self, node: SimNode) -> ShardView:
         loading = node.state == LOADING
+        positioned = self._coords is not None
         return ShardView(
             node_id=node.node_id,
             model_fingerprint=node.model_fingerprint,
@@ -132,4 +152,6 @@ class SnapshotCache:
             queue_depth=0 if loading else node.queue_depth,
             address=node.node_id,
             region=node.endpoint.region,
+            coord=self._coords.coord(node.node_id) if self._coords is not None else None,
+            uplink_mbit_s=node.profile.uplink_mbps if positioned else None,
         )

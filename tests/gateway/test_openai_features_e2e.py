@@ -421,3 +421,11 @@ def test_health_models_aliases_cors_and_unknown_fields(client: openai.OpenAI, sw
         extra_body={"typical_p": 1.0, "some_future_field": {"x": 1}, "cache_prompt": True},
     )
     assert r.choices[0].message.content is not None
+    # One access-log line per request, with status, tokens, TTFT and total time.
+    lines = [
+        json.loads(line) for line in swarm.gateway.log_path.read_text().splitlines() if "request_done" in line
+    ]
+    done = [e for e in lines if e.get("request_id") == r.id]
+    assert len(done) == 1 and done[0]["status"] == 200
+    assert done[0]["completion_tokens"] == r.usage.completion_tokens and done[0]["ttft_s"] > 0
+    assert done[0]["total_s"] >= done[0]["ttft_s"]

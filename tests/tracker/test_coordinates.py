@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tracker.coordinates import (
@@ -273,7 +273,7 @@ def test_claim_tables_stay_bounded_and_fresh() -> None:
 finite = st.floats(-1e4, 1e4, allow_nan=False)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.builds(NetCoord, st.tuples(finite, finite, finite), st.floats(0.0, 500.0), st.floats(0.0, 1.0)),
     st.lists(
@@ -293,7 +293,7 @@ def test_update_always_gives_a_valid_coordinate(own: NetCoord, obs: list[tuple[N
     assert MIN_ERROR <= new.error <= 1.0
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.builds(NetCoord, st.tuples(finite, finite, finite), st.floats(0.0, 500.0), st.floats(0.0, 1.0)),
     st.builds(NetCoord, st.tuples(finite, finite, finite), st.floats(0.0, 500.0), st.floats(0.0, 1.0)),
@@ -306,6 +306,13 @@ def test_one_observation_moves_a_coordinate_a_bounded_step(own: NetCoord, peer: 
     limit = params.cc * max(params.max_step_floor_ms, params.max_step_ratio * own.rtt_ms(peer))
     assert math.dist(new.vec, own.vec) <= limit + 1e-6
     assert abs(new.height_ms - own.height_ms) <= limit + 1e-6 or own.height_ms < MIN_HEIGHT_MS
+
+
+def test_claims_below_a_microsecond_are_skipped() -> None:
+    """A subnormal or zero RTT (a liar's, or a broken clock) is no measurement: skipped, no error."""
+    own = NetCoord((0.0, 0.0, 0.0), 2.0, 0.5)
+    tiny = [Observation("a", NetCoord((0.0, 0.0, 0.0), 0.0, 0.0), v) for v in (5e-324, 0.0, 1e-9)]
+    assert update(own, tiny) == NetCoord(own.vec, own.height_ms, own.error)
 
 
 def test_bad_coordinates_are_refused_and_typical_latency() -> None:

@@ -52,6 +52,7 @@ def test_rtt_samples_and_uplink_round_trip_and_refusals() -> None:
     refused([one, one], "each peer once")
     refused([{"peer_id": public_key_hex(k), "rtt_ms": 5.0}], "sender itself")
     refused([{**one, "rtt_ms": 0.0}], "rtt_ms")
+    refused([{**one, "rtt_ms": 5e-324}], "rtt_ms")
     refused([{**one, "rtt_ms": 60_001.0}], "rtt_ms")
     refused([{**one, "rtt_ms": float("nan")}], "rtt_ms")
     refused([{**one, "extra": 1}], "unknown field")

@@ -11,7 +11,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from swarm_strategies import FP, OTHER_FP, coords, shard, snapshot, swarms
 
@@ -152,7 +152,7 @@ def test_routes_tile_honour_exclusions_and_report_gaps(
             assert all_routes(snapshot(n, [*snap.shards, extra]), FP, exclude)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     swarms(max_layers=8, max_shards=16, positioned=True),
     st.none() | coords(),

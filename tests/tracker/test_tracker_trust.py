@@ -18,11 +18,13 @@ from proto.announce import (
     CheckPass,
     CheckResults,
     GatewayStats,
+    ModelSpec,
     NodeSpeed,
     UsageEntry,
     UsageReport,
 )
 from proto.ledger import LedgerError, verify_ledger_entry
+from proto.manifest import Manifest, TensorEntry
 from proto.signing import public_key_hex
 from tracker.app import create_app
 from tracker.config import TrackerConfig
@@ -204,6 +206,8 @@ async def test_conclusive_evidence_bans_the_key_and_new_keys_from_its_hosts(trac
     assert trust["state"] == "banned" and trust["checks_failed"] == 1 and len(trust["evidence"]) == 1
     # the signed envelope is kept as received
     assert trust["evidence"][0]["envelope"]["public_key"] == public_key_hex(GW)
+    state = await tracker.registry.dashboard_state()  # the dashboard lists the banned node too
+    assert {n["node_id"]: n["state"] for n in state["nodes"]}[hexkey(1)] == "banned"
     # host bans run out first, then the key's
     tracker.clock.advance(tracker.config.ban_host_s + 1)
     assert (await tracker.post("/v1/announce", tracker.announce(4, host="10.0.0.1")))[0] == 200
@@ -339,3 +343,59 @@ async def test_a_node_checks_its_ledger_entries_signature_by_signature(tracker: 
     )
     _, usage = await tracker.get(f"/v1/usage/nodes/{hexkey(1)}")
     assert usage["all_time"]["tokens"] == 30 and usage["heartbeat_tokens_served_total"] == 1 << 30
+
+
+def _manifest(n_layers: int = 30) -> Manifest:
+    entries, off = [], 4096
+    for name in ["token_embd.weight", *(f"blk.{i}.ffn" for i in range(n_layers)), "output_norm.weight"]:
+        entries.append(TensorEntry(name, off, 1000, f"{len(entries):064x}"))
+        off += 1032
+    return Manifest(off, 4096, "e" * 64, tuple(entries))
+
+
+async def test_a_registered_name_resolves_only_to_its_fingerprint(tracker: Tracker) -> None:
+    manifest = _manifest()
+    real = replace(MODEL, fingerprint=manifest.fingerprint(), name="smollm2-135m")
+    fake = replace(MODEL, fingerprint="fe" * 32, name="smollm2-135m")
+
+    def announce(seed: int, spec: ModelSpec) -> dict:
+        a = replace(announce_for(key(seed), 0, 30, model=spec), addresses=(f"127.0.0.{seed}:9000",))
+        return signed(key(seed), "announce", a.to_json(), tracker.clock())
+
+    # before the name is registered, the first comer takes it (what issue 16 found)
+    assert (await tracker.post("/v1/announce", announce(1, fake)))[0] == 200
+    body = signed(
+        key(99),
+        "model_registration",
+        {
+            "fingerprint": real.fingerprint,
+            "name": real.name,
+            "architecture": real.architecture,
+            "n_layers": real.n_layers,
+            "n_embd": real.n_embd,
+            "sources": [],
+        },
+        tracker.clock(),
+        signer="signer_id",
+    )
+    status, _ = await tracker.post(
+        "/v1/registry/models", {"registration": body, "manifest": manifest.to_json()}
+    )
+    assert status == 200
+    # announcing the registered name with another fingerprint is refused, and writes nothing
+    before = tracker.store.table_counts(operations=True)
+    status, err = await tracker.post("/v1/announce", announce(2, fake))
+    assert (status, err["error"]["code"]) == (403, "model_name_bound")
+    assert "registered to fingerprint" in err["error"]["message"]
+    assert tracker.store.table_counts(operations=True) == before
+    # the real model's nodes are welcome; the name resolves to it alone
+    assert (await tracker.post("/v1/announce", announce(3, real)))[0] == 200
+    tracker.clock.advance(0.01)
+    _, routes = await tracker.post("/v1/routes", {"model": "smollm2-135m", "k": 2})
+    assert routes["model"]["fingerprint"] == real.fingerprint
+    assert [h["node_id"] for r in routes["routes"] for h in r["hops"]] == [hexkey(3)]
+    _, models = await tracker.get("/v1/models")
+    assert [m["fingerprint"] for m in models["models"] if m["name"] == "smollm2-135m"] == [real.fingerprint]
+    # the early hijacker is still reachable by its own fingerprint, never by the name
+    _, routes = await tracker.post("/v1/routes", {"model": fake.fingerprint, "k": 1})
+    assert [h["node_id"] for r in routes["routes"] for h in r["hops"]] == [hexkey(1)]

@@ -1,0 +1,41 @@
+"""The reference output of a swarm: the whole model in one plain llama.cpp context.
+
+What the end-to-end tests and the benchmarks compare a swarm's answers with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.vocab import Vocabulary
+from gateway.chat_template import ChatTemplate
+from node.engine import EngineConfig
+from node.reference import ReferenceModel
+
+# What sim.launcher gives each node unless told otherwise; the reference must use the same
+# attention and KV settings (flash attention on, f16 KV) -- the session count does not change numbers.
+NODE_ENGINE = EngineConfig(n_threads_count=1, max_sessions=8, session_kv_tokens=2048)
+
+
+class Reference:
+    """The whole model in one plain llama.cpp context, prompted through the model's chat template."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.ref = ReferenceModel(model_path, NODE_ENGINE.context_settings())
+        self.vocab = Vocabulary(model_path)
+        self.template = ChatTemplate(self.vocab.chat_template)
+
+    def chat(self, question: str, n_new: int) -> str:
+        text = self.template.render([{"role": "user", "content": question}], add_generation_prompt=True)
+        self.ref.clear()
+        tokens, _ = self.ref.greedy(self.vocab.tokenize(text, add_special=False), n_new)
+        out = []
+        for t in tokens:
+            if self.vocab.is_eog(t):
+                break
+            out.append(t)
+        return self.vocab.detokenize(out)
+
+    def close(self) -> None:
+        self.ref.close()
+        self.vocab.close()

@@ -1,0 +1,199 @@
+"""Latency-aware routing on the emulated WAN (needs root; skipped with the reason otherwise).
+
+Tracker, gateway and six real nodes (the test model, two per region: layers [0, 15) and
+[15, 30)) each in its own network namespace of the bundled ``three-regions`` profile: eu,
+us and asia, 10 ms round trips inside a region, 80 ms eu-us, 120 ms us-asia, 150 ms
+eu-asia, through real kernel delays. The gateway sits in eu. The asia nodes announce the
+fastest compute (4 ms a token per stage against 12 in the us and 20 in eu: no benchmark,
+announced figures), so routing blind to distance picks them. The nodes and the gateway
+measure round trips (gRPC Health) to the peers the tracker hands them and report them in
+heartbeats and statistics; the tracker turns them into network coordinates. Then the
+route the tracker gives the eu gateway stays in eu, the per-hop estimates match the real
+round trips, and a real request through the gateway runs on the eu nodes only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.keyfile import load_key_file
+from proto.signing import public_key_hex
+from sim.procs import Service, Supervisor, wait_http
+from sim.wan import WanEmulator, netns
+from sim.wan.profile import load_profile
+from sim.wan.support import unavailable_reason
+
+REASON = unavailable_reason()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}"),
+]
+
+# host -> (region, layers, announced ms per token)
+NODES = {
+    "eu0": ("eu", "0:15", 20.0),
+    "eu1": ("eu", "15:30", 20.0),
+    "us0": ("us", "0:15", 12.0),
+    "us1": ("us", "15:30", 12.0),
+    "asia0": ("asia", "0:15", 4.0),
+    "asia1": ("asia", "15:30", 4.0),
+}
+RTT_MS = {("eu", "eu"): 10.0, ("eu", "us"): 80.0, ("us", "asia"): 120.0, ("eu", "asia"): 150.0}
+
+
+def true_rtt(a: str, b: str) -> float:
+    return RTT_MS.get((a, b)) or RTT_MS.get((b, a)) or 10.0
+
+
+class Swarm:
+    def __init__(self, wan: WanEmulator, sup: Supervisor, tracker: Service, gateway: Service) -> None:
+        self.wan, self.sup, self.tracker, self.gateway = wan, sup, tracker, gateway
+        self.nodes: dict[str, Service] = {}
+        self.node_ids: dict[str, str] = {}
+        self.gateway_id = ""
+
+    @property
+    def tracker_url(self) -> str:
+        return f"http://{self.wan.address('tracker')}:{self.tracker.port}"
+
+    def get(self, path: str) -> dict:
+        return self.wan.call("client", lambda: httpx.get(self.tracker_url + path, timeout=10).json())
+
+    def routes(self, gateway_id: str | None) -> dict:
+        body: dict = {"model": self.model, "k": 1}
+        if gateway_id:
+            body["gateway_id"] = gateway_id
+        return self.wan.call(
+            "client", lambda: httpx.post(self.tracker_url + "/v1/routes", json=body, timeout=10).json()
+        )
+
+    model = ""
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[Swarm]:
+    hosts = {"tracker": "eu", "gateway": "eu", "client": "eu"} | {h: r for h, (r, _, _) in NODES.items()}
+    workdir = tmp_path_factory.mktemp("wan-routing")
+    wan = WanEmulator(load_profile("three-regions"), hosts)
+    wan.start()
+    sup = Supervisor(workdir, place=wan.argv)
+    try:
+        tracker = sup.start_tracker(host=wan.address("tracker"), extra_args=["--heartbeat-interval-s", "1"])
+        tracker.wait_port(120)
+        url = f"http://{wan.address('tracker')}:{tracker.port}"
+        wan.call("tracker", wait_http, tracker, f"{url}/healthz", 120)
+        gateway = sup.start_gateway(
+            tracker_url=url,
+            host=wan.address("gateway"),
+            extra_args=["--stats-interval-s", "1", "--rtt-probe-interval-s", "1", "--route-ttl-s", "2"],
+        )
+        s = Swarm(wan, sup, tracker, gateway)
+        for name, (region, layers, ms) in NODES.items():
+            uplink = {"eu": "500", "us": "100", "asia": "20"}[region]
+            node = sup.start_node(
+                name,
+                model=model_path,
+                layers=layers,
+                tracker_url=url,
+                cache_dir=node_cache,
+                host=wan.address(name),
+                extra_args=[
+                    "--no-benchmark",
+                    "--unmeasured-decode-ms",
+                    str(ms),
+                    "--uplink-mbit-s",
+                    uplink,
+                    "--heartbeat-interval-s",
+                    "1",
+                    "--rtt-probe-interval-s",
+                    "1",
+                ],
+            )
+            node.wait_port(300)
+            health = wan.call(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", 300)
+            s.nodes[name] = node
+            s.node_ids[name] = health.json()["node_id"]
+        gateway.wait_port(120)
+        wan.call(
+            "gateway", wait_http, gateway, f"http://{wan.address('gateway')}:{gateway.port}/healthz", 120
+        )
+        s.gateway_id = public_key_hex(load_key_file(workdir / "gateway" / "gateway.key"))
+        models = s.get("/v1/models")["models"]
+        s.model = models[0]["fingerprint"]
+        yield s
+    finally:
+        names = wan.namespaces()
+        try:
+            sup.stop_all()
+        finally:
+            wan.close()
+        assert not set(names) & set(netns.list_namespaces())
+
+
+def regions_of(swarm: Swarm, route: dict) -> list[str]:
+    by_id = {v: k for k, v in swarm.node_ids.items()}
+    return [NODES[by_id[h["node_id"]]][0] for h in route["hops"]]
+
+
+def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None:
+    # Distance-blind (no gateway position), the fastest compute wins: asia.
+    blind = swarm.routes(None)["routes"][0]
+    assert regions_of(swarm, blind) == ["asia", "asia"]
+
+    deadline = time.monotonic() + 180
+    route: dict = {}
+    while time.monotonic() < deadline:
+        answer = swarm.routes(swarm.gateway_id)
+        route = answer["routes"][0] if answer.get("routes") else {}
+        placed = [n for n in swarm.get("/v1/swarm")["nodes"] if n.get("coordinate")]
+        if (
+            len(placed) == len(NODES)
+            and route
+            and regions_of(swarm, route) == ["eu", "eu"]
+            and route["hops"][0]["rtt_ms"] is not None
+        ):
+            break
+        time.sleep(2)
+    assert regions_of(swarm, route) == ["eu", "eu"], route
+
+    # The estimates handed to the gateway match the emulated round trips (10 ms inside eu).
+    for hop in route["hops"]:
+        assert 5.0 <= hop["rtt_ms"] <= 25.0, route
+    assert [h["bandwidth_mbit_s"] for h in route["hops"]] == [None, 500.0]
+    assert 5.0 <= route["ring_rtt_ms"] <= 25.0 and 5.0 <= route["exit_rtt_ms"] <= 25.0
+    # And the coordinates place the regions apart as the profile does (within 35 %).
+    coords = {n["node_id"]: n["coordinate"] for n in swarm.get("/v1/swarm")["nodes"]}
+    by_id = {v: k for k, v in swarm.node_ids.items()}
+    for a, ca in coords.items():
+        for b, cb in coords.items():
+            if a < b:
+                dist = sum((x - y) ** 2 for x, y in zip(ca["vec"], cb["vec"], strict=True)) ** 0.5
+                predicted = dist + ca["height_ms"] + cb["height_ms"]
+                truth = true_rtt(NODES[by_id[a]][0], NODES[by_id[b]][0])
+                assert abs(predicted - truth) <= 0.35 * truth + 5.0, (by_id[a], by_id[b], predicted, truth)
+
+
+def test_a_request_through_the_eu_gateway_runs_on_eu_nodes(swarm: Swarm) -> None:
+    test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm)
+    time.sleep(3)  # the gateway's cached routes (route_ttl 2 s) are refreshed from the tracker
+    before = {
+        name: swarm.wan.call(name, lambda n=node: httpx.get(f"http://127.0.0.1:{n.admin_port}/status").json())
+        for name, node in swarm.nodes.items()
+    }
+    base = f"http://{swarm.wan.address('gateway')}:{swarm.gateway.port}/v1"
+    body = {"model": swarm.model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    answer = swarm.wan.call(
+        "client", lambda: httpx.post(f"{base}/completions", json=body, timeout=120).json()
+    )
+    assert answer["choices"][0]["text"], answer
+    after = {
+        name: swarm.wan.call(name, lambda n=node: httpx.get(f"http://127.0.0.1:{n.admin_port}/status").json())
+        for name, node in swarm.nodes.items()
+    }
+    worked = {n for n in NODES if after[n]["tokens_processed"] > before[n]["tokens_processed"]}
+    assert worked == {"eu0", "eu1"}
