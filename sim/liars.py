@@ -36,6 +36,8 @@ from sim.procs import Service
 # Where each lie can be told: a swapped sampler and a node without the model at the last stage
 # (they change sampled tokens), a one-ulp change at the first (it changes the hidden state it sends).
 LIE_STAGE = {"swap_sampler": 1, "no_model": 1, "perturb_hidden": 0}
+# Longer than the gateway's trust report interval (gateway/trust_report.py, 2 s).
+REPORT_WAIT_S = 5.0
 
 
 @dataclass
@@ -86,6 +88,40 @@ class LiarSwarm:
 
     def stop_liar(self, node: Service) -> None:
         node.stop()
+
+    def trusted_nodes(self, stage: int, probation_checks: int = 3) -> list[str]:
+        """Nodes of half ``stage`` off probation at the tracker (``probation_checks`` passed)."""
+        start, end = (int(x) for x in self.halves[stage].split(":"))
+        nodes = httpx.get(f"{self.swarm.tracker_url}/v1/swarm", timeout=10).json().get("nodes", [])
+        return [
+            n["node_id"]
+            for n in nodes
+            if n.get("state") == "live"
+            and n.get("shard")
+            and (n["shard"]["start"], n["shard"]["end"]) == (start, end)
+            and n.get("checks_passed", 0) >= probation_checks
+        ]
+
+    def earn_trust(self, stage: int, questions: Sequence[str], n_new: int, *, max_requests: int = 24) -> int:
+        """Send checked requests until a node of half ``stage`` is off probation at the tracker.
+
+        The tracker judges a join challenge against the answers of trusted nodes only: until one
+        node of the span has passed its spot checks, a newcomer is let in on probation whatever it
+        answers. Returns the requests sent; raises if no node earned trust within ``max_requests``.
+        """
+        client = self.client()
+        sent = 0
+        while True:
+            # The gateway reports passed checks every few seconds: wait for the last report first.
+            deadline = time.monotonic() + REPORT_WAIT_S
+            while time.monotonic() < deadline:
+                if self.trusted_nodes(stage):
+                    return sent
+                time.sleep(0.25)
+            if sent >= max_requests:
+                raise AssertionError(f"no node of {self.halves[stage]} passed its checks in {sent} requests")
+            chat(client, self.swarm.model_name, questions[sent % len(questions)], n_new)
+            sent += 1
 
 
 def tracker_state(tracker_url: str, node_id: str) -> str | None:

@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,8 @@ import httpx
 STRIPPED_PREFIXES = ("SWARM_NODE_", "SWARM_TRACKER_", "SWARM_GATEWAY_")
 # Gateway flags for a run that tests something else than spot checks and counts routes, sessions or
 # steps: no request runs on a second route (checks are tested in tests/*/test_*checks*).
+# Every supervisor alive in this process (the test suite reports their services' problems on a failure).
+LIVE_SUPERVISORS: weakref.WeakSet[Supervisor] = weakref.WeakSet()
 NO_SPOT_CHECKS = ("--check-fraction", "0", "--probation-checks", "0")
 FIXED_ENV = {
     "PYTHONUNBUFFERED": "1",
@@ -214,6 +217,23 @@ def _serve_argv(script: str, host: str, port: int, data: Path) -> list[str]:
     ]
 
 
+def problem_lines(text: str, *, limit: int = 40) -> list[str]:
+    """The last ``limit`` lines of a service log that report a problem (error or warning events,
+    tracebacks and the lines that follow them)."""
+    out: list[str] = []
+    in_traceback = False
+    for line in text.splitlines():
+        if line.startswith("Traceback"):
+            in_traceback = True
+        elif in_traceback and line and not line.startswith((" ", "\t")):
+            out.append(line)  # the exception line ends the traceback
+            in_traceback = False
+            continue
+        if in_traceback or '"level":"error"' in line or '"level":"warning"' in line:
+            out.append(line)
+    return out[-limit:]
+
+
 class Supervisor:
     """Owns the processes started in one work directory; stops them all, newest first.
 
@@ -227,6 +247,7 @@ class Supervisor:
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.place = place
         self.services: list[Service] = []
+        LIVE_SUPERVISORS.add(self)
 
     def spawn(
         self,

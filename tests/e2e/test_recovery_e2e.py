@@ -266,7 +266,7 @@ def test_no_spare_left_error_names_the_uncovered_layers_and_kv_is_freed(
 
     with pytest.raises(openai.APIError) as info:
         run_chat(client, swarm.model_name, QUESTION, on_chunk)
-    assert killed
+    assert killed, f"the request failed before the kill: {info.value}"
     message = str(info.value)
     assert "[15, 30)" in message and "not covered" in message, message
     survivors = [n for n in swarm.nodes if n.alive()]

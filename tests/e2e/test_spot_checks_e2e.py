@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from sim.liars import (
+    LIE_STAGE,
     LiarSwarm,
     chat,
     metric,
@@ -96,6 +97,9 @@ def test_an_honest_swarm_is_checked_and_never_accused(
 
 @pytest.mark.parametrize("kind", ["swap_sampler", "perturb_hidden", "no_model"])
 def test_a_node_lying_from_its_first_step_never_gets_in(liar_swarm: LiarSwarm, kind: str) -> None:
+    # The challenge compares with trusted nodes' answers: one node of the liar's span must be off
+    # probation first (spot checks passed), else any newcomer is let in on probation.
+    liar_swarm.earn_trust(LIE_STAGE[kind], QUESTIONS, N_NEW)
     liar = liar_swarm.start_node_only(kind, honest_steps=0)
     try:
         node_id = liar.extra["node_id"]

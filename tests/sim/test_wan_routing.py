@@ -123,6 +123,14 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             "gateway", wait_http, gateway, f"http://{wan.address('gateway')}:{gateway.port}/healthz", 120
         )
         s.gateway_id = public_key_hex(load_key_file(workdir / "gateway" / "gateway.key"))
+        # Every node is challenged before it is routable (one prefill dialled from the tracker in eu:
+        # the asia pair takes longest). Blind routing must see all six.
+        deadline = time.monotonic() + 180
+        while (states := {n["node_id"]: n["state"] for n in s.get("/v1/swarm")["nodes"]}) and any(
+            states.get(i) != "live" for i in s.node_ids.values()
+        ):
+            assert time.monotonic() < deadline, {k: states.get(i) for k, i in s.node_ids.items()}
+            time.sleep(1)
         models = s.get("/v1/models")["models"]
         s.model = models[0]["fingerprint"]
         yield s
