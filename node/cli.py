@@ -305,6 +305,11 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
 @click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
 @click.option(
+    "--max-kept-sessions", type=int, default=None, help="Released sessions kept warm (0: never keep)."
+)
+@click.option("--max-kept-kv-tokens", type=int, default=None, help="KV positions kept sessions hold.")
+@click.option("--max-keep-s", type=float, default=None, help="Longest a released session is kept warm.")
+@click.option(
     "--heartbeat-interval-s",
     type=float,
     default=None,

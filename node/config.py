@@ -122,6 +122,11 @@ class NodeConfig:
     reattach_window_s: float = _f(
         30.0, "a session whose stream ended without RELEASE waits this long for re-OPEN"
     )
+    max_kept_sessions: int = _f(
+        4, "released sessions kept warm for a conversation's next turn (Release.keep_ms); 0: never"
+    )
+    max_kept_kv_tokens: int = _f(8192, "KV positions all kept sessions may hold together")
+    max_keep_s: float = _f(120.0, "longest a released session is kept warm, whatever the gateway asks")
     lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
     heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
     tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
@@ -182,6 +187,8 @@ class NodeConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.max_kept_sessions < 0 or self.max_kept_kv_tokens < 0 or self.max_keep_s < 0:
+            raise ConfigError("max_kept_sessions, max_kept_kv_tokens and max_keep_s must be >= 0")
         if self.session_kv_tokens < 16:
             raise ConfigError("session_kv_tokens must be >= 16")
         if self.max_frame_bytes < 64 * 1024:

@@ -246,6 +246,9 @@ class NodeDaemon:
                 max_queued_steps=cfg.max_queued_steps,
                 idle_lease_s=cfg.idle_lease_s,
                 reattach_window_s=cfg.reattach_window_s,
+                max_kept_sessions=cfg.max_kept_sessions,
+                max_kept_kv_tokens=cfg.max_kept_kv_tokens,
+                max_keep_s=cfg.max_keep_s,
                 limits=limits,
             )
             self.verifier = TicketVerifier(
@@ -698,6 +701,8 @@ class NodeDaemon:
             "swarm_node_connections": one(stats.connections),
             "swarm_node_kv_tokens_used": one(stats.kv_tokens_used),
             "swarm_node_kv_tokens_granted": one(stats.kv_tokens_granted),
+            "swarm_node_kept_sessions": one(stats.kept_sessions),
+            "swarm_node_kept_kv_tokens": one(stats.kept_kv_tokens),
             "swarm_node_kv_tokens_capacity": one(stats.kv_tokens_capacity),
             "swarm_node_tokens_per_second": one(tps),
             "swarm_node_decode_ms_per_token": one(sched.decode_ms_per_token),

@@ -36,6 +36,8 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_connections": m.gauge("open Session streams"),
     "swarm_node_kv_tokens_used": m.gauge("KV positions held by sessions"),
     "swarm_node_kv_tokens_granted": m.gauge("KV positions granted to sessions"),
+    "swarm_node_kept_sessions": m.gauge("released sessions kept warm for a next turn (Release.keep_ms)"),
+    "swarm_node_kept_kv_tokens": m.gauge("KV positions held by kept sessions"),
     "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots"),
     "swarm_node_tokens_per_second": m.gauge("positions per second of engine time (busy throughput)"),
     "swarm_node_decode_ms_per_token": m.gauge("smoothed time of decode-only batches per step"),

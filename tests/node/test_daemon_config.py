@@ -40,6 +40,18 @@ def test_layers_defaults_file_env_flags(tmp_path: Path) -> None:
         cfg.port = 1  # type: ignore[misc]
 
 
+def test_kept_session_bounds_reach_the_session_machine_from_the_command_line() -> None:
+    from click.testing import CliRunner
+
+    from node.cli import main
+
+    help_text = CliRunner().invoke(main, ["start", "--help"]).output
+    for flag in ("--max-kept-sessions", "--max-kept-kv-tokens", "--max-keep-s"):
+        assert flag in help_text
+    cfg = load_config(env={}, flags={"max_kept_sessions": 0, "max_kept_kv_tokens": 100, "max_keep_s": 5.0})
+    assert (cfg.max_kept_sessions, cfg.max_kept_kv_tokens, cfg.max_keep_s) == (0, 100, 5.0)
+
+
 def dataclasses_frozen_error() -> type[Exception]:
     import dataclasses
 
@@ -55,6 +67,7 @@ def dataclasses_frozen_error() -> type[Exception]:
         ("port = 70000\n", {}, "port must be in 0..65535"),
         ("no_tracker = true\nlayers = '0:5'\n", {}, "no_tracker needs"),
         ("tracker_id = 'abc'\n", {}, "tracker_id must be 64"),
+        ("max_kept_sessions = -1\n", {}, "max_kept_sessions, max_kept_kv_tokens and max_keep_s"),
     ],
 )
 def test_config_errors(tmp_path: Path, file_text: str, env: dict[str, str], message: str) -> None:
