@@ -375,6 +375,9 @@ class RouteSession:
                 failure = Failure("stage", f"no replacement found within {LOOKUP_TIMEOUT_S:g} s")
             except GatewayError as err:
                 failure = Failure("stage", err.message)
+            except Exception as err:  # a bug in the look-up must not take the whole request down
+                log.exception("replacement look-up for layers [%d, %d) failed", command.start, command.end)
+                failure = Failure("stage", f"replacement look-up failed: {type(err).__name__}")
         await self._events_send.send(("replacement", command.index, spec, failure))
 
     async def close(self, *, release: bool) -> None:

@@ -14,6 +14,7 @@ round trips, and a real request through the gateway runs on the eu nodes only.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,6 +168,8 @@ def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None
         ):
             break
         time.sleep(2)
+    if regions_of(swarm, route) != ["eu", "eu"]:  # what the tracker knew, for the failure report
+        print(json.dumps({"route": route, "nodes": swarm.get("/v1/swarm")["nodes"]}, indent=1))
     assert regions_of(swarm, route) == ["eu", "eu"], route
 
     # The estimates handed to the gateway match the emulated round trips (10 ms inside eu).
