@@ -229,7 +229,9 @@ def problem_lines(text: str, *, limit: int = 40) -> list[str]:
             out.append(line)  # the exception line ends the traceback
             in_traceback = False
             continue
-        if in_traceback or '"level":"error"' in line or '"level":"warning"' in line:
+        if in_traceback or (
+            ('"level":"error"' in line or '"level":"warning"' in line) and '"logger":"llama.cpp"' not in line
+        ):
             out.append(line)
     return out[-limit:]
 

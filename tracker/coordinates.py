@@ -44,7 +44,12 @@ Samples and claims
     reference is a high quantile, not the median, so that an honest minority
     of observations (up to a quarter) that the current position does not fit
     yet still moves it: a filter keyed to the median can freeze a coordinate
-    in a wrong place.
+    in a wrong place. A pair both sides measured alike (within ``AGREE_RATIO``
+    plus the slack) is *confirmed* and never filtered: in a small swarm the
+    few peers in an endpoint's own region are a minority of its observations;
+    the filter alone froze such an endpoint far from them (seen on the
+    emulated WAN: two asia nodes 12 ms apart predicted 179 ms apart), and
+    those are the links routing cares most about.
 
 What a liar can do (and what it cannot)
     A liar controls the claims it reports and nothing else.
@@ -93,6 +98,7 @@ MAX_CLAIMS_PER_REPORTER = 32  # peers whose latest RTT claim the tracker keeps p
 MAX_OBSERVATIONS = 96  # observations one refit looks at
 DISPUTE_SLACK_MS = 10.0  # two claims within this (plus the ratio) never dispute: jitter on short paths
 UNTRUSTED_ERROR = 0.5  # a coordinate with a larger error estimate is not used for routing
+AGREE_RATIO = 1.25  # two claims about a pair this close (plus the slack) confirm each other
 
 Vec = tuple[float, float, float]
 
@@ -145,6 +151,9 @@ class Observation:
     peer_key: str  # the peer's id (only its hash is used: the direction when two points coincide)
     peer: NetCoord
     rtt_ms: float
+    # Both sides measured the pair and agree (within ``AGREE_RATIO`` and ``DISPUTE_SLACK_MS``):
+    # a fact about the network, never filtered as an outlier (see :func:`update`).
+    confirmed: bool = False
 
 
 def _unit_from_key(key: str, salt: int) -> Vec:
@@ -162,7 +171,7 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
     x0, x1, x2 = own.vec
     h = max(own.height_ms, MIN_HEIGHT_MS)
     e = min(max(own.error, MIN_ERROR), 1.0)
-    # (peer x, y, z, height, error, rtt, key) of the usable observations, read once.
+    # (peer x, y, z, height, error, rtt, key, confirmed) of the usable observations, read once.
     peers = [
         (
             o.peer.vec[0],
@@ -172,6 +181,7 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
             min(max(o.peer.error, MIN_ERROR), 1.0),
             o.rtt_ms,
             o.peer_key,
+            o.confirmed,
         )
         for o in obs[:MAX_OBSERVATIONS]
         if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()
@@ -186,17 +196,17 @@ def update(own: NetCoord, obs: Sequence[Observation], params: VivaldiParams = DE
         # reference is an honest misfit, so wild claims do nothing and mild ones do little.
         misfit = [
             abs(log(rtt / (sqrt((x0 - y0) ** 2 + (x1 - y1) ** 2 + (x2 - y2) ** 2) + h + hj)))
-            for y0, y1, y2, hj, _ej, rtt, _k in peers
+            for y0, y1, y2, hj, _ej, rtt, _k, _c in peers
         ]
         cutoff = 0.0
         if misfit:
             ordered = sorted(misfit)
             typical = ordered[min(len(ordered) - 1, int(params.outlier_quantile * len(ordered)))]
             cutoff = max(params.outlier_factor * typical, floor_ratio)
-        for (y0, y1, y2, hj, ej, rtt, key), m in zip(peers, misfit, strict=True):
-            if m > 2.0 * cutoff:
+        for (y0, y1, y2, hj, ej, rtt, key, confirmed), m in zip(peers, misfit, strict=True):
+            if m > 2.0 * cutoff and not confirmed:
                 continue
-            trust = 1.0 if m <= cutoff else (cutoff / m) ** 2
+            trust = 1.0 if m <= cutoff or confirmed else (cutoff / m) ** 2
             d0, d1, d2 = x0 - y0, x1 - y1, x2 - y2
             euclid = sqrt(d0 * d0 + d1 * d1 + d2 * d2)
             dist = euclid + h + hj
@@ -259,8 +269,11 @@ def observations(
             if disputed(rtt, other, params.dispute_ratio):
                 disputes += 1
                 continue  # one side lies: the pair counts for neither
+            confirmed = not disputed(rtt, other, AGREE_RATIO)
             rtt = max(rtt, other)
-        out.append(Observation(peer_id, peers[peer_id] or ORIGIN, rtt))
+        else:
+            confirmed = False
+        out.append(Observation(peer_id, peers[peer_id] or ORIGIN, rtt, confirmed))
     return out[:MAX_OBSERVATIONS], both, disputes
 
 
@@ -344,6 +357,7 @@ __all__ = [
     "probe_back",
     "disputed",
     "UNTRUSTED_ERROR",
+    "AGREE_RATIO",
     "DISPUTE_SLACK_MS",
     "refit",
     "typical_one_way_ms",

@@ -291,17 +291,23 @@ class Registry:
 
     async def _probe_hints(self, node_id: str, rtt: RttResult | None) -> list[dict[str, str]]:
         """Who the node should measure: peers that measured it (so each pair is checked from both
-        sides) and a few random live nodes (so coordinates span the whole swarm)."""
+        sides), then half of ``rtt_probe_hints`` (rounded up) among its route neighbours -- shards
+        a route may chain right before or after it, whose links routing prices, so those pairs are
+        measured rather than only predicted -- and the rest among all live nodes (so coordinates
+        span the whole swarm). Random draws, not scans."""
         hints: dict[str, str] = dict(rtt.probe) if rtt is not None else {}
-        want = len(hints) + self.config.rtt_probe_hints
-        if self.config.rtt_probe_hints:
-            shards = (await self.snapshot()).shards
-            for _ in range(4 * self.config.rtt_probe_hints if shards else 0):  # a few draws, not a scan
-                if len(hints) >= want:
-                    break
-                s = shards[self.rng.randrange(len(shards))]
-                if not s.relayed and s.address and s.node_id != node_id:
-                    hints.setdefault(s.node_id, s.address)
+        n = self.config.rtt_probe_hints
+        if n:
+            snap = await self.snapshot()
+            base = len(hints)
+            pools = ((snap.route_neighbours(node_id), base + (n + 1) // 2), (snap.shards, base + n))
+            for pool, limit in pools:
+                for _ in range(4 * n if pool else 0):
+                    if len(hints) >= limit:
+                        break
+                    s = pool[self.rng.randrange(len(pool))]
+                    if not s.relayed and s.address and s.node_id != node_id:
+                        hints.setdefault(s.node_id, s.address)
         return [{"node_id": n, "address": a} for n, a in sorted(hints.items())]
 
     async def leave(self, envelope: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ boundaries ``0 = b0 < b1 < ... < bk = n_layers`` with one shard per hop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from tracker.coordinates import NetCoord
@@ -95,3 +96,37 @@ class SwarmSnapshot:
             if m.fingerprint == fingerprint:
                 return m
         return None
+
+    @functools.cached_property
+    def _by_boundary(self) -> _BoundaryIndex:
+        index = _BoundaryIndex({}, {}, {}, {m.fingerprint: m.n_layers for m in self.models})
+        for sh in self.shards:
+            index.starting.setdefault((sh.model_fingerprint, sh.start), []).append(sh)
+            index.ending.setdefault((sh.model_fingerprint, sh.end), []).append(sh)
+            index.of_node.setdefault(sh.node_id, []).append(sh)
+        return index
+
+    def route_neighbours(self, node_id: str) -> list[ShardView]:
+        """Shards a route may chain right after or before one of ``node_id``'s shards, the ring link
+        (last stage to first) included: the links routing prices for this node. Built once per
+        snapshot; O(neighbours) per call."""
+        index = self._by_boundary
+        out: list[ShardView] = []
+        for sh in index.of_node.get(node_id, ()):
+            fp = sh.model_fingerprint
+            out += index.starting.get((fp, sh.end), ())
+            out += index.ending.get((fp, sh.start), ())
+            n_layers = index.n_layers.get(fp)
+            if n_layers is not None and sh.end == n_layers and sh.start > 0:
+                out += index.starting.get((fp, 0), ())
+            if n_layers is not None and sh.start == 0 and sh.end < n_layers:
+                out += index.ending.get((fp, n_layers), ())
+        return [sh for sh in out if sh.node_id != node_id]
+
+
+@dataclass(frozen=True)
+class _BoundaryIndex:
+    starting: dict[tuple[str, int], list[ShardView]]  # (model, first layer) -> shards
+    ending: dict[tuple[str, int], list[ShardView]]  # (model, end layer) -> shards
+    of_node: dict[str, list[ShardView]]
+    n_layers: dict[str, int]
