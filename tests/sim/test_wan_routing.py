@@ -149,8 +149,16 @@ def regions_of(swarm: Swarm, route: dict) -> list[str]:
     return [NODES[by_id[h["node_id"]]][0] for h in route["hops"]]
 
 
+def near(route: dict) -> bool:
+    """The route's estimated round trips are those of one region (10 ms) within measurement slack."""
+    legs = [h["rtt_ms"] for h in route["hops"]] + [route["ring_rtt_ms"], route["exit_rtt_ms"]]
+    return all(x is not None and 5.0 <= x <= 25.0 for x in legs)
+
+
 def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None:
-    deadline = time.monotonic() + 180
+    # Coordinates converge over some rounds of measurement (1 s apart here): wait for a state
+    # that holds every claim below, then check each claim (a failure names the one that never held).
+    deadline = time.monotonic() + 240
     route: dict = {}
     blind: dict = {}
     while time.monotonic() < deadline:
@@ -162,7 +170,7 @@ def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None
             len(placed) == len(NODES)
             and route
             and regions_of(swarm, route) == ["eu", "eu"]
-            and route["hops"][0]["rtt_ms"] is not None
+            and near(route)
             and regions_of(swarm, blind) == ["asia", "asia"]
         ):
             break
