@@ -305,6 +305,19 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
 @click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
 @click.option(
+    "--stream-idle-timeout-s",
+    type=float,
+    default=None,
+    help="Close a Session stream that opened no session and pushed no step after this long (default 10).",
+)
+@click.option(
+    "--max-idle-streams-per-address",
+    type=int,
+    default=None,
+    help="Most such unproven streams from one source address (default 16).",
+)
+@click.option("--reply-buffer-bytes", type=int, default=None, help="Most unread reply bytes per stream.")
+@click.option(
     "--heartbeat-interval-s",
     type=float,
     default=None,

@@ -263,7 +263,12 @@ class NodeDaemon:
                     message="insecure_no_tickets: any OPEN is accepted; never use this on a network",
                 )
             self.machine = FrameServer(self.spec, self.verifier)
-            self.hub = Hub(self.machine)
+            self.hub = Hub(
+                self.machine,
+                reply_buffer_bytes=cfg.reply_buffer_bytes,
+                idle_stream_timeout_s=cfg.stream_idle_timeout_s,
+                max_idle_per_address=cfg.max_idle_streams_per_address,
+            )
             on_outcome = self.hub.on_outcome
             if self.failpoints.active:
                 liar = failpoints.Liar(

@@ -81,7 +81,7 @@ async def _client_unary(
 
 
 async def test_grpc_session_round_trip_with_fake_engine() -> None:
-    machine = FrameServer(_spec(), lambda ticket, sid: None)
+    machine = FrameServer(_spec(), lambda *_: None)
     hub = Hub(machine)
     backend = FakeBackend()
     scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=16)
