@@ -7,7 +7,7 @@ import trio
 
 from node.hub import OUTBOUND_FRAMES, Hub, TooManyConnections
 from node.scheduler import Scheduler
-from node.session_machine import FrameServer, ServingSpec
+from node.session_machine import FrameServer, ServingSpec, StepOutcome
 from proto import codec
 from proto.errors import TicketInvalidError
 from proto.swarm.v1 import frame_pb2, status_pb2
@@ -165,7 +165,15 @@ async def test_a_refused_open_does_not_prove_a_connection() -> None:
 
 
 async def test_a_re_sent_step_is_answered_from_the_cache_once_per_read() -> None:
-    hub, backend, scheduler = _make()
+    hub = Hub(FrameServer(_spec(), lambda *_: None))
+    computed = trio.Event()
+
+    def on_outcome(outcome: StepOutcome) -> None:
+        hub.on_outcome(outcome)
+        computed.set()
+
+    scheduler = Scheduler(FakeBackend(), on_outcome, max_batch_tokens=64, prefill_chunk_tokens=64)
+    hub.attach(scheduler)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         conn = hub.open_connection()
@@ -174,8 +182,8 @@ async def test_a_re_sent_step_is_answered_from_the_cache_once_per_read() -> None
         step = _step("r", 2, 0, list(range(40)))
         await hub.feed(conn, step)
         with trio.fail_after(5):
-            while conn.sink.put_count < 2:  # the step's result is queued (not read)
-                await trio.sleep(0.01)
+            await computed.wait()  # the step's result is queued (not read)
+        assert conn.sink.put_count == 2
         for _ in range(50):  # the same step again and again, nothing read
             await hub.feed(conn, step)
         assert conn.sink.put_count == 3 and hub.replays_suppressed == 49  # the result + one replay
