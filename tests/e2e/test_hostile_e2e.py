@@ -156,8 +156,6 @@ def hostile(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
 ) -> Iterator[Hostile]:
     work = tmp_path_factory.mktemp("hostile")
-    # The gateway's key exists before the tracker starts, so the operator can register it.
-    gateway_key, _ = load_or_create_key_file(work / "gateway" / "gateway.key")
     swarm = start_local_swarm(
         work,
         model=model_path,
@@ -165,9 +163,11 @@ def hostile(
         layers=["0:15", "15:30"],
         max_sessions=MAX_SESSIONS,
         node_cache=node_cache,
-        tracker_args=["--registered-gateways", public_key_hex(gateway_key), "--heartbeat-interval-s", "1"],
+        tracker_args=["--heartbeat-interval-s", "1"],
         node_args=["--no-benchmark", "--stream-idle-timeout-s", str(IDLE_TIMEOUT_S)],
+        register_gateway=True,  # the tracker knows the gateway's key: tickets for it alone
     )
+    gateway_key, _ = load_or_create_key_file(work / "gateway" / "gateway.key")  # the key it runs with
     try:
         yield Hostile(swarm, gateway_key, model_path)
     finally:
