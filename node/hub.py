@@ -34,6 +34,10 @@ Connections):
   node holds ``max_connections`` a new connection closes the oldest unproven
   one instead of being refused: idle streams cannot take a node's slots.
   Transports that the node opened itself (the relay) are trusted from the start.
+* **Silent proven streams.** A proven connection that owns no session and
+  sent nothing for the machine's ``idle_lease_s`` (a push stream whose session
+  ended, a gateway's stream kept after RELEASE) is closed too, so proven
+  streams cannot pile up either.
 """
 
 from __future__ import annotations
@@ -130,11 +134,13 @@ class Connection:
     sink: _ChannelSink
     peer: str = ""  # the source address (no port), for the per-address bound on unproven streams
     trusted: bool = False  # opened by this node (relay) or proven by the machine (see the docstring)
+    own: bool = False  # opened by this node itself (the relay socket): never closed for being idle
     input_closed: bool = False
     closed: bool = False
     frames_out: int = 0
     replay_until: int = 0  # the sink's put_count after the last cached reply queued here
     opened_s: float = field(default_factory=time.monotonic)
+    last_frame_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,17 @@ class Hub:
             self._close_idle(unproven[0], "the node is at its connection limit")
         conn_id = self.server.connect()
         sink = _ChannelSink(self.reply_buffer_bytes)
-        conn = Connection(conn_id, Outbound(sink), sink, peer=peer, trusted=trusted, opened_s=self.clock())
+        now = self.clock()
+        conn = Connection(
+            conn_id,
+            Outbound(sink),
+            sink,
+            peer=peer,
+            trusted=trusted,
+            own=trusted,
+            opened_s=now,
+            last_frame_s=now,
+        )
         self._conns[conn_id] = conn
         return conn
 
@@ -231,7 +247,8 @@ class Hub:
         replies keep their order."""
         if conn.closed:
             return
-        actions = self.server.handle(conn.conn_id, data, self.clock())
+        conn.last_frame_s = self.clock()
+        actions = self.server.handle(conn.conn_id, data, conn.last_frame_s)
         if any(not isinstance(a, Send | Compute | Drop | Push) for a in actions):
             await self.execute(actions)
         else:
@@ -382,10 +399,22 @@ class Hub:
             self.close_idle_streams(now)
 
     def close_idle_streams(self, now: float) -> None:
-        """Close unproven connections older than ``idle_stream_timeout_s``."""
+        """Close unproven connections older than ``idle_stream_timeout_s``, and proven ones that own
+        no session and were silent for the machine's ``idle_lease_s``."""
         for conn in self._unproven():
             if now - conn.opened_s >= self.idle_stream_timeout_s:
                 self._close_idle(conn, f"no session opened within {self.idle_stream_timeout_s:g} s")
+        silent_s = self.server.spec.idle_lease_s
+        for conn in [c for c in self._conns.values() if c.trusted and not c.own]:
+            if now - conn.last_frame_s >= silent_s and not self.server.owns_sessions(conn.conn_id):
+                self.idle_streams_closed += 1
+                log.info(
+                    "stream closed conn=%d peer=%s: silent for %.0f s and owning no session",
+                    conn.conn_id,
+                    conn.peer,
+                    now - conn.last_frame_s,
+                )
+                self.close_connection(conn)
 
     async def drain(self) -> None:
         """Shutdown: free every session's KV now and wait until the engine did it."""

@@ -475,6 +475,10 @@ class FrameServer:
         """Whether ``conn`` had an OPEN accepted or pushed a step with a valid hop token."""
         return conn in self._proven
 
+    def owns_sessions(self, conn: int) -> bool:
+        """Whether ``conn`` is the owner of a session held now."""
+        return any(s.conn == conn for s in self._sessions.values())
+
     # -- frames in -----------------------------------------------------------------------------
 
     def handle(self, conn: int, data: bytes, now: float) -> list[Action]:

@@ -152,6 +152,35 @@ async def test_a_connection_that_opened_a_session_is_proven_and_never_timed_out(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_proven_stream_owning_no_session_is_closed_once_silent_for_the_lease() -> None:
+    now = [0.0]
+    spec = _spec()  # idle_lease_s 300
+    hub = Hub(FrameServer(spec, lambda *_: None), lambda: now[0], idle_stream_timeout_s=1.0)
+    backend = FakeBackend()
+    scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=32)
+    hub.attach(scheduler)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        owner = hub.open_connection("10.0.0.1")
+        done = hub.open_connection("10.0.0.1")
+        relay = hub.open_connection(trusted=True)  # the node's own socket to a gateway
+        await hub.feed(owner, _open("kept"))
+        await hub.feed(done, _open("gone"))
+        await hub.feed(
+            done,
+            codec.serialize_frame(
+                codec.cancel_frame(codec.SessionHeader("gone", 1, MODEL_FP, RECIPE_FP, 0, 4), step_id=9)
+            ),
+        )
+        now[0] = spec.idle_lease_s - 1
+        hub.close_idle_streams(now[0])
+        assert not done.closed
+        now[0] = spec.idle_lease_s
+        hub.close_idle_streams(now[0])
+        assert done.closed and not owner.closed and not relay.closed  # the owner's session is held
+        nursery.cancel_scope.cancel()
+
+
 def _refuse_ticket(ticket: bytes, sid: str, claim: object) -> None:
     raise TicketInvalidError("forged")
 
