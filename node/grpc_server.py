@@ -30,7 +30,7 @@ import trio
 
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
 from common.logs import event
-from node.hub import Connection, Hub, TooManyConnections
+from node.hub import Connection, Hub, TooManyConnections, held_back
 from node.peer_serve import PeerRefused, TensorServer
 from proto import codec
 from proto.swarm.v1 import shard_service_pb2
@@ -130,7 +130,8 @@ class ShardService:
             conn = self.hub.open_connection(peer)
         except TooManyConnections as err:
             self.streams_refused += 1
-            log.warning("stream refused peer=%s: %s", peer or "?", err)  # one line, no traceback
+            if (held := self.hub.log_budget.take()) is not None:  # one line, no traceback; bounded
+                log.warning("stream refused peer=%s: %s%s", peer or "?", err, held_back(held))
             raise RpcAbort("RESOURCE_EXHAUSTED", str(err)) from err
         self.streams_opened += 1
         try:

@@ -43,6 +43,7 @@ Connections):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,35 @@ OUTBOUND_FRAMES = 4096  # frames waiting per connection (bytes are the real boun
 REPLY_BUFFER_BYTES = 32 * 1024 * 1024
 IDLE_STREAM_TIMEOUT_S = 10.0
 MAX_IDLE_PER_ADDRESS = 16
+
+
+class LogBudget:
+    """At most ``lines`` log lines per ``window_s`` for one kind of event (an attacker's streams must
+    not fill the disk with our logs); ``take`` says whether to log and how many were held back."""
+
+    def __init__(self, clock: Callable[[], float], lines: int = 10, window_s: float = 10.0) -> None:
+        self.clock = clock
+        self.lines = lines
+        self.window_s = window_s
+        self._window_start = -math.inf
+        self._used = 0
+        self._held = 0
+
+    def take(self) -> int | None:
+        """None: do not log this one; else log it, noting the returned number of lines held back."""
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            self._window_start, self._used = now, 0
+        if self._used >= self.lines:
+            self._held += 1
+            return None
+        self._used += 1
+        held, self._held = self._held, 0
+        return held
+
+
+def held_back(held: int) -> str:
+    return f" ({held} similar lines held back)" if held else ""
 
 
 class TooManyConnections(RuntimeError):
@@ -177,6 +207,7 @@ class Hub:
         self.dropped_slow_connections = 0
         self.idle_streams_closed = 0
         self.replays_suppressed = 0
+        self.log_budget = LogBudget(clock)  # stream closes and refusals: one line each, within bounds
 
     def attach(self, scheduler: Scheduler, pushes: PushLinks | None = None) -> None:
         self.scheduler = scheduler
@@ -232,13 +263,15 @@ class Hub:
 
     def _close_idle(self, conn: Connection, why: str) -> None:
         self.idle_streams_closed += 1
-        log.info(
-            "stream closed conn=%d peer=%s: %s (opened %.1f s ago, no session opened, no step pushed)",
-            conn.conn_id,
-            conn.peer or "?",
-            why,
-            self.clock() - conn.opened_s,
-        )
+        if (held := self.log_budget.take()) is not None:
+            log.info(
+                "stream closed conn=%d peer=%s: %s (opened %.1f s ago, no session opened, no step pushed)%s",
+                conn.conn_id,
+                conn.peer or "?",
+                why,
+                self.clock() - conn.opened_s,
+                held_back(held),
+            )
         self.close_connection(conn)
 
     async def feed(self, conn: Connection, data: bytes) -> None:
@@ -354,12 +387,14 @@ class Hub:
             log.error("reply not sent conn=%d: %s", conn.conn_id, exc)
             return
         if not conn.sink.fits(sum(len(d) for d in data)) or not all(conn.sink.put(d) for d in data):
-            log.warning(
-                "connection dropped conn=%d peer=%s: it leaves over %d bytes of replies unread",
-                conn.conn_id,
-                conn.peer or "?",
-                conn.sink.max_bytes,
-            )
+            if (held := self.log_budget.take()) is not None:
+                log.warning(
+                    "connection dropped conn=%d peer=%s: it leaves over %d bytes of replies unread%s",
+                    conn.conn_id,
+                    conn.peer or "?",
+                    conn.sink.max_bytes,
+                    held_back(held),
+                )
             self.dropped_slow_connections += 1
             self.close_connection(conn)
             return
@@ -408,12 +443,14 @@ class Hub:
         for conn in [c for c in self._conns.values() if c.trusted and not c.own]:
             if now - conn.last_frame_s >= silent_s and not self.server.owns_sessions(conn.conn_id):
                 self.idle_streams_closed += 1
-                log.info(
-                    "stream closed conn=%d peer=%s: silent for %.0f s and owning no session",
-                    conn.conn_id,
-                    conn.peer,
-                    now - conn.last_frame_s,
-                )
+                if (held := self.log_budget.take()) is not None:
+                    log.info(
+                        "stream closed conn=%d peer=%s: silent for %.0f s and owning no session%s",
+                        conn.conn_id,
+                        conn.peer,
+                        now - conn.last_frame_s,
+                        held_back(held),
+                    )
                 self.close_connection(conn)
 
     async def drain(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from node.hub import OUTBOUND_FRAMES, Hub, TooManyConnections
+from node.hub import OUTBOUND_FRAMES, Hub, LogBudget, TooManyConnections, held_back
 from node.scheduler import Scheduler
 from node.session_machine import FrameServer, ServingSpec, StepOutcome
 from proto import codec
@@ -250,3 +250,12 @@ async def test_steps_and_refusals_complete_at_once_and_only_an_open_waits_for_th
         hub.input_ended(conn)
         assert hub.connections == 0
         nursery.cancel_scope.cancel()
+
+
+def test_stream_closes_and_refusals_log_within_a_budget() -> None:
+    now = [0.0]
+    budget = LogBudget(lambda: now[0], lines=3, window_s=10.0)
+    assert [budget.take() for _ in range(5)] == [0, 0, 0, None, None]
+    now[0] = 10.0  # a new window: the next line says how many were held back
+    assert [budget.take() for _ in range(2)] == [2, 0]
+    assert held_back(2) == " (2 similar lines held back)" and held_back(0) == ""
