@@ -65,7 +65,15 @@ log = logging.getLogger("swarm.gateway")
 EVENT_QUEUE = 64  # messages waiting for the driver; readers wait when it is full (flow control)
 LOOKUP_TIMEOUT_S = 20.0  # one replacement look-up at the tracker, Info calls included
 
-__all__ = ["DataPlane", "RouteSession", "Run", "Sampled", "open_hop_stream", "open_route_session"]
+__all__ = [
+    "DataPlane",
+    "OpenProver",
+    "RouteSession",
+    "Run",
+    "Sampled",
+    "open_hop_stream",
+    "open_route_session",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,11 @@ class DataPlane:
     decode_timeout_s: float = 30.0
     decode_timeout_floor_s: float = 3.0
     close_timeout_s: float = 5.0
+
+
+# (node id, OPEN frame) -> OpenSession.gateway_proof: this gateway's signature over that OPEN
+# (proto.signing.sign_open_proof), for tickets that name the gateway.
+OpenProver = Callable[[str, frame_pb2.Frame], bytes]
 
 
 class Run(Protocol):
@@ -140,8 +153,11 @@ class RouteSession:
         hops: dict[str, Hop],
         recovery: RecoveryPolicy | None,
         limits: codec.FrameLimits,
+        prove_open: OpenProver | None = None,
     ) -> None:
         self.machine = machine
+        self._prove_open = prove_open
+        self._slot_nodes: dict[int, str] = {}  # slot -> node id, for the OPEN proofs
         self.route_epoch = 1
         self.finished = False
         self._channels = channels
@@ -260,8 +276,15 @@ class RouteSession:
     async def _execute(self, commands: list[Command]) -> None:
         for command in commands:
             if isinstance(command, SendFrame):
+                frame = command.frame
+                if self._prove_open is not None and frame.WhichOneof("body") == "open":
+                    # Every OPEN sent (re-sends too) carries a fresh proof that this gateway, the one
+                    # the route ticket names, sent it (docs/protocol.md, Bodies: OpenSession).
+                    frame = frame_pb2.Frame()
+                    frame.CopyFrom(command.frame)
+                    frame.open.gateway_proof = self._prove_open(self._slot_nodes.get(command.slot, ""), frame)
                 try:
-                    data = codec.serialize_frame(command.frame, self._limits)
+                    data = codec.serialize_frame(frame, self._limits)
                 except ProtocolError as err:  # a bug: we built a frame the codec refuses
                     log.error("frame not sent: %s", err)
                     continue
@@ -269,6 +292,7 @@ class RouteSession:
             elif isinstance(command, ForwardBytes):
                 await self._send(command.slot, command.data)
             elif isinstance(command, OpenStream):
+                self._slot_nodes[command.slot] = command.stage.node_id
                 assert self._nursery is not None
                 await self._nursery.start(self._stream, command.slot, command.stage)
             elif isinstance(command, CloseStream):
@@ -406,6 +430,7 @@ async def open_route_session(
     kv_source: tuple[str, int] | None = None,
     keep_ms: int = 0,
     report_steps: bool = False,
+    prove_open: OpenProver | None = None,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -461,7 +486,9 @@ async def open_route_session(
         for hop, info in zip(route.hops, stages, strict=True)
     ]
     machine = RouteMachine(config, specs, new_token=lambda: secrets.token_bytes(16))
-    session = RouteSession(machine, channels, {h.node_id: h for h in route.hops}, recovery, config.limits)
+    session = RouteSession(
+        machine, channels, {h.node_id: h for h in route.hops}, recovery, config.limits, prove_open
+    )
     with single_exception():  # the body's own exception leaves as itself, not in a group
         async with trio.open_nursery() as nursery:
             await nursery.start(session.run)

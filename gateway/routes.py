@@ -176,8 +176,9 @@ class RouteCache:
         try:
             with trio.fail_after(self._timeout_s):
                 # Our id lets the tracker price routes from where this gateway is (its coordinate).
+                # Signed with our key: the tickets name this gateway, and only its OPENs use them.
                 body = await self._tracker.routes(
-                    model, k=self._k, exclude=exclude, gateway_id=self._tracker.key_id
+                    model, k=self._k, exclude=exclude, gateway_id=self._tracker.key_id, sign=True
                 )
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))

@@ -76,7 +76,7 @@ from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
-from proto.signing import public_key_hex
+from proto.signing import public_key_hex, sign_open_proof
 from proto.swarm.v1 import frame_pb2, status_pb2
 from tracker.client import TrackerClient, TrackerClientError
 
@@ -233,6 +233,7 @@ class GatewayService:
         self.config = config
         self.tracker = tracker
         self.gateway_id = public_key_hex(key)
+        self._key = key
         self.channels = channels
         self.metrics = metrics or Metrics()
         self.gate = Gate(
@@ -700,6 +701,20 @@ class GatewayService:
             report_steps=report_steps,
             kv_source=kv_source,
             keep_ms=keep_ms,
+            prove_open=self._prove_open,
+        )
+
+    def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
+        """This gateway's signature over one OPEN to ``node_id`` (tickets name the gateway they were
+        issued to; the node opens the session only with this proof; docs/protocol.md)."""
+        return sign_open_proof(
+            self._key,
+            session_id=frame.session_id,
+            node_id=node_id,
+            route_epoch=int(frame.route_epoch),
+            step_id=int(frame.step_id),
+            ticket=bytes(frame.open.route_ticket),
+            now_s=time.time(),
         )
 
     async def _other_route(

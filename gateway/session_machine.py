@@ -63,6 +63,11 @@ from proto.errors import ProtocolError, error_from_body
 from proto.swarm.v1 import frame_pb2, status_pb2
 
 S = status_pb2
+# A node's retry_after_ms is a hint from a stranger: a re-attach is retried after at most this long
+# (the session's own deadlines still apply), and a client is told to come back after at most
+# MAX_CLIENT_RETRY_AFTER_S (Retry-After).
+MAX_NODE_RETRY_AFTER_MS = 1000
+MAX_CLIENT_RETRY_AFTER_S = 30
 
 
 # --------------------------------------------------------------------------- inputs
@@ -797,10 +802,15 @@ class RouteMachine:
         if frame.phase == frame_pb2.PHASE_OPEN and remote.status == S.STATUS_RESOURCE_EXHAUSTED:
             if remote.retry == S.RETRY_SAME and self.phase == _RECOVERING and stage.open_frame is not None:
                 # A survivor still computing an abandoned step: ask again shortly.
-                stage.reopen_at = now + max(0.05, remote.retry_after_ms / 1000)
+                # Capped: a node's hint is not trusted to stall the session (MAX_NODE_RETRY_AFTER_MS).
+                stage.reopen_at = now + min(MAX_NODE_RETRY_AFTER_MS, max(50, remote.retry_after_ms)) / 1000
                 self._deadline = min(self._deadline, stage.reopen_at)
                 return []
-        retry_s = max(1, math.ceil(remote.retry_after_ms / 1000)) if remote.retry_after_ms else None
+        retry_s = (
+            min(MAX_CLIENT_RETRY_AFTER_S, max(1, math.ceil(remote.retry_after_ms / 1000)))
+            if remote.retry_after_ms
+            else None
+        )
         if remote.status == S.STATUS_CONTEXT_EXCEEDED:
             failure = Failure("context", f"{who}: {remote.message}", stage.spec.node_id, replaceable=False)
         elif remote.status in (S.STATUS_RESOURCE_EXHAUSTED, S.STATUS_UNAVAILABLE):

@@ -310,6 +310,19 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--max-kept-kv-tokens", type=int, default=None, help="KV positions kept sessions hold.")
 @click.option("--max-keep-s", type=float, default=None, help="Longest a released session is kept warm.")
 @click.option(
+    "--stream-idle-timeout-s",
+    type=float,
+    default=None,
+    help="Close a Session stream that opened no session and pushed no step after this long (default 10).",
+)
+@click.option(
+    "--max-idle-streams-per-address",
+    type=int,
+    default=None,
+    help="Most such unproven streams from one source address (default 16).",
+)
+@click.option("--reply-buffer-bytes", type=int, default=None, help="Most unread reply bytes per stream.")
+@click.option(
     "--heartbeat-interval-s",
     type=float,
     default=None,

@@ -128,6 +128,15 @@ class NodeConfig:
     max_kept_kv_tokens: int = _f(8192, "KV positions all kept sessions may hold together")
     max_keep_s: float = _f(120.0, "longest a released session is kept warm, whatever the gateway asks")
     lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
+    stream_idle_timeout_s: float = _f(
+        10.0, "a Session stream that opened no session and pushed no step is closed after this long"
+    )
+    max_idle_streams_per_address: int = _f(
+        16, "most such unproven Session streams from one source address; one more closes the oldest"
+    )
+    reply_buffer_bytes: int = _f(
+        32 * 1024 * 1024, "most bytes of replies a stream's peer may leave unread before it loses the stream"
+    )
     heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
     tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
     discovery_timeout_s: float = _f(3.0, "how long zeroconf discovery of the tracker may take")
@@ -184,6 +193,7 @@ class NodeConfig:
             "batch_tokens",
             "prefill_chunk_tokens",
             "max_queued_steps",
+            "max_idle_streams_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -193,10 +203,13 @@ class NodeConfig:
             raise ConfigError("session_kv_tokens must be >= 16")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError("max_frame_bytes must be >= 65536")
+        if self.reply_buffer_bytes < self.max_frame_bytes:
+            raise ConfigError("reply_buffer_bytes must be >= max_frame_bytes")
         for name in (
             "idle_lease_s",
             "reattach_window_s",
             "lease_check_interval_s",
+            "stream_idle_timeout_s",
             "tracker_retry_s",
             "discovery_timeout_s",
         ):

@@ -266,7 +266,12 @@ class NodeDaemon:
                     message="insecure_no_tickets: any OPEN is accepted; never use this on a network",
                 )
             self.machine = FrameServer(self.spec, self.verifier)
-            self.hub = Hub(self.machine)
+            self.hub = Hub(
+                self.machine,
+                reply_buffer_bytes=cfg.reply_buffer_bytes,
+                idle_stream_timeout_s=cfg.stream_idle_timeout_s,
+                max_idle_per_address=cfg.max_idle_streams_per_address,
+            )
             on_outcome = self.hub.on_outcome
             if self.failpoints.active:
                 liar = failpoints.Liar(
@@ -649,6 +654,7 @@ class NodeDaemon:
             "decode_ms_per_token_startup": round(self.decode_ms, 3),
             "prefill_tokens_per_s_startup": round(self.prefill_tps, 1),
             "errors_by_status": stats.errors_by_status,
+            "connections": dataclasses.asdict(self.hub.statistics()),
             "announces": self.counters.announces,
             "heartbeats": self.counters.heartbeats,
             "tracker_failures": self.counters.tracker_failures,
@@ -688,6 +694,7 @@ class NodeDaemon:
         """Scrape-time values of the node's gauges and statistics counters (node/metrics.py)."""
         stats = self.machine.statistics()
         sched = self.scheduler.statistics()
+        hub = self.hub.statistics()
         tps = sched.tokens_processed / sched.compute_s if sched.compute_s > 0 else 0.0
 
         def one(value: float) -> dict[tuple[tuple[str, str], ...], float]:
@@ -728,6 +735,16 @@ class NodeDaemon:
                 (("outcome", "accepted"),): float(self.verifier.accepted),
                 (("outcome", "refused"),): float(self.verifier.refused),
             },
+            "swarm_node_bound_tickets_total": one(self.verifier.bound),
+            "swarm_node_streams_total": {
+                (("outcome", "opened"),): float(self.grpc.streams_opened),
+                (("outcome", "refused"),): float(self.grpc.streams_refused),
+            },
+            "swarm_node_unproven_connections": one(hub.unproven_connections),
+            "swarm_node_idle_streams_closed_total": one(hub.idle_streams_closed),
+            "swarm_node_slow_readers_dropped_total": one(hub.dropped_slow_connections),
+            "swarm_node_replays_suppressed_total": one(hub.replays_suppressed),
+            "swarm_node_reply_bytes_queued": one(hub.reply_bytes_queued),
             "swarm_node_tracker_failures_total": one(self.counters.tracker_failures),
         }
 

@@ -12,8 +12,11 @@ span to joining nodes (``node.peer_serve``, bounded and rate-limited there).
 
 Flow control: a stream reads its next message only after the hub accepted the
 previous one (the adapter stops reading from gRPC while its buffer is full),
-and writes as fast as the peer reads; a peer that leaves ``OUTBOUND_FRAMES``
-replies unread loses its stream (``node.hub``).
+and writes as fast as the peer reads; a peer that leaves more than the hub's
+``reply_buffer_bytes`` unread loses its stream (``node.hub``). A stream that
+opens no session and pushes no step is closed after the hub's idle timeout,
+and counts against its source address's bound on such streams (``peer`` from
+gRPC); a stream refused at the connection limit is logged in one line.
 """
 
 from __future__ import annotations
@@ -27,13 +30,28 @@ import trio
 
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
 from common.logs import event
-from node.hub import Connection, Hub, TooManyConnections
+from node.hub import Connection, Hub, TooManyConnections, held_back
 from node.peer_serve import PeerRefused, TensorServer
 from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import vocab_chunks
 
 log = logging.getLogger("swarm.node.grpc")
+
+
+def peer_address(peer: str) -> str:
+    """The source address of a gRPC peer string, without the port.
+
+    >>> peer_address("ipv4:127.0.0.1:50412"), peer_address("ipv6:[::1]:50412"), peer_address("unix:/x")
+    ('127.0.0.1', '::1', 'unix:/x')
+    """
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    if kind == "ipv6":
+        host = rest.rpartition(":")[0] or rest
+        return host.strip("[]")
+    return peer
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class ShardService:
         self._info = info
         self._health = health
         self.streams_opened = 0
+        self.streams_refused = 0
 
     def service(self) -> Service:
         return Service(
@@ -106,9 +125,13 @@ class ShardService:
     # -- handlers ------------------------------------------------------------------------------------
 
     async def _session(self, stream: MessageStream, call: CallInfo) -> None:
+        peer = peer_address(call.peer)
         try:
-            conn = self.hub.open_connection()
+            conn = self.hub.open_connection(peer)
         except TooManyConnections as err:
+            self.streams_refused += 1
+            if (held := self.hub.log_budget.take()) is not None:  # one line, no traceback; bounded
+                log.warning("stream refused peer=%s: %s%s", peer or "?", err, held_back(held))
             raise RpcAbort("RESOURCE_EXHAUSTED", str(err)) from err
         self.streams_opened += 1
         try:

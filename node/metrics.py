@@ -56,6 +56,23 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_evictions_total": m.counter("sessions evicted by lease or re-attach window", scraped=True),
     "swarm_node_refusals_total": m.counter("error replies by status", "status", scraped=True),
     "swarm_node_tickets_total": m.counter("route tickets checked", "outcome", scraped=True),
+    "swarm_node_bound_tickets_total": m.counter(
+        "accepted tickets that named a gateway (opened with its proof)", scraped=True
+    ),
+    "swarm_node_streams_total": m.counter(
+        "Session streams opened, and refused at the limit", "outcome", scraped=True
+    ),
+    "swarm_node_unproven_connections": m.gauge("Session streams that opened no session and pushed no step"),
+    "swarm_node_idle_streams_closed_total": m.counter(
+        "unproven streams closed (timed out, or to make room)", scraped=True
+    ),
+    "swarm_node_slow_readers_dropped_total": m.counter(
+        "streams dropped for leaving too many reply bytes unread", scraped=True
+    ),
+    "swarm_node_replays_suppressed_total": m.counter(
+        "re-sent steps not answered again while the previous cached answer was unread", scraped=True
+    ),
+    "swarm_node_reply_bytes_queued": m.gauge("reply bytes waiting for their streams' peers to read them"),
     "swarm_node_tracker_calls_total": m.counter(
         "calls to the tracker, by kind and outcome", "kind", "outcome"
     ),

@@ -12,8 +12,9 @@ those, like a stream that cannot be opened or breaks, become a
 gateway replaces the next stage.
 
 Bounds: at most ``max_links`` links, each with at most ``queue_frames``
-frames waiting (a next stage that does not keep up fails its link rather than
-grow memory); a link unused for ``idle_s`` closes.
+frames and ``queue_bytes`` bytes waiting (a step's frames always fit an empty
+queue; a next stage that does not keep up fails its link rather than grow
+memory); a link unused for ``idle_s`` closes.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Link:
     epoch: int = 0  # the route epoch of the session when the link was made (hop tokens are per epoch)
     last_used: float = 0.0
     pushed: int = 0
+    queued_bytes: int = 0
     done: bool = False
 
 
@@ -73,6 +75,7 @@ class PushLinks:
     on_failure: FailureCallback
     max_links: int = 256
     queue_frames: int = 64
+    queue_bytes: int = 64 * 1024 * 1024
     idle_s: float = 60.0
     _links: dict[tuple[str, str], _Link] = field(default_factory=dict)
     _nursery: trio.Nursery | None = None
@@ -111,6 +114,11 @@ class PushLinks:
             self._links[key] = link
             self._nursery.start_soon(self._run_link, link)
         link.last_used = trio.current_time()
+        nbytes = sum(len(d) for d in frames)
+        if link.queued_bytes and link.queued_bytes + nbytes > self.queue_bytes:
+            self._close(link)
+            self._fail(session_id, f"node {_who(target)} does not take pushed steps fast enough", epoch)
+            return
         for data in frames:
             try:
                 link.send.send_nowait(data)
@@ -118,6 +126,7 @@ class PushLinks:
                 self._close(link)
                 self._fail(session_id, f"node {_who(target)} does not take pushed steps fast enough", epoch)
                 return
+            link.queued_bytes += len(data)
             link.pushed += 1
             self._frames += 1
 
@@ -148,6 +157,7 @@ class PushLinks:
             async with self.opener(target.address) as stream, trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_refusals, link, stream)
                 async for data in link.receive:
+                    link.queued_bytes -= len(data)
                     await stream.send(data)
                 nursery.cancel_scope.cancel()
         except Exception as err:  # any transport failure: the owner replaces the next stage

@@ -176,7 +176,7 @@ class RelayClient:
             event(log, "relay_connected", url=self.url, gateway_id=gateway_id)
             self.ready.set()
             try:
-                conn = self.hub.open_connection()
+                conn = self.hub.open_connection(trusted=True)  # we dialled the gateway ourselves
             except TooManyConnections as err:
                 raise RelayRefused(str(err)) from err
             try:

@@ -225,6 +225,9 @@ class StepOutcome:
 class Send:
     conn: int
     frames: tuple[frame_pb2.Frame, ...]
+    # Answered from a session's cache (a re-sent step, OPEN or RELEASE): the transport may skip it
+    # while the connection has not read the previous cached answer yet (node/hub.py, Replays).
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -270,9 +273,20 @@ class Push:
 Action = Send | OpenKv | TruncateKv | FreeKv | Compute | Drop | Push
 EngineEffect = OpenKv | TruncateKv | FreeKv | Compute | Drop
 
-# Checks a route ticket (the raw OpenSession.route_ticket bytes) for this node;
-# raises TicketInvalidError. Injected so the machine stays free of keys and clocks.
-TicketCheck = Callable[[bytes, str], None]
+
+@dataclass(frozen=True)
+class OpenClaim:
+    """What an OPEN says about itself besides its ticket, for the gateway binding of tickets."""
+
+    route_epoch: int
+    step_id: int
+    gateway_proof: bytes  # OpenSession.gateway_proof: the named gateway's signature over this OPEN
+
+
+# Checks a route ticket (the raw OpenSession.route_ticket bytes) for this node, for this session, and
+# -- when the ticket names a gateway -- the OPEN's proof that it comes from that gateway; raises
+# TicketInvalidError. Injected so the machine stays free of keys and clocks.
+TicketCheck = Callable[[bytes, str, OpenClaim], None]
 
 
 # --------------------------------------------------------------------------- state
@@ -423,6 +437,9 @@ class FrameServer:
         self._job_ids = itertools.count(1)
         self._conn_ids = itertools.count(1)
         self._conns: set[int] = set()
+        # Connections that proved themselves: an OPEN accepted (ticket, and the gateway's proof for a
+        # bound ticket) or a step pushed with a session's hop token. The hub bounds the others.
+        self._proven: set[int] = set()
         self._frames_in = 0
         self._frames_out = 0
         self._frames_pushed = 0
@@ -446,12 +463,21 @@ class FrameServer:
     def disconnect(self, conn: int, now: float) -> list[Action]:
         """The connection ended: sessions it owned wait ``reattach_window_s`` for a re-OPEN."""
         self._conns.discard(conn)
+        self._proven.discard(conn)
         for sess in self._sessions.values():
             if sess.conn == conn:
                 sess.conn = None
                 sess.assembler = None
                 sess.expires_at = min(sess.expires_at, now + self.spec.reattach_window_s)
         return []
+
+    def is_proven(self, conn: int) -> bool:
+        """Whether ``conn`` had an OPEN accepted or pushed a step with a valid hop token."""
+        return conn in self._proven
+
+    def owns_sessions(self, conn: int) -> bool:
+        """Whether ``conn`` is the owner of a session held now."""
+        return any(s.conn == conn for s in self._sessions.values())
 
     # -- frames in -----------------------------------------------------------------------------
 
@@ -495,9 +521,9 @@ class FrameServer:
         )
         return self._send(conn, (reply,))
 
-    def _send(self, conn: int, frames: tuple[frame_pb2.Frame, ...]) -> Send:
+    def _send(self, conn: int, frames: tuple[frame_pb2.Frame, ...], *, replay: bool = False) -> Send:
         self._frames_out += len(frames)
-        return Send(conn, frames)
+        return Send(conn, frames, replay)
 
     def _push(
         self, sess: _Session, target: frame_pb2.PushTarget, frames: list[frame_pb2.Frame]
@@ -534,7 +560,8 @@ class FrameServer:
         if self.draining:
             raise UnavailableError("node is shutting down", retry_after_ms=0)
         try:
-            self._check_ticket(frame.open.route_ticket, sid)
+            claim = OpenClaim(int(frame.route_epoch), int(frame.step_id), bytes(frame.open.gateway_proof))
+            self._check_ticket(frame.open.route_ticket, sid, claim)
         except ProtocolError as exc:
             # A refused re-attach leaves the existing session as it was (its lease still runs).
             raise TicketInvalidError(exc.message, session_closed=sess is None) from exc
@@ -601,6 +628,7 @@ class FrameServer:
         self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)
         self._sessions[sid] = sess
+        self._proven.add(conn)
         event(
             log,
             "session_opened",
@@ -697,6 +725,7 @@ class FrameServer:
             sess.kv_len = keep
             del sess.history_tokens[keep:]
         sess.conn = conn
+        self._proven.add(conn)
         sess.epoch = int(frame.route_epoch)
         # The KV budget and the sampling settings were fixed when the engine opened the sequence; a
         # re-attach keeps them (the ack reports the budget that holds).
@@ -775,7 +804,7 @@ class FrameServer:
                 return [self._send(conn, (codec.closed_frame(frame, freed_kv_tokens=0),))]
             if kind == "release" and frame.step_id == closed.last_step_id and closed.reply:
                 self._replays += 1
-                return [self._send(conn, closed.reply)]
+                return [self._send(conn, closed.reply, replay=True)]
             if frame.HasField("chunk") and frame.chunk.index > 0:
                 return []  # the rest of a step whose first chunk was already refused
             raise SessionClosedError(f"session {sid!r} was {closed.reason}")
@@ -787,6 +816,7 @@ class FrameServer:
             )
         if not owner:
             self._check_sender(frame, kind, sess)
+            self._proven.add(conn)  # it holds the session's hop token: the upstream stage
         if kind == "cancel":
             return self._close(conn, frame, sess, "cancelled", now)
         if kind == "replay":
@@ -828,7 +858,7 @@ class FrameServer:
             copy.CopyFrom(cached)
             copy.route_epoch = sess.epoch
             frames.append(copy)
-        return [self._send(conn, tuple(frames))]
+        return [self._send(conn, tuple(frames), replay=True)]
 
     def _close(
         self, conn: int, frame: frame_pb2.Frame, sess: _Session, reason: str, now: float

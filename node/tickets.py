@@ -9,10 +9,19 @@ accepted, the signature covers the payload inside). A node accepts a ticket only
   learned from the tracker's announce answer over the configured URL),
 * it has not expired (``proto.signing.verify_route_ticket``, 5 s leeway),
 * it is for this node's model and lists this node as a hop,
-* that hop is exactly this node's shard.
+* that hop is exactly this node's shard,
+* and, when the ticket names a gateway (``gateway_id``: the tracker issued it
+  to a gateway that signed its route request), the OPEN carries that gateway's
+  proof (``OpenSession.gateway_proof``, ``proto.signing.verify_open_proof``):
+  signed by the named key, for this node, this session, this OPEN's epoch and
+  step id and this very ticket, at most ``proof_skew_s`` old, with a nonce not
+  seen before. So a ticket copied by anyone else -- another stage of the route,
+  an observer -- opens nothing, and neither does a replayed OPEN.
 
-Tickets are bearer tokens for their lifetime (a gateway re-opening after a
-broken stream reuses its ticket), so no nonce is remembered here.
+A ticket that names no gateway is a bearer token for its lifetime (a tracker
+with no registered gateways answering an unsigned request; docs/tracker.md),
+so no nonce is remembered for tickets themselves. Proof nonces are kept in a
+bounded :class:`proto.signing.NonceCache` until their window has passed.
 """
 
 from __future__ import annotations
@@ -20,12 +29,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from node.session_machine import OpenClaim
 from proto.errors import TicketInvalidError
-from proto.signing import SignatureError, route_ticket_envelope, verify_route_ticket
+from proto.signing import (
+    OPEN_PROOF_SKEW_S,
+    NonceCache,
+    SignatureError,
+    route_ticket_envelope,
+    verify_open_proof,
+    verify_route_ticket,
+)
 
 
 class TicketVerifier:
-    """Callable ``(ticket_bytes, session_id) -> None`` that raises :class:`TicketInvalidError`."""
+    """Callable ``(ticket_bytes, session_id, claim) -> None`` that raises :class:`TicketInvalidError`."""
 
     def __init__(
         self,
@@ -36,6 +53,8 @@ class TicketVerifier:
         tracker_public_key: str | None,
         clock: Callable[[], float] = time.time,
         insecure_accept_all: bool = False,
+        proof_skew_s: float = OPEN_PROOF_SKEW_S,
+        max_proof_nonces: int = 100_000,
     ) -> None:
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
@@ -43,33 +62,37 @@ class TicketVerifier:
         self.tracker_public_key = tracker_public_key
         self.clock = clock
         self.insecure_accept_all = insecure_accept_all
+        self.proof_skew_s = proof_skew_s
+        self.proof_nonces = NonceCache(max_proof_nonces)
         self.accepted = 0
         self.refused = 0
+        self.bound = 0  # accepted tickets that named a gateway (and came with its proof)
 
     def trust(self, tracker_public_key: str) -> None:
         """Learn the tracker key (from its announce answer) when none was pinned."""
         if self.tracker_public_key is None:
             self.tracker_public_key = tracker_public_key
 
-    def __call__(self, ticket: bytes, session_id: str) -> None:
+    def __call__(self, ticket: bytes, session_id: str, claim: OpenClaim) -> None:
         if self.insecure_accept_all:
             self.accepted += 1
             return
         try:
-            self._check(ticket)
+            self._check(ticket, session_id, claim)
         except TicketInvalidError:
             self.refused += 1
             raise
         self.accepted += 1
 
-    def _check(self, ticket: bytes) -> None:
+    def _check(self, ticket: bytes, session_id: str, claim: OpenClaim) -> None:
         if self.tracker_public_key is None:
             raise TicketInvalidError("this node does not know its tracker's key yet (not announced)")
+        now = self.clock()
         try:
             parsed = verify_route_ticket(
                 route_ticket_envelope(ticket),
                 tracker_public_key=self.tracker_public_key,
-                now_s=self.clock(),
+                now_s=now,
                 node_id=self.node_id,
                 model_fingerprint=self.model_fingerprint,
             )
@@ -81,3 +104,24 @@ class TicketVerifier:
                 f"route ticket names this node for layers {[(h.start, h.end) for h in hops]}, "
                 f"it serves {list(self.shard)}"
             )
+        if not parsed.gateway_id:
+            return  # a bearer ticket (an open tracker, an unsigned route request)
+        try:
+            verify_open_proof(
+                claim.gateway_proof,
+                gateway_id=parsed.gateway_id,
+                node_id=self.node_id,
+                session_id=session_id,
+                route_epoch=claim.route_epoch,
+                step_id=claim.step_id,
+                ticket=ticket,
+                now_s=now,
+                nonces=self.proof_nonces,
+                skew_s=self.proof_skew_s,
+            )
+        except SignatureError as err:
+            raise TicketInvalidError(
+                f"route ticket is bound to gateway {parsed.gateway_id[:16]}; its proof was refused "
+                f"({err.reason}): {err.message}"
+            ) from err
+        self.bound += 1

@@ -383,6 +383,10 @@ def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
         raise TooLargeError(
             f"route ticket of {len(body.route_ticket)} bytes (limit {limits.max_ticket_bytes})"
         )
+    if len(body.gateway_proof) > limits.max_ticket_bytes:
+        raise TooLargeError(
+            f"gateway proof of {len(body.gateway_proof)} bytes (limit {limits.max_ticket_bytes})"
+        )
     if body.kv_budget.max_tokens < 1:
         raise BadFrameError("OPEN asks for no KV budget")
     if body.output_encoding != frame_pb2.ENCODING_UNSPECIFIED and body.output_encoding not in ENCODINGS:

@@ -25,7 +25,7 @@ Every signed payload carries::
 Refusals raise :class:`SignatureError` whose ``reason`` is one of
 ``malformed_envelope``, ``bad_signature``, ``key_mismatch``, ``wrong_kind``,
 ``stale_timestamp``, ``replayed_nonce``, ``nonce_cache_full``,
-``untrusted_key``, ``expired``.
+``untrusted_key``, ``expired``, and for gateway proofs ``missing_proof``, ``proof_mismatch``.
 
 Replay protection: a message is accepted only if ``|now - timestamp| <= skew_s``
 and its ``(public_key, nonce)`` is not in the :class:`NonceCache`; the cache
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import heapq
 import json
 import math
@@ -225,10 +226,14 @@ class RouteTicket:
     hops: tuple[TicketHop, ...]
     issued_at_s: float
     expires_at_s: float
+    # The gateway the ticket was issued to (its public key, hex): a node then opens a session with it
+    # only on an OPEN that carries that gateway's signed proof (:func:`verify_open_proof`). Empty: a
+    # bearer ticket (a tracker with no registered gateways answering an unsigned request).
+    gateway_id: str = ""
 
 
 def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict[str, str]:
-    payload = {
+    payload: dict[str, Any] = {
         "kind": "route_ticket",
         "tracker_id": public_key_hex(key),
         "session_id": ticket.session_id,
@@ -240,6 +245,8 @@ def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict
         "expires_at": ticket.expires_at_s,
         "nonce": new_nonce(),
     }
+    if ticket.gateway_id:  # absent on bearer tickets, so their bytes are what they always were
+        payload["gateway_id"] = ticket.gateway_id
     return sign_envelope(key, payload)
 
 
@@ -289,7 +296,10 @@ def verify_route_ticket(
             hops=hops,
             issued_at_s=float(p["timestamp"]),
             expires_at_s=float(p["expires_at"]),
+            gateway_id=str(p.get("gateway_id", "")),
         )
+        if ticket.gateway_id and not _HEX64_RE.match(ticket.gateway_id):
+            raise SignatureError("malformed_envelope", "route ticket gateway_id is not a public key")
     except SignatureError:
         raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
@@ -305,3 +315,99 @@ def verify_route_ticket(
     if node_id is not None and all(h.node_id != node_id for h in ticket.hops):
         raise SignatureError("untrusted_key", "this node is not a hop of the route ticket")
     return ticket
+
+
+# --- proofs of the gateway a ticket names ------------------------------------------------------
+
+OPEN_PROOF_KIND = "open_proof"
+OPEN_PROOF_SKEW_S = 60.0
+
+
+def ticket_digest(ticket: bytes) -> str:
+    """What an open proof names a ticket by: sha256 (hex) of the ``OpenSession.route_ticket`` bytes."""
+    return hashlib.sha256(bytes(ticket)).hexdigest()
+
+
+def sign_open_proof(
+    key: nacl.signing.SigningKey,
+    *,
+    session_id: str,
+    node_id: str,
+    route_epoch: int,
+    step_id: int,
+    ticket: bytes,
+    now_s: float,
+) -> bytes:
+    """A gateway's proof, for one OPEN to one node, that it holds the key its route ticket names.
+
+    Signed per OPEN (fresh nonce and timestamp on every send, re-sends included), so a node can
+    refuse a replayed proof outright. It travels as ``OpenSession.gateway_proof`` (JSON bytes).
+    """
+    body = {
+        "session_id": session_id,
+        "node_id": node_id,
+        "route_epoch": int(route_epoch),
+        "step_id": int(step_id),
+        "ticket_sha256": ticket_digest(ticket),
+    }
+    envelope = sign_envelope(key, make_payload(OPEN_PROOF_KIND, "gateway_id", key, now_s, body))
+    return canonical_json(envelope)
+
+
+def verify_open_proof(
+    proof: bytes,
+    *,
+    gateway_id: str,
+    node_id: str,
+    session_id: str,
+    route_epoch: int,
+    step_id: int,
+    ticket: bytes,
+    now_s: float,
+    nonces: NonceSink,
+    skew_s: float = OPEN_PROOF_SKEW_S,
+) -> None:
+    """What a node checks before it opens (or re-attaches) a session on a ticket that names a gateway.
+
+    The proof must be signed by exactly ``gateway_id`` (the ticket's), be recent (``skew_s``), name
+    this node, this OPEN's session, epoch and step id and this very ticket, and carry a nonce the
+    node has not seen (``nonces``). Raises :class:`SignatureError`.
+    """
+    if not proof:
+        raise SignatureError(
+            "missing_proof", "the ticket names a gateway; the OPEN carries no proof from that gateway"
+        )
+    try:
+        envelope = json.loads(bytes(proof).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise SignatureError("malformed_envelope", "gateway proof is not a JSON envelope") from err
+    if isinstance(envelope, Mapping) and envelope.get("public_key") != gateway_id:
+        raise SignatureError("untrusted_key", "gateway proof not signed by the gateway the ticket names")
+    payload = open_envelope(
+        envelope,
+        kind=OPEN_PROOF_KIND,
+        now_s=now_s,
+        skew_s=skew_s,
+        nonces=_Deferred(),
+        signer_field="gateway_id",
+        max_payload_bytes=4096,
+    )
+    expected = {
+        "session_id": session_id,
+        "node_id": node_id,
+        "route_epoch": int(route_epoch),
+        "step_id": int(step_id),
+        "ticket_sha256": ticket_digest(ticket),
+    }
+    for name, value in expected.items():
+        if payload.get(name) != value:
+            raise SignatureError("proof_mismatch", f"gateway proof is for another {name.replace('_', ' ')}")
+    # Recorded last, so a proof refused for another reason consumes nothing.
+    nonces.check_and_add(gateway_id, str(payload["nonce"]), float(payload["timestamp"]) + skew_s, now_s)
+
+
+class _Deferred:
+    """A nonce sink that records nothing (the caller records the nonce once every check passed)."""
+
+    def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None:
+        return None

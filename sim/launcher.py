@@ -32,7 +32,9 @@ from typing import Any, TypeVar
 import click
 import httpx
 
+from common.keyfile import load_or_create_key_file
 from node.testmodel import TestModelMissing, test_model_path
+from proto.signing import public_key_hex
 from sim.procs import LaunchError, Service, Supervisor, wait_http
 from sim.wan.emulator import WanEmulator
 from sim.wan.errors import WanError
@@ -128,8 +130,13 @@ def start_local_swarm(
     relay_nodes: int = 0,
     relay_indices: list[int] | None = None,
     wan_profile: WanProfile | None = None,
+    register_gateway: bool = False,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
+
+    ``register_gateway``: create the gateway's key first and start the tracker with it as its one
+    registered gateway (``--registered-gateways``), as an operator exposing a swarm would: route
+    tickets then go to that gateway only and name it (docs/tracker.md, Route tickets).
 
     ``relay_nodes`` K: the last K nodes start with ``--relay`` pointed at the gateway (they accept no
     connections and are reached over their WebSocket); ``relay_indices`` picks them by index instead.
@@ -154,6 +161,10 @@ def start_local_swarm(
     sup = Supervisor(workdir, place=wan.argv if wan else None)
     try:
         t0 = time.monotonic()
+        if register_gateway:
+            # The key the gateway will load from its data directory (Supervisor: <workdir>/gateway).
+            gateway_key, _ = load_or_create_key_file(Path(workdir) / "gateway" / "gateway.key")
+            tracker_args = [*(tracker_args or []), "--registered-gateways", public_key_hex(gateway_key)]
         tracker = sup.start_tracker(host=net.addr("tracker"), extra_args=tracker_args)
         tracker.wait_port(timeout_s)
         tracker_url = f"http://{net.addr('tracker')}:{tracker.port}"
@@ -356,6 +367,7 @@ def up(
             quiet=False,
             relay_nodes=relay_nodes,
             wan_profile=wan_profile,
+            register_gateway=True,  # as exposed swarms run: tickets for the gateway only
         )
     except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err

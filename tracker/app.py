@@ -228,16 +228,26 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
 
     @app.route("/v1/routes", methods=["GET", "POST"])
     async def routes() -> Response:
+        bound = False
         if request.method == "POST":
             body = await read_json()
             if not isinstance(body, dict):
                 raise BadRequest("body must be a JSON object")
-            unknown = set(body) - {"model", "k", "exclude", "gateway_id"}
+            if set(body) == {"payload", "signature", "public_key"}:
+                # Signed by a gateway's key: the tickets will name it (docs/tracker.md, Route tickets).
+                body = registry.open_route_request(body)
+                bound = True
+                envelope_fields = {"kind", "gateway_id", "timestamp", "nonce"}
+                unknown = set(body) - {"model", "k", "exclude"} - envelope_fields
+            else:
+                registry.require_signed_route_request()
+                unknown = set(body) - {"model", "k", "exclude", "gateway_id"}
             if unknown:
                 raise BadRequest(f"unknown field(s) {sorted(unknown)}")
             model, k, exclude = body.get("model"), body.get("k", 1), body.get("exclude", [])
             gateway_id = body.get("gateway_id")
         else:
+            registry.require_signed_route_request()
             model = request.args.get("model")
             k = _int_arg("k", request.args.get("k", "1"))
             raw = request.args.get("exclude", "")
@@ -255,7 +265,7 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             or len(exclude) > 1024
         ):
             raise BadRequest("exclude must be a list of at most 1024 node ids")
-        result = await registry.routes(model, k, frozenset(exclude), gateway_id or None)
+        result = await registry.routes(model, k, frozenset(exclude), gateway_id or None, bound=bound)
         return _json(result, 200 if result["routes"] else 503)
 
     probes = trio.CapacityLimiter(MAX_CONCURRENT_PROBES)

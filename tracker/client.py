@@ -210,12 +210,25 @@ class TrackerClient:
         k: int = 1,
         exclude: frozenset[str] | set[str] = frozenset(),
         gateway_id: str | None = None,
+        *,
+        sign: bool = False,
     ) -> dict[str, Any]:
-        """Routes for ``model``; with ``gateway_id`` priced from that gateway's network position."""
+        """Routes for ``model``; with ``gateway_id`` priced from that gateway's network position.
+
+        ``sign``: sign the request with this client's key as a gateway (``route_request``): the
+        tickets then name this key, and a tracker with registered gateways answers only such requests.
+        """
         request: dict[str, Any] = {"model": model, "k": k, "exclude": sorted(exclude)}
+        if sign:
+            # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
+            return await self._call(
+                "POST",
+                "/v1/routes",
+                ok=(200, 503),
+                body=lambda: self.signed("route_request", request, signer_field="gateway_id"),
+            )
         if gateway_id:
             request["gateway_id"] = gateway_id
-        # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
         return await self._call("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
 
     async def recommend(

@@ -5,7 +5,8 @@
     TrackerError                 base; carries ``status_hint`` (an HTTP status) and a stable ``code``
     ├── BadRequest               400  malformed JSON, wrong types, values out of range
     │   └── SignatureRefused     401  forged signature, stale timestamp, replayed nonce, key/node mismatch
-    │                                 (raised as proto.signing.SignatureError and mapped to this)
+    │       │                         (raised as proto.signing.SignatureError and mapped to this)
+    │       └── GatewaySignatureRequired 401  an unsigned route request to a tracker with registered gateways
     ├── Forbidden                403  the signer may not do this (one-line reason)
     │   ├── Banned               403  a banned node key, or a new key from a banned host
     │   ├── UnregisteredGateway  403  reports from a gateway the operator did not register
@@ -43,6 +44,10 @@ class BadRequest(TrackerError):
 class SignatureRefused(BadRequest):
     status_hint = 401
     code = "signature_refused"
+
+
+class GatewaySignatureRequired(SignatureRefused):
+    code = "gateway_signature_required"
 
 
 class Forbidden(TrackerError):

@@ -37,7 +37,7 @@ from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadErro
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker import overview
 from tracker.config import TrackerConfig
-from tracker.errors import BadRequest, Conflict, StorageUnavailable, UnknownModel
+from tracker.errors import BadRequest, Conflict, GatewaySignatureRequired, StorageUnavailable, UnknownModel
 from tracker.metrics import Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
@@ -523,10 +523,41 @@ class Registry:
                 counts[s.model_fingerprint] += 1
         return max(named, key=lambda m: (counts[m.fingerprint], m.fingerprint))
 
+    def open_route_request(self, envelope: Any) -> dict[str, Any]:
+        """A signed ``/v1/routes`` request (kind ``route_request``, signed by a gateway's key): its payload.
+
+        Refuses (401) a bad signature, a stale timestamp or a replayed nonce, and (403) a gateway the
+        operator did not register when any is registered. The tickets of the answer name the signer.
+        """
+        payload, _nonce = self._open(envelope, "route_request", signer_field="gateway_id")
+        self.trust.require_gateway(str(payload["gateway_id"]), "route_request")
+        return payload
+
+    def require_signed_route_request(self) -> None:
+        """An unsigned route request: refused (401) once the operator registered any gateway."""
+        if self.trust.gateways:
+            self.metrics.inc("swarm_tracker_refusals_total", reason="unsigned_route_request")
+            raise GatewaySignatureRequired(
+                "route tickets are issued to registered gateways only: sign the request "
+                "(a route_request envelope signed with the gateway's key; docs/tracker.md)"
+            )
+
     async def routes(
-        self, model: str, k: int, exclude: frozenset[str], gateway_id: str | None = None
+        self,
+        model: str,
+        k: int,
+        exclude: frozenset[str],
+        gateway_id: str | None = None,
+        *,
+        bound: bool = False,
     ) -> dict[str, Any]:
-        """Routes for ``model``; priced from ``gateway_id``'s network coordinate when it has one."""
+        """Routes for ``model``; priced from ``gateway_id``'s network coordinate when it has one.
+
+        ``bound``: the request was signed by ``gateway_id`` (:meth:`open_route_request`), so every
+        ticket names that gateway and nodes accept it only on OPENs that gateway signs.
+        """
+        if bound and not gateway_id:
+            raise BadRequest("a bound route request needs the gateway's id")
         if not 1 <= k <= self.config.max_routes_k:
             raise BadRequest(f"k must be in 1..{self.config.max_routes_k}")
         snap = await self.snapshot()
@@ -548,6 +579,7 @@ class Registry:
                 hops=tuple(TicketHop(h.node_id, h.start, h.end, h.address) for h in route.hops),
                 issued_at_s=now,
                 expires_at_s=now + self.config.route_ticket_ttl_s,
+                gateway_id=gateway_id if bound and gateway_id else "",
             )
             routes.append(
                 {

@@ -77,14 +77,15 @@ class Swarm:
         return None if node is None else str(node["state"])
 
     def routes(self, model: str, k: int = 3) -> list[list[dict[str, Any]]]:
-        body = httpx.post(self.tracker_url + "/v1/routes", json={"model": model, "k": k}, timeout=10).json()
+        # As the registered gateway: the tracker answers only signed route requests here.
+        body = self.call(self.gateway_key, "routes", model, k, frozenset(), None, sign=True)
         return [r["hops"] for r in body["routes"]]
 
-    def call(self, key: nacl.signing.SigningKey, fn: str, *args: Any) -> Any:
+    def call(self, key: nacl.signing.SigningKey, fn: str, *args: Any, **kwargs: Any) -> Any:
         async def run() -> Any:
             async with TrackerClient(self.tracker_url, key) as client:
                 with trio.fail_after(30):
-                    return await getattr(client, fn)(*args)
+                    return await getattr(client, fn)(*args, **kwargs)
 
         return trio.run(run)
 

@@ -243,7 +243,7 @@ class FakeNode:
             n_ctx_train=8192,
             reattach_window_s=10.0,
         )
-        self.machine = FrameServer(spec, lambda ticket, sid: None)
+        self.machine = FrameServer(spec, lambda *_: None)
         hub = Hub(self.machine)
         scheduler = Scheduler(
             self.backend, hub.on_outcome, max_batch_tokens=512, prefill_chunk_tokens=512, inline_max_ms=0

@@ -102,7 +102,7 @@ class SimNode:
             idle_lease_s=300.0,
             reattach_window_s=30.0,
         )
-        self.machine = FrameServer(spec, lambda ticket, sid: None)
+        self.machine = FrameServer(spec, lambda *_: None)
 
     @property
     def is_last(self) -> bool:

@@ -113,7 +113,7 @@ async def test_checks_and_verdicts_reach_the_tracker(tmp_path: Path) -> None:
             assert trust[1]["state"] == "banned" and trust[1]["banned_until"] is not None
             assert (trust[2]["checks_passed"], trust[2]["probation"]) == (2, False)
             assert (trust[3]["checks_passed"], trust[3]["probation"]) == (1, True)
-            routes = await client.routes(MODEL.fingerprint, k=3)
+            routes = await client.routes(MODEL.fingerprint, k=3, sign=True)
             assert {h["node_id"]: h["probation"] for r in routes["routes"] for h in r["hops"]} == {
                 nid(2): False,
                 nid(3): True,

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import queue
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+import nacl.signing
 
 from proto import codec
-from proto.signing import route_ticket_bytes
+from proto.signing import route_ticket_bytes, sign_open_proof
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
 
 _END = object()
@@ -108,6 +110,19 @@ def ticket_bytes(ticket: dict[str, str]) -> bytes:
     return route_ticket_bytes(ticket)
 
 
+def open_proof(key: nacl.signing.SigningKey, node_id: str, frame: frame_pb2.Frame) -> bytes:
+    """``OpenSession.gateway_proof`` for this OPEN to ``node_id``, signed with ``key``."""
+    return sign_open_proof(
+        key,
+        session_id=frame.session_id,
+        node_id=node_id,
+        route_epoch=frame.route_epoch,
+        step_id=frame.step_id,
+        ticket=bytes(frame.open.route_ticket),
+        now_s=time.time(),
+    )
+
+
 class RouteSession:
     """One Route Session over a chain of stages: greedy/sampled generation with f32 hidden states."""
 
@@ -120,6 +135,7 @@ class RouteSession:
         sampling: codec.SamplingSettings | None = None,
         session_id: str | None = None,
         timeout_s: float = 120.0,
+        gateway_key: nacl.signing.SigningKey | None = None,
     ) -> None:
         self.stages = stages
         self.session_id = session_id or secrets.token_hex(16)
@@ -139,16 +155,17 @@ class RouteSession:
         ]
         self.step_id = 1
         self.kv = 0
-        for stream, header in zip(self.streams, self.headers, strict=True):
-            stream.send(
-                codec.open_frame(
-                    header,
-                    step_id=self.step_id,
-                    route_ticket=ticket,
-                    kv_budget_tokens=budget,
-                    sampling=sampling or codec.SamplingSettings(temperature=0.0),
-                )
+        for stage, stream, header in zip(stages, self.streams, self.headers, strict=True):
+            frame = codec.open_frame(
+                header,
+                step_id=self.step_id,
+                route_ticket=ticket,
+                kv_budget_tokens=budget,
+                sampling=sampling or codec.SamplingSettings(temperature=0.0),
             )
+            if gateway_key is not None:  # the ticket names this gateway: prove it is us
+                frame.open.gateway_proof = open_proof(gateway_key, stage.info.node_id, frame)
+            stream.send(frame)
         for stream in self.streams:
             ack = stream.recv()
             if codec.body_kind(ack) != "open_ack":

@@ -16,6 +16,7 @@ import trio
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig, load_config
 from node.identity import KeyFileError, load_key, load_or_create_key, node_id
+from node.session_machine import OpenClaim
 from node.tickets import TicketVerifier
 from proto.errors import TicketInvalidError
 from proto.signing import RouteTicket, TicketHop, canonical_json, public_key_hex, sign_route_ticket
@@ -135,14 +136,17 @@ def _ticket(
     )
 
 
+NO_PROOF = OpenClaim(route_epoch=1, step_id=1, gateway_proof=b"")
+
+
 def test_ticket_verifier() -> None:
     tracker = nacl.signing.SigningKey.generate()
     me = "1" * 64
     v = TicketVerifier(node_id=me, model_fingerprint="f" * 64, shard=(0, 15), tracker_public_key=None)
     with pytest.raises(TicketInvalidError, match="does not know its tracker"):
-        v(_ticket(tracker, me), "s")
+        v(_ticket(tracker, me), "s", NO_PROOF)
     v.trust(public_key_hex(tracker))
-    v(_ticket(tracker, me), "s")
+    v(_ticket(tracker, me), "s", NO_PROOF)
     cases = {
         "untrusted_key": _ticket(nacl.signing.SigningKey.generate(), me),
         "expired": _ticket(tracker, me, expires_in=-60),
@@ -153,7 +157,7 @@ def test_ticket_verifier() -> None:
     }
     for reason, ticket in cases.items():
         with pytest.raises(TicketInvalidError, match=reason):
-            v(ticket, "s")
+            v(ticket, "s", NO_PROOF)
     assert v.accepted == 1 and v.refused == len(cases) + 1
     # trust() never replaces a pinned/learned key
     v.trust("0" * 64)

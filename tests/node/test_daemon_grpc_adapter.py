@@ -7,7 +7,10 @@ a BAD_FRAME error on the same stream, Info/Health/GetVocab answer.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+import pytest
 import trio
 
 from common.grpc_adapter import Grpc, StreamClosed, open_grpc
@@ -81,7 +84,7 @@ async def _client_unary(
 
 
 async def test_grpc_session_round_trip_with_fake_engine() -> None:
-    machine = FrameServer(_spec(), lambda ticket, sid: None)
+    machine = FrameServer(_spec(), lambda *_: None)
     hub = Hub(machine)
     backend = FakeBackend()
     scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=16)
@@ -125,3 +128,28 @@ async def test_grpc_session_round_trip_with_fake_engine() -> None:
         assert info.node_id == "n" * 64 and health.status == shard_service_pb2.SERVING_STATUS_SERVING
         assert vocab == VOCAB
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_refused_at_the_limit_is_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    hub = Hub(FrameServer(_spec(), lambda *_: None), max_connections=1)
+    hub.open_connection(trusted=True)  # the node's only slot, held by a proven connection
+    adapter = ShardService(
+        hub,
+        GrpcSettings("127.0.0.1", 0, codec.DEFAULT_MAX_FRAME_BYTES, lambda: VOCAB, MODEL_FP, 1.0),
+        lambda: shard_service_pb2.NodeInfo(node_id="n" * 64),
+        lambda: shard_service_pb2.HealthResponse(status=shard_service_pb2.SERVING_STATUS_SERVING),
+    )
+    caplog.set_level(logging.DEBUG)
+    async with open_grpc() as rt, trio.open_nursery() as nursery:
+        port = await nursery.start(adapter.serve, rt)
+        with trio.fail_after(20):
+            async with rt.open_stream(f"127.0.0.1:{port}", "/swarm.v1.ShardService/Session") as stream:
+                await stream.send(b"\x00")
+                with pytest.raises(StreamClosed) as closed:
+                    await stream.receive()
+        assert closed.value.code == "RESOURCE_EXHAUSTED"
+        assert adapter.streams_refused == 1
+        nursery.cancel_scope.cancel()
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1 and "peer=127.0.0.1" in refusals[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]

@@ -56,7 +56,7 @@ class Harness:
     def __init__(self, **kw: object) -> None:
         self.tickets_ok = True
 
-        def check(ticket: bytes, sid: str) -> None:
+        def check(ticket: bytes, sid: str, claim: object) -> None:
             if not self.tickets_ok or ticket != b"good":
                 raise TicketInvalidError("forged")
 
@@ -191,6 +191,63 @@ def test_resent_step_is_answered_from_the_cache_without_touching_kv() -> None:
     h2 = Harness()
     h2.open()
     assert not any(isinstance(a, OpenKv) for a in h2.open())
+
+
+def test_answers_from_the_cache_are_marked_as_replays_for_the_transport() -> None:
+    h = Harness()
+    h.open()
+    h.run_step("s1", 2, 0, 3)
+    (send,) = [a for a in h.step("s1", 2, 0, 3) if isinstance(a, Send)]
+    assert send.replay  # the hub sends it only once the previous cached answer was read
+    (fresh,) = [a for a in h.complete(*_next_job(h, "s1", 3, 3, 2)) if isinstance(a, Send)]
+    assert not fresh.replay
+
+
+def _next_job(h: Harness, sid: str, step_id: int, start: int, n: int) -> tuple[int, int, int]:
+    (c,) = [a for a in h.step(sid, step_id, start, n) if isinstance(a, Compute)]
+    return c.job.job_id, start + n, n
+
+
+def test_a_foreign_connection_may_not_cancel_release_replay_or_take_over_a_session() -> None:
+    h = Harness()
+    h.open()
+    h.run_step("s1", 2, 0, 4)
+    foreign = h.m.connect()
+    cancel = codec.cancel_frame(h.header(), step_id=100, reason="hostile")
+    assert status_of(h.feed(cancel, conn=foreign)) == S.STATUS_TICKET_INVALID
+    release = codec.release_frame(h.header(), step_id=100, expected_kv_len=4)
+    assert status_of(h.feed(release, conn=foreign)) == S.STATUS_TICKET_INVALID
+    # a re-attach with the route's ticket but no valid proof (the verifier refuses it) takes nothing
+    h.tickets_ok = False
+    reopen = codec.open_frame(h.header(epoch=2), step_id=3, route_ticket=b"good", kv_budget_tokens=32)
+    assert status_of(h.feed(reopen, conn=foreign)) == S.STATUS_TICKET_INVALID
+    assert status_of(h.feed(cancel, conn=foreign)) == S.STATUS_TICKET_INVALID
+    assert h.m.kv_len("s1") == 4 and not h.m.is_proven(foreign)
+    # the owner goes on, and its CANCEL works
+    h.tickets_ok = True
+    h.run_step("s1", 6, 4, 2)
+    assert h.m.is_proven(h.conn)
+    (closed,) = sends(h.feed(cancel))
+    assert codec.body_kind(closed) == "closed"
+
+
+def test_a_stage_pushing_with_the_hop_token_is_proven() -> None:
+    h = Harness()
+    h.feed(
+        codec.open_frame(
+            h.header(), step_id=1, route_ticket=b"good", kv_budget_tokens=32, upstream_token=b"t" * 16
+        )
+    )
+    pusher = h.m.connect()
+    (frame,) = h.step_frames("s1", 2, 0, 2)
+    frame.activation.hop_token = b"x" * 16
+    assert status_of(h.feed(frame, conn=pusher)) == S.STATUS_TICKET_INVALID
+    assert not h.m.is_proven(pusher)
+    frame.activation.hop_token = b"t" * 16
+    assert any(isinstance(a, Compute) for a in h.feed(frame, conn=pusher))
+    assert h.m.is_proven(pusher)
+    h.m.disconnect(pusher, 0.0)
+    assert not h.m.is_proven(pusher)
 
 
 def test_older_step_id_is_a_conflict() -> None:

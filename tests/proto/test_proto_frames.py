@@ -371,6 +371,16 @@ def test_open_needs_ticket_and_budget() -> None:
             codec.parse_frame(frame.SerializeToString())
 
 
+def test_the_gateway_proof_is_optional_and_bounded() -> None:
+    frame = codec.open_frame(HEADER, step_id=1, route_ticket=b"t", kv_budget_tokens=8)
+    assert codec.parse_frame(frame.SerializeToString()).open.gateway_proof == b""  # older gateways
+    frame.open.gateway_proof = b"p" * 1000
+    assert codec.parse_frame(frame.SerializeToString()).open.gateway_proof == b"p" * 1000
+    frame.open.gateway_proof = b"p" * 20000
+    with pytest.raises(errors.TooLargeError, match="gateway proof"):
+        codec.parse_frame(frame.SerializeToString())
+
+
 def test_expect_route() -> None:
     frame = _single()
     codec.expect_route(

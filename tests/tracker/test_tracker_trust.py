@@ -96,9 +96,11 @@ class Tracker:
         body.update(over)
         return signed(gateway, "evidence", body, self.clock(), "gateway_id")
 
-    async def routes(self, k: int = 1) -> dict:
+    async def routes(self, k: int = 1, model: str = MODEL.fingerprint) -> dict:
         self.clock.advance(0.01)
-        status, body = await self.post("/v1/routes", {"model": MODEL.fingerprint, "k": k})
+        # Signed by the registered gateway: a tracker with registered gateways answers nothing else.
+        request = signed(GW, "route_request", {"model": model, "k": k}, self.clock(), "gateway_id")
+        status, body = await self.post("/v1/routes", request)
         assert status in (200, 503)
         return body
 
@@ -390,12 +392,11 @@ async def test_a_registered_name_resolves_only_to_its_fingerprint(tracker: Track
     assert tracker.store.table_counts(operations=True) == before
     # the real model's nodes are welcome; the name resolves to it alone
     assert (await tracker.post("/v1/announce", announce(3, real)))[0] == 200
-    tracker.clock.advance(0.01)
-    _, routes = await tracker.post("/v1/routes", {"model": "smollm2-135m", "k": 2})
+    routes = await tracker.routes(k=2, model="smollm2-135m")
     assert routes["model"]["fingerprint"] == real.fingerprint
     assert [h["node_id"] for r in routes["routes"] for h in r["hops"]] == [hexkey(3)]
     _, models = await tracker.get("/v1/models")
     assert [m["fingerprint"] for m in models["models"] if m["name"] == "smollm2-135m"] == [real.fingerprint]
     # the early hijacker is still reachable by its own fingerprint, never by the name
-    _, routes = await tracker.post("/v1/routes", {"model": fake.fingerprint, "k": 1})
+    routes = await tracker.routes(k=1, model=fake.fingerprint)
     assert [h["node_id"] for r in routes["routes"] for h in r["hops"]] == [hexkey(1)]

@@ -1,0 +1,45 @@
+"""Direct push links are bounded in bytes: a next stage that stops taking pushed steps fails its link."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+import trio.testing
+
+from node.push import PushLinks
+from proto.swarm.v1 import frame_pb2
+
+
+class _Stuck:
+    """A push stream whose peer never reads: every send blocks."""
+
+    async def send(self, data: bytes) -> None:
+        await trio.sleep_forever()
+
+    async def receive(self) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@asynccontextmanager
+async def _open(address: str) -> AsyncIterator[_Stuck]:
+    yield _Stuck()
+
+
+async def test_a_link_whose_peer_does_not_read_fails_past_its_byte_bound() -> None:
+    failures: list[tuple[str, str, int | None]] = []
+    links = PushLinks(_open, lambda *f: failures.append(f), queue_frames=64, queue_bytes=1_000_000)
+    target = frame_pb2.PushTarget(node_id="n" * 64, address="127.0.0.1:1", hop_token=b"t" * 16)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(links.run)
+        links.push("s", target, [b"x" * 300_000], 1)
+        await trio.testing.wait_all_tasks_blocked()  # taken by the link: in flight, stuck
+        assert links.statistics().links == 1 and not failures
+        links.push("s", target, [b"x" * 600_000, b"x" * 600_000], 1)  # one step always fits an empty queue
+        assert not failures
+        links.push("s", target, [b"x" * 100], 1)  # 1.2 MB waiting: past the bound
+        assert [f[0] for f in failures] == ["s"] and "fast enough" in failures[0][1]
+        assert links.statistics().links == 0
+        nursery.cancel_scope.cancel()
