@@ -166,9 +166,8 @@ async def test_one_key_flooding_gets_429_and_honest_heartbeats_all_pass(tmp_path
     try:
         flood, honest = key(1), [key(s) for s in range(2, 6)]
         for k in (flood, *honest):
-            assert (await e.post("/v1/announce", signed(k, "announce", announce_for(k).to_json(), e.clock())))[
-                0
-            ] == 200
+            envelope = signed(k, "announce", announce_for(k).to_json(), e.clock())
+            assert (await e.post("/v1/announce", envelope))[0] == 200
         statuses: dict[int, int] = {}
         for i in range(200):
             e.clock.advance(0.5)  # honest nodes beat every 5 s, the flood 2 per second
@@ -205,9 +204,8 @@ async def test_the_per_key_rate_refuses_a_fast_key_and_exempts_registered_gatewa
         ]
         assert got == [200, 200, 429, 429]
         e.clock.advance(1.0)
-        assert (await e.post("/v1/heartbeat", signed(k, "heartbeat", heartbeat_for(k).to_json(), e.clock())))[
-            0
-        ] == 200
+        envelope = signed(k, "heartbeat", heartbeat_for(k).to_json(), e.clock())
+        assert (await e.post("/v1/heartbeat", envelope))[0] == 200
         stats = {"gateway_id": public_key_hex(gw), "interval_s": 1.0}
         for _ in range(10):  # the operator's gateway reports as often as its traffic needs
             body = signed(gw, "gateway_stats", _gateway_stats(), e.clock(), signer="gateway_id")
