@@ -116,6 +116,12 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
         buckets = writes if write else reads
         decision = buckets.take(address_identity(request.remote_addr), time.monotonic())
         if not decision.allowed:
+            if request.method == "POST":
+                # Answering before the body is read leaves it in the connection, and the client's
+                # next request on that keep-alive connection stalls: read it (bounded by
+                # MAX_CONTENT_LENGTH) and drop it.
+                async for _chunk in request.body:
+                    pass
             scope = "address_write" if write else "address_read"
             metrics.inc("swarm_tracker_rate_limited_total", scope=scope)
             raise RateLimited(

@@ -21,7 +21,9 @@ counts as failed. Relayed nodes cannot be dialled and are let in on probation.
 Bounds: ``challenge_concurrency`` challenges at once, at most
 ``challenge_queue_max`` waiting (more are picked up by the periodic sweep of
 nodes still ``challenging``), one in flight per node, each attempt within
-``challenge_timeout_s``; the answer read is at most the input's rows.
+``challenge_timeout_s`` and its first answer (Info) within ``challenge_info_timeout_s``, so
+a tarpit address (accepts TCP, never answers) holds a challenge slot seconds, not minutes;
+the answer read is at most the input's rows.
 """
 
 from __future__ import annotations
@@ -206,11 +208,16 @@ class Challenger:
     async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
         """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
         try:
-            raw = await self.grpc.unary(
-                target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
-            )
+            # A node answers Info in milliseconds: a dead or tarpit address is given up on after
+            # challenge_info_timeout_s, not the whole attempt's allowance (which covers the PREFILL).
+            with trio.fail_after(self.config.challenge_info_timeout_s):
+                raw = await self.grpc.unary(
+                    target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
+                )
         except RpcError as err:
             raise Unanswered(f"Info failed: {err}") from err
+        except trio.TooSlowError as err:
+            raise Unanswered(f"no Info answer within {self.config.challenge_info_timeout_s:g} s") from err
         try:
             info = shard_service_pb2.NodeInfo.FromString(raw)
         except Exception as err:  # protobuf's DecodeError: the peer is not a node

@@ -108,6 +108,18 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     default=None,
     help="Delete expired, departed or failed nodes silent this long, and models left unused.",
 )
+@click.option(
+    "--challenge-timeout-s", type=float, default=None, help="Longest one challenge attempt may take."
+)
+@click.option(
+    "--challenge-info-timeout-s",
+    type=float,
+    default=None,
+    help="Longest a challenged node may take to answer Info (dead or tarpit addresses fail fast).",
+)
+@click.option(
+    "--challenge-attempts", type=int, default=None, help="Attempts before a silent node counts as failed."
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
 def serve(

@@ -132,6 +132,9 @@ class TrackerConfig:
     challenge_concurrency: int = _f(2, "challenges running at once")
     challenge_queue_max: int = _f(1000, "challenges waiting at most; more wait for the periodic sweep")
     challenge_timeout_s: float = _f(60.0, "longest one challenge attempt may take (connect, OPEN, PREFILL)")
+    challenge_info_timeout_s: float = _f(
+        10.0, "longest a challenged node may take to answer Info (a dead or tarpit address fails fast)"
+    )
     challenge_attempts: int = _f(3, "attempts before a node that does not answer counts as failed")
     challenge_tokens: int = _f(8, "positions in the challenge input")
     log_level: str = _f("info", "debug, info, warning or error")
@@ -181,6 +184,7 @@ class TrackerConfig:
             "observed_speed_keep_s",
             "challenge_timeout_s",
             "db_timeout_s",
+            "challenge_info_timeout_s",
             "prune_after_s",
             "prune_interval_s",
         ):
