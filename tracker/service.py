@@ -11,7 +11,12 @@ shared: a message's nonce is refused at once if this replica saw it (memory,
 bounded by ``nonce_cache_max_entries``) and otherwise inserted into the
 ``nonces`` table in the same transaction as the write it authorises (bounded
 per key by ``nonces_per_key_max``), so a replay is refused by every replica.
-Periodic work (expiry, purges) is claimed per period through the database
+Quotas (tracker/ratelimit.py): once a message's signature checked out, its key
+is charged (``key_messages_per_s``; registered gateways exempt) and may hold at
+most ``nonces_per_key_max`` nonces in memory, so one key cannot fill the cache
+everyone shares; over either, 429 for that key alone. Every database call a
+request makes waits at most ``db_timeout_s``. Periodic work (expiry, purges,
+pruning of long-dead nodes and unused models) is claimed per period through the database
 (:meth:`tracker.store.Store.claim_task`), so it runs once however many replicas
 there are. Each replica records itself in ``tracker_replicas``; one whose key
 differs from a live replica's refuses to start (nodes trust one tracker key).
