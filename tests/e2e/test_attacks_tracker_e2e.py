@@ -235,10 +235,18 @@ def test_sybil_shards_at_dead_and_tarpit_addresses_are_never_routed(
                 swarm.tracker_url + "/v1/routes", json={"model": model.fingerprint, "k": 8}, timeout=30
             ).json()["routes"]
             assert {h["node_id"] for r in routes for h in r["hops"]} <= honest
-            states = {nid: _nodes(swarm)[nid]["state"] for nid in sybils}
-            if set(states.values()) == {"challenge_failed"} or time.monotonic() > deadline:
+            nodes = _nodes(swarm)
+            # challenge_failed, and PRUNE_AFTER_S after their announce deleted altogether
+            states = {nid: nodes[nid]["state"] if nid in nodes else "pruned" for nid in sybils}
+            if set(states.values()) <= {"challenge_failed", "pruned"} or time.monotonic() > deadline:
                 break
-        assert set(states.values()) == {"challenge_failed"}, states
+        assert set(states.values()) <= {"challenge_failed", "pruned"}, states
+        failed = {
+            e["node_id"]
+            for line in swarm.tracker.log_text().splitlines()
+            if '"node_challenged"' in line and (e := json.loads(line))["outcome"] == "failed"
+        }
+        assert set(sybils) <= failed
         assert replies and all(r == want for r in replies), replies
         assert tarpit.held, "the challenger never dialled the tarpit"
     finally:
