@@ -3,10 +3,15 @@
 Every error leaves through :func:`_error_response`, the one place exceptions
 become HTTP statuses::
 
-    TrackerError (tracker.errors)      -> its status_hint (400/401/403/404/409/413)
+    RateLimited (tracker.errors)       -> 429 rate_limited with Retry-After (tracker/ratelimit.py)
+    TrackerError (tracker.errors)      -> its status_hint (400/401/403/404/409/413/503)
     SignatureError (proto.signing)     -> 400 malformed_envelope, 503 nonce_cache_full, else 401
     RequestEntityTooLarge              -> 413 payload_too_large
     other HTTPException (404/405 ...)  -> its own code
+
+Quotas per source address are taken here, before a request is read (signed messages and
+everything else in separate buckets, ``/healthz`` free); quotas per key in
+:mod:`tracker.service`, once a signature checked out.
 
 Error bodies are ``{"error": {"code": "...", "message": "..."}}`` (plus
 ``"reason"`` for signature refusals). Endpoints are documented in docs/tracker.md;
@@ -106,7 +111,7 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
     )
 
     @app.before_request
-    async def _start_clock() -> None:
+    async def _admit() -> None:
         g.swarm_t0 = time.perf_counter()
         # Per source address, before anything is read or verified: signed messages (POST, except a
         # route request) and everything else (GET, route requests). /healthz is free.

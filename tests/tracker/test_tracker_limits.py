@@ -4,6 +4,7 @@ share of the nonce cache, pruning of junk, paginated reads, and bad input refuse
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import random
 import re
@@ -14,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from quart.typing import TestClientProtocol as QuartClient
 from tracker_helpers import MODEL, FakeClock, announce_for, heartbeat_for, key, signed, test_config
 
 from proto.announce import ModelSpec
 from proto.signing import make_payload, public_key_hex
 from tracker.app import address_identity, create_app
+from tracker.client import TrackerClient
 from tracker.errors import BadRequest
 from tracker.json_input import check_json, parse_json
 from tracker.ratelimit import NonceShare, TokenBuckets
+from tracker.server import RunningTracker, serve_tracker
 from tracker.service import Registry
 from tracker.store import Store, make_engine
 
@@ -309,3 +313,23 @@ async def test_junk_is_pruned_in_bounded_batches_and_the_honest_swarm_is_kept(tm
         assert [m["name"] for m in models["models"]] == [MODEL.name] and models["models"][0]["routable"]
     finally:
         store.close()
+
+
+async def test_the_client_reads_every_page_of_the_model_list(tmp_path: Path) -> None:
+    config = test_config(tmp_path, list_max_rows=10)
+    shutdown = trio.Event()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            ready: list[RunningTracker] = []
+            await nursery.start(
+                functools.partial(serve_tracker, config, shutdown=shutdown, on_ready=ready.append)
+            )
+            async with TrackerClient(ready[0].url, key(1)) as client:
+                for i in range(25):
+                    k = key(i + 1)
+                    async with TrackerClient(ready[0].url, k) as node:
+                        await node.announce(announce_for(k, model=_junk_model(i), port=9000 + i))
+                models = await client.models()
+                assert sorted(m["name"] for m in models) == sorted(f"junk-{i}" for i in range(25))
+                assert len(await client.models(max_pages=2)) == 20
+            shutdown.set()
