@@ -46,6 +46,9 @@ QUESTION = "What is the capital of France?"
 N_NEW = 16
 HARDWARE = Hardware(cpu_cores=4, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=50 << 30)
 PRUNE_AFTER_S = 5.0
+# Junk never heartbeats: it stays live this long (through the read flood), expires, and is pruned
+# PRUNE_AFTER_S later. The real nodes heartbeat every second.
+HEARTBEAT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def swarm(
             "--heartbeat-interval-s",
             "1",
             "--heartbeat-timeout-s",
-            "5",
+            str(HEARTBEAT_TIMEOUT_S),
             "--prune-after-s",
             str(PRUNE_AFTER_S),
             "--challenge-timeout-s",
@@ -333,7 +336,7 @@ def test_junk_flood_then_read_flood_leaves_health_routes_and_chats_served(
     # The junk never heartbeats: it expires, and PRUNE_AFTER_S later it and its models are gone.
     _wait(
         lambda: httpx.get(swarm.tracker_url + "/v1/models", timeout=30).json()["total"] == 1,
-        5 + PRUNE_AFTER_S + 120,
+        HEARTBEAT_TIMEOUT_S + PRUNE_AFTER_S + 120,
         "the junk to be pruned",
     )
     assert {
