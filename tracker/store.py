@@ -984,7 +984,8 @@ class Store(TrustStore):
     def prune(self, now_s: float, *, after_s: float, batch_max: int) -> dict[str, int]:
         """Delete at most ``batch_max`` nodes that expired, left or failed their challenge and have
         been silent for ``after_s``, with their shards, RTT claims and failed challenge results, then
-        the announced models no shard and no registration uses any more; returns rows deleted.
+        the announced models no shard and no registration uses any more, and gateways silent as long
+        with no ledger rows; returns rows deleted.
 
         Kept: banned nodes (their ban is their row's state; reputations and bans live in tables
         of their own anyway), the usage ledger (accounting outlives nodes), passed challenge results
@@ -1030,6 +1031,25 @@ class Store(TrustStore):
                 counts["models"] = conn.execute(
                     delete(Model).where(Model.fingerprint.in_(fingerprints))
                 ).rowcount
+            # Gateways (any key, while registered_gateways is empty) silent as long, with nothing in
+            # the ledger: their statistics reports go with them.
+            idle = list(
+                conn.execute(
+                    select(Gateway.id)
+                    .where(
+                        Gateway.last_seen_s < now_s - after_s,
+                        ~select(Usage.id).where(Usage.gateway_id == Gateway.id).exists(),
+                    )
+                    .limit(batch_max)
+                ).scalars()
+            )
+            counts["gateways"] = 0
+            if idle:
+                conn.execute(delete(GatewayReport).where(GatewayReport.gateway_id.in_(idle)))
+                conn.execute(
+                    delete(RttClaim).where(RttClaim.reporter_id.in_(idle) | RttClaim.peer_id.in_(idle))
+                )
+                counts["gateways"] = conn.execute(delete(Gateway).where(Gateway.id.in_(idle))).rowcount
         return counts
 
     # --- accounting -------------------------------------------------------------------------------

@@ -285,7 +285,10 @@ async def test_junk_is_pruned_in_bounded_batches_and_the_honest_swarm_is_kept(tm
             k = key(i)
             a = announce_for(k, model=_junk_model(i), port=9000 + i)
             assert (await e.post("/v1/announce", signed(k, "announce", a.to_json(), e.clock())))[0] == 200
-        assert store.table_counts()["models"] == 101
+        gw = key(150)  # a gateway (any key may report while registered_gateways is empty)
+        report = signed(gw, "gateway_stats", _gateway_stats(), e.clock(), signer="gateway_id")
+        assert (await e.post("/v1/gateway-stats", report))[0] == 200
+        assert store.table_counts()["models"] == 101 and store.table_counts()["gateways"] == 1
         status, page = await e.get("/v1/models?limit=30&offset=90")
         assert status == 200 and len(page["models"]) == 11 and page["total"] == 101
         assert page["next_offset"] is None
@@ -301,6 +304,7 @@ async def test_junk_is_pruned_in_bounded_batches_and_the_honest_swarm_is_kept(tm
             "rtt_claims": 0,
             "challenge_results": 0,
             "models": 0,
+            "gateways": 0,
         }  # not silent long enough yet
         e.clock.advance(60.0)
         await e.post("/v1/heartbeat", signed(honest, "heartbeat", heartbeat_for(honest).to_json(), e.clock()))
