@@ -51,7 +51,7 @@ from tracker.placement import SpanMemory, layer_coverage, recommend_span
 from tracker.ratelimit import NonceShare, TokenBuckets
 from tracker.registry import KIND as REGISTRATION_KIND
 from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
-from tracker.routing import select_routes
+from tracker.routing import RouteSelection, select_routes
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 from tracker.store import NonceRecord, RttResult, Store, UsageGroup
 from tracker.trust import TrustService
@@ -134,6 +134,7 @@ class Registry:
         self._models_cache: tuple[SwarmSnapshot, list[dict[str, Any]]] | None = None
         self._models_lock = trio.Lock()
         self._cpu = trio.CapacityLimiter(1)
+        self._route_cpu = trio.CapacityLimiter(1)  # route searches and placement, in a worker thread
         self.limiter = trio.CapacityLimiter(config.resolved_db_threads())
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -598,11 +599,18 @@ class Registry:
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
         origin = snap.gateway_coords.get(gateway_id) if gateway_id else None
-        t0 = time.perf_counter()
-        selection = select_routes(
-            snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
-        )
-        self.metrics.observe("swarm_tracker_route_selection_seconds", time.perf_counter() - t0)
+
+        def search() -> tuple[RouteSelection, float]:
+            t0 = time.perf_counter()
+            found = select_routes(
+                snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
+            )
+            return found, time.perf_counter() - t0
+
+        # In a worker thread: a search over a large swarm must not hold the event loop (/healthz,
+        # heartbeats); one search at a time, apart from the model list's computation.
+        selection, took_s = await trio.to_thread.run_sync(search, limiter=self._route_cpu)
+        self.metrics.observe("swarm_tracker_route_selection_seconds", took_s)
         now = self.clock()
         shard_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
         routes = []
@@ -663,7 +671,12 @@ class Registry:
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
         memory = SpanMemory(memory_bytes, kv_bytes_per_layer) if memory_bytes is not None else None
-        start, end = recommend_span(snap, info.fingerprint, capacity_layers, rng=self.rng, memory=memory)
+        start, end = await trio.to_thread.run_sync(
+            functools.partial(
+                recommend_span, snap, info.fingerprint, capacity_layers, rng=self.rng, memory=memory
+            ),
+            limiter=self._route_cpu,
+        )
         return {"model": _model_json(info), "start": start, "end": end}
 
     # --- the model registry -----------------------------------------------------------------------
@@ -926,7 +939,8 @@ class Registry:
         top = await self._db(
             functools.partial(self.store.usage_summary, "node", now - 86_400.0, now + 1.0, limit=10)
         )
-        return overview.build_state(
+        build = functools.partial(
+            overview.build_state,
             now_s=now,
             tracker_id=self.tracker_id,
             replica_id=self.replica_id,
@@ -940,6 +954,7 @@ class Registry:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             series_window_s=window,
         )
+        return await trio.to_thread.run_sync(build, limiter=self._cpu)  # off the event loop
 
 
 def shards_by_model(snap: SwarmSnapshot) -> dict[str, tuple[ShardView, ...]]:
