@@ -210,11 +210,10 @@ async def test_the_per_key_rate_refuses_a_fast_key_and_exempts_registered_gatewa
         e.clock.advance(1.0)
         envelope = signed(k, "heartbeat", heartbeat_for(k).to_json(), e.clock())
         assert (await e.post("/v1/heartbeat", envelope))[0] == 200
-        stats = {"gateway_id": public_key_hex(gw), "interval_s": 1.0}
         for _ in range(10):  # the operator's gateway reports as often as its traffic needs
             body = signed(gw, "gateway_stats", _gateway_stats(), e.clock(), signer="gateway_id")
             status, answer, _ = await e.post("/v1/gateway-stats", body)
-            assert status == 200, (answer, stats)
+            assert status == 200, answer
     finally:
         store.close()
 
