@@ -62,6 +62,8 @@ from tracker.routing import select_routes  # noqa: E402
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot  # noqa: E402
 
 FP = "ab" * 32
+# Throughput runs: a few client processes play thousands of nodes, so quotas per address and key are off.
+NO_QUOTAS = ("--address-reads-per-s", "0", "--address-writes-per-s", "0", "--key-messages-per-s", "0")
 
 
 def synthetic_swarm(n_nodes: int, n_layers: int, seed: int) -> SwarmSnapshot:
@@ -247,8 +249,11 @@ def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, A
     from sim.procs import Supervisor
 
     with tempfile.TemporaryDirectory(prefix="bench-tracker-") as tmp, Supervisor(Path(tmp)) as sup:
-        # The announced nodes are not real (no gRPC server): nothing to challenge.
-        tracker = sup.start_tracker(extra_args=["--log-level", "warning", "--no-challenges"]).ready(30)
+        # The announced nodes are not real (no gRPC server): nothing to challenge. One client process
+        # is every node here: the per-address and per-key quotas are off (sim/bench_flood.py has them on).
+        tracker = sup.start_tracker(
+            extra_args=["--log-level", "warning", "--no-challenges", *NO_QUOTAS]
+        ).ready(30)
         return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
 
 
@@ -483,6 +488,7 @@ def bench_replicas(
                         "--no-challenges",
                         "--log-level",
                         "warning",
+                        *NO_QUOTAS,
                     ],
                 ).ready(60)
                 urls.append(tracker.url)

@@ -3,10 +3,15 @@
 Every error leaves through :func:`_error_response`, the one place exceptions
 become HTTP statuses::
 
-    TrackerError (tracker.errors)      -> its status_hint (400/401/403/404/409/413)
+    RateLimited (tracker.errors)       -> 429 rate_limited with Retry-After (tracker/ratelimit.py)
+    TrackerError (tracker.errors)      -> its status_hint (400/401/403/404/409/413/503)
     SignatureError (proto.signing)     -> 400 malformed_envelope, 503 nonce_cache_full, else 401
     RequestEntityTooLarge              -> 413 payload_too_large
     other HTTPException (404/405 ...)  -> its own code
+
+Quotas per source address are taken here, before a request is read (signed messages and
+everything else in separate buckets, ``/healthz`` free); quotas per key in
+:mod:`tracker.service`, once a signature checked out.
 
 Error bodies are ``{"error": {"code": "...", "message": "..."}}`` (plus
 ``"reason"`` for signature refusals). Endpoints are documented in docs/tracker.md;
@@ -15,8 +20,10 @@ the dashboard (``/``, ``/static/*``, ``/v1/dashboard/*``) in docs/operations.md.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -29,7 +36,9 @@ from common.logs import event
 from common.metrics import CONTENT_TYPE
 from proto.signing import SignatureError
 from tracker.dashboard import STATIC_FILES, DashboardFeed
-from tracker.errors import BadRequest, NotFound, PayloadTooLarge, TrackerError
+from tracker.errors import BadRequest, NotFound, PayloadTooLarge, RateLimited, TrackerError
+from tracker.json_input import parse_json
+from tracker.ratelimit import TokenBuckets
 from tracker.reachability import MAX_CONCURRENT_PROBES, probe
 from tracker.service import Registry
 
@@ -46,6 +55,10 @@ def _error_response(err: BaseException) -> Response:
         return _json(
             {"error": {"code": "signature_refused", "reason": err.reason, "message": err.message}}, status
         )
+    if isinstance(err, RateLimited):
+        response = _json({"error": {"code": err.code, "message": err.message}}, 429)
+        response.headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+        return response
     if isinstance(err, TrackerError):
         return _json({"error": {"code": err.code, "message": err.message}}, err.status_hint)
     if isinstance(err, RequestEntityTooLarge):
@@ -83,19 +96,43 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             chunks += chunk
             if len(chunks) > max_bytes:
                 raise PayloadTooLarge(f"request body exceeds the {max_bytes}-byte limit")
-        body = bytes(chunks)
-        try:
-            return json.loads(body)
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurd nesting
-            raise BadRequest("request body is not valid JSON") from err
+        return parse_json(bytes(chunks))  # nesting and lone surrogates refused here (400)
 
     @app.errorhandler(Exception)
     async def _on_error(err: Exception) -> Response:
         return _error_response(err)
 
+    config = registry.config
+    reads = TokenBuckets(
+        config.address_reads_per_s, config.address_reads_burst, config.rate_limit_max_identities
+    )
+    writes = TokenBuckets(
+        config.address_writes_per_s, config.address_writes_burst, config.rate_limit_max_identities
+    )
+
     @app.before_request
-    async def _start_clock() -> None:
+    async def _admit() -> None:
         g.swarm_t0 = time.perf_counter()
+        # Per source address, before anything is read or verified: signed messages (POST, except a
+        # route request) and everything else (GET, route requests). /healthz is free.
+        if request.path == "/healthz":
+            return
+        write = request.method == "POST" and request.path != "/v1/routes"
+        buckets = writes if write else reads
+        decision = buckets.take(address_identity(request.remote_addr), time.monotonic())
+        if not decision.allowed:
+            if request.method == "POST":
+                # Answering before the body is read leaves it in the connection, and the client's
+                # next request on that keep-alive connection stalls: read it (bounded by
+                # MAX_CONTENT_LENGTH) and drop it.
+                async for _chunk in request.body:
+                    pass
+            scope = "address_write" if write else "address_read"
+            metrics.inc("swarm_tracker_rate_limited_total", scope=scope)
+            raise RateLimited(
+                f"too many {'signed messages' if write else 'requests'} from this address; slow down",
+                decision.retry_after_s,
+            )
 
     @app.after_request
     async def _count(response: Response) -> Response:
@@ -220,11 +257,11 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(await registry.list_models())
+        return _json(await registry.list_models(*_page_args()))
 
     @app.get("/v1/swarm")
     async def swarm() -> Response:
-        return _json(await registry.swarm_state())
+        return _json(await registry.swarm_state(*_page_args()))
 
     @app.route("/v1/routes", methods=["GET", "POST"])
     async def routes() -> Response:
@@ -317,6 +354,33 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
         return _json(await registry.remove_registration(await read_json()))
 
     return app
+
+
+def address_identity(remote: str | None) -> str:
+    """Whom a per-address quota charges: the IPv4 address, or the IPv6 /64 (one subscriber's usual
+    allocation: per-address limits would mean nothing if each of 2**64 addresses had its own)."""
+    host = str(remote or "")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host[:64]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip)
+
+
+def _page_args() -> tuple[int | None, int]:
+    args = request.args
+    unknown = set(args) - {"limit", "offset"}
+    if unknown:
+        raise BadRequest(f"unknown parameter(s) {sorted(unknown)}")
+    limit = args.get("limit")
+    return (
+        _int_arg("limit", limit) if limit is not None else None,
+        _int_arg("offset", args.get("offset", "0")),
+    )
 
 
 def _static(name: str) -> Response:

@@ -21,7 +21,10 @@ counts as failed. Relayed nodes cannot be dialled and are let in on probation.
 Bounds: ``challenge_concurrency`` challenges at once, at most
 ``challenge_queue_max`` waiting (more are picked up by the periodic sweep of
 nodes still ``challenging``), one in flight per node, each attempt within
-``challenge_timeout_s``; the answer read is at most the input's rows.
+``challenge_timeout_s`` and its first answer (Info) within ``challenge_info_timeout_s``, so
+a tarpit address (accepts TCP, never answers) holds a challenge slot seconds, not minutes;
+the pause before a retry holds no slot (the node waits outside the queue, at most
+``challenge_queue_max`` of them); the answer read is at most the input's rows.
 """
 
 from __future__ import annotations
@@ -87,8 +90,11 @@ class Challenger:
         self.config = registry.config
         self.clock = clock
         self._secret = hashlib.sha256(b"swarm-challenge-key/" + bytes(registry.key)).digest()
-        self._send, self._receive = trio.open_memory_channel[str](self.config.challenge_queue_max)
-        self._pending: set[str] = set()  # queued or running: one challenge per node at a time
+        # (node id, attempt) waiting for a worker
+        self._send, self._receive = trio.open_memory_channel[tuple[str, int]](self.config.challenge_queue_max)
+        self._pending: set[str] = set()  # queued, running or waiting to retry: one per node at a time
+        self._retrying = 0  # nodes waiting out the pause before their next attempt
+        self._nursery: trio.Nursery | None = None
         self.completed = 0
 
     # -- queue -------------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ class Challenger:
         if node_id in self._pending:
             return False
         try:
-            self._send.send_nowait(node_id)
+            self._send.send_nowait((node_id, 0))
         except trio.WouldBlock:
             return False
         self._pending.add(node_id)
@@ -107,22 +113,47 @@ class Challenger:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for _ in range(self.config.challenge_concurrency):
                 nursery.start_soon(self._worker)
             task_status.started()
 
     async def _worker(self) -> None:
-        async for node_id in self._receive:
+        async for node_id, attempt in self._receive:
+            retrying = False
             try:
-                await self.challenge(node_id)
+                retrying = await self.challenge(node_id, attempt) is None
             except Exception as err:  # a bug must not stop the runner; the sweep retries the node
                 event(log, "challenge_error", level=logging.ERROR, node_id=node_id, error=repr(err))
             finally:
-                self._pending.discard(node_id)
+                if not retrying:
+                    self._pending.discard(node_id)
+
+    def _retry_later(self, node_id: str, attempt: int) -> bool:
+        """Queue attempt ``attempt`` after a pause (1 s, 3 s, 9 s ... at most 30 s) without holding a
+        worker: nodes that do not answer must not stall the challenges of those that do. False when
+        too many already wait (the node then counts as unanswered now; the sweep finds it again)."""
+        if self._nursery is None or self._retrying >= self.config.challenge_queue_max:
+            return False
+        self._retrying += 1
+
+        async def later() -> None:
+            try:
+                await trio.sleep(min(30.0, 3.0 ** (attempt - 1)))
+                self._send.send_nowait((node_id, attempt))
+            except trio.WouldBlock:
+                self._pending.discard(node_id)  # the queue is full: the periodic sweep finds it
+            finally:
+                self._retrying -= 1
+
+        self._nursery.start_soon(later)
+        return True
 
     # -- one challenge -----------------------------------------------------------------------------
 
-    async def challenge(self, node_id: str) -> Outcome:
+    async def challenge(self, node_id: str, attempt: int = 0) -> Outcome | None:
+        """Attempt ``attempt`` (from 0) at challenging ``node_id``; None when the node did not answer
+        and its next attempt is queued (see :meth:`_retry_later`)."""
         reg = self.registry
         target = await reg._db(reg.store.challenge_target, node_id)
         if target is None:
@@ -133,21 +164,17 @@ class Challenger:
             result = Outcome(node_id, "skipped", True, "relayed node: cannot be dialled, on probation")
             self._log(target, result)
             return result
-        last = "no attempt"
-        for attempt in range(self.config.challenge_attempts):
-            if attempt:
-                await trio.sleep(min(30.0, 1.0 * 3**attempt))
-            try:
-                with trio.fail_after(self.config.challenge_timeout_s):
-                    recipe, spec, digest = await self._attempt(target)
-                break
-            except (Unanswered, trio.TooSlowError) as err:
-                last = "no answer in time" if isinstance(err, trio.TooSlowError) else str(err)
-            except ChallengeFailed as err:
-                return await self._finish(target, "failed", False, str(err), "", "", "")
-        else:
-            detail = f"no answer after {self.config.challenge_attempts} attempts: {last}"
+        try:
+            with trio.fail_after(self.config.challenge_timeout_s):
+                recipe, spec, digest = await self._attempt(target)
+        except (Unanswered, trio.TooSlowError) as err:
+            last = "no answer in time" if isinstance(err, trio.TooSlowError) else str(err)
+            if attempt + 1 < self.config.challenge_attempts and self._retry_later(node_id, attempt + 1):
+                return None
+            detail = f"no answer after {attempt + 1} attempts: {last}"
             return await self._finish(target, "failed", False, detail, "", "", "")
+        except ChallengeFailed as err:
+            return await self._finish(target, "failed", False, str(err), "", "", "")
         refs = await reg._db(self._references, target, recipe, spec.input_id)
         v = verdict(digest, refs)
         return await self._finish(target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id)
@@ -206,11 +233,16 @@ class Challenger:
     async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
         """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
         try:
-            raw = await self.grpc.unary(
-                target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
-            )
+            # A node answers Info in milliseconds: a dead or tarpit address is given up on after
+            # challenge_info_timeout_s, not the whole attempt's allowance (which covers the PREFILL).
+            with trio.fail_after(self.config.challenge_info_timeout_s):
+                raw = await self.grpc.unary(
+                    target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
+                )
         except RpcError as err:
             raise Unanswered(f"Info failed: {err}") from err
+        except trio.TooSlowError as err:
+            raise Unanswered(f"no Info answer within {self.config.challenge_info_timeout_s:g} s") from err
         try:
             info = shard_service_pb2.NodeInfo.FromString(raw)
         except Exception as err:  # protobuf's DecodeError: the peer is not a node

@@ -84,6 +84,42 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     default=False,
     help="Route to announced nodes without challenging them first (trusted, private swarms).",
 )
+@click.option(
+    "--address-reads-per-s",
+    type=float,
+    default=None,
+    help="Unauthenticated requests per second per source address (0: no limit).",
+)
+@click.option(
+    "--address-writes-per-s",
+    type=float,
+    default=None,
+    help="Signed messages per second per source address (0: no limit).",
+)
+@click.option(
+    "--key-messages-per-s",
+    type=float,
+    default=None,
+    help="Signed messages per second per signing key; registered gateways exempt (0: no limit).",
+)
+@click.option(
+    "--prune-after-s",
+    type=float,
+    default=None,
+    help="Delete expired, departed or failed nodes silent this long, and models left unused.",
+)
+@click.option(
+    "--challenge-timeout-s", type=float, default=None, help="Longest one challenge attempt may take."
+)
+@click.option(
+    "--challenge-info-timeout-s",
+    type=float,
+    default=None,
+    help="Longest a challenged node may take to answer Info (dead or tarpit addresses fail fast).",
+)
+@click.option(
+    "--challenge-attempts", type=int, default=None, help="Attempts before a silent node counts as failed."
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
 def serve(

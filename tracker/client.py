@@ -280,8 +280,19 @@ class TrackerClient:
             )
         )
 
-    async def models(self) -> list[dict[str, Any]]:
-        return list((await self._call("GET", "/v1/models"))["models"])
+    async def models(self, *, max_pages: int = 20) -> list[dict[str, Any]]:
+        """Every model the tracker lists, page by page (``GET /v1/models`` is paginated; at most
+        ``max_pages`` pages, so a tracker full of junk cannot keep a caller reading)."""
+        out: list[dict[str, Any]] = []
+        offset = 0
+        for _ in range(max_pages):
+            page = await self._call("GET", "/v1/models", params={"offset": offset} if offset else None)
+            out.extend(page["models"])
+            following = page.get("next_offset")  # absent from trackers before pagination
+            if not isinstance(following, int) or following <= offset:
+                break
+            offset = following
+        return out
 
     async def swarm(self) -> dict[str, Any]:
         return dict(await self._call("GET", "/v1/swarm"))

@@ -50,8 +50,35 @@ class TrackerConfig:
         200_000, "bound on nonces remembered in memory; when full, signed requests get 503"
     )
     nonces_per_key_max: int = _f(
-        1000, "bound on unexpired nonces per signing key in the shared table; over it, 503"
+        1000,
+        "bound on unexpired nonces per signing key, in memory and in the shared table; over it that key "
+        "alone is refused (429 in memory, 503 from the shared table)",
     )
+    address_reads_per_s: float = _f(
+        50.0, "unauthenticated requests (GET, route requests) per second per source address; 0 = no limit"
+    )
+    address_reads_burst: int = _f(200, "unauthenticated requests a source address may send at once")
+    address_writes_per_s: float = _f(
+        100.0, "signed messages (announces, heartbeats, reports) per second per source address; 0 = no limit"
+    )
+    address_writes_burst: int = _f(500, "signed messages a source address may send at once")
+    key_messages_per_s: float = _f(
+        20.0,
+        "signed messages per second per signing key (registered gateways exempt); 0 = no limit",
+    )
+    key_messages_burst: int = _f(200, "signed messages one key may send at once")
+    rate_limit_max_identities: int = _f(
+        100_000, "addresses and keys each rate-limit table remembers (the least recently seen go first)"
+    )
+    db_timeout_s: float = _f(
+        15.0, "longest a request waits for one database call (queue included); then 503 storage_unavailable"
+    )
+    prune_after_s: float = _f(
+        3600.0, "expired, departed or failed nodes silent this long are deleted, with models left unused"
+    )
+    prune_batch_max: int = _f(500, "most nodes deleted per pruning round (each round also prunes models)")
+    prune_interval_s: float = _f(10.0, "how often long-dead nodes and unused models are pruned (once)")
+    list_max_rows: int = _f(1000, "largest page of GET /v1/models and of the nodes in GET /v1/swarm")
     max_body_bytes: int = _f(64 * 1024, "largest accepted request body; larger gets 413")
     registry_max_body_bytes: int = _f(
         16 * 1024 * 1024, "largest model registration (with its manifest) accepted; larger gets 413"
@@ -105,6 +132,9 @@ class TrackerConfig:
     challenge_concurrency: int = _f(2, "challenges running at once")
     challenge_queue_max: int = _f(1000, "challenges waiting at most; more wait for the periodic sweep")
     challenge_timeout_s: float = _f(60.0, "longest one challenge attempt may take (connect, OPEN, PREFILL)")
+    challenge_info_timeout_s: float = _f(
+        10.0, "longest a challenged node may take to answer Info (a dead or tarpit address fails fast)"
+    )
     challenge_attempts: int = _f(3, "attempts before a node that does not answer counts as failed")
     challenge_tokens: int = _f(8, "positions in the challenge input")
     log_level: str = _f("info", "debug, info, warning or error")
@@ -153,6 +183,10 @@ class TrackerConfig:
             "evidence_keep_s",
             "observed_speed_keep_s",
             "challenge_timeout_s",
+            "db_timeout_s",
+            "challenge_info_timeout_s",
+            "prune_after_s",
+            "prune_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -169,9 +203,17 @@ class TrackerConfig:
             "challenge_concurrency",
             "challenge_queue_max",
             "challenge_attempts",
+            "address_reads_burst",
+            "address_writes_burst",
+            "key_messages_burst",
+            "rate_limit_max_identities",
+            "prune_batch_max",
+            "list_max_rows",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if min(self.address_reads_per_s, self.address_writes_per_s, self.key_messages_per_s) < 0:
+            raise ConfigError("address_reads_per_s, address_writes_per_s and key_messages_per_s must be >= 0")
         if not 0 <= self.rtt_probe_hints <= 16 or not 0 <= self.rtt_probe_back_max <= 32:
             raise ConfigError("rtt_probe_hints must be in 0..16 and rtt_probe_back_max in 0..32")
         if not 1 <= self.challenge_tokens <= 256:

@@ -17,6 +17,7 @@
     ├── PayloadTooLarge          413  request body over the configured limit
     ├── Conflict                 409  e.g. announce for a model whose layer count disagrees with the registry
     │   └── NoFittingSpan        409  no span of the model fits the capacity a joining node gave
+    ├── RateLimited              429  a source address or signing key over its quota (``Retry-After``)
     └── StorageUnavailable       503  the database cannot be reached right now (retry later)
 
 Pure module: imported by the routing and placement functions, so it imports
@@ -92,6 +93,15 @@ class Conflict(TrackerError):
 
 class NoFittingSpan(Conflict):
     code = "no_fitting_span"
+
+
+class RateLimited(TrackerError):
+    status_hint = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class StorageUnavailable(TrackerError):

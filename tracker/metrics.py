@@ -18,6 +18,10 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_tracker_http_request_seconds": m.histogram("HTTP request handling time by endpoint", "endpoint"),
     "swarm_tracker_refusals_total": m.counter("signed messages refused, by reason", "reason"),
+    "swarm_tracker_rate_limited_total": m.counter(
+        "requests refused over a quota, by scope (address_read, address_write, key, key_nonces)", "scope"
+    ),
+    "swarm_tracker_pruned_total": m.counter("rows of long-dead nodes and unused models deleted", "table"),
     "swarm_tracker_announces_total": m.counter("accepted node announcements"),
     "swarm_tracker_heartbeats_total": m.counter("accepted heartbeats"),
     "swarm_tracker_leaves_total": m.counter("nodes that left on purpose (signed leave)"),

@@ -11,7 +11,12 @@ shared: a message's nonce is refused at once if this replica saw it (memory,
 bounded by ``nonce_cache_max_entries``) and otherwise inserted into the
 ``nonces`` table in the same transaction as the write it authorises (bounded
 per key by ``nonces_per_key_max``), so a replay is refused by every replica.
-Periodic work (expiry, purges) is claimed per period through the database
+Quotas (tracker/ratelimit.py): once a message's signature checked out, its key
+is charged (``key_messages_per_s``; registered gateways exempt) and may hold at
+most ``nonces_per_key_max`` nonces in memory, so one key cannot fill the cache
+everyone shares; over either, 429 for that key alone. Every database call a
+request makes waits at most ``db_timeout_s``. Periodic work (expiry, purges,
+pruning of long-dead nodes and unused models) is claimed per period through the database
 (:meth:`tracker.store.Store.claim_task`), so it runs once however many replicas
 there are. Each replica records itself in ``tracker_replicas``; one whose key
 differs from a live replica's refuses to start (nodes trust one tracker key).
@@ -19,6 +24,7 @@ differs from a live replica's refuses to start (nodes trust one tracker key).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -30,21 +36,30 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import nacl.signing
 import trio
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 
 from common.logs import event
 from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, RttSample, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker import overview
 from tracker.config import TrackerConfig
-from tracker.errors import BadRequest, Conflict, GatewaySignatureRequired, StorageUnavailable, UnknownModel
+from tracker.errors import (
+    BadRequest,
+    Conflict,
+    GatewaySignatureRequired,
+    RateLimited,
+    StorageUnavailable,
+    UnknownModel,
+)
+from tracker.json_input import check_json
 from tracker.metrics import Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
+from tracker.ratelimit import NonceShare, TokenBuckets
 from tracker.registry import KIND as REGISTRATION_KIND
 from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
-from tracker.routing import select_routes
-from tracker.snapshot import ModelInfo, SwarmSnapshot
+from tracker.routing import RouteSelection, select_routes
+from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 from tracker.store import NonceRecord, RttResult, Store, UsageGroup
 from tracker.trust import TrustService
 
@@ -57,17 +72,35 @@ MAX_REGISTRY_PEERS = 32
 
 
 class _NonceGrab:
-    """The nonce sink handed to ``open_envelope``: refuses what this replica already saw (memory,
-    bounded) and keeps the nonce so the write records it in the shared table."""
+    """The nonce sink handed to ``open_envelope`` (called once the signature checked out): charges
+    the signing key's quota, refuses what this replica already saw (memory, bounded in all and per
+    key) and keeps the nonce so the write records it in the shared table."""
 
-    def __init__(self, local: NonceCache, max_live_per_key: int) -> None:
-        self.local = local
-        self.max_live_per_key = max_live_per_key
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
         self.record: NonceRecord | None = None
 
     def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None:
-        self.local.check_and_add(public_key, nonce, expires_at_s, now_s)
-        self.record = NonceRecord(public_key, nonce, expires_at_s, self.max_live_per_key)
+        reg = self.registry
+        if public_key not in reg.exempt_keys:
+            decision = reg.key_limits.take(public_key, now_s)
+            if not decision.allowed:
+                reg.metrics.inc("swarm_tracker_rate_limited_total", scope="key")
+                raise RateLimited(
+                    f"more than {reg.config.key_messages_per_s:g} signed messages per second from this key; "
+                    "slow down",
+                    decision.retry_after_s,
+                )
+        if reg.nonce_share.full(public_key, now_s):
+            reg.metrics.inc("swarm_tracker_rate_limited_total", scope="key_nonces")
+            raise RateLimited(
+                f"this key has {reg.config.nonces_per_key_max} signed messages in the replay window; "
+                "retry later",
+                max(1.0, expires_at_s - now_s),
+            )
+        reg.nonces.check_and_add(public_key, nonce, expires_at_s, now_s)
+        reg.nonce_share.add(public_key, expires_at_s)
+        self.record = NonceRecord(public_key, nonce, expires_at_s, reg.config.nonces_per_key_max)
 
 
 @dataclass(frozen=True)
@@ -97,6 +130,18 @@ class Registry:
         self.clock = clock
         self.rng = rng or random.Random()
         self.nonces = NonceCache(config.nonce_cache_max_entries)
+        # Quotas per signing key (tracker/ratelimit.py); the operator's registered gateways are exempt
+        # from the rate (their usage reports follow client traffic), not from the nonce share.
+        self.nonce_share = NonceShare(config.nonces_per_key_max)
+        self.key_limits = TokenBuckets(
+            config.key_messages_per_s, config.key_messages_burst, config.rate_limit_max_identities
+        )
+        self.exempt_keys = config.gateway_keys()
+        # GET /v1/models is computed once per snapshot, in a worker thread (route search per model).
+        self._models_cache: tuple[SwarmSnapshot, list[dict[str, Any]]] | None = None
+        self._models_lock = trio.Lock()
+        self._cpu = trio.CapacityLimiter(1)
+        self._route_cpu = trio.CapacityLimiter(1)  # route searches and placement, in a worker thread
         self.limiter = trio.CapacityLimiter(config.resolved_db_threads())
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -114,12 +159,23 @@ class Registry:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _db(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
+        """``fn(*args)`` in a database thread. ``bounded``: the caller waits at most ``db_timeout_s``
+        (queue included), then gets :class:`StorageUnavailable`; the abandoned call still holds its
+        thread until it returns, so the limiter keeps the number of threads bounded. A write abandoned
+        this way may still commit: its signed message cannot be replayed (the nonce), a node re-signs."""
+        call = functools.partial(fn, *args)
         try:
-            return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+            if not bounded:
+                return await trio.to_thread.run_sync(call, limiter=self.limiter)
+            with trio.fail_after(self.config.db_timeout_s):
+                return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
         except (OperationalError, InterfaceError) as err:  # connection-level: the database is away
             event(log, "storage_unavailable", level=logging.ERROR, error=str(err).splitlines()[0][:300])
             raise StorageUnavailable("the tracker's database is unavailable; retry later") from err
+        except trio.TooSlowError as err:
+            event(log, "storage_slow", level=logging.WARNING, call=getattr(fn, "__name__", "?"))
+            raise StorageUnavailable("the tracker's database did not answer in time; retry later") from err
 
     def _refused(self, kind: str, err: SignatureError) -> None:
         self.metrics.inc("swarm_tracker_refusals_total", reason=err.reason)
@@ -135,7 +191,7 @@ class Registry:
     def _open(
         self, envelope: Any, kind: str, signer_field: str = "node_id"
     ) -> tuple[dict[str, Any], NonceRecord | None]:
-        grab = _NonceGrab(self.nonces, self.config.nonces_per_key_max)
+        grab = _NonceGrab(self)
         try:
             payload = open_envelope(
                 envelope,
@@ -149,6 +205,7 @@ class Registry:
         except SignatureError as err:
             self._refused(kind, err)
             raise
+        check_json(payload, what=f"the signed {kind} payload")  # a lone surrogate would fail in storage
         return payload, grab.record
 
     async def _signed_write(self, kind: str, fn: Callable[..., T], *args: Any) -> T:
@@ -170,7 +227,7 @@ class Registry:
 
     async def start(self) -> None:
         """Bring the schema to head (runs alembic in a worker thread)."""
-        before, after = await self._db(self.store.upgrade)
+        before, after = await self._db(self.store.upgrade, bounded=False)  # a migration may take long
         event(log, "db_ready", dialect=self.store.dialect, revision_before=before, revision=after)
         self.trust.warn_if_open()
 
@@ -391,6 +448,27 @@ class Registry:
                 event(log, "node_expired", node_id=node_id, timeout_s=self.config.heartbeat_timeout_s)
         return expired
 
+    async def prune_once(self) -> dict[str, int]:
+        """Delete one bounded batch of long-dead nodes and unused models (see Store.prune)."""
+        try:
+            pruned = await self._db(
+                functools.partial(
+                    self.store.prune,
+                    self.clock(),
+                    after_s=self.config.prune_after_s,
+                    batch_max=self.config.prune_batch_max,
+                )
+            )
+        except IntegrityError:  # a replica announced a shard of a model this round was deleting
+            return {}
+        for table, n in pruned.items():
+            if n:
+                self.metrics.inc("swarm_tracker_pruned_total", n, table=table)
+        if pruned["nodes"] or pruned["models"]:
+            self.invalidate_snapshot()
+            event(log, "pruned", **pruned)
+        return pruned
+
     async def _claim(self, task: str, interval_s: float) -> bool:
         claimed = await self._db(self.store.claim_task, task, self.replica_id, self.clock(), interval_s)
         self.metrics.inc("swarm_tracker_periodic_runs_total", outcome="ran" if claimed else "skipped")
@@ -419,6 +497,8 @@ class Registry:
                 )
             )
             event(log, "purged", **done["purged"])
+        if await self._claim("prune", self.config.prune_interval_s):
+            done["pruned"] = await self.prune_once()
         if self.challenger is not None and await self._claim(
             "challenge_sweep", self.config.challenge_timeout_s
         ):
@@ -563,11 +643,18 @@ class Registry:
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
         origin = snap.gateway_coords.get(gateway_id) if gateway_id else None
-        t0 = time.perf_counter()
-        selection = select_routes(
-            snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
-        )
-        self.metrics.observe("swarm_tracker_route_selection_seconds", time.perf_counter() - t0)
+
+        def search() -> tuple[RouteSelection, float]:
+            t0 = time.perf_counter()
+            found = select_routes(
+                snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
+            )
+            return found, time.perf_counter() - t0
+
+        # In a worker thread: a search over a large swarm must not hold the event loop (/healthz,
+        # heartbeats); one search at a time, apart from the model list's computation.
+        selection, took_s = await trio.to_thread.run_sync(search, limiter=self._route_cpu)
+        self.metrics.observe("swarm_tracker_route_selection_seconds", took_s)
         now = self.clock()
         shard_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
         routes = []
@@ -629,7 +716,12 @@ class Registry:
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
         memory = SpanMemory(memory_bytes, kv_bytes_per_layer) if memory_bytes is not None else None
-        start, end = recommend_span(snap, info.fingerprint, capacity_layers, rng=self.rng, memory=memory)
+        start, end = await trio.to_thread.run_sync(
+            functools.partial(
+                recommend_span, snap, info.fingerprint, capacity_layers, rng=self.rng, memory=memory
+            ),
+            limiter=self._route_cpu,
+        )
         return {"model": _model_json(info), "start": start, "end": end}
 
     # --- the model registry -----------------------------------------------------------------------
@@ -742,35 +834,59 @@ class Registry:
             peers = self.rng.sample(peers, MAX_REGISTRY_PEERS)
         return {**entry, "peers": peers}
 
-    async def list_models(self) -> dict[str, Any]:
-        snap = await self.snapshot()
-        out = []
-        for m in snap.models:
-            if snap.registered_names.get(m.name, m.fingerprint) != m.fingerprint:
-                continue  # its name is registered to another model: listed (and reached) by that one
-            shards = [s for s in snap.shards if s.model_fingerprint == m.fingerprint]
-            cover = layer_coverage(snap, m.fingerprint, m.n_layers)
-            routable = bool(select_routes(snap, m.fingerprint, 1, rng=random.Random(0)).routes)
-            out.append(
-                {
-                    **_model_json(m),
-                    "live_nodes": len({s.node_id for s in shards}),
-                    "routable": routable,
-                    "min_layer_tokens_per_s": round(min(cover), 3) if cover else 0.0,
-                }
-            )
-        return {"models": out}
+    def _page(self, limit: int | None, offset: int) -> int:
+        cap = self.config.list_max_rows
+        limit = cap if limit is None else limit
+        if not 1 <= limit <= cap:
+            raise BadRequest(f"limit must be in 1..{cap}")
+        if offset < 0:
+            raise BadRequest("offset must be >= 0")
+        return limit
 
-    async def swarm_state(self) -> dict[str, Any]:
+    async def list_models(self, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
+        """``GET /v1/models``: a page of the models (by fingerprint), with ``total`` and ``next_offset``."""
+        limit = self._page(limit, offset)
+        rows = await self._model_rows(await self.snapshot())
+        page = rows[offset : offset + limit]
+        more = offset + len(page) < len(rows)
+        return {
+            "models": page,
+            "total": len(rows),
+            "limit": limit,
+            "offset": offset,
+            "next_offset": offset + len(page) if more else None,
+        }
+
+    async def _model_rows(self, snap: SwarmSnapshot) -> list[dict[str, Any]]:
+        """Every model's row, computed once per snapshot in a worker thread (a route search per model
+        must not hold the event loop); while one computation runs, callers get the previous result."""
+        cached = self._models_cache
+        if cached is not None and (cached[0] is snap or self._models_lock.locked()):
+            return cached[1]
+        async with self._models_lock:
+            cached = self._models_cache
+            if cached is not None and cached[0] is snap:
+                return cached[1]
+            rows = await trio.to_thread.run_sync(model_rows, snap, limiter=self._cpu)
+            self._models_cache = (snap, rows)
+            return rows
+
+    async def swarm_state(self, limit: int | None = None, offset: int = 0) -> dict[str, Any]:
+        """``GET /v1/swarm``: the models (first page), node counts and a page of the nodes (by id)."""
+        limit = self._page(limit, offset)
         models = await self.list_models()
-        nodes = await self._db(self.store.node_rows)
+        nodes = await self._db(functools.partial(self.store.node_rows, limit=limit, offset=offset))
         counts = await self._db(self.store.node_state_counts)
+        total = sum(counts.values())
         return {
             "tracker_id": self.tracker_id,
             "time": self.clock(),
             "models": models["models"],
             "node_counts": counts,
             "nodes": nodes,
+            "limit": limit,
+            "offset": offset,
+            "next_offset": offset + len(nodes) if offset + len(nodes) < total else None,
         }
 
     async def gauges(self) -> dict[str, dict[Labels, float]]:
@@ -778,8 +894,12 @@ class Registry:
         snap = await self.snapshot()
         replicas = await self._db(self.store.replicas, self.clock(), self._replica_live_s())
         coverage: dict[Labels, float] = {}
+        by_model = shards_by_model(snap)
         for m in snap.models:
-            counts_per_layer = overview.coverage_counts(snap, m.fingerprint, m.n_layers)
+            if m.fingerprint not in by_model:
+                continue  # the gauge keeps 32 series at most: models that some node serves
+            sub = dataclasses.replace(snap, shards=by_model[m.fingerprint])
+            counts_per_layer = overview.coverage_counts(sub, m.fingerprint, m.n_layers)
             coverage[(("model", m.name[:64] or m.fingerprint[:16]),)] = float(
                 min(counts_per_layer, default=0)
             )
@@ -864,7 +984,8 @@ class Registry:
         top = await self._db(
             functools.partial(self.store.usage_summary, "node", now - 86_400.0, now + 1.0, limit=10)
         )
-        return overview.build_state(
+        build = functools.partial(
+            overview.build_state,
             now_s=now,
             tracker_id=self.tracker_id,
             replica_id=self.replica_id,
@@ -878,6 +999,42 @@ class Registry:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             series_window_s=window,
         )
+        return await trio.to_thread.run_sync(build, limiter=self._cpu)  # off the event loop
+
+
+def shards_by_model(snap: SwarmSnapshot) -> dict[str, tuple[ShardView, ...]]:
+    groups: dict[str, list[ShardView]] = {}
+    for sh in snap.shards:
+        groups.setdefault(sh.model_fingerprint, []).append(sh)
+    return {fp: tuple(g) for fp, g in groups.items()}
+
+
+def model_rows(snap: SwarmSnapshot) -> list[dict[str, Any]]:
+    """The rows of ``GET /v1/models``: each model's live nodes, routability and weakest layer.
+
+    One pass groups the shards by model, so each model's route search and coverage see only its own
+    shards: linear in models + shards, not their product (1,000 junk models cost milliseconds)."""
+    by_model = shards_by_model(snap)
+    out = []
+    for m in snap.models:
+        if snap.registered_names.get(m.name, m.fingerprint) != m.fingerprint:
+            continue  # its name is registered to another model: listed (and reached) by that one
+        shards = by_model.get(m.fingerprint, ())
+        if shards:
+            sub = dataclasses.replace(snap, shards=shards)
+            cover = layer_coverage(sub, m.fingerprint, m.n_layers)
+            routable = bool(select_routes(sub, m.fingerprint, 1, rng=random.Random(0)).routes)
+        else:
+            cover, routable = [], False
+        out.append(
+            {
+                **_model_json(m),
+                "live_nodes": len({s.node_id for s in shards}),
+                "routable": routable,
+                "min_layer_tokens_per_s": round(min(cover), 3) if cover else 0.0,
+            }
+        )
+    return out
 
 
 def _ms(value: float | None) -> float | None:

@@ -26,6 +26,7 @@ from tracker.errors import Banned, Conflict, NameBound, UnknownNode
 from tracker.migrate import upgrade_if_needed
 from tracker.models import (
     NODE_BANNED,
+    NODE_CHALLENGE_FAILED,
     NODE_CHALLENGING,
     NODE_EXPIRED,
     NODE_LEFT,
@@ -811,7 +812,7 @@ class Store(TrustStore):
             registered_names={m.name: fp for fp, m in registered.items()},
         )
 
-    def node_rows(self, *, limit: int = 100_000) -> list[dict[str, Any]]:
+    def node_rows(self, *, limit: int = 100_000, offset: int = 0) -> list[dict[str, Any]]:
         with Session(self.engine) as s:
             out = []
             for node, shard, passed, failed, banned_until in s.execute(
@@ -822,6 +823,7 @@ class Store(TrustStore):
                 .outerjoin(Reputation, Reputation.node_id == Node.id)
                 .order_by(Node.id)
                 .limit(limit)
+                .offset(offset)
             ).all():
                 out.append(
                     {
@@ -978,6 +980,77 @@ class Store(TrustStore):
                 delete(Replica).where(Replica.last_seen_s < now_s - replicas_keep_s)
             ).rowcount
         return {"nonces": nonces, "gateway_reports": reports, "replicas": replicas, "rtt_claims": claims}
+
+    def prune(self, now_s: float, *, after_s: float, batch_max: int) -> dict[str, int]:
+        """Delete at most ``batch_max`` nodes that expired, left or failed their challenge and have
+        been silent for ``after_s``, with their shards, RTT claims and failed challenge results, then
+        the announced models no shard and no registration uses any more, and gateways silent as long
+        with no ledger rows; returns rows deleted.
+
+        Kept: banned nodes (their ban is their row's state; reputations and bans live in tables
+        of their own anyway), the usage ledger (accounting outlives nodes), passed challenge results
+        (reference digests), and registered models. One bounded transaction per call, so a junk
+        flood is worked off over several rounds without one long lock."""
+        gone = (NODE_EXPIRED, NODE_LEFT, NODE_CHALLENGE_FAILED)
+        with self.engine.begin() as conn:
+            ids = list(
+                conn.execute(
+                    select(Node.id)
+                    .where(Node.state.in_(gone), Node.last_seen_s < now_s - after_s)
+                    .order_by(Node.last_seen_s)
+                    .limit(batch_max)
+                ).scalars()
+            )
+            counts = {"nodes": 0, "shards": 0, "rtt_claims": 0, "challenge_results": 0, "models": 0}
+            if ids:
+                counts["shards"] = conn.execute(delete(Shard).where(Shard.node_id.in_(ids))).rowcount
+                counts["rtt_claims"] = conn.execute(
+                    delete(RttClaim).where(RttClaim.reporter_id.in_(ids) | RttClaim.peer_id.in_(ids))
+                ).rowcount
+                counts["challenge_results"] = conn.execute(
+                    delete(ChallengeResult).where(
+                        ChallengeResult.node_id.in_(ids), ChallengeResult.outcome != "passed"
+                    )
+                ).rowcount
+                counts["nodes"] = conn.execute(
+                    delete(Node).where(Node.id.in_(ids), Node.state.in_(gone))
+                ).rowcount
+            unused = (
+                select(Model.fingerprint)
+                .where(
+                    ~select(Shard.id).where(Shard.model_fingerprint == Model.fingerprint).exists(),
+                    ~select(RegisteredModel.fingerprint)
+                    .where(RegisteredModel.fingerprint == Model.fingerprint)
+                    .exists(),
+                    Model.first_seen_s < now_s - after_s,
+                )
+                .limit(batch_max)
+            )
+            fingerprints = list(conn.execute(unused).scalars())
+            if fingerprints:
+                counts["models"] = conn.execute(
+                    delete(Model).where(Model.fingerprint.in_(fingerprints))
+                ).rowcount
+            # Gateways (any key, while registered_gateways is empty) silent as long, with nothing in
+            # the ledger: their statistics reports go with them.
+            idle = list(
+                conn.execute(
+                    select(Gateway.id)
+                    .where(
+                        Gateway.last_seen_s < now_s - after_s,
+                        ~select(Usage.id).where(Usage.gateway_id == Gateway.id).exists(),
+                    )
+                    .limit(batch_max)
+                ).scalars()
+            )
+            counts["gateways"] = 0
+            if idle:
+                conn.execute(delete(GatewayReport).where(GatewayReport.gateway_id.in_(idle)))
+                conn.execute(
+                    delete(RttClaim).where(RttClaim.reporter_id.in_(idle) | RttClaim.peer_id.in_(idle))
+                )
+                counts["gateways"] = conn.execute(delete(Gateway).where(Gateway.id.in_(idle))).rowcount
+        return counts
 
     # --- accounting -------------------------------------------------------------------------------
 
