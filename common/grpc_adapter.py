@@ -29,6 +29,22 @@ gRPC status when there is one) from ``receive``/``send``; a handler that raises
 :class:`RpcAbort` ends its call with that status; any other exception in a
 handler is logged once and ends the call with ``INTERNAL``.
 
+TLS (docs/security.md): a server given a :class:`common.tls.ServerCert` serves
+only TLS. A client call names the peer's ``pin``: the sha256 fingerprint of the
+certificate the peer announced (signed), :data:`UNPINNED` (encrypted, the peer
+not authenticated: for public bytes checked by hash, fetched from an address an
+operator typed), or ``None`` (plaintext; callers decide whether their
+configuration allows it). grpcio has no hook to check a certificate's hash, so
+the first dial of a pin reads the peer's certificate in a TLS handshake of our
+own (trio's ``SSLStream``, nothing verified), refuses it unless its sha256 is
+the pin, and then gives grpcio that certificate as the only trusted root, with
+the fixed host name every node certificate carries
+(``grpc.ssl_target_name_override``). grpcio's own handshake, on every
+(re)connection, then accepts only a peer holding that certificate's key. A
+certificate is fetched once per pin (its hash names it) and channels are kept
+per (address, pin): a node that restarts with a new certificate is dialled on a
+new channel.
+
 Do not iterate grpc.aio calls with ``async for`` here: grpcio's Cython async
 generators have no ``ag_frame``, which trio-asyncio's async-generator hooks
 need; ``read()``/``write()`` are used instead.
@@ -40,6 +56,7 @@ import asyncio
 import collections
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -50,12 +67,22 @@ import grpc.aio
 import trio
 import trio_asyncio
 
+from common.tls import TLS_SERVER_NAME, ServerCert, fingerprint_der
+
 log = logging.getLogger("swarm.grpc")
 
 DEFAULT_BUFFERED_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 DEFAULT_BUFFERED_MESSAGES = 256
+# ``pin`` of a call: encrypt, but accept whatever certificate the peer shows (public, hash-checked bytes).
+UNPINNED = "unpinned"
+CERT_FETCH_TIMEOUT_S = 10.0  # reading a peer's certificate, at most (the caller's deadline may be shorter)
+MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
 _END = object()
+
+
+class PinMismatch(Exception):
+    """The peer's certificate is not the one it announced (or it speaks no TLS)."""
 
 
 class RpcError(Exception):
@@ -285,27 +312,60 @@ class Grpc:
     def __init__(self, loop: trio_asyncio.TrioEventLoop, nursery: trio.Nursery) -> None:
         self._loop = loop
         self._nursery = nursery
-        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, int, str | None], grpc.aio.Channel] = {}
+        self._certs: dict[str, bytes] = {}  # pin -> its certificate (PEM), read once from the peer
 
     # -- clients -------------------------------------------------------------------------------------
 
-    def _channel(self, address: str, max_message_bytes: int) -> grpc.aio.Channel:
-        """One channel (one HTTP/2 connection) per address and message limit, shared by its calls.
+    def _channel(
+        self, address: str, max_message_bytes: int, pin: str | None, root: bytes | None
+    ) -> grpc.aio.Channel:
+        """One channel (one HTTP/2 connection) per address, message limit and pin, shared by its calls.
 
         Called from this module's asyncio coroutines only: grpc.aio binds a channel to the
         running asyncio loop when it is made.
         """
-        key = (address, max_message_bytes)
+        key = (address, max_message_bytes, pin)
         channel = self._channels.get(key)
         if channel is None:
-            options = [
+            options: list[tuple[str, Any]] = [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.enable_retries", 0),
             ]
-            channel = grpc.aio.insecure_channel(address, options=options)
+            if root is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                options.append(("grpc.ssl_target_name_override", TLS_SERVER_NAME))
+                credentials = grpc.ssl_channel_credentials(root_certificates=root)
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
             self._channels[key] = channel
         return channel
+
+    async def _root(self, address: str, pin: str | None) -> bytes | None:
+        """The certificate (PEM) grpcio is to trust for ``pin`` at ``address``; None for plaintext.
+
+        Raises :class:`PinMismatch` when the peer shows another certificate or no TLS at all.
+        """
+        if pin is None:
+            return None
+        known = self._certs.get(pin)
+        if known is not None:
+            return known
+        der = await fetch_certificate(address)
+        if pin != UNPINNED:
+            got = fingerprint_der(der)
+            if got != pin:
+                raise PinMismatch(
+                    f"the node at {address} shows TLS certificate {got[:16]}..., "
+                    f"not {pin[:16]}... as announced"
+                )
+        pem = ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+        if pin != UNPINNED:
+            if len(self._certs) >= MAX_KNOWN_CERTS:
+                self._certs.pop(next(iter(self._certs)))
+            self._certs[pin] = pem
+        return pem
 
     async def _in_aio(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         return await self._loop.run_aio_coroutine(fn())
@@ -320,16 +380,26 @@ class Grpc:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_buffered_bytes: int = DEFAULT_BUFFERED_BYTES,
         max_buffered_messages: int = DEFAULT_BUFFERED_MESSAGES,
+        pin: str | None = None,
     ) -> AsyncIterator[MessageStream]:
-        """A bidirectional stream to ``address``; leaving cancels the call (after queued sends on success)."""
+        """A bidirectional stream to ``address``; leaving cancels the call (after queued sends on success).
+
+        A peer that fails the pin gives a stream that is already closed (``UNAUTHENTICATED``).
+        """
         stream = MessageStream(
             address, max_buffered_bytes=max_buffered_bytes, max_buffered_messages=max_buffered_messages
         )
+        try:
+            root = await self._root(address, pin)
+        except (PinMismatch, OSError, trio.TooSlowError) as err:
+            stream.fail(f"stream to {address} refused: {_pin_failure(address, err)}", "UNAUTHENTICATED")
+            yield stream
+            return
         started, finished = trio.Event(), trio.Event()
 
         async def run_call() -> None:
             try:
-                channel = self._channel(address, max_message_bytes)
+                channel = self._channel(address, max_message_bytes, pin, root)
                 call = channel.stream_stream(method)(metadata=tuple(metadata) or None)
             finally:
                 started.set()
@@ -370,13 +440,20 @@ class Grpc:
                 await finished.wait()
 
     async def unary(
-        self, address: str, method: str, request: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        method: str,
+        request: bytes,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        pin: str | None = None,
     ) -> bytes:
         """One unary call; the deadline is the caller's trio deadline."""
+        root = await self._checked_root(address, method, pin)
         timeout = _timeout()
 
         async def call() -> bytes:
-            channel = self._channel(address, max_message_bytes)
+            channel = self._channel(address, max_message_bytes, pin, root)
             try:
                 reply: bytes = await channel.unary_unary(method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
@@ -394,12 +471,14 @@ class Grpc:
         *,
         max_messages: int,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        pin: str | None = None,
     ) -> list[bytes]:
         """A server-streaming call read whole (at most ``max_messages``); deadline as for :meth:`unary`."""
+        root = await self._checked_root(address, method, pin)
         timeout = _timeout()
 
         async def call() -> list[bytes]:
-            channel = self._channel(address, max_message_bytes)
+            channel = self._channel(address, max_message_bytes, pin, root)
             out: list[bytes] = []
             rpc = channel.unary_stream(method)(request, timeout=timeout)
             try:
@@ -414,6 +493,14 @@ class Grpc:
             return out
 
         return await self._in_aio(call)  # type: ignore[no-any-return]
+
+    async def _checked_root(self, address: str, method: str, pin: str | None) -> bytes | None:
+        try:
+            return await self._root(address, pin)
+        except (PinMismatch, OSError, trio.TooSlowError) as err:
+            raise RpcError(
+                f"{method} on {address} refused: {_pin_failure(address, err)}", "UNAUTHENTICATED"
+            ) from err
 
     async def aclose(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -506,16 +593,24 @@ class Grpc:
         *,
         options: Sequence[tuple[str, Any]] = (),
         shutdown_grace_s: float = 5.0,
+        tls: ServerCert | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled; ``task_status.started(port)`` once listening. Stops with a grace period."""
+        """Serve until cancelled; ``task_status.started(port)`` once listening. Stops with a grace period.
+
+        With ``tls`` the port speaks only TLS with that certificate; without, only plaintext.
+        """
         where = f"{host}:{port}"
 
         async def start() -> tuple[grpc.aio.Server, int]:
             server = grpc.aio.server(options=list(options))
             server.add_generic_rpc_handlers(tuple(self._handlers(s) for s in services))
             try:
-                bound = server.add_insecure_port(where)
+                if tls is None:
+                    bound = server.add_insecure_port(where)
+                else:
+                    credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+                    bound = server.add_secure_port(where, credentials)
             except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind ...")
                 raise OSError(f"gRPC cannot listen on {where}: {err}") from err
             if bound == 0:
@@ -530,6 +625,47 @@ class Grpc:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(shutdown_grace_s + 1):
                 await self._in_aio(lambda: server.stop(shutdown_grace_s))
+
+
+def _pin_failure(address: str, err: BaseException) -> str:
+    if isinstance(err, PinMismatch):
+        return str(err)
+    if isinstance(err, trio.TooSlowError):
+        return f"no TLS handshake with {address} within {CERT_FETCH_TIMEOUT_S:g} s"
+    return f"cannot read the TLS certificate of {address}: {type(err).__name__}: {err}"
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise OSError(f"{address!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+async def fetch_certificate(address: str) -> bytes:
+    """The certificate (DER) the TLS server at ``address`` shows, read without verifying anything.
+
+    Only its hash is looked at (against a pin) before grpcio is told to trust it. Bounded by
+    :data:`CERT_FETCH_TIMEOUT_S` (``trio.TooSlowError``); a peer speaking no TLS raises ``OSError``.
+    """
+    host, port = _split_host_port(address)
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    with trio.fail_after(CERT_FETCH_TIMEOUT_S):
+        tcp = await trio.open_tcp_stream(host, port)
+        tls = trio.SSLStream(tcp, context, server_hostname=TLS_SERVER_NAME)
+        try:
+            await tls.do_handshake()
+            der = tls.getpeercert(binary_form=True)
+        except (trio.BrokenResourceError, ssl.SSLError) as err:
+            raise OSError(f"no TLS from {address}: {err}") from err
+        finally:
+            await trio.aclose_forcefully(tls)
+    if not der:
+        raise OSError(f"{address} showed no certificate")
+    return der
 
 
 _open: list[Grpc] = []  # the runtime open in this process, and how many holders share it
