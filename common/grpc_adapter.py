@@ -31,9 +31,10 @@ handler is logged once and ends the call with ``INTERNAL``.
 
 TLS (docs/security.md): a server given a :class:`common.tls.ServerCert` serves
 only TLS. A client call names the peer's ``pin``: the sha256 fingerprint of the
-certificate the peer announced (signed), :data:`UNPINNED` (encrypted, the peer
-not authenticated: for public bytes checked by hash, fetched from an address an
-operator typed), or ``None`` (plaintext; callers decide whether their
+certificate the peer announced (signed), :data:`UNPINNED` (encrypted when the
+peer speaks TLS, plaintext when it does not, the peer never authenticated: only
+for public bytes checked by hash, fetched from an address an operator typed,
+such as a model's span from a peer), or ``None`` (plaintext; callers decide whether their
 configuration allows it). grpcio has no hook to check a certificate's hash, so
 the first dial of a pin reads the peer's certificate in a TLS handshake of our
 own (trio's ``SSLStream``, nothing verified), refuses it unless its sha256 is
@@ -74,7 +75,8 @@ log = logging.getLogger("swarm.grpc")
 DEFAULT_BUFFERED_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 DEFAULT_BUFFERED_MESSAGES = 256
-# ``pin`` of a call: encrypt, but accept whatever certificate the peer shows (public, hash-checked bytes).
+# ``pin`` of a call: TLS with whatever certificate the peer shows, or plaintext if it has no TLS (only
+# for public, hash-checked bytes).
 UNPINNED = "unpinned"
 CERT_FETCH_TIMEOUT_S = 10.0  # reading a peer's certificate, at most (the caller's deadline may be shorter)
 MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
@@ -352,7 +354,12 @@ class Grpc:
         known = self._certs.get(pin)
         if known is not None:
             return known
-        der = await fetch_certificate(address)
+        try:
+            der = await fetch_certificate(address)
+        except OSError:
+            if pin == UNPINNED:  # the peer speaks no TLS: public, hash-checked bytes go in plaintext
+                return None
+            raise
         if pin != UNPINNED:
             got = fingerprint_der(der)
             if got != pin:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_layered
+from common.tls import ServerCert, TlsError, load_or_create_server_cert, load_server_cert
 
 ENV_PREFIX = "SWARM_NODE_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -102,6 +103,19 @@ class NodeConfig:
     relay_auto: bool = _f(
         False, "with relay_url: use the relay only if the tracker cannot reach this node's gRPC port"
     )
+    insecure_plaintext: bool = _f(
+        False,
+        "serve gRPC without TLS and announce no certificate; also push to peers that announce none "
+        "(loopback tests and benchmarks only: activations and tickets travel readable)",
+    )
+    tls_cert_file: str = _f(
+        "",
+        "PEM certificate gRPC is served with (its sha256 is announced and pinned by every dialler); "
+        "empty = node-tls.crt in data_dir, made on first start",
+    )
+    tls_key_file: str = _f(
+        "", "PEM private key of tls_cert_file (mode 0600); empty = node-tls.key in data_dir"
+    )
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
     advertise_host: str = _f("", "host name/IP announced to the tracker; empty = a local non-loopback IP")
@@ -131,7 +145,10 @@ class NodeConfig:
         10.0, "with benchmark off: the per-token time announced instead of a measurement (tests)"
     )
     shutdown_grace_s: float = _f(5.0, "how long streams may drain on SIGINT/SIGTERM")
-    data_dir: str = _f("~/.swarm/node", "directory of the node key (node.key, mode 0600)")
+    data_dir: str = _f(
+        "~/.swarm/node",
+        "directory of the node key (node.key, mode 0600) and its TLS certificate (node-tls.*)",
+    )
     cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
     log_level: str = _f("info", "debug, info, warning or error")
 
@@ -143,6 +160,18 @@ class NodeConfig:
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
+
+    def server_cert(self) -> tuple[ServerCert | None, bool]:
+        """The TLS certificate gRPC is served with (None: insecure_plaintext), and whether it was made now."""
+        if self.insecure_plaintext:
+            return None, False
+        try:
+            if self.tls_cert_file:
+                cert = Path(self.tls_cert_file).expanduser()
+                return load_server_cert(cert, Path(self.tls_key_file).expanduser()), False
+            return load_or_create_server_cert(self.resolved_data_dir())
+        except TlsError as err:
+            raise ConfigError(str(err)) from err
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -226,6 +255,10 @@ class NodeConfig:
             )
         if self.no_tracker and self.layers == "auto":
             raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.insecure_plaintext and self.tls_cert_file:
+            raise ConfigError("insecure_plaintext serves no TLS: drop tls_cert_file/tls_key_file or it")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self

@@ -203,13 +203,24 @@ class Challenger:
             detail=result.detail,
         )
 
+    def _pin(self, target: ChallengeTarget) -> str | None:
+        """The node's announced certificate; plaintext only where the configuration allows it."""
+        if target.tls_fingerprint:
+            return target.tls_fingerprint
+        if self.config.allow_plaintext_nodes:
+            return None
+        raise ChallengeFailed("the node announced no TLS certificate and allow_plaintext_nodes is off")
+
     async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
         """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
+        pin = self._pin(target)
         try:
             raw = await self.grpc.unary(
-                target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
+                target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES, pin=pin
             )
         except RpcError as err:
+            if err.code == "UNAUTHENTICATED":  # another certificate than announced: not that node
+                raise ChallengeFailed(f"Info refused: {err}") from err
             raise Unanswered(f"Info failed: {err}") from err
         try:
             info = shard_service_pb2.NodeInfo.FromString(raw)
@@ -272,7 +283,10 @@ class Challenger:
         limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
         try:
             async with self.grpc.open_stream(
-                target.address, codec.SESSION_METHOD, max_message_bytes=MAX_MESSAGE_BYTES
+                target.address,
+                codec.SESSION_METHOD,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+                pin=self._pin(target),
             ) as stream:
                 await stream.send(
                     codec.serialize_frame(

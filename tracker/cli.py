@@ -84,6 +84,12 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     default=False,
     help="Route to announced nodes without challenging them first (trusted, private swarms).",
 )
+@click.option(
+    "--allow-plaintext-nodes",
+    is_flag=True,
+    default=None,
+    help="Challenge nodes announcing no TLS certificate over plaintext gRPC (loopback tests, old nodes).",
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
 def serve(

@@ -249,8 +249,11 @@ class FakeNode:
             self.backend, hub.on_outcome, max_batch_tokens=512, prefill_chunk_tokens=512, inline_max_ms=0
         )
         pushes = PushLinks(
-            lambda address: grpc_rt.open_stream(address, codec.SESSION_METHOD, max_message_bytes=8 << 20),
+            lambda address, pin: grpc_rt.open_stream(
+                address, codec.SESSION_METHOD, max_message_bytes=8 << 20, pin=pin
+            ),
             hub.on_push_failed,
+            allow_plaintext=True,
         )
         hub.attach(scheduler, pushes)
         service = ShardService(
