@@ -62,8 +62,11 @@ def fingerprint_der(der: bytes) -> str:
 
 
 def fingerprint_pem(pem: bytes) -> str:
+    """The pin of the first certificate in ``pem`` (a chain's leaf)."""
     try:
-        der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))
+        text = pem.decode("ascii")
+        end = text.index(ssl.PEM_FOOTER) + len(ssl.PEM_FOOTER)
+        der = ssl.PEM_cert_to_DER_cert(text[text.index(ssl.PEM_HEADER) : end])
     except (ValueError, UnicodeDecodeError) as err:
         raise TlsError(f"not a PEM certificate: {err}") from err
     return fingerprint_der(der)

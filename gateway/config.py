@@ -59,6 +59,17 @@ class GatewayConfig:
         "push: stages send hidden states to the next stage directly and the last one sends the next "
         "decode step to the first; relay: every hop goes through this gateway",
     )
+    allow_plaintext_nodes: bool = _f(
+        False,
+        "dial nodes that announce no TLS certificate in plaintext (loopback tests, nodes older than TLS); "
+        "off: such nodes are refused and routed around. Nodes that announce one are always pinned to it",
+    )
+    tls_cert_file: str = _f(
+        "",
+        "PEM certificate (chain) to serve HTTPS with: the OpenAI API and the relay (wss://) for nodes "
+        "behind NAT; empty = plain HTTP (put a TLS proxy in front on a network)",
+    )
+    tls_key_file: str = _f("", "PEM private key of tls_cert_file")
     activation_encoding: str = _f(
         "f32",
         "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (by bandwidth)",
@@ -150,6 +161,8 @@ class GatewayConfig:
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
         for name in (
             "max_sessions",
             "routes_k",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from common import files
 from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
+from common.tls import TlsError, fingerprint_pem
 from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
@@ -65,6 +67,15 @@ async def _tracker_url(config: GatewayConfig) -> str:
     return url
 
 
+async def _cert_pin(cert_file: str) -> str:
+    """sha256 of the (first) certificate in ``cert_file``: what nodes pin as relay_tls_fingerprint."""
+    try:
+        pem = await files.run_sync(Path(cert_file).read_bytes)
+        return fingerprint_pem(pem)
+    except (OSError, TlsError) as err:
+        raise ConfigError(f"tls_cert_file: {err}") from err
+
+
 async def serve_gateway(
     config: GatewayConfig,
     *,
@@ -78,7 +89,12 @@ async def serve_gateway(
     tracker = TrackerClient(tracker_url, key)
     try:
         async with open_grpc() as grpc_rt:
-            channels = RelayChannels(grpc_rt, max_frame_bytes=config.max_frame_bytes, relay=relay)
+            channels = RelayChannels(
+                grpc_rt,
+                max_frame_bytes=config.max_frame_bytes,
+                relay=relay,
+                allow_plaintext=config.allow_plaintext_nodes,
+            )
             await _serve(config, tracker, key, channels, relay, tracker_url, shutdown, on_ready, task_status)
     finally:
         with trio.CancelScope(shield=True):
@@ -109,6 +125,10 @@ async def _serve(
     hc.graceful_timeout = SHUTDOWN_GRACE_S
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
+    if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/security.md)
+        hc.certfile = os.path.expanduser(config.tls_cert_file)
+        hc.keyfile = os.path.expanduser(config.tls_key_file)
+        event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         if config.stats_interval_s > 0:
