@@ -158,6 +158,10 @@ class GatewayConfig:
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
 
+    def tls_files(self) -> tuple[str, str]:
+        """(certificate, key) paths for HTTPS, ``~`` expanded."""
+        return str(Path(self.tls_cert_file).expanduser()), str(Path(self.tls_key_file).expanduser())
+
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +125,7 @@ async def _serve(
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
     if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/security.md)
-        hc.certfile = os.path.expanduser(config.tls_cert_file)
-        hc.keyfile = os.path.expanduser(config.tls_key_file)
+        hc.certfile, hc.keyfile = config.tls_files()
         event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
