@@ -19,14 +19,17 @@ TLS without a pin from whatever address the tracker named.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from common.grpc_adapter import UNPINNED, Grpc, MessageStream, RpcError, StreamClosed
+from common.logs import event
 from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabAssembler
 
+log = logging.getLogger("swarm.gateway.grpc")
 # Frames queued towards one node: enough for a chunked prefill step in flight, bounded in bytes too.
 SEND_BUFFER_FRAMES = 64
 # What proves a vocabulary (gateway/vocab_check.py): a manifest, the model file's header.
@@ -109,6 +112,8 @@ class NodeChannels:
                 address, codec.INFO_METHOD, b"", max_message_bytes=self._max_message_bytes, pin=pin
             )
         except RpcError as err:
+            if err.code == "UNAUTHENTICATED":  # not the certificate the node announced: one line, no trace
+                event(log, "node_tls_refused", level=logging.WARNING, address=address, error=str(err))
             raise StreamError(f"Info from {address} failed: {err}") from err
         info = shard_service_pb2.NodeInfo.FromString(data)
         if tls_fingerprint and info.tls_fingerprint != tls_fingerprint:
