@@ -83,6 +83,10 @@ MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
 _END = object()
 
 
+# grpcio's words for a TLS handshake it refused: the peer does not hold the pinned certificate.
+_TLS_REFUSALS = ("CERTIFICATE_VERIFY_FAILED", "Tls handshake failed", "Ssl handshake failed")
+
+
 class PinMismatch(Exception):
     """The peer's certificate is not the one it announced (or it speaks no TLS)."""
 
@@ -135,6 +139,8 @@ def _describe(err: BaseException) -> tuple[str, str]:
         except Exception:  # a half-built error object
             name = "UNKNOWN"
     text = details() if callable(details) else str(err)
+    if name == "UNAVAILABLE" and any(m in text for m in _TLS_REFUSALS):
+        name = "UNAUTHENTICATED"  # the peer is there but not the one pinned (or speaks no TLS)
     return name, f"{name}: {text}"
 
 
@@ -465,7 +471,7 @@ class Grpc:
                 reply: bytes = await channel.unary_unary(method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
-                raise RpcError(f"{method} on {address} failed: {text}", code) from err
+                raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return reply
 
         return await self._in_aio(call)  # type: ignore[no-any-return]
@@ -496,7 +502,7 @@ class Grpc:
                         raise RpcError(f"{method} on {address} sent more than {max_messages} messages")
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
-                raise RpcError(f"{method} on {address} failed: {text}", code) from err
+                raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return out
 
         return await self._in_aio(call)  # type: ignore[no-any-return]
@@ -632,6 +638,10 @@ class Grpc:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(shutdown_grace_s + 1):
                 await self._in_aio(lambda: server.stop(shutdown_grace_s))
+
+
+def _pinned(pin: str | None, code: str) -> str:
+    return f" (not the certificate pinned, {pin[:16]}...)" if code == "UNAUTHENTICATED" and pin else ""
 
 
 def _pin_failure(address: str, err: BaseException) -> str:

