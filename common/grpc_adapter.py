@@ -68,7 +68,7 @@ import grpc.aio
 import trio
 import trio_asyncio
 
-from common.tls import TLS_SERVER_NAME, ServerCert, fingerprint_der
+from common.tls import CERT_FETCH_TIMEOUT_S, TLS_SERVER_NAME, ServerCert, fetch_certificate, fingerprint_der
 
 log = logging.getLogger("swarm.grpc")
 
@@ -78,7 +78,6 @@ DEFAULT_BUFFERED_MESSAGES = 256
 # ``pin`` of a call: TLS with whatever certificate the peer shows, or plaintext if it has no TLS (only
 # for public, hash-checked bytes).
 UNPINNED = "unpinned"
-CERT_FETCH_TIMEOUT_S = 10.0  # reading a peer's certificate, at most (the caller's deadline may be shorter)
 MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
 _END = object()
 
@@ -650,39 +649,6 @@ def _pin_failure(address: str, err: BaseException) -> str:
     if isinstance(err, trio.TooSlowError):
         return f"no TLS handshake with {address} within {CERT_FETCH_TIMEOUT_S:g} s"
     return f"cannot read the TLS certificate of {address}: {type(err).__name__}: {err}"
-
-
-def _split_host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise OSError(f"{address!r} is not host:port")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-async def fetch_certificate(address: str) -> bytes:
-    """The certificate (DER) the TLS server at ``address`` shows, read without verifying anything.
-
-    Only its hash is looked at (against a pin) before grpcio is told to trust it. Bounded by
-    :data:`CERT_FETCH_TIMEOUT_S` (``trio.TooSlowError``); a peer speaking no TLS raises ``OSError``.
-    """
-    host, port = _split_host_port(address)
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    with trio.fail_after(CERT_FETCH_TIMEOUT_S):
-        tcp = await trio.open_tcp_stream(host, port)
-        tls = trio.SSLStream(tcp, context, server_hostname=TLS_SERVER_NAME)
-        try:
-            await tls.do_handshake()
-            der = tls.getpeercert(binary_form=True)
-        except (trio.BrokenResourceError, ssl.SSLError) as err:
-            raise OSError(f"no TLS from {address}: {err}") from err
-        finally:
-            await trio.aclose_forcefully(tls)
-    if not der:
-        raise OSError(f"{address} showed no certificate")
-    return der
 
 
 _open: list[Grpc] = []  # the runtime open in this process, and how many holders share it

@@ -288,6 +288,14 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Serve through this gateway's WebSocket relay (http://host:port): for nodes behind NAT.",
 )
 @click.option(
+    "--relay-tls-fingerprint",
+    default=None,
+    help="With an https:// relay: sha256 of the gateway's certificate to pin (the gateway logs it).",
+)
+@click.option(
+    "--relay-ca-file", default=None, help="With an https:// relay: CA bundle to verify the gateway."
+)
+@click.option(
     "--relay-auto",
     is_flag=True,
     default=None,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_layered
-from common.tls import ServerCert, TlsError, load_or_create_server_cert, load_server_cert
+from common.tls import ServerCert, TlsError, is_fingerprint, load_or_create_server_cert, load_server_cert
 
 ENV_PREFIX = "SWARM_NODE_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -99,6 +99,14 @@ class NodeConfig:
         "",
         "gateway to serve through when this node cannot accept connections (NAT): its http://host:port "
         "or ws://host:port/v1/relay; empty = direct gRPC only",
+    )
+    relay_tls_fingerprint: str = _f(
+        "",
+        "with an https:// or wss:// relay_url: sha256 (64 hex) of the gateway's certificate to pin (the "
+        "gateway logs it as gateway_tls); empty = verify the gateway against relay_ca_file or the system CAs",
+    )
+    relay_ca_file: str = _f(
+        "", "with an https:// or wss:// relay_url: CA bundle (PEM) to verify the gateway with"
     )
     relay_auto: bool = _f(
         False, "with relay_url: use the relay only if the tracker cannot reach this node's gRPC port"
@@ -255,6 +263,12 @@ class NodeConfig:
             )
         if self.no_tracker and self.layers == "auto":
             raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
+        if self.relay_tls_fingerprint and not is_fingerprint(self.relay_tls_fingerprint):
+            raise ConfigError("relay_tls_fingerprint must be 64 lowercase hex characters")
+        if (self.relay_tls_fingerprint or self.relay_ca_file) and not self.relay_url.startswith(
+            ("https://", "wss://")
+        ):
+            raise ConfigError("relay_tls_fingerprint and relay_ca_file need an https:// or wss:// relay_url")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.insecure_plaintext and self.tls_cert_file:

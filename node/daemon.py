@@ -350,7 +350,13 @@ class NodeDaemon:
                     from node.relay_client import RelayClient
 
                     self.relay = RelayClient(
-                        cfg.relay_url, self.hub, key, self.info, max_frame_bytes=cfg.max_frame_bytes
+                        cfg.relay_url,
+                        self.hub,
+                        key,
+                        self.info,
+                        max_frame_bytes=cfg.max_frame_bytes,
+                        tls_fingerprint=cfg.relay_tls_fingerprint,
+                        ca_file=cfg.relay_ca_file,
                     )
                     await nursery.start(self.relay.run)
                 if self.tracker_url:

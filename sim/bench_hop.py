@@ -18,7 +18,11 @@ settings (1 compute thread each, per-sequence KV), greedy, the same prompt:
   serving gRPC over TLS (their own certificates, pinned by fingerprint as a
   gateway pins them), the first pair ``--insecure-plaintext``; all four node
   processes live at once, so TLS and plaintext are measured side by side. The
-  cost of TLS per hop = (``push+tls`` - ``push``) / 2.
+  cost of TLS per hop = (``push+tls`` - ``push``) / 2. Decode-time medians on a
+  shared machine move by a few tenths of a millisecond between runs, so
+  ``--tls`` also measures the transport alone (:func:`transport_cost`): round
+  trips of a decode step's frame and of a prefill chunk through the adapter,
+  plaintext vs pinned TLS, in alternating blocks.
 
 Rounds rotate the order of the setups so machine drift lands on all of them.
 Decode time per token is a request's decode time over its tokens after the
@@ -204,6 +208,66 @@ def run(
     return results
 
 
+def transport_cost(frame_bytes: int, blocks: int = 12, per_block: int = 200) -> dict[str, float]:
+    """The transport alone: round trips of one ``frame_bytes`` message through the grpcio adapter on
+    loopback, plaintext and pinned TLS to the same in-process echo service, in alternating blocks.
+
+    A hop is one transit, a round trip two: TLS cost per hop = (TLS - plaintext) median round trip / 2.
+    """
+    import trio
+
+    from common.grpc_adapter import CallInfo, MessageStream, Service, StreamClosed, open_grpc
+    from common.tls import generate_self_signed
+
+    async def echo(stream: MessageStream, info: CallInfo) -> None:
+        while True:
+            try:
+                await stream.send(await stream.receive())
+            except StreamClosed:
+                return
+
+    service = Service("bench.Echo", {"Echo": echo}, {}, {})
+    cert = generate_self_signed()
+    payload = os.urandom(frame_bytes)
+    times: dict[str, list[float]] = {"plaintext": [], "tls": []}
+
+    async def main() -> None:
+        async with open_grpc() as rt, trio.open_nursery() as nursery:
+            plain = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [service], **kw))
+            secure = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [service], tls=cert, **kw))
+            targets = {"plaintext": (plain, None), "tls": (secure, cert.fingerprint)}
+            async with (
+                rt.open_stream(f"127.0.0.1:{plain}", "/bench.Echo/Echo") as a,
+                rt.open_stream(f"127.0.0.1:{secure}", "/bench.Echo/Echo", pin=targets["tls"][1]) as b,
+            ):
+                streams = {"plaintext": a, "tls": b}
+                for stream in streams.values():  # warm-up: connections, handshakes
+                    for _ in range(50):
+                        await stream.send(payload)
+                        await stream.receive()
+                for block in range(blocks):
+                    for name in ("plaintext", "tls") if block % 2 == 0 else ("tls", "plaintext"):
+                        stream = streams[name]
+                        for _ in range(per_block):
+                            t0 = time.perf_counter()
+                            await stream.send(payload)
+                            await stream.receive()
+                            times[name].append(time.perf_counter() - t0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    plain_ms = statistics.median(times["plaintext"]) * 1e3
+    tls_ms = statistics.median(times["tls"]) * 1e3
+    return {
+        "frame_bytes": frame_bytes,
+        "round_trips": len(times["tls"]),
+        "plaintext_round_trip_ms": plain_ms,
+        "tls_round_trip_ms": tls_ms,
+        "tls_cost_per_hop_ms": (tls_ms - plain_ms) / 2,
+        "ratio_tls_to_plaintext": tls_ms / plain_ms,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
@@ -252,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             "tls_cost_per_hop_min_ms": (secure["min_ms"] - plain["min_ms"]) / 2,
             "ratio_tls_to_plaintext": secure["median_ms"] / plain["median_ms"],
         }
+    # One decode step's hidden state (576 floats, f32) plus frame header, and a 256-token prefill chunk.
+    transport = [transport_cost(n) for n in (2_600, 600_000)] if args.tls else []
     handoffs = []
     for inline, total in measured["scheduler"]:
         thread_rounds = max(0.0, total - inline)
@@ -285,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             f"({cost['tls_cost_per_hop_min_ms']:.3f} ms on the minima); "
             f"{plane}+tls / {plane} = {cost['ratio_tls_to_plaintext']:.3f}"
         )
+    for t in transport:
+        print(
+            f"transport, {t['frame_bytes']} B frames: round trip "
+            f"{t['plaintext_round_trip_ms']:.3f} ms plaintext, {t['tls_round_trip_ms']:.3f} ms TLS; TLS cost per hop {t['tls_cost_per_hop_ms']:.3f} ms "
+            f"(x{t['ratio_tls_to_plaintext']:.3f})"
+        )
     print(f"same tokens in every setup: {same}")
     result: dict[str, Any] = {
         "benchmark": "bench_hop",
@@ -294,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "per_hop_overhead_ms": rows["push"]["per_hop_overhead_ms"],
         "tls": tls_cost,
+        "tls_transport": transport,
         "handoffs": handoffs,
         "same_tokens": same,
         "machine": {
