@@ -68,7 +68,8 @@ import grpc.aio
 import trio
 import trio_asyncio
 
-from common.tls import CERT_FETCH_TIMEOUT_S, TLS_SERVER_NAME, ServerCert, fetch_certificate, fingerprint_der
+from common.tls import TLS_SERVER_NAME, ServerCert, fingerprint_der
+from common.tls_dial import CERT_FETCH_TIMEOUT_S, fetch_certificate
 
 log = logging.getLogger("swarm.grpc")
 

@@ -6,10 +6,9 @@ start and keeps beside its identity key (``node-tls.key`` mode 0600,
 carries the certificate's fingerprint (sha256 of its DER bytes, 64 lowercase
 hex), and whoever dials the node (gateway, the previous stage, the tracker's
 challenger) refuses any other certificate. ``common.grpc_adapter`` does the
-dialling; this module makes, loads and fingerprints certificates, reads a
-peer's certificate (:func:`fetch_certificate`) and builds a client context
-that trusts one pinned certificate (:func:`pinned_client_context`, for the
-relay's ``wss://``).
+dialling; this module (pure: no I/O loop) makes, loads and fingerprints
+certificates; ``common.tls_dial`` reads a peer's certificate and builds a
+client context that trusts one pin (the relay's ``wss://``).
 
 Every node certificate names the same host, :data:`TLS_SERVER_NAME`, in its
 subjectAltName: grpcio checks the certificate against a host name, and the
@@ -31,7 +30,6 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -42,7 +40,6 @@ CERT_FILE = "node-tls.crt"
 KEY_FILE = "node-tls.key"
 CERT_VALIDITY_DAYS = 3650  # the pin, not the dates, is what is trusted; renew by deleting the files
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
-CERT_FETCH_TIMEOUT_S = 10.0  # reading a peer's certificate, at most
 
 
 class TlsError(ValueError):
@@ -153,53 +150,3 @@ def load_or_create_server_cert(directory: Path) -> tuple[ServerCert, bool]:
     tmp.write_bytes(made.cert_pem)
     tmp.replace(cert_path)
     return made, True
-
-
-# --- reading and trusting a peer's certificate by its pin ------------------------------------------
-
-
-def _split_host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise OSError(f"{address!r} is not host:port")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-async def fetch_certificate(address: str, alpn: tuple[str, ...] = ("h2",)) -> bytes:
-    """The certificate (DER) the TLS server at ``address`` shows, read without verifying anything.
-
-    Only its hash is looked at (against a pin) before it is trusted (by grpcio, or
-    :func:`pinned_client_context`). Bounded by
-    :data:`CERT_FETCH_TIMEOUT_S` (``trio.TooSlowError``); a peer speaking no TLS raises ``OSError``.
-    """
-    host, port = _split_host_port(address)
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(list(alpn))
-    with trio.fail_after(CERT_FETCH_TIMEOUT_S):
-        tcp = await trio.open_tcp_stream(host, port)
-        tls = trio.SSLStream(tcp, context, server_hostname=TLS_SERVER_NAME)
-        try:
-            await tls.do_handshake()
-            der = tls.getpeercert(binary_form=True)
-        except (trio.BrokenResourceError, ssl.SSLError) as err:
-            raise OSError(f"no TLS from {address}: {err}") from err
-        finally:
-            await trio.aclose_forcefully(tls)
-    if not der:
-        raise OSError(f"{address} showed no certificate")
-    return bytes(der)
-
-
-async def pinned_client_context(address: str, pin: str) -> ssl.SSLContext:
-    """A client context that trusts exactly the certificate whose sha256 is ``pin`` (host name
-    unchecked: the pin names the peer). Reads the certificate at ``address`` once and checks its hash."""
-    der = await fetch_certificate(address, alpn=("http/1.1",))
-    got = fingerprint_der(der)
-    if got != pin:
-        raise TlsError(f"{address} shows TLS certificate {got[:16]}..., not the pinned {pin[:16]}...")
-    context = ssl.create_default_context(cadata=ssl.DER_cert_to_PEM_cert(der))
-    context.check_hostname = False
-    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a CA-issued leaf may be pinned too
-    return context

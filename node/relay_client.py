@@ -43,7 +43,8 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 from common.logs import event
-from common.tls import TlsError, pinned_client_context
+from common.tls import TlsError
+from common.tls_dial import pinned_client_context
 from node.hub import Hub, TooManyConnections
 from proto.signing import make_payload, sign_envelope
 from proto.swarm.v1 import shard_service_pb2

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in transport:
         print(
             f"transport, {t['frame_bytes']} B frames: round trip "
-            f"{t['plaintext_round_trip_ms']:.3f} ms plaintext, {t['tls_round_trip_ms']:.3f} ms TLS; TLS cost per hop {t['tls_cost_per_hop_ms']:.3f} ms "
+            f"{t['plaintext_round_trip_ms']:.3f} ms plaintext, {t['tls_round_trip_ms']:.3f} ms TLS; "
+            f"TLS cost per hop {t['tls_cost_per_hop_ms']:.3f} ms "
             f"(x{t['ratio_tls_to_plaintext']:.3f})"
         )
     print(f"same tokens in every setup: {same}")
