@@ -29,7 +29,7 @@ gRPC status when there is one) from ``receive``/``send``; a handler that raises
 :class:`RpcAbort` ends its call with that status; any other exception in a
 handler is logged once and ends the call with ``INTERNAL``.
 
-TLS (docs/security.md): a server given a :class:`common.tls.ServerCert` serves
+TLS (docs/tls.md): a server given a :class:`common.tls.ServerCert` serves
 only TLS. A client call names the peer's ``pin``: the sha256 fingerprint of the
 certificate the peer announced (signed), :data:`UNPINNED` (encrypted when the
 peer speaks TLS, plaintext when it does not, the peer never authenticated: only

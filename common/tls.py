@@ -1,4 +1,4 @@
-"""Node certificates for gRPC over TLS, pinned by their SHA-256 fingerprint (docs/security.md).
+"""Node certificates for gRPC over TLS, pinned by their SHA-256 fingerprint (docs/tls.md).
 
 A node serves TLS with a self-signed ECDSA P-256 certificate it makes on first
 start and keeps beside its identity key (``node-tls.key`` mode 0600,

@@ -1,4 +1,4 @@
-"""Reading a peer's TLS certificate and trusting it by its pin (trio; docs/security.md).
+"""Reading a peer's TLS certificate and trusting it by its pin (trio; docs/tls.md).
 
 grpcio and Python's ``ssl`` can trust a set of root certificates but cannot be
 told "accept the certificate whose sha256 is X". So a dialler first reads the

@@ -9,7 +9,7 @@ against (``gateway/vocab_store.py``). Deadlines are the caller's trio
 deadlines. Raw bytes both ways: the Session method carries serialized frames
 (docs/protocol.md, Transport), parsed by ``proto.codec``.
 
-TLS (docs/security.md): ``Info`` and Session streams go over TLS pinned to the
+TLS (docs/tls.md): ``Info`` and Session streams go over TLS pinned to the
 certificate fingerprint the node announced (the route hop's
 ``tls_fingerprint``); a node that announced none is dialled in plaintext only
 with ``allow_plaintext_nodes``, else refused. The vocabulary and its proofs are

@@ -124,7 +124,7 @@ async def _serve(
     hc.graceful_timeout = SHUTDOWN_GRACE_S
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
-    if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/security.md)
+    if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/tls.md)
         hc.certfile, hc.keyfile = config.tls_files()
         event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
     async with trio.open_nursery() as nursery:

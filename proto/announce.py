@@ -270,7 +270,7 @@ class Announce:
     # Most layers of this model the node's memory holds (node/capacity.py); 0 = not computed.
     capacity_layers: int = 0
     # sha256 (hex) of the TLS certificate the node serves gRPC with: diallers pin it
-    # (docs/security.md). "" = the node serves plaintext (dialled only where that is allowed).
+    # (docs/tls.md). "" = the node serves plaintext (dialled only where that is allowed).
     tls_fingerprint: str = ""
 
     @classmethod
