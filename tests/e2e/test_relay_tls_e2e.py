@@ -1,9 +1,11 @@
 """The WebSocket relay over ``wss://``: a gateway with a certificate, nodes behind NAT pinning it.
 
 Real processes on loopback: a tracker, a gateway serving HTTPS with a
-self-signed certificate (``--tls-cert-file``/``--tls-key-file``), and a node
-serving the whole model only through the relay (``--relay https://...``) with
-the gateway's certificate pinned (``--relay-tls-fingerprint``). The openai
+self-signed certificate (``--tls-cert-file``/``--tls-key-file``), a node
+serving [0,15) over direct gRPC (TLS; it also serves the vocabulary, which is
+not fetched over the relay) and a node serving [15,30) only through the relay
+(``--relay https://...``) with the gateway's certificate pinned
+(``--relay-tls-fingerprint``). The openai
 client (over HTTPS, trusting that certificate) gets the whole model's greedy
 text, and the frames went over the socket. A second node pinning another
 certificate never connects: its relay refuses the gateway and says why.
@@ -78,10 +80,18 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         base = f"https://127.0.0.1:{gateway.port}"
         http = httpx.Client(verify=https_context(cert_file), timeout=5)
         wait_until(lambda: _ok(http, f"{base}/healthz"), 60, "the gateway answers over HTTPS")
+        sup.start_node(
+            "direct",
+            model=model_path,
+            layers="0:15",
+            tracker_url=tracker_url,
+            cache_dir=node_cache,
+            extra_args=["--no-benchmark"],
+        ).wait_port(180)
         node = sup.start_node(
             "relayed",
             model=model_path,
-            layers="0:30",
+            layers="15:30",
             tracker_url=tracker_url,
             cache_dir=node_cache,
             extra_args=["--no-benchmark", "--relay", base, "--relay-tls-fingerprint", cert.fingerprint],
@@ -149,7 +159,7 @@ def test_a_node_pinning_another_certificate_refuses_the_gateway(
     node = swarm["supervisor"].start_node(
         "mispinned",
         model=model_path,
-        layers="0:30",
+        layers="15:30",
         tracker_url=swarm["tracker_url"],
         cache_dir=node_cache,
         extra_args=["--no-benchmark", "--relay", swarm["base"], "--relay-tls-fingerprint", wrong],
