@@ -66,9 +66,12 @@ async def test_a_pin_is_refused_by_a_plaintext_server() -> None:
     cert = tls.generate_self_signed()
     async with open_grpc() as rt, trio.open_nursery() as nursery:
         port = await nursery.start(rt.serve, "127.0.0.1", 0, [SERVICE])
-        with trio.fail_after(20), pytest.raises(RpcError) as refused:
-            await rt.unary(f"127.0.0.1:{port}", "/test.Echo/Hello", b"you", pin=cert.fingerprint)
-        assert refused.value.code == "UNAUTHENTICATED"
+        with trio.fail_after(20):
+            with pytest.raises(RpcError) as refused:
+                await rt.unary(f"127.0.0.1:{port}", "/test.Echo/Hello", b"you", pin=cert.fingerprint)
+            assert refused.value.code == "UNAUTHENTICATED"
+            # Unpinned (public bytes) falls back to plaintext for a peer without TLS.
+            assert await rt.unary(f"127.0.0.1:{port}", "/test.Echo/Hello", b"x", pin=UNPINNED) == b"hello x"
         nursery.cancel_scope.cancel()
 
 
