@@ -55,6 +55,8 @@ def _help(name: str) -> str:
 @click.option("--allow-plaintext-nodes", is_flag=True, default=None, help=_help("allow_plaintext_nodes"))
 @click.option("--tls-cert-file", default=None, help=_help("tls_cert_file"))
 @click.option("--tls-key-file", default=None, help=_help("tls_key_file"))
+@click.option("--tls-port", type=int, default=None, help=_help("tls_port"))
+@click.option("--tls-port-file", default=None, help=_help("tls_port_file"))
 @click.option(
     "--activation-encoding",
     type=click.Choice(["f32", "f16", "int8", "auto"]),

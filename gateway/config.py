@@ -70,6 +70,12 @@ class GatewayConfig:
         "behind NAT; empty = plain HTTP (put a TLS proxy in front on a network)",
     )
     tls_key_file: str = _f("", "PEM private key of tls_cert_file")
+    tls_port: int = _f(
+        -1,
+        "with tls_cert_file: -1 = port serves HTTPS only; else HTTPS on this port (0 picks a free one, "
+        "see tls_port_file) while port stays plain HTTP (loopback clients beside nodes dialling wss://)",
+    )
+    tls_port_file: str = _f("", "if set, the bound HTTPS port (tls_port) is written here once listening")
     activation_encoding: str = _f(
         "f32",
         "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (by bandwidth)",
@@ -167,6 +173,8 @@ class GatewayConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if not -1 <= self.tls_port <= 65535 or (self.tls_port >= 0 and not self.tls_cert_file):
+            raise ConfigError("tls_port must be -1..65535 and needs tls_cert_file")
         for name in (
             "max_sessions",
             "routes_k",

@@ -126,6 +126,8 @@ async def _serve(
     hc.websocket_ping_interval = 20.0
     if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/tls.md)
         hc.certfile, hc.keyfile = config.tls_files()
+        if config.tls_port >= 0:  # HTTPS on its own port, plain HTTP stays on port
+            hc.insecure_bind, hc.bind = hc.bind, [f"{host}:{config.tls_port}"]
         event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
@@ -164,10 +166,15 @@ async def _serve(
             binds = await http.start(
                 functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
             )
-            port = int(binds[0].rsplit(":", 1)[1])
-            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            ports = {b.split("://", 1)[0]: int(b.rsplit(":", 1)[1]) for b in reversed(binds)}
+            tls_port = ports.get("https") if config.tls_port >= 0 else None
+            scheme = "https" if config.tls_cert_file and config.tls_port < 0 else "http"
+            port = ports[scheme]
+            url = f"{scheme}://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             if config.port_file:
                 await files.write_port_file(config.port_file, port)
+            if config.tls_port_file and tls_port is not None:
+                await files.write_port_file(config.tls_port_file, tls_port)
             event(
                 log,
                 "gateway_listening",
@@ -176,6 +183,7 @@ async def _serve(
                 tracker_url=tracker_url,
                 gateway_id=service.gateway_id,
                 port_file=config.port_file or None,
+                tls_port=tls_port,
             )
             if on_ready is not None:
                 on_ready(RunningGateway(port=port, url=url, service=service))
