@@ -69,7 +69,7 @@ import trio
 import trio_asyncio
 
 from common.tls import TLS_SERVER_NAME, ServerCert, fingerprint_der
-from common.tls_dial import CERT_FETCH_TIMEOUT_S, fetch_certificate
+from common.tls_dial import CERT_FETCH_TIMEOUT_S, NotTls, fetch_certificate
 
 log = logging.getLogger("swarm.grpc")
 
@@ -362,7 +362,7 @@ class Grpc:
             return known
         try:
             der = await fetch_certificate(address)
-        except OSError:
+        except NotTls:
             if pin == UNPINNED:  # the peer speaks no TLS: public, hash-checked bytes go in plaintext
                 return None
             raise
@@ -405,7 +405,7 @@ class Grpc:
         try:
             root = await self._root(address, pin)
         except (PinMismatch, OSError, trio.TooSlowError) as err:
-            stream.fail(f"stream to {address} refused: {_pin_failure(address, err)}", "UNAUTHENTICATED")
+            stream.fail(f"stream to {address} failed: {_pin_failure(address, err)}", _pin_code(err))
             yield stream
             return
         started, finished = trio.Event(), trio.Event()
@@ -512,7 +512,7 @@ class Grpc:
             return await self._root(address, pin)
         except (PinMismatch, OSError, trio.TooSlowError) as err:
             raise RpcError(
-                f"{method} on {address} refused: {_pin_failure(address, err)}", "UNAUTHENTICATED"
+                f"{method} on {address} failed: {_pin_failure(address, err)}", _pin_code(err)
             ) from err
 
     async def aclose(self) -> None:
@@ -644,12 +644,20 @@ def _pinned(pin: str | None, code: str) -> str:
     return f" (not the certificate pinned, {pin[:16]}...)" if code == "UNAUTHENTICATED" and pin else ""
 
 
+def _pin_code(err: BaseException) -> str:
+    """UNAUTHENTICATED: the peer answered but is not the one pinned (or speaks no TLS);
+    UNAVAILABLE: it could not be reached or did not answer in time."""
+    return "UNAUTHENTICATED" if isinstance(err, PinMismatch | NotTls) else "UNAVAILABLE"
+
+
 def _pin_failure(address: str, err: BaseException) -> str:
     if isinstance(err, PinMismatch):
         return str(err)
     if isinstance(err, trio.TooSlowError):
         return f"no TLS handshake with {address} within {CERT_FETCH_TIMEOUT_S:g} s"
-    return f"cannot read the TLS certificate of {address}: {type(err).__name__}: {err}"
+    if isinstance(err, NotTls):
+        return f"refused: {err} (a pinned node serves TLS)"
+    return f"cannot connect to {address}: {type(err).__name__}: {err}"
 
 
 _open: list[Grpc] = []  # the runtime open in this process, and how many holders share it

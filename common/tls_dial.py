@@ -17,7 +17,11 @@ import trio
 
 from common.tls import TLS_SERVER_NAME, TlsError, fingerprint_der
 
-CERT_FETCH_TIMEOUT_S = 10.0  # reading a peer's certificate, at most
+CERT_FETCH_TIMEOUT_S = 5.0  # reading a peer's certificate, at most (a tarpit costs no more)
+
+
+class NotTls(OSError):
+    """The peer accepted the connection but completed no TLS handshake (plaintext, or not a server)."""
 
 
 def _split_host_port(address: str) -> tuple[str, int]:
@@ -32,7 +36,8 @@ async def fetch_certificate(address: str, alpn: tuple[str, ...] = ("h2",)) -> by
 
     Only its hash is looked at (against a pin) before it is trusted (by grpcio, or
     :func:`pinned_client_context`). Bounded by
-    :data:`CERT_FETCH_TIMEOUT_S` (``trio.TooSlowError``); a peer speaking no TLS raises ``OSError``.
+    :data:`CERT_FETCH_TIMEOUT_S` (``trio.TooSlowError``); a peer speaking no TLS raises
+    :class:`NotTls`, one that cannot be reached another ``OSError``.
     """
     host, port = _split_host_port(address)
     context = ssl.create_default_context()
@@ -46,11 +51,11 @@ async def fetch_certificate(address: str, alpn: tuple[str, ...] = ("h2",)) -> by
             await tls.do_handshake()
             der = tls.getpeercert(binary_form=True)
         except (trio.BrokenResourceError, ssl.SSLError) as err:
-            raise OSError(f"no TLS from {address}: {err}") from err
+            raise NotTls(f"no TLS from {address}: {err}") from err
         finally:
             await trio.aclose_forcefully(tls)
     if not der:
-        raise OSError(f"{address} showed no certificate")
+        raise NotTls(f"{address} showed no certificate")
     return bytes(der)
 
 

@@ -70,6 +70,10 @@ async def test_a_pin_is_refused_by_a_plaintext_server() -> None:
             with pytest.raises(RpcError) as refused:
                 await rt.unary(f"127.0.0.1:{port}", "/test.Echo/Hello", b"you", pin=cert.fingerprint)
             assert refused.value.code == "UNAUTHENTICATED"
+            # Nobody there: unavailable, not a refusal of the peer.
+            with pytest.raises(RpcError) as gone:
+                await rt.unary("127.0.0.1:1", "/test.Echo/Hello", b"you", pin=cert.fingerprint)
+            assert gone.value.code == "UNAVAILABLE"
             # Unpinned (public bytes) falls back to plaintext for a peer without TLS.
             assert await rt.unary(f"127.0.0.1:{port}", "/test.Echo/Hello", b"x", pin=UNPINNED) == b"hello x"
         nursery.cancel_scope.cancel()
