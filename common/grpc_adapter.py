@@ -29,6 +29,23 @@ gRPC status when there is one) from ``receive``/``send``; a handler that raises
 :class:`RpcAbort` ends its call with that status; any other exception in a
 handler is logged once and ends the call with ``INTERNAL``.
 
+TLS (docs/tls.md): a server given a :class:`common.tls.ServerCert` serves
+only TLS. A client call names the peer's ``pin``: the sha256 fingerprint of the
+certificate the peer announced (signed), :data:`UNPINNED` (encrypted when the
+peer speaks TLS, plaintext when it does not, the peer never authenticated: only
+for public bytes checked by hash, fetched from an address an operator typed,
+such as a model's span from a peer), or ``None`` (plaintext; callers decide whether their
+configuration allows it). grpcio has no hook to check a certificate's hash, so
+the first dial of a pin reads the peer's certificate in a TLS handshake of our
+own (trio's ``SSLStream``, nothing verified), refuses it unless its sha256 is
+the pin, and then gives grpcio that certificate as the only trusted root, with
+the fixed host name every node certificate carries
+(``grpc.ssl_target_name_override``). grpcio's own handshake, on every
+(re)connection, then accepts only a peer holding that certificate's key. A
+certificate is fetched once per pin (its hash names it) and channels are kept
+per (address, pin): a node that restarts with a new certificate is dialled on a
+new channel.
+
 Do not iterate grpc.aio calls with ``async for`` here: grpcio's Cython async
 generators have no ``ag_frame``, which trio-asyncio's async-generator hooks
 need; ``read()``/``write()`` are used instead.
@@ -40,6 +57,7 @@ import asyncio
 import collections
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -50,12 +68,27 @@ import grpc.aio
 import trio
 import trio_asyncio
 
+from common.tls import TLS_SERVER_NAME, ServerCert, fingerprint_der
+from common.tls_dial import CERT_FETCH_TIMEOUT_S, NotTls, fetch_certificate
+
 log = logging.getLogger("swarm.grpc")
 
 DEFAULT_BUFFERED_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC's own default
 DEFAULT_BUFFERED_MESSAGES = 256
+# ``pin`` of a call: TLS with whatever certificate the peer shows, or plaintext if it has no TLS (only
+# for public, hash-checked bytes).
+UNPINNED = "unpinned"
+MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
 _END = object()
+
+
+# grpcio's words for a TLS handshake it refused: the peer does not hold the pinned certificate.
+_TLS_REFUSALS = ("CERTIFICATE_VERIFY_FAILED", "Tls handshake failed", "Ssl handshake failed")
+
+
+class PinMismatch(Exception):
+    """The peer's certificate is not the one it announced (or it speaks no TLS)."""
 
 
 class RpcError(Exception):
@@ -106,6 +139,8 @@ def _describe(err: BaseException) -> tuple[str, str]:
         except Exception:  # a half-built error object
             name = "UNKNOWN"
     text = details() if callable(details) else str(err)
+    if name == "UNAVAILABLE" and any(m in text for m in _TLS_REFUSALS):
+        name = "UNAUTHENTICATED"  # the peer is there but not the one pinned (or speaks no TLS)
     return name, f"{name}: {text}"
 
 
@@ -285,27 +320,65 @@ class Grpc:
     def __init__(self, loop: trio_asyncio.TrioEventLoop, nursery: trio.Nursery) -> None:
         self._loop = loop
         self._nursery = nursery
-        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, int, str | None], grpc.aio.Channel] = {}
+        self._certs: dict[str, bytes] = {}  # pin -> its certificate (PEM), read once from the peer
 
     # -- clients -------------------------------------------------------------------------------------
 
-    def _channel(self, address: str, max_message_bytes: int) -> grpc.aio.Channel:
-        """One channel (one HTTP/2 connection) per address and message limit, shared by its calls.
+    def _channel(
+        self, address: str, max_message_bytes: int, pin: str | None, root: bytes | None
+    ) -> grpc.aio.Channel:
+        """One channel (one HTTP/2 connection) per address, message limit and pin, shared by its calls.
 
         Called from this module's asyncio coroutines only: grpc.aio binds a channel to the
         running asyncio loop when it is made.
         """
-        key = (address, max_message_bytes)
+        key = (address, max_message_bytes, pin)
         channel = self._channels.get(key)
         if channel is None:
-            options = [
+            options: list[tuple[str, Any]] = [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.enable_retries", 0),
             ]
-            channel = grpc.aio.insecure_channel(address, options=options)
+            if root is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                options.append(("grpc.ssl_target_name_override", TLS_SERVER_NAME))
+                credentials = grpc.ssl_channel_credentials(root_certificates=root)
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
             self._channels[key] = channel
         return channel
+
+    async def _root(self, address: str, pin: str | None) -> bytes | None:
+        """The certificate (PEM) grpcio is to trust for ``pin`` at ``address``; None for plaintext.
+
+        Raises :class:`PinMismatch` when the peer shows another certificate or no TLS at all.
+        """
+        if pin is None:
+            return None
+        known = self._certs.get(pin)
+        if known is not None:
+            return known
+        try:
+            der = await fetch_certificate(address)
+        except NotTls:
+            if pin == UNPINNED:  # the peer speaks no TLS: public, hash-checked bytes go in plaintext
+                return None
+            raise
+        if pin != UNPINNED:
+            got = fingerprint_der(der)
+            if got != pin:
+                raise PinMismatch(
+                    f"the node at {address} shows TLS certificate {got[:16]}..., "
+                    f"not {pin[:16]}... as announced"
+                )
+        pem = ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+        if pin != UNPINNED:
+            if len(self._certs) >= MAX_KNOWN_CERTS:
+                self._certs.pop(next(iter(self._certs)))
+            self._certs[pin] = pem
+        return pem
 
     async def _in_aio(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         return await self._loop.run_aio_coroutine(fn())
@@ -320,16 +393,26 @@ class Grpc:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_buffered_bytes: int = DEFAULT_BUFFERED_BYTES,
         max_buffered_messages: int = DEFAULT_BUFFERED_MESSAGES,
+        pin: str | None = None,
     ) -> AsyncIterator[MessageStream]:
-        """A bidirectional stream to ``address``; leaving cancels the call (after queued sends on success)."""
+        """A bidirectional stream to ``address``; leaving cancels the call (after queued sends on success).
+
+        A peer that fails the pin gives a stream that is already closed (``UNAUTHENTICATED``).
+        """
         stream = MessageStream(
             address, max_buffered_bytes=max_buffered_bytes, max_buffered_messages=max_buffered_messages
         )
+        try:
+            root = await self._root(address, pin)
+        except (PinMismatch, OSError, trio.TooSlowError) as err:
+            stream.fail(f"stream to {address} failed: {_pin_failure(address, err)}", _pin_code(err))
+            yield stream
+            return
         started, finished = trio.Event(), trio.Event()
 
         async def run_call() -> None:
             try:
-                channel = self._channel(address, max_message_bytes)
+                channel = self._channel(address, max_message_bytes, pin, root)
                 call = channel.stream_stream(method)(metadata=tuple(metadata) or None)
             finally:
                 started.set()
@@ -370,18 +453,25 @@ class Grpc:
                 await finished.wait()
 
     async def unary(
-        self, address: str, method: str, request: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        method: str,
+        request: bytes,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        pin: str | None = None,
     ) -> bytes:
         """One unary call; the deadline is the caller's trio deadline."""
+        root = await self._checked_root(address, method, pin)
         timeout = _timeout()
 
         async def call() -> bytes:
-            channel = self._channel(address, max_message_bytes)
+            channel = self._channel(address, max_message_bytes, pin, root)
             try:
                 reply: bytes = await channel.unary_unary(method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
-                raise RpcError(f"{method} on {address} failed: {text}", code) from err
+                raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return reply
 
         return await self._in_aio(call)  # type: ignore[no-any-return]
@@ -394,12 +484,14 @@ class Grpc:
         *,
         max_messages: int,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        pin: str | None = None,
     ) -> list[bytes]:
         """A server-streaming call read whole (at most ``max_messages``); deadline as for :meth:`unary`."""
+        root = await self._checked_root(address, method, pin)
         timeout = _timeout()
 
         async def call() -> list[bytes]:
-            channel = self._channel(address, max_message_bytes)
+            channel = self._channel(address, max_message_bytes, pin, root)
             out: list[bytes] = []
             rpc = channel.unary_stream(method)(request, timeout=timeout)
             try:
@@ -410,10 +502,18 @@ class Grpc:
                         raise RpcError(f"{method} on {address} sent more than {max_messages} messages")
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
-                raise RpcError(f"{method} on {address} failed: {text}", code) from err
+                raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return out
 
         return await self._in_aio(call)  # type: ignore[no-any-return]
+
+    async def _checked_root(self, address: str, method: str, pin: str | None) -> bytes | None:
+        try:
+            return await self._root(address, pin)
+        except (PinMismatch, OSError, trio.TooSlowError) as err:
+            raise RpcError(
+                f"{method} on {address} failed: {_pin_failure(address, err)}", _pin_code(err)
+            ) from err
 
     async def aclose(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -506,16 +606,24 @@ class Grpc:
         *,
         options: Sequence[tuple[str, Any]] = (),
         shutdown_grace_s: float = 5.0,
+        tls: ServerCert | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled; ``task_status.started(port)`` once listening. Stops with a grace period."""
+        """Serve until cancelled; ``task_status.started(port)`` once listening. Stops with a grace period.
+
+        With ``tls`` the port speaks only TLS with that certificate; without, only plaintext.
+        """
         where = f"{host}:{port}"
 
         async def start() -> tuple[grpc.aio.Server, int]:
             server = grpc.aio.server(options=list(options))
             server.add_generic_rpc_handlers(tuple(self._handlers(s) for s in services))
             try:
-                bound = server.add_insecure_port(where)
+                if tls is None:
+                    bound = server.add_insecure_port(where)
+                else:
+                    credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+                    bound = server.add_secure_port(where, credentials)
             except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind ...")
                 raise OSError(f"gRPC cannot listen on {where}: {err}") from err
             if bound == 0:
@@ -530,6 +638,26 @@ class Grpc:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(shutdown_grace_s + 1):
                 await self._in_aio(lambda: server.stop(shutdown_grace_s))
+
+
+def _pinned(pin: str | None, code: str) -> str:
+    return f" (not the certificate pinned, {pin[:16]}...)" if code == "UNAUTHENTICATED" and pin else ""
+
+
+def _pin_code(err: BaseException) -> str:
+    """UNAUTHENTICATED: the peer answered but is not the one pinned (or speaks no TLS);
+    UNAVAILABLE: it could not be reached or did not answer in time."""
+    return "UNAUTHENTICATED" if isinstance(err, PinMismatch | NotTls) else "UNAVAILABLE"
+
+
+def _pin_failure(address: str, err: BaseException) -> str:
+    if isinstance(err, PinMismatch):
+        return str(err)
+    if isinstance(err, trio.TooSlowError):
+        return f"no TLS handshake with {address} within {CERT_FETCH_TIMEOUT_S:g} s"
+    if isinstance(err, NotTls):
+        return f"refused: {err} (a pinned node serves TLS)"
+    return f"cannot connect to {address}: {type(err).__name__}: {err}"
 
 
 _open: list[Grpc] = []  # the runtime open in this process, and how many holders share it

@@ -52,6 +52,11 @@ def _help(name: str) -> str:
 @click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
 @click.option("--max-frame-bytes", type=int, default=None, help=_help("max_frame_bytes"))
 @click.option("--data-plane", type=click.Choice(["push", "relay"]), default=None, help=_help("data_plane"))
+@click.option("--allow-plaintext-nodes", is_flag=True, default=None, help=_help("allow_plaintext_nodes"))
+@click.option("--tls-cert-file", default=None, help=_help("tls_cert_file"))
+@click.option("--tls-key-file", default=None, help=_help("tls_key_file"))
+@click.option("--tls-port", type=int, default=None, help=_help("tls_port"))
+@click.option("--tls-port-file", default=None, help=_help("tls_port_file"))
 @click.option(
     "--activation-encoding",
     type=click.Choice(["f32", "f16", "int8", "auto"]),

@@ -59,6 +59,23 @@ class GatewayConfig:
         "push: stages send hidden states to the next stage directly and the last one sends the next "
         "decode step to the first; relay: every hop goes through this gateway",
     )
+    allow_plaintext_nodes: bool = _f(
+        False,
+        "dial nodes that announce no TLS certificate in plaintext (loopback tests, nodes older than TLS); "
+        "off: such nodes are refused and routed around. Nodes that announce one are always pinned to it",
+    )
+    tls_cert_file: str = _f(
+        "",
+        "PEM certificate (chain) to serve HTTPS with: the OpenAI API and the relay (wss://) for nodes "
+        "behind NAT; empty = plain HTTP (put a TLS proxy in front on a network)",
+    )
+    tls_key_file: str = _f("", "PEM private key of tls_cert_file")
+    tls_port: int = _f(
+        -1,
+        "with tls_cert_file: -1 = port serves HTTPS only; else HTTPS on this port (0 picks a free one, "
+        "see tls_port_file) while port stays plain HTTP (loopback clients beside nodes dialling wss://)",
+    )
+    tls_port_file: str = _f("", "if set, the bound HTTPS port (tls_port) is written here once listening")
     activation_encoding: str = _f(
         "f32",
         "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (by bandwidth)",
@@ -147,9 +164,17 @@ class GatewayConfig:
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
 
+    def tls_files(self) -> tuple[str, str]:
+        """(certificate, key) paths for HTTPS, ``~`` expanded."""
+        return str(Path(self.tls_cert_file).expanduser()), str(Path(self.tls_key_file).expanduser())
+
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if not -1 <= self.tls_port <= 65535 or (self.tls_port >= 0 and not self.tls_cert_file):
+            raise ConfigError("tls_port must be -1..65535 and needs tls_cert_file")
         for name in (
             "max_sessions",
             "routes_k",

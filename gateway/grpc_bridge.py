@@ -8,18 +8,28 @@ and checked by ``proto.vocab.VocabAssembler``; ``GetManifest`` and
 against (``gateway/vocab_store.py``). Deadlines are the caller's trio
 deadlines. Raw bytes both ways: the Session method carries serialized frames
 (docs/protocol.md, Transport), parsed by ``proto.codec``.
+
+TLS (docs/tls.md): ``Info`` and Session streams go over TLS pinned to the
+certificate fingerprint the node announced (the route hop's
+``tls_fingerprint``); a node that announced none is dialled in plaintext only
+with ``allow_plaintext_nodes``, else refused. The vocabulary and its proofs are
+public bytes checked against the model's fingerprint: they are fetched over
+TLS without a pin from whatever address the tracker named.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from common.grpc_adapter import Grpc, MessageStream, RpcError, StreamClosed
+from common.grpc_adapter import UNPINNED, Grpc, MessageStream, RpcError, StreamClosed
+from common.logs import event
 from proto import codec
 from proto.swarm.v1 import shard_service_pb2
 from proto.vocab import DEFAULT_VOCAB_CHUNK_BYTES, MAX_VOCAB_CHUNK_BYTES, VocabAssembler
 
+log = logging.getLogger("swarm.gateway.grpc")
 # Frames queued towards one node: enough for a chunked prefill step in flight, bounded in bytes too.
 SEND_BUFFER_FRAMES = 64
 # What proves a vocabulary (gateway/vocab_check.py): a manifest, the model file's header.
@@ -31,6 +41,10 @@ PROOF_CHUNK_BYTES = 1024 * 1024
 
 class StreamError(Exception):
     """The stream to a node failed or ended (connection refused, node gone, call cancelled)."""
+
+
+class PlaintextRefused(StreamError):
+    """The node announced no TLS certificate and this gateway dials only over TLS."""
 
 
 class StageStream:
@@ -59,28 +73,52 @@ class StageStream:
 class NodeChannels:
     """gRPC calls to nodes; one channel per node address, shared by every stream to it."""
 
-    def __init__(self, grpc_rt: Grpc, *, max_frame_bytes: int) -> None:
+    def __init__(self, grpc_rt: Grpc, *, max_frame_bytes: int, allow_plaintext: bool = False) -> None:
         self._grpc = grpc_rt
         self._max_frame_bytes = max_frame_bytes
+        self._allow_plaintext = allow_plaintext
         # Our largest frame or vocabulary chunk plus gRPC framing; frames are size-checked again by
         # proto.codec.parse_frame against max_frame_bytes.
         self._max_message_bytes = max(max_frame_bytes, MAX_VOCAB_CHUNK_BYTES) + 64 * 1024
 
-    async def health(self, address: str) -> bytes:
-        """One ``Health`` call (a ping: a few bytes each way); the caller's deadline bounds it."""
+    def pin(self, address: str, tls_fingerprint: str) -> str | None:
+        """What to dial ``address`` with: its announced certificate, or plaintext where allowed."""
+        if tls_fingerprint:
+            return tls_fingerprint
+        if self._allow_plaintext:
+            return None
+        raise PlaintextRefused(
+            f"the node at {address} announced no TLS certificate; this gateway dials nodes only over TLS "
+            "(allow_plaintext_nodes)"
+        )
+
+    async def health(self, address: str, tls_fingerprint: str = "") -> bytes:
+        """One ``Health`` call (a ping: a few bytes each way); the caller's deadline bounds it.
+
+        A ping carries nothing secret: without a fingerprint it goes over TLS unpinned (plaintext to a
+        node that has no TLS)."""
+        pin = tls_fingerprint or UNPINNED
         try:
-            return await self._grpc.unary(address, codec.HEALTH_METHOD, b"", max_message_bytes=64 * 1024)
+            return await self._grpc.unary(
+                address, codec.HEALTH_METHOD, b"", max_message_bytes=64 * 1024, pin=pin
+            )
         except RpcError as err:
             raise StreamError(f"Health from {address} failed: {err}") from err
 
-    async def info(self, address: str) -> shard_service_pb2.NodeInfo:
+    async def info(self, address: str, tls_fingerprint: str = "") -> shard_service_pb2.NodeInfo:
+        pin = self.pin(address, tls_fingerprint)
         try:
             data = await self._grpc.unary(
-                address, codec.INFO_METHOD, b"", max_message_bytes=self._max_message_bytes
+                address, codec.INFO_METHOD, b"", max_message_bytes=self._max_message_bytes, pin=pin
             )
         except RpcError as err:
+            if err.code == "UNAUTHENTICATED":  # not the certificate the node announced: one line, no trace
+                event(log, "node_tls_refused", level=logging.WARNING, address=address, error=str(err))
             raise StreamError(f"Info from {address} failed: {err}") from err
-        return shard_service_pb2.NodeInfo.FromString(data)
+        info = shard_service_pb2.NodeInfo.FromString(data)
+        if tls_fingerprint and info.tls_fingerprint != tls_fingerprint:
+            raise StreamError(f"the node at {address} says it serves another TLS certificate than announced")
+        return info
 
     async def get_vocab(self, address: str, model_fingerprint: str, max_bytes: int) -> bytes:
         """The metadata-only GGUF of the model, checked by ``proto.vocab.VocabAssembler``."""
@@ -96,6 +134,7 @@ class NodeChannels:
                 request.SerializeToString(),
                 max_messages=most,
                 max_message_bytes=self._max_message_bytes,
+                pin=UNPINNED,
             )
         except RpcError as err:
             raise StreamError(f"GetVocab from {address} failed: {err}") from err
@@ -110,7 +149,11 @@ class NodeChannels:
         request = shard_service_pb2.ManifestRequest(model_fingerprint=model_fingerprint)
         try:
             data = await self._grpc.unary(
-                address, MANIFEST_METHOD, request.SerializeToString(), max_message_bytes=MAX_PROOF_BYTES
+                address,
+                MANIFEST_METHOD,
+                request.SerializeToString(),
+                max_message_bytes=MAX_PROOF_BYTES,
+                pin=UNPINNED,
             )
         except RpcError as err:
             raise StreamError(f"GetManifest from {address} failed: {err}") from err
@@ -134,6 +177,7 @@ class NodeChannels:
                 request.SerializeToString(),
                 max_messages=length // PROOF_CHUNK_BYTES + 2,
                 max_message_bytes=PROOF_CHUNK_BYTES + 64 * 1024,
+                pin=UNPINNED,
             )
         except RpcError as err:
             raise StreamError(f"GetTensorBytes from {address} failed: {err}") from err
@@ -148,13 +192,15 @@ class NodeChannels:
         return bytes(out)
 
     @asynccontextmanager
-    async def open_stage_stream(self, address: str) -> AsyncIterator[StageStream]:
+    async def open_stage_stream(self, address: str, tls_fingerprint: str = "") -> AsyncIterator[StageStream]:
+        pin = self.pin(address, tls_fingerprint)
         async with self._grpc.open_stream(
             address,
             codec.SESSION_METHOD,
             max_message_bytes=self._max_message_bytes,
             max_buffered_bytes=4 * self._max_frame_bytes,
             max_buffered_messages=SEND_BUFFER_FRAMES,
+            pin=pin,
         ) as stream:
             yield StageStream(stream)
 

@@ -259,8 +259,15 @@ class RelayHub:
 class RelayChannels(NodeChannels):
     """gRPC channels plus the relay: relayed hops get their node's WebSocket instead of a gRPC stream."""
 
-    def __init__(self, grpc_rt: Grpc, *, max_frame_bytes: int, relay: RelayHub | None = None) -> None:
-        super().__init__(grpc_rt, max_frame_bytes=max_frame_bytes)
+    def __init__(
+        self,
+        grpc_rt: Grpc,
+        *,
+        max_frame_bytes: int,
+        relay: RelayHub | None = None,
+        allow_plaintext: bool = False,
+    ) -> None:
+        super().__init__(grpc_rt, max_frame_bytes=max_frame_bytes, allow_plaintext=allow_plaintext)
         self.relay = relay
 
     def relay_info(self, hop: Hop) -> shard_service_pb2.NodeInfo:
@@ -278,10 +285,10 @@ class RelayChannels(NodeChannels):
         finally:
             stream.close()
 
-    async def info(self, address: str) -> shard_service_pb2.NodeInfo:
+    async def info(self, address: str, tls_fingerprint: str = "") -> shard_service_pb2.NodeInfo:
         if address.startswith(ADDRESS_PREFIX):
             raise StreamError("a relayed node has no gRPC address")
-        return await super().info(address)
+        return await super().info(address, tls_fingerprint)
 
     async def get_vocab(self, address: str, model_fingerprint: str, max_bytes: int) -> bytes:
         if address.startswith(ADDRESS_PREFIX):

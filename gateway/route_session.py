@@ -124,7 +124,7 @@ def open_hop_stream(channels: NodeChannels, hop: Hop) -> AbstractAsyncContextMan
     relay = getattr(channels, "open_relay_stream", None)
     if hop.relay and relay is not None:
         return relay(hop)
-    return channels.open_stage_stream(hop.address)
+    return channels.open_stage_stream(hop.address, hop.tls_fingerprint)
 
 
 def _gateway_error(failure: Failure) -> GatewayError:
@@ -340,7 +340,12 @@ class RouteSession:
     async def _stream(self, slot: int, spec: StageSpec, *, task_status: trio.TaskStatus[None]) -> None:
         """Open the stage's stream, then hand everything it receives to the driver until closed."""
         hop = self._hops.get(spec.node_id) or Hop(
-            spec.node_id, spec.start, spec.end, spec.address, spec.relayed
+            spec.node_id,
+            spec.start,
+            spec.end,
+            spec.address,
+            spec.relayed,
+            tls_fingerprint=spec.tls_fingerprint,
         )
         started = False
         with trio.CancelScope() as scope:
@@ -386,6 +391,7 @@ class RouteSession:
                     info.recipe_fingerprint,
                     found.ticket,
                     relayed=hop.relay,
+                    tls_fingerprint=hop.tls_fingerprint,
                 )
             except NoRoute as err:
                 failure = Failure(
@@ -482,6 +488,7 @@ async def open_route_session(
             info.recipe_fingerprint,
             route.ticket,
             relayed=hop.relay,
+            tls_fingerprint=hop.tls_fingerprint,
         )
         for hop, info in zip(route.hops, stages, strict=True)
     ]

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import trio
 
+from common.tls import is_fingerprint
 from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
@@ -49,6 +50,8 @@ class Hop:
     rtt_ms: float | None = None
     bandwidth_mbit_s: float | None = None
     probation: bool = False  # the tracker has not seen this node pass enough spot checks yet
+    # sha256 of the node's gRPC TLS certificate, from its signed announcement ("" = plaintext).
+    tls_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,15 @@ def _opt_float(value: Any) -> float | None:
     return number if math.isfinite(number) and number >= 0 else None
 
 
+def _tls_fingerprint(value: Any) -> str:
+    """A hop's pin: 64 lowercase hex, or "" (absent, null); anything else is a malformed answer."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not is_fingerprint(value):
+        raise ValueError(f"tls_fingerprint {value!r} is not 64 lowercase hex digits")
+    return value
+
+
 def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
     """A ``/v1/routes`` answer (docs/tracker.md) -> :class:`ModelRoutes` (UpstreamFailed if malformed)."""
     try:
@@ -101,6 +113,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_float(h.get("rtt_ms")),
                     _opt_float(h.get("bandwidth_mbit_s")),
                     bool(h.get("probation", False)),
+                    _tls_fingerprint(h.get("tls_fingerprint")),
                 )
                 for h in r["hops"]
             )
@@ -304,7 +317,7 @@ class NodeInfoCache:
                 return cached
             try:
                 with trio.fail_after(self._timeout_s):
-                    info = await self._channels.info(hop.address)
+                    info = await self._channels.info(hop.address, hop.tls_fingerprint)
             except (StreamError, trio.TooSlowError) as err:
                 raise StageFailed(
                     f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}", node_id=hop.node_id

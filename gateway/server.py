@@ -25,6 +25,7 @@ from common import files
 from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
+from common.tls import TlsError, fingerprint_pem
 from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
@@ -65,6 +66,15 @@ async def _tracker_url(config: GatewayConfig) -> str:
     return url
 
 
+async def _cert_pin(cert_file: str) -> str:
+    """sha256 of the (first) certificate in ``cert_file``: what nodes pin as relay_tls_fingerprint."""
+    try:
+        pem = await files.run_sync(Path(cert_file).read_bytes)
+        return fingerprint_pem(pem)
+    except (OSError, TlsError) as err:
+        raise ConfigError(f"tls_cert_file: {err}") from err
+
+
 async def serve_gateway(
     config: GatewayConfig,
     *,
@@ -78,7 +88,12 @@ async def serve_gateway(
     tracker = TrackerClient(tracker_url, key)
     try:
         async with open_grpc() as grpc_rt:
-            channels = RelayChannels(grpc_rt, max_frame_bytes=config.max_frame_bytes, relay=relay)
+            channels = RelayChannels(
+                grpc_rt,
+                max_frame_bytes=config.max_frame_bytes,
+                relay=relay,
+                allow_plaintext=config.allow_plaintext_nodes,
+            )
             await _serve(config, tracker, key, channels, relay, tracker_url, shutdown, on_ready, task_status)
     finally:
         with trio.CancelScope(shield=True):
@@ -109,6 +124,11 @@ async def _serve(
     hc.graceful_timeout = SHUTDOWN_GRACE_S
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
+    if config.tls_cert_file:  # HTTPS, and wss:// for the relay (docs/tls.md)
+        hc.certfile, hc.keyfile = config.tls_files()
+        if config.tls_port >= 0:  # HTTPS on its own port, plain HTTP stays on port
+            hc.insecure_bind, hc.bind = hc.bind, [f"{host}:{config.tls_port}"]
+        event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         if config.stats_interval_s > 0:
@@ -146,10 +166,15 @@ async def _serve(
             binds = await http.start(
                 functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
             )
-            port = int(binds[0].rsplit(":", 1)[1])
-            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            ports = {b.split("://", 1)[0]: int(b.rsplit(":", 1)[1]) for b in reversed(binds)}
+            tls_port = ports.get("https") if config.tls_port >= 0 else None
+            scheme = "https" if config.tls_cert_file and config.tls_port < 0 else "http"
+            port = ports[scheme]
+            url = f"{scheme}://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             if config.port_file:
                 await files.write_port_file(config.port_file, port)
+            if config.tls_port_file and tls_port is not None:
+                await files.write_port_file(config.tls_port_file, tls_port)
             event(
                 log,
                 "gateway_listening",
@@ -158,6 +183,7 @@ async def _serve(
                 tracker_url=tracker_url,
                 gateway_id=service.gateway_id,
                 port_file=config.port_file or None,
+                tls_port=tls_port,
             )
             if on_ready is not None:
                 on_ready(RunningGateway(port=port, url=url, service=service))

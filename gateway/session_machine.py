@@ -84,6 +84,7 @@ class StageSpec:
     recipe_fingerprint: str
     ticket: bytes
     relayed: bool = False
+    tls_fingerprint: str = ""  # the node's announced gRPC certificate ("" = it serves plaintext)
 
 
 @dataclass(frozen=True)
@@ -405,9 +406,15 @@ class RouteMachine:
         )
 
     def _direct(self, a: int, b: int) -> bool:
-        """Whether stage a pushes to stage b itself (else through this gateway)."""
+        """Whether stage a pushes to stage b itself (else through this gateway).
+
+        A TLS node pushes only over TLS pinned to the next stage's certificate, and a node serving
+        plaintext (insecure_plaintext, or older than TLS) may dial only plaintext: a hop between one of
+        each goes through here.
+        """
         sa, sb = self._stages[a].spec, self._stages[b].spec
-        return self.config.push and not sa.relayed and not sb.relayed and bool(sb.address)
+        secure = bool(sa.tls_fingerprint) == bool(sb.tls_fingerprint)
+        return self.config.push and not sa.relayed and not sb.relayed and bool(sb.address) and secure
 
     def _target(self, a: int, b: int, token: bytes) -> frame_pb2.PushTarget:
         spec = self._stages[b].spec
@@ -417,6 +424,7 @@ class RouteMachine:
             token,
             (spec.start, spec.end),
             spec.recipe_fingerprint,
+            spec.tls_fingerprint,
         )
 
     def _close_id(self) -> int:

@@ -167,14 +167,19 @@ def _manifest_from_entry(entry: dict[str, Any]) -> tuple[Manifest, str]:
 
 
 async def _peer_manifest(grpc_rt: Any, peer: str, fingerprint: str) -> Manifest:
-    from common.grpc_adapter import RpcError
+    from common.grpc_adapter import UNPINNED, RpcError
     from proto.swarm.v1 import shard_service_pb2
 
     request = shard_service_pb2.ManifestRequest(model_fingerprint=fingerprint).SerializeToString()
     try:
         with trio.fail_after(30):
+            # The manifest is checked against the fingerprint: the peer needs no authentication.
             reply = await grpc_rt.unary(
-                peer, "/swarm.v1.ShardService/GetManifest", request, max_message_bytes=MAX_MANIFEST_BYTES
+                peer,
+                "/swarm.v1.ShardService/GetManifest",
+                request,
+                max_message_bytes=MAX_MANIFEST_BYTES,
+                pin=UNPINNED,
             )
     except (RpcError, trio.TooSlowError) as err:
         raise FetchError(f"peer {peer} did not give the manifest of {fingerprint[:16]}: {err}") from err

@@ -274,10 +274,26 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Accept OPEN without a valid route ticket. Local tests only.",
 )
 @click.option(
+    "--insecure-plaintext",
+    is_flag=True,
+    default=None,
+    help="Serve gRPC without TLS and announce no certificate (loopback tests and benchmarks only).",
+)
+@click.option("--tls-cert-file", default=None, help="PEM certificate to serve gRPC with (default: made).")
+@click.option("--tls-key-file", default=None, help="PEM key of --tls-cert-file (mode 0600).")
+@click.option(
     "--relay",
     "relay_url",
     default=None,
     help="Serve through this gateway's WebSocket relay (http://host:port): for nodes behind NAT.",
+)
+@click.option(
+    "--relay-tls-fingerprint",
+    default=None,
+    help="With an https:// relay: sha256 of the gateway's certificate to pin (the gateway logs it).",
+)
+@click.option(
+    "--relay-ca-file", default=None, help="With an https:// relay: CA bundle to verify the gateway."
 )
 @click.option(
     "--relay-auto",
@@ -495,14 +511,15 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
         from google.protobuf.json_format import MessageToDict
 
         from common.cli import run_once
-        from common.grpc_adapter import RpcError, open_grpc
+        from common.grpc_adapter import UNPINNED, RpcError, open_grpc
         from proto.swarm.v1 import shard_service_pb2
 
         async def ask() -> bytes:
             async with open_grpc() as rt:
                 with trio.fail_after(timeout_s):
                     request = shard_service_pb2.InfoRequest().SerializeToString()
-                    return await rt.unary(address, "/swarm.v1.ShardService/Info", request)
+                    # A look at a node, not trusted: TLS if it serves TLS, whatever its certificate.
+                    return await rt.unary(address, "/swarm.v1.ShardService/Info", request, pin=UNPINNED)
 
         reply = run_once(PROG, ask, clear_errors=(RpcError, trio.TooSlowError))
         info = shard_service_pb2.NodeInfo.FromString(reply)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_layered
+from common.tls import ServerCert, TlsError, is_fingerprint, load_or_create_server_cert, load_server_cert
 
 ENV_PREFIX = "SWARM_NODE_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -99,8 +100,29 @@ class NodeConfig:
         "gateway to serve through when this node cannot accept connections (NAT): its http://host:port "
         "or ws://host:port/v1/relay; empty = direct gRPC only",
     )
+    relay_tls_fingerprint: str = _f(
+        "",
+        "with an https:// or wss:// relay_url: sha256 (64 hex) of the gateway's certificate to pin (the "
+        "gateway logs it as gateway_tls); empty = verify the gateway against relay_ca_file or the system CAs",
+    )
+    relay_ca_file: str = _f(
+        "", "with an https:// or wss:// relay_url: CA bundle (PEM) to verify the gateway with"
+    )
     relay_auto: bool = _f(
         False, "with relay_url: use the relay only if the tracker cannot reach this node's gRPC port"
+    )
+    insecure_plaintext: bool = _f(
+        False,
+        "serve gRPC without TLS and announce no certificate; also push to peers that announce none "
+        "(loopback tests and benchmarks only: activations and tickets travel readable)",
+    )
+    tls_cert_file: str = _f(
+        "",
+        "PEM certificate gRPC is served with (its sha256 is announced and pinned by every dialler); "
+        "empty = node-tls.crt in data_dir, made on first start",
+    )
+    tls_key_file: str = _f(
+        "", "PEM private key of tls_cert_file (mode 0600); empty = node-tls.key in data_dir"
     )
     host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
     port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
@@ -145,7 +167,10 @@ class NodeConfig:
         10.0, "with benchmark off: the per-token time announced instead of a measurement (tests)"
     )
     shutdown_grace_s: float = _f(5.0, "how long streams may drain on SIGINT/SIGTERM")
-    data_dir: str = _f("~/.swarm/node", "directory of the node key (node.key, mode 0600)")
+    data_dir: str = _f(
+        "~/.swarm/node",
+        "directory of the node key (node.key, mode 0600) and its TLS certificate (node-tls.*)",
+    )
     cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
     log_level: str = _f("info", "debug, info, warning or error")
 
@@ -157,6 +182,18 @@ class NodeConfig:
 
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
+
+    def server_cert(self) -> tuple[ServerCert | None, bool]:
+        """The TLS certificate gRPC is served with (None: insecure_plaintext), and whether it was made now."""
+        if self.insecure_plaintext:
+            return None, False
+        try:
+            if self.tls_cert_file:
+                cert = Path(self.tls_cert_file).expanduser()
+                return load_server_cert(cert, Path(self.tls_key_file).expanduser()), False
+            return load_or_create_server_cert(self.resolved_data_dir())
+        except TlsError as err:
+            raise ConfigError(str(err)) from err
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -246,6 +283,16 @@ class NodeConfig:
             )
         if self.no_tracker and self.layers == "auto":
             raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
+        if self.relay_tls_fingerprint and not is_fingerprint(self.relay_tls_fingerprint):
+            raise ConfigError("relay_tls_fingerprint must be 64 lowercase hex characters")
+        if (self.relay_tls_fingerprint or self.relay_ca_file) and not self.relay_url.startswith(
+            ("https://", "wss://")
+        ):
+            raise ConfigError("relay_tls_fingerprint and relay_ca_file need an https:// or wss:// relay_url")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.insecure_plaintext and self.tls_cert_file:
+            raise ConfigError("insecure_plaintext serves no TLS: drop tls_cert_file/tls_key_file or it")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self

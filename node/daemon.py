@@ -74,6 +74,7 @@ class NodeReady:
     shard_end: int
     model_fingerprint: str
     recipe_fingerprint: str
+    tls_fingerprint: str = ""  # "" = serving plaintext (insecure_plaintext)
 
 
 def software_version() -> str:
@@ -157,6 +158,17 @@ class NodeDaemon:
         event(
             log, "node_identity", node_id=self.node_id, created=created, data_dir=str(cfg.resolved_data_dir())
         )
+        self.server_cert, made = cfg.server_cert()
+        self.tls_fingerprint = self.server_cert.fingerprint if self.server_cert is not None else ""
+        if self.server_cert is None:
+            event(
+                log,
+                "grpc_plaintext",
+                level=logging.WARNING,
+                message="insecure_plaintext: activations and tickets travel readable; never on a network",
+            )
+        else:
+            event(log, "tls_certificate", fingerprint=self.tls_fingerprint, created=made)
         cache = cfg.resolved_cache_dir()
         if not cfg.no_tracker:
             self.tracker_url = await self._find_tracker()
@@ -296,6 +308,7 @@ class NodeDaemon:
                         max_buffered_bytes=4 * cfg.max_frame_bytes,
                     ),
                     self.hub.on_push_failed,
+                    allow_plaintext=cfg.insecure_plaintext,
                 )
                 self.hub.attach(self.scheduler, self.pushes)
                 await nursery.start(self.pushes.run)
@@ -316,6 +329,7 @@ class NodeDaemon:
                         meta.fingerprint,
                         cfg.shutdown_grace_s,
                         tensors=lambda: self.tensors,
+                        tls=self.server_cert,
                     ),
                     self.info,
                     self.health,
@@ -344,7 +358,13 @@ class NodeDaemon:
                     from node.relay_client import RelayClient
 
                     self.relay = RelayClient(
-                        cfg.relay_url, self.hub, key, self.info, max_frame_bytes=cfg.max_frame_bytes
+                        cfg.relay_url,
+                        self.hub,
+                        key,
+                        self.info,
+                        max_frame_bytes=cfg.max_frame_bytes,
+                        tls_fingerprint=cfg.relay_tls_fingerprint,
+                        ca_file=cfg.relay_ca_file,
                     )
                     await nursery.start(self.relay.run)
                 if self.tracker_url:
@@ -352,7 +372,14 @@ class NodeDaemon:
                 if self._vocab_bytes is None:
                     nursery.start_soon(self._prepare_vocab, joined.header_file, cache, meta.fingerprint)
                 self.ready = NodeReady(
-                    self.node_id, port, admin_port, start, end, meta.fingerprint, engine.recipe_fingerprint
+                    self.node_id,
+                    port,
+                    admin_port,
+                    start,
+                    end,
+                    meta.fingerprint,
+                    engine.recipe_fingerprint,
+                    self.tls_fingerprint,
                 )
                 event(
                     log,
@@ -471,6 +498,7 @@ class NodeDaemon:
             region=self.config.region,
             capacity_layers=min(meta.n_layers, self.joined.capacity_layers or self.config.capacity_layers),
             uplink_mbit_s=self.config.uplink_mbit_s or None,
+            tls_fingerprint=self.tls_fingerprint,
         )
 
     def _heartbeat(self) -> Heartbeat:
@@ -606,6 +634,7 @@ class NodeDaemon:
             ),
             is_last=spec.is_last,
             serves_vocab=True,
+            tls_fingerprint=self.tls_fingerprint,
         )
 
     def health(self) -> shard_service_pb2.HealthResponse:

@@ -30,6 +30,7 @@ import trio
 
 from common.grpc_adapter import CallInfo, Grpc, MessageStream, RpcAbort, Service, StreamClosed
 from common.logs import event
+from common.tls import ServerCert
 from node.hub import Connection, Hub, TooManyConnections, held_back
 from node.peer_serve import PeerRefused, TensorServer
 from proto import codec
@@ -64,6 +65,7 @@ class GrpcSettings:
     shutdown_grace_s: float = 5.0
     # GetManifest / GetTensorBytes (node.peer_serve); None: this node does not serve its span's bytes.
     tensors: Callable[[], TensorServer | None] = lambda: None
+    tls: ServerCert | None = None  # None: plaintext (insecure_plaintext)
 
 
 class ShardService:
@@ -116,10 +118,12 @@ class ShardService:
             [self.service()],
             options=options,
             shutdown_grace_s=self.settings.shutdown_grace_s,
+            tls=self.settings.tls,
         )
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve)
-            event(log, "grpc_listening", host=self.settings.host, port=port)
+            tls = self.settings.tls is not None
+            event(log, "grpc_listening", host=self.settings.host, port=port, tls=tls)
             task_status.started(port)
 
     # -- handlers ------------------------------------------------------------------------------------

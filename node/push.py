@@ -11,6 +11,11 @@ those, like a stream that cannot be opened or breaks, become a
 ``DOWNSTREAM_FAILED`` notice to the session's owner (``on_failure``), so the
 gateway replaces the next stage.
 
+TLS: a link dials its target over TLS pinned to the target's
+``tls_fingerprint`` (from the target's signed announcement, passed on by the
+gateway); a target without one is dialled in plaintext only when this node
+itself runs ``insecure_plaintext`` (``allow_plaintext``), else the push fails.
+
 Bounds: at most ``max_links`` links, each with at most ``queue_frames``
 frames and ``queue_bytes`` bytes waiting (a step's frames always fit an empty
 queue; a next stage that does not keep up fails its link rather than grow
@@ -41,7 +46,12 @@ class PushStream(Protocol):
     async def receive(self) -> bytes: ...
 
 
-PushOpener = Callable[[str], AbstractAsyncContextManager[PushStream]]
+class PushOpener(Protocol):
+    """Opens a Session stream to ``address``; ``pin``: the TLS certificate's sha256, None = plaintext."""
+
+    def __call__(self, address: str, *, pin: str | None) -> AbstractAsyncContextManager[PushStream]: ...
+
+
 FailureCallback = Callable[[str, str, int | None], None]  # (session_id, message, epoch of the push)
 # Refusals that only say a push came too late (the session moved to a new epoch or ended): not failures.
 STALE = frozenset(
@@ -73,6 +83,7 @@ class PushStats:
 class PushLinks:
     opener: PushOpener
     on_failure: FailureCallback
+    allow_plaintext: bool = False  # push to targets that announce no TLS certificate
     max_links: int = 256
     queue_frames: int = 64
     queue_bytes: int = 64 * 1024 * 1024
@@ -153,8 +164,17 @@ class PushLinks:
 
     async def _run_link(self, link: _Link) -> None:
         target = link.target
+        if not target.tls_fingerprint and not self.allow_plaintext:
+            self._close(link)
+            self._fail(
+                link.session_id,
+                f"node {_who(target)} has no TLS certificate to pin; this node pushes only over TLS",
+                link.epoch,
+            )
+            return
         try:
-            async with self.opener(target.address) as stream, trio.open_nursery() as nursery:
+            pin = target.tls_fingerprint or None
+            async with self.opener(target.address, pin=pin) as stream, trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_refusals, link, stream)
                 async for data in link.receive:
                     link.queued_bytes -= len(data)

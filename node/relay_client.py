@@ -13,6 +13,12 @@ Handshake (text messages, JSON; docs/nat-and-recovery.md)::
                       "gateway_id", "challenge", "info": <base64 NodeInfo>, "timestamp", "nonce"}
     gateway -> node   {"type": "ready"}   or   {"type": "refused", "reason": ...} and close
 
+Transport: ``wss://`` when the gateway serves HTTPS (``relay_url`` https:// or
+wss://): the gateway is pinned by its certificate's sha256
+(``relay_tls_fingerprint``, checked on every connection) or verified against a
+CA bundle or the system CAs. A plain ``ws://`` relay carries the frames
+readable and is logged as such.
+
 After ``ready`` the node announces itself to the tracker as relayed through
 that gateway (``relay: true``, ``relay_via: <gateway id>``). A dropped socket
 ends the hub connection (its sessions wait ``reattach_window_s``; the gateway
@@ -26,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +43,8 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, open_websocket_url
 
 from common.logs import event
+from common.tls import TlsError
+from common.tls_dial import pinned_client_context
 from node.hub import Hub, TooManyConnections
 from proto.signing import make_payload, sign_envelope
 from proto.swarm.v1 import shard_service_pb2
@@ -114,8 +123,13 @@ class RelayClient:
         info: Callable[[], shard_service_pb2.NodeInfo],
         *,
         max_frame_bytes: int,
+        tls_fingerprint: str = "",
+        ca_file: str = "",
     ) -> None:
         self.url = relay_ws_url(url)
+        self.tls_fingerprint = tls_fingerprint
+        self.ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None
         self.hub = hub
         self.key = key
         self.info = info
@@ -135,6 +149,14 @@ class RelayClient:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a relay connection up until cancelled."""
+        if not self.url.startswith("wss://"):
+            event(
+                log,
+                "relay_plaintext",
+                level=logging.WARNING,
+                url=self.url,
+                message="ws:// relay: frames travel readable; give the gateway a certificate (wss://)",
+            )
         task_status.started()
         backoff = BACKOFF_MIN_S
         while True:
@@ -154,9 +176,26 @@ class RelayClient:
             await trio.sleep(backoff)
             backoff = min(BACKOFF_MAX_S, backoff * 2)
 
+    async def _ssl_context(self) -> ssl.SSLContext | None:
+        """None for ws://; for wss:// the pinned certificate, a CA bundle or the system CAs."""
+        if not self.url.startswith("wss://"):
+            return None
+        if self._ssl is None:
+            if self.tls_fingerprint:
+                try:
+                    self._ssl = await pinned_client_context(urlsplit(self.url).netloc, self.tls_fingerprint)
+                except TlsError as err:
+                    raise RelayRefused(str(err)) from err
+            else:
+                self._ssl = ssl.create_default_context(cafile=self.ca_file or None)
+        return self._ssl
+
     async def _connect_once(self) -> None:
         room = self.max_frame_bytes + 64 * 1024
-        async with open_websocket_url(self.url, max_message_size=room, message_queue_size=8) as ws:
+        context = await self._ssl_context()
+        async with open_websocket_url(
+            self.url, ssl_context=context, max_message_size=room, message_queue_size=8
+        ) as ws:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 challenge = json.loads(await ws.get_message())
                 if not isinstance(challenge, dict) or challenge.get("type") != "challenge":

@@ -11,7 +11,7 @@ the peer answers from memory). Samples go out with the next heartbeat
 
 from __future__ import annotations
 
-from common.grpc_adapter import Grpc
+from common.grpc_adapter import UNPINNED, Grpc
 from common.rtt import RttSampler, RttSettings, Target
 from node.push import PushLinks
 from proto import codec
@@ -28,10 +28,23 @@ def push_targets(pushes: PushLinks) -> list[Target]:
     ]
 
 
+def _pin(pushes: PushLinks, address: str) -> str:
+    """The TLS pin of a push target at ``address``; UNPINNED for a peer the tracker named (a ping
+    carries nothing secret: TLS if the peer serves it, its certificate unchecked)."""
+    for link in list(pushes._links.values()):
+        if link.target.address == address and link.target.tls_fingerprint:
+            return link.target.tls_fingerprint
+    return UNPINNED
+
+
 def node_sampler(grpc_rt: Grpc, pushes: PushLinks, node_id: str, settings: RttSettings) -> RttSampler:
     async def ping(address: str) -> bytes:
         return await grpc_rt.unary(
-            address, codec.HEALTH_METHOD, b"", max_message_bytes=PING_MAX_MESSAGE_BYTES
+            address,
+            codec.HEALTH_METHOD,
+            b"",
+            max_message_bytes=PING_MAX_MESSAGE_BYTES,
+            pin=_pin(pushes, address),
         )
 
     return RttSampler(ping, lambda: push_targets(pushes), settings, own_id=node_id)

@@ -244,6 +244,7 @@ _ANNOUNCE_KEYS = (
             "region",
             "uplink_mbit_s",
             "capacity_layers",
+            "tls_fingerprint",
         }
     )
     | ENVELOPE_FIELDS
@@ -268,6 +269,9 @@ class Announce:
     uplink_mbit_s: float | None = None  # the node's upload rate (what activations leave with); None = unsaid
     # Most layers of this model the node's memory holds (node/capacity.py); 0 = not computed.
     capacity_layers: int = 0
+    # sha256 (hex) of the TLS certificate the node serves gRPC with: diallers pin it
+    # (docs/tls.md). "" = the node serves plaintext (dialled only where that is allowed).
+    tls_fingerprint: str = ""
 
     @classmethod
     def from_json(cls, obj: Any) -> Announce:
@@ -302,6 +306,7 @@ class Announce:
             if o.get("uplink_mbit_s") is not None
             else None,
             capacity_layers=_int(o, "capacity_layers", 0, model.n_layers, w) if "capacity_layers" in o else 0,
+            tls_fingerprint=_hex64(o, "tls_fingerprint", w) if o.get("tls_fingerprint") is not None else "",
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -325,6 +330,8 @@ class Announce:
             body["uplink_mbit_s"] = self.uplink_mbit_s
         if self.capacity_layers:
             body["capacity_layers"] = self.capacity_layers
+        if self.tls_fingerprint:
+            body["tls_fingerprint"] = self.tls_fingerprint
         return body
 
 

@@ -374,6 +374,8 @@ def _validate_target(target: frame_pb2.PushTarget, what: str, limits: FrameLimit
         raise BadFrameError(f"{what} has an empty shard range")
     if not _FINGERPRINT.fullmatch(target.recipe_fingerprint):
         raise BadFrameError(f"{what} recipe_fingerprint is not 64 lowercase hex digits")
+    if target.tls_fingerprint and not _FINGERPRINT.fullmatch(target.tls_fingerprint):
+        raise BadFrameError(f"{what} tls_fingerprint is not empty or 64 lowercase hex digits")
 
 
 def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
@@ -523,15 +525,22 @@ def open_frame(
 
 
 def push_target(
-    node_id: str, address: str, hop_token: bytes, shard: tuple[int, int], recipe_fingerprint: str
+    node_id: str,
+    address: str,
+    hop_token: bytes,
+    shard: tuple[int, int],
+    recipe_fingerprint: str,
+    tls_fingerprint: str = "",
 ) -> frame_pb2.PushTarget:
-    """Where a stage pushes: ``address`` empty means through the gateway."""
+    """Where a stage pushes: ``address`` empty means through the gateway; ``tls_fingerprint`` empty
+    means the receiver serves plaintext."""
     return frame_pb2.PushTarget(
         node_id=node_id,
         address=address,
         hop_token=hop_token,
         shard=frame_pb2.LayerRange(start=shard[0], end=shard[1]),
         recipe_fingerprint=recipe_fingerprint,
+        tls_fingerprint=tls_fingerprint,
     )
 
 

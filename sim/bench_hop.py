@@ -1,6 +1,6 @@
 """Per-hop overhead of the data plane: decode through two nodes on loopback vs the same split in-process.
 
-    python -m sim.bench_hop [--tokens 48] [--rounds 4] [--out bench-results/hop.json]
+    python -m sim.bench_hop [--tokens 48] [--rounds 4] [--tls] [--out bench-results/hop.json]
 
 Every setup runs the test model split [0,15) + [15,30) with the same engine
 settings (1 compute thread each, per-sequence KV), greedy, the same prompt:
@@ -13,7 +13,16 @@ settings (1 compute thread each, per-sequence KV), greedy, the same prompt:
   stage 0 pushes its hidden states to stage 1, stage 1 pushes the next decode
   step back to stage 0 (the ring) -- two node-to-node transfers per token;
 * ``relay``: the same nodes and code with ``data_plane=relay``: both transfers
-  go through the gateway (four gRPC transits per token).
+  go through the gateway (four gRPC transits per token);
+* with ``--tls``, also ``push+tls`` and ``relay+tls``: a second pair of nodes
+  serving gRPC over TLS (their own certificates, pinned by fingerprint as a
+  gateway pins them), the first pair ``--insecure-plaintext``; all four node
+  processes live at once, so TLS and plaintext are measured side by side. The
+  cost of TLS per hop = (``push+tls`` - ``push``) / 2. Decode-time medians on a
+  shared machine move by a few tenths of a millisecond between runs, so
+  ``--tls`` also measures the transport alone (:func:`transport_cost`): round
+  trips of a decode step's frame and of a prefill chunk through the adapter,
+  plaintext vs pinned TLS, in alternating blocks.
 
 Rounds rotate the order of the setups so machine drift lands on all of them.
 Decode time per token is a request's decode time over its tokens after the
@@ -101,12 +110,13 @@ class InProcess:
         self.b.close()
 
 
-def _start_node(sup: Supervisor, name: str, model: Path, layers: str, cache: Path) -> Service:
+def _start_node(sup: Supervisor, name: str, model: Path, layers: str, cache: Path, tls: bool) -> Service:
     return sup.start_node(
         name,
         model=model,
         layers=layers,
         tracker_url=None,
+        tls=tls,
         max_sessions=MAX_SESSIONS,
         session_kv_tokens=SESSION_KV,
         cache_dir=cache,
@@ -133,7 +143,9 @@ def _scheduler_counts(admin_ports: list[int]) -> list[tuple[float, float]]:
     return out
 
 
-def run(model: Path, cache: Path, prompt: list[int], n_new: int, rounds: int) -> dict[str, Any]:
+def run(
+    model: Path, cache: Path, prompt: list[int], n_new: int, rounds: int, tls: bool = False
+) -> dict[str, Any]:
     """All setups live at once; each round runs one request per setup, in a rotating order."""
     import trio
 
@@ -142,33 +154,45 @@ def run(model: Path, cache: Path, prompt: list[int], n_new: int, rounds: int) ->
     from gateway.route_session import DataPlane
     from sim.route_client import generate, route_on
 
-    results: dict[str, Any] = {"in-process": [], "push": [], "relay": []}
+    names = ["in-process", "push", "relay", *(["push+tls", "relay+tls"] if tls else [])]
+    results: dict[str, Any] = {name: [] for name in names}
     tokens: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-hop-") as tmp, Supervisor(Path(tmp)) as sup:
+        pairs = [("", False), *([("t", True)] if tls else [])]
         nodes = [
-            _start_node(sup, name, model, layers, cache) for name, layers in (("a", "0:15"), ("b", "15:30"))
+            _start_node(sup, prefix + name, model, layers, cache, secure)
+            for prefix, secure in pairs
+            for name, layers in (("a", "0:15"), ("b", "15:30"))
         ]
         ports = [node.wait_port(180) for node in nodes]
-        admin = [node.admin_port for node in nodes]
+        admin = [node.admin_port for node in nodes[:2]]  # the scheduler counts: the plaintext pair
         inproc = InProcess(model, cache)
         try:
 
             async def main() -> list[tuple[float, float]]:
                 async with open_grpc() as grpc_rt:
-                    channels = NodeChannels(grpc_rt, max_frame_bytes=4 * 1024 * 1024)
-                    route, stages = await route_on(channels, [f"127.0.0.1:{p}" for p in ports])
+                    channels = NodeChannels(grpc_rt, max_frame_bytes=4 * 1024 * 1024, allow_plaintext=True)
+                    addresses = [f"127.0.0.1:{p}" for p in ports]
+                    pins = [node.tls_fingerprint() for node in nodes]
+                    routes = {"": await route_on(channels, addresses[:2], pins[:2])}
+                    if tls:
+                        assert all(pins[2:]) and not any(pins[:2])  # the pairs serve what they say
+                        routes["+tls"] = await route_on(channels, addresses[2:], pins[2:])
                     planes = {"push": DataPlane(push=True), "relay": DataPlane(push=False)}
-                    for plane in planes.values():  # warm-up: channels, caches
-                        await generate(channels, route, stages, prompt, 4, plane=plane)
+                    for route, stages in routes.values():  # warm-up: channels, caches, TLS handshakes
+                        for plane in planes.values():
+                            await generate(channels, route, stages, prompt, 4, plane=plane)
                     before = _scheduler_counts(admin)
-                    names = ["in-process", "push", "relay"]
                     for r in range(rounds):
-                        for name in names[r % 3 :] + names[: r % 3]:
+                        k = r % len(names)
+                        for name in names[k:] + names[:k]:
                             if name == "in-process":
                                 toks, times = inproc.generate(prompt, n_new)
                             else:
+                                plane_name, _, secure = name.partition("+")
+                                route, stages = routes["+tls" if secure else ""]
                                 gen = await generate(
-                                    channels, route, stages, prompt, n_new, plane=planes[name]
+                                    channels, route, stages, prompt, n_new, plane=planes[plane_name]
                                 )
                                 toks, times = gen.tokens, gen.intervals_s()
                             tokens.setdefault(name, toks)
@@ -184,11 +208,76 @@ def run(model: Path, cache: Path, prompt: list[int], n_new: int, rounds: int) ->
     return results
 
 
+def transport_cost(frame_bytes: int, blocks: int = 12, per_block: int = 200) -> dict[str, float]:
+    """The transport alone: round trips of one ``frame_bytes`` message through the grpcio adapter on
+    loopback, plaintext and pinned TLS to the same in-process echo service, in alternating blocks.
+
+    A hop is one transit, a round trip two: TLS cost per hop = (TLS - plaintext) median round trip / 2.
+    """
+    import trio
+
+    from common.grpc_adapter import CallInfo, MessageStream, Service, StreamClosed, open_grpc
+    from common.tls import generate_self_signed
+
+    async def echo(stream: MessageStream, info: CallInfo) -> None:
+        while True:
+            try:
+                await stream.send(await stream.receive())
+            except StreamClosed:
+                return
+
+    service = Service("bench.Echo", {"Echo": echo}, {}, {})
+    cert = generate_self_signed()
+    payload = os.urandom(frame_bytes)
+    times: dict[str, list[float]] = {"plaintext": [], "tls": []}
+
+    async def main() -> None:
+        async with open_grpc() as rt, trio.open_nursery() as nursery:
+            plain = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [service], **kw))
+            secure = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [service], tls=cert, **kw))
+            targets = {"plaintext": (plain, None), "tls": (secure, cert.fingerprint)}
+            async with (
+                rt.open_stream(f"127.0.0.1:{plain}", "/bench.Echo/Echo") as a,
+                rt.open_stream(f"127.0.0.1:{secure}", "/bench.Echo/Echo", pin=targets["tls"][1]) as b,
+            ):
+                streams = {"plaintext": a, "tls": b}
+                for stream in streams.values():  # warm-up: connections, handshakes
+                    for _ in range(50):
+                        await stream.send(payload)
+                        await stream.receive()
+                for block in range(blocks):
+                    for name in ("plaintext", "tls") if block % 2 == 0 else ("tls", "plaintext"):
+                        stream = streams[name]
+                        for _ in range(per_block):
+                            t0 = time.perf_counter()
+                            await stream.send(payload)
+                            await stream.receive()
+                            times[name].append(time.perf_counter() - t0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    plain_ms = statistics.median(times["plaintext"]) * 1e3
+    tls_ms = statistics.median(times["tls"]) * 1e3
+    return {
+        "frame_bytes": frame_bytes,
+        "round_trips": len(times["tls"]),
+        "plaintext_round_trip_ms": plain_ms,
+        "tls_round_trip_ms": tls_ms,
+        "tls_cost_per_hop_ms": (tls_ms - plain_ms) / 2,
+        "ratio_tls_to_plaintext": tls_ms / plain_ms,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="tokens per request (default 48)")
     parser.add_argument("--rounds", type=int, default=4, help="requests per setup (default 4)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="also measure a TLS pair of nodes (push+tls, relay+tls) side by side",
+    )
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="node cache (shards); default: a temp dir"
     )
@@ -201,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     with Vocabulary(model) as vocab:
         prompt = vocab.tokenize(PROMPT, add_special=True)
     with tempfile.TemporaryDirectory(prefix="bench-hop-cache-") as tmp_cache:
-        measured = run(model, args.cache_dir or Path(tmp_cache), prompt, args.tokens, args.rounds)
+        measured = run(model, args.cache_dir or Path(tmp_cache), prompt, args.tokens, args.rounds, args.tls)
     tokens = measured["tokens"]
-    same = tokens["push"] == tokens["in-process"] == tokens["relay"]
+    names = [name for name in measured if name not in ("tokens", "scheduler")]
+    same = all(tokens[name] == tokens["in-process"] for name in names)
     rows = {
         name: {
             "median_ms": statistics.median(measured[name]) * 1e3,
@@ -211,12 +301,23 @@ def main(argv: list[str] | None = None) -> int:
             "p90_ms": _pct(measured[name], 90) * 1e3,
             "requests": len(measured[name]),
         }
-        for name in ("in-process", "push", "relay")
+        for name in names
     }
     floor = rows["in-process"]["median_ms"]
-    for name in ("push", "relay"):
+    for name in names[1:]:
         rows[name]["per_hop_overhead_ms"] = (rows[name]["median_ms"] - floor) / 2
         rows[name]["ratio_to_in_process"] = rows[name]["median_ms"] / floor
+    tls_cost: dict[str, dict[str, float]] = {}
+    for plane in ("push", "relay") if args.tls else ():
+        plain, secure = rows[plane], rows[plane + "+tls"]
+        tls_cost[plane] = {
+            # Two stage-to-stage transfers per token in both planes (relay: each through the gateway).
+            "tls_cost_per_hop_ms": (secure["median_ms"] - plain["median_ms"]) / 2,
+            "tls_cost_per_hop_min_ms": (secure["min_ms"] - plain["min_ms"]) / 2,
+            "ratio_tls_to_plaintext": secure["median_ms"] / plain["median_ms"],
+        }
+    # One decode step's hidden state (576 floats, f32) plus frame header, and a 256-token prefill chunk.
+    transport = [transport_cost(n) for n in (2_600, 600_000)] if args.tls else []
     handoffs = []
     for inline, total in measured["scheduler"]:
         thread_rounds = max(0.0, total - inline)
@@ -244,6 +345,19 @@ def main(argv: list[str] | None = None) -> int:
             f"thread hand-offs per stage step: {h['handoffs_per_step']:.2f} "
             "(+1 grpcio completion wake-up per message)"
         )
+    for plane, cost in tls_cost.items():
+        print(
+            f"TLS cost per hop ({plane}): {cost['tls_cost_per_hop_ms']:.3f} ms median "
+            f"({cost['tls_cost_per_hop_min_ms']:.3f} ms on the minima); "
+            f"{plane}+tls / {plane} = {cost['ratio_tls_to_plaintext']:.3f}"
+        )
+    for t in transport:
+        print(
+            f"transport, {t['frame_bytes']} B frames: round trip "
+            f"{t['plaintext_round_trip_ms']:.3f} ms plaintext, {t['tls_round_trip_ms']:.3f} ms TLS; "
+            f"TLS cost per hop {t['tls_cost_per_hop_ms']:.3f} ms "
+            f"(x{t['ratio_tls_to_plaintext']:.3f})"
+        )
     print(f"same tokens in every setup: {same}")
     result: dict[str, Any] = {
         "benchmark": "bench_hop",
@@ -252,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": len(prompt),
         "rows": rows,
         "per_hop_overhead_ms": rows["push"]["per_hop_overhead_ms"],
+        "tls": tls_cost,
+        "tls_transport": transport,
         "handoffs": handoffs,
         "same_tokens": same,
         "machine": {

@@ -175,7 +175,7 @@ def _in_client(wan: Any, fn: Any) -> Any:
 
     async def main() -> Any:
         async with open_grpc() as grpc_rt:
-            return await fn(NodeChannels(grpc_rt, max_frame_bytes=4 * 1024 * 1024))
+            return await fn(NodeChannels(grpc_rt, max_frame_bytes=4 * 1024 * 1024, allow_plaintext=True))
 
     return wan.call("client", trio.run, main)
 

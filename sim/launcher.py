@@ -53,6 +53,9 @@ class LocalSwarm:
     wan: WanEmulator | None = None  # the emulated WAN the services run on (None: loopback)
     public_tracker_url: str | None = None  # on a WAN: the loopback forwarders into it
     public_base_url: str | None = None
+    # With relayed nodes: the gateway flags that keep its certificate and HTTPS port (the nodes pin the
+    # certificate and dial that port), for a test that restarts the gateway.
+    gateway_tls_args: tuple[str, ...] = ()
 
     @property
     def tracker_url(self) -> str:
@@ -108,6 +111,36 @@ def _wait_announced(tracker_url: str, node: Service, timeout_s: float, net: _Net
 
     resp = net.probe(node.name, wait_http, node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
     return next(n for n in resp.json()["nodes"] if mine(n))
+
+
+def _gateway_tls(workdir: Path) -> tuple[list[str], Path, str]:
+    """A self-signed certificate for the gateway's relay: (gateway flags, its HTTPS port file, the pin)."""
+    from common.files import write_atomic_sync
+    from common.tls import generate_self_signed
+
+    cert = generate_self_signed()
+    where = workdir / "gateway-tls"
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_atomic_sync(where / "gateway.crt", cert.cert_pem)
+    write_atomic_sync(where / "gateway.key", cert.key_pem, mode=0o600)
+    port_file = where / "tls-port"
+    args = [
+        *("--tls-cert-file", str(where / "gateway.crt"), "--tls-key-file", str(where / "gateway.key")),
+        *("--tls-port", "0", "--tls-port-file", str(port_file)),
+    ]
+    return args, port_file, cert.fingerprint
+
+
+def _read_port(path: Path, svc: Service, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text().strip() if path.is_file() else ""
+        if text.isdigit():
+            return int(text)
+        if not svc.alive():
+            raise LaunchError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
+        time.sleep(0.1)
+    raise LaunchError(f"{svc.name} wrote no port to {path} within {timeout_s:g} s")
 
 
 def start_local_swarm(
@@ -171,17 +204,31 @@ def start_local_swarm(
         net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
         gateway: Service | None = None
+        relay_args: list[str] = []
+        keep_tls: tuple[str, ...] = ()
         if relayed:
+            # The relay over wss:// (docs/tls.md): the gateway gets a certificate and an HTTPS port
+            # beside its plain one (clients on loopback keep http://); relayed nodes pin it.
+            tls_args, tls_port_file, pin = _gateway_tls(Path(workdir))
             gateway = sup.start_gateway(
                 tracker_url=tracker_url,
                 port=inner_gateway_port,
                 host=net.addr("gateway"),
-                extra_args=gateway_args,
+                extra_args=[*tls_args, *(gateway_args or [])],
             )
             gateway.wait_port(timeout_s)
             gw_first = f"http://{net.addr('gateway')}:{gateway.port}"
             net.probe("gateway", wait_http, gateway, f"{gw_first}/healthz", timeout_s)
-            _say(quiet, f"  gateway  up at {gw_first} (first: relayed nodes dial it)")
+            tls_port = _read_port(tls_port_file, gateway, timeout_s)
+            keep_tls = (*tls_args[:4], "--tls-port", str(tls_port))
+            relay_args = [
+                *("--relay", f"https://{net.addr('gateway')}:{tls_port}"),
+                *("--relay-tls-fingerprint", pin),
+            ]
+            _say(
+                quiet,
+                f"  gateway  up at {gw_first}, relay at wss://...:{tls_port} (first: relayed nodes dial it)",
+            )
         from node.shard import read_model_meta  # parses the GGUF once; the nodes reuse the cache
 
         cache = node_cache or (Path(workdir) / "node-cache")
@@ -208,11 +255,7 @@ def start_local_swarm(
                 cache_dir=cache,
                 extra_args=[
                     *(node_args or []),
-                    *(
-                        ["--relay", f"http://{net.addr('gateway')}:{gateway.port}"]
-                        if gateway and i in relayed
-                        else []
-                    ),
+                    *(relay_args if i in relayed else []),
                 ],
                 host=net.addr(name),
             )
@@ -253,7 +296,7 @@ def start_local_swarm(
             quiet,
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
-        swarm = LocalSwarm(sup, tracker, nodes, gateway, name)
+        swarm = LocalSwarm(sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls)
         if wan is not None:
             # Loopback forwarders into the WAN, entering at the profile's client host.
             swarm.wan = wan

@@ -100,6 +100,13 @@ class Service:
     def pid(self) -> int:
         return self.proc.pid
 
+    def tls_fingerprint(self) -> str:
+        """The pin of a node's gRPC certificate (kept in its data dir); "" when it has none."""
+        from common.tls import CERT_FILE, fingerprint_pem
+
+        cert = self.data_dir / CERT_FILE if self.data_dir is not None else None
+        return fingerprint_pem(cert.read_bytes()) if cert is not None and cert.is_file() else ""
+
     @property
     def returncode(self) -> int | None:
         return self.proc.poll()
@@ -329,9 +336,14 @@ class Supervisor:
         admin: bool = True,
         extra_args: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
+        tls: bool | None = None,
     ) -> Service:
         """``swarm-node start`` listening on and announcing ``host``; its admin server (unless
-        ``admin=False``) stays on its own 127.0.0.1. ``tracker_url=None``: no tracker, no tickets."""
+        ``admin=False``) stays on its own 127.0.0.1. ``tracker_url=None``: no tracker, no tickets.
+
+        ``tls``: serve gRPC over TLS (the node's certificate in its data dir, see
+        :meth:`Service.tls_fingerprint`) or ``--insecure-plaintext``; None = TLS with a tracker,
+        plaintext without one (a loopback harness dialling the node itself)."""
         data = self._data_dir(name)
         admin_file = data / "admin-port" if admin else None
         argv = [
@@ -367,6 +379,8 @@ class Supervisor:
         argv += ["--tracker", tracker_url] if tracker_url else ["--no-tracker", "--insecure-no-tickets"]
         if capacity_layers is not None:
             argv += ["--capacity-layers", str(capacity_layers)]
+        if not (tls if tls is not None else bool(tracker_url)):
+            argv += ["--insecure-plaintext"]
         argv += extra_args or ()
         return self.spawn(
             name, argv, port_file=data / "port", admin_port_file=admin_file, data_dir=data, env=env

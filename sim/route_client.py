@@ -38,10 +38,18 @@ class Generation:
         return [b - a for a, b in zip(self.arrivals_s, self.arrivals_s[1:], strict=False)]
 
 
-async def route_on(channels: NodeChannels, addresses: Sequence[str]) -> tuple[Route, list[StageInfo]]:
-    """The route through these nodes, in order (each node's Info gives its layers and recipe)."""
-    infos = [await channels.info(a) for a in addresses]
-    hops = tuple(Hop(i.node_id, i.shard.start, i.shard.end, a) for i, a in zip(infos, addresses, strict=True))
+async def route_on(
+    channels: NodeChannels, addresses: Sequence[str], pins: Sequence[str] | None = None
+) -> tuple[Route, list[StageInfo]]:
+    """The route through these nodes, in order (each node's Info gives its layers and recipe).
+
+    ``pins``: each node's TLS certificate fingerprint ("" or None: plaintext)."""
+    tls = list(pins) if pins is not None else [""] * len(addresses)
+    infos = [await channels.info(a, pin) for a, pin in zip(addresses, tls, strict=True)]
+    hops = tuple(
+        Hop(i.node_id, i.shard.start, i.shard.end, a, tls_fingerprint=pin)
+        for i, a, pin in zip(infos, addresses, tls, strict=True)
+    )
     route = Route(
         route_id=">".join(f"{h.node_id[:8]}[{h.start}:{h.end})" for h in hops),
         model_fingerprint=infos[0].model.fingerprint,

@@ -230,16 +230,27 @@ class Challenger:
             detail=result.detail,
         )
 
+    def _pin(self, target: ChallengeTarget) -> str | None:
+        """The node's announced certificate; plaintext only where the configuration allows it."""
+        if target.tls_fingerprint:
+            return target.tls_fingerprint
+        if self.config.allow_plaintext_nodes:
+            return None
+        raise ChallengeFailed("the node announced no TLS certificate and allow_plaintext_nodes is off")
+
     async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
         """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
+        pin = self._pin(target)
         try:
             # A node answers Info in milliseconds: a dead or tarpit address is given up on after
             # challenge_info_timeout_s, not the whole attempt's allowance (which covers the PREFILL).
             with trio.fail_after(self.config.challenge_info_timeout_s):
                 raw = await self.grpc.unary(
-                    target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES
+                    target.address, codec.INFO_METHOD, b"", max_message_bytes=MAX_MESSAGE_BYTES, pin=pin
                 )
         except RpcError as err:
+            if err.code == "UNAUTHENTICATED":  # another certificate than announced: not that node
+                raise ChallengeFailed(f"Info refused: {err}") from err
             raise Unanswered(f"Info failed: {err}") from err
         except trio.TooSlowError as err:
             raise Unanswered(f"no Info answer within {self.config.challenge_info_timeout_s:g} s") from err
@@ -304,7 +315,10 @@ class Challenger:
         limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
         try:
             async with self.grpc.open_stream(
-                target.address, codec.SESSION_METHOD, max_message_bytes=MAX_MESSAGE_BYTES
+                target.address,
+                codec.SESSION_METHOD,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+                pin=self._pin(target),
             ) as stream:
                 await stream.send(
                     codec.serialize_frame(

@@ -120,6 +120,12 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 @click.option(
     "--challenge-attempts", type=int, default=None, help="Attempts before a silent node counts as failed."
 )
+@click.option(
+    "--allow-plaintext-nodes",
+    is_flag=True,
+    default=None,
+    help="Challenge nodes announcing no TLS certificate over plaintext gRPC (loopback tests, old nodes).",
+)
 @click.option("--log-level", default=None, help="debug, info, warning or error.")
 @click.pass_context
 def serve(

@@ -137,6 +137,11 @@ class TrackerConfig:
     )
     challenge_attempts: int = _f(3, "attempts before a node that does not answer counts as failed")
     challenge_tokens: int = _f(8, "positions in the challenge input")
+    allow_plaintext_nodes: bool = _f(
+        False,
+        "challenge nodes that announce no TLS certificate over plaintext gRPC (else they fail the "
+        "challenge); nodes that announce one are always dialled over TLS pinned to it",
+    )
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:

@@ -120,6 +120,8 @@ class Node(Base):
     coord_updated_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     # The address the last announce came from (host bans use it, with the announced addresses).
     announced_from: Mapped[str] = mapped_column(String(64), server_default="")
+    # sha256 of the node's gRPC TLS certificate as announced ("" = plaintext): diallers pin it.
+    tls_fingerprint: Mapped[str] = mapped_column(String(64), server_default="")
 
 
 class Shard(Base):

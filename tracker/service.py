@@ -679,6 +679,8 @@ class Registry:
                             "end": h.end,
                             "address": h.address,
                             "relay": shard_of[h.node_id].relayed,
+                            # What the gateway (and the previous stage) pins when dialling this node.
+                            "tls_fingerprint": shard_of[h.node_id].tls_fingerprint,
                             # The link into this stage (from the gateway for the first): estimated
                             # round trip and the sender's uplink; null where nothing was measured.
                             "rtt_ms": _ms(route.hop_rtt_ms[i]),

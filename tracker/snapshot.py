@@ -72,6 +72,8 @@ class ShardView:
     uplink_mbit_s: float | None = None
     # Not yet trusted: fewer spot checks passed than the tracker requires (routing adds a penalty).
     probation: bool = False
+    # sha256 of the node's gRPC TLS certificate, as announced ("" = plaintext); diallers pin it.
+    tls_fingerprint: str = ""
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,7 @@ class Store(TrustStore):
             node.region = a.region
             node.uplink_mbit_s = a.uplink_mbit_s
             node.announced_from = remote[:64]
+            node.tls_fingerprint = a.tls_fingerprint
             node.last_seen_s = now_s
             node.state = NODE_CHALLENGING if challenge else NODE_LIVE
             s.flush()
@@ -752,6 +753,7 @@ class Store(TrustStore):
                     Shard.observed_ms_per_token,
                     Shard.observed_at_s,
                     Reputation.checks_passed,
+                    Node.tls_fingerprint,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -794,6 +796,7 @@ class Store(TrustStore):
                 uplink_mbit_s=r[14],
                 coord=_coord(r[15], r[16], r[17], r[18], r[19]),
                 probation=(r[22] or 0) < probation_checks,
+                tls_fingerprint=r[23] or "",
             )
             for r in rows
         )

@@ -82,6 +82,7 @@ class ChallengeTarget:
     end: int
     n_layers: int
     n_embd: int
+    tls_fingerprint: str = ""  # as announced; "" = the node serves plaintext
 
 
 class TrustStore:
@@ -345,6 +346,7 @@ class TrustStore:
                 shard.layer_end,
                 model.n_layers,
                 model.n_embd,
+                node.tls_fingerprint,
             )
 
     def challenge_references(

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import grpc
 import httpx
 
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
 from sim.reference import NODE_ENGINE, Reference
+from tests.node.loopback_client import node_channel
 
 __all__ = ["NODE_ENGINE", "Reference", "live_nodes", "node_load"]
 
 
 def node_load(port: int) -> shard_service_pb2.NodeLoad:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with node_channel(f"127.0.0.1:{port}") as channel:
         stub = shard_service_pb2_grpc.ShardServiceStub(channel)
         return stub.Info(shard_service_pb2.InfoRequest(), timeout=10).load
 

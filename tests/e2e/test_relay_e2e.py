@@ -2,8 +2,9 @@
 
 One swarm for the module, started the way ``swarm-sim up --relay-nodes 1`` does
 it: tracker, then the gateway, then node1 [0,15) on direct gRPC and node2
-[15,30) with ``--relay`` (it announces no address; the tracker lists it as
-``relay:<gateway id>``). 1 llama.cpp thread per node.
+[15,30) with ``--relay`` over ``wss://`` (the gateway's certificate pinned; it
+announces no address; the tracker lists it as ``relay:<gateway id>``). 1
+llama.cpp thread per node.
 
 1. The tracker records node2 as relayed through this gateway; the openai
    client's text (stream and not) equals the whole model's greedy output
@@ -116,7 +117,7 @@ def test_relay_socket_reconnects_after_the_gateway_restarts(
     port = swarm.gateway.port
     swarm.gateway.stop()  # the socket drops; the node dials again with backoff
     gateway = swarm.supervisor.start_gateway(
-        tracker_url=swarm.tracker_url, port=port, extra_args=["--route-ttl-s", "1"]
+        tracker_url=swarm.tracker_url, port=port, extra_args=["--route-ttl-s", "1", *swarm.gateway_tls_args]
     )
     gateway.wait_port(120)
     swarm.gateway = gateway

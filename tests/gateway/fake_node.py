@@ -25,6 +25,7 @@ import numpy as np
 import trio
 
 from common.grpc_adapter import Grpc, open_grpc
+from common.tls import ServerCert, generate_self_signed
 from node.backend import SliceResult
 from node.batching import Slice
 from node.grpc_server import GrpcSettings, ShardService
@@ -155,6 +156,10 @@ class ScriptedBackend:
         return out
 
 
+# node id -> its TLS certificate (one per key, so a restarted fake node keeps its pin).
+TLS_CERTS: dict[str, ServerCert] = {}
+
+
 class FakeNode:
     def __init__(
         self,
@@ -174,6 +179,8 @@ class FakeNode:
         self.lie = lie  # "swap" (last stage: another token) or "perturb" (one ulp of one output value)
         self.key = nacl.signing.SigningKey(bytes([seed]) * 32)
         self.node_id = public_key_hex(self.key)
+        # Fake nodes serve TLS like real ones; swarm_fixtures.announce announces the pin.
+        self.tls = TLS_CERTS.setdefault(self.node_id, generate_self_signed())
         self.fingerprint, self.start, self.end, self.n_layers = fingerprint, start, end, n_layers
         self.recipe = Recipe("fake", fingerprint, "f16", True)
         self.vocab, self.script, self.eos = vocab, script, eos
@@ -222,6 +229,7 @@ class FakeNode:
                 max_kv_tokens_per_session=self.kv_per_session,
             ),
             is_last=self.is_last,
+            tls_fingerprint=self.tls.fingerprint,
             serves_vocab=self.is_last,
         )
 
@@ -249,13 +257,17 @@ class FakeNode:
             self.backend, hub.on_outcome, max_batch_tokens=512, prefill_chunk_tokens=512, inline_max_ms=0
         )
         pushes = PushLinks(
-            lambda address: grpc_rt.open_stream(address, codec.SESSION_METHOD, max_message_bytes=8 << 20),
+            lambda address, pin: grpc_rt.open_stream(
+                address, codec.SESSION_METHOD, max_message_bytes=8 << 20, pin=pin
+            ),
             hub.on_push_failed,
         )
         hub.attach(scheduler, pushes)
         service = ShardService(
             hub,
-            GrpcSettings("127.0.0.1", self.port, 4 << 20, lambda: self.vocab, self.fingerprint, 0.5),
+            GrpcSettings(
+                "127.0.0.1", self.port, 4 << 20, lambda: self.vocab, self.fingerprint, 0.5, tls=self.tls
+            ),
             self.info,
             lambda: shard_service_pb2.HealthResponse(status=shard_service_pb2.SERVING_STATUS_SERVING),
         )

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import nacl.signing
 import trio
-from fake_node import FakeNode
+from fake_node import TLS_CERTS, FakeNode
 
 from common.vocab import Vocabulary
 from proto.announce import Announce, Hardware, ModelSpec
@@ -48,6 +48,9 @@ def announce(
                         decode_ms_per_token=decode_ms_per_token,
                         prefill_tokens_per_s=500.0,
                         max_sessions=max_sessions,
+                        tls_fingerprint=tls.fingerprint
+                        if (tls := TLS_CERTS.get(public_key_hex(key)))
+                        else "",
                     )
                 )
 

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -26,6 +25,7 @@ from node.engine import EngineConfig
 from node.reference import ReferenceModel
 from proto.swarm.v1 import shard_service_pb2, shard_service_pb2_grpc
 from sim.procs import NO_SPOT_CHECKS, Service, Supervisor
+from tests.node.loopback_client import node_channel
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,7 @@ def hidden_relays(swarm: dict) -> float:
 
 
 def node_load(proc: Service) -> shard_service_pb2.NodeLoad:
-    with grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
+    with node_channel(f"127.0.0.1:{proc.port}") as channel:
         return (
             shard_service_pb2_grpc.ShardServiceStub(channel)
             .Info(shard_service_pb2.InfoRequest(), timeout=10)

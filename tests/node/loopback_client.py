@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import nacl.signing
 
+from common.tls import TLS_SERVER_NAME
 from proto import codec
 from proto.signing import route_ticket_bytes, sign_open_proof
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
@@ -94,8 +96,22 @@ class Stage:
         return self.info.shard.end
 
 
+def node_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
+    """A channel to a node of this test: TLS trusting whatever certificate it shows (a test looks at
+    the node it started), or plaintext when it serves no TLS (insecure_plaintext)."""
+    host, _, port = address.rpartition(":")
+    try:
+        pem = ssl.get_server_certificate((host.strip("[]"), int(port)), timeout=10)
+    except (ssl.SSLError, OSError):
+        return grpc.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.encode("ascii"))
+    return grpc.secure_channel(
+        address, credentials, options=[*(options or []), ("grpc.ssl_target_name_override", TLS_SERVER_NAME)]
+    )
+
+
 def node_info(address: str) -> shard_service_pb2.NodeInfo:
-    with grpc.insecure_channel(address) as channel:
+    with node_channel(address) as channel:
         info = channel.unary_unary(
             "/swarm.v1.ShardService/Info",
             request_serializer=shard_service_pb2.InfoRequest.SerializeToString,
@@ -139,7 +155,7 @@ class RouteSession:
     ) -> None:
         self.stages = stages
         self.session_id = session_id or secrets.token_hex(16)
-        self.channels = [grpc.insecure_channel(s.address, options=GRPC_OPTIONS) for s in stages]
+        self.channels = [node_channel(s.address, options=GRPC_OPTIONS) for s in stages]
         self.streams = [StageStream(c, timeout_s) for c in self.channels]
         self.headers = [
             codec.SessionHeader(

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import nacl.signing
 import numpy as np
 import pytest
@@ -35,7 +34,15 @@ from proto.signing import RouteTicket, TicketHop, canonical_json, sign_route_tic
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, shard_service_pb2_grpc, status_pb2
 from proto.vocab import VocabAssembler
 from sim.procs import Service, Supervisor
-from tests.node.loopback_client import GRPC_OPTIONS, RouteSession, Stage, StageStream, node_info, ticket_bytes
+from tests.node.loopback_client import (
+    GRPC_OPTIONS,
+    RouteSession,
+    Stage,
+    StageStream,
+    node_channel,
+    node_info,
+    ticket_bytes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -239,7 +246,7 @@ class Raw:
 
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
-        self.channel = grpc.insecure_channel(stage.address, options=GRPC_OPTIONS)
+        self.channel = node_channel(stage.address, options=GRPC_OPTIONS)
         self.stream = StageStream(self.channel, 60)
 
     def header(self, sid: str, epoch: int = 1, **kw: object) -> codec.SessionHeader:
@@ -440,7 +447,7 @@ def test_info_health_vocab_and_status(swarm: Swarm, model_path: Path) -> None:
     assert (b.start, b.end) == (15, 30) and b.info.model.n_layers == 30 and b.info.model.n_embd == 576
     assert b.info.limits.max_sessions == 6 and b.info.limits.max_kv_tokens_per_session >= 512
     assert b.info.recipe.fingerprint == swarm.stages[0].info.recipe.fingerprint
-    with grpc.insecure_channel(b.address, options=GRPC_OPTIONS) as channel:
+    with node_channel(b.address, options=GRPC_OPTIONS) as channel:
         stub = shard_service_pb2_grpc.ShardServiceStub(channel)
         health = stub.Health(shard_service_pb2.HealthRequest(), timeout=10)
         assert health.status == shard_service_pb2.SERVING_STATUS_SERVING

@@ -158,18 +158,20 @@ class KvSource(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., positions: _Optional[int] = ...) -> None: ...
 
 class PushTarget(_message.Message):
-    __slots__ = ("node_id", "address", "hop_token", "shard", "recipe_fingerprint")
+    __slots__ = ("node_id", "address", "hop_token", "shard", "recipe_fingerprint", "tls_fingerprint")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     hop_token: bytes
     shard: LayerRange
     recipe_fingerprint: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., hop_token: _Optional[bytes] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., recipe_fingerprint: _Optional[str] = ...) -> None: ...
+    tls_fingerprint: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., hop_token: _Optional[bytes] = ..., shard: _Optional[_Union[LayerRange, _Mapping]] = ..., recipe_fingerprint: _Optional[str] = ..., tls_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvBudget(_message.Message):
     __slots__ = ("max_tokens",)

@@ -90,7 +90,7 @@ class NodeLimits(_message.Message):
     def __init__(self, max_frame_bytes: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_kv_tokens_per_session: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[_frame_pb2.Encoding, str]]] = ..., min_schema_version: _Optional[int] = ..., max_schema_version: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "model", "shard", "recipe", "load", "limits", "is_last", "serves_vocab")
+    __slots__ = ("node_id", "model", "shard", "recipe", "load", "limits", "is_last", "serves_vocab", "tls_fingerprint")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class NodeInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     SERVES_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    TLS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model: ModelInfo
     shard: _frame_pb2.LayerRange
@@ -107,7 +108,8 @@ class NodeInfo(_message.Message):
     limits: NodeLimits
     is_last: bool
     serves_vocab: bool
-    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., shard: _Optional[_Union[_frame_pb2.LayerRange, _Mapping]] = ..., recipe: _Optional[_Union[RuntimeRecipe, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., limits: _Optional[_Union[NodeLimits, _Mapping]] = ..., is_last: _Optional[bool] = ..., serves_vocab: _Optional[bool] = ...) -> None: ...
+    tls_fingerprint: str
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., shard: _Optional[_Union[_frame_pb2.LayerRange, _Mapping]] = ..., recipe: _Optional[_Union[RuntimeRecipe, _Mapping]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., limits: _Optional[_Union[NodeLimits, _Mapping]] = ..., is_last: _Optional[bool] = ..., serves_vocab: _Optional[bool] = ..., tls_fingerprint: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
