@@ -324,3 +324,40 @@ def test_bad_coordinates_are_refused_and_typical_latency() -> None:
     pts = [NetCoord((float(10 * i), 0.0, 0.0), MIN_HEIGHT_MS) for i in range(5)]
     # One-way distances 5..20 ms over 10 pairs; the 75th percentile is 15 ms.
     assert typical_one_way_ms(pts) == pytest.approx(15.0 + MIN_HEIGHT_MS)
+
+
+# --- a small swarm: an endpoint's own region is a minority of its peers --------------------------------
+
+SMALL = {"eu0": "eu", "eu1": "eu", "us0": "us", "us1": "us", "asia0": "asia", "asia1": "asia"}
+SMALL_RTT = {("eu", "us"): 82.0, ("eu", "asia"): 152.0, ("us", "asia"): 122.0}
+
+
+def _small_rtt(a: str, b: str) -> float:
+    ra, rb = SMALL[a], SMALL[b]
+    return 12.0 if ra == rb else SMALL_RTT.get((ra, rb)) or SMALL_RTT[(rb, ra)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_small_swarm_places_each_region_together(seed: int) -> None:
+    """Six nodes in three regions (the emulated WAN's profile): each node's own region is one peer
+    of five, a minority the outlier filter alone would ignore -- it froze nodes of one region 100+
+    ms apart. Pairs both sides measured alike are confirmed and always count: every pair's
+    prediction ends within 35 % (+5 ms) of the truth."""
+    rng = random.Random(seed)
+    names = list(SMALL)
+    coords: dict[str, NetCoord | None] = dict.fromkeys(names)
+    claims: dict[str, dict[str, float]] = {n: {} for n in names}
+    for _ in range(120):
+        order = names[:]
+        rng.shuffle(order)
+        for n in order:
+            for p in rng.sample([p for p in names if p != n], 2):
+                claims[n][p] = _small_rtt(n, p) * rng.uniform(1.0, 1.08)
+            about = {p: claims[p][n] for p in names if n in claims[p]}
+            coords[n] = refit(coords[n], claims[n], about, {p: coords[p] for p in names if p != n})
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ca, cb = coords[a], coords[b]
+            assert ca is not None and cb is not None
+            truth = _small_rtt(a, b)
+            assert abs(ca.rtt_ms(cb) - truth) <= 0.35 * truth + 5.0, (a, b, ca.rtt_ms(cb), truth)
