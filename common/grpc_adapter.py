@@ -405,7 +405,8 @@ class Grpc:
         try:
             root = await self._root(address, pin)
         except (PinMismatch, OSError, trio.TooSlowError) as err:
-            stream.fail(f"stream to {address} failed: {_pin_failure(address, err)}", _pin_code(err))
+            code = _pin_code(err)
+            stream.fail(f"stream to {address} failed: {code}: {_pin_failure(address, err)}", code)
             yield stream
             return
         started, finished = trio.Event(), trio.Event()
@@ -512,7 +513,8 @@ class Grpc:
             return await self._root(address, pin)
         except (PinMismatch, OSError, trio.TooSlowError) as err:
             raise RpcError(
-                f"{method} on {address} failed: {_pin_failure(address, err)}", _pin_code(err)
+                f"{method} on {address} failed: {_pin_code(err)}: {_pin_failure(address, err)}",
+                _pin_code(err),
             ) from err
 
     async def aclose(self) -> None:
