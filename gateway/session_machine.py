@@ -57,8 +57,12 @@ k's share: from the report of the stage before it (stage 0: from the step's
 start) to its own report, i.e. the transfer into the stage, its compute and the
 difference between the two reports' ways back to this gateway; a report that
 overtook its predecessor's counts 0. The shares of one step are emitted once
-every stage reported it, n per step, and add up to the step's time (unless one
-was clamped). Steps across a recovery (a new epoch) are not timed.
+every stage reported it (reports after the stop count too), n per step; they
+add up to the time from the step's start to its latest report, which is the
+step's time when the reports arrive in stage order. A step cut by a stage
+replacement is timed again from its re-send in the next epoch (the replacement
+itself is the recovery's time, not the step's); timings are kept for at most
+``TIMED_STEPS`` steps at once.
 
 Invariants: tokens are emitted in position order, once each; a stage's KV is
 freed by RELEASE/CANCEL when the session ends (or by the node's lease when it
@@ -466,10 +470,13 @@ class RouteMachine:
 
     def _start_timing(self, step_id: int, now: float) -> None:
         self._step_started[step_id] = now
-        while len(self._step_started) > TIMED_STEPS:  # steps that never completed (stopped, failed)
-            oldest = min(self._step_started)
-            del self._step_started[oldest]
-            self._step_reports.pop(oldest, None)
+        self._bound_timing()
+
+    def _bound_timing(self) -> None:
+        """Steps that never complete (stopped, failed) are forgotten, oldest first."""
+        for table in (self._step_started, self._step_reports):
+            while len(table) > TIMED_STEPS:
+                del table[min(table)]
 
     def _reset_timing(self) -> None:
         self._step_started.clear()
@@ -477,14 +484,17 @@ class RouteMachine:
 
     def _timed(self, k: int, step_id: int, now: float) -> list[Command]:
         """Stage ``k`` reported decode step ``step_id``: the step's time (last stage), and every stage's
-        share once all of them reported it."""
-        started = self._step_started.get(step_id)
-        if started is None:
-            return []
+        share once all of them reported it. A report may come before the gateway learnt that the step
+        started (stage 0's report overtaking the last stage's report of the step before); the last
+        report of a step always comes after its start."""
         seen = self._step_reports.setdefault(step_id, {})
         if k in seen:
             return []  # a duplicate report
         seen[k] = now
+        self._bound_timing()
+        started = self._step_started.get(step_id)
+        if started is None:
+            return []
         out: list[Command] = []
         if k == self.n - 1:
             out.append(StepTimed(max(0.0, now - started)))
@@ -770,6 +780,9 @@ class RouteMachine:
             if kind == "closed":
                 stage.closed = stage.closed_ok = True
                 return self._maybe_closed(now)
+            if kind == "result" and frame.phase == frame_pb2.PHASE_DECODE:
+                # The last step's earlier stages may report after the last stage (and the stop).
+                return self._timed(k, int(frame.step_id), now)
             return []
         if kind == "open_ack":
             return self._acked(k, frame, now)
@@ -1189,7 +1202,6 @@ class RouteMachine:
         self._released = release
         self.phase = _CLOSING
         self._inflight.clear()
-        self._reset_timing()
         out: list[Command] = []
         for stage in self._stages:
             if stage.closed:
