@@ -30,6 +30,7 @@ def announce(
     port: int,
     max_sessions: int = 8,
     decode_ms_per_token: float = 10.0,
+    uplink_mbit_s: float | None = None,
 ) -> None:
     async def run() -> None:
         async with TrackerClient(tracker_url, key) as client:
@@ -48,6 +49,7 @@ def announce(
                         decode_ms_per_token=decode_ms_per_token,
                         prefill_tokens_per_s=500.0,
                         max_sessions=max_sessions,
+                        uplink_mbit_s=uplink_mbit_s,
                     )
                 )
 
