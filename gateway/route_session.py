@@ -80,6 +80,13 @@ class DataPlane:
     encoding_mode: str = ""  # "auto": per hop by the sender's uplink (gateway.encodings)
     auto_f32_min_mbit_s: float = 400.0
     auto_int8_below_mbit_s: float = 0.0
+    pipeline_steps: int = 4
+    history_bytes: int = 64 * 1024 * 1024
+    open_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 30.0
+    decode_timeout_floor_s: float = 3.0
+    close_timeout_s: float = 5.0
 
     def encodings(self, route: Route) -> tuple[frame_pb2.Encoding, ...]:
         """What each stage of ``route`` sends its hidden states in."""
@@ -91,14 +98,6 @@ class DataPlane:
             f32_min_mbit_s=self.auto_f32_min_mbit_s,
             int8_below_mbit_s=self.auto_int8_below_mbit_s,
         )
-
-    pipeline_steps: int = 4
-    history_bytes: int = 64 * 1024 * 1024
-    open_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0
-    decode_timeout_s: float = 30.0
-    decode_timeout_floor_s: float = 3.0
-    close_timeout_s: float = 5.0
 
 
 class Run(Protocol):
@@ -434,6 +433,7 @@ async def open_route_session(
     other exit (an error, the client going away) sends CANCEL. Either way every
     stage frees its KV. Raises the open failure (a :class:`GatewayError`) when a
     stage cannot open the session.
+
     ``encodings`` (per stage, what it sends on) defaults to the data plane's
     choice for ``route``; the runs of a spot check pass the primary's.
     """
