@@ -63,6 +63,8 @@ def _help(name: str) -> str:
     default=None,
     help=_help("activation_encoding"),
 )
+@click.option("--auto-f32-min-mbit-s", type=float, default=None, help=_help("auto_f32_min_mbit_s"))
+@click.option("--auto-int8-below-mbit-s", type=float, default=None, help=_help("auto_int8_below_mbit_s"))
 @click.option("--prefill-pipeline-steps", type=int, default=None, help=_help("prefill_pipeline_steps"))
 @click.option("--check-fraction", type=float, default=None, help=_help("check_fraction"))
 @click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))

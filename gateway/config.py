@@ -78,10 +78,16 @@ class GatewayConfig:
     tls_port_file: str = _f("", "if set, the bound HTTPS port (tls_port) is written here once listening")
     activation_encoding: str = _f(
         "f32",
-        "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (by bandwidth)",
+        "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (per hop, by the"
+        " sending node's announced uplink; f16 and int8 are not bit-exact with the whole model)",
     )
     auto_f32_min_mbit_s: float = _f(
-        400.0, "with activation_encoding=auto: hops at least this fast use f32, slower ones f16 or int8"
+        400.0,
+        "with activation_encoding=auto: hops at least this fast (or of unknown speed) use f32, slower ones"
+        " f16 (or int8, below auto_int8_below_mbit_s)",
+    )
+    auto_int8_below_mbit_s: float = _f(
+        0.0, "with activation_encoding=auto: hops slower than this use int8 blocks instead of f16; 0 = never"
     )
     prefill_pipeline_steps: int = _f(
         4, "prefill steps in flight at once, so stages work on different chunks (1: one after the other)"
@@ -229,6 +235,8 @@ class GatewayConfig:
             raise ConfigError(
                 f"activation_encoding must be f32, f16, int8 or auto, got {self.activation_encoding!r}"
             )
+        if not 0.0 <= self.auto_int8_below_mbit_s <= self.auto_f32_min_mbit_s:
+            raise ConfigError("auto_int8_below_mbit_s must be in [0, auto_f32_min_mbit_s]")
         if not 0.0 <= self.check_fraction <= 1.0:
             raise ConfigError(f"check_fraction must be in [0, 1], got {self.check_fraction}")
         if self.probation_checks < 0:

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import trio
 
+from gateway.encodings import stage_encodings
 from gateway.errors import ContextLengthExceeded, GatewayError, NoRoute, StageBusy, StageFailed
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
@@ -46,6 +47,7 @@ from gateway.session_machine import (
     Failure,
     FindReplacement,
     ForwardBytes,
+    HopTimed,
     OpenStream,
     Recovered,
     RouteConfig,
@@ -55,6 +57,7 @@ from gateway.session_machine import (
     SessionFailed,
     StageSpec,
     StepReport,
+    StepTimed,
 )
 from proto import codec
 from proto.errors import ProtocolError, RemoteError
@@ -81,7 +84,10 @@ class DataPlane:
     """How sessions use the swarm's data plane (gateway config)."""
 
     push: bool = True
-    encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32
+    encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32  # every hop's, unless encoding_mode is auto
+    encoding_mode: str = ""  # "auto": per hop by the sender's uplink (gateway.encodings)
+    auto_f32_min_mbit_s: float = 400.0
+    auto_int8_below_mbit_s: float = 0.0
     pipeline_steps: int = 4
     history_bytes: int = 64 * 1024 * 1024
     open_timeout_s: float = 30.0
@@ -89,6 +95,17 @@ class DataPlane:
     decode_timeout_s: float = 30.0
     decode_timeout_floor_s: float = 3.0
     close_timeout_s: float = 5.0
+
+    def encodings(self, route: Route) -> tuple[frame_pb2.Encoding, ...]:
+        """What each stage of ``route`` sends its hidden states in."""
+        if self.encoding_mode != "auto":
+            return (self.encoding,) * len(route.hops)
+        return stage_encodings(
+            "auto",
+            [h.bandwidth_mbit_s for h in route.hops],
+            f32_min_mbit_s=self.auto_f32_min_mbit_s,
+            int8_below_mbit_s=self.auto_int8_below_mbit_s,
+        )
 
 
 # (node id, OPEN frame) -> OpenSession.gateway_proof: this gateway's signature over that OPEN
@@ -176,6 +193,7 @@ class RouteSession:
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
         self.on_step: Callable[[StepReport], None] | None = None  # with report_steps (spot checks)
+        self.on_timing: Callable[[StepTimed | HopTimed], None] | None = None  # decode timings (metrics)
 
     # -- what callers use ------------------------------------------------------------------------------
 
@@ -314,6 +332,9 @@ class RouteSession:
             elif isinstance(command, StepReport):
                 if self.on_step is not None:
                     self.on_step(command)
+            elif isinstance(command, StepTimed | HopTimed):
+                if self.on_timing is not None:
+                    self.on_timing(command)
             elif isinstance(command, Recovered):
                 self.route_epoch = self.machine.epoch
                 if self._recovery is not None:
@@ -437,6 +458,8 @@ async def open_route_session(
     keep_ms: int = 0,
     report_steps: bool = False,
     prove_open: OpenProver | None = None,
+    on_timing: Callable[[StepTimed | HopTimed], None] | None = None,
+    encodings: Sequence[frame_pb2.Encoding] | None = None,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -444,6 +467,9 @@ async def open_route_session(
     other exit (an error, the client going away) sends CANCEL. Either way every
     stage frees its KV. Raises the open failure (a :class:`GatewayError`) when a
     stage cannot open the session.
+
+    ``encodings`` (per stage, what it sends on) defaults to the data plane's
+    choice for ``route``; the runs of a spot check pass the primary's.
     """
     recipe = {s.recipe_fingerprint for s in stages}
     if len(recipe) != 1:
@@ -467,6 +493,7 @@ async def open_route_session(
         limits=codec.FrameLimits(max_frame_bytes=max_frame_bytes),
         push=plane.push,
         encoding=plane.encoding,
+        encodings=tuple(encodings) if encodings is not None else plane.encodings(route),
         history_bytes=plane.history_bytes if recovery is not None else 0,
         pipeline_steps=plane.pipeline_steps,
         max_recoveries=recovery.max_recoveries if recovery is not None else 0,
@@ -496,6 +523,7 @@ async def open_route_session(
     session = RouteSession(
         machine, channels, {h.node_id: h for h in route.hops}, recovery, config.limits, prove_open
     )
+    session.on_timing = on_timing
     with single_exception():  # the body's own exception leaves as itself, not in a group
         async with trio.open_nursery() as nursery:
             await nursery.start(session.run)

@@ -49,6 +49,7 @@ from gateway.admission import AdmissionPolicy
 from gateway.checked import CheckedSession
 from gateway.checks import CheckPolicy, Divergence, Verdict, evidence
 from gateway.config import GatewayConfig
+from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -69,7 +70,7 @@ from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_session import DataPlane, RouteSession, Run, Sampled, open_route_session
 from gateway.routes import Hop, NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
-from gateway.session_machine import StepReport
+from gateway.session_machine import HopTimed, StepReport, StepTimed
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
 from gateway.trust_report import ObservedSpeed
@@ -180,19 +181,14 @@ class _Progress:
     finish_reason: str = "stop"
 
 
-_ENCODINGS = {
-    "f32": frame_pb2.ENCODING_F32,
-    "f16": frame_pb2.ENCODING_F16,
-    "int8": frame_pb2.ENCODING_INT8_BLOCK,
-    "auto": frame_pb2.ENCODING_F32,  # no per-hop bandwidth estimate yet: the exact encoding
-}
-
-
 def data_plane(config: GatewayConfig) -> DataPlane:
     """The data-plane settings of every Route Session this gateway runs."""
     return DataPlane(
         push=config.data_plane == "push",
-        encoding=_ENCODINGS[config.activation_encoding],
+        encoding=FIXED_ENCODINGS.get(config.activation_encoding, frame_pb2.ENCODING_F32),
+        encoding_mode=config.activation_encoding,
+        auto_f32_min_mbit_s=config.auto_f32_min_mbit_s,
+        auto_int8_below_mbit_s=config.auto_int8_below_mbit_s,
         pipeline_steps=config.prefill_pipeline_steps,
         history_bytes=config.recovery_history_bytes,
         open_timeout_s=config.open_timeout_s,
@@ -678,8 +674,13 @@ class GatewayService:
         session_id: str | None = None,
         kv_source: tuple[str, int] | None = None,
         keep_ms: int = 0,
+        encodings: Sequence[frame_pb2.Encoding] | None = None,
     ) -> AbstractAsyncContextManager[RouteSession]:
-        """One Route Session of this request on ``route`` (the primary, a shadow or a judge)."""
+        """One Route Session of this request on ``route`` (the primary, a shadow or a judge).
+
+        ``encodings``: what each stage sends on; by default the data plane's choice for ``route``. A
+        check's shadow and judge take the primary's, so honest nodes report the same digests.
+        """
         stage_infos = list(stages if stages is not None else prepared.stages)
         return open_route_session(
             self.channels,
@@ -702,6 +703,8 @@ class GatewayService:
             kv_source=kv_source,
             keep_ms=keep_ms,
             prove_open=self._prove_open,
+            on_timing=self._on_timing,
+            encodings=encodings,
         )
 
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
@@ -716,6 +719,14 @@ class GatewayService:
             ticket=bytes(frame.open.route_ticket),
             now_s=time.time(),
         )
+
+    def _on_timing(self, timing: StepTimed | HopTimed) -> None:
+        """A decode step's round and each stage's share of it, as the Route Session machine saw them
+        (every session: spot-check shadows and judges too; their steps are steps of this gateway)."""
+        if isinstance(timing, StepTimed):
+            self.metrics.observe("swarm_gateway_step_seconds", timing.seconds)
+        else:
+            self.metrics.observe("swarm_gateway_hop_latency_seconds", timing.seconds)
 
     async def _other_route(
         self, model: str, like: Route, avoid: frozenset[str]
@@ -749,6 +760,7 @@ class GatewayService:
     ) -> Run:
         """The request also runs on a shadow route (spot check), or unchecked when there is none."""
         primary_nodes = frozenset(h.node_id for h in route.hops)
+        same_encodings = primary.machine.config.encodings
         try:
             shadow_route, stages = await self._other_route(
                 job.model_key or request.model, route, primary_nodes
@@ -763,6 +775,7 @@ class GatewayService:
                     step_tokens,
                     report_steps=True,
                     stages=stages,
+                    encodings=same_encodings,
                 )
             )
         except GatewayError as err:
@@ -782,6 +795,7 @@ class GatewayService:
                 step_tokens,
                 report_steps=True,
                 stages=judge_stages,
+                encodings=same_encodings,
             ) as judge:
                 yield judge
 
@@ -886,6 +900,9 @@ class GatewayService:
             with job.cancel_scope:
                 try:
                     async with self.gate.slot(job.client):
+                        # Admitted: the wait in the gate (0 when a slot was free at once).
+                        waited = trio.current_time() - arrived
+                        self.metrics.observe("swarm_gateway_queue_wait_seconds", waited)
                         if request.n == 1:
                             # Finished goes out from inside the session (before RELEASE).
                             await self._run_sessions(job, send, progresses[0], arrived, task_status)
@@ -1021,10 +1038,18 @@ class GatewayService:
                     session.finished = True
                     progress.finish_reason = reason
                     if index == 0:
+                        done = trio.current_time()
                         self.metrics.inc(
                             "swarm_gateway_route_sessions_total", route=job.route_label, outcome="ok"
                         )
-                        self.metrics.observe("swarm_gateway_session_seconds", trio.current_time() - arrived)
+                        self.metrics.observe("swarm_gateway_session_seconds", done - arrived)
+                        tokens = len(progress.generated)
+                        if job.ttft_s is not None and tokens >= 2:
+                            # Per request (vLLM's TPOT): the time after the first token over the rest.
+                            self.metrics.observe(
+                                "swarm_gateway_time_per_output_token_seconds",
+                                (done - arrived - job.ttft_s) / (tokens - 1),
+                            )
                     if fork is None:
                         # The client gets its last chunk now; RELEASE to the stages follows on the way out.
                         await _deliver(

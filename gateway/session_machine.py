@@ -11,6 +11,8 @@ runs the timers and the tracker look-ups, and carries out the commands::
     FindReplacement(index, ...)    ask the tracker for a node with exactly that stage's layers
     EmitToken(sampled, position)   a generated token for the client
     Recovered(report)              a stage was replaced (metrics, logs)
+    StepTimed(seconds)             a decode step went once round the route (metrics)
+    HopTimed(stage, node, seconds) one stage's share of a decode step (metrics)
     Closed(released)               the session is over; every stage freed its KV or stopped answering
     SessionFailed(failure)         the session cannot go on (after ``Closed``-like cleanup was sent)
 
@@ -46,6 +48,22 @@ same-span node, no kept outputs, a second failure meanwhile, too many
 recoveries) ends the session with a failure the service answers by re-running
 the whole token history on another route.
 
+Timings (decode steps only; the machine's clock is the ``now`` of its events).
+A decode step *starts* when its input leaves: the gateway sends it (one stage,
+a resume, another choice) or the last stage reported the step before, which is
+when it pushed this one round the ring. :class:`StepTimed` is the time from
+that start to the last stage's report of the step. :class:`HopTimed` is stage
+k's share: from the report of the stage before it (stage 0: from the step's
+start) to its own report, i.e. the transfer into the stage, its compute and the
+difference between the two reports' ways back to this gateway; a report that
+overtook its predecessor's counts 0. The shares of one step are emitted once
+every stage reported it (reports after the stop count too), n per step; they
+add up to the time from the step's start to its latest report, which is the
+step's time when the reports arrive in stage order. A step cut by a stage
+replacement is timed again from its re-send in the next epoch (the replacement
+itself is the recovery's time, not the step's); timings are kept for at most
+``TIMED_STEPS`` steps at once.
+
 Invariants: tokens are emitted in position order, once each; a stage's KV is
 freed by RELEASE/CANCEL when the session ends (or by the node's lease when it
 cannot be reached); frames of an older epoch are ignored; every bound is
@@ -68,6 +86,8 @@ S = status_pb2
 # MAX_CLIENT_RETRY_AFTER_S (Retry-After).
 MAX_NODE_RETRY_AFTER_MS = 1000
 MAX_CLIENT_RETRY_AFTER_S = 30
+
+TIMED_STEPS = 8  # decode steps whose timings are being collected at once (a bound; normally 1)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -99,6 +119,9 @@ class RouteConfig:
     limits: codec.FrameLimits = codec.DEFAULT_LIMITS
     push: bool = True  # direct push between nodes; False: every hop through the gateway
     encoding: frame_pb2.Encoding = frame_pb2.ENCODING_F32
+    # Per stage position, the encoding of the hidden states it sends on (gateway.encodings); positions
+    # past its end use ``encoding``. A replacement takes over its position's encoding.
+    encodings: tuple[frame_pb2.Encoding, ...] = ()
     history_bytes: int = 64 * 1024 * 1024  # outputs each stage keeps for a replacement's replay
     pipeline_steps: int = 4  # prefill steps in flight at once (1: one stage after the other)
     max_recoveries: int = 3
@@ -217,6 +240,22 @@ class StepReport:
 
 
 @dataclass(frozen=True)
+class StepTimed:
+    """A decode step's round through the route (module docstring, Timings)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HopTimed:
+    """Stage ``stage``'s share of a decode step (module docstring, Timings)."""
+
+    stage: int
+    node_id: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Closed:
     released: bool
 
@@ -235,6 +274,8 @@ Command = (
     | EmitToken
     | Recovered
     | StepReport
+    | StepTimed
+    | HopTimed
     | Closed
     | SessionFailed
 )
@@ -354,6 +395,9 @@ class RouteMachine:
         self._released = False
         self.reused = 0  # prompt positions taken from the KV source instead of prefilled
         self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
+        # Decode timings (module docstring): step id -> when it started, and -> {stage: report time}.
+        self._step_started: dict[int, float] = {}
+        self._step_reports: dict[int, dict[int, float]] = {}
 
     # -- small helpers ------------------------------------------------------------------------------
 
@@ -427,8 +471,55 @@ class RouteMachine:
             spec.tls_fingerprint,
         )
 
+    def output_encoding(self, k: int) -> frame_pb2.Encoding:
+        """The encoding stage ``k`` is told to send its hidden states in."""
+        encodings = self.config.encodings
+        return encodings[k] if k < len(encodings) else self.config.encoding
+
     def _close_id(self) -> int:
         return self.base + self.config.kv_budget + 1
+
+    # -- decode timings (module docstring) ---------------------------------------------------------------
+
+    def _start_timing(self, step_id: int, now: float) -> None:
+        self._step_started[step_id] = now
+        self._bound_timing()
+
+    def _bound_timing(self) -> None:
+        """Steps that never complete (stopped, failed) are forgotten, oldest first."""
+        for table in (self._step_started, self._step_reports):
+            while len(table) > TIMED_STEPS:
+                del table[min(table)]
+
+    def _reset_timing(self) -> None:
+        self._step_started.clear()
+        self._step_reports.clear()
+
+    def _timed(self, k: int, step_id: int, now: float) -> list[Command]:
+        """Stage ``k`` reported decode step ``step_id``: the step's time (last stage), and every stage's
+        share once all of them reported it. A report may come before the gateway learnt that the step
+        started (stage 0's report overtaking the last stage's report of the step before); the last
+        report of a step always comes after its start."""
+        seen = self._step_reports.setdefault(step_id, {})
+        if k in seen:
+            return []  # a duplicate report
+        seen[k] = now
+        self._bound_timing()
+        started = self._step_started.get(step_id)
+        if started is None:
+            return []
+        out: list[Command] = []
+        if k == self.n - 1:
+            out.append(StepTimed(max(0.0, now - started)))
+        if len(seen) == self.n:
+            previous = started
+            for j in range(self.n):
+                at = seen[j]
+                out.append(HopTimed(j, self._stages[j].spec.node_id, max(0.0, at - previous)))
+                previous = max(previous, at)
+            del self._step_started[step_id]
+            del self._step_reports[step_id]
+        return out
 
     def _data_id(self, start: int) -> int:
         return self.base + start + 1
@@ -446,6 +537,7 @@ class RouteMachine:
         """OPEN (or re-attach) every stage for the current epoch; stages in ``fresh`` start empty."""
         n = self.n
         hop = [self._new_token() for _ in range(n)]  # hop[k]: stage k -> k+1; hop[n-1]: the ring
+        self._reset_timing()  # step ids restart with the epoch
         out: list[Command] = []
         for k, stage in enumerate(self._stages):
             stage.header = codec.SessionHeader(
@@ -470,7 +562,7 @@ class RouteMachine:
                 route_ticket=stage.spec.ticket,
                 kv_budget_tokens=self.config.kv_budget,
                 sampling=self.config.sampling if last else None,
-                output_encoding=self.config.encoding,
+                output_encoding=self.output_encoding(k),
                 max_frame_bytes=self.config.node_frame_bytes,
                 keep_kv_len=stage.keep,
                 downstream=None if last else self._target(k, k + 1, hop[k]),
@@ -616,6 +708,7 @@ class RouteMachine:
         )
         self._inflight.append(_Inflight(p, p + 1, self._data_id(p), now))
         self._sent_end = p + 1
+        self._start_timing(self._data_id(p), now)
         self._arm(now)
         return [SendFrame(first.slot, frame)]
 
@@ -700,6 +793,9 @@ class RouteMachine:
             if kind == "closed":
                 stage.closed = stage.closed_ok = True
                 return self._maybe_closed(now)
+            if kind == "result" and frame.phase == frame_pb2.PHASE_DECODE:
+                # The last step's earlier stages may report after the last stage (and the stop).
+                return self._timed(k, int(frame.step_id), now)
             return []
         if kind == "open_ack":
             return self._acked(k, frame, now)
@@ -749,6 +845,8 @@ class RouteMachine:
                     _sampled(frame),
                 )
             )
+        if self.phase == _RUNNING and frame.phase == frame_pb2.PHASE_DECODE:
+            reported += self._timed(k, int(frame.step_id), now)
         if self.phase == _RECOVERING:
             rec = self._recovery
             if rec is not None and rec.replaying and k == rec.index and end >= self.committed:
@@ -776,6 +874,9 @@ class RouteMachine:
                 self.tokens.append(token.token_id)
                 self._eog = token.end_of_generation
                 out.append(EmitToken(token, end))
+                if self._ring_expected():
+                    # The last stage pushed the next decode step round the ring as it reported this one.
+                    self._start_timing(self._data_id(self.committed), now)
             if self.n == 1:
                 out += self._decode_step(now)
         out += self._pump(now)

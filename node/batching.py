@@ -32,6 +32,8 @@ class PendingJob:
     hidden_parts: list[npt.NDArray[np.float32]] = field(default_factory=list)
     compute_s: float = 0.0
     dropped: bool = False
+    submitted_s: float = 0.0  # the scheduler's clock when the job was queued
+    queue_s: float | None = None  # queued until its first batch started (set by the scheduler)
 
     @property
     def remaining(self) -> int:

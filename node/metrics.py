@@ -8,14 +8,17 @@ objects: they are declared ``scraped`` and read at every scrape
 ``swarm_node_batch_seconds``                    wall time of one engine batch (all sessions in it)
 ``swarm_node_batch_tokens``                     positions per engine batch
 ``swarm_node_step_seconds``                     one step's share of engine time (a job's compute)
-``swarm_node_queue_wait_seconds``               a step's wait between arrival and its first batch
-                                                (observed by the scheduler; see docs/operations.md)
+``swarm_node_queue_wait_seconds``               a step's wait in the engine queue: from the moment
+                                                it could run (submitted to the scheduler, i.e. its
+                                                session's previous step was done) until its first
+                                                batch started (measured by the scheduler,
+                                                ``StepOutcome.queue_us``; observed here)
 ==============================================  =====================================================
 
 :class:`TimedBackend` wraps the engine backend (it runs on the engine thread;
 prometheus_client's instruments lock internally) and :func:`timed_outcomes`
-wraps the scheduler's completion callback, so the scheduler itself needs no
-metrics code.
+wraps the scheduler's completion callback (engine time and queue wait of each
+finished step), so the scheduler itself needs no metrics code.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_batch_seconds": m.histogram("wall time of one engine batch"),
     "swarm_node_batch_tokens": m.histogram("positions per engine batch", buckets=m.TOKEN_BUCKETS),
     "swarm_node_step_seconds": m.histogram("one step's share of engine time"),
-    "swarm_node_queue_wait_seconds": m.histogram("a step's wait between arrival and its first engine batch"),
+    "swarm_node_queue_wait_seconds": m.histogram(
+        "a step's wait in the engine queue: submitted to the scheduler until its first batch"
+    ),
 }
 
 
@@ -117,6 +122,8 @@ def timed_outcomes(
     def record(outcome: StepOutcome) -> None:
         if outcome.error_status is None and outcome.compute_us > 0:
             metrics.observe("swarm_node_step_seconds", outcome.compute_us / 1e6)
+        if outcome.queue_us is not None:  # failed steps waited too
+            metrics.observe("swarm_node_queue_wait_seconds", outcome.queue_us / 1e6)
         on_outcome(outcome)
 
     return record

@@ -7,7 +7,9 @@ the engine: each round it moves to the engine thread once
 (``trio.to_thread.run_sync`` with a ``CapacityLimiter(1)``), applies the queued
 control effects in order, then runs one batch planned by
 :func:`node.batching.plan_batch` (decode first, prefill in bounded slices).
-Finished jobs are handed to ``on_outcome`` on the trio side.
+Finished jobs are handed to ``on_outcome`` on the trio side, each with its
+wait in the queue (``StepOutcome.queue_us``: from :meth:`submit` until the
+first batch holding a slice of it started; the node's metrics observe it).
 
 Short rounds run inline: a round of decode steps only, whose measured cost
 (the smoothed per-token time of earlier decode-only batches times its tokens)
@@ -112,7 +114,7 @@ class Scheduler:
         """Queue one effect (synchronously, preserving order); controls return their completion."""
         done: ControlDone | None = None
         if isinstance(effect, Compute):
-            pending = PendingJob(effect.job)
+            pending = PendingJob(effect.job, submitted_s=time.perf_counter())
             self._jobs.append(pending)
             self._by_id[effect.job.job_id] = pending
         elif isinstance(effect, Drop):
@@ -148,6 +150,9 @@ class Scheduler:
             controls, self._controls = self._controls, []
             plan = plan_batch(self._jobs, self.max_batch_tokens, self.prefill_chunk_tokens)
             t0 = time.perf_counter()
+            for s in plan:
+                if s.pending.queue_s is None:  # the job's first batch: its wait in the queue ends
+                    s.pending.queue_s = max(0.0, t0 - s.pending.submitted_s)
             if self._runs_inline(plan):
                 # The limiter is free (checked): hold it so call_engine() cannot overlap this round.
                 self._limiter.acquire_nowait()
@@ -264,6 +269,7 @@ class Scheduler:
                         kv_len=job.start if s.offset > 0 else r.kv_len,
                         error_status=r.error_status,
                         error_message=r.error_message,
+                        queue_us=_us(p.queue_s),
                     )
                 )
                 continue
@@ -283,6 +289,7 @@ class Scheduler:
                     hidden=hidden,
                     sampled=r.sampled,
                     compute_us=int(p.compute_s * 1e6),
+                    queue_us=_us(p.queue_s),
                 )
             )
 
@@ -308,3 +315,7 @@ class Scheduler:
             multi_session_batches=self._multi,
             inline_rounds=self._inline_rounds,
         )
+
+
+def _us(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1e6)

@@ -219,6 +219,7 @@ class StepOutcome:
     compute_us: int = 0
     error_status: str | None = None
     error_message: str = ""
+    queue_us: int | None = None  # the job's wait in the scheduler before its first batch (metrics)
 
 
 @dataclass(frozen=True)

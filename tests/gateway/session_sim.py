@@ -35,6 +35,7 @@ from gateway.session_machine import (
     EmitToken,
     FindReplacement,
     ForwardBytes,
+    HopTimed,
     OpenStream,
     Recovered,
     RouteConfig,
@@ -42,6 +43,7 @@ from gateway.session_machine import (
     SendFrame,
     SessionFailed,
     StageSpec,
+    StepTimed,
 )
 from node.push import STALE
 from node.session_machine import (
@@ -167,6 +169,9 @@ class SimSwarm:
     failure: SessionFailed | None = None
     recoveries: int = 0
     dup_next: bool = False
+    timings: list[StepTimed | HopTimed] = field(default_factory=list)  # (now, what) of every decode step
+    timed_at: list[float] = field(default_factory=list)  # self.now of each entry of timings
+    pushed: list[tuple[str, int]] = field(default_factory=list)  # (sender, tensor encoding) of each push
 
     # -- node side ------------------------------------------------------------------------------------
 
@@ -220,6 +225,9 @@ class SimSwarm:
         if target is None or target.dead:
             self._push_failed(node.name, push.session_id, f"{push.target.address} unreachable")
             return
+        for frame in push.frames:
+            if codec.body_kind(frame) == "activation":
+                self.pushed.extend((node.name, int(t.encoding)) for t in frame.activation.tensors)
         key = (node.name, push.session_id, target.name)
         if key not in self.pushes:
             self.pushes[key] = (target.machine.connect(), deque())
@@ -264,6 +272,9 @@ class SimSwarm:
                 self.failure = command
             elif isinstance(command, Closed):
                 self.outcome = command
+            elif isinstance(command, StepTimed | HopTimed):
+                self.timings.append(command)
+                self.timed_at.append(self.now)
 
     # -- the scheduler ---------------------------------------------------------------------------------
 
@@ -412,6 +423,7 @@ def run_request(
     step_tokens: int = 5,
     pipeline_steps: int = 3,
     max_events: int = 200_000,
+    encodings: tuple[int, ...] = (),
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -451,6 +463,7 @@ def run_request(
             decode_timeout_s=5,
             decode_timeout_floor_s=1,
             close_timeout_s=2,
+            encodings=encodings,  # type: ignore[arg-type]
         )
         stages = [
             StageSpec(n, n, swarm.nodes[n].start, swarm.nodes[n].end, RECIPE_FP, b"ticket") for n in route

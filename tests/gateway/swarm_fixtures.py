@@ -30,6 +30,7 @@ def announce(
     port: int,
     max_sessions: int = 8,
     decode_ms_per_token: float = 10.0,
+    uplink_mbit_s: float | None = None,
 ) -> None:
     async def run() -> None:
         async with TrackerClient(tracker_url, key) as client:
@@ -51,6 +52,7 @@ def announce(
                         tls_fingerprint=tls.fingerprint
                         if (tls := TLS_CERTS.get(public_key_hex(key)))
                         else "",
+                        uplink_mbit_s=uplink_mbit_s,
                     )
                 )
 

@@ -144,6 +144,34 @@ def test_models_health_metrics(client: openai.OpenAI, swarm: dict) -> None:
     assert metric_lines(base, "swarm_gateway_http_requests_total")
 
 
+def _histogram_counts(base: str) -> dict[str, float]:
+    """``<name>_count`` of every gateway histogram, from the scrape."""
+    return {
+        line.split()[0].removesuffix("_count"): float(line.split()[-1])
+        for line in metric_lines(base, "swarm_gateway_")
+        if line.split()[0].endswith("_count")
+    }
+
+
+def test_latency_histograms_move_by_one_request(client: openai.OpenAI, swarm: dict) -> None:
+    """One request of 5 tokens on the two-stage route: one queue wait, one TTFT, one time per output
+    token; a step time for each of the 4 decode steps (the first token comes from the prefill) and a
+    hop share per stage and decode step."""
+    base = url(swarm["gateway"])
+    wait_until(lambda: no_sessions_left(swarm), 5, "nodes to be idle")
+    before = _histogram_counts(base)
+    r = client.completions.create(model="fake-model", prompt="x", max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    after = _histogram_counts(base)
+    moved = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    assert moved["swarm_gateway_queue_wait_seconds"] == 1
+    assert moved["swarm_gateway_time_to_first_token_seconds"] == 1
+    assert moved["swarm_gateway_time_per_output_token_seconds"] == 1
+    assert moved["swarm_gateway_session_seconds"] == 1
+    assert moved["swarm_gateway_step_seconds"] == 4
+    assert moved["swarm_gateway_hop_latency_seconds"] == 2 * 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "status", "param"),
     [

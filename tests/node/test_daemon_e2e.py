@@ -171,6 +171,7 @@ def test_four_concurrent_sessions_do_not_cross_talk(
     swarm: Swarm, vocab: Vocabulary, expected: dict[str, list[int]]
 ) -> None:
     ticket = swarm.ticket()
+    before = [_counts(node) for node in swarm.nodes]
 
     def run(prompt: str) -> list[int]:
         session = RouteSession(swarm.stages, ticket)
@@ -191,6 +192,21 @@ def test_four_concurrent_sessions_do_not_cross_talk(
         metrics = r.read().decode()
     (line,) = [x for x in metrics.splitlines() if x.startswith("swarm_node_multi_session_batches_total ")]
     assert float(line.split()[1]) > 0
+    # every step each node finished waited in its engine queue once: the queue-wait histogram moved by
+    # exactly as many steps as the engine-time one (no step failed), at least one per decode step
+    for node, was in zip(swarm.nodes, before, strict=True):
+        now = _counts(node)
+        steps = now["swarm_node_step_seconds"] - was["swarm_node_step_seconds"]
+        assert steps >= len(PROMPTS) * (N_NEW - 1)
+        assert now["swarm_node_queue_wait_seconds"] - was["swarm_node_queue_wait_seconds"] == steps
+
+
+def _counts(node: Service) -> dict[str, float]:
+    """``_count`` of the node's step and queue-wait histograms, from its admin server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.admin_port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    names = ("swarm_node_step_seconds", "swarm_node_queue_wait_seconds")
+    return {n: next((float(x.split()[1]) for x in lines if x.startswith(n + "_count ")), 0.0) for n in names}
 
 
 def test_broken_stream_reattach_with_a_new_epoch_continues_exactly(

@@ -218,3 +218,35 @@ async def test_inline_rounds_can_be_disabled_and_never_overlap_call_engine() -> 
         await got.wait(5)
         assert got.outcomes[-1].kv_len == 5
         nursery.cancel_scope.cancel()
+
+
+async def test_each_finished_step_reports_its_queue_wait_and_the_node_metrics_observe_it() -> None:
+    """A step queued behind a busy engine waits at least one batch; every finished step (failed ones
+    too) lands once in swarm_node_queue_wait_seconds, successful ones also in swarm_node_step_seconds."""
+    from node.metrics import Metrics, timed_outcomes
+
+    metrics = Metrics()
+    backend = FakeBackend()
+    got = Collector()
+    sched = Scheduler(
+        backend, timed_outcomes(got, metrics), max_batch_tokens=4, prefill_chunk_tokens=4, inline_max_ms=0
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        await sched.run_control(OpenKv("b", 64, SamplingSpec()))
+        # One round: a's 12 positions take three batches of 4; b's job is planned only after a's
+        # (prefill in arrival order), so it waits while a runs.
+        sched.submit(Compute(job(1, "a", 0, 12)))
+        sched.submit(Compute(job(2, "b", 0, 4)))
+        await got.wait(2)
+        by_id = {o.job_id: o for o in got.outcomes}
+        assert by_id[1].queue_us is not None and by_id[2].queue_us is not None
+        assert by_id[2].queue_us > by_id[1].queue_us
+        backend.fail_next = "a"
+        sched.submit(Compute(job(3, "a", 12, 4)))
+        await got.wait(3)
+        assert got.outcomes[-1].error_status == "INTERNAL" and got.outcomes[-1].queue_us is not None
+        nursery.cancel_scope.cancel()
+    assert metrics.histogram_count("swarm_node_queue_wait_seconds") == 3
+    assert metrics.histogram_count("swarm_node_step_seconds") == 2
