@@ -25,6 +25,7 @@ service then re-runs the request's token history on another route.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -441,6 +442,7 @@ async def open_route_session(
         decode_timeout_s=plane.decode_timeout_s,
         decode_timeout_floor_s=plane.decode_timeout_floor_s,
         close_timeout_s=plane.close_timeout_s,
+        expected_step_s=route.expected_ms_per_token / 1000 if route.expected_ms_per_token > 0 else math.nan,
         kv_source=kv_source,
         keep_ms=keep_ms,
         report_steps=report_steps,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,21 @@ from tracker.client import TrackerClient
 log = logging.getLogger("swarm.gateway")
 SHUTDOWN_GRACE_S = 5.0  # how long open HTTP responses may drain after SIGINT/SIGTERM
 KEY_FILE = "gateway.key"
+
+
+class _HypercornConfig(hypercorn.config.Config):
+    """Hypercorn's config, with a bounded kernel send buffer on the listening sockets (accepted
+    connections inherit it): a client that stops reading fills it after ``send_buffer_bytes`` and
+    the gateway notices (``client_stall_s``) instead of queueing megabytes for it."""
+
+    send_buffer_bytes = 0
+
+    def create_sockets(self) -> hypercorn.config.Sockets:
+        sockets = super().create_sockets()
+        if self.send_buffer_bytes:
+            for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+        return sockets
 
 
 @dataclass(frozen=True)
@@ -97,11 +113,17 @@ async def _serve(
     on_ready: Callable[[RunningGateway], None] | None,
     task_status: trio.TaskStatus[int],
 ) -> None:
-    service = GatewayService(config, tracker, key, channels)
+    from gateway.api_keys import KeyFileError as ApiKeyFileError
+
+    try:
+        service = GatewayService(config, tracker, key, channels)
+    except (ApiKeyFileError, UnicodeDecodeError) as err:
+        raise ConfigError(f"api keys file {config.resolved_api_keys_file()}: {err}") from err
     service.vocabs.registry = tracker  # registered models' vocabularies need a proof (vocab_store.py)
     app = create_app(service)
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
-    hc = hypercorn.config.Config()
+    hc = _HypercornConfig()
+    hc.send_buffer_bytes = config.client_send_buffer_bytes
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.accesslog = None
@@ -109,6 +131,9 @@ async def _serve(
     hc.graceful_timeout = SHUTDOWN_GRACE_S
     # Relay sockets (/v1/relay) may sit idle for minutes: pings keep NAT mappings on the node's side open.
     hc.websocket_ping_interval = 20.0
+    # Relay messages are single frames: bounded like the frames a node may send (hypercorn's default
+    # would accept 16 MiB); the node's side allows the same margin (node/relay_client.py).
+    hc.websocket_max_message_size = config.max_frame_bytes + 64 * 1024
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         if config.stats_interval_s > 0:
