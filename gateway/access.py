@@ -87,11 +87,11 @@ class Access:
     async def principal(self, authorization: str, address: str) -> Principal:
         """Who sends a request with this ``Authorization`` header; 401 when it may not."""
         await self._maybe_reload()
-        bearer: str | None = None
-        if authorization[:7].lower() == "bearer ":
-            bearer = authorization[7:].strip() or None
-        elif authorization.strip():
-            bearer = authorization.strip()  # not a bearer token: never a valid key
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer":
+            bearer = token.strip() or None  # "Bearer" alone (an empty key): no key
+        else:
+            bearer = authorization.strip() or None  # not a bearer token: never a valid key
         try:
             who = self._table.authenticate(bearer, address, self.policy)
         except AuthenticationFailed as err:

@@ -267,9 +267,10 @@ def create_app(service: GatewayService) -> QuartTrio:
     async def _generate(req: GenerationRequest, who: Any) -> Response:
         if req.ignored:
             event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
-        capped = access.cap(who, req.max_tokens)
-        if capped != req.max_tokens:
-            req = dataclasses.replace(req, max_tokens=capped)
+        access.cap(who, req.max_tokens)  # 400 above the principal's cap
+        if req.max_tokens is None and who.limits.max_tokens:
+            # No max_tokens: up to what the prompt leaves on the route, and at most the cap.
+            req = dataclasses.replace(req, max_tokens_cap=who.limits.max_tokens)
         job = await service.start_job(req, client_key(), who)
         request.job = job  # type: ignore[attr-defined]
         if req.stream:

@@ -48,6 +48,16 @@ def _help(name: str) -> str:
 @click.option("--max-queue", type=int, default=None, help=_help("max_queue"))
 @click.option("--max-sessions-per-client", type=int, default=None, help=_help("max_sessions_per_client"))
 @click.option("--queue-timeout-s", type=float, default=None, help=_help("queue_timeout_s"))
+@click.option("--api-keys-file", default=None, help=_help("api_keys_file"))
+@click.option(
+    "--allow-anonymous/--no-anonymous", "allow_anonymous", default=None, help=_help("allow_anonymous")
+)
+@click.option("--anonymous-max-tokens", type=int, default=None, help=_help("anonymous_max_tokens"))
+@click.option(
+    "--anonymous-tokens-per-minute", type=int, default=None, help=_help("anonymous_tokens_per_minute")
+)
+@click.option("--client-stall-s", type=float, default=None, help=_help("client_stall_s"))
+@click.option("--client-send-buffer-bytes", type=int, default=None, help=_help("client_send_buffer_bytes"))
 @click.option("--routes-k", type=int, default=None, help=_help("routes_k"))
 @click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
 @click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))

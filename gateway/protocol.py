@@ -132,6 +132,7 @@ class GenerationRequest:
     prompt_text: str | None = None  # completion, text prompt
     prompt_tokens: tuple[int, ...] | None = None  # completion, token-id prompt
     max_tokens: int | None = None  # None: up to the KV budget
+    max_tokens_cap: int = 0  # extension (set by the gateway, not the client): None above means up to this
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension

@@ -492,6 +492,8 @@ class GatewayService:
             max_new = request.max_tokens
         else:
             max_new = limit - len(prompt)
+            if request.max_tokens_cap:
+                max_new = min(max_new, request.max_tokens_cap)
             if max_new < 1:
                 raise ContextLengthExceeded(
                     f"This model's context limit on the current route is {limit} tokens, but the {where} "

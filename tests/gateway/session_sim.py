@@ -20,6 +20,7 @@ swarm.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -412,6 +413,7 @@ def run_request(
     step_tokens: int = 5,
     pipeline_steps: int = 3,
     max_events: int = 200_000,
+    timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -452,6 +454,8 @@ def run_request(
             decode_timeout_floor_s=1,
             close_timeout_s=2,
         )
+        if timeouts:
+            config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]
         stages = [
             StageSpec(n, n, swarm.nodes[n].start, swarm.nodes[n].end, RECIPE_FP, b"ticket") for n in route
         ]
