@@ -58,8 +58,13 @@ DRAIN_FACTOR = 4
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate somewhere: JSON's \u escapes carry it
+        text = json.dumps(body, separators=(",", ":"))
     return Response(
-        json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+        text,
         status=status,
         mimetype="application/json",
         headers=headers,

@@ -173,6 +173,8 @@ MAX_JSON_DEPTH = 64
 def _path(parts: Sequence[str | int]) -> str:
     out = ""
     for part in parts:
+        if isinstance(part, str):  # a key may itself be the invalid string: never echo it raw
+            part = part.encode("utf-8", "backslashreplace").decode("utf-8")
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
