@@ -193,7 +193,7 @@ def public_message(err: GatewayError, request_id: str) -> str:
             else "The swarm failed to serve this request."
         )
     elif err.status >= 500:
-        return scrub(err.message)
+        text = scrub(err.message)
     else:
         return err.message
     return f"{text} (request id {request_id})"

@@ -101,12 +101,9 @@ def client(swarm: LocalSwarm) -> openai.OpenAI:
 
 
 def ask(client: openai.OpenAI, model: str, **extra: object) -> str:
+    params: dict = {"max_tokens": N_NEW, "temperature": 0, **extra}
     out = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=N_NEW,
-        temperature=0,
-        **extra,  # type: ignore[arg-type]
+        model=model, messages=[{"role": "user", "content": QUESTION}], **params
     )
     return out.choices[0].message.content or ""
 
