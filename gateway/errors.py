@@ -176,8 +176,8 @@ _NODE_ID = re.compile(r"\b[0-9a-f]{8,}\b")
 
 def scrub(message: str) -> str:
     """``message`` without network addresses (``host:port``, IPv4, ``relay:<id>``) and node ids (runs
-    of 8 or more lowercase hex digits)."""
-    return _NODE_ID.sub("<node>", _ADDRESS.sub("<address>", message))
+    of 8 or more lowercase hex digits; a model fingerprint looks the same and goes too)."""
+    return _NODE_ID.sub("<id>", _ADDRESS.sub("<address>", message))
 
 
 def public_message(err: GatewayError, request_id: str) -> str:
