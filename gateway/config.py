@@ -108,9 +108,15 @@ class GatewayConfig:
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
     open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
-    prefill_step_timeout_s: float = _f(120.0, "longest wait for one prefill step to pass every stage")
+    prefill_step_timeout_s: float = _f(
+        120.0,
+        "ceiling of the deadline of one prefill step through every stage (it adapts to the measured "
+        "prefill steps or the tracker's estimate, at least 15 s)",
+    )
     decode_step_timeout_s: float = _f(
-        30.0, "ceiling of the decode deadline (it adapts to the measured step time, at least 3 s)"
+        30.0,
+        "ceiling of the decode deadline (it adapts to the measured step time, or before the first step "
+        "to the tracker's estimate for the route; at least 3 s)",
     )
     tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
     close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
