@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -260,3 +261,47 @@ def test_a_hung_stage_is_noticed_in_seconds_not_at_the_ceiling(hang_at: int, bou
     )
     assert result.tokens == REFERENCE and result.failed is None and result.recoveries == 1
     assert swarm.now < bound_s, f"the hung stage held the session {swarm.now:.1f} s"
+
+
+# --------------------------------------------------------------------------- the shell: reloads
+
+
+def test_the_key_file_is_reread_when_it_changes_and_a_broken_change_keeps_the_keys(tmp_path: Path) -> None:
+    import os
+
+    import trio
+
+    from gateway.access import RELOAD_CHECK_S, Access
+    from gateway.metrics import Metrics
+
+    path = tmp_path / "keys.jsonl"
+    alice, bob = new_key(), new_key()
+    path.write_text(format_key_file([make_record(alice, "alice", 0, Limits())]))
+    now = [0.0]
+    metrics = Metrics()
+    access = Access(path, AuthPolicy(allow_anonymous=False), metrics, clock=lambda: now[0])
+
+    def touch(text: str, mtime: float) -> None:
+        path.write_text(text)
+        os.utime(path, (mtime, mtime))
+
+    async def main() -> None:
+        assert (await access.principal("Bearer " + alice, "h")).name == "alice"
+        for header in ("", "Bearer", "Bearer   "):
+            with pytest.raises(AuthenticationFailed) as missing:
+                await access.principal(header, "h")
+            assert missing.value.code == "missing_api_key"
+        with pytest.raises(AuthenticationFailed):
+            await access.principal("Bearer " + bob, "h")
+        touch(format_key_file([make_record(bob, "bob", 0, Limits())]), 2_000_000_000)
+        assert (await access.principal("Bearer " + alice, "h")).name == "alice"  # not re-checked yet
+        now[0] += RELOAD_CHECK_S
+        assert (await access.principal("Bearer " + bob, "h")).name == "bob"
+        with pytest.raises(AuthenticationFailed):
+            await access.principal("Bearer " + alice, "h")  # revoked
+        touch("{broken", 2_000_000_100)
+        now[0] += RELOAD_CHECK_S
+        assert (await access.principal("Bearer " + bob, "h")).name == "bob"  # the last good keys
+
+    trio.run(main)
+    assert "key_" not in metrics.render({}) and alice not in metrics.render({})
