@@ -138,11 +138,18 @@ class StageFailed(UpstreamFailed):
     """
 
     def __init__(
-        self, message: str, *, node_id: str, remote: object | None = None, retry_after_s: int | None = None
+        self,
+        message: str,
+        *,
+        node_id: str,
+        remote: object | None = None,
+        retry_after_s: int | None = None,
+        failed_nodes: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.node_id = node_id
         self.remote = remote
+        self.failed_nodes = failed_nodes | ({node_id} if node_id else set())  # every node the session lost
 
 
 class StageBusy(StageFailed):

@@ -128,7 +128,13 @@ def _gateway_error(failure: Failure) -> GatewayError:
         remote = RemoteError(status_pb2.STATUS_INTERNAL, failure.message, retry=status_pb2.RETRY_NONE)
     if failure.kind == "no_route":
         return NoRoute(failure.message, retry_after_s=retry_s)
-    return StageFailed(failure.message, node_id=failure.node_id, remote=remote, retry_after_s=retry_s)
+    return StageFailed(
+        failure.message,
+        node_id=failure.node_id,
+        remote=remote,
+        retry_after_s=retry_s,
+        failed_nodes=failure.failed_nodes,
+    )
 
 
 class RouteSession:

@@ -1113,9 +1113,10 @@ class GatewayService:
                 progress.recoveries += 1
                 progress.recovering_since = trio.current_time()
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
-                avoid.add(err.node_id)
+                avoid.update(err.failed_nodes)  # the failed node and any replacement that failed too
                 self.routes.invalidate(job.model_key or request.model)
-                self.prefix.forget_node(err.node_id)
+                for node_id in err.failed_nodes:
+                    self.prefix.forget_node(node_id)
                 self.metrics.inc(
                     "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
                 )

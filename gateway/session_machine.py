@@ -61,6 +61,7 @@ stated (pipeline depth, recoveries, deadlines).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -147,6 +148,9 @@ class Failure:
     status: status_pb2.Status = status_pb2.STATUS_UNSPECIFIED
     retry: status_pb2.RetryHint = status_pb2.RETRY_UNSPECIFIED
     retry_after_ms: int = 0
+    # Every node this session lost (a stage replaced, then its replacement failed too): a whole-route
+    # re-run must avoid them all, not only ``node_id``.
+    failed_nodes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -895,7 +899,8 @@ class RouteMachine:
         tries another route; later, a ``replaceable`` failure re-runs the whole
         token history on another route.
         """
-        out: list[Command] = [SessionFailed(failure)]
+        lost = frozenset({*self._failed_nodes, *([failure.node_id] if failure.node_id else [])})
+        out: list[Command] = [SessionFailed(dataclasses.replace(failure, failed_nodes=lost))]
         out += self._close_all(release=False, now=now)
         return out
 
