@@ -38,6 +38,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from common.logs import event
 from common.metrics import CONTENT_TYPE
 from gateway import protocol
+from gateway.api_keys import Principal
 from gateway.errors import (
     ClientStalled,
     GatewayError,
@@ -158,7 +159,7 @@ def create_app(service: GatewayService) -> QuartTrio:
 
     access = service.access
 
-    async def principal() -> Any:
+    async def principal() -> Principal:
         return await access.principal(
             request.headers.get("authorization", ""), str(request.remote_addr or "unknown")
         )
@@ -269,7 +270,7 @@ def create_app(service: GatewayService) -> QuartTrio:
         who = await principal()
         return await _generate(protocol.parse_completion_request(await read_json()), who)
 
-    async def _generate(req: GenerationRequest, who: Any) -> Response:
+    async def _generate(req: GenerationRequest, who: Principal) -> Response:
         if req.ignored:
             event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
         access.cap(who, req.max_tokens)  # 400 above the principal's cap
