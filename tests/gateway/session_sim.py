@@ -166,6 +166,7 @@ class SimSwarm:
     emitted: list[int] = field(default_factory=list)
     outcome: Command | None = None
     failure: SessionFailed | None = None
+    failures: list[SessionFailed] = field(default_factory=list)  # every run's, in order
     recoveries: int = 0
     dup_next: bool = False
 
@@ -263,6 +264,7 @@ class SimSwarm:
                 self.recoveries += command.report.ok
             elif isinstance(command, SessionFailed):
                 self.failure = command
+                self.failures.append(command)
             elif isinstance(command, Closed):
                 self.outcome = command
 

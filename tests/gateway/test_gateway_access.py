@@ -38,6 +38,7 @@ from gateway.errors import (
     scrub,
 )
 from gateway.quota import QuotaBook, cap_max_tokens
+from gateway.route_session import _gateway_error
 
 # --------------------------------------------------------------------------- keys
 
@@ -305,3 +306,18 @@ def test_the_key_file_is_reread_when_it_changes_and_a_broken_change_keeps_the_ke
 
     trio.run(main)
     assert "key_" not in metrics.render({}) and alice not in metrics.render({})
+
+
+def test_a_session_that_lost_a_stage_and_its_replacement_names_both() -> None:
+    # n8-12-0 hangs, n8-12-1 replaces it and hangs too: the session gives up naming both, so the
+    # whole-route re-run (serving.py) avoids both rather than re-opening on the first hung node.
+    nodes, by_span = make_nodes(SPANS, spares=2)
+    swarm = SimSwarm(nodes, random.Random(5))
+    plan = [Fault("hang", 60, "n8-12-0"), Fault("hang", 70, "n8-12-1")]
+    result = run_request(swarm, by_span, PROMPT, MAX_NEW, faults=plan)
+    assert result.tokens == REFERENCE and result.route_runs == 2
+    (failed,) = swarm.failures
+    assert failed.failure.node_id == "n8-12-1"
+    assert failed.failure.failed_nodes == {"n8-12-0", "n8-12-1"}
+    error = _gateway_error(failed.failure)
+    assert isinstance(error, StageFailed) and error.failed_nodes == {"n8-12-0", "n8-12-1"}
