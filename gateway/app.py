@@ -31,7 +31,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -294,47 +293,7 @@ def create_app(service: GatewayService) -> QuartTrio:
             job.cancel()
             job.events.close()
 
-    app.asgi_app = SendDeadline(app.asgi_app, service.config.client_stall_s)  # type: ignore[method-assign]
     return app
-
-
-class SendDeadline:
-    """ASGI middleware: an HTTP response whose client takes nothing for ``timeout_s`` is abandoned.
-
-    Every ``send`` of an HTTP response (its start, each body chunk) must be accepted within
-    ``timeout_s``; hypercorn has no write timeout, and a client that stops reading would
-    otherwise keep its connection (and the task writing to it) forever. On the deadline the
-    request is cancelled (its job with it: CANCEL to every stage) and hypercorn closes the
-    connection. One log line, ``client_write_timeout``; no traceback. WebSockets (the relay)
-    are not affected.
-    """
-
-    def __init__(self, app: Any, timeout_s: float) -> None:
-        self.app = app
-        self.timeout_s = timeout_s
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http":
-            await self.app(scope, receive, send)
-            return
-        with trio.CancelScope() as request_scope:
-
-            async def bounded_send(message: Any) -> None:
-                with trio.move_on_after(self.timeout_s) as waited:
-                    await send(message)
-                if waited.cancelled_caught:
-                    event(
-                        log,
-                        "client_write_timeout",
-                        level=logging.WARNING,
-                        path=scope.get("path"),
-                        client=(scope.get("client") or ("?",))[0],
-                        timeout_s=self.timeout_s,
-                    )
-                    request_scope.cancel()
-                    await trio.lowlevel.checkpoint()
-
-            await self.app(scope, receive, bounded_send)
 
 
 class _Streamed:

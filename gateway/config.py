@@ -62,8 +62,8 @@ class GatewayConfig:
     )
     client_stall_s: float = _f(
         30.0,
-        "a client that takes nothing of its response for this long loses its session (every stage frees "
-        "its KV) and its connection",
+        "a streaming client that takes nothing of its response for this long loses its session (every "
+        "stage frees its KV)",
     )
     client_send_buffer_bytes: int = _f(
         64 * 1024,

@@ -17,7 +17,7 @@ greedy answer computed on the intact swarm first). In file order:
 4. 8 streaming clients that never read hold every slot of both stages; a
    client meanwhile gets a 503 naming no node or address; the non-readers
    lose their sessions after ``client_stall_s`` (KV freed on every stage) and
-   their connections, and the client then gets the right text;
+   the client then gets the right text;
 5. the tracker killed for ``SWARM_TEST_OUTAGE_S`` (60 s, the issue's minute):
    every request meanwhile succeeds from the cached routes and tickets; the
    tracker back on its port, the gateway refreshes its routes from it.
@@ -346,14 +346,6 @@ def test_clients_that_stop_reading_lose_their_sessions(
         assert metric(base, "swarm_gateway_client_stalls_total") == stalls_before + NODE_SLOTS
         print(f"\n8 non-reading clients held every slot for {freed_s:.1f} s (client_stall_s {STALL_S:g})")
         assert ask(client, swarm.model_name) == expected
-        # Their connections are closed too (hypercorn alone would keep them open forever): what the
-        # gateway had written drains, then EOF -- an unfinished stream, without its [DONE].
-        for sock in sockets:
-            sock.settimeout(30)
-            received = b""
-            while chunk := sock.recv(65536):
-                received += chunk
-            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
         assert "Traceback" not in swarm.gateway.log_text()
     finally:
         for sock in sockets:

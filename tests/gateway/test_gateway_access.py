@@ -321,33 +321,3 @@ def test_a_session_that_lost_a_stage_and_its_replacement_names_both() -> None:
     assert failed.failure.failed_nodes == {"n8-12-0", "n8-12-1"}
     error = _gateway_error(failed.failure)
     assert isinstance(error, StageFailed) and error.failed_nodes == {"n8-12-0", "n8-12-1"}
-
-
-def test_a_response_write_the_client_does_not_take_cancels_the_request() -> None:
-    import trio
-    import trio.testing
-
-    from gateway.app import SendDeadline
-
-    sent: list[str] = []
-    finished: list[str] = []
-
-    async def app(scope: object, receive: object, send) -> None:  # type: ignore[no-untyped-def]
-        try:
-            for i in range(5):
-                await send({"type": "http.response.body", "body": b"x", "more_body": True, "i": i})
-        finally:
-            finished.append("app unwound")
-
-    async def slow_client(message: dict) -> None:  # takes two chunks, then stops reading
-        if len(sent) >= 2:
-            await trio.sleep_forever()
-        sent.append(message["body"].decode())
-
-    async def main() -> None:
-        start = trio.current_time()
-        await SendDeadline(app, 30.0)({"type": "http", "path": "/v1/x"}, None, slow_client)
-        assert trio.current_time() - start == pytest.approx(30.0)
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert sent == ["x", "x"] and finished == ["app unwound"]
