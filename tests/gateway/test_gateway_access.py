@@ -358,3 +358,63 @@ def test_a_nodes_retry_hint_is_capped() -> None:
     assert failed and failed[0].failure.retry_after_s == MAX_RETRY_AFTER_S
     error = _gateway_error(failed[0].failure)
     assert isinstance(error, StageBusy) and error.retry_after_s == MAX_RETRY_AFTER_S
+
+
+# --------------------------------------------------------------------------- tracker outage
+
+
+def test_route_cache_serves_valid_tickets_through_a_tracker_outage_and_refreshes_after() -> None:
+    import httpx
+    import trio
+
+    from gateway.metrics import Metrics
+    from gateway.routes import STALE_MARGIN_S, TRACKER_RETRY_S, RouteCache
+
+    now = [1000.0]
+    calls: list[str] = []
+    down = [False]
+
+    class Tracker:
+        key_id = "g" * 64
+
+        async def routes(self, model: str, **_: object) -> dict:
+            calls.append(model)
+            if down[0]:
+                raise httpx.ConnectError("connection refused")
+            hop = {"node_id": "a" * 64, "start": 0, "end": 30, "address": "127.0.0.1:1"}
+            route = {
+                "hops": [hop],
+                "ticket": {"n": len(calls)},
+                "expires_at": now[0] + 300,
+                "expected_ms_per_token": 5,
+            }
+            return {"model": {"fingerprint": "f" * 64, "name": "m", "n_layers": 30}, "routes": [route]}
+
+    metrics = Metrics()
+    cache = RouteCache(Tracker(), k=2, ttl_s=10, tracker_timeout_s=5, metrics=metrics, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    async def main() -> None:
+        first = await cache.routes("m")
+        assert len(calls) == 1
+        down[0] = True
+        now[0] += 11  # past the TTL: the tracker is asked, fails, the cached tickets serve
+        stale = await cache.routes("m")
+        assert stale.routes == first.routes and len(calls) == 2
+        now[0] += 1
+        await cache.routes("m")
+        assert len(calls) == 2  # not asked again within TRACKER_RETRY_S
+        cache.invalidate("m")  # a node failed: the routes stay as the outage fallback
+        assert (await cache.fetch_excluding("m", frozenset())).routes == first.routes
+        with pytest.raises(UpstreamFailed):  # no cached route avoids the excluded node
+            await cache.fetch_excluding("m", frozenset({"a" * 64}))
+        now[0] = first.routes[0].expires_at_s - STALE_MARGIN_S + 0.1  # tickets about to expire
+        with pytest.raises(UpstreamFailed):
+            await cache.routes("m")
+        down[0] = False
+        now[0] += TRACKER_RETRY_S
+        fresh = await cache.routes("m")
+        assert fresh.routes[0].ticket != first.routes[0].ticket  # refreshed from the tracker
+
+    trio.run(main)
+    text = metrics.render({})
+    assert 'swarm_gateway_tracker_route_requests_total{outcome="stale"} 3.0' in text
