@@ -71,8 +71,6 @@ from proto.errors import ProtocolError, error_from_body
 from proto.swarm.v1 import frame_pb2, status_pb2
 
 S = status_pb2
-MAX_REOPEN_WAIT_S = 1.0  # longest a busy survivor's retry_after_ms is honoured before re-sending OPEN
-MAX_RETRY_AFTER_S = 60  # longest Retry-After a node's hint can give the client
 
 
 # --------------------------------------------------------------------------- inputs
@@ -833,15 +831,10 @@ class RouteMachine:
         if frame.phase == frame_pb2.PHASE_OPEN and remote.status == S.STATUS_RESOURCE_EXHAUSTED:
             if remote.retry == S.RETRY_SAME and self.phase == _RECOVERING and stage.open_frame is not None:
                 # A survivor still computing an abandoned step: ask again shortly.
-                # The node's hint, within bounds: a node cannot park the recovery (or the client).
-                stage.reopen_at = now + min(MAX_REOPEN_WAIT_S, max(0.05, remote.retry_after_ms / 1000))
+                stage.reopen_at = now + max(0.05, remote.retry_after_ms / 1000)
                 self._deadline = min(self._deadline, stage.reopen_at)
                 return []
-        retry_s = (
-            min(MAX_RETRY_AFTER_S, max(1, math.ceil(remote.retry_after_ms / 1000)))
-            if remote.retry_after_ms
-            else None
-        )
+        retry_s = max(1, math.ceil(remote.retry_after_ms / 1000)) if remote.retry_after_ms else None
         if remote.status == S.STATUS_CONTEXT_EXCEEDED:
             failure = Failure("context", f"{who}: {remote.message}", stage.spec.node_id, replaceable=False)
         elif remote.status in (S.STATUS_RESOURCE_EXHAUSTED, S.STATUS_UNAVAILABLE):

@@ -323,43 +323,6 @@ def test_a_session_that_lost_a_stage_and_its_replacement_names_both() -> None:
     assert isinstance(error, StageFailed) and error.failed_nodes == {"n8-12-0", "n8-12-1"}
 
 
-def test_a_nodes_retry_hint_is_capped() -> None:
-    # A node refusing OPEN as full with a retry hint of ~11 days: the client's Retry-After stays <= 60 s.
-    from gateway.session_machine import (
-        MAX_RETRY_AFTER_S,
-        RouteConfig,
-        RouteMachine,
-        SendFrame,
-        SessionFailed,
-        StageSpec,
-    )
-    from proto import codec
-    from proto.errors import RemoteError
-    from proto.swarm.v1 import status_pb2
-
-    config = RouteConfig(
-        session_id="s",
-        request_id="r",
-        model_fingerprint="m" * 8,
-        sampling=codec.SamplingSettings(temperature=0.0),
-        kv_budget=16,
-        step_tokens=4,
-        node_frame_bytes=1 << 20,
-    )
-    machine = RouteMachine(
-        config, [StageSpec("n0", "a:1", 0, 30, "r" * 8, b"t")], new_token=lambda: b"k" * 16
-    )
-    opened = [c for c in machine.open(0.0) if isinstance(c, SendFrame)]
-    refusal = RemoteError(
-        status_pb2.STATUS_RESOURCE_EXHAUSTED, "full", retry=status_pb2.RETRY_REPLACE, retry_after_ms=10**9
-    )
-    reply = codec.serialize_frame(codec.error_frame(refusal, opened[0].frame))
-    failed = [c for c in machine.on_bytes(opened[0].slot, reply, 0.1) if isinstance(c, SessionFailed)]
-    assert failed and failed[0].failure.retry_after_s == MAX_RETRY_AFTER_S
-    error = _gateway_error(failed[0].failure)
-    assert isinstance(error, StageBusy) and error.retry_after_s == MAX_RETRY_AFTER_S
-
-
 # --------------------------------------------------------------------------- tracker outage
 
 
