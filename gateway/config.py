@@ -63,7 +63,8 @@ class GatewayConfig:
     client_stall_s: float = _f(
         30.0,
         "a streaming client that takes nothing of its response for this long loses its session (every "
-        "stage frees its KV)",
+        "stage frees its KV); also each connection's TCP_USER_TIMEOUT (Linux: unacknowledged data that "
+        "long closes it)",
     )
     client_send_buffer_bytes: int = _f(
         64 * 1024,

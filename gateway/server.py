@@ -39,17 +39,29 @@ KEY_FILE = "gateway.key"
 
 
 class _HypercornConfig(hypercorn.config.Config):
-    """Hypercorn's config, with a bounded kernel send buffer on the listening sockets (accepted
-    connections inherit it): a client that stops reading fills it after ``send_buffer_bytes`` and
-    the gateway notices (``client_stall_s``) instead of queueing megabytes for it."""
+    """Hypercorn's config, with socket options on the listening sockets (accepted connections
+    inherit them):
+
+    * a bounded kernel send buffer: a client that stops reading fills it after
+      ``send_buffer_bytes`` and the gateway notices (``client_stall_s``) instead of queueing
+      megabytes for it;
+    * ``TCP_USER_TIMEOUT`` (Linux) of ``unacked_timeout_s``: a connection whose sent data stays
+      unacknowledged that long -- a peer gone, or one that stopped reading and keeps its window
+      closed -- is closed by the kernel. Hypercorn writes under a shielded cancel scope and has no
+      write timeout of its own, so without this a stalled client would keep its connection.
+    """
 
     send_buffer_bytes = 0
+    unacked_timeout_s = 0.0
 
     def create_sockets(self) -> hypercorn.config.Sockets:
         sockets = super().create_sockets()
-        if self.send_buffer_bytes:
-            for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+        for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+            if self.send_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+            if self.unacked_timeout_s > 0 and user_timeout is not None and sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(self.unacked_timeout_s * 1000))
         return sockets
 
 
@@ -124,6 +136,7 @@ async def _serve(
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
     hc = _HypercornConfig()
     hc.send_buffer_bytes = config.client_send_buffer_bytes
+    hc.unacked_timeout_s = config.client_stall_s
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.accesslog = None

@@ -16,8 +16,8 @@ greedy answer computed on the intact swarm first). In file order:
    no key material in ``/metrics``;
 4. 8 streaming clients that never read hold every slot of both stages; a
    client meanwhile gets a 503 naming no node or address; the non-readers
-   lose their sessions after ``client_stall_s`` (KV freed on every stage) and
-   the client then gets the right text;
+   lose their sessions and connections after ``client_stall_s`` (KV freed on
+   every stage) and the client then gets the right text;
 5. the tracker killed for ``SWARM_TEST_OUTAGE_S`` (60 s, the issue's minute):
    every request meanwhile succeeds from the cached routes and tickets; the
    tracker back on its port, the gateway refreshes its routes from it.
@@ -321,7 +321,14 @@ def open_non_reader(port: int, model: str) -> socket.socket:
 def test_clients_that_stop_reading_lose_their_sessions(
     swarm: LocalSwarm, base: str, client: openai.OpenAI, expected: str
 ) -> None:
-    stalls_before = metric(base, "swarm_gateway_client_stalls_total")
+    # A non-reader is cut by whichever notices first: the kernel (TCP_USER_TIMEOUT closes the
+    # connection: counted as a disconnect) or the gateway (its events waited client_stall_s: a stall).
+    def cut() -> float:
+        return metric(base, "swarm_gateway_client_stalls_total") + metric(
+            base, "swarm_gateway_client_disconnects_total"
+        )
+
+    cut_before = cut()
     sockets = [open_non_reader(swarm.gateway.port, swarm.model_name) for _ in range(NODE_SLOTS)]
     try:
         t0 = time.monotonic()
@@ -343,9 +350,20 @@ def test_clients_that_stop_reading_lose_their_sessions(
             time.sleep(0.2)
         freed_s = time.monotonic() - held_at
         assert [node_status(n)["kv_tokens_used"] for n in swarm.nodes] == [0, 0]
-        assert metric(base, "swarm_gateway_client_stalls_total") == stalls_before + NODE_SLOTS
+        assert cut() == cut_before + NODE_SLOTS
         print(f"\n8 non-reading clients held every slot for {freed_s:.1f} s (client_stall_s {STALL_S:g})")
         assert ask(client, swarm.model_name) == expected
+        # Their connections are gone too (TCP_USER_TIMEOUT = client_stall_s: the kernel closes a
+        # connection whose window stayed shut): what was buffered drains, then EOF or a reset.
+        for sock in sockets:
+            sock.settimeout(30)
+            received = b""
+            try:
+                while chunk := sock.recv(65536):
+                    received += chunk
+            except ConnectionResetError:
+                pass
+            assert b"data: [DONE]" not in received
         assert "Traceback" not in swarm.gateway.log_text()
     finally:
         for sock in sockets:

@@ -381,3 +381,43 @@ def test_route_cache_serves_valid_tickets_through_a_tracker_outage_and_refreshes
     trio.run(main)
     text = metrics.render({})
     assert 'swarm_gateway_tracker_route_requests_total{outcome="stale"} 3.0' in text
+
+
+# --------------------------------------------------------------------------- a reader that stops
+
+
+def test_a_job_whose_reader_takes_nothing_for_stall_s_is_cancelled_as_stalled() -> None:
+    import trio
+    import trio.testing
+
+    from gateway.protocol import GenerationRequest
+    from gateway.serving import Delta, Job, _deliver
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[object](1)
+        job = Job(
+            request=GenerationRequest(kind="chat", model="m"),
+            client="c",
+            request_id="r",
+            events=receive,  # type: ignore[arg-type]
+            cancel_scope=trio.CancelScope(),
+            stall_s=30.0,
+        )
+        start = trio.current_time()
+        with job.cancel_scope:
+            await _deliver(job, send, Delta("a", ()))  # room: at once
+            async with trio.open_nursery() as nursery:
+
+                async def reader_takes_one_then_stops() -> None:
+                    await trio.sleep(10)
+                    await receive.receive()
+
+                nursery.start_soon(reader_takes_one_then_stops)
+                await _deliver(job, send, Delta("b", ()))  # waits 10 s for the reader
+                assert trio.current_time() - start == pytest.approx(10.0) and not job.stalled
+                await _deliver(job, send, Delta("c", ()))  # the reader is gone for good
+            raise AssertionError("not reached: the job is cancelled")
+        assert job.cancel_scope.cancelled_caught and job.stalled
+        assert trio.current_time() - start == pytest.approx(40.0)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
