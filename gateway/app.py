@@ -21,10 +21,12 @@ token, total time) unless ``access_log`` is off.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import html
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,7 +38,9 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from common.logs import event
 from common.metrics import CONTENT_TYPE
 from gateway import protocol
+from gateway.api_keys import Principal
 from gateway.errors import (
+    ClientStalled,
     GatewayError,
     InternalFailure,
     InvalidRequest,
@@ -44,7 +48,7 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
     PayloadTooLarge,
-    error_body,
+    public_body,
 )
 from gateway.protocol import GenerationRequest
 from gateway.serving import ChoiceEnd, Delta, Failed, Finished, GatewayService, Job
@@ -55,12 +59,44 @@ DRAIN_FACTOR = 4
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate somewhere: JSON's \u escapes carry it
+        text = json.dumps(body, separators=(",", ":"))
     return Response(
-        json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+        text,
         status=status,
         mimetype="application/json",
         headers=headers,
     )
+
+
+def _request_id() -> str:
+    """The id a client can quote: its job's (``chatcmpl-...``), else one made when the request arrived."""
+    job = getattr(request, "job", None)
+    if job is not None:
+        return str(job.request_id)
+    rid = getattr(request, "request_id", None)
+    if rid is None:
+        rid = request.request_id = "req-" + secrets.token_hex(12)  # type: ignore[attr-defined]
+    return str(rid)
+
+
+def public_error(err: GatewayError, request_id: str) -> dict[str, Any]:
+    """The body a client gets for ``err``; a server-side failure's details go to the log under the id."""
+    if err.status >= 500:
+        event(
+            log,
+            "request_failed",
+            level=logging.WARNING,
+            request_id=request_id,
+            status=err.status,
+            code=err.code,
+            node_id=getattr(err, "node_id", None),
+            error=err.message,
+        )
+    return public_body(err, request_id)
 
 
 def _error_response(err: BaseException) -> Response:
@@ -74,10 +110,12 @@ def _error_response(err: BaseException) -> Response:
         else:
             err = InvalidRequest(err.description or "bad request", code=str(err.code))
     elif not isinstance(err, GatewayError):
-        event(log, "internal_error", level=logging.ERROR, error=repr(err))
+        event(log, "internal_error", level=logging.ERROR, request_id=_request_id(), error=repr(err))
         err = InternalFailure("internal error")
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
-    return _json(error_body(err), err.status, headers)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}
+    if err.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="swarm-gateway"'
+    return _json(public_error(err, _request_id()), err.status, headers or None)
 
 
 def client_key() -> str:
@@ -106,11 +144,25 @@ def create_app(service: GatewayService) -> QuartTrio:
         if len(body) > limit:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
         try:
-            return json.loads(body)
+            value = json.loads(body)
+        except RecursionError as err:
+            raise InvalidRequest(
+                f"The JSON body of your request nests deeper than {protocol.MAX_JSON_DEPTH} levels.",
+                code="invalid_json",
+            ) from err
         except (UnicodeDecodeError, ValueError) as err:
             raise InvalidRequest(
                 "We could not parse the JSON body of your request: it is not valid JSON.", code="invalid_json"
             ) from err
+        protocol.check_json_value(value)
+        return value
+
+    access = service.access
+
+    async def principal() -> Principal:
+        return await access.principal(
+            request.headers.get("authorization", ""), str(request.remote_addr or "unknown")
+        )
 
     cors = service.config.cors()
 
@@ -127,6 +179,7 @@ def create_app(service: GatewayService) -> QuartTrio:
 
     @app.after_request
     async def _count(response: Response) -> Response:
+        response.headers["X-Request-Id"] = _request_id()
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         metrics.inc("swarm_gateway_http_requests_total", endpoint=rule, status=str(response.status_code))
         origin = request.headers.get("origin")
@@ -196,10 +249,12 @@ def create_app(service: GatewayService) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        await principal()
         return _json(await service.list_models())
 
     @app.get("/v1/models/<path:model>")
     async def model(model: str) -> Response:
+        await principal()
         for entry in (await service.list_models())["data"]:
             if model in (entry["id"], entry.get("fingerprint"), entry.get("name")):
                 return _json(entry)
@@ -207,16 +262,22 @@ def create_app(service: GatewayService) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await _generate(protocol.parse_chat_request(await read_json()))
+        who = await principal()  # 401 before the body is even parsed
+        return await _generate(protocol.parse_chat_request(await read_json()), who)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await _generate(protocol.parse_completion_request(await read_json()))
+        who = await principal()
+        return await _generate(protocol.parse_completion_request(await read_json()), who)
 
-    async def _generate(req: GenerationRequest) -> Response:
+    async def _generate(req: GenerationRequest, who: Principal) -> Response:
         if req.ignored:
             event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
-        job = await service.start_job(req, client_key())
+        access.cap(who, req.max_tokens)  # 400 above the principal's cap
+        if req.max_tokens is None and who.limits.max_tokens:
+            # No max_tokens: up to what the prompt leaves on the route, and at most the cap.
+            req = dataclasses.replace(req, max_tokens_cap=who.limits.max_tokens)
+        job = await service.start_job(req, client_key(), who)
         request.job = job  # type: ignore[attr-defined]
         if req.stream:
             response = Response(
@@ -376,8 +437,12 @@ async def _sse(job: Job, access: tuple[str, str, float | None] | None = None) ->
                 break
             elif isinstance(item, Failed):
                 status = item.error.status
-                yield _dump(error_body(item.error))
+                yield _dump(public_error(item.error, job.request_id))
                 break
+        else:
+            if job.stalled:  # cut for not reading: say so rather than end like a complete answer
+                status = 408
+                yield _dump(public_error(ClientStalled(job.stall_s), job.request_id))
         yield protocol.sse_event("[DONE]")
     finally:
         job.cancel()

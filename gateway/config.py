@@ -46,6 +46,31 @@ class GatewayConfig:
         0, "running plus queued requests per client (API key, else address); 0 = no limit; more get 429"
     )
     queue_timeout_s: float = _f(30.0, "longest wait for a session slot before 503")
+    api_keys_file: str = _f(
+        "",
+        "API keys (SHA-256 of each, one JSON object per line; swarm-gateway keys add/list/revoke); "
+        "empty = <data_dir>/api-keys.jsonl; no file or no key = every request is anonymous",
+    )
+    allow_anonymous: bool = _f(
+        True, "with keys in the key file: whether requests without a key are served (as anonymous)"
+    )
+    anonymous_max_tokens: int = _f(
+        1024, "completion tokens per anonymous request (also its default max_tokens); 0 = no cap"
+    )
+    anonymous_tokens_per_minute: int = _f(
+        0, "prompt + completion tokens per minute per anonymous client address; 0 = no limit"
+    )
+    client_stall_s: float = _f(
+        30.0,
+        "a streaming client that takes nothing of its response for this long loses its session (every "
+        "stage frees its KV); also each connection's TCP_USER_TIMEOUT (Linux: unacknowledged data that "
+        "long closes it)",
+    )
+    client_send_buffer_bytes: int = _f(
+        64 * 1024,
+        "kernel send buffer per client connection (SO_SNDBUF), so a client that stops reading is noticed "
+        "after a bounded amount of output; 0 = the system's autotuning",
+    )
     routes_k: int = _f(2, "data-parallel routes asked of the tracker per model")
     route_ttl_s: float = _f(10.0, "how long cached routes are used before asking the tracker again")
     node_info_ttl_s: float = _f(30.0, "how long a node's Info (recipe, limits) is cached")
@@ -108,9 +133,15 @@ class GatewayConfig:
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
     open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
-    prefill_step_timeout_s: float = _f(120.0, "longest wait for one prefill step to pass every stage")
+    prefill_step_timeout_s: float = _f(
+        120.0,
+        "ceiling of the deadline of one prefill step through every stage (it adapts to the measured "
+        "prefill steps or the tracker's estimate, at least 15 s)",
+    )
     decode_step_timeout_s: float = _f(
-        30.0, "ceiling of the decode deadline (it adapts to the measured step time, at least 3 s)"
+        30.0,
+        "ceiling of the decode deadline (it adapts to the measured step time, or before the first step "
+        "to the tracker's estimate for the route; at least 3 s)",
     )
     tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
     close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
@@ -174,6 +205,11 @@ class GatewayConfig:
         """(certificate, key) paths for HTTPS, ``~`` expanded."""
         return str(Path(self.tls_cert_file).expanduser()), str(Path(self.tls_key_file).expanduser())
 
+    def resolved_api_keys_file(self) -> Path:
+        if self.api_keys_file:
+            return Path(self.api_keys_file).expanduser()
+        return self.resolved_data_dir() / "api-keys.jsonl"
+
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
@@ -194,7 +230,13 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_frame_bytes < 128 * 1024:
             raise ConfigError("max_frame_bytes must be >= 131072 (frames of at least one hidden-state row)")
-        for name in ("max_queue", "max_sessions_per_client"):
+        for name in (
+            "max_queue",
+            "max_sessions_per_client",
+            "anonymous_max_tokens",
+            "anonymous_tokens_per_minute",
+            "client_send_buffer_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in (
@@ -207,6 +249,7 @@ class GatewayConfig:
             "tracker_timeout_s",
             "close_timeout_s",
             "discovery_timeout_s",
+            "client_stall_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

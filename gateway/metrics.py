@@ -41,6 +41,17 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_prompt_tokens_total": m.counter("prompt tokens prefilled through the swarm"),
     "swarm_gateway_completion_tokens_total": m.counter("tokens generated through the swarm"),
     "swarm_gateway_client_disconnects_total": m.counter("sessions cancelled because the client went away"),
+    "swarm_gateway_client_stalls_total": m.counter(
+        "sessions ended because a streaming client read nothing for client_stall_s"
+    ),
+    "swarm_gateway_auth_total": m.counter(
+        "requests by authentication outcome: key, anonymous, invalid_api_key, missing_api_key", "outcome"
+    ),
+    "swarm_gateway_quota_rejections_total": m.counter(
+        "requests refused by a per-key or anonymous quota, by limit: sessions, tokens_per_minute, "
+        "max_tokens, identities",
+        "limit",
+    ),
     "swarm_gateway_usage_reports_total": m.counter(
         "usage reports sent to the tracker, by outcome", "outcome"
     ),
@@ -51,7 +62,9 @@ SPECS: dict[str, m.Spec] = {
         "spot-check results and verdicts sent to the tracker, by kind and outcome", "kind", "outcome"
     ),
     "swarm_gateway_tracker_route_requests_total": m.counter(
-        "route look-ups at the tracker, by outcome", "outcome"
+        "route look-ups at the tracker, by outcome (ok, no_route, unreachable, an HTTP status; stale: "
+        "the tracker failed and routes with valid tickets were served from the cache)",
+        "outcome",
     ),
     "swarm_gateway_prefix_reuse_total": m.counter(
         "requests that could reuse a kept prefix (warm conversations), by outcome (hit, miss)", "outcome"

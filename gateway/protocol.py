@@ -132,6 +132,7 @@ class GenerationRequest:
     prompt_text: str | None = None  # completion, text prompt
     prompt_tokens: tuple[int, ...] | None = None  # completion, token-id prompt
     max_tokens: int | None = None  # None: up to the KV budget
+    max_tokens_cap: int = 0  # extension (set by the gateway, not the client): None above means up to this
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension
@@ -165,6 +166,53 @@ class GenerationRequest:
 
 
 # --------------------------------------------------------------------------- field checks
+
+MAX_JSON_DEPTH = 64
+
+
+def _path(parts: Sequence[str | int]) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, str):  # a key may itself be the invalid string: never echo it raw
+            part = part.encode("utf-8", "backslashreplace").decode("utf-8")
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def check_json_value(value: Any) -> None:
+    """A parsed JSON body fit for the parsers below: nesting at most :data:`MAX_JSON_DEPTH` levels
+    and every string (keys too) valid Unicode, without lone surrogates (``"\\ud800"`` parses
+    in Python but cannot be encoded, tokenized or rendered). 400 naming the first offending
+    field otherwise. Iterative, so a deep body cannot exhaust the stack here."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, where = stack.pop()
+        if len(where) > MAX_JSON_DEPTH:
+            raise _bad(
+                f"The JSON body of your request nests deeper than {MAX_JSON_DEPTH} levels",
+                where[0] if where and isinstance(where[0], str) else "body",
+                "invalid_json",
+            )
+        if isinstance(item, str):
+            _check_text(item, where)
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                _check_text(key, (*where, key))
+                stack.append((sub, (*where, key)))
+        elif isinstance(item, list):
+            stack.extend((sub, (*where, i)) for i, sub in enumerate(item))
+
+
+def _check_text(text: str, where: tuple[str | int, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        raise _bad(
+            f"{_path(where) or 'The body'} contains a lone surrogate (\\u{ord(bad):04x}), which is not "
+            "valid Unicode",
+            _path(where) or "body",
+        ) from err
 
 
 def _bad(message: str, param: str, code: str | None = None) -> InvalidRequest:

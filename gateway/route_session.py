@@ -25,6 +25,7 @@ service then re-runs the request's token history on another route.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -157,7 +158,13 @@ def _gateway_error(failure: Failure) -> GatewayError:
         remote = RemoteError(status_pb2.STATUS_INTERNAL, failure.message, retry=status_pb2.RETRY_NONE)
     if failure.kind == "no_route":
         return NoRoute(failure.message, retry_after_s=retry_s)
-    return StageFailed(failure.message, node_id=failure.node_id, remote=remote, retry_after_s=retry_s)
+    return StageFailed(
+        failure.message,
+        node_id=failure.node_id,
+        remote=remote,
+        retry_after_s=retry_s,
+        failed_nodes=failure.failed_nodes,
+    )
 
 
 class RouteSession:
@@ -502,6 +509,7 @@ async def open_route_session(
         decode_timeout_s=plane.decode_timeout_s,
         decode_timeout_floor_s=plane.decode_timeout_floor_s,
         close_timeout_s=plane.close_timeout_s,
+        expected_step_s=route.expected_ms_per_token / 1000 if route.expected_ms_per_token > 0 else math.nan,
         kv_source=kv_source,
         keep_ms=keep_ms,
         report_steps=report_steps,

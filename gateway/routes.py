@@ -8,12 +8,26 @@ hands out the route whose nodes carry the fewest of this gateway's sessions
 (``gateway.admission.least_loaded``); counting per node rather than per route
 keeps the balance when a refresh pairs the same nodes differently.
 
+Tracker outages. Routes carry tracker-signed tickets with an expiry (the
+tracker's ``route_ticket_ttl_s``, 300 s by default). When a look-up fails
+because the tracker is unreachable, times out or answers 5xx/429, the cache
+serves the routes it holds whose tickets stay valid for at least
+:data:`STALE_MARGIN_S` more (metric outcome ``stale``, log
+``routes_served_stale`` once per outage), and does not call the tracker again
+for :data:`TRACKER_RETRY_S` (requests do not each wait for a dead tracker).
+Routes whose node failed are marked stale rather than dropped, so they remain
+such a fallback (the failed node itself is excluded by the caller). The first
+successful look-up after the outage replaces them (``routes_refreshed``).
+Several tracker URLs (``tracker_url`` with commas) are tried in turn by
+``tracker.client.TrackerClient`` before a look-up counts as failed.
+
 :class:`NodeInfoCache` keeps each node's ``Info`` (recipe fingerprint, width,
 limits) for ``node_info_ttl_s``; a route's stages must agree on the recipe.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -24,6 +38,7 @@ from typing import Any
 import httpx
 import trio
 
+from common.logs import event
 from common.tls import is_fingerprint
 from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
@@ -34,7 +49,11 @@ from proto.signing import canonical_json
 from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
+
+
 TICKET_MARGIN_S = 30.0
+STALE_MARGIN_S = 5.0  # a ticket served from the cache during an outage stays valid at least this long
+TRACKER_RETRY_S = 5.0  # after a failed look-up, the cache answers alone for this long
 
 
 @dataclass(frozen=True)
@@ -157,6 +176,8 @@ class RouteCache:
         self._locks: dict[str, trio.Lock] = {}
         self._inflight: dict[str, int] = {}  # by route id (for metrics)
         self._node_inflight: dict[str, int] = {}  # by node id (for balancing)
+        self._tracker_down_until = -math.inf  # clock time before which the tracker is not asked again
+        self._outage = False  # serving stale routes since the last failed look-up
 
     def _fresh(self, cached: ModelRoutes | None) -> bool:
         if cached is None or not cached.routes:
@@ -177,13 +198,59 @@ class RouteCache:
             if self._fresh(cached):
                 assert cached is not None
                 return cached
-            fetched = await self._fetch(model)
+            try:
+                fetched = await self._fetch_or_hold(model)
+            except UpstreamFailed:
+                stale = self._stale(cached)
+                if stale is None:
+                    raise
+                return stale
             self._models[model] = fetched
             if len(self._models) > 256:  # bounded: forget the oldest look-ups
                 oldest = min(self._models, key=lambda m: self._models[m].fetched_at_s)
                 self._models.pop(oldest, None)
                 self._locks.pop(oldest, None)
             return fetched
+
+    def _stale(self, cached: ModelRoutes | None, exclude: frozenset[str] = frozenset()) -> ModelRoutes | None:
+        """During a tracker outage: the cached routes whose tickets stay valid long enough (and that
+        avoid ``exclude``), or None."""
+        if cached is None:
+            return None
+        now = self._clock()
+        valid = tuple(
+            r
+            for r in cached.routes
+            if r.expires_at_s - now > STALE_MARGIN_S and not exclude & {h.node_id for h in r.hops}
+        )
+        if not valid:
+            return None
+        self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="stale")
+        if not self._outage:
+            self._outage = True
+            event(
+                log,
+                "routes_served_stale",
+                level=logging.WARNING,
+                model=cached.name,
+                routes=len(valid),
+                ticket_valid_s=round(min(r.expires_at_s for r in valid) - now, 1),
+            )
+        return dataclasses.replace(cached, routes=valid)
+
+    async def _fetch_or_hold(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+        """:meth:`_fetch`, unless the tracker failed less than :data:`TRACKER_RETRY_S` ago."""
+        if self._clock() < self._tracker_down_until:
+            raise UpstreamFailed("the tracker is unreachable (a recent look-up failed)", retry_after_s=5)
+        try:
+            fetched = await self._fetch(model, exclude)
+        except UpstreamFailed:
+            self._tracker_down_until = self._clock() + TRACKER_RETRY_S
+            raise
+        if self._outage:
+            self._outage = False
+            event(log, "routes_refreshed", model=fetched.name, routes=len(fetched.routes))
+        return fetched
 
     async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
         try:
@@ -201,7 +268,7 @@ class RouteCache:
                 ) from err
             if err.status == 400:
                 raise ModelNotFound(f"The model '{model}' is not a valid model name", param="model") from err
-            raise UpstreamFailed(f"the tracker refused the route request: {err}") from err
+            raise UpstreamFailed(f"the tracker refused the route request: {err}", retry_after_s=5) from err
         except (httpx.HTTPError, trio.TooSlowError) as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="unreachable")
             raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
@@ -217,11 +284,22 @@ class RouteCache:
         return parsed
 
     async def fetch_excluding(self, model: str, exclude: frozenset[str]) -> ModelRoutes:
-        """Fresh routes that avoid ``exclude`` (after a refusal at OPEN); not cached."""
-        return await self._fetch(model, exclude)
+        """Fresh routes that avoid ``exclude`` (after a refusal at OPEN); not cached. During a
+        tracker outage: the cached routes that avoid ``exclude`` and hold valid tickets."""
+        try:
+            return await self._fetch_or_hold(model, exclude)
+        except UpstreamFailed:
+            stale = self._stale(self._models.get(model), exclude)
+            if stale is None:
+                raise
+            return stale
 
     def invalidate(self, model: str) -> None:
-        self._models.pop(model, None)
+        """Ask the tracker again at the next request (a node failed); the routes stay as the
+        fallback for an outage."""
+        cached = self._models.get(model)
+        if cached is not None:
+            self._models[model] = dataclasses.replace(cached, fetched_at_s=-math.inf)
 
     def route_load(self, route: Route) -> int:
         """Sessions this gateway runs on the route's nodes (a refresh may pair the same nodes differently)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,33 @@ from tracker.client import TrackerClient
 log = logging.getLogger("swarm.gateway")
 SHUTDOWN_GRACE_S = 5.0  # how long open HTTP responses may drain after SIGINT/SIGTERM
 KEY_FILE = "gateway.key"
+
+
+class _HypercornConfig(hypercorn.config.Config):
+    """Hypercorn's config, with socket options on the listening sockets (accepted connections
+    inherit them):
+
+    * a bounded kernel send buffer: a client that stops reading fills it after
+      ``send_buffer_bytes`` and the gateway notices (``client_stall_s``) instead of queueing
+      megabytes for it;
+    * ``TCP_USER_TIMEOUT`` (Linux) of ``unacked_timeout_s``: a connection whose sent data stays
+      unacknowledged that long -- a peer gone, or one that stopped reading and keeps its window
+      closed -- is closed by the kernel. Hypercorn writes under a shielded cancel scope and has no
+      write timeout of its own, so without this a stalled client would keep its connection.
+    """
+
+    send_buffer_bytes = 0
+    unacked_timeout_s = 0.0
+
+    def create_sockets(self) -> hypercorn.config.Sockets:
+        sockets = super().create_sockets()
+        for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+            if self.send_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+            if self.unacked_timeout_s > 0 and user_timeout is not None and sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, user_timeout, int(self.unacked_timeout_s * 1000))
+        return sockets
 
 
 @dataclass(frozen=True)
@@ -112,11 +140,18 @@ async def _serve(
     on_ready: Callable[[RunningGateway], None] | None,
     task_status: trio.TaskStatus[int],
 ) -> None:
-    service = GatewayService(config, tracker, key, channels)
+    from gateway.api_keys import KeyFileError as ApiKeyFileError
+
+    try:
+        service = GatewayService(config, tracker, key, channels)
+    except (ApiKeyFileError, UnicodeDecodeError) as err:
+        raise ConfigError(f"api keys file {config.resolved_api_keys_file()}: {err}") from err
     service.vocabs.registry = tracker  # registered models' vocabularies need a proof (vocab_store.py)
     app = create_app(service)
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)
-    hc = hypercorn.config.Config()
+    hc = _HypercornConfig()
+    hc.send_buffer_bytes = config.client_send_buffer_bytes
+    hc.unacked_timeout_s = config.client_stall_s
     host = f"[{config.host}]" if ":" in config.host else config.host
     hc.bind = [f"{host}:{config.port}"]
     hc.accesslog = None
@@ -129,6 +164,9 @@ async def _serve(
         if config.tls_port >= 0:  # HTTPS on its own port, plain HTTP stays on port
             hc.insecure_bind, hc.bind = hc.bind, [f"{host}:{config.tls_port}"]
         event(log, "gateway_tls", certificate=hc.certfile, fingerprint=await _cert_pin(hc.certfile))
+    # Relay messages are single frames: bounded like the frames a node may send (hypercorn's default
+    # would accept 16 MiB); the node's side allows the same margin (node/relay_client.py).
+    hc.websocket_max_message_size = config.max_frame_bytes + 64 * 1024
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         if config.stats_interval_s > 0:

@@ -45,7 +45,9 @@ import trio
 
 from common.logs import event
 from gateway import protocol, structured, tools
+from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy
+from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
 from gateway.checks import CheckPolicy, Divergence, Verdict, evidence
 from gateway.config import GatewayConfig
@@ -69,7 +71,17 @@ from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_session import DataPlane, RouteSession, Run, Sampled, open_route_session
-from gateway.routes import Hop, NodeInfoCache, Route, RouteCache, StageInfo, frame_limit, kv_limit, step_limit
+from gateway.routes import (
+    TRACKER_RETRY_S,
+    Hop,
+    NodeInfoCache,
+    Route,
+    RouteCache,
+    StageInfo,
+    frame_limit,
+    kv_limit,
+    step_limit,
+)
 from gateway.session_machine import HopTimed, StepReport, StepTimed
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
@@ -139,6 +151,9 @@ class Job:
     model_key: str = ""  # what the tracker knows the model by (alias and id resolved)
     seed: int = 0  # choice i draws with seed + i
     grammar: str = ""  # the constraint of every choice (gateway/structured.py)
+    principal: Principal | None = None  # who it is for quotas (None: not counted, e.g. in-process tests)
+    stall_s: float = 30.0  # a stream whose reader takes nothing for this long loses its session
+    stalled: bool = False  # that happened
 
     def cancel(self) -> None:
         """The client is gone: stop the job (a no-op once its final event went out: the Route
@@ -249,6 +264,14 @@ class GatewayService:
         self.vocabs = VocabStore(
             config.resolved_data_dir() / "vocab", channels, timeout_s=config.open_timeout_s
         )
+        self.access = Access(
+            config.resolved_api_keys_file(),
+            AuthPolicy(
+                config.allow_anonymous,
+                anonymous_limits(config.anonymous_max_tokens, config.anonymous_tokens_per_minute),
+            ),
+            self.metrics,
+        )
         self._usage_send, self._usage_receive = trio.open_memory_channel[UsageReport](config.usage_queue_max)
         self.observed = ObservedSpeed()
         self._nursery: trio.Nursery | None = None
@@ -262,6 +285,8 @@ class GatewayService:
         self._aliases = config.aliases()
         self._models: list[dict[str, Any]] = []
         self._models_at = -1e9
+        self._models_stale = False  # serving the last model list: the tracker did not answer
+        self._models_retry_at = -1e9
         self.checks = CheckPolicy(config.check_fraction)
         self._rng = random.Random()
         self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
@@ -322,11 +347,23 @@ class GatewayService:
         now = trio.current_time()
         if now - self._models_at <= max_age_s and self._models:
             return self._models
+        if self._models_stale and now < self._models_retry_at:
+            return self._models  # the tracker failed a moment ago: do not wait for it again yet
         try:
             with trio.fail_after(self.config.tracker_timeout_s):
                 models = await self.tracker.models()
         except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
+            if self._models:
+                # A tracker outage: the last list still names the models the cached routes serve.
+                self._models_retry_at = now + TRACKER_RETRY_S
+                if not self._models_stale:
+                    self._models_stale = True
+                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                return self._models
             raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
+        if self._models_stale:
+            self._models_stale = False
+            event(log, "tracker_reachable")
         self._models, self._models_at = models, now
         return models
 
@@ -374,8 +411,13 @@ class GatewayService:
 
     # ------------------------------------------------------------------ jobs
 
-    async def start_job(self, request: GenerationRequest, client: str) -> Job:
-        """Admit and open the request's Route Session; raises GatewayError if it cannot start."""
+    async def start_job(
+        self, request: GenerationRequest, client: str, principal: Principal | None = None
+    ) -> Job:
+        """Admit and open the request's Route Session; raises GatewayError if it cannot start.
+
+        ``principal`` (from :class:`gateway.access.Access`) is held to its quotas: 429 at its
+        limit of sessions or tokens per minute; the tokens the request used count when it ends."""
         if self._nursery is None:
             raise Overloaded("the gateway is shutting down", retry_after_s=5)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
@@ -393,6 +435,8 @@ class GatewayService:
             model_key=model_key,
             seed=request.seed if request.seed is not None else secrets.randbits(63),
             grammar=grammar,
+            principal=principal,
+            stall_s=self.config.client_stall_s,
         )
         try:
             await self._nursery.start(self._run_job, job, send)
@@ -445,6 +489,8 @@ class GatewayService:
             max_new = request.max_tokens
         else:
             max_new = limit - len(prompt)
+            if request.max_tokens_cap:
+                max_new = min(max_new, request.max_tokens_cap)
             if max_new < 1:
                 raise ContextLengthExceeded(
                     f"This model's context limit on the current route is {limit} tokens, but the {where} "
@@ -892,6 +938,27 @@ class GatewayService:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """The job under its principal's quotas (a refusal is a 429 before anything else)."""
+        if job.principal is None:
+            await self._run_job_admitted(job, send, task_status=task_status)
+            return
+        try:
+            self.access.begin(job.principal)
+        except GatewayError as err:
+            self.metrics.inc("swarm_gateway_rejections_total", reason=err.code or err.type)
+            raise
+        try:
+            await self._run_job_admitted(job, send, task_status=task_status)
+        finally:
+            self.access.end(job.principal, job.prompt_tokens + job.completion_tokens)
+
+    async def _run_job_admitted(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         request = job.request
         arrived = trio.current_time()
         progresses = [self._progress(request, i) for i in range(request.n)]
@@ -935,8 +1002,19 @@ class GatewayService:
                     job.prompt_tokens = progresses[0].prompt_tokens
                     job.completion_tokens = sum(len(p.generated) for p in progresses)
             if job.cancel_scope.cancelled_caught and not job.final_delivered:
-                self.metrics.inc("swarm_gateway_client_disconnects_total")
-                event(log, "client_disconnected", request_id=job.request_id)
+                if job.stalled:
+                    self.metrics.inc("swarm_gateway_client_stalls_total")
+                    event(
+                        log,
+                        "client_stalled",
+                        level=logging.WARNING,
+                        request_id=job.request_id,
+                        stall_s=job.stall_s,
+                        completion_tokens=job.completion_tokens,
+                    )
+                else:
+                    self.metrics.inc("swarm_gateway_client_disconnects_total")
+                    event(log, "client_disconnected", request_id=job.request_id)
                 return
             if failure is not None:
                 self.metrics.inc(
@@ -1075,9 +1153,10 @@ class GatewayService:
                 progress.recoveries += 1
                 progress.recovering_since = trio.current_time()
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
-                avoid.add(err.node_id)
+                avoid.update(err.failed_nodes)  # the failed node and any replacement that failed too
                 self.routes.invalidate(job.model_key or request.model)
-                self.prefix.forget_node(err.node_id)
+                for node_id in err.failed_nodes:
+                    self.prefix.forget_node(node_id)
                 self.metrics.inc(
                     "swarm_gateway_route_sessions_total", route=job.route_label, outcome="recovered"
                 )
@@ -1190,7 +1269,9 @@ class GatewayService:
 
 
 async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -> None:
-    """Hand an event to the HTTP side; a client that stopped reading ends the job like a disconnect.
+    """Hand an event to the HTTP side; a client that went away, or took nothing for ``job.stall_s``
+    while the buffer was full (it stopped reading: its socket and our event buffer are full), ends
+    the job like a disconnect, so every stage frees the session's KV.
 
     No checkpoint when there is room: the next step goes out to the route before the HTTP writer
     formats this event (it runs while the step is computed). When the client is gone the job's
@@ -1203,7 +1284,12 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
         try:
             send.send_nowait(item)
         except trio.WouldBlock:
-            await send.send(item)
+            with trio.move_on_after(job.stall_s) as waited:
+                await send.send(item)
+            if waited.cancelled_caught:
+                job.stalled = True
+                job.cancel_scope.cancel()
+                await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope
         if isinstance(item, Finished | Failed):
             job.final_delivered = True
     except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -37,8 +37,15 @@ epoch's OPEN B + budget + 2, so ids only grow whatever the ring did.
 
 Recovery. A stage fails when its stream breaks, it reports an error another
 node can fix, the stage before it cannot push to it (DOWNSTREAM_FAILED), or it
-misses its deadline (prefill: ``prefill_timeout_s`` per step; decode: an
-adaptive deadline from the measured step time). Then: CANCEL to the failed
+misses its deadline. Deadlines follow the route's speed, so a stage that
+hangs (a stopped process, a tarpit) is noticed in seconds: decode waits
+``20 x`` the measured step time ``+ 1 s`` (EWMA; before the first measurement
+``20 x`` the tracker's estimate ``+ 1 s``, at least twice the floor), between
+``decode_timeout_floor_s`` and ``decode_timeout_s``; a prefill step, which
+carries up to ``step_tokens`` positions, gets ``10 x`` the measured prefill
+step ``+ 2 s`` (before one was measured: ``20 x`` the decode estimate for every
+8 positions ``+ 2 s``), between ``prefill_timeout_floor_s`` and
+``prefill_timeout_s``. Without any estimate the ceilings apply. Then: CANCEL to the failed
 stage, a replacement with the same layers from the tracker, the next epoch
 OPENed on every stage (survivors keep the ``committed`` positions, the ones the
 last stage reported), the replacement's inputs replayed (stage 0: the token
@@ -72,6 +79,7 @@ stated (pipeline depth, recoveries, deadlines).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,9 +134,13 @@ class RouteConfig:
     pipeline_steps: int = 4  # prefill steps in flight at once (1: one stage after the other)
     max_recoveries: int = 3
     open_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0  # per prefill step, first stage to last
+    prefill_timeout_s: float = 120.0  # ceiling of the adaptive deadline of one prefill step
     decode_timeout_s: float = 30.0  # ceiling of the adaptive decode deadline
     decode_timeout_floor_s: float = 3.0
+    prefill_timeout_floor_s: float = 15.0
+    # The tracker's estimate of one decode step through the route (its expected_ms_per_token), the
+    # prior of both deadlines until steps were measured; nan: unknown (the ceilings apply).
+    expected_step_s: float = math.nan
     close_timeout_s: float = 5.0
     # Start from another session's KV on every stage (its first positions): a kept session of an
     # earlier request (warm conversations) or the live session of choice 0 (n > 1). Nodes that cannot
@@ -165,6 +177,9 @@ class Failure:
     status: status_pb2.Status = status_pb2.STATUS_UNSPECIFIED
     retry: status_pb2.RetryHint = status_pb2.RETRY_UNSPECIFIED
     retry_after_ms: int = 0
+    # Every node this session lost (a stage replaced, then its replacement failed too): a whole-route
+    # re-run must avoid them all, not only ``node_id``.
+    failed_nodes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -389,6 +404,7 @@ class RouteMachine:
         self._deadline = math.inf
         self._progress_at = 0.0
         self._ewma_step_s = math.nan
+        self._ewma_prefill_s = math.nan  # one prefill step, first stage to last
         self._last_report_at = math.nan
         self._forwarded = 0
         self._forwarded_bytes = 0
@@ -732,7 +748,7 @@ class RouteMachine:
         if self._inflight:
             oldest = self._inflight[0]
             if oldest.end <= self.prompt_len:
-                self._deadline = max(oldest.sent_at, self._progress_at) + self.config.prefill_timeout_s
+                self._deadline = max(oldest.sent_at, self._progress_at) + self._prefill_timeout()
             else:
                 self._deadline = self._progress_at + self._decode_timeout()
         elif self._ring_expected():
@@ -743,8 +759,21 @@ class RouteMachine:
     def _decode_timeout(self) -> float:
         cfg = self.config
         if math.isnan(self._ewma_step_s):
-            return cfg.decode_timeout_s
+            if math.isnan(cfg.expected_step_s):
+                return cfg.decode_timeout_s
+            prior = max(2 * cfg.decode_timeout_floor_s, 20 * cfg.expected_step_s + 1.0)
+            return min(cfg.decode_timeout_s, prior)
         return min(cfg.decode_timeout_s, max(cfg.decode_timeout_floor_s, 20 * self._ewma_step_s + 1.0))
+
+    def _prefill_timeout(self) -> float:
+        cfg = self.config
+        if not math.isnan(self._ewma_prefill_s):
+            wanted = 10 * self._ewma_prefill_s + 2.0
+        elif not math.isnan(cfg.expected_step_s):
+            wanted = 20 * cfg.expected_step_s * max(1.0, cfg.step_tokens / 8) + 2.0
+        else:
+            return cfg.prefill_timeout_s
+        return min(cfg.prefill_timeout_s, max(cfg.prefill_timeout_floor_s, wanted))
 
     # -- frames in ------------------------------------------------------------------------------------
 
@@ -855,6 +884,11 @@ class RouteMachine:
         if k != self.n - 1 or self.phase != _RUNNING:
             return reported
         # The last stage finished a step: every stage has it.
+        if self._inflight and self._inflight[0].end <= self.prompt_len and end <= self.prompt_len:
+            took = now - max(self._inflight[0].sent_at, self._progress_at)
+            self._ewma_prefill_s = (
+                took if math.isnan(self._ewma_prefill_s) else 0.8 * self._ewma_prefill_s + 0.2 * took
+            )
         while self._inflight and self._inflight[0].end <= end:
             self._inflight.pop(0)
         if end <= self.committed:
@@ -984,7 +1018,8 @@ class RouteMachine:
         tries another route; later, a ``replaceable`` failure re-runs the whole
         token history on another route.
         """
-        out: list[Command] = [SessionFailed(failure)]
+        lost = frozenset({*self._failed_nodes, *([failure.node_id] if failure.node_id else [])})
+        out: list[Command] = [SessionFailed(dataclasses.replace(failure, failed_nodes=lost))]
         out += self._close_all(release=False, now=now)
         return out
 

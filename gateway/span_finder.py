@@ -3,17 +3,21 @@
 Used by :class:`gateway.recovery.RecoveryPolicy`. Asks the tracker for fresh
 routes that avoid every node this session already lost (the tracker may not
 have expired them yet), and takes the first hop with the failed stage's exact
-span whose ``Info`` answers and matches; the ticket of that hop's route names
-the node for those layers, which is all the node checks.
+span whose ``Info`` answers (asked afresh, within :data:`PROBE_S`) and
+matches; the ticket of that hop's route names the node for those layers,
+which is all the node checks.
 """
 
 from __future__ import annotations
+
+import trio
 
 from gateway.errors import StageFailed
 from gateway.recovery import NoSameSpan, Replacement, ReplacementFinder
 from gateway.routes import NodeInfoCache, RouteCache
 
 LOOKUPS = 3  # tracker look-ups per replacement (each drops candidates that did not answer)
+PROBE_S = 3.0  # a candidate's Info must answer this fast (a live node answers in milliseconds)
 
 
 def span_finder(routes: RouteCache, infos: NodeInfoCache, model: str, fingerprint: str) -> ReplacementFinder:
@@ -29,13 +33,23 @@ def span_finder(routes: RouteCache, infos: NodeInfoCache, model: str, fingerprin
                     if (hop.start, hop.end) != (start, end) or hop.node_id in avoid:
                         continue
                     candidates += 1
-                    try:
-                        info = await infos.get(hop, fingerprint)
-                    except StageFailed as err:
-                        # Dead but not yet expired at the tracker: ask again without it.
+                    # A fresh Info, briefly: a cached one says nothing about whether the node still
+                    # answers, and a node that died a moment ago is still live at the tracker.
+                    infos.forget(hop)
+                    info = None
+                    with trio.move_on_after(PROBE_S):
+                        try:
+                            info = await infos.get(hop, fingerprint)
+                        except StageFailed as err:
+                            problems.append(err.message)
+                    if info is None:
+                        # Dead (or too slow) but not yet expired at the tracker: ask again without it.
                         infos.forget(hop)
                         avoid.add(hop.node_id)
-                        problems.append(err.message)
+                        if not problems or hop.node_id[:8] not in problems[-1]:
+                            problems.append(
+                                f"node {hop.node_id[:8]} did not answer Info within {PROBE_S:g} s"
+                            )
                         continue
                     return Replacement(hop=hop, info=info, ticket=route.ticket)
             if not candidates:

@@ -8,7 +8,9 @@ serving the running request (SIGKILL, as a volunteer's machine vanishes):
    route epoch 2), the stream completes and equals the uninterrupted output;
 2. the first stage, during the prefill of a long prompt: the same;
 3. a [0,15) node that hangs (SIGSTOP) mid-stream: replaced once the gateway's
-   reply deadline passes, and it frees the session when it runs again;
+   reply deadline passes -- a few seconds, from the measured step time, though
+   the gateway runs with the default 30 s ceiling -- so the stream pauses for
+   less than :data:`HANG_BOUND_S`; it frees the session when it runs again;
 4. the last [15,30) node left: no spare, the client gets an error naming the
    uncovered layers and no surviving node keeps KV for the session;
 5. no same-span node: the request continues by a whole-route re-run.
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "Write a short story about a lighthouse keeper."
 N_NEW = 40
+HANG_BOUND_S = 15.0  # longest pause of the stream when a stage hangs (was the fixed 120 s reply timeout)
 LONG_PROMPT = " ".join(
     f"Line {i}: the keeper climbed the stairs, lit the lamp and wrote in the log." for i in range(40)
 )
@@ -95,8 +98,6 @@ def swarm(
             "1",
             "--prefill-step-tokens",
             "32",
-            "--decode-step-timeout-s",
-            "10",
             "--check-fraction",
             "0",
             "--probation-checks",
@@ -225,13 +226,16 @@ def test_stage_that_stops_answering_is_replaced_after_the_reply_deadline(
     swarm: LocalSwarm, client: openai.OpenAI, expected: dict[str, str], model_path: Path, node_cache: Path
 ) -> None:
     # A node that hangs (SIGSTOP: the process and its sockets stay, nothing answers) is a failure once
-    # the decode deadline (at most 10 s here) passes; a new spare for [0,15) takes over.
+    # the decode deadline passes: 20 x the measured step time + 1 s, at least 3 s (the ceiling, 30 s, is
+    # the default here); a new spare for [0,15) takes over and the stream goes on within HANG_BOUND_S.
     start_and_announce(swarm, "spare_a", "0:15", model_path, node_cache)
     base = swarm.base_url.removesuffix("/v1")
     before = metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok")
     stopped: list[Service] = []
+    arrived: dict[int, float] = {}
 
     def on_chunk(n: int) -> None:
+        arrived[n] = time.monotonic()
         if n == 6 and not stopped:
             node = busy_node(swarm.nodes, (0, 15))
             node.proc.send_signal(signal.SIGSTOP)
@@ -245,6 +249,9 @@ def test_stage_that_stops_answering_is_replaced_after_the_reply_deadline(
     assert stopped
     assert text == expected[QUESTION]
     assert metric(base, "swarm_gateway_recoveries_total", kind="span", outcome="ok") == before + 1
+    pause = max(arrived[n + 1] - arrived[n] for n in range(6, max(arrived)))
+    print(f"\nSIGSTOPped stage: the stream paused {pause:.2f} s")
+    assert pause < HANG_BOUND_S, f"the client waited {pause:.1f} s for a hung stage"
     # Once it runs again, the hung node reads the gateway's CANCEL (or, at worst, its re-attach window
     # of 30 s passes) and frees the session's KV.
     deadline = time.monotonic() + 45

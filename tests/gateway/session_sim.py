@@ -20,6 +20,7 @@ swarm.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -167,6 +168,7 @@ class SimSwarm:
     emitted: list[int] = field(default_factory=list)
     outcome: Command | None = None
     failure: SessionFailed | None = None
+    failures: list[SessionFailed] = field(default_factory=list)  # every run's, in order
     recoveries: int = 0
     dup_next: bool = False
     timings: list[StepTimed | HopTimed] = field(default_factory=list)  # (now, what) of every decode step
@@ -270,6 +272,7 @@ class SimSwarm:
                 self.recoveries += command.report.ok
             elif isinstance(command, SessionFailed):
                 self.failure = command
+                self.failures.append(command)
             elif isinstance(command, Closed):
                 self.outcome = command
             elif isinstance(command, StepTimed | HopTimed):
@@ -424,6 +427,7 @@ def run_request(
     pipeline_steps: int = 3,
     max_events: int = 200_000,
     encodings: tuple[int, ...] = (),
+    timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -465,6 +469,8 @@ def run_request(
             close_timeout_s=2,
             encodings=encodings,  # type: ignore[arg-type]
         )
+        if timeouts:
+            config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]
         stages = [
             StageSpec(n, n, swarm.nodes[n].start, swarm.nodes[n].end, RECIPE_FP, b"ticket") for n in route
         ]

@@ -185,7 +185,8 @@ def test_latency_histograms_move_by_one_request(client: openai.OpenAI, swarm: di
             400,
             "messages",
         ),  # past the 512-token budget
-        ({"max_tokens": 100000}, 400, "messages"),
+        ({"max_tokens": 1000}, 400, "messages"),  # under the anonymous cap, past the route's budget
+        ({"max_tokens": 100000}, 400, "max_tokens"),  # past the anonymous cap (anonymous_max_tokens)
     ],
 )
 def test_bad_requests_get_openai_errors(client: openai.OpenAI, kwargs: dict, status: int, param: str) -> None:
