@@ -78,7 +78,9 @@ class TamperingProxy:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")
+                }
                 upstream = httpx.request(
                     self.command, tracker_url + self.path, content=body, headers=headers, timeout=30
                 )
@@ -117,7 +119,9 @@ class TamperingProxy:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("route-pins")
-    fake = scripted_nodes(model_path, tmp / "cache", SCRIPT_TEXT, FINGERPRINT, [(0, 30), (0, 30)], first_seed=40)
+    fake = scripted_nodes(
+        model_path, tmp / "cache", SCRIPT_TEXT, FINGERPRINT, [(0, 30), (0, 30)], first_seed=40
+    )
     attacker = Attacker()
     sup = Supervisor(tmp)
     proxy: TamperingProxy | None = None
