@@ -288,7 +288,8 @@ def verify_route_ticket(
     model_fingerprint: str | None = None,
     leeway_s: float = 5.0,
 ) -> RouteTicket:
-    """What a node calls before spending memory on a session.
+    """What a node calls before spending memory on a session (and a gateway before it dials a route:
+    gateway/route_tickets.py compares the hops, with their TLS pins, to the route's).
 
     Checks the tracker's signature and key, the expiry (with ``leeway_s`` for
     clock differences) and, when given, that ``node_id`` is a hop of the route and
