@@ -52,6 +52,10 @@ from proto.signing import public_key_hex
 STRIPPED_PREFIXES = ("SWARM_NODE_", "SWARM_TRACKER_", "SWARM_GATEWAY_")
 # Gateway flags for a run that tests something else than spot checks and counts routes, sessions or
 # steps: no request runs on a second route (checks are tested in tests/*/test_*checks*).
+# The spot-check audit: ``SWARM_TEST_CHECK_FRACTION=1 pytest tests/e2e`` runs every gateway a test
+# starts (unless the test sets its own fraction) with that check fraction, so the whole end-to-end
+# suite shows whether honest nodes are ever accused (``python -m sim.check_audit`` reads the logs).
+CHECK_AUDIT_ENV = "SWARM_TEST_CHECK_FRACTION"
 # Every supervisor alive in this process (the test suite reports their services' problems on a failure).
 LIVE_SUPERVISORS: weakref.WeakSet[Supervisor] = weakref.WeakSet()
 NO_SPOT_CHECKS = ("--check-fraction", "0", "--probation-checks", "0")
@@ -413,12 +417,16 @@ class Supervisor:
         ``tracker_id`` (default: the tracker started last here; "" = none, so pass it in ``extra_args``)."""
         data = self._data_dir(name)
         pin = self.tracker_id if tracker_id is None else tracker_id
+        extra = list(extra_args or ())
+        audit = os.environ.get(CHECK_AUDIT_ENV, "")
+        if audit and "--check-fraction" not in extra:  # a test that sets its own fraction keeps it
+            extra += ["--check-fraction", audit]
         argv = [
             *_serve_argv("swarm-gateway", host, port, data),
             "--tracker",
             tracker_url,
             *(("--tracker-id", pin) if pin else ()),
-            *(extra_args or ()),
+            *extra,
         ]
         return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
 
