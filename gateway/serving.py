@@ -637,6 +637,7 @@ class GatewayService:
                         sampling,
                         step_tokens,
                         report_steps=checked,
+                        isolated=self._isolated(checked),
                         session_id=session_id,
                         kv_source=kv_source,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
@@ -716,6 +717,7 @@ class GatewayService:
         step_tokens: int,
         *,
         report_steps: bool,
+        isolated: bool = False,
         stages: Sequence[StageInfo] | None = None,
         session_id: str | None = None,
         kv_source: tuple[str, int] | None = None,
@@ -746,12 +748,20 @@ class GatewayService:
                 on_report=lambda report: self._on_span_recovery(job, report),
             ),
             report_steps=report_steps,
+            isolated=isolated,
             kv_source=kv_source,
             keep_ms=keep_ms,
             prove_open=self._prove_open,
             on_timing=self._on_timing,
             encodings=encodings,
         )
+
+    def _isolated(self, checked: bool) -> bool:
+        """Whether a session's stages compute it in batches of its own (``batch_isolation``): the
+        primary, shadow and judge of a check agree on it, so their digests are comparable bit for bit
+        even for models whose numbers depend on the batch (docs/security.md, Limits)."""
+        mode = self.config.batch_isolation
+        return mode == "all" or (mode == "checked" and checked)
 
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
         """This gateway's signature over one OPEN to ``node_id`` (tickets name the gateway they were
@@ -820,6 +830,7 @@ class GatewayService:
                     sampling,
                     step_tokens,
                     report_steps=True,
+                    isolated=self._isolated(True),
                     stages=stages,
                     encodings=same_encodings,
                 )
@@ -840,6 +851,7 @@ class GatewayService:
                 sampling,
                 step_tokens,
                 report_steps=True,
+                isolated=self._isolated(True),
                 stages=judge_stages,
                 encodings=same_encodings,
             ) as judge:
