@@ -204,6 +204,12 @@ class GatewayConfig:
             out[alias.strip()] = target.strip()
         return out
 
+    def isolates(self, checked: bool) -> bool:
+        """Whether a session's stages compute it in batches of its own (``batch_isolation``): the
+        primary, shadow and judge of a check always agree on it, so their digests compare bit for bit
+        even for models whose numbers depend on the batch (docs/security.md, Limits)."""
+        return self.batch_isolation == "all" or (self.batch_isolation == "checked" and checked)
+
     def cors(self) -> tuple[str, ...]:
         return tuple(filter(None, (x.strip() for x in self.cors_origins.split(","))))
 

@@ -637,7 +637,7 @@ class GatewayService:
                         sampling,
                         step_tokens,
                         report_steps=checked,
-                        isolated=self._isolated(checked),
+                        isolated=self.config.isolates(checked),
                         session_id=session_id,
                         kv_source=kv_source,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
@@ -756,13 +756,6 @@ class GatewayService:
             encodings=encodings,
         )
 
-    def _isolated(self, checked: bool) -> bool:
-        """Whether a session's stages compute it in batches of its own (``batch_isolation``): the
-        primary, shadow and judge of a check agree on it, so their digests are comparable bit for bit
-        even for models whose numbers depend on the batch (docs/security.md, Limits)."""
-        mode = self.config.batch_isolation
-        return mode == "all" or (mode == "checked" and checked)
-
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
         """This gateway's signature over one OPEN to ``node_id`` (tickets name the gateway they were
         issued to; the node opens the session only with this proof; docs/protocol.md)."""
@@ -830,7 +823,7 @@ class GatewayService:
                     sampling,
                     step_tokens,
                     report_steps=True,
-                    isolated=self._isolated(True),
+                    isolated=self.config.isolates(True),
                     stages=stages,
                     encodings=same_encodings,
                 )
@@ -851,7 +844,7 @@ class GatewayService:
                 sampling,
                 step_tokens,
                 report_steps=True,
-                isolated=self._isolated(True),
+                isolated=self.config.isolates(True),
                 stages=judge_stages,
                 encodings=same_encodings,
             ) as judge:
