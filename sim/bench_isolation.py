@@ -54,9 +54,9 @@ async def _round_trip(
     ids = iter(range(1, 1 << 30))
     times: list[float] = []
     async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
         for sid in sids:
             await scheduler.run_control(OpenKv(sid, prompt + decode + 1, SamplingSpec()))
-        await nursery.start(scheduler.run)
         for r in range(decode + 1):
             for k, sid in enumerate(sids):
                 start, n = (0, prompt) if r == 0 else (prompt + r - 1, 1)

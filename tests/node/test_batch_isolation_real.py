@@ -109,9 +109,9 @@ async def _serve(
     digests: list[bytes] = []
     job_ids = iter(range(1, 1_000_000))
     async with trio.open_nursery() as nursery:
-        for sid in scripts:
-            assert await scheduler.run_control(OpenKv(sid, 512, SamplingSpec())) is None
         await nursery.start(scheduler.run)
+        for sid in scripts:  # in this order: sequence ids 0, 1, ...
+            assert await scheduler.run_control(OpenKv(sid, 512, SamplingSpec())) is None
         for r in range(len(scripts[CHECKED])):
             checked_job = 0
             for sid, steps in scripts.items():
