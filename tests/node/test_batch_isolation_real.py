@@ -31,7 +31,7 @@ from common.vocab import Vocabulary
 from node.backend import EngineBackend
 from node.engine import EngineConfig, ShardEngine
 from node.scheduler import Scheduler
-from node.session_machine import Compute, OpenKv, SamplingSpec, StepJob, StepOutcome
+from node.session_machine import Compute, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome
 from node.shard import extract_shard
 from node.testmodel import gemma3_model_path
 from proto.codec import output_digest
@@ -87,10 +87,18 @@ def scripts(gemma_path: Path) -> dict[str, Script]:
 
 
 async def _serve(
-    engine: ShardEngine, settings: NodeSettings, scripts: dict[str, Script], *, isolated: bool
+    engine: ShardEngine,
+    settings: NodeSettings,
+    scripts: dict[str, Script],
+    *,
+    isolated: bool,
+    earlier: Script | None = None,
 ) -> list[bytes]:
     """Run every session's steps round by round through a real scheduler; the checked session's
-    per-step output digests. All of a round's steps are queued before the scheduler plans a batch."""
+    per-step output digests. All of a round's steps are queued before the scheduler plans a batch.
+
+    ``earlier``: a session served and freed first, after the others opened, so the checked session
+    reuses its sequence (and KV cells) instead of a fresh one."""
     outcomes: dict[int, StepOutcome] = {}
     done = trio.Event()
     want = 0
@@ -110,7 +118,18 @@ async def _serve(
     job_ids = iter(range(1, 1_000_000))
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
-        for sid in scripts:  # in this order: sequence ids 0, 1, ...
+        if earlier is not None:
+            assert await scheduler.run_control(OpenKv("earlier", 512, SamplingSpec())) is None
+        for sid in scripts:  # in this order: the lowest free sequence ids
+            if sid == CHECKED and earlier is not None:
+                for start, tokens, is_decode in earlier:
+                    job = StepJob(next(job_ids), "earlier", start, tokens, None, False, None, is_decode)
+                    scheduler.submit(Compute(job))
+                    want = len(outcomes) + 1
+                    done = trio.Event()
+                    with trio.fail_after(300):
+                        await done.wait()
+                assert await scheduler.run_control(FreeKv("earlier")) is None
             assert await scheduler.run_control(OpenKv(sid, 512, SamplingSpec())) is None
         for r in range(len(scripts[CHECKED])):
             checked_job = 0
@@ -153,10 +172,12 @@ async def test_a_checked_session_digests_the_same_alone_and_in_a_loaded_batch(
     files = extract_shard(gemma_path, *SPAN, node_cache)
     with ShardEngine(files, NODE_A.engine, node_cache) as a:
         alone = await _serve(a, NODE_A, {CHECKED: scripts[CHECKED]}, isolated=isolated)
-    # Node B: the other sessions open first, so the checked session sits on another sequence id.
+    # Node B: the other sessions open first; the checked session then takes over the sequence of an
+    # earlier session that was served and freed (another sequence id than on A, with used KV cells).
     loaded = {sid: s for sid, s in scripts.items() if sid != CHECKED} | {CHECKED: scripts[CHECKED]}
+    earlier = scripts["o2"][:4]
     with ShardEngine(files, NODE_B.engine, node_cache) as b:
-        crowded = await _serve(b, NODE_B, loaded, isolated=isolated)
+        crowded = await _serve(b, NODE_B, loaded, isolated=isolated, earlier=earlier)
     differing = [i for i, (x, y) in enumerate(zip(alone, crowded, strict=True)) if x != y]
     if isolated:
         assert differing == [], f"isolated steps differ between the nodes at steps {differing}"
