@@ -322,6 +322,9 @@ class Grpc:
         self._nursery = nursery
         self._channels: dict[tuple[str, int, str | None], grpc.aio.Channel] = {}
         self._certs: dict[str, bytes] = {}  # pin -> its certificate (PEM), read once from the peer
+        # address -> what an unpinned call there trusts (its certificate, or None: plaintext), read
+        # once: a ping must not pay a TLS handshake of its own each time (it would measure that).
+        self._unpinned: dict[str, bytes | None] = {}
 
     # -- clients -------------------------------------------------------------------------------------
 
@@ -357,13 +360,18 @@ class Grpc:
         """
         if pin is None:
             return None
-        known = self._certs.get(pin)
-        if known is not None:
-            return known
+        if pin == UNPINNED:
+            if address in self._unpinned:
+                return self._unpinned[address]
+        else:
+            known = self._certs.get(pin)
+            if known is not None:
+                return known
         try:
             der = await fetch_certificate(address)
         except NotTls:
             if pin == UNPINNED:  # the peer speaks no TLS: public, hash-checked bytes go in plaintext
+                self._remember_unpinned(address, None)
                 return None
             raise
         if pin != UNPINNED:
@@ -378,7 +386,22 @@ class Grpc:
             if len(self._certs) >= MAX_KNOWN_CERTS:
                 self._certs.pop(next(iter(self._certs)))
             self._certs[pin] = pem
+        else:
+            self._remember_unpinned(address, pem)
         return pem
+
+    def _remember_unpinned(self, address: str, root: bytes | None) -> None:
+        if len(self._unpinned) >= MAX_KNOWN_CERTS:
+            self._unpinned.pop(next(iter(self._unpinned)))
+        self._unpinned[address] = root
+
+    def _forget_unpinned(self, address: str, pin: str | None, code: str) -> None:
+        """An unpinned call that could not connect or was refused: the address may now hold another
+        node (another certificate, or none); the next call reads it afresh on a new channel."""
+        if pin == UNPINNED and code in ("UNAVAILABLE", "UNAUTHENTICATED"):
+            self._unpinned.pop(address, None)
+            for key in [k for k in self._channels if k[0] == address and k[2] == UNPINNED]:
+                asyncio.ensure_future(self._channels.pop(key).close())  # called on the asyncio side
 
     async def _in_aio(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         return await self._loop.run_aio_coroutine(fn())
@@ -472,6 +495,7 @@ class Grpc:
                 reply: bytes = await channel.unary_unary(method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
+                self._forget_unpinned(address, pin, code)
                 raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return reply
 
@@ -503,6 +527,7 @@ class Grpc:
                         raise RpcError(f"{method} on {address} sent more than {max_messages} messages")
             except grpc.aio.AioRpcError as err:
                 code, text = _describe(err)
+                self._forget_unpinned(address, pin, code)
                 raise RpcError(f"{method} on {address} failed: {text}{_pinned(pin, code)}", code) from err
             return out
 

@@ -40,6 +40,13 @@ def _help(name: str) -> str:
     help="TOML file with gateway settings (also SWARM_GATEWAY_CONFIG).",
 )
 @click.option("--tracker", "tracker_url", default=None, help=_help("tracker_url"))
+@click.option("--tracker-id", default=None, help=_help("tracker_id"))
+@click.option(
+    "--trust-tracker-on-first-use",
+    is_flag=True,
+    default=None,
+    help=_help("trust_tracker_on_first_use"),
+)
 @click.option("--host", default=None, help=_help("host"))
 @click.option("--port", type=int, default=None, help=_help("port"))
 @click.option("--port-file", default=None, help=_help("port_file"))

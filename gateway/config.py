@@ -39,6 +39,19 @@ class GatewayConfig:
         "tracker base URL, e.g. http://10.0.0.2:7460, or several replicas separated by commas (the gateway"
         " fails over between them); empty = discover on the LAN",
     )
+    tracker_id: str = _f(
+        "",
+        "the tracker's public key (64 hex: `swarm-tracker id`, or tracker_id in its /healthz); every route"
+        " ticket must be signed with it and the gateway dials only the hops and certificate pins a valid"
+        " ticket lists; empty = the key learned on a first use before (<data_dir>/tracker.id), else see"
+        " trust_tracker_on_first_use, else the gateway does not start",
+    )
+    trust_tracker_on_first_use: bool = _f(
+        False,
+        "with no tracker_id and none learned before: take the key the tracker's /healthz names at the first"
+        " route look-up and keep it in <data_dir>/tracker.id (whoever is between gateway and tracker at that"
+        " moment could name their own)",
+    )
     host: str = _f("127.0.0.1", "interface the OpenAI API listens on")
     port: int = _f(8000, "TCP port of the OpenAI API; 0 picks a free one (see port_file)")
     port_file: str = _f("", "if set, the bound port is written here once the server listens")
@@ -268,6 +281,10 @@ class GatewayConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.tracker_id and (
+            len(self.tracker_id) != 64 or any(c not in "0123456789abcdef" for c in self.tracker_id)
+        ):
+            raise ConfigError("tracker_id must be 64 lowercase hex characters")
         if self.tracker_url:
             from common.config import parse_urls
 

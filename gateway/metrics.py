@@ -62,9 +62,16 @@ SPECS: dict[str, m.Spec] = {
         "spot-check results and verdicts sent to the tracker, by kind and outcome", "kind", "outcome"
     ),
     "swarm_gateway_tracker_route_requests_total": m.counter(
-        "route look-ups at the tracker, by outcome (ok, no_route, unreachable, an HTTP status; stale: "
+        "route look-ups at the tracker, by outcome (ok, no_route, unreachable, an HTTP status; refused: no "
+        "route had a valid ticket; stale: "
         "the tracker failed and routes with valid tickets were served from the cache)",
         "outcome",
+    ),
+    "swarm_gateway_route_tickets_refused_total": m.counter(
+        "routes dropped because their tracker-signed ticket does not vouch for them, by reason (expired,"
+        " untrusted_key, bad_signature, hops_mismatch: the answer's hops, addresses or certificate pins"
+        " differ from the signed ones, ...)",
+        "reason",
     ),
     "swarm_gateway_prefix_reuse_total": m.counter(
         "requests that could reuse a kept prefix (warm conversations), by outcome (hit, miss)", "outcome"

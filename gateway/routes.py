@@ -44,6 +44,8 @@ from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.metrics import Metrics
+from gateway.route_tickets import TicketRefused, verify_route
+from gateway.tracker_key import TrackerKey
 from proto.recipe import Recipe
 from proto.signing import canonical_json
 from tracker.client import TrackerClient, TrackerClientError
@@ -164,9 +166,11 @@ class RouteCache:
         ttl_s: float,
         tracker_timeout_s: float,
         metrics: Metrics,
+        tracker_key: TrackerKey,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._tracker = tracker
+        self._tracker_key = tracker_key
         self._k = k
         self._ttl_s = ttl_s
         self._timeout_s = tracker_timeout_s
@@ -255,6 +259,8 @@ class RouteCache:
     async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
         try:
             with trio.fail_after(self._timeout_s):
+                # The key every ticket must be signed with (asked of the tracker only on a first use).
+                tracker_id = await self._tracker_key.get(self._tracker)
                 # Our id lets the tracker price routes from where this gateway is (its coordinate).
                 # Signed with our key: the tickets name this gateway, and only its OPENs use them.
                 body = await self._tracker.routes(
@@ -280,8 +286,50 @@ class RouteCache:
                 f"no complete route for model '{model}' right now (layers not covered: {uncovered})",
                 retry_after_s=5,
             )
+        parsed = self._verified(parsed, tracker_id)
+        if not parsed.routes:
+            self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="refused")
+            raise NoRoute(
+                f"no route for model '{model}' right now: the tracker's answer held no route with a valid "
+                "ticket for its hops",
+                retry_after_s=5,
+            )
         self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="ok")
         return parsed
+
+    def _verified(self, parsed: ModelRoutes, tracker_id: str) -> ModelRoutes:
+        """The routes whose tracker-signed ticket vouches for every hop (gateway/route_tickets.py), with
+        the ticket's addresses, pins and expiry; each other route is dropped with one warning line."""
+        now = self._clock()
+        kept: list[Route] = []
+        for route in parsed.routes:
+            try:
+                ticket = verify_route(
+                    route.ticket,
+                    route.hops,
+                    model_fingerprint=route.model_fingerprint,
+                    tracker_id=tracker_id,
+                    gateway_id=self._tracker.key_id,
+                    now_s=now,
+                )
+            except TicketRefused as err:
+                self._metrics.inc("swarm_gateway_route_tickets_refused_total", reason=err.reason)
+                event(
+                    log,
+                    "route_ticket_refused",
+                    level=logging.WARNING,
+                    model=parsed.name,
+                    route=route.route_id,
+                    reason=err.reason,
+                    detail=err.message,
+                )
+                continue
+            hops = tuple(
+                dataclasses.replace(hop, address=signed.address, tls_fingerprint=signed.tls_fingerprint)
+                for hop, signed in zip(route.hops, ticket.hops, strict=True)
+            )
+            kept.append(dataclasses.replace(route, hops=hops, expires_at_s=ticket.expires_at_s))
+        return dataclasses.replace(parsed, routes=tuple(kept))
 
     async def fetch_excluding(self, model: str, exclude: frozenset[str]) -> ModelRoutes:
         """Fresh routes that avoid ``exclude`` (after a refusal at OPEN); not cached. During a

@@ -31,6 +31,7 @@ from gateway.app import create_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
+from gateway.tracker_key import TrackerKey, resolve_tracker_key
 from proto.signing import public_key_hex
 from tracker.client import TrackerClient
 
@@ -81,12 +82,13 @@ def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
         raise ConfigError(str(err)) from err
 
 
-async def _tracker_url(config: GatewayConfig) -> str:
+async def _tracker_url(config: GatewayConfig, tracker_id: str) -> str:
     if config.tracker_url:
         return config.tracker_url
     from tracker.discovery import discover_tracker_async
 
-    url = await discover_tracker_async(config.discovery_timeout_s)
+    # With the key known, only the tracker that holds it counts (its tickets are all we accept).
+    url = await discover_tracker_async(config.discovery_timeout_s, tracker_id or None)
     if url is None:
         raise ConfigError(
             f"no tracker_url given and none found on the LAN within {config.discovery_timeout_s:g} s"
@@ -111,7 +113,8 @@ async def serve_gateway(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     key = await files.run_sync(load_or_create_key, config.resolved_data_dir())
-    tracker_url = await _tracker_url(config)
+    tracker_key = await resolve_tracker_key(config)
+    tracker_url = await _tracker_url(config, tracker_key.known)
     relay = RelayHub(public_key_hex(key), max_frame_bytes=config.max_frame_bytes)
     tracker = TrackerClient(tracker_url, key)
     try:
@@ -122,30 +125,42 @@ async def serve_gateway(
                 relay=relay,
                 allow_plaintext=config.allow_plaintext_nodes,
             )
-            await _serve(config, tracker, key, channels, relay, tracker_url, shutdown, on_ready, task_status)
+            service = _service(config, tracker, key, channels, tracker_key)
+            await _serve(
+                config, service, channels, tracker, relay, tracker_url, shutdown, on_ready, task_status
+            )
     finally:
         with trio.CancelScope(shield=True):
             await tracker.aclose()
         event(log, "gateway_stopped")
 
 
-async def _serve(
+def _service(
     config: GatewayConfig,
     tracker: TrackerClient,
     key: nacl.signing.SigningKey,
     channels: RelayChannels,
+    tracker_key: TrackerKey,
+) -> GatewayService:
+    from gateway.api_keys import KeyFileError as ApiKeyFileError
+
+    try:
+        return GatewayService(config, tracker, key, channels, tracker_key=tracker_key)
+    except (ApiKeyFileError, UnicodeDecodeError) as err:
+        raise ConfigError(f"api keys file {config.resolved_api_keys_file()}: {err}") from err
+
+
+async def _serve(
+    config: GatewayConfig,
+    service: GatewayService,
+    channels: RelayChannels,
+    tracker: TrackerClient,
     relay: RelayHub,
     tracker_url: str,
     shutdown: trio.Event | None,
     on_ready: Callable[[RunningGateway], None] | None,
     task_status: trio.TaskStatus[int],
 ) -> None:
-    from gateway.api_keys import KeyFileError as ApiKeyFileError
-
-    try:
-        service = GatewayService(config, tracker, key, channels)
-    except (ApiKeyFileError, UnicodeDecodeError) as err:
-        raise ConfigError(f"api keys file {config.resolved_api_keys_file()}: {err}") from err
     service.vocabs.registry = tracker  # registered models' vocabularies need a proof (vocab_store.py)
     app = create_app(service)
     install_relay(app, relay)  # /v1/relay: nodes behind NAT dial in (gateway/relay.py)

@@ -85,6 +85,7 @@ from gateway.routes import (
 from gateway.session_machine import HopTimed, StepReport, StepTimed
 from gateway.span_finder import span_finder
 from gateway.textstream import TextStream
+from gateway.tracker_key import TrackerKey
 from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
@@ -240,6 +241,8 @@ class GatewayService:
         key: nacl.signing.SigningKey,
         channels: NodeChannels,
         metrics: Metrics | None = None,
+        *,
+        tracker_key: TrackerKey,
     ) -> None:
         self.config = config
         self.tracker = tracker
@@ -257,6 +260,7 @@ class GatewayService:
             ttl_s=config.route_ttl_s,
             tracker_timeout_s=config.tracker_timeout_s,
             metrics=self.metrics,
+            tracker_key=tracker_key,
         )
         self.node_infos = NodeInfoCache(
             channels, ttl_s=config.node_info_ttl_s, timeout_s=config.open_timeout_s

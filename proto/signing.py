@@ -216,6 +216,10 @@ class TicketHop:
     start: int
     end: int
     address: str
+    # sha256 of the node's gRPC TLS certificate as it announced it, so the pin a gateway dials is under
+    # the tracker's signature. "" (a node serving plaintext, or a ticket from a tracker older than this
+    # field): the key is left out of the signed hop, so such tickets are byte-for-byte what they were.
+    tls_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,9 +242,7 @@ def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict
         "tracker_id": public_key_hex(key),
         "session_id": ticket.session_id,
         "model_fingerprint": ticket.model_fingerprint,
-        "hops": [
-            {"node_id": h.node_id, "start": h.start, "end": h.end, "address": h.address} for h in ticket.hops
-        ],
+        "hops": [_ticket_hop_json(h) for h in ticket.hops],
         "timestamp": ticket.issued_at_s,
         "expires_at": ticket.expires_at_s,
         "nonce": new_nonce(),
@@ -248,6 +250,20 @@ def sign_route_ticket(key: nacl.signing.SigningKey, ticket: RouteTicket) -> dict
     if ticket.gateway_id:  # absent on bearer tickets, so their bytes are what they always were
         payload["gateway_id"] = ticket.gateway_id
     return sign_envelope(key, payload)
+
+
+def _ticket_hop_json(hop: TicketHop) -> dict[str, Any]:
+    out: dict[str, Any] = {"node_id": hop.node_id, "start": hop.start, "end": hop.end, "address": hop.address}
+    if hop.tls_fingerprint:  # absent for plaintext nodes: older nodes and gateways parse what they always did
+        out["tls_fingerprint"] = hop.tls_fingerprint
+    return out
+
+
+def _ticket_hop(h: Mapping[str, Any]) -> TicketHop:
+    pin = h.get("tls_fingerprint", "")
+    if not isinstance(pin, str) or (pin and not _HEX64_RE.match(pin)):
+        raise SignatureError("malformed_envelope", "route ticket hop tls_fingerprint is not 64 lowercase hex")
+    return TicketHop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"]), pin)
 
 
 def route_ticket_bytes(envelope: Mapping[str, Any]) -> bytes:
@@ -272,7 +288,8 @@ def verify_route_ticket(
     model_fingerprint: str | None = None,
     leeway_s: float = 5.0,
 ) -> RouteTicket:
-    """What a node calls before spending memory on a session.
+    """What a node calls before spending memory on a session (and a gateway before it dials a route:
+    gateway/route_tickets.py compares the hops, with their TLS pins, to the route's).
 
     Checks the tracker's signature and key, the expiry (with ``leeway_s`` for
     clock differences) and, when given, that ``node_id`` is a hop of the route and
@@ -286,9 +303,7 @@ def verify_route_ticket(
         p = json.loads(payload_bytes.decode("utf-8"))
         if p.get("kind") != "route_ticket":
             raise SignatureError("wrong_kind", "not a route ticket")
-        hops = tuple(
-            TicketHop(str(h["node_id"]), int(h["start"]), int(h["end"]), str(h["address"])) for h in p["hops"]
-        )
+        hops = tuple(_ticket_hop(h) for h in p["hops"])
         ticket = RouteTicket(
             tracker_id=str(p["tracker_id"]),
             session_id=str(p["session_id"]),

@@ -212,6 +212,7 @@ def start_local_swarm(
             tls_args, tls_port_file, pin = _gateway_tls(Path(workdir))
             gateway = sup.start_gateway(
                 tracker_url=tracker_url,
+                tracker_id=str(tracker.extra["tracker_id"]),  # what it checks route tickets with
                 port=inner_gateway_port,
                 host=net.addr("gateway"),
                 extra_args=[*tls_args, *(gateway_args or [])],
@@ -275,6 +276,7 @@ def start_local_swarm(
         if gateway is None:
             gateway = sup.start_gateway(
                 tracker_url=tracker_url,
+                tracker_id=str(tracker.extra["tracker_id"]),  # what it checks route tickets with
                 port=inner_gateway_port,
                 host=net.addr("gateway"),
                 extra_args=gateway_args,

@@ -46,6 +46,9 @@ from typing import Any
 
 import httpx
 
+from common.keyfile import load_or_create_key_file
+from proto.signing import public_key_hex
+
 STRIPPED_PREFIXES = ("SWARM_NODE_", "SWARM_TRACKER_", "SWARM_GATEWAY_")
 # Gateway flags for a run that tests something else than spot checks and counts routes, sessions or
 # steps: no request runs on a second route (checks are tested in tests/*/test_*checks*).
@@ -256,6 +259,8 @@ class Supervisor:
         (self.workdir / "logs").mkdir(exist_ok=True)
         self.place = place
         self.services: list[Service] = []
+        # The public key of the tracker started last: gateways started here pin it (``--tracker-id``).
+        self.tracker_id = ""
         LIVE_SUPERVISORS.add(self)
 
     def spawn(
@@ -309,6 +314,11 @@ class Supervisor:
         """``swarm-tracker serve``; files in ``<workdir>/<data_dir_name or name>`` (a restart reuses
         them; ``port`` lets a restarted tracker come back where its nodes look for it)."""
         data = self._data_dir(data_dir_name or name)
+        # The tracker's key is made here rather than by the tracker, so the gateways started after it
+        # can be given its id without asking the tracker (which is what they check route tickets with).
+        args = list(extra_args or ())
+        key_file = Path(args[args.index("--key-file") + 1]) if "--key-file" in args else data / "tracker.key"
+        self.tracker_id = public_key_hex(load_or_create_key_file(key_file)[0])
         argv = [
             *_serve_argv("swarm-tracker", host, port, data),
             "--no-zeroconf",
@@ -317,8 +327,10 @@ class Supervisor:
         ]
         if heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
-        argv += extra_args or ()
-        return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
+        argv += args
+        svc = self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
+        svc.extra["tracker_id"] = self.tracker_id
+        return svc
 
     def start_node(
         self,
@@ -395,13 +407,17 @@ class Supervisor:
         port: int = 0,
         extra_args: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
+        tracker_id: str | None = None,
     ) -> Service:
-        """``swarm-gateway serve`` with its key and vocabulary cache in ``<workdir>/<name>``."""
+        """``swarm-gateway serve`` with its key and vocabulary cache in ``<workdir>/<name>``; it pins
+        ``tracker_id`` (default: the tracker started last here; "" = none, so pass it in ``extra_args``)."""
         data = self._data_dir(name)
+        pin = self.tracker_id if tracker_id is None else tracker_id
         argv = [
             *_serve_argv("swarm-gateway", host, port, data),
             "--tracker",
             tracker_url,
+            *(("--tracker-id", pin) if pin else ()),
             *(extra_args or ()),
         ]
         return self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)

@@ -297,7 +297,9 @@ class Challenger:
             tracker_id=reg.tracker_id,
             session_id=secrets.token_hex(16),
             model_fingerprint=target.model_fingerprint,
-            hops=(TicketHop(target.node_id, target.start, target.end, target.address),),
+            hops=(
+                TicketHop(target.node_id, target.start, target.end, target.address, target.tls_fingerprint),
+            ),
             issued_at_s=now,
             expires_at_s=now + self.config.challenge_timeout_s,
         )

@@ -663,7 +663,11 @@ class Registry:
                 tracker_id=self.tracker_id,
                 session_id=uuid.uuid4().hex,
                 model_fingerprint=info.fingerprint,
-                hops=tuple(TicketHop(h.node_id, h.start, h.end, h.address) for h in route.hops),
+                # The pins go under the signature too: a gateway dials only what a valid ticket names.
+                hops=tuple(
+                    TicketHop(h.node_id, h.start, h.end, h.address, shard_of[h.node_id].tls_fingerprint)
+                    for h in route.hops
+                ),
                 issued_at_s=now,
                 expires_at_s=now + self.config.route_ticket_ttl_s,
                 gateway_id=gateway_id if bound and gateway_id else "",

@@ -82,7 +82,7 @@ def taken_port() -> Iterator[int]:
     ("prog", "args"),
     [
         ("swarm-tracker", ["--no-zeroconf"]),
-        ("swarm-gateway", ["--tracker", "http://127.0.0.1:9"]),
+        ("swarm-gateway", ["--tracker", "http://127.0.0.1:9", "--tracker-id", "ab" * 32]),
     ],
 )
 def test_http_port_in_use(tmp_path: Path, taken_port: int, prog: str, args: list[str]) -> None:
@@ -117,6 +117,8 @@ def test_gateway_finds_no_tracker(tmp_path: Path) -> None:
         "0",
         "--data-dir",
         str(tmp_path),
+        "--tracker-id",
+        "ab" * 32,
         env={"SWARM_GATEWAY_DISCOVERY_TIMEOUT_S": "0.5"},
     )
     assert_one_line(done, "swarm-gateway", 2, "no tracker_url given and none found")
@@ -183,6 +185,8 @@ def test_node_status_of_an_unreachable_node() -> None:
         ("swarm-gateway", ["serve", "--max-sessions", "0"], {}, "max_sessions must be >= 1"),
         ("swarm-gateway", ["serve", "--tracker", "localhost:7460"], {}, "http://"),
         ("swarm-gateway", ["serve"], {"SWARM_GATEWAY_MAX_SESIONS": "3"}, "SWARM_GATEWAY_MAX_SESIONS"),
+        ("swarm-gateway", ["serve", "--tracker", "http://127.0.0.1:9"], {}, "tracker_id is not set"),
+        ("swarm-gateway", ["serve", "--tracker-id", "AB" * 32], {}, "tracker_id must be 64 lowercase hex"),
     ],
 )
 def test_bad_settings_exit_2(

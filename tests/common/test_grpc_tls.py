@@ -94,3 +94,30 @@ def test_certificates_are_kept_private_and_reloaded(tmp_path: Path) -> None:
     os.chmod(tmp_path / "k", 0o600)
     with pytest.raises(tls.TlsError, match="not the key"):
         tls.load_server_cert(tmp_path / "node" / tls.CERT_FILE, tmp_path / "k")
+
+
+async def test_unpinned_calls_read_the_certificate_once_per_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ping (unpinned Health) must cost one round trip, not a TLS handshake of its own each time:
+    round-trip samples would measure handshakes (3-4x the path's RTT on the emulated WAN)."""
+    from common import grpc_adapter
+
+    fetches: list[str] = []
+    real = grpc_adapter.fetch_certificate
+
+    async def counting(address: str) -> bytes:
+        fetches.append(address)
+        return await real(address)
+
+    monkeypatch.setattr(grpc_adapter, "fetch_certificate", counting)
+    cert = tls.generate_self_signed()
+    async with open_grpc() as rt, trio.open_nursery() as nursery:
+        port = await nursery.start(lambda **kw: rt.serve("127.0.0.1", 0, [SERVICE], tls=cert, **kw))
+        address = f"127.0.0.1:{port}"
+        with trio.fail_after(20):
+            for _ in range(5):
+                assert await rt.unary(address, "/test.Echo/Hello", b"x", pin=UNPINNED) == b"hello x"
+            assert fetches == [address]
+            # Nobody answers there any more: the next call reads the address afresh.
+            with pytest.raises(RpcError):
+                await rt.unary("127.0.0.1:1", "/test.Echo/Hello", b"x", pin=UNPINNED)
+        nursery.cancel_scope.cancel()

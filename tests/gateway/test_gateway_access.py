@@ -327,15 +327,22 @@ def test_a_session_that_lost_a_stage_and_its_replacement_names_both() -> None:
 
 
 def test_route_cache_serves_valid_tickets_through_a_tracker_outage_and_refreshes_after() -> None:
+    import secrets
+
     import httpx
+    import nacl.signing
     import trio
 
     from gateway.metrics import Metrics
     from gateway.routes import STALE_MARGIN_S, TRACKER_RETRY_S, RouteCache
+    from gateway.tracker_key import TrackerKey
+    from proto.signing import RouteTicket, TicketHop, public_key_hex, sign_route_ticket
 
     now = [1000.0]
     calls: list[str] = []
     down = [False]
+
+    tracker_key = nacl.signing.SigningKey(bytes([9]) * 32)
 
     class Tracker:
         key_id = "g" * 64
@@ -345,16 +352,32 @@ def test_route_cache_serves_valid_tickets_through_a_tracker_outage_and_refreshes
             if down[0]:
                 raise httpx.ConnectError("connection refused")
             hop = {"node_id": "a" * 64, "start": 0, "end": 30, "address": "127.0.0.1:1"}
+            ticket = RouteTicket(
+                "",
+                secrets.token_hex(16),
+                "f" * 64,
+                (TicketHop("a" * 64, 0, 30, "127.0.0.1:1"),),
+                now[0],
+                now[0] + 300,
+            )
             route = {
                 "hops": [hop],
-                "ticket": {"n": len(calls)},
+                "ticket": sign_route_ticket(tracker_key, ticket),
                 "expires_at": now[0] + 300,
                 "expected_ms_per_token": 5,
             }
             return {"model": {"fingerprint": "f" * 64, "name": "m", "n_layers": 30}, "routes": [route]}
 
     metrics = Metrics()
-    cache = RouteCache(Tracker(), k=2, ttl_s=10, tracker_timeout_s=5, metrics=metrics, clock=lambda: now[0])  # type: ignore[arg-type]
+    cache = RouteCache(
+        Tracker(),  # type: ignore[arg-type]
+        k=2,
+        ttl_s=10,
+        tracker_timeout_s=5,
+        metrics=metrics,
+        tracker_key=TrackerKey(public_key_hex(tracker_key)),
+        clock=lambda: now[0],
+    )
 
     async def main() -> None:
         first = await cache.routes("m")

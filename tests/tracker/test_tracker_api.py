@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from collections.abc import AsyncIterator
@@ -182,10 +183,10 @@ async def test_unknown_node_heartbeat_is_404(env: Env) -> None:
 
 
 async def test_routes_tickets_and_exclusions(env: Env) -> None:
+    pins = {1: "1a" * 32, 2: "", 3: "3c" * 32}  # node 2 serves plaintext
     for seed, (a, b) in {1: (0, 15), 2: (15, 30), 3: (0, 30)}.items():
-        assert (await env.post("/v1/announce", env.announce_env(seed, a, b, ms=10.0 if seed < 3 else 100.0)))[
-            0
-        ] == 200
+        announce = env.announce_env(seed, a, b, ms=10.0 if seed < 3 else 100.0, tls_fingerprint=pins[seed])
+        assert (await env.post("/v1/announce", announce))[0] == 200
     status, body = await env.post("/v1/routes", {"model": MODEL.fingerprint, "k": 2})
     assert status == 200 and body["uncovered"] == []
     assert [len(r["hops"]) for r in body["routes"]] == [2, 1]
@@ -200,6 +201,14 @@ async def test_routes_tickets_and_exclusions(env: Env) -> None:
             )
             assert t.session_id == route["session_id"]
             assert [h.node_id for h in t.hops] == [h["node_id"] for h in route["hops"]]
+            # The pins are signed: the ticket's hops carry what the answer's hops say.
+            assert [(h.address, h.tls_fingerprint) for h in t.hops] == [
+                (h["address"], h["tls_fingerprint"]) for h in route["hops"]
+            ]
+        signed_hops = json.loads(base64.b64decode(route["ticket"]["payload"]))["hops"]
+        for signed_hop, hop in zip(signed_hops, route["hops"], strict=True):
+            # absent for a plaintext node: such tickets keep the bytes they had before the field
+            assert signed_hop.get("tls_fingerprint") == (hop["tls_fingerprint"] or None)
     # By name, GET form, excluding the single-shard node and one half: no route, uncovered named.
     excl = f"{public_key_hex(key(3))},{public_key_hex(key(2))}"
     status, body = await env.get(f"/v1/routes?model={MODEL.name}&k=1&exclude={excl}")

@@ -41,6 +41,7 @@ def announce_for(
     ms: float = 10.0,
     model: ModelSpec = MODEL,
     max_sessions: int = 4,
+    tls_fingerprint: str = "",
 ) -> Announce:
     return Announce(
         node_id=public_key_hex(k),
@@ -55,6 +56,7 @@ def announce_for(
         decode_ms_per_token=ms,
         prefill_tokens_per_s=200.0,
         max_sessions=max_sessions,
+        tls_fingerprint=tls_fingerprint,
     )
 
 
