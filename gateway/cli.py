@@ -86,6 +86,12 @@ def _help(name: str) -> str:
 @click.option("--prefill-pipeline-steps", type=int, default=None, help=_help("prefill_pipeline_steps"))
 @click.option("--check-fraction", type=float, default=None, help=_help("check_fraction"))
 @click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))
+@click.option(
+    "--batch-isolation",
+    type=click.Choice(["off", "checked", "all"]),
+    default=None,
+    help=_help("batch_isolation"),
+)
 @click.option("--open-timeout-s", type=float, default=None, help=_help("open_timeout_s"))
 @click.option("--prefill-step-timeout-s", type=float, default=None, help=_help("prefill_step_timeout_s"))
 @click.option("--decode-step-timeout-s", type=float, default=None, help=_help("decode_step_timeout_s"))

@@ -21,6 +21,9 @@ ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
+BATCH_ISOLATION_MODES = ("off", "checked", "all")
+
+
 class ConfigError(ValueError):
     pass
 
@@ -145,6 +148,12 @@ class GatewayConfig:
         "sampled; 0: no probation here (the tracker's probation flag is ignored too)",
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
+    batch_isolation: str = _f(
+        "off",
+        "which sessions every stage computes in batches of their own, so spot checks compare "
+        "batch-invariant numbers: off | checked (the runs of a check; nodes can then tell a check "
+        "from other traffic) | all (every session; no batching across sessions)",
+    )
     open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
     prefill_step_timeout_s: float = _f(
         120.0,
@@ -207,6 +216,12 @@ class GatewayConfig:
                 raise ValueError(f"expected ALIAS=MODEL, got {item!r}")
             out[alias.strip()] = target.strip()
         return out
+
+    def isolates(self, checked: bool) -> bool:
+        """Whether a session's stages compute it in batches of its own (``batch_isolation``): the
+        primary, shadow and judge of a check always agree on it, so their digests compare bit for bit
+        even for models whose numbers depend on the batch (docs/security.md, Limits)."""
+        return self.batch_isolation == "all" or (self.batch_isolation == "checked" and checked)
 
     def cors(self) -> tuple[str, ...]:
         return tuple(filter(None, (x.strip() for x in self.cors_origins.split(","))))
@@ -301,6 +316,11 @@ class GatewayConfig:
             raise ConfigError(f"check_fraction must be in [0, 1], got {self.check_fraction}")
         if self.probation_checks < 0:
             raise ConfigError("probation_checks must be >= 0")
+        if self.batch_isolation not in BATCH_ISOLATION_MODES:
+            raise ConfigError(
+                f"batch_isolation must be one of {', '.join(BATCH_ISOLATION_MODES)}, "
+                f"got {self.batch_isolation!r}"
+            )
         if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:
             raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:

@@ -464,6 +464,7 @@ async def open_route_session(
     kv_source: tuple[str, int] | None = None,
     keep_ms: int = 0,
     report_steps: bool = False,
+    isolated: bool = False,
     prove_open: OpenProver | None = None,
     on_timing: Callable[[StepTimed | HopTimed], None] | None = None,
     encodings: Sequence[frame_pb2.Encoding] | None = None,
@@ -513,6 +514,7 @@ async def open_route_session(
         kv_source=kv_source,
         keep_ms=keep_ms,
         report_steps=report_steps,
+        isolated=isolated,
     )
     specs = [
         StageSpec(

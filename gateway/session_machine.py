@@ -148,6 +148,9 @@ class RouteConfig:
     kv_source: tuple[str, int] | None = None
     keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
     report_steps: bool = False  # emit every stage's step report (spot checks compare them)
+    # Every stage computes this session's steps in batches of their own (OpenSession.isolated): the
+    # runs of a spot check then report the same digests even where batching changes the numbers.
+    isolated: bool = False
 
 
 @dataclass(frozen=True)
@@ -586,6 +589,7 @@ class RouteMachine:
                 ring=self._target(k, 0, hop[k]) if last and n > 1 else None,
                 history_bytes=0 if last else self.config.history_bytes,
                 kv_source=source,
+                isolated=self.config.isolated,
             )
             if source is not None:  # the frame's expected_kv_len stays 0: the session is new
                 stage.open_frame.expected_kv_len = 0

@@ -12,6 +12,19 @@ order. Each engine call takes one batch of at most ``max_tokens`` positions:
 A job is finished when all its positions have been through the engine; its
 slices always start where the previous one ended (the engine checks it
 against the session's KV length anyway).
+
+Isolated jobs (a session opened with ``OpenSession.isolated``: the runs of a
+spot check) never share a batch. Some llama.cpp CPU kernels (flash
+attention's tiled path, quantized matrix products) pick their algorithm by
+the number of rows in a ubatch, so a row's low-order bits can depend on what
+else was batched with it; two honest nodes must compute a checked step alike.
+So an isolated job's batch holds that job alone, cut into slices of
+``ISOLATED_SLICE_TOKENS`` positions counted from the step's own start: the
+cut depends only on the step as the gateway sent it, never on this node's
+``max_tokens`` / ``prefill_chunk`` (node-local settings). The node's batch
+size is at least ``ISOLATED_SLICE_TOKENS`` (node config), so the engine runs
+each slice as one ``llama_decode`` of one ubatch. When isolated and shared
+work both wait, batches alternate (``after_isolated``): neither starves.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from node.session_machine import StepJob
+from proto.codec import ISOLATED_SLICE_TOKENS
 
 
 @dataclass(eq=False)  # identity: jobs hold numpy arrays
@@ -53,13 +67,23 @@ class Slice:
         return self.offset + self.count == self.pending.job.n_tokens
 
 
-def plan_batch(pending: Sequence[PendingJob], max_tokens: int, prefill_chunk: int) -> list[Slice]:
-    """The slices of the next batch (see the module docstring); empty when nothing is pending."""
+def plan_batch(
+    pending: Sequence[PendingJob], max_tokens: int, prefill_chunk: int, *, after_isolated: bool = False
+) -> list[Slice]:
+    """The slices of the next batch (see the module docstring); empty when nothing is pending.
+
+    ``after_isolated``: the previous batch was an isolated one, so shared work goes first if any waits.
+    """
     if max_tokens < 1 or prefill_chunk < 1:
         raise ValueError("max_tokens and prefill_chunk must be >= 1")
     room = max_tokens
     out: list[Slice] = []
     live = [p for p in pending if not p.dropped and p.remaining > 0]
+    isolated = [p for p in live if p.job.isolated]
+    live = [p for p in live if not p.job.isolated]
+    if isolated and not (after_isolated and live):
+        p = isolated[0]
+        return [Slice(p, p.done, min(p.remaining, ISOLATED_SLICE_TOKENS))]
     for p in live:
         if room == 0:
             return out

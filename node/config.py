@@ -19,6 +19,7 @@ from typing import Any
 
 from common.config import load_layered
 from common.tls import ServerCert, TlsError, is_fingerprint, load_or_create_server_cert, load_server_cert
+from proto.codec import ISOLATED_SLICE_TOKENS
 
 ENV_PREFIX = "SWARM_NODE_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -238,6 +239,9 @@ class NodeConfig:
             raise ConfigError("max_kept_sessions, max_kept_kv_tokens and max_keep_s must be >= 0")
         if self.session_kv_tokens < 16:
             raise ConfigError("session_kv_tokens must be >= 16")
+        if self.batch_tokens < ISOLATED_SLICE_TOKENS:
+            # An isolated step's slice must run as one llama.cpp ubatch on every node (node.batching).
+            raise ConfigError(f"batch_tokens must be >= {ISOLATED_SLICE_TOKENS}")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError("max_frame_bytes must be >= 65536")
         if self.reply_buffer_bytes < self.max_frame_bytes:

@@ -750,6 +750,7 @@ class NodeDaemon:
             "swarm_node_engine_seconds_total": one(sched.compute_s),
             "swarm_node_batches_total": one(sched.batches),
             "swarm_node_multi_session_batches_total": one(sched.multi_session_batches),
+            "swarm_node_isolated_batches_total": one(sched.isolated_batches),
             "swarm_node_inline_rounds_total": one(sched.inline_rounds),
             "swarm_node_frames_total": {
                 (("direction", "in"),): float(stats.frames_in),

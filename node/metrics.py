@@ -51,6 +51,9 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_multi_session_batches_total": m.counter(
         "batches carrying several sessions' work", scraped=True
     ),
+    "swarm_node_isolated_batches_total": m.counter(
+        "batches of one isolated session alone (OpenSession.isolated: batch isolation)", scraped=True
+    ),
     "swarm_node_inline_rounds_total": m.counter(
         "short decode-only rounds run on the event-loop thread", scraped=True
     ),

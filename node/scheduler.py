@@ -73,6 +73,7 @@ class SchedulerStats:
     decode_ms_per_token: float  # smoothed time of a batch that held only decode steps, per step
     multi_session_batches: int  # batches that carried work of more than one session
     inline_rounds: int  # rounds run on the trio thread (short decode-only batches)
+    isolated_batches: int = 0  # batches of one isolated session (OpenSession.isolated) alone
 
 
 class Scheduler:
@@ -107,6 +108,8 @@ class Scheduler:
         self._multi = 0
         self._inline_rounds = 0
         self._stopped = False
+        self._last_isolated = False  # the last batch was an isolated one (node.batching)
+        self._isolated_batches = 0
 
     # -- trio side: submissions ----------------------------------------------------------------
 
@@ -148,7 +151,13 @@ class Scheduler:
                 await self._kick_recv.receive()
                 continue
             controls, self._controls = self._controls, []
-            plan = plan_batch(self._jobs, self.max_batch_tokens, self.prefill_chunk_tokens)
+            plan = plan_batch(
+                self._jobs,
+                self.max_batch_tokens,
+                self.prefill_chunk_tokens,
+                after_isolated=self._last_isolated,
+            )
+            self._last_isolated = any(s.pending.job.isolated for s in plan)
             t0 = time.perf_counter()
             for s in plan:
                 if s.pending.queue_s is None:  # the job's first batch: its wait in the queue ends
@@ -243,6 +252,8 @@ class Scheduler:
         self._last_batch = n
         if len(plan) > 1:
             self._multi += 1
+        if any(s.pending.job.isolated for s in plan):
+            self._isolated_batches += 1
         self._compute_s += elapsed
         decode = sum(s.count for s in plan if s.pending.job.is_decode)
         self._decode_tokens += decode
@@ -314,6 +325,7 @@ class Scheduler:
             decode_ms_per_token=self._decode_ms,
             multi_session_batches=self._multi,
             inline_rounds=self._inline_rounds,
+            isolated_batches=self._isolated_batches,
         )
 
 

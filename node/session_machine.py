@@ -192,6 +192,9 @@ class StepJob:
     history: npt.NDArray[np.int32] | None  # last stage with penalties or a grammar: tokens so far
     is_decode: bool
     token_ids: npt.NDArray[np.int32] | None = None  # the step's token ids whatever the stage (may be empty)
+    # Batch isolation (OpenSession.isolated): the scheduler runs this step in batches holding only its
+    # rows, cut into ISOLATED_SLICE_TOKENS pieces counted from ``start`` (node.batching).
+    isolated: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -325,6 +328,7 @@ class _Session:
     accepted_step: int = 0  # highest step id accepted (busy or pending)
     history_limit: int = 0
     history: _History | None = None
+    isolated: bool = False  # OpenSession.isolated: its steps run in batches of their own
 
 
 @dataclass(frozen=True)
@@ -613,6 +617,7 @@ class FrameServer:
             out_max_frame_bytes=max_out,
             last_step_id=int(frame.step_id),
             expires_at=now + self.spec.idle_lease_s,
+            isolated=bool(frame.open.isolated),
         )
         if positions:
             sess.kv_len = positions
@@ -728,6 +733,7 @@ class FrameServer:
         sess.conn = conn
         self._proven.add(conn)
         sess.epoch = int(frame.route_epoch)
+        sess.isolated = bool(frame.open.isolated)
         # The KV budget and the sampling settings were fixed when the engine opened the sequence; a
         # re-attach keeps them (the ack reports the budget that holds).
         sess.out_encoding, sess.out_block_size, sess.out_max_frame_bytes = encoding, block, max_out
@@ -1167,6 +1173,7 @@ class FrameServer:
             history=history,
             is_decode=step.phase == frame_pb2.PHASE_DECODE,
             token_ids=step.token_ids,
+            isolated=sess.isolated,
         )
 
     # -- outcomes ----------------------------------------------------------------------------------

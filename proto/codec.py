@@ -65,6 +65,10 @@ VOCAB_METHOD = f"/{SERVICE}/GetVocab"
 SCHEMA_VERSION = 2  # 2: direct push (PushTarget, hop tokens, reports, REPLAY)
 HIDDEN = "hidden"  # name of the hidden-state tensor, float32 [n_tokens, n_embd]
 MAX_TOP_LOGPROBS = 20
+# Batch isolation (OpenSession.isolated): a node cuts an isolated session's step into pieces of this
+# many positions, counted from the step's start, and runs each piece alone as one llama.cpp ubatch.
+# A node's batch size is at least this (its config refuses less).
+ISOLATED_SLICE_TOKENS = 64
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per session
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar (tool schemas included) in one OPEN
 MAX_CHOICES = 16  # n of one request (sessions sharing one prompt)
@@ -496,8 +500,12 @@ def open_frame(
     ring: frame_pb2.PushTarget | None = None,
     history_bytes: int = 0,
     kv_source: tuple[str, int] | None = None,
+    isolated: bool = False,
 ) -> frame_pb2.Frame:
     """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session).
+
+    ``isolated`` asks the node to compute the session's steps in batches of their own (batch
+    isolation, docs/protocol.md).
 
     ``kv_source`` (session id, positions) starts a new session from another session's KV.
 
@@ -521,6 +529,7 @@ def open_frame(
     if kv_source is not None:
         frame.open.kv_source.session_id = kv_source[0]
         frame.open.kv_source.positions = kv_source[1]
+    frame.open.isolated = isolated
     return frame
 
 

@@ -331,6 +331,9 @@ class Challenger:
                             kv_budget_tokens=n + 1,
                             sampling=codec.SamplingSettings(temperature=0.0, n_top_logprobs=TOP_LOGPROBS),
                             max_frame_bytes=MAX_MESSAGE_BYTES,
+                            # Batch-invariant answers (docs/security.md, Limits): a busy honest node
+                            # answers like an idle one. The challenge is one recognisable step anyway.
+                            isolated=True,
                         ),
                         limits,
                     )

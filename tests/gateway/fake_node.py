@@ -78,6 +78,7 @@ class ScriptedBackend:
         self.kv: dict[str, int] = {}
         self.history: dict[str, list[int]] = {}
         self.opened = 0
+        self.slices = {"isolated": 0, "shared": 0}  # slices computed, by OpenSession.isolated
 
     def open(
         self,
@@ -113,8 +114,11 @@ class ScriptedBackend:
         if node.step_delay_s:
             time.sleep(node.step_delay_s)  # on the scheduler's engine thread, like real compute
         out = []
+        if any(s.pending.job.isolated for s in slices) and len(slices) > 1:
+            raise AssertionError("an isolated job shared a batch")  # node.batching never does this
         for s in slices:
             job = s.pending.job
+            self.slices["isolated" if job.isolated else "shared"] += 1
             sid = job.session_id
             if sid not in self.kv:
                 out.append(SliceResult(0, error_status="UNKNOWN_SESSION", error_message="gone"))

@@ -27,7 +27,12 @@ SCRIPT_TEXT = "Two routes compute the same words; a third decides when they do n
 
 
 def _swarm(
-    tmp: Path, model_path: Path, fingerprint: str, first_seed: int, liar: tuple[int, str] | None
+    tmp: Path,
+    model_path: Path,
+    fingerprint: str,
+    first_seed: int,
+    liar: tuple[int, str] | None,
+    gateway_args: tuple[str, ...] = (),
 ) -> dict:
     fake = scripted_nodes(
         model_path,
@@ -50,7 +55,9 @@ def _swarm(
         # (the liar is among them), and the third pair is there to judge.
         slow = 40.0 if i >= 4 else 10.0
         announce(url(tracker), node.key, model, node.start, node.end, node.port, decode_ms_per_token=slow)
-    gateway = sup.start_gateway(tracker_url=url(tracker), extra_args=["--check-fraction", "1"]).ready(60)
+    gateway = sup.start_gateway(
+        tracker_url=url(tracker), extra_args=["--check-fraction", "1", *gateway_args]
+    ).ready(60)
     return {"nodes": fake.nodes, "sup": sup, "gateway": gateway, "expected": fake.expected}
 
 
@@ -102,6 +109,31 @@ def test_an_honest_swarm_passes_every_check_and_nobody_is_accused(honest: dict) 
     checks = _checks(honest)
     assert checks.get("started", 0) >= 6 and checks.get("passed", 0) == checks["started"]
     assert checks.get("liar_caught", 0) == 0 and not _verdicts(honest)
+
+
+def test_with_batch_isolation_checked_every_run_of_a_check_is_computed_alone(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> None:
+    """``--batch-isolation checked``: the OPENs of the primary and the shadow carry
+    ``OpenSession.isolated`` to every stage, and each node computes those sessions' steps in batches
+    of their own (the scripted backend fails a batch that mixes an isolated job with another)."""
+    swarm = _swarm(
+        tmp_path_factory.mktemp("checks-isolated"),
+        model_path,
+        "c4" * 32,
+        60,
+        None,
+        gateway_args=("--batch-isolation", "checked"),
+    )
+    try:
+        assert _ask(swarm, 3) == [swarm["expected"]] * 3
+        checks = _checks(swarm)
+        assert checks.get("started", 0) >= 3 and checks.get("passed", 0) == checks["started"]
+        served = [n.backend.slices for n in swarm["nodes"] if sum(n.backend.slices.values())]
+        assert len(served) >= 4  # both stages of the primary and of the shadow
+        assert all(s["isolated"] > 0 and s["shared"] == 0 for s in served), served
+    finally:
+        _close(swarm)
 
 
 def test_a_checked_request_whose_routes_all_fail_ends_with_a_clean_error(honest: dict) -> None:

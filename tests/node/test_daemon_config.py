@@ -69,6 +69,7 @@ def dataclasses_frozen_error() -> type[Exception]:
         ("no_tracker = true\nlayers = '0:5'\n", {}, "no_tracker needs"),
         ("tracker_id = 'abc'\n", {}, "tracker_id must be 64"),
         ("max_kept_sessions = -1\n", {}, "max_kept_sessions, max_kept_kv_tokens and max_keep_s"),
+        ("batch_tokens = 32\n", {}, "batch_tokens must be >= 64"),  # an isolated slice is one ubatch
     ],
 )
 def test_config_errors(tmp_path: Path, file_text: str, env: dict[str, str], message: str) -> None:

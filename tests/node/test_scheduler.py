@@ -9,11 +9,16 @@ import trio
 from node.batching import PendingJob, plan_batch
 from node.scheduler import Scheduler
 from node.session_machine import Compute, Drop, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome, TruncateKv
+from proto.codec import ISOLATED_SLICE_TOKENS
 from tests.node.fakes import N_EMBD, FakeBackend
 
 
-def job(job_id: int, sid: str, start: int, n: int, *, decode: bool = False) -> StepJob:
-    return StepJob(job_id, sid, start, np.arange(n, dtype=np.int32), None, False, None, decode)
+def job(
+    job_id: int, sid: str, start: int, n: int, *, decode: bool = False, isolated: bool = False
+) -> StepJob:
+    return StepJob(
+        job_id, sid, start, np.arange(n, dtype=np.int32), None, False, None, decode, isolated=isolated
+    )
 
 
 # --------------------------------------------------------------------------- plan_batch
@@ -56,6 +61,58 @@ def test_plan_never_exceeds_the_batch(max_tokens: int) -> None:
     assert sum(s.count for s in plan) <= max_tokens
     assert len({s.pending.job.session_id for s in plan}) == len(plan)  # one slice per session
     assert all(s.count <= 16 for s in plan if not s.pending.job.is_decode)
+
+
+def _cuts(pending: list[PendingJob], max_tokens: int, prefill_chunk: int) -> list[list[tuple[str, int, int]]]:
+    """Plan batches until every job is through, as the scheduler does (alternating after isolated)."""
+    batches: list[list[tuple[str, int, int]]] = []
+    after = False
+    while plan := plan_batch(pending, max_tokens, prefill_chunk, after_isolated=after):
+        batches.append([(s.pending.job.session_id, s.offset, s.count) for s in plan])
+        after = any(s.pending.job.isolated for s in plan)
+        for s in plan:
+            s.pending.done += s.count
+    return batches
+
+
+def test_an_isolated_job_runs_alone_in_slices_cut_from_its_own_start() -> None:
+    pending = [
+        PendingJob(job(1, "iso", 0, 150, isolated=True)),
+        PendingJob(job(2, "d", 9, 1, decode=True)),
+        PendingJob(job(3, "p", 0, 40)),
+    ]
+    batches = _cuts(pending, max_tokens=512, prefill_chunk=256)
+    # never mixed; the shared work alternates with the isolated slices, so neither starves
+    assert batches == [
+        [("iso", 0, ISOLATED_SLICE_TOKENS)],
+        [("d", 0, 1), ("p", 0, 40)],
+        [("iso", 64, ISOLATED_SLICE_TOKENS)],
+        [("iso", 128, 22)],
+    ]
+
+
+@pytest.mark.parametrize(("max_tokens", "prefill_chunk"), [(64, 8), (64, 64), (512, 256), (2048, 2048)])
+def test_isolated_cuts_do_not_depend_on_the_nodes_batch_settings(max_tokens: int, prefill_chunk: int) -> None:
+    """Two honest nodes with different batch_tokens / prefill_chunk_tokens, and different company,
+    run an isolated step in the same pieces: the rows of each llama.cpp ubatch are the same."""
+    rng = np.random.default_rng(max_tokens)
+    others = [
+        PendingJob(job(10 + i, f"o{i}", 0, int(rng.integers(1, 300)), decode=bool(rng.integers(0, 2))))
+        for i in range(int(rng.integers(0, 6)))
+    ]
+    alone = _cuts([PendingJob(job(1, "iso", 0, 200, isolated=True))], 512, 256)
+    crowded = _cuts([*others, PendingJob(job(1, "iso", 0, 200, isolated=True))], max_tokens, prefill_chunk)
+    assert [b for b in crowded if any(sid == "iso" for sid, _, _ in b)] == alone
+    assert all(len(b) == 1 for b in alone)
+    assert [c for ((_, _, c),) in alone] == [64, 64, 64, 8]
+
+
+def test_isolated_jobs_take_turns_oldest_first() -> None:
+    pending = [
+        PendingJob(job(1, "a", 0, 70, isolated=True)),
+        PendingJob(job(2, "b", 5, 1, decode=True, isolated=True)),
+    ]
+    assert _cuts(pending, 512, 256) == [[("a", 0, 64)], [("a", 64, 6)], [("b", 0, 1)]]
 
 
 # --------------------------------------------------------------------------- the loop

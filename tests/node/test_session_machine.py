@@ -89,6 +89,7 @@ class Harness:
         budget: int = 32,
         keep: int = 0,
         ticket: bytes = b"good",
+        isolated: bool = False,
     ) -> list:
         return self.feed(
             codec.open_frame(
@@ -97,6 +98,7 @@ class Harness:
                 route_ticket=ticket,
                 kv_budget_tokens=budget,
                 keep_kv_len=keep,
+                isolated=isolated,
             )
         )
 
@@ -176,6 +178,19 @@ def test_open_step_release_lifecycle() -> None:
     (closed,) = sends(release)
     assert closed.closed.freed_kv_tokens == 5
     assert h.m.statistics().sessions == 0
+
+
+def test_an_isolated_open_marks_every_step_job_of_the_session_isolated() -> None:
+    """OpenSession.isolated (batch isolation): the scheduler runs these jobs in batches of their own."""
+    h = Harness()
+    h.open("iso", isolated=True)
+    h.open("plain")
+    (iso,) = [a for a in h.step("iso", 2, 0, 4) if isinstance(a, Compute)]
+    (plain,) = [a for a in h.step("plain", 2, 0, 4) if isinstance(a, Compute)]
+    assert iso.job.isolated and not plain.job.isolated
+    h.complete(iso.job.job_id, 4, 4)
+    (nxt,) = [a for a in h.step("iso", 6, 4, 1, phase=frame_pb2.PHASE_DECODE) if isinstance(a, Compute)]
+    assert nxt.job.isolated and nxt.job.is_decode
 
 
 def test_resent_step_is_answered_from_the_cache_without_touching_kv() -> None:

@@ -180,7 +180,7 @@ class KvBudget(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes", "kv_source", "gateway_proof")
+    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes", "kv_source", "gateway_proof", "isolated")
     ROUTE_TICKET_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class OpenSession(_message.Message):
     HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_PROOF_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_FIELD_NUMBER: _ClassVar[int]
     route_ticket: bytes
     kv_budget: KvBudget
     sampling: SamplingParams
@@ -205,7 +206,8 @@ class OpenSession(_message.Message):
     history_bytes: int
     kv_source: KvSource
     gateway_proof: bytes
-    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., gateway_proof: _Optional[bytes] = ...) -> None: ...
+    isolated: bool
+    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., gateway_proof: _Optional[bytes] = ..., isolated: _Optional[bool] = ...) -> None: ...
 
 class OpenAck(_message.Message):
     __slots__ = ("node_id", "kv_tokens_granted", "max_frame_bytes", "max_step_tokens", "reattached")
