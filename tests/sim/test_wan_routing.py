@@ -155,10 +155,26 @@ def near(route: dict) -> bool:
     return all(x is not None and 5.0 <= x <= 25.0 for x in legs)
 
 
+def misplaced(swarm: Swarm) -> list[tuple[str, str, float, float]]:
+    """Node pairs whose predicted round trip is off the profile's by more than 35 % (+5 ms)."""
+    coords = {n["node_id"]: n["coordinate"] for n in swarm.get("/v1/swarm")["nodes"]}
+    by_id = {v: k for k, v in swarm.node_ids.items()}
+    out = []
+    for a, ca in coords.items():
+        for b, cb in coords.items():
+            if a < b and ca and cb:
+                dist = sum((x - y) ** 2 for x, y in zip(ca["vec"], cb["vec"], strict=True)) ** 0.5
+                predicted = dist + ca["height_ms"] + cb["height_ms"]
+                truth = true_rtt(NODES[by_id[a]][0], NODES[by_id[b]][0])
+                if abs(predicted - truth) > 0.35 * truth + 5.0:
+                    out.append((by_id[a], by_id[b], predicted, truth))
+    return out
+
+
 def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None:
     # Coordinates converge over some rounds of measurement (1 s apart here): wait for a state
     # that holds every claim below, then check each claim (a failure names the one that never held).
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 300
     route: dict = {}
     blind: dict = {}
     while time.monotonic() < deadline:
@@ -172,6 +188,7 @@ def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None
             and regions_of(swarm, route) == ["eu", "eu"]
             and near(route)
             and regions_of(swarm, blind) == ["asia", "asia"]
+            and not misplaced(swarm)
         ):
             break
         time.sleep(2)
@@ -191,15 +208,7 @@ def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None
     assert [h["bandwidth_mbit_s"] for h in route["hops"]] == [None, 500.0]
     assert 5.0 <= route["ring_rtt_ms"] <= 25.0 and 5.0 <= route["exit_rtt_ms"] <= 25.0
     # And the coordinates place the regions apart as the profile does (within 35 %).
-    coords = {n["node_id"]: n["coordinate"] for n in swarm.get("/v1/swarm")["nodes"]}
-    by_id = {v: k for k, v in swarm.node_ids.items()}
-    for a, ca in coords.items():
-        for b, cb in coords.items():
-            if a < b:
-                dist = sum((x - y) ** 2 for x, y in zip(ca["vec"], cb["vec"], strict=True)) ** 0.5
-                predicted = dist + ca["height_ms"] + cb["height_ms"]
-                truth = true_rtt(NODES[by_id[a]][0], NODES[by_id[b]][0])
-                assert abs(predicted - truth) <= 0.35 * truth + 5.0, (by_id[a], by_id[b], predicted, truth)
+    assert misplaced(swarm) == []
 
 
 def test_a_request_through_the_eu_gateway_runs_on_eu_nodes(swarm: Swarm) -> None:
