@@ -24,7 +24,7 @@ import pytest
 
 from common.keyfile import load_key_file
 from proto.signing import public_key_hex
-from sim.procs import Service, Supervisor, wait_http
+from sim.procs import NO_SPOT_CHECKS, Service, Supervisor, wait_http
 from sim.wan import WanEmulator, netns
 from sim.wan.profile import load_profile
 from sim.wan.support import unavailable_reason
@@ -91,7 +91,17 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         gateway = sup.start_gateway(
             tracker_url=url,
             host=wan.address("gateway"),
-            extra_args=["--stats-interval-s", "1", "--rtt-probe-interval-s", "1", "--route-ttl-s", "2"],
+            # Routing is what is measured: no spot checks (every node is new, so every request would
+            # also run on a shadow route of other nodes, here the us pair).
+            extra_args=[
+                "--stats-interval-s",
+                "1",
+                "--rtt-probe-interval-s",
+                "1",
+                "--route-ttl-s",
+                "2",
+                *NO_SPOT_CHECKS,
+            ],
         )
         s = Swarm(wan, sup, tracker, gateway)
         for name, (region, layers, ms) in NODES.items():
