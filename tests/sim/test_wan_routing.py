@@ -189,9 +189,11 @@ def misplaced(swarm: Swarm) -> list[tuple[str, str, float, float]]:
 
 
 def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None:
-    # Coordinates converge over some rounds of measurement (1 s apart here): wait for a state
-    # that holds every claim below, then check each claim (a failure names the one that never held).
-    deadline = time.monotonic() + 300
+    # Coordinates converge over rounds of measurement (1 s apart here): wait for a state that holds
+    # every claim below, then check each claim (a failure names the one that never held). Runs here
+    # took 90 s to over 300 s (replaying the same claims offline converges in 13-37 rounds: what
+    # slows the live fit is not understood yet; see docs/tracker.md, Network coordinates).
+    deadline = time.monotonic() + 600
     route: dict = {}
     blind: dict = {}
     while time.monotonic() < deadline:
