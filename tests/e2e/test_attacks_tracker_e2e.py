@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 import socket
 import statistics
 import threading
@@ -109,6 +110,7 @@ def _announce(
     address: str | None,
     start: int = 0,
     end: int | None = None,
+    tls_fingerprint: str = "",
 ) -> dict[str, str]:
     a = Announce(
         node_id=public_key_hex(key),
@@ -123,6 +125,7 @@ def _announce(
         decode_ms_per_token=0.01,  # as attractive as can be
         prefill_tokens_per_s=1e6,
         max_sessions=64,
+        tls_fingerprint=tls_fingerprint,
     )
     return sign_envelope(key, make_payload("announce", "node_id", key, time.time(), a.to_json()))
 
@@ -216,6 +219,7 @@ def test_sybil_shards_at_dead_and_tarpit_addresses_are_never_routed(
     assert _chat(swarm) == want
     model = _model(swarm)
     tarpit = Tarpit()
+    unpinned_tarpit = Tarpit()  # where a Sybil announcing no TLS certificate claims to be
     stop = threading.Event()
     beats: threading.Thread | None = None
     try:
@@ -225,11 +229,21 @@ def test_sybil_shards_at_dead_and_tarpit_addresses_are_never_routed(
             for address in (dead, tarpit.address):
                 for _ in range(3):
                     key = nacl.signing.SigningKey.generate()
-                    r = attacker.post(
-                        swarm.tracker_url + "/v1/announce", json=_announce(key, model, address=address)
-                    )
+                    # A real attacker announces a (made-up) certificate fingerprint: the challenger
+                    # dials only nodes that announce one, so these are dialled and must fail there.
+                    announce = _announce(key, model, address=address, tls_fingerprint=secrets.token_hex(32))
+                    r = attacker.post(swarm.tracker_url + "/v1/announce", json=announce)
                     assert r.status_code == 200 and r.json()["state"] == "challenging", r.text
                     sybils[public_key_hex(key)] = key
+            # One announcing no certificate: refused without a dial (no allow_plaintext_nodes).
+            key = nacl.signing.SigningKey.generate()
+            r = attacker.post(
+                swarm.tracker_url + "/v1/announce",
+                json=_announce(key, model, address=unpinned_tarpit.address),
+            )
+            assert r.status_code == 200 and r.json()["state"] == "challenging", r.text
+            unpinned = public_key_hex(key)
+            sybils[unpinned] = key
 
         def keep_alive() -> None:  # the attacker heartbeats its Sybils, as a real one would
             with _client("127.0.4.1") as attacker:
@@ -256,17 +270,20 @@ def test_sybil_shards_at_dead_and_tarpit_addresses_are_never_routed(
         assert set(states.values()) == {"challenge_failed"}, states
         assert replies and all(r == want for r in replies), replies
         assert tarpit.held, "the challenger never dialled the tarpit"
+        assert not unpinned_tarpit.held, "the challenger dialled a node that announced no certificate"
         failed = {
-            e["node_id"]
+            e["node_id"]: e["detail"]
             for line in swarm.tracker.log_text().splitlines()
             if '"node_challenged"' in line and (e := json.loads(line))["outcome"] == "failed"
         }
-        assert set(sybils) <= failed
+        assert set(sybils) <= set(failed)
+        assert "announced no TLS certificate" in failed[unpinned], failed[unpinned]
     finally:
         stop.set()
         if beats is not None:
             beats.join(10)
         tarpit.close()
+        unpinned_tarpit.close()
 
 
 def test_junk_flood_then_read_flood_leaves_health_routes_and_chats_served(

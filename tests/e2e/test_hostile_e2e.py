@@ -19,6 +19,7 @@ while a legitimate client keeps getting exactly the whole model's text:
 from __future__ import annotations
 
 import secrets
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ import pytest
 import trio
 
 from common.keyfile import load_or_create_key_file
+from common.tls import TLS_SERVER_NAME, fingerprint_pem, is_fingerprint
 from proto import codec
 from proto.signing import (
     make_payload,
@@ -70,6 +72,11 @@ class Hostile:
         self.stranger = nacl.signing.SigningKey.generate()
         self.stages = [node_info_stage(n.port) for n in swarm.nodes]
         self.fingerprint = self.stages[0].info.model.fingerprint
+        # The pin of each node's gRPC certificate (from its data dir), which it also announces.
+        self.pins = {s.address: n.tls_fingerprint() for s, n in zip(self.stages, swarm.nodes, strict=True)}
+        for stage in self.stages:
+            assert is_fingerprint(self.pins[stage.address]), f"node {stage.address} serves no TLS"
+            assert stage.info.tls_fingerprint == self.pins[stage.address]
 
     def bound_ticket(self, key: nacl.signing.SigningKey | None = None) -> bytes:
         """A ticket for the whole route, from a route request signed with ``key`` (the gateway's)."""
@@ -121,8 +128,20 @@ def header(stage: Stage, sid: str, epoch: int = 1) -> codec.SessionHeader:
     )
 
 
-def stream_to(stage: Stage) -> tuple[grpc.Channel, StageStream]:
-    channel = grpc.insecure_channel(stage.address, options=GRPC_OPTIONS)
+def pinned_channel(address: str, pin: str) -> grpc.Channel:
+    """A raw gRPC channel over TLS to a node, trusting exactly the certificate whose sha256 is ``pin``
+    (what every dialler of a node does; a stranger learns the pin from the node's announcement)."""
+    host, _, port = address.rpartition(":")
+    pem = ssl.get_server_certificate((host, int(port)), timeout=10).encode("ascii")
+    assert fingerprint_pem(pem) == pin, f"{address} shows another certificate than its pin"
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem)
+    return grpc.secure_channel(
+        address, credentials, options=[*GRPC_OPTIONS, ("grpc.ssl_target_name_override", TLS_SERVER_NAME)]
+    )
+
+
+def stream_to(hostile: Hostile, stage: Stage) -> tuple[grpc.Channel, StageStream]:
+    channel = pinned_channel(stage.address, hostile.pins[stage.address])
     return channel, StageStream(channel, timeout_s=120)
 
 
@@ -198,7 +217,7 @@ def test_a_ticket_copied_from_the_gateway_opens_nothing_for_another_key(
 ) -> None:
     ticket = hostile.bound_ticket()  # what every stage of a route sees in its OPEN
     stage = hostile.stages[0]
-    channel, stream = stream_to(stage)
+    channel, stream = stream_to(hostile, stage)
     try:
         # As many OPENs as the node has slots (one bearer ticket used to fill all 8): none is granted.
         for i in range(MAX_SESSIONS + 1):
@@ -237,7 +256,7 @@ def test_a_foreign_connection_cannot_cancel_or_take_over_a_live_session(
         got.append(owner.step([got[-1]]).token_id)  # type: ignore[union-attr]
         for k, stage in enumerate(hostile.stages):
             # A stranger that knows the session id (every stage of the route sees it) and its ticket.
-            channel, foreign = stream_to(stage)
+            channel, foreign = stream_to(hostile, stage)
             try:
                 foreign.send(codec.cancel_frame(header(stage, sid), step_id=10_000, reason="hostile"))
                 refused = foreign.recv()
@@ -268,7 +287,8 @@ def test_idle_streams_do_not_take_the_node_offline(hostile: Hostile, reference: 
     stage = hostile.stages[0]
     closed_before = hostile.metric(0, "swarm_node_idle_streams_closed_total")
     seen_before = sum(hostile.metric(0, "swarm_node_streams_total", outcome=o) for o in ("opened", "refused"))
-    channels = [grpc.insecure_channel(stage.address, options=GRPC_OPTIONS) for _ in range(4)]
+    # Four TLS connections (pinned, completed handshakes) carrying 100 gRPC streams that send nothing.
+    channels = [pinned_channel(stage.address, hostile.pins[stage.address]) for _ in range(4)]
     idle = [StageStream(channels[i % 4], timeout_s=120) for i in range(100)]  # no ticket, no frame
     try:
 
@@ -307,7 +327,7 @@ def test_re_sending_a_big_prefill_step_without_reading_is_bounded(
     stage = hostile.stages[0]  # no downstream: the step's reply carries its 2,040 hidden rows (4.7 MB)
     node = hostile.swarm.nodes[0]
     ticket = hostile.bound_ticket()
-    channel, stream = stream_to(stage)
+    channel, stream = stream_to(hostile, stage)
     try:
         frame = hostile.open_frame(stage, "amplify", ticket, budget=2048)
         frame.open.gateway_proof = open_proof(hostile.gateway_key, stage.info.node_id, frame)

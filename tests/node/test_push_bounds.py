@@ -23,15 +23,21 @@ class _Stuck:
         raise AssertionError("unreachable")
 
 
+PIN = "ab" * 32  # the target's announced TLS certificate fingerprint: links push only over TLS
+
+
 @asynccontextmanager
-async def _open(address: str) -> AsyncIterator[_Stuck]:
+async def _open(address: str, *, pin: str | None) -> AsyncIterator[_Stuck]:
+    assert pin == PIN  # the link dials its target pinned to the certificate it announced
     yield _Stuck()
 
 
 async def test_a_link_whose_peer_does_not_read_fails_past_its_byte_bound() -> None:
     failures: list[tuple[str, str, int | None]] = []
     links = PushLinks(_open, lambda *f: failures.append(f), queue_frames=64, queue_bytes=1_000_000)
-    target = frame_pb2.PushTarget(node_id="n" * 64, address="127.0.0.1:1", hop_token=b"t" * 16)
+    target = frame_pb2.PushTarget(
+        node_id="n" * 64, address="127.0.0.1:1", hop_token=b"t" * 16, tls_fingerprint=PIN
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(links.run)
         links.push("s", target, [b"x" * 300_000], 1)

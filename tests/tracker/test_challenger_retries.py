@@ -5,6 +5,7 @@ queue is dialled at once. The gRPC runtime is a stand-in that records who was di
 from __future__ import annotations
 
 import random
+import secrets
 from pathlib import Path
 
 import trio
@@ -24,9 +25,13 @@ class NoAnswer:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, float]] = []
+        self.pins: list[str | None] = []
 
-    async def unary(self, address: str, method: str, request: bytes, *, max_message_bytes: int = 0) -> bytes:
+    async def unary(
+        self, address: str, method: str, request: bytes, *, max_message_bytes: int = 0, pin: str | None = None
+    ) -> bytes:
         self.calls.append((address, trio.current_time()))
+        self.pins.append(pin)
         if address.endswith(f":{TARPIT}"):
             await trio.sleep_forever()
         raise RpcError("connection refused", "UNAVAILABLE")
@@ -51,9 +56,12 @@ async def test_a_tarpit_waiting_for_its_retry_does_not_hold_the_only_worker(tmp_
             async with trio.open_nursery() as nursery:
                 await nursery.start(registry.challenger.run)
                 tarpit, dead = key(1), key(2)
+                # Each announces a TLS certificate fingerprint, as any node the challenger dials must.
+                pins = {TARPIT: secrets.token_hex(32), DEAD: secrets.token_hex(32)}
                 for k, port in ((tarpit, TARPIT), (dead, DEAD)):  # the tarpit is first in the queue
+                    announce = announce_for(k, port=port, tls_fingerprint=pins[port])
                     answer = await registry.announce(
-                        signed(k, "announce", announce_for(k, port=port).to_json(), registry.clock())
+                        signed(k, "announce", announce.to_json(), registry.clock())
                     )
                     assert answer["state"] == "challenging"
                 for _ in range(500):  # both finished: failed (the fail_after above bounds the wait)
@@ -63,6 +71,7 @@ async def test_a_tarpit_waiting_for_its_retry_does_not_hold_the_only_worker(tmp_
                 nursery.cancel_scope.cancel()
         dialled = [(a.rsplit(":", 1)[1], t) for a, t in grpc.calls]
         assert [port for port, _ in dialled].count(str(TARPIT)) == 2
+        assert all(pin == pins[int(port)] for (port, _), pin in zip(dialled, grpc.pins, strict=True))
         first_dead = next(t for port, t in dialled if port == str(DEAD))
         second_tarpit = [t for port, t in dialled if port == str(TARPIT)][1]
         # The dead node is dialled while the tarpit waits out its pause (1 s) before attempt 2.
