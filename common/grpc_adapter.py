@@ -65,6 +65,11 @@ from typing import Any
 
 import grpc
 import grpc.aio
+
+try:  # the C core's batch error (private module; absent in some builds)
+    from grpc._cython import cygrpc as _cygrpc
+except ImportError:  # pragma: no cover
+    _cygrpc = None  # type: ignore[assignment]
 import trio
 import trio_asyncio
 
@@ -262,7 +267,7 @@ class MessageStream:
         except asyncio.CancelledError:
             self._close(StreamClosed("the call was cancelled", "CANCELLED"))
             raise
-        except (grpc.RpcError, grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as err:
+        except _CALL_ERRORS as err:
             code, text = _describe(err)
             self._close(StreamClosed(f"stream with {self.peer} failed: {text}", code))
 
@@ -286,10 +291,21 @@ class MessageStream:
         except asyncio.CancelledError:
             self._close(StreamClosed("the call was cancelled", "CANCELLED"))
             raise
-        except (grpc.RpcError, grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as err:
+        except _CALL_ERRORS as err:
             code, text = _describe(err)
             self._close(StreamClosed(f"stream with {self.peer} failed: {text}", code))
 
+
+# What reading or writing a call can raise when the peer is gone: grpc's own errors, and the C core's
+# batch error when the peer cancelled the call while replies were queued (a normal end of the
+# stream for this side, not a handler failure to log with a traceback).
+_CALL_ERRORS: tuple[type[BaseException], ...] = (
+    grpc.RpcError,
+    grpc.aio.AioRpcError,
+    grpc.aio.UsageError,
+    RuntimeError,
+    *((_cygrpc.ExecuteBatchError,) if _cygrpc is not None else ()),
+)
 
 StreamHandler = Callable[[MessageStream, CallInfo], Awaitable[None]]
 UnaryHandler = Callable[[bytes, CallInfo], Awaitable[bytes]]
