@@ -416,8 +416,10 @@ class Grpc:
         node (another certificate, or none); the next call reads it afresh on a new channel."""
         if pin == UNPINNED and code in ("UNAVAILABLE", "UNAUTHENTICATED"):
             self._unpinned.pop(address, None)
+            # Not closed: closing would cancel the calls still in flight on it (other pings), which
+            # then end in asyncio.CancelledError; dropped, it is collected once they are done.
             for key in [k for k in self._channels if k[0] == address and k[2] == UNPINNED]:
-                asyncio.ensure_future(self._channels.pop(key).close())  # called on the asyncio side
+                del self._channels[key]
 
     async def _in_aio(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         return await self._loop.run_aio_coroutine(fn())
