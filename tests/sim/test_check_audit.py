@@ -29,7 +29,10 @@ def test_verdicts_against_started_liars_are_not_false_accusations(tmp_path: Path
 
 
 def test_a_verdict_against_a_node_not_started_as_a_liar_fails_the_audit(tmp_path: Path) -> None:
+    _write(tmp_path / "other0/logs/node1.log", [{"event": "node_identity", "node_id": HONEST}])
     _write(tmp_path / "other0/logs/gateway.log", [{"event": "spot_check_verdict", "liar": HONEST}])
+    # A swarm of scripted in-process nodes (no node logs) names its liars itself: not audited.
+    _write(tmp_path / "fake0/logs/gateway.log", [{"event": "spot_check_verdict", "liar": HONEST}])
     assert audit(tmp_path)["false_accusations"] == {HONEST: 1}
     assert main([str(tmp_path), "--out", str(tmp_path / "audit.json")]) == 1
     assert json.loads((tmp_path / "audit.json").read_text())["false_accusations"] == {HONEST: 1}
