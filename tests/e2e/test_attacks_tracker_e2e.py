@@ -53,13 +53,6 @@ HEARTBEAT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: Path) -> Iterator[Reference]:
-    ref = Reference(model_path)
-    yield ref
-    ref.close()
-
-
-@pytest.fixture(scope="module")
 def swarm(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
 ) -> Iterator[LocalSwarm]:

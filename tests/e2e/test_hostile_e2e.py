@@ -164,13 +164,6 @@ def wait_until(predicate: Any, timeout_s: float, what: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: Path) -> Iterator[Reference]:
-    ref = Reference(model_path)
-    yield ref
-    ref.close()
-
-
-@pytest.fixture(scope="module")
 def hostile(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
 ) -> Iterator[Hostile]:

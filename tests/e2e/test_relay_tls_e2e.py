@@ -33,13 +33,6 @@ QUESTION = "What is the capital of France?"
 N_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def reference(model_path: Path) -> Iterator[Reference]:
-    ref = Reference(model_path)
-    yield ref
-    ref.close()
-
-
 def https_context(cert_file: Path) -> ssl.SSLContext:
     """Trust the test gateway's self-signed certificate (its name is not 127.0.0.1)."""
     context = ssl.create_default_context(cafile=str(cert_file))
