@@ -169,7 +169,8 @@ def detection(ls: LiarSwarm, args: argparse.Namespace, expected: dict[str, str])
                 out.setdefault(label, {})[kind] = row
                 print(
                     f"  {label:32s} {kind:15s} caught={found.caught} after {found.requests} requests "
-                    f"({found.seconds:.1f} s), wrong answers {found.wrong_answers}",
+                    f"({found.through_liar} through it, {found.seconds:.1f} s), "
+                    f"wrong answers {found.wrong_answers}",
                     flush=True,
                 )
         finally:

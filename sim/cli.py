@@ -138,6 +138,14 @@ def run(
 @click.option("--duration-s", type=float, default=None, help="override the simulated duration (s)")
 @click.option("--no-plots", is_flag=True, help="write compare.json only")
 @click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE", help=SET_HELP)
+@click.option(
+    "--set-b",
+    "overrides_b",
+    multiple=True,
+    metavar="TABLE.KEY=VALUE",
+    help="override a scenario key for policy B's run only, after --set (e.g. gateway.data_plane='relay' "
+    "compares with the data plane before direct push); repeatable",
+)
 def compare(
     scenario: str,
     policy_a: str,
@@ -147,23 +155,30 @@ def compare(
     duration_s: float | None,
     no_plots: bool,
     overrides: tuple[str, ...],
+    overrides_b: tuple[str, ...],
 ) -> None:
     """Run SCENARIO.toml under two policies with the same seed and compare them."""
     from sim.des.report import comparison, key_figures, plot_compare, plot_run, write_json
     from sim.des.simulator import run as simulate
 
-    base = _load(scenario, seed, duration_s, overrides)
-    labels = (policy_a, policy_b) if policy_a != policy_b else (f"A:{policy_a}", f"B:{policy_b}")
+    bases = (
+        _load(scenario, seed, duration_s, overrides),
+        _load(scenario, seed, duration_s, overrides + overrides_b),
+    )
+    same = policy_a == policy_b
+    labels = (f"A:{policy_a}", f"B:{policy_b}") if same or overrides_b else (policy_a, policy_b)
     results = []
-    for text in (policy_a, policy_b):
+    for base, text in zip(bases, (policy_a, policy_b), strict=True):
         try:
             sc = with_policy(base, *parse_policy(text))
         except ScenarioError as err:
             raise click.BadParameter(str(err)) from err
         results.append(simulate(sc))
     a, b = results
-    out = Path(out_dir or Path("sim-out") / f"{base.run.name}-compare")
-    write_json(comparison(a, b, *labels), out / "compare.json")
+    out = Path(out_dir or Path("sim-out") / f"{bases[0].run.name}-compare")
+    report = comparison(a, b, *labels)
+    report["overrides"] = {"both": list(overrides), "b": list(overrides_b)}
+    write_json(report, out / "compare.json")
     if not no_plots:
         plot_compare(a, b, *labels, out)
         for res, label in zip(results, labels, strict=True):
@@ -172,6 +187,8 @@ def compare(
         _print_perf(label, res)
     fa, fb = key_figures(a), key_figures(b)
     width = max(len(k) for k in fa)
+    if overrides_b:
+        click.echo(f"{labels[1]} also ran with: {'; '.join(overrides_b)}")
     click.echo(f"{'':{width}}  {labels[0]:>20}  {labels[1]:>20}")
     for k in fa:
         click.echo(f"{k:{width}}  {fa[k]!s:>20}  {fb[k]!s:>20}")

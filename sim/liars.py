@@ -55,22 +55,34 @@ class LiarSwarm:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.swarm.base_url, api_key="test", max_retries=0, timeout=300)
 
-    def start_liar(self, kind: str, *, honest_steps: int = 1, timeout_s: float = 300.0) -> Service:
+    def start_liar(
+        self, kind: str, *, honest_steps: int = 1, claim_speed: bool = False, timeout_s: float = 300.0
+    ) -> Service:
         """A node telling lie ``kind`` (a fresh identity each time), live at the tracker.
 
         ``honest_steps`` 1: it answers the tracker's join challenge (one step) honestly and lies from
         then on, as a liar that knows a challenge when it sees one would. With 0 it lies at once and
         the challenge keeps it out: use :meth:`start_node_only` and :func:`tracker_state` then.
+        ``claim_speed``: it also announces an absurdly fast decode (failpoint ``fake_speed``), as a
+        liar that wants traffic would; routing believes a claim until gateways report what they
+        observed, so the liar serves from its first request instead of only when the honest nodes
+        of its half happen to be slower than the 10 ms per token a node without a benchmark
+        announces (which made how soon it served depend on the machine).
         """
-        node = self.start_node_only(kind, honest_steps=honest_steps, timeout_s=timeout_s)
+        node = self.start_node_only(
+            kind, honest_steps=honest_steps, claim_speed=claim_speed, timeout_s=timeout_s
+        )
         _wait_announced(self.swarm.tracker_url, node, timeout_s)
         return node
 
-    def start_node_only(self, kind: str, *, honest_steps: int, timeout_s: float = 300.0) -> Service:
+    def start_node_only(
+        self, kind: str, *, honest_steps: int, claim_speed: bool = False, timeout_s: float = 300.0
+    ) -> Service:
         """Start the liar and wait for its ports and id; not for the tracker to let it in."""
         name = f"liar-{kind}-{len(self.liars) + 1}"
         layers = self.halves[LIE_STAGE[kind]]
-        env = {ENV: f"{kind},honest_steps={honest_steps}", CONSENT_ENV: CONSENT}
+        kinds = f"{kind},fake_speed" if claim_speed else kind
+        env = {ENV: f"{kinds},honest_steps={honest_steps}", CONSENT_ENV: CONSENT}
         node = self.swarm.supervisor.start_node(
             name,
             model=self.model,
@@ -224,6 +236,7 @@ class Detection:
     kind: str
     node_id: str
     requests: int  # sent until the liar was caught (every answer checked against the reference)
+    through_liar: int  # sessions the liar accepted a route ticket for meanwhile (it served them)
     caught: bool
     wrong_answers: int
     seconds: float
@@ -248,6 +261,8 @@ def requests_until_caught(
     node_id = liar.extra["node_id"]
     client = ls.client()
     base = ls.gateway_url
+    liar_base = f"http://127.0.0.1:{liar.admin_port}"
+    served_before = metric(liar_base, "swarm_node_tickets_total", outcome="accepted")
     caught_before = metric(base, "swarm_gateway_checks_total", outcome="liar_caught")
     sent = wrong = 0
     t0 = time.perf_counter()
@@ -266,6 +281,7 @@ def requests_until_caught(
         kind,
         node_id,
         sent,
+        int(metric(liar_base, "swarm_node_tickets_total", outcome="accepted") - served_before),
         found is not None and found.get("liar") == node_id,
         wrong,
         time.perf_counter() - t0,

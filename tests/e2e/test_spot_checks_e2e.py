@@ -116,7 +116,9 @@ def test_a_node_lying_from_its_first_step_never_gets_in(liar_swarm: LiarSwarm, k
 def test_a_lying_node_is_named_and_no_client_sees_its_lie(
     liar_swarm: LiarSwarm, reference: dict[str, str], kind: str
 ) -> None:
-    liar = liar_swarm.start_liar(kind)
+    # A liar that claims speed serves at once (see LiarSwarm.start_liar): without the claim, whether
+    # routing preferred it over the honest nodes of its half depended on this machine's speed.
+    liar = liar_swarm.start_liar(kind, claim_speed=True)
     try:
         found = requests_until_caught(
             liar_swarm,
@@ -127,8 +129,12 @@ def test_a_lying_node_is_named_and_no_client_sees_its_lie(
             n_new=N_NEW,
             max_requests=MAX_REQUESTS,
         )
-        print(f"{kind}: caught after {found.requests} requests in {found.seconds:.1f} s: {found.verdict}")
+        print(
+            f"{kind}: caught after {found.requests} requests ({found.through_liar} through it) "
+            f"in {found.seconds:.1f} s: {found.verdict}"
+        )
         assert found.wrong_answers == 0
+        assert found.through_liar > 0, f"routing never sent the {kind} liar a request"
         assert found.caught, f"{kind} not caught in {found.requests} requests: {found.verdict}"
         assert found.verdict is not None and found.verdict["stage"] == (1 if kind != "perturb_hidden" else 0)
         # The liar is avoided from now on: later requests are exact and never routed through it.

@@ -49,6 +49,36 @@ def test_compare_writes_both_sides(tmp_path: Path) -> None:
     assert (tmp_path / "compare.png").exists()
 
 
+def test_compare_set_b_changes_only_side_b(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            LAN,
+            "--policy-a",
+            "ours",
+            "--policy-b",
+            "blind-routing",
+            "--set",
+            "gateway.data_plane='push'",
+            "--set-b",
+            "gateway.data_plane='relay'",
+            "--duration-s",
+            "40",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert set(data["key_figures"]) == {"A:ours", "B:blind-routing"}
+    assert data["overrides"] == {"both": ["gateway.data_plane='push'"], "b": ["gateway.data_plane='relay'"]}
+    planes = {k: r["data_plane"] for k, r in data["results"].items()}
+    assert planes == {"A:ours": "push", "B:blind-routing": "relay"}
+    assert "also ran with: gateway.data_plane='relay'" in res.output
+
+
 def test_bad_scenario_is_a_clear_error(tmp_path: Path) -> None:
     p = tmp_path / "bad.toml"
     p.write_text("[run]\nnme = 'x'\n")
