@@ -40,7 +40,14 @@ PROOF_CHUNK_BYTES = 1024 * 1024
 
 
 class StreamError(Exception):
-    """The stream to a node failed or ended (connection refused, node gone, call cancelled)."""
+    """The stream to a node failed or ended (connection refused, node gone, call cancelled).
+
+    ``transient``: the node said to retry later (gRPC ``UNAVAILABLE``: for example a node that
+    is still writing its vocabulary file just after it started, or one not listening yet)."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class PlaintextRefused(StreamError):
@@ -137,7 +144,8 @@ class NodeChannels:
                 pin=UNPINNED,
             )
         except RpcError as err:
-            raise StreamError(f"GetVocab from {address} failed: {err}") from err
+            transient = err.code == "UNAVAILABLE"
+            raise StreamError(f"GetVocab from {address} failed: {err}", transient=transient) from err
         for raw in chunks:
             data = assembler.add(shard_service_pb2.VocabChunk.FromString(raw))
             if data is not None:

@@ -53,6 +53,12 @@ from tracker.client import TrackerClientError
 MAX_LOADED = 8
 MAX_VOCAB_BYTES = 64 * 1024 * 1024
 MAX_PROOF_PEERS = 8
+# A node writes its vocabulary file in the background after it starts (seconds for a large model)
+# and answers UNAVAILABLE meanwhile: a first request right after the swarm formed waits for it,
+# asking again every VOCAB_RETRY_S (doubling to VOCAB_RETRY_MAX_S), at most VOCAB_WAIT_S in all.
+VOCAB_WAIT_S = 60.0
+VOCAB_RETRY_S = 0.5
+VOCAB_RETRY_MAX_S = 4.0
 log = logging.getLogger("swarm.gateway.vocab")
 
 
@@ -152,13 +158,36 @@ class VocabStore:
         peers = await self._registered_peers(fingerprint)
         header = await self._proof(fingerprint, stages, peers)
         sources = [s.address for s in stages if s.serves_vocab] or [s.address for s in stages]
+        addresses = list(dict.fromkeys([*sources, *(peers or [])]))
+        deadline = trio.current_time() + VOCAB_WAIT_S
+        pause = VOCAB_RETRY_S
+        while True:
+            data, errors, transient = await self._download_once(fingerprint, addresses, header)
+            if data is not None:
+                return data
+            if not transient or trio.current_time() + pause > deadline:
+                break
+            event(log, "vocab_not_ready", model=fingerprint, retry_in_s=pause, nodes=len(addresses))
+            await trio.sleep(pause)
+            pause = min(pause * 2, VOCAB_RETRY_MAX_S)
+        raise UpstreamFailed(
+            f"no node gave the vocabulary of model {fingerprint[:12]}: {'; '.join(errors)}",
+            retry_after_s=5 if transient else None,
+        )
+
+    async def _download_once(
+        self, fingerprint: str, addresses: Sequence[str], header: dict[str, KV] | None
+    ) -> tuple[bytes | None, list[str], bool]:
+        """One pass over ``addresses``: ``(data, errors, every failure was transient)``."""
         errors: list[str] = []
-        for address in dict.fromkeys([*sources, *(peers or [])]):
+        transient = True
+        for address in addresses:
             try:
                 with trio.fail_after(self._timeout_s):
                     data = await self._channels.get_vocab(address, fingerprint, MAX_VOCAB_BYTES)
             except (StreamError, ProtocolError, trio.TooSlowError) as err:
                 errors.append(f"{address}: {err!r}")
+                transient = transient and isinstance(err, StreamError) and err.transient
                 continue
             if header is not None:
                 try:
@@ -167,6 +196,7 @@ class VocabStore:
                     )
                 except VocabMismatch as err:
                     self.refused += 1
+                    transient = False
                     errors.append(f"{address}: {err}")
                     event(
                         log,
@@ -178,8 +208,8 @@ class VocabStore:
                     )
                     continue
                 event(log, "vocab_checked", model=fingerprint, address=address, keys=compared)
-            return data
-        raise UpstreamFailed(f"no node gave the vocabulary of model {fingerprint[:12]}: {'; '.join(errors)}")
+            return data, errors, transient
+        return None, errors, transient and bool(errors)
 
     async def _registered_peers(self, fingerprint: str) -> list[str] | None:
         """The addresses of nodes serving a registered model (None: not registered, or no tracker)."""
