@@ -70,13 +70,31 @@ def llama_build_info() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}; {text.strip()}"
 
 
-def load_model(path: Path, *, vocab_only: bool = False, n_gpu_layers: int = 0) -> ctypes.c_void_p:
-    """Load a GGUF (memory-mapped); ``vocab_only`` reads the tokenizer and metadata, no weights."""
+# How llama.cpp brings a file's weights into memory (``llama_model_params.load_mode``):
+# "mmap": map the file (pages shared with the page cache and other processes mapping it);
+# "read": read the weights into llama.cpp's own buffers; "direct": the same with O_DIRECT, past the
+# page cache. A CPU build repacks some quantized weights (Q4_0, IQ4_NL...) into its own buffers for
+# faster kernels: mapped, the file's pages then stay resident beside the repacked copy (measured on a
+# Q4_0 shard of 869 MiB: 1 856 MiB resident mapped, 1 010 MiB read).
+LOAD_MODES = {
+    "mmap": llama_cpp.LLAMA_LOAD_MODE_MMAP,
+    "read": llama_cpp.LLAMA_LOAD_MODE_NONE,
+    "direct": llama_cpp.LLAMA_LOAD_MODE_DIRECT_IO,
+}
+
+
+def load_model(
+    path: Path, *, vocab_only: bool = False, n_gpu_layers: int = 0, load_mode: str = "mmap"
+) -> ctypes.c_void_p:
+    """Load a GGUF; ``vocab_only`` reads the tokenizer and metadata, no weights; ``load_mode`` one of
+    :data:`LOAD_MODES`."""
+    if load_mode not in LOAD_MODES:
+        raise LlamaError(f"load_mode must be one of {sorted(LOAD_MODES)}, got {load_mode!r}")
     init_backend()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
     params.n_gpu_layers = n_gpu_layers
-    params.use_mmap = True
+    params.load_mode = LOAD_MODES[load_mode]
     model: ctypes.c_void_p = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise LlamaError(f"llama.cpp could not load {path} (see the llama.cpp log lines above)")

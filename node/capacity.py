@@ -5,7 +5,7 @@ operating system puts on the process (:func:`memory_limits`).
 
 A span ``[a, b)`` costs, in bytes::
 
-    sum(layer_bytes[a:b])            weights (from the manifest; mmapped, all touched every token)
+    sum(layer_bytes[a:b])            weights (from the manifest; read into memory, all used every token)
   + sum(kv_bytes_per_layer[a:b])     KV cache: max_sessions x session_kv_tokens positions per layer
   + first_extra_bytes   if a == 0    the token-embedding table (the first stage looks rows up)
   + last_extra_bytes    if b == n    the LM head (output or tied token_embd) and the logits buffer

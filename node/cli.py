@@ -242,6 +242,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 )
 @click.option("--gpu-layers", default=None, help="Layers to offload to the GPU: N, all or auto (default 0).")
 @click.option(
+    "--load-mode",
+    type=click.Choice(["read", "mmap", "direct"]),
+    default=None,
+    help="Load the weights by reading them (default), mapping the file, or direct I/O.",
+)
+@click.option(
     "--serve-span-bytes-per-s",
     type=int,
     default=None,

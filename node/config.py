@@ -69,6 +69,12 @@ class NodeConfig:
         "layers of the shard to offload to the GPU: a number, 'all', or 'auto' (as many as fit in free "
         "device memory); 0 = none",
     )
+    load_mode: str = _f(
+        "read",
+        "how the shard's weights are loaded: 'read' (into llama.cpp's buffers), 'mmap' (mapped: pages "
+        "shared with other processes mapping the same file, but left resident beside the copy a CPU build "
+        "repacks Q4_0/IQ4_NL weights into) or 'direct' (read past the page cache)",
+    )
     serve_span_bytes_per_s: int = _f(
         32 * 1024 * 1024,
         "most bytes per second this node sends to joining nodes fetching its span (0 = no limit, -1 = do not "
@@ -270,6 +276,8 @@ class NodeConfig:
             self.gpu_layers.isdigit() and int(self.gpu_layers) >= 0
         ):
             raise ConfigError(f"gpu_layers must be a number >= 0, 'all' or 'auto', got {self.gpu_layers!r}")
+        if self.load_mode not in ("read", "mmap", "direct"):
+            raise ConfigError(f"load_mode must be 'read', 'mmap' or 'direct', got {self.load_mode!r}")
         if self.serve_span_bytes_per_s < -1 or self.serve_span_streams < 1:
             raise ConfigError("serve_span_bytes_per_s must be >= -1 and serve_span_streams >= 1")
         if self.fetch_stall_timeout_s <= 0 or self.fetch_slow_bytes_per_s < 0:

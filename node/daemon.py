@@ -208,6 +208,7 @@ class NodeDaemon:
             session_kv_tokens=cfg.session_kv_tokens,
             n_batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
+            load_mode=cfg.load_mode,
         )
         engine = await trio.to_thread.run_sync(ShardEngine, files, engine_config, cache)
         try:

@@ -78,6 +78,9 @@ class EngineConfig:
     n_gpu_layers: int = (
         0  # layers offloaded to the GPU, counted from the shard's last (> layers: all + output)
     )
+    # "read": weights in llama.cpp's own buffers, no mapping of the shard left resident beside a
+    # repacked copy (common.llama.LOAD_MODES); "mmap" shares pages between processes mapping one file.
+    load_mode: str = "read"
 
     def context_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
@@ -232,7 +235,9 @@ class ShardEngine:
         )
         if self.is_first and self._embeddings is None:
             raise EngineError("first-stage shard has no token embeddings file")
-        self._model: ctypes.c_void_p | None = load_model(files.path, n_gpu_layers=config.n_gpu_layers)
+        self._model: ctypes.c_void_p | None = load_model(
+            files.path, n_gpu_layers=config.n_gpu_layers, load_mode=config.load_mode
+        )
         self._ctx: ctypes.c_void_p | None = None
         self._capture: TensorCapture | None = None
         capture_name = ""
