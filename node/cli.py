@@ -187,12 +187,17 @@ def model_manifest(model_path: Path, output: Path | None, cache_dir: Path | None
 @shard.command("vocab")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path))
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None)
-def shard_vocab(model_path: Path, cache_dir: Path | None) -> None:
+@click.option(
+    "--fingerprint",
+    default=None,
+    help="The model's fingerprint (manifest digest); required when --model is a header-only copy.",
+)
+def shard_vocab(model_path: Path, cache_dir: Path | None, fingerprint: str | None) -> None:
     """Write the metadata-only GGUF a gateway tokenizes with."""
     from node.shard import extract_vocab
 
     try:
-        path = extract_vocab(model_path, cache_dir or default_cache_dir())
+        path = extract_vocab(model_path, cache_dir or default_cache_dir(), fingerprint=fingerprint)
     except NodeError as err:
         raise click.ClickException(str(err)) from err
     click.echo(str(path))
