@@ -34,7 +34,6 @@ import logging
 import math
 import random
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,6 @@ from common.rtt import RttSampler, RttSettings, parse_hints
 from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
-from node.errors import NodeError
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
@@ -144,7 +142,6 @@ class NodeDaemon:
         from node.hardware import probe
         from node.joining import join
         from node.scheduler import Scheduler
-        from node.shard import shard_dir
         from node.startup_bench import run_benchmark
 
         cfg = self.config
@@ -200,10 +197,7 @@ class NodeDaemon:
             gpu_layers=joined.gpu_layers,
             join_s=round(joined.join_s, 3),
         )
-        self._vocab_bytes: bytes | None = None
-        cached_vocab = shard_dir(cache, meta.fingerprint) / "vocab.gguf"
-        if cached_vocab.is_file():
-            self._vocab_bytes = await read_bytes(cached_vocab)
+        self._vocab_bytes: bytes | None = await self._vocab(joined.header_file, cache, meta.fingerprint)
         engine_config = EngineConfig(
             n_threads_count=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
@@ -372,8 +366,6 @@ class NodeDaemon:
                     await nursery.start(self.relay.run)
                 if self.tracker_url:
                     nursery.start_soon(self._tracker_loop)
-                if self._vocab_bytes is None:
-                    nursery.start_soon(self._prepare_vocab, joined.header_file, cache, meta.fingerprint)
                 self.ready = NodeReady(
                     self.node_id,
                     port,
@@ -402,22 +394,26 @@ class NodeDaemon:
                 await trio.to_thread.run_sync(engine.close)
             event(log, "node_stopped", node_id=self.node_id)
 
-    async def _prepare_vocab(self, header_file: Path, cache: Path, fingerprint: str) -> None:
-        """First start only: write the vocabulary file in the background (parsing the GGUF takes seconds).
+    async def _vocab(self, header_file: Path, cache: Path, fingerprint: str) -> bytes:
+        """The vocabulary file gateways tokenize with; written on the first start.
 
-        In a child process (``swarm-node shard vocab``): parsing a vocabulary of 50 000+ strings
-        leaves ~150 MB of Python heap behind that the allocator never returns (measured on the
-        7B-class test model), which a node sized to its memory cannot spare.
+        Before the weights load, and the model's parsed header is dropped afterwards: written in
+        the background (as before), its parse (~300 MB transient for 49 152 tokens, half of it kept
+        by the reader cache) came on top of a loaded shard, and got the last node of
+        ``sim.bench_join``'s memory-limited swarm OOM-killed at its cgroup's 1.5 GiB.
         """
-        argv = [sys.executable, "-m", "node.cli", "shard", "vocab", "--model", str(header_file),
-                "--cache-dir", str(cache), "--fingerprint", fingerprint]  # fmt: skip
-        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
-        if done.returncode != 0:
-            tail = done.stderr.decode("utf-8", "replace").strip()[-2000:]
-            raise NodeError(f"writing the vocabulary file failed (exit {done.returncode}): {tail}")
-        path = Path(done.stdout.decode().strip().splitlines()[-1])
-        self._vocab_bytes = await read_bytes(path)
-        event(log, "vocab_ready", path=str(path), bytes=len(self._vocab_bytes))
+        from node.shard import extract_vocab, forget_readers, shard_dir
+
+        path = shard_dir(cache, fingerprint) / "vocab.gguf"
+        try:
+            if not path.is_file():
+                path = await trio.to_thread.run_sync(
+                    functools.partial(extract_vocab, header_file, cache, fingerprint=fingerprint)
+                )
+                event(log, "vocab_ready", path=str(path), bytes=path.stat().st_size)
+        finally:
+            forget_readers()
+        return await read_bytes(path)
 
     async def _stop(self, nursery: trio.Nursery) -> None:
         self.draining = True
