@@ -26,57 +26,29 @@ def test_run_writes_json_and_plots(tmp_path: Path) -> None:
     assert "events/s" in res.output
 
 
-def test_compare_writes_both_sides(tmp_path: Path) -> None:
-    res = CliRunner().invoke(
-        main,
-        [
-            "compare",
-            LAN,
-            "--policy-a",
-            "ours",
-            "--policy-b",
-            "nearest-routing",
-            "--duration-s",
-            "40",
-            "--out",
-            str(tmp_path),
-        ],
-    )
+def compare(out: Path, policy_b: str, *extra: str) -> tuple[str, dict]:
+    """``swarm-sim compare`` of the LAN scenario for 40 s, ours against ``policy_b``: (output, JSON)."""
+    argv = ["compare", LAN, "--policy-a", "ours", "--policy-b", policy_b, "--duration-s", "40"]
+    res = CliRunner().invoke(main, [*argv, *extra, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    data = json.loads((tmp_path / "compare.json").read_text())
+    return res.output, json.loads((out / "compare.json").read_text())
+
+
+def test_compare_writes_both_sides(tmp_path: Path) -> None:
+    _, data = compare(tmp_path, "nearest-routing")
     assert set(data["key_figures"]) == {"ours", "nearest-routing"}
     assert data["policies"]["nearest-routing"] == {"placement": "tracker", "routing": "nearest"}
     assert (tmp_path / "compare.png").exists()
 
 
 def test_compare_set_b_changes_only_side_b(tmp_path: Path) -> None:
-    res = CliRunner().invoke(
-        main,
-        [
-            "compare",
-            LAN,
-            "--policy-a",
-            "ours",
-            "--policy-b",
-            "blind-routing",
-            "--set",
-            "gateway.data_plane='push'",
-            "--set-b",
-            "gateway.data_plane='relay'",
-            "--duration-s",
-            "40",
-            "--no-plots",
-            "--out",
-            str(tmp_path),
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    data = json.loads((tmp_path / "compare.json").read_text())
+    push, relay = "gateway.data_plane='push'", "gateway.data_plane='relay'"
+    output, data = compare(tmp_path, "blind-routing", "--set", push, "--set-b", relay, "--no-plots")
     assert set(data["key_figures"]) == {"A:ours", "B:blind-routing"}
-    assert data["overrides"] == {"both": ["gateway.data_plane='push'"], "b": ["gateway.data_plane='relay'"]}
+    assert data["overrides"] == {"both": [push], "b": [relay]}
     planes = {k: r["data_plane"] for k, r in data["results"].items()}
     assert planes == {"A:ours": "push", "B:blind-routing": "relay"}
-    assert "also ran with: gateway.data_plane='relay'" in res.output
+    assert f"also ran with: {relay}" in output
 
 
 def test_bad_scenario_is_a_clear_error(tmp_path: Path) -> None:
