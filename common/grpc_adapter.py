@@ -84,6 +84,7 @@ DEFAULT_BUFFERED_MESSAGES = 256
 # ``pin`` of a call: TLS with whatever certificate the peer shows, or plaintext if it has no TLS (only
 # for public, hash-checked bytes).
 UNPINNED = "unpinned"
+RETIRE_GRACE_S = 10.0  # a channel taken out of use lets its calls in flight finish this long
 MAX_KNOWN_CERTS = 4096  # certificates remembered by pin (each ~600 bytes)
 _END = object()
 
@@ -341,6 +342,9 @@ class Grpc:
         # address -> what an unpinned call there trusts (its certificate, or None: plaintext), read
         # once: a ping must not pay a TLS handshake of its own each time (it would measure that).
         self._unpinned: dict[str, bytes | None] = {}
+        # Channels taken out of use while calls may still run on them: closed with a grace period
+        # (RETIRE_GRACE_S) in the background, and at the latest when the runtime closes.
+        self._retired: set[grpc.aio.Channel] = set()
 
     # -- clients -------------------------------------------------------------------------------------
 
@@ -416,10 +420,24 @@ class Grpc:
         node (another certificate, or none); the next call reads it afresh on a new channel."""
         if pin == UNPINNED and code in ("UNAVAILABLE", "UNAUTHENTICATED"):
             self._unpinned.pop(address, None)
-            # Not closed: closing would cancel the calls still in flight on it (other pings), which
-            # then end in asyncio.CancelledError; dropped, it is collected once they are done.
+            # Not closed at once: that would cancel the calls still in flight on it (other pings),
+            # which then end in asyncio.CancelledError. Nor only dropped: a channel collected after
+            # its runtime's loop closed delivers its last events to that closed loop, which fails
+            # whichever runtime is running then (seen as "Event loop is closed" in a later test).
             for key in [k for k in self._channels if k[0] == address and k[2] == UNPINNED]:
-                del self._channels[key]
+                self._retire(self._channels.pop(key))
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        self._retired.add(channel)
+
+        async def close() -> None:
+            try:
+                with trio.move_on_after(RETIRE_GRACE_S + 2):
+                    await self._in_aio(lambda: channel.close(grace=RETIRE_GRACE_S))
+            finally:
+                self._retired.discard(channel)
+
+        self._nursery.start_soon(close)
 
     async def _in_aio(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         return await self._loop.run_aio_coroutine(fn())
@@ -561,7 +579,7 @@ class Grpc:
             ) from err
 
     async def aclose(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels = [*self._channels.values(), *self._retired], {}
         for channel in channels:
             with trio.move_on_after(2):
                 await self._in_aio(channel.close)
@@ -708,6 +726,20 @@ def _pin_failure(address: str, err: BaseException) -> str:
 _open: list[Grpc] = []  # the runtime open in this process, and how many holders share it
 
 
+def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """grpcio's completion queue is global to the process and hands each event to the loop its
+    call or channel was made on. An event of an earlier runtime (a channel collected after that
+    ``trio.run`` ended: tests run several in one process) finds that loop closed and raises in the
+    running one's callback, failing whatever runs there. Such an event belongs to nobody alive:
+    logged and dropped. Every other error goes to trio_asyncio's handler (raised into trio)."""
+    err = context.get("exception")
+    handle = repr(context.get("handle", ""))
+    if isinstance(err, RuntimeError) and "Event loop is closed" in str(err) and "_handle_events" in handle:
+        log.warning("dropped a gRPC event of a runtime that has ended: %s", err)
+        return
+    loop.default_exception_handler(context)
+
+
 @asynccontextmanager
 async def open_grpc() -> AsyncIterator[Grpc]:
     """The grpc.aio runtime of this process: open it in the service's root nursery.
@@ -724,6 +756,7 @@ async def open_grpc() -> AsyncIterator[Grpc]:
             _open.pop()
         return
     async with trio_asyncio.open_loop() as loop, trio.open_nursery() as nursery:
+        loop.set_exception_handler(_exception_handler)
         runtime = Grpc(loop, nursery)
         _open.append(runtime)
         try:

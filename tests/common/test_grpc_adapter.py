@@ -7,7 +7,17 @@ import time
 import pytest
 import trio
 
-from common.grpc_adapter import CallInfo, MessageStream, RpcAbort, RpcError, Service, StreamClosed, open_grpc
+from common import grpc_adapter
+from common.grpc_adapter import (
+    UNPINNED,
+    CallInfo,
+    MessageStream,
+    RpcAbort,
+    RpcError,
+    Service,
+    StreamClosed,
+    open_grpc,
+)
 
 
 async def echo(stream: MessageStream, info: CallInfo) -> None:
@@ -132,3 +142,47 @@ def test_no_thread_is_started_by_the_adapter() -> None:
     new = [t for t in threading.enumerate() if t.ident not in before]
     # grpcio's own completion-queue poller and executor threads are grpc's, not ours: they are named by grpc.
     assert all(t.daemon for t in new), [t.name for t in new]
+
+
+async def test_a_channel_dropped_after_its_peer_went_away_is_closed_not_left_to_the_collector() -> None:
+    """An unpinned address that stops answering is read afresh next time, on a new channel; the old
+    channel is closed with a grace period, and at the latest with the runtime (a channel collected
+    after its loop closed delivered its last events to that closed loop)."""
+    async with open_grpc() as rt:
+        async with trio.open_nursery() as servers:
+            port = await servers.start(rt.serve, "127.0.0.1", 0, [SERVICE])
+            address = f"127.0.0.1:{port}"
+            with trio.fail_after(10):
+                assert await rt.unary(address, "/test.Echo/Hello", b"a", pin=UNPINNED) == b"hello a"
+            servers.cancel_scope.cancel()
+        with trio.fail_after(20), pytest.raises(RpcError) as err:
+            await rt.unary(address, "/test.Echo/Hello", b"b", pin=UNPINNED)
+        assert err.value.code == "UNAVAILABLE"
+        retired = set(rt._retired)
+        assert len(retired) == 1 and not rt._channels
+    assert [channel.get_state().name for channel in retired] == ["SHUTDOWN"]
+
+
+def test_an_event_for_an_ended_runtimes_loop_is_dropped_and_every_other_error_raised() -> None:
+    class Loop:
+        def __init__(self) -> None:
+            self.raised: list[dict] = []
+
+        def default_exception_handler(self, context: dict) -> None:
+            self.raised.append(context)
+
+    loop = Loop()
+    stale = {
+        "exception": RuntimeError("Event loop is closed"),
+        "handle": "<Handle PollerCompletionQueue._handle_events(<TrioEventLoop>)()>",
+    }
+    grpc_adapter._exception_handler(loop, stale)  # type: ignore[arg-type]
+    assert loop.raised == []
+    other = [
+        {"exception": RuntimeError("Event loop is closed"), "handle": "<Handle some_task()>"},
+        {"exception": ValueError("boom"), "handle": stale["handle"]},
+        {"message": "no exception at all"},
+    ]
+    for context in other:
+        grpc_adapter._exception_handler(loop, context)  # type: ignore[arg-type]
+    assert loop.raised == other
