@@ -15,7 +15,9 @@ On the 7B-class random-weight model of ``sim.big_model`` (built once, about
    node's own ``join_s`` (model resolution, header, fetch) beside it.
 3. **A swarm of memory-limited nodes.** ``--nodes`` nodes, each in its own
    cgroup with a memory limit (``--memory-limit-mb``, well below the model's
-   size), a tracker and a gateway; one greedy completion through the gateway;
+   size; the shards are cut first and the page cache dropped, so each node's
+   reads are charged to its own cgroup), a tracker and a gateway; one greedy
+   completion through the gateway;
    each node's peak resident set (``VmHWM``) against its shard bytes + KV +
    150 MB; the cgroups' failure counters. Then the whole model in one
    llama-cpp-python context (``node.reference``, the same context settings)
