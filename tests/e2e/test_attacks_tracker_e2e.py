@@ -39,7 +39,7 @@ from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
 from proto.signing import make_payload, public_key_hex, sign_envelope
 from sim.launcher import LocalSwarm, start_local_swarm
 from sim.procs import NO_SPOT_CHECKS
-from tests.e2e.swarm_helpers import Reference
+from tests.e2e.swarm_helpers import Reference, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -149,17 +149,6 @@ def _nodes(swarm: LocalSwarm) -> dict[str, dict[str, Any]]:
         out.update({n["node_id"]: n for n in page["nodes"]})
         offset = page["next_offset"]
     return out
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.25)
 
 
 def _node_complaints(swarm: LocalSwarm) -> int:
@@ -344,7 +333,7 @@ def test_junk_flood_then_read_flood_leaves_health_routes_and_chats_served(
     assert statistics.median(health) < 0.5 and max(health) < 5.0, health
     assert statistics.median(route_times) < 1.0 and max(route_times) < 10.0, route_times
     # The junk never heartbeats: it expires, and PRUNE_AFTER_S later it and its models are gone.
-    _wait(
+    wait_until(
         lambda: httpx.get(swarm.tracker_url + "/v1/models", timeout=30).json()["total"] == 1,
         HEARTBEAT_TIMEOUT_S + PRUNE_AFTER_S + 120,
         "the junk to be pruned",

@@ -44,7 +44,7 @@ from proto.signing import (
 )
 from proto.swarm.v1 import frame_pb2, status_pb2
 from sim.launcher import LocalSwarm, start_local_swarm
-from tests.e2e.swarm_helpers import Reference
+from tests.e2e.swarm_helpers import Reference, wait_until
 from tests.node.loopback_client import (
     GRPC_OPTIONS,
     RouteSession,
@@ -150,17 +150,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

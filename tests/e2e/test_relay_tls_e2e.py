@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 
 from common.tls import generate_self_signed
 from sim.procs import NO_SPOT_CHECKS, Service, Supervisor
-from tests.e2e.swarm_helpers import Reference
+from tests.e2e.swarm_helpers import Reference, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +37,6 @@ def https_context(cert_file: Path) -> ssl.SSLContext:
     context = ssl.create_default_context(cafile=str(cert_file))
     context.check_hostname = False
     return context
-
-
-def wait_until(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s:g} s: {what}")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from proto.announce import CheckPass, CheckResults, Evidence, UsageEntry, UsageR
 from proto.ledger import verify_ledger_entry
 from proto.signing import make_payload, public_key_hex, sign_envelope
 from sim.procs import Service, Supervisor
+from tests.e2e.swarm_helpers import wait_until
 from tracker.client import TrackerClient, TrackerClientError
 
 pytestmark = pytest.mark.slow
@@ -93,17 +94,6 @@ class Swarm:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="t", max_retries=0, timeout=timeout_s)
 
 
-def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.2)
-
-
 def _hostile_model(model_path: Path, out: Path) -> Path:
     """A copy of the test model with the hostile chat template and its own name (another fingerprint)."""
     subprocess.run(
@@ -154,7 +144,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             tracker_url=tracker.url, extra_args=["--route-ttl-s", "1", "--stats-interval-s", "1"]
         ).ready(60)
         s = Swarm(sup, tracker, gateway, nodes, gateway_key, model_path, node_cache)
-        _wait(lambda: all(s.state(n) == "live" for n in nodes), 120, "three live nodes")
+        wait_until(lambda: all(s.state(n) == "live" for n in nodes), 120, "three live nodes")
         yield s
 
 
@@ -173,7 +163,7 @@ def test_probation_flags_in_routes_until_a_registered_gateway_reports_passed_che
         CheckResults(public_key_hex(swarm.gateway_key), (CheckPass(a, 2),)),
     )
     assert result == {"credited": 1, "unknown": 0, "graduated": [a]}
-    routes = _wait(
+    routes = wait_until(
         lambda: (r := swarm.routes(model)) and r[0][0]["node_id"] == a and r, 10, "the trusted node first"
     )
     assert {h["node_id"]: h["probation"] for r in routes for h in r} == {a: False, b: True}
@@ -203,7 +193,7 @@ def test_a_forged_usage_report_credits_nothing_and_the_ledger_checks_out(swarm: 
     def ledger_rows(node: str) -> list[dict[str, Any]]:
         return list(swarm.call(swarm.gateway_key, "node_ledger", node)["entries"])
 
-    served = _wait(
+    served = wait_until(
         lambda: [(n, rows) for n in (swarm.node_id("a"), swarm.node_id("b")) if (rows := ledger_rows(n))],
         20,
         "the gateway's usage report",
@@ -258,7 +248,7 @@ def test_routing_uses_the_decode_time_the_gateway_measured(swarm: Swarm) -> None
             if row["shard"] and row["shard"]["observed_ms_per_token"] is not None
         }
 
-    speeds = _wait(measured, 20, "a statistics report with measured node speeds")
+    speeds = wait_until(measured, 20, "a statistics report with measured node speeds")
     for node, ms in speeds.items():
         claimed = swarm.swarm_nodes()[node]["shard"]["decode_ms_per_token"]
         # what one token took through the whole model on this loaded 2-core machine: a few ms to a few
@@ -320,14 +310,14 @@ def test_a_node_convicted_by_evidence_is_banned_and_its_announce_refused(swarm: 
     assert swarm.state("b") == "banned"
     assert all(hop["node_id"] != b for r in swarm.routes(model) for hop in r)
     # the node hears it on its next heartbeat; restarted (same key), its announce is refused
-    _wait(lambda: '"banned"' in swarm.nodes["b"].log_text(), 20, "the node's heartbeat refused")
+    wait_until(lambda: '"banned"' in swarm.nodes["b"].log_text(), 20, "the node's heartbeat refused")
     swarm.nodes["b"].stop()
     seen = len(swarm.nodes["b"].log_text().splitlines())  # the restarted process appends to this log
     restarted = swarm.sup.start_node(
         "b", model=swarm.model_path, layers="0:30", tracker_url=swarm.tracker_url, cache_dir=swarm.node_cache
     )
     restarted.ready(180)
-    refused = _wait(
+    refused = wait_until(
         lambda: [
             e
             for line in restarted.log_text().splitlines()[seen:]
@@ -437,7 +427,7 @@ def registered(
         announce(tracker.url, fake.key, spec, 0, 30, fake.port)
         gateway = sup.start_gateway(tracker_url=tracker.url).ready(60)
         s = Registered(sup, tracker, gateway, honest, fake, fingerprint, name, nodes.expected, hijack)
-        _wait(
+        wait_until(
             lambda: (
                 {n["state"] for n in httpx.get(tracker.url + "/v1/swarm", timeout=10).json()["nodes"]}
                 == {"live"}
@@ -461,7 +451,7 @@ def test_a_hijacked_name_is_refused(registered: Registered, node_cache: Path) ->
         cache_dir=node_cache,
     )
     hijacker.ready(180)
-    refused = _wait(
+    refused = wait_until(
         lambda: [
             e
             for line in hijacker.log_text().splitlines()

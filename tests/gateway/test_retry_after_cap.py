@@ -21,7 +21,8 @@ from proto.errors import ResourceExhaustedError
 from proto.swarm.v1 import status_pb2
 
 
-def test_a_huge_retry_after_from_a_node_is_capped_for_the_client() -> None:
+def machine_for(specs: list[StageSpec], *, max_recoveries: int) -> RouteMachine:
+    """A greedy Route Session over ``specs`` with small budgets and counting tokens."""
     config = RouteConfig(
         session_id="s",
         request_id="r",
@@ -30,14 +31,14 @@ def test_a_huge_retry_after_from_a_node_is_capped_for_the_client() -> None:
         kv_budget=16,
         step_tokens=4,
         node_frame_bytes=1 << 20,
-        max_recoveries=0,
+        max_recoveries=max_recoveries,
     )
     counter = itertools.count(1)
-    machine = RouteMachine(
-        config,
-        [StageSpec("a" * 64, "127.0.0.1:1", 0, 4, RECIPE_FP, b"t")],
-        new_token=lambda: next(counter).to_bytes(8, "little"),
-    )
+    return RouteMachine(config, specs, new_token=lambda: next(counter).to_bytes(8, "little"))
+
+
+def test_a_huge_retry_after_from_a_node_is_capped_for_the_client() -> None:
+    machine = machine_for([StageSpec("a" * 64, "127.0.0.1:1", 0, 4, RECIPE_FP, b"t")], max_recoveries=0)
     (send,) = [c for c in machine.open(0.0) if isinstance(c, SendFrame)]
     refusal = codec.error_frame(
         ResourceExhaustedError("all slots in use", retry_after_ms=10**9), send.frame, kv_len=0
@@ -49,22 +50,11 @@ def test_a_huge_retry_after_from_a_node_is_capped_for_the_client() -> None:
 
 
 def test_a_survivor_asking_for_an_endless_wait_before_re_attaching_is_asked_again_within_a_second() -> None:
-    config = RouteConfig(
-        session_id="s",
-        request_id="r",
-        model_fingerprint=MODEL_FP,
-        sampling=codec.SamplingSettings(temperature=0.0),
-        kv_budget=16,
-        step_tokens=4,
-        node_frame_bytes=1 << 20,
-        max_recoveries=2,
-    )
-    counter = itertools.count(1)
     specs = [
         StageSpec("a" * 64, "127.0.0.1:1", 0, 4, RECIPE_FP, b"t"),
         StageSpec("b" * 64, "127.0.0.1:2", 4, 8, RECIPE_FP, b"t"),
     ]
-    machine = RouteMachine(config, specs, new_token=lambda: next(counter).to_bytes(8, "little"))
+    machine = machine_for(specs, max_recoveries=2)
     opens = [c for c in machine.open(0.0) if isinstance(c, SendFrame)]
     for send, spec in zip(opens, specs, strict=True):
         ack = codec.open_ack_frame(
