@@ -42,8 +42,8 @@ PROOF_CHUNK_BYTES = 1024 * 1024
 class StreamError(Exception):
     """The stream to a node failed or ended (connection refused, node gone, call cancelled).
 
-    ``transient``: the node said to retry later (gRPC ``UNAVAILABLE``: for example a node that
-    is still writing its vocabulary file just after it started, or one not listening yet)."""
+    ``transient``: worth asking again later (gRPC ``UNAVAILABLE``: a node not listening yet or
+    restarting)."""
 
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)

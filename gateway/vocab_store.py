@@ -53,9 +53,9 @@ from tracker.client import TrackerClientError
 MAX_LOADED = 8
 MAX_VOCAB_BYTES = 64 * 1024 * 1024
 MAX_PROOF_PEERS = 8
-# A node writes its vocabulary file in the background after it starts (seconds for a large model)
-# and answers UNAVAILABLE meanwhile: a first request right after the swarm formed waits for it,
-# asking again every VOCAB_RETRY_S (doubling to VOCAB_RETRY_MAX_S), at most VOCAB_WAIT_S in all.
+# When every node of a route answers UNAVAILABLE (not listening yet, restarting, or an older node
+# still writing its vocabulary file), a first request waits for one instead of failing: asked
+# again every VOCAB_RETRY_S (doubling to VOCAB_RETRY_MAX_S), at most VOCAB_WAIT_S in all.
 VOCAB_WAIT_S = 60.0
 VOCAB_RETRY_S = 0.5
 VOCAB_RETRY_MAX_S = 4.0

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from node.config import ConfigError
+from node.config import LOAD_MODE_NAMES, ConfigError
 from node.errors import NodeError
 
 PROG = "swarm-node"
@@ -248,7 +248,7 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 @click.option("--gpu-layers", default=None, help="Layers to offload to the GPU: N, all or auto (default 0).")
 @click.option(
     "--load-mode",
-    type=click.Choice(["read", "mmap", "direct"]),
+    type=click.Choice(LOAD_MODE_NAMES),
     default=None,
     help="Load the weights by reading them (default), mapping the file, or direct I/O.",
 )

@@ -29,6 +29,10 @@ class ConfigError(ValueError):
     pass
 
 
+# How the shard's weights are loaded (common.llama.LOAD_MODES maps each to llama.cpp's load_mode).
+LOAD_MODE_NAMES = ("read", "mmap", "direct")
+
+
 def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
@@ -276,8 +280,9 @@ class NodeConfig:
             self.gpu_layers.isdigit() and int(self.gpu_layers) >= 0
         ):
             raise ConfigError(f"gpu_layers must be a number >= 0, 'all' or 'auto', got {self.gpu_layers!r}")
-        if self.load_mode not in ("read", "mmap", "direct"):
-            raise ConfigError(f"load_mode must be 'read', 'mmap' or 'direct', got {self.load_mode!r}")
+        if self.load_mode not in LOAD_MODE_NAMES:
+            names = ", ".join(LOAD_MODE_NAMES)
+            raise ConfigError(f"load_mode must be one of {names}, got {self.load_mode!r}")
         if self.serve_span_bytes_per_s < -1 or self.serve_span_streams < 1:
             raise ConfigError("serve_span_bytes_per_s must be >= -1 and serve_span_streams >= 1")
         if self.fetch_stall_timeout_s <= 0 or self.fetch_slow_bytes_per_s < 0:

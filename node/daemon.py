@@ -197,7 +197,7 @@ class NodeDaemon:
             gpu_layers=joined.gpu_layers,
             join_s=round(joined.join_s, 3),
         )
-        self._vocab_bytes: bytes | None = await self._vocab(joined.header_file, cache, meta.fingerprint)
+        vocab = await self._vocab(joined.header_file, cache, meta.fingerprint)
         engine_config = EngineConfig(
             n_threads_count=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
@@ -322,7 +322,7 @@ class NodeDaemon:
                         cfg.host,
                         cfg.port,
                         cfg.max_frame_bytes,
-                        lambda: self._vocab_bytes,
+                        lambda: vocab,
                         meta.fingerprint,
                         cfg.shutdown_grace_s,
                         tensors=lambda: self.tensors,

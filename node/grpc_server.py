@@ -60,7 +60,7 @@ class GrpcSettings:
     host: str
     port: int
     max_frame_bytes: int
-    vocab_bytes: Callable[[], bytes | None]  # None while the file is still being written
+    vocab_bytes: Callable[[], bytes]  # the metadata-only GGUF gateways tokenize with (written before serving)
     model_fingerprint: str
     shutdown_grace_s: float = 5.0
     # GetManifest / GetTensorBytes (node.peer_serve); None: this node does not serve its span's bytes.
@@ -175,8 +175,6 @@ class ShardService:
                 f"this node serves model {self.settings.model_fingerprint}, not {request.model_fingerprint}",
             )
         data = self.settings.vocab_bytes()
-        if data is None:
-            raise RpcAbort("UNAVAILABLE", "the vocabulary file is still being prepared; retry")
         for chunk in vocab_chunks(
             data, model_fingerprint=self.settings.model_fingerprint, chunk_bytes=request.max_chunk_bytes
         ):

@@ -345,7 +345,6 @@ def swarm_run(
             shard = dir_bytes(cache / "shards" / fingerprint[:16], f"-{a}-{b}.gguf")
             if a == 0:
                 shard += (cache / "shards" / fingerprint[:16] / "token_embd.gguf").stat().st_size
-            proc = psutil.Process(n.pid)
             status = Path(f"/proc/{n.pid}/status").read_text()
             kib = {
                 x.split(":")[0]: int(x.split()[1]) * 1024
@@ -360,7 +359,7 @@ def swarm_run(
                 "layers": [a, b],
                 "shard_bytes": shard,
                 "kv_bytes": kv,
-                "rss_bytes": int(proc.memory_info().rss),
+                "rss_bytes": kib["VmRSS"],
                 "peak_rss_bytes": hwm,
                 "rss_anon_bytes": kib.get("RssAnon"),  # now: the node's own memory
                 "rss_file_bytes": kib.get("RssFile"),  # now: mapped file pages (libraries, a mapped shard)

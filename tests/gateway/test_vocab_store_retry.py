@@ -1,11 +1,12 @@
-"""The gateway waits (bounded) for a node that is still writing its vocabulary file.
+"""The gateway waits (bounded) for nodes that answer UNAVAILABLE to GetVocab.
 
-A node writes its vocabulary in the background after it starts and answers
-``UNAVAILABLE`` meanwhile. Found by ``sim.bench_join`` on the 4 GB model: the
-first request after the swarm formed got a 502 from every node saying "still
-being prepared; retry". The node side is the real gRPC service elsewhere
-(tests/node); here the gateway's ``VocabStore`` talks to a scripted stand-in
-for ``NodeChannels`` under trio's mock clock, so the waits cost no real time.
+Found by ``sim.bench_join`` on the 4 GB model: the first request after the
+swarm formed got a 502 from every node (they were still writing their
+vocabulary files; a node now writes it before it serves, but a node not
+listening yet or restarting answers the same). The node side is the real gRPC
+service elsewhere (tests/node); here the gateway's ``VocabStore`` talks to a
+scripted stand-in for ``NodeChannels`` under trio's mock clock, so the waits
+cost no real time.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ def download(tmp_path: Path, channels: Channels, stages: list[StageInfo]) -> byt
         store.close()
 
 
-def preparing() -> StreamError:
-    return StreamError("the vocabulary file is still being prepared; retry", transient=True)
+def unavailable() -> StreamError:
+    return StreamError("UNAVAILABLE: failed to connect to all addresses", transient=True)
 
 
-def test_a_node_still_preparing_is_asked_again_until_it_serves(tmp_path: Path) -> None:
-    channels = Channels([preparing(), preparing(), preparing()])
+def test_a_node_not_ready_is_asked_again_until_it_serves(tmp_path: Path) -> None:
+    channels = Channels([unavailable(), unavailable(), unavailable()])
     assert download(tmp_path, channels, [stage("a:1")]) == b"vocab"
     times = [t for _, t in channels.vocab_calls]
     assert len(times) == 4
@@ -68,7 +69,7 @@ def test_a_node_still_preparing_is_asked_again_until_it_serves(tmp_path: Path) -
 
 
 def test_another_node_that_serves_is_used_at_once(tmp_path: Path) -> None:
-    channels = Channels([preparing()])
+    channels = Channels([unavailable()])
     assert download(tmp_path, channels, [stage("a:1"), stage("b:2")]) == b"vocab"
     assert [a for a, _ in channels.vocab_calls] == ["a:1", "b:2"]
     assert channels.vocab_calls[1][1] == channels.vocab_calls[0][1]
@@ -83,11 +84,11 @@ def test_a_lasting_failure_is_not_waited_for(tmp_path: Path) -> None:
 
 
 def test_the_wait_is_bounded_and_says_when_to_retry(tmp_path: Path) -> None:
-    channels = Channels([preparing() for _ in range(1000)])
+    channels = Channels([unavailable() for _ in range(1000)])
     with pytest.raises(UpstreamFailed) as err:
         download(tmp_path, channels, [stage("a:1")])
     times = [t for _, t in channels.vocab_calls]
     assert times[-1] - times[0] <= vocab_store.VOCAB_WAIT_S
     assert len(times) < 30
     assert err.value.retry_after_s == 5
-    assert "still being prepared" in str(err.value)
+    assert "failed to connect to all addresses" in str(err.value)

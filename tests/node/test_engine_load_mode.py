@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.llama import LlamaError, load_model
+from common.llama import LOAD_MODES, LlamaError, load_model
+from node.config import LOAD_MODE_NAMES
 from node.engine import EngineConfig, ShardEngine, Work
 from node.shard import extract_shard
 
@@ -39,7 +40,8 @@ def test_read_maps_nothing_mmap_maps_the_shard_and_both_compute_the_same(
 ) -> None:
     files = extract_shard(model_path, 0, 10, node_cache)
     hidden = {}
-    for mode in ("read", "mmap", "direct"):
+    assert set(LOAD_MODE_NAMES) == set(LOAD_MODES)  # the node's choices are what llama.cpp is given
+    for mode in LOAD_MODE_NAMES:
         config = EngineConfig(**{**engine_config.__dict__, "load_mode": mode})
         engine = ShardEngine(files, config, node_cache)
         try:
