@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -190,6 +190,22 @@ def _wait_port_file(svc: Service, path: Path, timeout_s: float) -> int:
             raise LaunchError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
         time.sleep(0.05)
     raise LaunchError(f"{svc.name} did not report its port within {timeout_s:g} s:\n{svc.log_tail()}")
+
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
+    """``predicate()``'s first truthy value, polled every ``interval_s``; AssertionError after
+    ``timeout_s`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 def wait_http(

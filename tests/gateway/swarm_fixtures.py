@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from fake_node import TLS_CERTS, FakeNode
 from common.vocab import Vocabulary
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
+from sim import procs
 from sim.procs import Service
 from tracker.client import TrackerClient
 
@@ -64,14 +64,8 @@ def url(proc: Service) -> str:
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
+    """``sim.procs.wait_until``, polling faster: these swarms are in-process fakes."""
+    return procs.wait_until(predicate, timeout_s, what, interval_s)
 
 
 def metric_lines(base_url: str, name: str) -> list[str]:
