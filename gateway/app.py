@@ -10,8 +10,9 @@ become HTTP statuses::
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health`` (200 only while a model has a complete
-route), ``GET /healthz`` (liveness), ``GET /metrics`` (docs/gateway.md), and
-``GET /``: a small page linking the swarm dashboard the tracker serves.
+route), ``GET /healthz`` (liveness), ``GET /metrics`` (docs/gateway.md), ``GET /``: the chat page,
+and ``GET /about``: a small page linking the swarm dashboard the tracker serves. The Responses API,
+Ollama's API and several-prompt completions are registered by ``gateway.client_apis``.
 
 CORS (``cors_origins``): allowed origins get ``Access-Control-Allow-*`` headers
 and their preflight ``OPTIONS`` requests a 204. Every request ends with one
@@ -28,6 +29,7 @@ import json
 import logging
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from quart import Response, request
@@ -169,8 +171,15 @@ def create_app(service: GatewayService) -> QuartTrio:
     def dashboards() -> list[str]:
         return [url + "/" for url in getattr(service.tracker, "urls", ())]
 
+    chat_page = (Path(__file__).parent / "static" / "chat.html").read_bytes()
+
     @app.get("/")
-    async def index() -> Response:
+    async def chat() -> Response:
+        """The chat page (gateway/static/chat.html: one file, no build step, no external assets)."""
+        return Response(chat_page, mimetype="text/html")
+
+    @app.get("/about")
+    async def about() -> Response:
         links = "".join(
             f'<li><a href="{html.escape(u, quote=True)}">{html.escape(u)}</a></li>' for u in dashboards()
         )
@@ -178,7 +187,7 @@ def create_app(service: GatewayService) -> QuartTrio:
             '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Swarm gateway</title>'
             "<style>body{font:15px/1.5 system-ui,sans-serif;background:#0e1116;color:#e6edf3;margin:40px}"
             "a{color:#58a6ff}code{background:#161b22;padding:2px 6px;border-radius:4px}</style></head><body>"
-            "<h1>Swarm gateway</h1>"
+            '<h1>Swarm gateway</h1><p><a href="/">Chat</a></p>'
             "<p>OpenAI-compatible API at <code>/v1</code> "
             f"(gateway <code>{html.escape(service.gateway_id[:16])}</code>).</p>"
             "<p>Swarm dashboard (served by the tracker):</p>"
@@ -243,16 +252,18 @@ def create_app(service: GatewayService) -> QuartTrio:
             return await client_apis.completion_batch(ctx, batch, who)
         return await _generate(batch[0], who)
 
-    async def start(req: GenerationRequest, who: Principal) -> Job:
-        """Admit and start one generation for ``who`` (the same for every client API)."""
+    async def start(req: GenerationRequest, who: Principal, client: str | None = None) -> Job:
+        """Admit and start one generation for ``who`` (the same for every client API); ``client``
+        given: outside the request's context (a later prompt of a streamed batch)."""
         if req.ignored:
             event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
         access.cap(who, req.max_tokens)  # 400 above the principal's cap
         if req.max_tokens is None and who.limits.max_tokens:
             # No max_tokens: up to what the prompt leaves on the route, and at most the cap.
             req = dataclasses.replace(req, max_tokens_cap=who.limits.max_tokens)
-        job = await service.start_job(req, client_key(), who)
-        request.job = job  # type: ignore[attr-defined]
+        job = await service.start_job(req, client or client_key(), who)
+        if client is None:
+            request.job = job  # type: ignore[attr-defined]
         return job
 
     def where() -> openai_http.Where | None:
@@ -268,7 +279,7 @@ def create_app(service: GatewayService) -> QuartTrio:
             job.cancel()
             job.events.close()
 
-    ctx = client_apis.Context(service, read_json, principal, start, where)
+    ctx = client_apis.Context(service, read_json, principal, start, where, client_key)
     client_apis.register(app, ctx)
     return app
 

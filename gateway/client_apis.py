@@ -55,8 +55,9 @@ class Context:
     service: GatewayService
     read_json: Callable[[], Awaitable[Any]]
     principal: Callable[[], Awaitable[Principal]]
-    start: Callable[[GenerationRequest, Principal], Awaitable[Job]]
-    where: Callable[[], Where | None]
+    start: Callable[[GenerationRequest, Principal, str | None], Awaitable[Job]]  # client: see below
+    where: Callable[[], Where | None]  # in the request's context only, as are start(..., None) and client
+    client: Callable[[], str]  # who the request is from, for start outside the request's context
 
 
 def _calls(message: dict[str, Any]) -> tuple[ToolCall, ...]:
@@ -79,17 +80,23 @@ async def _collected(job: Job) -> dict[str, Any]:
 
 async def completion_batch(ctx: Context, batch: tuple[GenerationRequest, ...], who: Principal) -> Response:
     n = batch[0].n
-    first = await ctx.start(batch[0], who)  # refusals of the first prompt are the request's status
+    first = await ctx.start(batch[0], who, None)  # refusals of the first prompt are the request's status
     if batch[0].stream:
-        return streamed_response(_batch_stream(ctx, batch, who, first, n))
+        return streamed_response(_batch_stream(ctx, batch, who, first, n, ctx.client(), ctx.where()))
     bodies = [await _collected(first)]
     for req in batch[1:]:
-        bodies.append(await _collected(await ctx.start(req, who)))
+        bodies.append(await _collected(await ctx.start(req, who, None)))
     return json_response(merge_completions(bodies, n))
 
 
 async def _batch_stream(
-    ctx: Context, batch: tuple[GenerationRequest, ...], who: Principal, first: Job, n: int
+    ctx: Context,
+    batch: tuple[GenerationRequest, ...],
+    who: Principal,
+    first: Job,
+    n: int,
+    client: str,
+    where: Where | None,
 ) -> AsyncIterator[bytes]:
     """The prompts' streams one after another under one id; a prompt that cannot start ends the
     stream with its error event (the response's status went out with the first prompt's chunks)."""
@@ -98,12 +105,12 @@ async def _batch_stream(
     for i, req in enumerate(batch):
         if job is None:
             try:
-                job = await ctx.start(req, who)
+                job = await ctx.start(req, who, client)
             except GatewayError as err:
                 yield dump(public_error(err, state.request_id)) + sse_event("[DONE]")
                 return
         state.index_base, state.last = i * n, i == len(batch) - 1
-        async for chunk in sse(job, ctx.where(), state):
+        async for chunk in sse(job, where, state):
             yield chunk
         job = None
         if state.failed:
@@ -124,8 +131,13 @@ def register(app: QuartTrio, ctx: Context) -> None:
         config.responses_store_max, config.responses_store_ttl_s, config.responses_store_max_chars
     )
 
+    def owner_of(who: Principal) -> str:
+        """Whose stored responses a request reads: its API key's, else (no keys required) its own
+        bearer token's or address's, as the per-client limit counts it."""
+        return ctx.client() if who.anonymous else who.id
+
     def keep(
-        who: Principal,
+        owner: str,
         rr: responses_api.ResponsesRequest,
         body: dict[str, Any],
         text: str,
@@ -133,7 +145,7 @@ def register(app: QuartTrio, ctx: Context) -> None:
     ) -> None:
         if rr.store:
             history = (*rr.turn, responses_api.assistant_turn(text, calls))
-            store.put(who.id, str(body["id"]), history, body, trio.current_time())
+            store.put(owner, str(body["id"]), history, body, trio.current_time())
 
     @app.post("/v1/responses")
     async def create_response() -> Response:
@@ -142,7 +154,7 @@ def register(app: QuartTrio, ctx: Context) -> None:
         previous = responses_api.previous_id(body)
         history: tuple[Any, ...] = ()
         if previous is not None:
-            stored = store.get(who.id, previous, trio.current_time())
+            stored = store.get(owner_of(who), previous, trio.current_time())
             if stored is None:
                 raise InvalidRequest(
                     f"Previous response with id '{previous}' not found (kept for "
@@ -152,10 +164,10 @@ def register(app: QuartTrio, ctx: Context) -> None:
                 )
             history = stored.history
         rr = responses_api.parse_request(body, history)
-        job = await ctx.start(rr.chat, who)
+        job = await ctx.start(rr.chat, who, None)
         rid = _response_id(job)
         if rr.stream:
-            return streamed_response(_responses_stream(ctx, job, rr, rid, who, keep))
+            return streamed_response(_responses_stream(job, rr, rid, owner_of(who), keep, ctx.where()))
         chat = await _collected(job)
         choice = chat["choices"][0]
         text = choice["message"].get("content") or ""
@@ -173,13 +185,13 @@ def register(app: QuartTrio, ctx: Context) -> None:
             usage_block=usage,
             incomplete_details=details,
         )
-        keep(who, rr, out, text, calls)
+        keep(owner_of(who), rr, out, text, calls)
         return json_response(out)
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:
         who = await ctx.principal()
-        stored = store.get(who.id, response_id, trio.current_time())
+        stored = store.get(owner_of(who), response_id, trio.current_time())
         if stored is None:
             raise NotFound(f"No response with id '{response_id}' found.", param="response_id")
         return json_response(dict(stored.body))
@@ -187,7 +199,7 @@ def register(app: QuartTrio, ctx: Context) -> None:
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str) -> Response:
         who = await ctx.principal()
-        if not store.delete(who.id, response_id, trio.current_time()):
+        if not store.delete(owner_of(who), response_id, trio.current_time()):
             raise NotFound(f"No response with id '{response_id}' found.", param="response_id")
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -206,9 +218,9 @@ def register(app: QuartTrio, ctx: Context) -> None:
             if ollama_api.find(await models(), req.model) is None:
                 raise ModelNotFound(f"model '{req.model}' not found", param="model")
             return json_response(ollama_api.loaded(kind, req.model, time.time()))
-        job = await ctx.start(req.request, who)
+        job = await ctx.start(req.request, who, None)
         if req.stream:
-            return streamed_response(_ndjson(ctx, job, kind, req.model), "application/x-ndjson")
+            return streamed_response(_ndjson(job, kind, req.model, ctx.where()), "application/x-ndjson")
         chat = await _collected(job)
         choice = chat["choices"][0]
         message = choice.get("message") or {}
@@ -265,17 +277,14 @@ def register(app: QuartTrio, ctx: Context) -> None:
 
 
 async def _responses_stream(
-    ctx: Context,
     job: Job,
     rr: responses_api.ResponsesRequest,
     rid: str,
-    who: Principal,
-    keep: Callable[
-        [Principal, responses_api.ResponsesRequest, dict[str, Any], str, tuple[ToolCall, ...]], None
-    ],
+    owner: str,
+    keep: Callable[[str, responses_api.ResponsesRequest, dict[str, Any], str, tuple[ToolCall, ...]], None],
+    where: Where | None,
 ) -> AsyncIterator[bytes]:
     machine = responses_api.EventStream(rid, job.created, rr)
-    where = ctx.where()
     status = 200
     reason = "stop"
     try:
@@ -292,7 +301,7 @@ async def _responses_stream(
             elif isinstance(item, Finished):
                 usage = responses_api.usage(item.prompt_tokens, item.completion_tokens, job.reused_tokens)
                 last, body = machine.finish(reason, usage)
-                keep(who, rr, body, machine.text, machine.calls)
+                keep(owner, rr, body, machine.text, machine.calls)
                 yield responses_api.sse_frame(last)
                 break
             elif isinstance(item, Failed):
@@ -312,8 +321,7 @@ async def _responses_stream(
             access(status, job, where)
 
 
-async def _ndjson(ctx: Context, job: Job, kind: str, model: str) -> AsyncIterator[bytes]:
-    where = ctx.where()
+async def _ndjson(job: Job, kind: str, model: str, where: Where | None) -> AsyncIterator[bytes]:
     status = 200
     reason = "stop"
     calls: tuple[ToolCall, ...] = ()
