@@ -157,7 +157,7 @@ def create_app(service: GatewayService) -> QuartTrio:
         origin = request.headers.get("origin")
         if cors and origin and ("*" in cors or origin in cors):
             response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
             response.headers["Access-Control-Allow-Headers"] = request.headers.get(
                 "access-control-request-headers", "authorization, content-type"
             )
