@@ -11,13 +11,16 @@ completion of the same greedy request through the official client. Screenshots g
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from openai_swarm import Swarm, two_stage_swarm
-from swarm_fixtures import metric_lines
+from swarm_fixtures import metric_lines, url
 
 from node import testmodel
 from tests.e2e.browser import (
@@ -162,3 +165,52 @@ async def test_chat_page_on_smollm2(smol_swarm: Swarm, tmp_path: Path) -> None:
 
 async def test_chat_page_on_gemma3(gemma: Swarm, tmp_path: Path) -> None:
     await drive(gemma, tmp_path, "gemma3", "Name a colour.")
+
+
+def keys_cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "keys", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+async def test_chat_page_asks_for_a_key_where_keys_are_required(smol_swarm: Swarm, tmp_path: Path) -> None:
+    """A second gateway on the same swarm that serves API keys only: the page shows the key field, and
+    with the key typed in it lists the model and answers; the Responses and Ollama APIs want the key too."""
+    keys_file = tmp_path / "keys.jsonl"
+    key = keys_cli("add", "--keys-file", str(keys_file), "--name", "page")
+    gw = smol_swarm.supervisor.start_gateway(
+        name="gateway_chat_keys",
+        tracker_url=url(smol_swarm.tracker),
+        extra_args=["--api-keys-file", str(keys_file), "--no-anonymous"],
+    ).ready(60)
+    base = url(gw)
+    try:
+
+        def plain_http() -> None:  # one connection per request (see the report on keep-alive after a 401)
+            tags = httpx.get(base + "/api/tags", timeout=30)
+            assert tags.status_code == 401 and set(tags.json()) == {"error"}
+            body = {"model": smol_swarm.model, "input": "hi"}
+            responses = httpx.post(base + "/v1/responses", json=body, timeout=30)
+            assert responses.status_code == 401 and responses.json()["error"]["code"] == "missing_api_key"
+            keyed = httpx.get(base + "/api/tags", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            assert keyed.status_code == 200 and keyed.json()["models"]
+
+        await trio.to_thread.run_sync(plain_http)
+        async with headless_chromium(tmp_path, width=1200, height=700) as page:
+            await page.goto(base + "/")
+            await page.wait_for(
+                "getComputedStyle(document.querySelector('#keyrow')).display !== 'none'", 30, "the key field"
+            )
+            assert "API key" in await page.eval("document.querySelector('#status').textContent")
+            await click(page, "#api-key")
+            await type_text(page, key)
+            await click(page, "#prompt")  # leaving the field commits the key
+            await page.wait_for("Number(document.body?.dataset.models) >= 1", 30, "the model list")
+            await set_field(page, "#max-tokens", "4")
+            answer = await ask(page, "Hello!", 0, 120)
+            assert answer["state"] == "done" and answer["text"], answer
+            (artifacts(tmp_path) / "chat-api-key.png").write_bytes(await page.screenshot())
+    finally:
+        gw.stop()
