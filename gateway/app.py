@@ -171,12 +171,16 @@ def create_app(service: GatewayService) -> QuartTrio:
     def dashboards() -> list[str]:
         return [url + "/" for url in getattr(service.tracker, "urls", ())]
 
-    chat_page = (Path(__file__).parent / "static" / "chat.html").read_bytes()
+    chat_page = (Path(__file__).parent / "static" / "chat.html").read_text("utf-8")
 
     @app.get("/")
     async def chat() -> Response:
         """The chat page (gateway/static/chat.html: one file, no build step, no external assets)."""
-        return Response(chat_page, mimetype="text/html")
+        links = "".join(
+            f'<a class="dashboard" href="{html.escape(u, quote=True)}">Swarm dashboard</a>'
+            for u in dashboards()[:1]
+        )
+        return Response(chat_page.replace("<!--DASHBOARD-->", links), mimetype="text/html")
 
     @app.get("/about")
     async def about() -> Response:
