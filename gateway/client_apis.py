@@ -224,9 +224,7 @@ def register(app: QuartTrio, ctx: Context) -> None:
         chat = await _collected(job)
         choice = chat["choices"][0]
         message = choice.get("message") or {}
-        text = (message.get("content") or "") if kind == "chat" or "message" in choice else ""
-        if "text" in choice:
-            text = choice["text"]
+        text = choice["text"] if "text" in choice else (message.get("content") or "")  # raw: a completion
         return json_response(
             ollama_api.final(
                 kind,
