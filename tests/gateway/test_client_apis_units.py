@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway import ollama_api, responses_api
 from gateway.errors import InvalidRequest
@@ -384,3 +386,95 @@ def test_ollama_response_shapes() -> None:
     assert shown["details"]["family"] == "llama" and shown["capabilities"] == ["completion", "tools"]
     assert shown["template"] == "{{ messages }}" and shown["model_info"]["general.name"] == "SmolLM2"
     assert ollama_api.error_body("boom") == {"error": "boom"}
+
+
+# --------------------------------------------------------------------------- never crash
+
+JSONISH = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "role",
+                    "content",
+                    "name",
+                    "call_id",
+                    "arguments",
+                    "output",
+                    "text",
+                    "function",
+                    "format",
+                    "schema",
+                ]
+            ),
+            inner,
+            max_size=3,
+        ),
+    ),
+    max_leaves=8,
+)
+
+
+def _body(keys: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(st.sampled_from(keys), JSONISH, max_size=6)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    _body(
+        [
+            "model",
+            "input",
+            "instructions",
+            "tools",
+            "tool_choice",
+            "text",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "stream",
+            "store",
+            "previous_response_id",
+            "parallel_tool_calls",
+            "metadata",
+            "seed",
+        ]
+    )
+)
+def test_responses_parse_never_crashes(body: dict[str, Any]) -> None:
+    """Whatever the body, a Responses request parses into a chat request or raises InvalidRequest."""
+    try:
+        rr = responses_api.parse_request({"model": "m", "input": "x", **body})
+    except InvalidRequest:
+        return
+    assert rr.chat.kind == "chat" and rr.chat.messages and 0 <= rr.chat.temperature <= 2
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    _body(["model", "messages", "prompt", "system", "options", "format", "stream", "raw", "tools", "think"])
+)
+def test_ollama_parse_never_crashes(body: dict[str, Any]) -> None:
+    """Whatever the body, an Ollama request parses or raises InvalidRequest."""
+    for parse in (ollama_api.parse_chat, ollama_api.parse_generate):
+        try:
+            req = parse({"model": "m", **body})
+        except InvalidRequest:
+            continue
+        assert req.request is None or req.request.kind in ("chat", "completion")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.one_of(st.text(max_size=3), st.lists(st.integers(-1, 70000), max_size=3)), max_size=20),
+    st.integers(1, 20),
+)
+def test_batch_parse_never_crashes(prompt: list[Any], n: int) -> None:
+    try:
+        batch = parse_completion_batch({"model": "m", "prompt": prompt, "n": n})
+    except InvalidRequest:
+        return
+    assert 1 <= len(batch) <= 16 and len(batch) * n <= 64
