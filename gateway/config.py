@@ -184,6 +184,15 @@ class GatewayConfig:
         "after a request its KV stays on the route this long, so the next turn of the conversation (or a "
         "request sharing its prefix, from the same client) prefills only what is new; 0 = off",
     )
+    responses_store_max: int = _f(
+        1000,
+        "responses the Responses API keeps for previous_response_id and GET /v1/responses/{id} (all API"
+        " keys together; the least recently used go first); 0 = keep none",
+    )
+    responses_store_ttl_s: float = _f(3600.0, "how long a kept response can be continued or read")
+    responses_store_max_chars: int = _f(
+        64_000_000, "the kept responses' conversations together, in JSON characters (least recent go first)"
+    )
     prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
     prefix_exact: bool = _f(
         False,
@@ -294,6 +303,14 @@ class GatewayConfig:
                 raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
         if self.kv_keep_s < 0 or self.kv_keep_s > 600:
             raise ConfigError("kv_keep_s must be in [0, 600]")
+        if (
+            self.responses_store_max < 0
+            or self.responses_store_ttl_s < 0
+            or self.responses_store_max_chars < 0
+        ):
+            raise ConfigError(
+                "responses_store_max, responses_store_ttl_s and responses_store_max_chars must be >= 0"
+            )
         if self.prefix_min_tokens < 1 or self.prefix_route_slack < 0:
             raise ConfigError("prefix_min_tokens must be >= 1 and prefix_route_slack >= 0")
         try:

@@ -606,23 +606,49 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     )
 
 
-def _prompt(body: Mapping[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+MAX_PROMPTS = 16  # prompts in one completions request
+MAX_BATCH_CHOICES = 64  # prompts x n
+
+
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def _prompts(body: Mapping[str, Any]) -> tuple[tuple[str | None, tuple[int, ...] | None], ...]:
+    """``prompt``: a string, a list of token ids, or a list of strings and token-id lists (one
+    completion per entry, OpenAI's batch form)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return None, tuple(int(t) for t in prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad("only one prompt per request is supported", "prompt", "unsupported_value")
+        return ((prompt, None),)
+    if isinstance(prompt, list) and _token_list(prompt):
+        return ((None, tuple(int(t) for t in prompt)),)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_list(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad(
+                f"{len(prompt)} prompts is more than this gateway's limit of {MAX_PROMPTS} per request",
+                "prompt",
+                "unsupported_value",
+            )
+        return tuple((p, None) if isinstance(p, str) else (None, tuple(int(t) for t in p)) for p in prompt)
     raise _bad(
-        "'prompt' must be a string, a list of one string, or a list of token ids", "prompt", "invalid_type"
+        "'prompt' must be a string, a list of token ids, or a list of strings or token-id lists",
+        "prompt",
+        "invalid_type",
     )
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
-    """``POST /v1/completions`` body -> :class:`GenerationRequest` (InvalidRequest if wrong)."""
+    """``POST /v1/completions`` body with one prompt -> :class:`GenerationRequest` (InvalidRequest if
+    wrong, or if it has several prompts: see :func:`parse_completion_batch`)."""
+    batch = parse_completion_batch(body)
+    if len(batch) > 1:
+        raise _bad("this takes one prompt; the request has several", "prompt", "unsupported_value")
+    return batch[0]
+
+
+def parse_completion_batch(body: Any) -> tuple[GenerationRequest, ...]:
+    """``POST /v1/completions`` body -> one :class:`GenerationRequest` per prompt, in order (the
+    same settings each); choice ``j`` of prompt ``i`` is the response's choice ``i * n + j``."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "body", "invalid_type")
     known = frozenset(
@@ -647,25 +673,49 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         }
     )
     ignored = _check_fields(body, known)
-    text, tokens = _prompt(body)
+    prompts = _prompts(body)
     best_of = _integer(body, "best_of", 1, 20)
     if best_of is not None and best_of != 1:
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
     if _boolean(body, "echo"):
         raise _bad("'echo' is not supported", "echo", "unsupported_value")
     common = _common(body)
+    if len(prompts) * common["n"] > MAX_BATCH_CHOICES:
+        raise _bad(
+            f"{len(prompts)} prompts x n={common['n']} is more than this gateway's limit of "
+            f"{MAX_BATCH_CHOICES} choices per request",
+            "n",
+            "unsupported_value",
+        )
     max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
     top = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    return GenerationRequest(
-        kind="completion",
-        prompt_text=text,
-        prompt_tokens=tokens,
-        max_tokens=16 if "max_tokens" not in body else max_tokens,
-        logprobs=top is not None,
-        top_logprobs=top or 0,
-        ignored=ignored,
-        **{**common, "seed": _seed(common["seed"])},
+    return tuple(
+        GenerationRequest(
+            kind="completion",
+            prompt_text=text,
+            prompt_tokens=tokens,
+            max_tokens=16 if "max_tokens" not in body else max_tokens,
+            logprobs=top is not None,
+            top_logprobs=top or 0,
+            ignored=ignored,
+            **{**common, "seed": _seed(common["seed"])},
+        )
+        for text, tokens in prompts
     )
+
+
+def merge_completions(bodies: Sequence[Mapping[str, Any]], n: int) -> dict[str, Any]:
+    """The ``text_completion`` of a batch from one per prompt (in prompt order): every choice
+    re-indexed ``prompt * n + j``, usage summed; id, created and fingerprint from the first."""
+    if not bodies:
+        raise ValueError("no completions to merge")
+    choices = []
+    for i, body in enumerate(bodies):
+        for choice in body["choices"]:
+            choices.append({**choice, "index": i * n + int(choice["index"])})
+    prompt = sum(int(b["usage"]["prompt_tokens"]) for b in bodies)
+    completion = sum(int(b["usage"]["completion_tokens"]) for b in bodies)
+    return {**bodies[0], "choices": choices, "usage": usage(prompt, completion)}
 
 
 # --------------------------------------------------------------------------- responses

@@ -157,3 +157,41 @@ async def headless_chromium(
             os.killpg(proc.pid, 9)
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await proc.wait()
+
+
+async def click(page: Page, selector: str) -> None:
+    """A left click in the middle of the element ``selector`` matches (as a person clicks)."""
+    box = await page.eval(
+        f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+        " return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+    )
+    x, y = box
+    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+        extra = {"button": "left", "clickCount": 1} if kind != "mouseMoved" else {}
+        await page.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, **extra)
+
+
+async def type_text(page: Page, text: str) -> None:
+    """Type ``text`` into the focused element (what a keyboard's input method delivers)."""
+    await page.call("Input.insertText", text=text)
+
+
+async def press_enter(page: Page) -> None:
+    for kind in ("keyDown", "keyUp"):
+        await page.call(
+            "Input.dispatchKeyEvent",
+            type=kind,
+            key="Enter",
+            code="Enter",
+            windowsVirtualKeyCode=13,
+            nativeVirtualKeyCode=13,
+            **({"text": "\r"} if kind == "keyDown" else {}),
+        )
+
+
+async def select_all(page: Page) -> None:
+    """Ctrl+A in the focused field (so the next typing replaces its value)."""
+    for kind in ("keyDown", "keyUp"):
+        await page.call(
+            "Input.dispatchKeyEvent", type=kind, key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2
+        )

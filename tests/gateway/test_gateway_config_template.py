@@ -30,6 +30,7 @@ def test_layers_in_order(tmp_path: Path) -> None:
         ("", {"SWARM_GATEWAY_PORT": "eighty"}, {}, "port must be a int"),
         ("", {}, {"tracker_url": "tracker:7460"}, "http://"),
         ("", {}, {"log_level": "loud"}, "log_level"),
+        ("", {}, {"responses_store_ttl_s": -1.0}, "responses_store_ttl_s"),
     ],
 )
 def test_refusals(tmp_path: Path, file_text: str, env: dict, flags: dict, needle: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import ollama
 import openai
 import pytest
 from fake_node import FAILURES
@@ -384,6 +385,39 @@ def test_failure_mid_stream_that_persists_is_an_error_event(client: openai.OpenA
         with pytest.raises(openai.APIStatusError) as plain:
             client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
         assert plain.value.status_code in (502, 503), plain.value.body
+    finally:
+        FAILURES.update(left=0)
+    wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the failed sessions")
+
+
+def test_responses_and_ollama_text_and_failure_mid_stream(client: openai.OpenAI, swarm: dict) -> None:
+    """The Responses and Ollama APIs carry the scripted text whole, and a failure that persists after the
+    recoveries arrives in each API's own shape: ``error`` then ``response.failed``; an ``{"error"}`` line."""
+    olla = ollama.Client(host=url(swarm["gateway"]), timeout=30)
+    hi = [{"role": "user", "content": "hi"}]
+    assert client.responses.create(model="fake-model", input="hi").output_text == swarm["expected"]
+    assert olla.chat(model="fake-model", messages=hi).message.content == swarm["expected"]
+    streamed = "".join(
+        p.message.content or "" for p in olla.chat(model="fake-model", messages=hi, stream=True)
+    )
+    assert streamed == swarm["expected"]
+    FAILURES.update(left=100, after=3)
+    try:
+        kinds, texts = [], []
+        for event in client.responses.create(model="fake-model", input="hi", stream=True):
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                texts.append(event.delta)
+            if event.type == "error":
+                assert event.message and event.code
+            if event.type == "response.failed":
+                assert event.response.status == "failed" and event.response.error.message
+        assert kinds[-2:] == ["error", "response.failed"] and "".join(texts)
+        pieces: list[str] = []
+        with pytest.raises(ollama.ResponseError) as info:
+            for part in olla.chat(model="fake-model", messages=hi, stream=True):
+                pieces.append(part.message.content or "")
+        assert info.value.error and "".join(pieces)
     finally:
         FAILURES.update(left=0)
     wait_until(lambda: no_sessions_left(swarm), 10, "every stage to free the failed sessions")

@@ -122,7 +122,9 @@ def test_completion_prompts() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),  # several: parse_completion_batch
+        ({"model": "m", "prompt": ["a", 1]}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
         ({"model": "m", "prompt": 3}, "prompt"),
         ({"model": "m", "prompt": [-1]}, "prompt"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
