@@ -451,7 +451,7 @@ class NodeDaemon:
 
         try:
             with trio.fail_after(LEAVE_TIMEOUT_S):
-                async with TrackerClient(self.tracker_url, self.key) as client:
+                async with TrackerClient(self.tracker_url, self.key, tls=self.config.tracker_tls()) as client:
                     await client.leave(Leave(node_id=self.node_id, reason="shutdown"))
             self.left_tracker = True
             self.metrics.inc("swarm_node_tracker_calls_total", kind="leave", outcome="ok")
@@ -471,7 +471,9 @@ class NodeDaemon:
         if self.tracker_url:
             try:
                 with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
-                    async with TrackerClient(self.tracker_url, self.key) as client:
+                    async with TrackerClient(
+                        self.tracker_url, self.key, tls=self.config.tracker_tls()
+                    ) as client:
                         reachable = await client.reachable(port)
             except (TrackerClientError, httpx.HTTPError, ValueError, trio.TooSlowError) as err:
                 event(log, "reachability_unknown", level=logging.WARNING, error=repr(err))
@@ -529,7 +531,7 @@ class NodeDaemon:
     async def _tracker_calls(self) -> None:
         from tracker.client import TrackerClient, TrackerClientError
 
-        async with TrackerClient(self.tracker_url, self.key) as client:
+        async with TrackerClient(self.tracker_url, self.key, tls=self.config.tracker_tls()) as client:
             self._tracker_client = client
             announced = False
             interval = self.config.heartbeat_interval_s or 10.0

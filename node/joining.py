@@ -157,7 +157,9 @@ class _Joiner:
             if self.tracker_url:
                 from tracker.client import TrackerClient
 
-                tracker = await stack.enter_async_context(TrackerClient(self.tracker_url, self.key))
+                tracker = await stack.enter_async_context(
+                    TrackerClient(self.tracker_url, self.key, tls=self.cfg.tracker_tls())
+                )
             yield client, tracker, grpc_rt
 
     async def run(self) -> Joined:
@@ -330,7 +332,7 @@ class _Joiner:
         memory = None
         if sizing is not None and budget is not None and device is None:
             memory = max(0, budget.bytes - sizing.fixed_bytes)
-        async with TrackerClient(self.tracker_url, self.key) as client:
+        async with TrackerClient(self.tracker_url, self.key, tls=self.cfg.tracker_tls()) as client:
             while True:
                 try:
                     with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
