@@ -43,6 +43,16 @@ class CertificatePinError(httpcore.ConnectError):
         super().__init__(f"{server} shows TLS certificate sha256 {got}, not the pinned {expected}")
 
 
+def pin_refusal(err: BaseException) -> CertificatePinError | None:
+    """The pin check's refusal behind ``err`` (an ``httpx.ConnectError``), or None for another failure."""
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None or isinstance(seen, CertificatePinError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _ssl_reason(err: BaseException) -> str | None:
     """The ``ssl.SSLError`` behind a failed handshake (httpcore and trio wrap it without its text)."""
     seen: BaseException | None = err

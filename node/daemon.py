@@ -46,6 +46,7 @@ from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
 from common.rtt import RttSampler, RttSettings, parse_hints
+from common.tls_http import pin_refusal
 from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
@@ -597,8 +598,13 @@ class NodeDaemon:
                 except (httpx.TransportError, trio.TooSlowError) as err:
                     self.counters.tracker_failures += 1
                     kind = "announce" if not announced else "heartbeat"
-                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome="unreachable")
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    refused = pin_refusal(err)
+                    outcome = "unreachable" if refused is None else "tls_refused"
+                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome=outcome)
+                    if refused is not None:  # another certificate than the pinned one: nothing was sent
+                        event(log, "tracker_tls_refused", level=logging.ERROR, error=str(refused))
+                    else:
+                        event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.config.tracker_retry_s)
 
     # -- introspection -----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import trio
 
 from common.files import run_sync
 from common.logs import event
+from common.tls_http import pin_refusal
 from node.assemble import (
     assemble_shard,
     byte_sources,
@@ -351,7 +352,11 @@ class _Joiner:
                     else:
                         raise
                 except (httpx.TransportError, trio.TooSlowError) as err:
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    refused = pin_refusal(err)
+                    if refused is not None:  # another certificate than the pinned one: nothing was sent
+                        event(log, "tracker_tls_refused", level=logging.ERROR, error=str(refused))
+                    else:
+                        event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.cfg.tracker_retry_s)
                     continue
                 if self._fits(sizing, budget, start, end, device):

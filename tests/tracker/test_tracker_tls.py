@@ -26,7 +26,7 @@ from common.tls import HttpTls, fingerprint_pem, generate_self_signed
 from common.tls_http import CertificatePinError
 from tracker.client import TrackerClient
 from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, ConfigError, TrackerConfig, load_config
-from tracker.server import RunningTracker, serve_tracker
+from tracker.server import RunningTracker, load_tls, serve_tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,22 +86,13 @@ async def test_self_signed_tracker_pinned_by_clients(
             async with TrackerClient(f"http://127.0.0.1:{tracker.port}", key(4)) as client:
                 with pytest.raises(httpx.TransportError):
                     await client.healthz()
-    # A restart keeps the certificate (the pin stays valid), says nothing about making one,
-    # and `swarm-tracker tls-fingerprint` prints the same pin.
+    # A restart keeps the certificate (the pin stays valid) and says nothing about making one.
     with trio.fail_after(30):
         async with running(config) as tracker:
             assert (data / TLS_CERT_FILE).read_bytes() == cert_pem
             assert "made a self-signed" not in capsys.readouterr().err
             async with TrackerClient(tracker.url, key(1), tls=HttpTls((pin,))) as client:
                 assert (await client.healthz())["status"] == "ok"
-    shown = subprocess.run(
-        [sys.executable, "-m", "tracker.cli", "tls-fingerprint", "--data-dir", str(data)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert (shown.returncode, shown.stdout.strip()) == (0, pin), shown.stderr
 
 
 async def test_replicas_with_their_own_certificates_fail_over_on_a_wrong_pin(tmp_path: Path) -> None:
@@ -121,6 +112,29 @@ async def test_replicas_with_their_own_certificates_fail_over_on_a_wrong_pin(tmp
                 with pytest.raises(httpx.ConnectError) as info:
                     await client.healthz()
             assert _pin_error(info.value).pins == (other,)
+
+
+def test_tls_fingerprint_command(tmp_path: Path) -> None:
+    """`swarm-tracker tls-fingerprint` prints the pin of the certificate the tracker serves."""
+    data = tmp_path / "data"
+
+    def shown(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tracker.cli", "tls-fingerprint", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    before = shown("--data-dir", str(data))
+    assert before.returncode == 1 and "start the tracker once with --tls-self-signed" in before.stderr
+    cert, made = load_tls(test_config(tmp_path, tls_self_signed=True))
+    assert made
+    after = shown("--data-dir", str(data))
+    assert (after.returncode, after.stdout.strip()) == (0, cert.fingerprint), after.stderr
+    given = shown("--tls-cert-file", str(data / TLS_CERT_FILE))
+    assert given.stdout.strip() == cert.fingerprint
 
 
 def _localhost_cert(where: Path) -> tuple[Path, Path]:
