@@ -1,4 +1,5 @@
-"""HTTPS to a server pinned by its certificate's SHA-256 (trio + httpx; docs/tls.md, "The tracker").
+"""HTTPS to a server pinned by its certificate's SHA-256 (trio + httpx; docs/tls.md, "The tracker over
+HTTPS").
 
 Nodes, gateways and the command-line tools reach the tracker over HTTP(S)
 through ``tracker.client.TrackerClient``, which builds its httpx client

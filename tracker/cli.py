@@ -273,9 +273,7 @@ def tls_fingerprint(ctx: click.Context, data_dir: str | None, tls_cert_file: str
     from common.tls import TlsError, fingerprint_pem
 
     config = _config(ctx, data_dir=data_dir)
-    path = config.resolved_tls_files()[0] if not tls_cert_file else None
-    cert = Path(tls_cert_file).expanduser() if tls_cert_file else path
-    assert cert is not None
+    cert = Path(tls_cert_file).expanduser() if tls_cert_file else config.resolved_tls_files()[0]
     try:
         click.echo(fingerprint_pem(cert.read_bytes()))
     except FileNotFoundError:

@@ -29,7 +29,7 @@ certificate is trusted: pinned by its sha256 (``tracker_tls_fingerprint``, what
 ``swarm-tracker tls-fingerprint`` prints; checked on every connection before
 anything is sent; a wrong one raises ``httpx.ConnectError`` whose message names
 the certificate shown and the pin, and fails over like an unreachable replica),
-else the system CAs or a CA file (docs/tls.md, "The tracker").
+else the system CAs or a CA file (docs/tls.md, "The tracker over HTTPS").
 
 No timeouts inside: wrap calls in ``trio.fail_after``. Errors: every non-2xx
 answer raises :class:`TrackerClientError` with the status and the error body;

@@ -8,7 +8,7 @@ the port file is written; pass ``on_ready`` to also receive the
 surrounding scope, or set ``shutdown``, to stop it; hypercorn then drains
 connections within its graceful timeout.
 
-HTTPS (docs/tls.md, "The tracker"): with ``tls_cert_file``/``tls_key_file``, or
+HTTPS (docs/tls.md, "The tracker over HTTPS"): with ``tls_cert_file``/``tls_key_file``, or
 ``tls_self_signed`` (a certificate made on first start in the data directory and
 kept), hypercorn serves TLS itself on ``port``; the certificate's sha256 is
 logged (``tracker_tls``) and, when the certificate was made now, printed.
@@ -139,7 +139,7 @@ async def _serve_tracker(
         hc.graceful_timeout = SHUTDOWN_GRACE_S
         scheme = "http"
         if config.tls:
-            cert, made = await trio.to_thread.run_sync(load_tls, config)
+            cert, made = await files.run_sync(load_tls, config)  # reads, or makes and writes, files
             cert_path, key_path = config.resolved_tls_files()
             hc.certfile, hc.keyfile = str(cert_path), str(key_path)
             scheme = "https"

@@ -52,6 +52,7 @@ class Launcher:
     output: bytearray = field(default_factory=bytearray)
     closed: bool = False
     reader: threading.Thread | None = None
+    services: list[psutil.Process] = field(default_factory=list)  # what it started, seen before the stop
 
     def text(self) -> str:
         return self.output.decode(errors="replace")
@@ -103,6 +104,12 @@ def launcher(workdir: Path) -> Iterator[Launcher]:
             proc.kill()
         proc.wait(30)
         run.close_terminal()
+        for p in run.services:  # a failed case leaves no orphans behind for the next one
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def _swarm_processes(root: int) -> list[psutil.Process]:
@@ -151,7 +158,7 @@ def _after_signal_nothing_left(run: Launcher, workdir: Path, stop: str, services
         found = _swarm_processes(run.proc.pid)
         return found if len(found) >= services else None
 
-    procs = wait_until(started, 30, f"the launcher's {services} services")
+    procs = run.services = wait_until(started, 30, f"the launcher's {services} services")
     ports = _ports(workdir)
     assert _listening(ports), ports  # the tracker at least
     t0 = time.monotonic()

@@ -265,3 +265,7 @@ def test_client_pin_settings_refused() -> None:
         env={}, flags={"tracker_url": "https://t:7460", "tracker_tls_fingerprint": pin.upper()}
     )
     assert ok.tracker_tls() == HttpTls((pin,))
+    # As `openssl x509 -noout -fingerprint -sha256` prints it; several pins, duplicates once.
+    colons = ":".join(pin[i : i + 2] for i in range(0, 64, 2)).upper()
+    other = "cd" * 32
+    assert HttpTls.from_settings(f"{colons}, {other},{pin}") == HttpTls((pin, other))
