@@ -587,7 +587,11 @@ def status(
         raise click.ClickException(f"{url}: HTTP {response.status_code}")
     body = response.json()
     if body.get("tracker") and body.get("node_id"):
-        tls = _tracker_tls(str(body["tracker"]), tracker_tls_fingerprint, tracker_ca_file)
+        # The node's own pin unless told otherwise (its admin API is local; what it trusts, we trust).
+        pin = tracker_tls_fingerprint or (
+            "" if tracker_ca_file else str(body.get("tracker_tls_fingerprint") or "")
+        )
+        tls = _tracker_tls(str(body["tracker"]), pin, tracker_ca_file)
         body["contribution"] = _contribution(str(body["tracker"]), str(body["node_id"]), timeout_s, tls)
     click.echo(json.dumps(body, indent=2))
     if isinstance(body.get("contribution"), dict) and "all_time" in body["contribution"]:

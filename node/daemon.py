@@ -683,6 +683,8 @@ class NodeDaemon:
             "is_first": self.spec.is_first,
             "is_last": self.spec.is_last,
             "tracker": self.tracker_url or None,
+            # The pin it reaches the tracker with (public: `swarm-node status` uses it too).
+            "tracker_tls_fingerprint": self.config.tracker_tls_fingerprint or None,
             "tracker_key_known": self.verifier.tracker_public_key is not None
             or self.verifier.insecure_accept_all,
             "draining": self.draining,

@@ -6,7 +6,7 @@ given its fingerprint (``--tracker-tls-fingerprint``), announce, heartbeat and
 look up routes through it, and the text is the reference's. A gateway and a
 node given another fingerprint are refused at every connection with a log line
 naming the certificate shown and the one pinned: the node never appears in the
-registry, the gateway serves nothing. ``swarm-node ledger`` reaches the tracker
+registry, the gateway serves nothing. ``swarm-node ledger`` and ``status`` reach the tracker
 the same way (one-shot commands go through the same client).
 """
 
@@ -119,6 +119,21 @@ def test_a_wrong_pin_is_refused_with_a_clear_error(
     finally:
         node.stop()
         gateway.stop()
+
+
+def test_swarm_node_status_reads_the_ledger_with_the_nodes_pin(swarm: LocalSwarm) -> None:
+    node = swarm.nodes[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "node.cli", "status", "--admin-url", f"http://127.0.0.1:{node.admin_port}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    body = json.loads(done.stdout)
+    assert body["tracker_tls_fingerprint"] == swarm.tracker_tls_fingerprint
+    assert "all_time" in body["contribution"], body["contribution"]  # not an error: pinned, verified
 
 
 def test_swarm_node_ledger_pins_the_tracker(swarm: LocalSwarm) -> None:
