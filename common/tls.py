@@ -59,6 +59,45 @@ def is_fingerprint(value: str) -> bool:
     return bool(_FINGERPRINT.match(value))
 
 
+@dataclass(frozen=True)
+class HttpTls:
+    """How an https:// server's certificate is trusted (``common.tls_http`` does it): ``pins`` (sha256
+    of the DER certificate, 64 hex each; any one may match), else ``ca_file`` or the system CAs."""
+
+    pins: tuple[str, ...] = ()
+    ca_file: str = ""
+
+    @classmethod
+    def from_settings(cls, fingerprints: str, ca_file: str = "") -> HttpTls:
+        """From a config's ``*_tls_fingerprint`` (one pin, or several separated by commas) and CA file."""
+        return cls(parse_fingerprints(fingerprints), ca_file)
+
+
+def parse_fingerprints(text: str) -> tuple[str, ...]:
+    """``"<64 hex>"`` or several separated by commas -> the pins (lowercase); TlsError for a bad one."""
+    pins = tuple(dict.fromkeys(p.strip().lower().replace(":", "") for p in text.split(",") if p.strip()))
+    for pin in pins:
+        if not is_fingerprint(pin):
+            raise TlsError(f"{pin[:20]!r} is not a SHA-256 fingerprint (64 hex digits)")
+    return pins
+
+
+def pin_settings_problem(name: str, urls: str, fingerprints: str, ca_file: str) -> str | None:
+    """What is wrong with pinning ``fingerprints`` (or ``ca_file``) for the servers at ``urls``, or None.
+
+    ``name`` is the setting's prefix (``tracker`` for ``tracker_tls_fingerprint``/``tracker_ca_file``)."""
+    try:
+        pins = parse_fingerprints(fingerprints)
+    except TlsError as err:
+        return f"{name}_tls_fingerprint: {err}"
+    if pins and ca_file:
+        return f"{name}_tls_fingerprint and {name}_ca_file exclude each other: a pin trusts no CA"
+    plain = [u.strip() for u in urls.split(",") if u.strip() and not u.strip().startswith("https://")]
+    if (pins or ca_file) and plain:
+        return f"{name}_tls_fingerprint and {name}_ca_file need https:// {name} URLs (got {plain[0]!r})"
+    return None
+
+
 def fingerprint_der(der: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
@@ -74,8 +113,10 @@ def fingerprint_pem(pem: bytes) -> str:
     return fingerprint_der(der)
 
 
-def generate_self_signed(common_name: str = TLS_SERVER_NAME) -> ServerCert:
-    """A fresh P-256 key and a self-signed certificate for :data:`TLS_SERVER_NAME`."""
+def generate_self_signed(
+    common_name: str = TLS_SERVER_NAME, dns_names: tuple[str, ...] = (TLS_SERVER_NAME,)
+) -> ServerCert:
+    """A fresh P-256 key and a self-signed certificate for ``dns_names`` (default :data:`TLS_SERVER_NAME`)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])])
     now = datetime.datetime.now(datetime.UTC)
@@ -87,7 +128,7 @@ def generate_self_signed(common_name: str = TLS_SERVER_NAME) -> ServerCert:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(days=1))
         .not_valid_after(now + datetime.timedelta(days=CERT_VALIDITY_DAYS))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_SERVER_NAME)]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
@@ -126,17 +167,26 @@ def load_server_cert(cert_path: Path, key_path: Path) -> ServerCert:
     return ServerCert(cert_pem, key_pem, fingerprint_der(cert.public_bytes(serialization.Encoding.DER)))
 
 
-def load_or_create_server_cert(directory: Path) -> tuple[ServerCert, bool]:
+def load_or_create_server_cert(
+    directory: Path,
+    *,
+    cert_name: str = CERT_FILE,
+    key_name: str = KEY_FILE,
+    common_name: str = TLS_SERVER_NAME,
+) -> tuple[ServerCert, bool]:
     """The certificate kept in ``directory`` (made now if there is none), and whether it was made now.
+
+    ``cert_name``/``key_name``: the files' names (a node's by default); ``common_name``: the subject
+    and only DNS name of a certificate made now.
 
     The key is written first, with ``O_CREAT | O_EXCL`` and mode 0600, so two
     processes starting at once cannot both write one; the certificate follows.
     """
-    cert_path, key_path = directory / CERT_FILE, directory / KEY_FILE
+    cert_path, key_path = directory / cert_name, directory / key_name
     if cert_path.exists() and key_path.exists():
         return load_server_cert(cert_path, key_path), False
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    made = generate_self_signed()
+    made = generate_self_signed(common_name, (common_name,))
     try:
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # a key without its certificate: refuse rather than guess

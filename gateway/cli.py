@@ -41,6 +41,8 @@ def _help(name: str) -> str:
 )
 @click.option("--tracker", "tracker_url", default=None, help=_help("tracker_url"))
 @click.option("--tracker-id", default=None, help=_help("tracker_id"))
+@click.option("--tracker-tls-fingerprint", default=None, help=_help("tracker_tls_fingerprint"))
+@click.option("--tracker-ca-file", default=None, help=_help("tracker_ca_file"))
 @click.option(
     "--trust-tracker-on-first-use",
     is_flag=True,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_layered
+from common.tls import HttpTls, pin_settings_problem
 
 ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -46,6 +47,13 @@ class GatewayConfig:
         " ticket lists; empty = the key learned on a first use before (<data_dir>/tracker.id), else see"
         " trust_tracker_on_first_use, else the gateway does not start",
     )
+    tracker_tls_fingerprint: str = _f(
+        "",
+        "with an https:// tracker: sha256 (64 hex; several: commas) of its TLS certificate to pin, "
+        "checked on every connection before anything is sent (`swarm-tracker tls-fingerprint`); "
+        "empty = verify it against tracker_ca_file or the system CAs",
+    )
+    tracker_ca_file: str = _f("", "with an https:// tracker: CA bundle (PEM) to verify it with")
     trust_tracker_on_first_use: bool = _f(
         False,
         "with no tracker_id and none learned before: take the key the tracker's /healthz names at the first"
@@ -247,6 +255,10 @@ class GatewayConfig:
             return Path(self.api_keys_file).expanduser()
         return self.resolved_data_dir() / "api-keys.jsonl"
 
+    def tracker_tls(self) -> HttpTls:
+        """How an https:// tracker is trusted (tracker_tls_fingerprint, tracker_ca_file)."""
+        return HttpTls.from_settings(self.tracker_tls_fingerprint, self.tracker_ca_file)
+
     def validate(self) -> GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
@@ -301,6 +313,11 @@ class GatewayConfig:
                 parse_urls(self.tracker_url, "tracker URL")
             except ValueError as err:
                 raise ConfigError(f"tracker_url: {err} (got {self.tracker_url!r})") from err
+        problem = pin_settings_problem(
+            "tracker", self.tracker_url, self.tracker_tls_fingerprint, self.tracker_ca_file
+        )
+        if problem:
+            raise ConfigError(problem)
         if self.kv_keep_s < 0 or self.kv_keep_s > 600:
             raise ConfigError("kv_keep_s must be in [0, 600]")
         if (

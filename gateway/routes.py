@@ -40,6 +40,7 @@ import trio
 
 from common.logs import event
 from common.tls import is_fingerprint
+from common.tls_http import pin_refusal
 from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import NodeChannels, StreamError
@@ -276,6 +277,14 @@ class RouteCache:
                 raise ModelNotFound(f"The model '{model}' is not a valid model name", param="model") from err
             raise UpstreamFailed(f"the tracker refused the route request: {err}", retry_after_s=5) from err
         except (httpx.HTTPError, trio.TooSlowError) as err:
+            refused = pin_refusal(err)
+            if refused is not None:  # not the tracker we pinned: say so in the log, not to the client
+                self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="tls_refused")
+                event(log, "tracker_tls_refused", level=logging.ERROR, error=str(refused))
+                raise UpstreamFailed(
+                    "the tracker's TLS certificate is not the one this gateway pins (see its log)",
+                    retry_after_s=5,
+                ) from err
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="unreachable")
             raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
         parsed = parse_routes(body, self._clock()) if body.get("routes") else None

@@ -116,7 +116,7 @@ async def serve_gateway(
     tracker_key = await resolve_tracker_key(config)
     tracker_url = await _tracker_url(config, tracker_key.known)
     relay = RelayHub(public_key_hex(key), max_frame_bytes=config.max_frame_bytes)
-    tracker = TrackerClient(tracker_url, key)
+    tracker = TrackerClient(tracker_url, key, tls=config.tracker_tls())
     try:
         async with open_grpc() as grpc_rt:
             channels = RelayChannels(

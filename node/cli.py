@@ -28,6 +28,28 @@ def main() -> None:
     """Serve a shard of a language model to a swarm."""
 
 
+def _tracker_tls_options(command: Any) -> Any:
+    """``--tracker-tls-fingerprint`` and ``--tracker-ca-file`` of a one-shot command that asks a tracker."""
+    command = click.option(
+        "--tracker-ca-file", default="", help="With an https:// tracker: CA bundle to verify it."
+    )(command)
+    return click.option(
+        "--tracker-tls-fingerprint",
+        default="",
+        help="With an https:// tracker: pin its certificate's sha256 (`swarm-tracker tls-fingerprint`).",
+    )(command)
+
+
+def _tracker_tls(tracker_url: str, fingerprint: str, ca_file: str) -> Any:
+    """The :class:`common.tls.HttpTls` of those options, or a usage error."""
+    from common.tls import HttpTls, pin_settings_problem
+
+    problem = pin_settings_problem("tracker", tracker_url, fingerprint, ca_file)
+    if problem:
+        raise click.UsageError(problem)
+    return HttpTls.from_settings(fingerprint, ca_file)
+
+
 @main.group()
 def shard() -> None:
     """Prepare shard files."""
@@ -48,6 +70,7 @@ def shard() -> None:
     "--peer", "peers", multiple=True, help="A node (HOST:PORT) to fetch span bytes from (repeatable)."
 )
 @click.option("--stall-timeout-s", type=float, default=60.0, show_default=True, help="Give up a read after.")
+@_tracker_tls_options
 def shard_extract(
     model_spec: str,
     layers: str,
@@ -56,6 +79,8 @@ def shard_extract(
     tracker_url: str,
     peers: tuple[str, ...],
     stall_timeout_s: float,
+    tracker_tls_fingerprint: str,
+    tracker_ca_file: str,
 ) -> None:
     """Write the partial GGUF holding layers START..END-1 of MODEL (fetching only those bytes for a URL)."""
     from node.assemble import is_url
@@ -73,8 +98,9 @@ def shard_extract(
     else:
         from common.cli import run_once
 
+        tls = _tracker_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
         run = functools.partial(
-            _extract_remote, model_spec, layers, cache, manifest_arg, tracker_url, peers, stall_timeout_s
+            _extract_remote, model_spec, layers, cache, manifest_arg, tracker_url, peers, stall_timeout_s, tls
         )
         files, fetched = run_once(PROG, run, clear_errors=(NodeError, OSError))
     meta = files.model
@@ -106,6 +132,7 @@ async def _extract_remote(
     tracker_url: str,
     peers: tuple[str, ...],
     stall_timeout_s: float,
+    tls: Any,
 ) -> tuple[Any, str]:
     import contextlib
 
@@ -125,7 +152,7 @@ async def _extract_remote(
 
             # Registry reads are not signed: a throw-away key satisfies the client.
             tracker = await stack.enter_async_context(
-                TrackerClient(tracker_url, nacl.signing.SigningKey.generate())
+                TrackerClient(tracker_url, nacl.signing.SigningKey.generate(), tls=tls)
             )
         source = await resolve(
             spec, cache_dir=cache, client=client, tracker=tracker, grpc_rt=grpc_rt,
@@ -277,6 +304,12 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Seconds between pings of peers for network coordinates (default 15; 0 = never).",
 )
 @click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
+@click.option(
+    "--tracker-tls-fingerprint",
+    default=None,
+    help="With an https:// tracker: pin its certificate's sha256 (`swarm-tracker tls-fingerprint`).",
+)
+@click.option("--tracker-ca-file", default=None, help="With an https:// tracker: CA bundle to verify it.")
 @click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
 @click.option(
     "--insecure-no-tickets",
@@ -513,7 +546,14 @@ def show_id(data_dir: str | None) -> None:
 @click.option("--admin-url", default=None, help="Admin HTTP base URL (default http://127.0.0.1:7471).")
 @click.option("--address", default=None, help="Ask a node's gRPC Info at HOST:PORT instead.")
 @click.option("--timeout-s", type=float, default=5.0, show_default=True)
-def status(admin_url: str | None, address: str | None, timeout_s: float) -> None:
+@_tracker_tls_options
+def status(
+    admin_url: str | None,
+    address: str | None,
+    timeout_s: float,
+    tracker_tls_fingerprint: str,
+    tracker_ca_file: str,
+) -> None:
     """Show a running node's state (admin /status, or gRPC Info with --address)."""
     import json
 
@@ -547,7 +587,12 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
         raise click.ClickException(f"{url}: HTTP {response.status_code}")
     body = response.json()
     if body.get("tracker") and body.get("node_id"):
-        body["contribution"] = _contribution(str(body["tracker"]), str(body["node_id"]), timeout_s)
+        # The node's own pin unless told otherwise (its admin API is local; what it trusts, we trust).
+        pin = tracker_tls_fingerprint or (
+            "" if tracker_ca_file else str(body.get("tracker_tls_fingerprint") or "")
+        )
+        tls = _tracker_tls(str(body["tracker"]), pin, tracker_ca_file)
+        body["contribution"] = _contribution(str(body["tracker"]), str(body["node_id"]), timeout_s, tls)
     click.echo(json.dumps(body, indent=2))
     if isinstance(body.get("contribution"), dict) and "all_time" in body["contribution"]:
         c = body["contribution"]
@@ -572,6 +617,7 @@ def status(admin_url: str | None, address: str | None, timeout_s: float) -> None
 )
 @click.option("--since", type=float, default=0.0, show_default=True, help="Rows from this UNIX time on.")
 @click.option("--timeout-s", type=float, default=10.0, show_default=True)
+@_tracker_tls_options
 def ledger(
     tracker_url: str,
     data_dir: str,
@@ -579,41 +625,49 @@ def ledger(
     tracker_id: str | None,
     since: float,
     timeout_s: float,
+    tracker_tls_fingerprint: str,
+    tracker_ca_file: str,
 ) -> None:
     """Fetch this node's usage ledger and check every row: the gateway's signed report lists the node
     with exactly its tokens, and the tracker signed a receipt of that report (proto.ledger).
 
     Prints a JSON summary; exits with status 1 when a row does not check out."""
     import json
-    from pathlib import Path
 
     import httpx
+    import nacl.signing
+    import trio
 
+    from common.cli import run_once
     from node.identity import key_path, load_key
     from node.identity import node_id as id_of
     from proto.ledger import LedgerError, verify_ledger_entry
+    from tracker.client import TrackerClient, TrackerClientError
 
-    base = tracker_url.rstrip("/")
+    tls = _tracker_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     node = node_id or id_of(load_key(key_path(Path(data_dir).expanduser())))
-    try:
-        pinned = tracker_id or str(httpx.get(f"{base}/healthz", timeout=timeout_s).json()["tracker_id"])
-        rows: list[dict[str, Any]] = []
-        cursor: float | None = since
-        while cursor is not None and len(rows) < 1_000_000:
-            page = httpx.get(
-                f"{base}/v1/usage/nodes/{node}/ledger",
-                params={"since": cursor, "limit": 1000},
-                timeout=timeout_s,
-            )
-            if page.status_code != 200:
-                raise click.ClickException(f"{base}: HTTP {page.status_code}: {page.text[:200]}")
-            body = page.json()
-            seen = {(r["gateway_id"], r["request_id"]) for r in rows}
-            fresh = [r for r in body["entries"] if (r["gateway_id"], r["request_id"]) not in seen]
-            rows += fresh
-            cursor = body["next_since"] if fresh else None  # a page of nothing new: done
-    except (httpx.HTTPError, ValueError, KeyError) as err:
-        raise click.ClickException(f"{base}: {err!r}") from err
+
+    async def fetch() -> tuple[str, list[dict[str, Any]]]:
+        # Reads only: a throw-away key satisfies the client.
+        async with TrackerClient(tracker_url, nacl.signing.SigningKey.generate(), tls=tls) as client:
+            with trio.fail_after(timeout_s):
+                pinned = tracker_id or str((await client.healthz())["tracker_id"])
+            rows: list[dict[str, Any]] = []
+            cursor: float | None = since
+            while cursor is not None and len(rows) < 1_000_000:
+                with trio.fail_after(timeout_s):
+                    body = await client.node_ledger(node, since_s=cursor, limit=1000)
+                seen = {(r["gateway_id"], r["request_id"]) for r in rows}
+                fresh = [r for r in body["entries"] if (r["gateway_id"], r["request_id"]) not in seen]
+                rows += fresh
+                cursor = body["next_since"] if fresh else None  # a page of nothing new: done
+            return pinned, rows
+
+    pinned, rows = run_once(
+        PROG,
+        fetch,
+        clear_errors=(TrackerClientError, httpx.HTTPError, trio.TooSlowError, OSError, ValueError, KeyError),
+    )
     by_gateway: dict[str, int] = {}
     failures = []
     for row in rows:
@@ -638,23 +692,23 @@ def ledger(
         sys.exit(1)
 
 
-def _contribution(tracker: str, node: str, timeout_s: float) -> dict[str, Any]:
+def _contribution(tracker: str, node: str, timeout_s: float, tls: Any) -> dict[str, Any]:
     """What the tracker's ledger credits this node with (the first replica that answers)."""
     import httpx
+    import nacl.signing
+    import trio
 
-    from common.config import parse_urls
+    from tracker.client import TrackerClient, TrackerClientError
 
-    errors = []
-    for base in parse_urls(tracker, "tracker URL"):
-        try:
-            response = httpx.get(f"{base}/v1/usage/nodes/{node}", timeout=timeout_s)
-        except httpx.HTTPError as err:
-            errors.append(f"{base}: {err!r}")
-            continue
-        if response.status_code == 200:
-            return dict(response.json())
-        errors.append(f"{base}: HTTP {response.status_code}")
-    return {"error": "; ".join(errors)}
+    async def ask() -> dict[str, Any]:
+        async with TrackerClient(tracker, nacl.signing.SigningKey.generate(), tls=tls) as client:
+            with trio.fail_after(timeout_s):
+                return await client.node_usage(node)
+
+    try:
+        return trio.run(ask)
+    except (TrackerClientError, httpx.HTTPError, trio.TooSlowError, OSError, ValueError) as err:
+        return {"error": str(err)}
 
 
 if __name__ == "__main__":

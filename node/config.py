@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_layered
-from common.tls import ServerCert, TlsError, is_fingerprint, load_or_create_server_cert, load_server_cert
+from common.tls import (
+    HttpTls,
+    ServerCert,
+    TlsError,
+    is_fingerprint,
+    load_or_create_server_cert,
+    load_server_cert,
+    pin_settings_problem,
+)
 from proto.codec import ISOLATED_SLICE_TOKENS
 
 ENV_PREFIX = "SWARM_NODE_"
@@ -102,6 +110,13 @@ class NodeConfig:
         15.0, "how often peers are pinged for the tracker's network coordinates; 0 = never"
     )
     tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
+    tracker_tls_fingerprint: str = _f(
+        "",
+        "with an https:// tracker: sha256 (64 hex; several: commas) of its TLS certificate to pin, "
+        "checked on every connection (`swarm-tracker tls-fingerprint`); empty = verify it against "
+        "tracker_ca_file or the system CAs",
+    )
+    tracker_ca_file: str = _f("", "with an https:// tracker: CA bundle (PEM) to verify it with")
     no_tracker: bool = _f(
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
     )
@@ -221,6 +236,10 @@ class NodeConfig:
         except ImportError:  # pragma: no cover - psutil is a declared dependency
             return max(1, os.cpu_count() or 1)
 
+    def tracker_tls(self) -> HttpTls:
+        """How an https:// tracker is trusted (tracker_tls_fingerprint, tracker_ca_file)."""
+        return HttpTls.from_settings(self.tracker_tls_fingerprint, self.tracker_ca_file)
+
     def validate(self) -> NodeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
@@ -300,6 +319,11 @@ class NodeConfig:
             )
         if self.no_tracker and self.layers == "auto":
             raise ConfigError("layers=auto asks the tracker; give START:END with no_tracker")
+        problem = pin_settings_problem(
+            "tracker", self.tracker_url, self.tracker_tls_fingerprint, self.tracker_ca_file
+        )
+        if problem:
+            raise ConfigError(problem)
         if self.relay_tls_fingerprint and not is_fingerprint(self.relay_tls_fingerprint):
             raise ConfigError("relay_tls_fingerprint must be 64 lowercase hex characters")
         if (self.relay_tls_fingerprint or self.relay_ca_file) and not self.relay_url.startswith(

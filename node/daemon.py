@@ -46,6 +46,7 @@ from common.files import read_bytes, write_port_file
 from common.grpc_adapter import open_grpc
 from common.logs import event
 from common.rtt import RttSampler, RttSettings, parse_hints
+from common.tls_http import pin_refusal
 from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
@@ -451,7 +452,7 @@ class NodeDaemon:
 
         try:
             with trio.fail_after(LEAVE_TIMEOUT_S):
-                async with TrackerClient(self.tracker_url, self.key) as client:
+                async with TrackerClient(self.tracker_url, self.key, tls=self.config.tracker_tls()) as client:
                     await client.leave(Leave(node_id=self.node_id, reason="shutdown"))
             self.left_tracker = True
             self.metrics.inc("swarm_node_tracker_calls_total", kind="leave", outcome="ok")
@@ -471,7 +472,9 @@ class NodeDaemon:
         if self.tracker_url:
             try:
                 with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
-                    async with TrackerClient(self.tracker_url, self.key) as client:
+                    async with TrackerClient(
+                        self.tracker_url, self.key, tls=self.config.tracker_tls()
+                    ) as client:
                         reachable = await client.reachable(port)
             except (TrackerClientError, httpx.HTTPError, ValueError, trio.TooSlowError) as err:
                 event(log, "reachability_unknown", level=logging.WARNING, error=repr(err))
@@ -529,7 +532,7 @@ class NodeDaemon:
     async def _tracker_calls(self) -> None:
         from tracker.client import TrackerClient, TrackerClientError
 
-        async with TrackerClient(self.tracker_url, self.key) as client:
+        async with TrackerClient(self.tracker_url, self.key, tls=self.config.tracker_tls()) as client:
             self._tracker_client = client
             announced = False
             interval = self.config.heartbeat_interval_s or 10.0
@@ -595,8 +598,13 @@ class NodeDaemon:
                 except (httpx.TransportError, trio.TooSlowError) as err:
                     self.counters.tracker_failures += 1
                     kind = "announce" if not announced else "heartbeat"
-                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome="unreachable")
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    refused = pin_refusal(err)
+                    outcome = "unreachable" if refused is None else "tls_refused"
+                    self.metrics.inc("swarm_node_tracker_calls_total", kind=kind, outcome=outcome)
+                    if refused is not None:  # another certificate than the pinned one: nothing was sent
+                        event(log, "tracker_tls_refused", level=logging.ERROR, error=str(refused))
+                    else:
+                        event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.config.tracker_retry_s)
 
     # -- introspection -----------------------------------------------------------------------------------
@@ -675,6 +683,8 @@ class NodeDaemon:
             "is_first": self.spec.is_first,
             "is_last": self.spec.is_last,
             "tracker": self.tracker_url or None,
+            # The pin it reaches the tracker with (public: `swarm-node status` uses it too).
+            "tracker_tls_fingerprint": self.config.tracker_tls_fingerprint or None,
             "tracker_key_known": self.verifier.tracker_public_key is not None
             or self.verifier.insecure_accept_all,
             "draining": self.draining,

@@ -39,6 +39,7 @@ import trio
 
 from common.files import run_sync
 from common.logs import event
+from common.tls_http import pin_refusal
 from node.assemble import (
     assemble_shard,
     byte_sources,
@@ -157,7 +158,9 @@ class _Joiner:
             if self.tracker_url:
                 from tracker.client import TrackerClient
 
-                tracker = await stack.enter_async_context(TrackerClient(self.tracker_url, self.key))
+                tracker = await stack.enter_async_context(
+                    TrackerClient(self.tracker_url, self.key, tls=self.cfg.tracker_tls())
+                )
             yield client, tracker, grpc_rt
 
     async def run(self) -> Joined:
@@ -330,7 +333,7 @@ class _Joiner:
         memory = None
         if sizing is not None and budget is not None and device is None:
             memory = max(0, budget.bytes - sizing.fixed_bytes)
-        async with TrackerClient(self.tracker_url, self.key) as client:
+        async with TrackerClient(self.tracker_url, self.key, tls=self.cfg.tracker_tls()) as client:
             while True:
                 try:
                     with trio.fail_after(TRACKER_CALL_TIMEOUT_S):
@@ -349,7 +352,11 @@ class _Joiner:
                     else:
                         raise
                 except (httpx.TransportError, trio.TooSlowError) as err:
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
+                    refused = pin_refusal(err)
+                    if refused is not None:  # another certificate than the pinned one: nothing was sent
+                        event(log, "tracker_tls_refused", level=logging.ERROR, error=str(refused))
+                    else:
+                        event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
                     await trio.sleep(self.cfg.tracker_retry_s)
                     continue
                 if self._fits(sizing, budget, start, end, device):

@@ -19,6 +19,12 @@ starts ``swarm-tracker serve`` on SQLite in a child
 process (port 0, learnt from ``--port-file``), then this process announces
 ``--nodes`` nodes and sends heartbeats from ``--concurrency`` trio tasks over
 loopback HTTP for ``--duration-s`` seconds each, and reports requests per second.
+With ``--tls`` the same phases also run (alternating with the plain ones,
+``--rounds`` times each; the median round reported) against a tracker serving
+HTTPS with its self-signed certificate (``--tls-self-signed``), every client
+pinning it (``tracker_tls_fingerprint``): the cost of TLS on the tracker's API
+(each client's first call pays a handshake, later ones reuse the connection).
+``--skip-routing`` leaves part 1 out.
 
 ``--replicas`` (part 3) compares, side by side in one run, one ``swarm-tracker
 serve`` on PostgreSQL with two replicas on the same PostgreSQL database (the
@@ -160,7 +166,9 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
 # --- HTTP throughput -----------------------------------------------------------------------------
 
 
-async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: float) -> dict[str, Any]:
+async def _throughput(
+    url: str, n_nodes: int, concurrency: int, duration_s: float, tls: Any = None
+) -> dict[str, Any]:
     import nacl.signing
     import trio
 
@@ -170,7 +178,7 @@ async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: floa
     model = ModelSpec(FP, "bench", "llama", 30, 576)
     hw = Hardware(4, 8 << 30, (), ("cpu",), 10 << 30)
     keys = [nacl.signing.SigningKey(i.to_bytes(4, "big") * 8) for i in range(1, n_nodes + 1)]
-    clients = [TrackerClient(url, k) for k in keys]
+    clients = [TrackerClient(url, k, tls=tls) for k in keys]
     rng = random.Random(0)
     result: dict[str, Any] = {"nodes": n_nodes, "concurrency": concurrency}
     try:
@@ -243,18 +251,37 @@ async def _throughput(url: str, n_nodes: int, concurrency: int, duration_s: floa
     return result
 
 
-def bench_http(n_nodes: int, concurrency: int, duration_s: float) -> dict[str, Any]:
+def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose requests per second (all phases summed) is the median one."""
+    ranked = sorted(
+        rounds,
+        key=lambda r: r["announce"]["per_s"] + r["heartbeat"]["per_s"] + r["routes_sequential_per_s"],
+    )
+    return ranked[len(ranked) // 2]
+
+
+def bench_http(n_nodes: int, concurrency: int, duration_s: float, *, https: bool = False) -> dict[str, Any]:
     import trio
 
+    from common.tls import HttpTls, fingerprint_pem
     from sim.procs import Supervisor
+    from tracker.config import TLS_CERT_FILE
 
     with tempfile.TemporaryDirectory(prefix="bench-tracker-") as tmp, Supervisor(Path(tmp)) as sup:
         # The announced nodes are not real (no gRPC server): nothing to challenge. One client process
         # is every node here: the per-address and per-key quotas are off (sim/bench_flood.py has them on).
         tracker = sup.start_tracker(
-            extra_args=["--log-level", "warning", "--no-challenges", *NO_QUOTAS]
+            extra_args=[
+                *("--log-level", "warning", "--no-challenges", *NO_QUOTAS),
+                *(("--tls-self-signed",) if https else ()),
+            ]
         ).ready(30)
-        return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
+        if not https:
+            return trio.run(_throughput, tracker.url, n_nodes, concurrency, duration_s)
+        assert tracker.data_dir is not None
+        pin = fingerprint_pem((tracker.data_dir / TLS_CERT_FILE).read_bytes())
+        url = f"https://127.0.0.1:{tracker.port}"
+        return trio.run(_throughput, url, n_nodes, concurrency, duration_s, HttpTls((pin,)))
 
 
 # --- replicas on PostgreSQL ----------------------------------------------------------------------
@@ -554,6 +581,11 @@ def _print_replicas(rows: list[dict[str, Any]]) -> None:
     "--nodes", type=int, default=200, show_default=True, help="Distinct node keys in the HTTP phase."
 )
 @click.option("--skip-http", is_flag=True, help="Only time the pure functions.")
+@click.option("--skip-routing", is_flag=True, help="Leave out the pure functions (part 1).")
+@click.option("--tls", "tls", is_flag=True, help="The HTTP phases again against an HTTPS tracker, pinned.")
+@click.option(
+    "--rounds", "rounds_n", type=int, default=3, show_default=True, help="With --tls: HTTP/HTTPS rounds."
+)
 @click.option("--replicas", "replicas", is_flag=True, help="Part 3: two replicas on PostgreSQL vs one.")
 @click.option(
     "--postgres-url",
@@ -572,6 +604,9 @@ def main(
     concurrency: int,
     nodes: int,
     skip_http: bool,
+    skip_routing: bool,
+    tls: bool,
+    rounds_n: int,
     replicas: bool,
     postgres_url: str,
     swarm_nodes: int,
@@ -583,12 +618,13 @@ def main(
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
         },
-        "routing": bench_routing([10, 1000, 10000], [30, 80]),
+        "routing": [] if skip_routing else bench_routing([10, 1000, 10000], [30, 80]),
     }
-    print(
-        f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'coords k=1':>11} "
-        f"{'coords k=4':>11} {'recommend ms':>13} {'routes(k=4)':>11}"
-    )
+    if not skip_routing:
+        print(
+            f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'coords k=1':>11} "
+            f"{'coords k=4':>11} {'recommend ms':>13} {'routes(k=4)':>11}"
+        )
     for r in results["routing"]:
         print(
             f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>14.2f} "
@@ -597,17 +633,43 @@ def main(
             f"{r['routes_found_k4']:>11}"
         )
     if not skip_http:
-        http = bench_http(nodes, concurrency, duration_s)
-        results["http_sqlite"] = http
-        print()
-        print(
-            f"{'phase':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}   "
-            f"(SQLite, {concurrency} concurrent client tasks, {nodes} nodes, {duration_s:.0f} s)"
-        )
-        for phase in ("announce", "heartbeat"):
-            p = http[phase]
-            print(f"{phase:>10} {p['per_s']:>8.0f} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} {p['errors']:>7}")
-        print(f"{'routes':>10} {http['routes_sequential_per_s']:>8.0f}   (sequential, k=2, {nodes} nodes)")
+        labels = {"http_sqlite": "HTTP", "https_sqlite": "HTTPS pinned"}
+        names = ["http_sqlite", "https_sqlite"] if tls else ["http_sqlite"]
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for _ in range(rounds_n if tls else 1):  # HTTP and HTTPS alternate: the machine's drift hits both
+            for name in names:
+                rounds[name].append(bench_http(nodes, concurrency, duration_s, https=name == "https_sqlite"))
+        for name in names:
+            results[name] = _median_round(rounds[name])
+            if len(rounds[name]) > 1:
+                results[name + "_rounds"] = rounds[name]
+            http = results[name]
+            print()
+            print(
+                f"{'phase':>10} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}   "
+                f"({labels[name]}, SQLite, {concurrency} concurrent client tasks, {nodes} nodes, "
+                f"{duration_s:.0f} s"
+                + (f", median of {len(rounds[name])} rounds)" if len(rounds[name]) > 1 else ")")
+            )
+            for phase in ("announce", "heartbeat"):
+                p = http[phase]
+                print(
+                    f"{phase:>10} {p['per_s']:>8.0f} {p['p50_ms']:>8.1f} {p['p99_ms']:>8.1f} {p['errors']:>7}"
+                )
+            print(
+                f"{'routes':>10} {http['routes_sequential_per_s']:>8.0f}   (sequential, k=2, {nodes} nodes)"
+            )
+        if tls:
+            a, b = results["http_sqlite"], results["https_sqlite"]
+            ratios = {
+                "announce": b["announce"]["per_s"] / a["announce"]["per_s"],
+                "heartbeat": b["heartbeat"]["per_s"] / a["heartbeat"]["per_s"],
+                "routes": b["routes_sequential_per_s"] / a["routes_sequential_per_s"],
+            }
+            results["https_over_http"] = ratios
+            print(
+                "  HTTPS / HTTP requests per second: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+            )
     if replicas:
         if not postgres_url:
             raise click.UsageError("--replicas needs --postgres-url (or SWARM_TEST_POSTGRES_URL)")

@@ -3,8 +3,14 @@
 Placement is the tracker's: unless ``--layers`` is given, nodes start one
 after another with ``--layers auto`` and take the span the tracker
 recommends (so N nodes split the model, and spare nodes double the weakest
-spans). Readiness comes from each service's health endpoint. Ctrl-C stops
-every process, newest first.
+spans). Readiness comes from each service's health endpoint.
+
+Stopping (docs/concurrency.md, "Signals and shutdown"): SIGINT (Ctrl-C),
+SIGTERM and SIGHUP (the terminal closed), from whoever, while starting or
+serving, stop every service it started, newest first (:meth:`Supervisor.stop_all`:
+SIGTERM, SIGKILL after the grace period); a second one kills the rest at once.
+If the launcher itself dies without stopping them (SIGKILL), every service gets
+SIGTERM from the kernel (a parent-death signal, sim/procs.py) and stops itself.
 
 With ``--wan PROFILE`` (``wan_profile=`` from code) the same swarm runs on an
 emulated WAN (``sim/wan``, docs/wan.md): the tracker, the gateway and each node
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -33,14 +40,38 @@ import click
 import httpx
 
 from common.keyfile import load_or_create_key_file
+from common.tls import fingerprint_pem
 from node.testmodel import TestModelMissing, test_model_path
 from proto.signing import public_key_hex
-from sim.procs import LaunchError, Service, Supervisor, wait_http
+from sim.procs import LaunchError, Service, Supervisor, trust_only, wait_http
 from sim.wan.emulator import WanEmulator
 from sim.wan.errors import WanError
 from sim.wan.profile import WanProfile, load_profile
+from tracker.config import TLS_CERT_FILE as TRACKER_CERT_FILE
 
 T = TypeVar("T")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by a stop signal (a KeyboardInterrupt, so :meth:`Supervisor.stop_all`
+    kills the rest at once when a second one comes while it stops them)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
+def _tell(text: str) -> None:
+    """A line on stderr; nothing when the terminal is gone (SIGHUP: writes fail), so stopping goes on."""
+    try:
+        click.echo(text, err=True)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -56,10 +87,28 @@ class LocalSwarm:
     # With relayed nodes: the gateway flags that keep its certificate and HTTPS port (the nodes pin the
     # certificate and dial that port), for a test that restarts the gateway.
     gateway_tls_args: tuple[str, ...] = ()
+    # With tracker_tls: the sha256 of the tracker's self-signed certificate, which nodes and gateway pin.
+    tracker_tls_fingerprint: str = ""
 
     @property
     def tracker_url(self) -> str:
-        return self.public_tracker_url or f"http://127.0.0.1:{self.tracker.port}"
+        scheme = "https" if self.tracker_tls_fingerprint else "http"
+        return self.public_tracker_url or f"{scheme}://127.0.0.1:{self.tracker.port}"
+
+    @property
+    def tracker_verify(self) -> ssl.SSLContext | bool:
+        """What an httpx call to :attr:`tracker_url` verifies with (``httpx.get(..., verify=...)``)."""
+        if not self.tracker_tls_fingerprint or self.tracker.data_dir is None:
+            return True
+        return trust_only(self.tracker.data_dir / TRACKER_CERT_FILE)
+
+    def tracker_pin_args(self) -> list[str]:
+        """The flags a node or gateway started next to this swarm needs to reach its tracker."""
+        return (
+            ["--tracker-tls-fingerprint", self.tracker_tls_fingerprint]
+            if self.tracker_tls_fingerprint
+            else []
+        )
 
     @property
     def base_url(self) -> str:
@@ -92,7 +141,13 @@ def _say(quiet: bool, text: str) -> None:
         click.echo(text, err=True)
 
 
-def _wait_announced(tracker_url: str, node: Service, timeout_s: float, net: _Network | None = None) -> dict:
+def _wait_announced(
+    tracker_url: str,
+    node: Service,
+    timeout_s: float,
+    net: _Network | None = None,
+    verify: ssl.SSLContext | bool = True,
+) -> dict:
     """Wait until the tracker lists this node as live; return its swarm entry.
 
     A relayed node announces no address, so nodes are matched by their id (admin /healthz)."""
@@ -109,7 +164,9 @@ def _wait_announced(tracker_url: str, node: Service, timeout_s: float, net: _Net
             return False
         return any(n.get("state") == "live" and mine(n) for n in resp.json().get("nodes", []))
 
-    resp = net.probe(node.name, wait_http, node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced)
+    resp = net.probe(
+        node.name, wait_http, node, f"{tracker_url}/v1/swarm", timeout_s, ok=announced, verify=verify
+    )
     return next(n for n in resp.json()["nodes"] if mine(n))
 
 
@@ -164,6 +221,7 @@ def start_local_swarm(
     relay_indices: list[int] | None = None,
     wan_profile: WanProfile | None = None,
     register_gateway: bool = False,
+    tracker_tls: bool = False,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
 
@@ -178,6 +236,9 @@ def start_local_swarm(
     ``wan_profile``: run on an emulated WAN placed by ``wan_profile.place(n_nodes + spare)``
     (needs root; :class:`sim.wan.WanUnavailable` says why not). ``gateway_port`` is then the
     loopback port of the forwarder to the gateway; the services bind any port inside the WAN.
+
+    ``tracker_tls``: the tracker serves HTTPS with the self-signed certificate it makes on first start
+    (``--tls-self-signed``); the nodes and the gateway pin it (``--tracker-tls-fingerprint``).
     """
     total = n_nodes + spare
     relayed = set(relay_indices if relay_indices is not None else range(total - relay_nodes, total))
@@ -198,11 +259,23 @@ def start_local_swarm(
             # The key the gateway will load from its data directory (Supervisor: <workdir>/gateway).
             gateway_key, _ = load_or_create_key_file(Path(workdir) / "gateway" / "gateway.key")
             tracker_args = [*(tracker_args or []), "--registered-gateways", public_key_hex(gateway_key)]
+        if tracker_tls:
+            tracker_args = [*(tracker_args or []), "--tls-self-signed"]
         tracker = sup.start_tracker(host=net.addr("tracker"), extra_args=tracker_args)
         tracker.wait_port(timeout_s)
-        tracker_url = f"http://{net.addr('tracker')}:{tracker.port}"
-        net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s)
+        pin, pin_args = "", []
+        verify: ssl.SSLContext | bool = True
+        if tracker_tls:
+            assert tracker.data_dir is not None
+            # Made before the tracker listens, so it is there once the port file is.
+            cert = tracker.data_dir / TRACKER_CERT_FILE
+            pin = fingerprint_pem(cert.read_bytes())
+            pin_args, verify = ["--tracker-tls-fingerprint", pin], trust_only(cert)
+        tracker_url = f"{'https' if tracker_tls else 'http'}://{net.addr('tracker')}:{tracker.port}"
+        net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s, verify=verify)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
+        if pin:
+            _say(quiet, f"  tracker  TLS certificate sha256 {pin} (nodes and gateway pin it)")
         gateway: Service | None = None
         relay_args: list[str] = []
         keep_tls: tuple[str, ...] = ()
@@ -215,7 +288,7 @@ def start_local_swarm(
                 tracker_id=str(tracker.extra["tracker_id"]),  # what it checks route tickets with
                 port=inner_gateway_port,
                 host=net.addr("gateway"),
-                extra_args=[*tls_args, *(gateway_args or [])],
+                extra_args=[*tls_args, *pin_args, *(gateway_args or [])],
             )
             gateway.wait_port(timeout_s)
             gw_first = f"http://{net.addr('gateway')}:{gateway.port}"
@@ -255,6 +328,7 @@ def start_local_swarm(
                 session_kv_tokens=session_kv_tokens,
                 cache_dir=cache,
                 extra_args=[
+                    *pin_args,
                     *(node_args or []),
                     *(relay_args if i in relayed else []),
                 ],
@@ -263,7 +337,7 @@ def start_local_swarm(
             node.extra["relayed"] = i in relayed
             node.wait_port(timeout_s)
             net.probe(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", timeout_s)
-            entry = _wait_announced(tracker_url, node, timeout_s, net)
+            entry = _wait_announced(tracker_url, node, timeout_s, net, verify)
             shard = entry.get("shard") or {}
             node.extra["span"] = (shard.get("start"), shard.get("end"))
             where = "through the gateway's relay" if i in relayed else f"on {net.addr(name)}:{node.port}"
@@ -279,7 +353,7 @@ def start_local_swarm(
                 tracker_id=str(tracker.extra["tracker_id"]),  # what it checks route tickets with
                 port=inner_gateway_port,
                 host=net.addr("gateway"),
-                extra_args=gateway_args,
+                extra_args=[*pin_args, *(gateway_args or [])],
             )
             gateway.wait_port(timeout_s)
         gw_url = f"http://{net.addr('gateway')}:{gateway.port}"
@@ -298,14 +372,17 @@ def start_local_swarm(
             quiet,
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
-        swarm = LocalSwarm(sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls)
+        swarm = LocalSwarm(
+            sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls, tracker_tls_fingerprint=pin
+        )
         if wan is not None:
             # Loopback forwarders into the WAN, entering at the profile's client host.
             swarm.wan = wan
             swarm.public_base_url = (
                 f"http://127.0.0.1:{wan.forward('gateway', gateway.port, listen_port=gateway_port)}/v1"
             )
-            swarm.public_tracker_url = f"http://127.0.0.1:{wan.forward('tracker', tracker.port)}"
+            scheme = "https" if tracker_tls else "http"
+            swarm.public_tracker_url = f"{scheme}://127.0.0.1:{wan.forward('tracker', tracker.port)}"
             _say(quiet, f"  client   enters the WAN at {wan.address('client')}: {swarm.base_url}")
         return swarm
     except BaseException:
@@ -362,6 +439,11 @@ def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
     "--check", is_flag=True, help="Send the sample request, print the answer, stop the swarm and exit."
 )
 @click.option(
+    "--tracker-tls",
+    is_flag=True,
+    help="The tracker serves HTTPS with a self-signed certificate; nodes and gateway pin it.",
+)
+@click.option(
     "--wan",
     "wan",
     default=None,
@@ -379,6 +461,7 @@ def up(
     gateway_port: int,
     workdir: Path | None,
     check: bool,
+    tracker_tls: bool,
     wan: str | None,
 ) -> None:
     """Start a local swarm: tracker, nodes and gateway on loopback or an emulated WAN; an OpenAI endpoint."""
@@ -398,6 +481,32 @@ def up(
     except WanError as err:
         raise click.BadParameter(str(err), param_hint="--wan") from err
     work = workdir or Path(tempfile.mkdtemp(prefix="swarm-sim-"))
+    # From here on every stop signal raises Stopped wherever the main thread is: start-up and serving
+    # both end in stop_all (start_local_swarm stops what it started when interrupted).
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
+    try:
+        _up(
+            work, model, n_nodes, spare, spans, threads, gateway_port, check, relay_nodes, wan_profile,
+            tracker_tls,
+        )  # fmt: skip
+    except Stopped as stop:  # while serving (or stopping): a requested stop
+        _tell(f"stopped by {stop}.")
+
+
+def _up(
+    work: Path,
+    model: Path,
+    n_nodes: int,
+    spare: int,
+    spans: list[str] | None,
+    threads: int,
+    gateway_port: int,
+    check: bool,
+    relay_nodes: int,
+    wan_profile: WanProfile | None,
+    tracker_tls: bool,
+) -> None:
     click.echo(f"starting a local swarm in {work} (logs in {work / 'logs'}) ...", err=True)
     try:
         swarm = start_local_swarm(
@@ -413,9 +522,13 @@ def up(
             relay_nodes=relay_nodes,
             wan_profile=wan_profile,
             register_gateway=True,  # as exposed swarms run: tickets for the gateway only
+            tracker_tls=tracker_tls,
         )
     except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err
+    except Stopped as stop:  # start_local_swarm stopped what it had started
+        _tell(f"start-up interrupted by {stop}; every service started is stopped.")
+        sys.exit(128 + stop.signum)
     curl, body = _sample_request(swarm.base_url, swarm.model_name)
     try:
         click.echo("")
@@ -424,29 +537,21 @@ def up(
         click.echo(f"try:              {curl}")
         for what, url in service_urls(swarm):
             click.echo(f"{what + ':':<18}{url}")
+        if swarm.tracker_tls_fingerprint:
+            click.echo(f"tracker TLS:      sha256 {swarm.tracker_tls_fingerprint} (self-signed)")
         if check:
             resp = httpx.post(f"{swarm.base_url}/chat/completions", json=body, timeout=120)
             resp.raise_for_status()
             click.echo(f"answer:           {resp.json()['choices'][0]['message']['content']!r}")
             return
-        click.echo("Ctrl-C stops the swarm.")
-        stop = {"flag": False}
-
-        def _stop(*_: object) -> None:
-            stop["flag"] = True
-
-        signal.signal(signal.SIGTERM, _stop)
-        try:
-            dead: set[str] = set()
-            while not stop["flag"]:
-                stop["flag"] = report_exits(swarm, dead)
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        click.echo("Ctrl-C (or SIGTERM, SIGHUP) stops the swarm.")
+        dead: set[str] = set()
+        while not report_exits(swarm, dead):
+            time.sleep(0.5)
     finally:
-        click.echo("stopping ...", err=True)
+        _tell("stopping ...")
         swarm.stop()
-        click.echo("stopped.", err=True)
+        _tell("stopped.")
 
 
 def service_urls(swarm: LocalSwarm) -> list[tuple[str, str]]:

@@ -17,6 +17,16 @@ A :class:`Supervisor` owns a work directory and every process it starts there.
   newest first, also when one of them refuses. Every service runs in a session
   of its own, so a Ctrl-C in the terminal reaches the supervisor, not the
   services behind its back.
+- **Dying with the supervisor**: on Linux every process started from the main
+  thread asks the kernel for a parent-death signal (``prctl(PR_SET_PDEATHSIG,
+  SIGTERM)``, set in the child between fork and exec, :data:`PARENT_DEATH_SIGNAL`):
+  when the supervising process ends -- SIGKILL included, with nobody left to
+  call :meth:`Supervisor.stop_all` -- each service gets SIGTERM and stops the
+  way it does on Ctrl-C (drains, leaves the tracker, closes its database), so
+  no process or port outlives it. The signal follows the *thread* that forked,
+  not the process: processes spawned from another thread (whose end would stop
+  them) get none. A child whose parent died before the request took effect
+  exits at once.
 - **Environment** (:func:`service_env`), the same for every process started
   here: the caller's environment, minus the services' own settings
   (``SWARM_NODE_*``, ``SWARM_TRACKER_*``, ``SWARM_GATEWAY_*``: a stray one in a
@@ -32,11 +42,14 @@ A :class:`Supervisor` owns a work directory and every process it starts there.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +79,9 @@ FIXED_ENV = {
     "NUMEXPR_NUM_THREADS": "1",
 }
 _MODULES = {"swarm-node": "node.cli", "swarm-tracker": "tracker.cli", "swarm-gateway": "gateway.cli"}
+PARENT_DEATH_SIGNAL = signal.SIGTERM  # what a service gets when its supervising process is gone
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_prctl: Any = None
 
 
 class LaunchError(RuntimeError):
@@ -78,6 +94,29 @@ def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env.update(FIXED_ENV)
     env.update(extra or {})
     return env
+
+
+def parent_death_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get :data:`PARENT_DEATH_SIGNAL` when the calling thread
+    ends; None where there is no such thing (not Linux, or not the main thread: see the module
+    docstring). The libc function is looked up here, before the fork: the child only calls it."""
+    global _prctl
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    if _prctl is None:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        prctl.restype = ctypes.c_int
+        _prctl = prctl
+    prctl, parent, signum = _prctl, os.getpid(), int(PARENT_DEATH_SIGNAL)
+
+    def in_child() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            os._exit(126)  # refuse to run a service that could outlive its supervisor
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(0)
+
+    return in_child
 
 
 def console_script(name: str) -> list[str]:
@@ -213,15 +252,17 @@ def wait_http(
     url: str,
     timeout_s: float,
     ok: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+    verify: ssl.SSLContext | bool = True,
 ) -> httpx.Response:
-    """Poll ``url`` until ``ok(response)``; fail early if the process dies."""
+    """Poll ``url`` until ``ok(response)``; fail early if the process dies. ``verify``: how an
+    https:// URL's certificate is checked (:func:`trust_only`)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         if not svc.alive():
             raise LaunchError(f"{svc.name} exited with code {svc.proc.returncode}:\n{svc.log_tail()}")
         try:
-            resp = httpx.get(url, timeout=2.0)
+            resp = httpx.get(url, timeout=2.0, verify=verify)
             if ok(resp):
                 return resp
             last = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -229,6 +270,15 @@ def wait_http(
             last = str(err)
         time.sleep(0.1)
     raise LaunchError(f"{svc.name}: {url} not ready within {timeout_s:g} s ({last}):\n{svc.log_tail()}")
+
+
+def trust_only(cert_file: Path) -> ssl.SSLContext:
+    """A client context that trusts exactly the (self-signed) certificate in ``cert_file``, whatever
+    host name it names: for polling a local HTTPS tracker from a harness."""
+    context = ssl.create_default_context(cafile=str(cert_file))
+    context.check_hostname = False
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context
 
 
 def _serve_argv(script: str, host: str, port: int, data: Path) -> list[str]:
@@ -309,6 +359,7 @@ class Supervisor:
                 env=service_env(env),
                 cwd=cwd,
                 start_new_session=True,
+                preexec_fn=parent_death_hook(),
             )
         svc = Service(name, proc, log_path, port_file, admin_port_file=admin_port_file, data_dir=data_dir)
         self.services.append(svc)

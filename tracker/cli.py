@@ -1,14 +1,15 @@
-"""``swarm-tracker``: serve, db upgrade|downgrade|current, keygen, id, model add|list|remove."""
+"""``swarm-tracker``: serve, db (upgrade, downgrade, current), keygen, id, tls-fingerprint, model ..."""
 
 from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
-from common.cli import EXIT_USAGE, fail
+from common.cli import EXIT_FAILED, EXIT_USAGE, fail
 from tracker.config import ConfigError, TrackerConfig, load_config
 
 PROG = "swarm-tracker"
@@ -47,6 +48,17 @@ def main(ctx: click.Context, config_file: str | None) -> None:
 )
 @click.option(
     "--public-url", default=None, help="This replica's URL as others reach it (dashboard, replicas)."
+)
+@click.option(
+    "--tls-cert-file", default=None, help="PEM certificate to serve HTTPS with (with --tls-key-file)."
+)
+@click.option("--tls-key-file", default=None, help="PEM private key of --tls-cert-file (mode 0600).")
+@click.option(
+    "--tls-self-signed",
+    is_flag=True,
+    default=None,
+    help="Serve HTTPS with a self-signed certificate made on first start in the data dir (its "
+    "fingerprint is printed; nodes and gateways pin it with --tracker-tls-fingerprint).",
 )
 @click.option(
     "--heartbeat-interval-s", type=float, default=None, help="How often nodes are told to heartbeat."
@@ -156,7 +168,7 @@ def serve(
         grace_s=SHUTDOWN_GRACE_S,
         clear_errors=(OSError, SQLAlchemyError, TrackerError),
         usage_errors=(ConfigError,),
-        listening=f"HTTP on {config.host}:{config.port}",
+        listening=f"{'HTTPS' if config.tls else 'HTTP'} on {config.host}:{config.port}",
     )
 
 
@@ -251,6 +263,25 @@ def show_id(ctx: click.Context, data_dir: str | None) -> None:
     click.echo(bytes(key.verify_key).hex())
 
 
+@main.command("tls-fingerprint")
+@click.option("--data-dir", default=None, help="The tracker's data directory (its self-signed certificate).")
+@click.option("--tls-cert-file", default=None, help="A certificate given to the tracker instead.")
+@click.pass_context
+def tls_fingerprint(ctx: click.Context, data_dir: str | None, tls_cert_file: str | None) -> None:
+    """Print the sha256 fingerprint of the tracker's TLS certificate (what --tracker-tls-fingerprint
+    pins); fails if there is none yet (start the tracker once with --tls-self-signed)."""
+    from common.tls import TlsError, fingerprint_pem
+
+    config = _config(ctx, data_dir=data_dir)
+    cert = Path(tls_cert_file).expanduser() if tls_cert_file else config.resolved_tls_files()[0]
+    try:
+        click.echo(fingerprint_pem(cert.read_bytes()))
+    except FileNotFoundError:
+        fail(PROG, f"no certificate at {cert}; start the tracker once with --tls-self-signed", EXIT_FAILED)
+    except (OSError, TlsError) as err:
+        fail(PROG, f"{cert}: {err}", EXIT_FAILED)
+
+
 @main.group()
 def model() -> None:
     """The model registry: models nodes can join by name, with their manifests and download URLs."""
@@ -272,7 +303,28 @@ def _signing_key(ctx: click.Context, data_dir: str | None, key_file: str | None)
         raise click.ClickException(str(err)) from err
 
 
-def _tracker_call(url: str, key: Any, call: str, *args: Any, timeout_s: float = 60.0) -> Any:
+def _tracker_tls_options(command: Any) -> Any:
+    """``--tracker-tls-fingerprint`` and ``--tracker-ca-file`` of a command that calls a tracker."""
+    command = click.option(
+        "--tracker-ca-file", default="", help="CA bundle (PEM) to verify an https:// tracker with."
+    )(command)
+    return click.option(
+        "--tracker-tls-fingerprint",
+        default="",
+        help="Pin an https:// tracker's certificate: its sha256 (`swarm-tracker tls-fingerprint`).",
+    )(command)
+
+
+def _tls(tracker_url: str, fingerprint: str, ca_file: str) -> Any:
+    from common.tls import HttpTls, pin_settings_problem
+
+    problem = pin_settings_problem("tracker", tracker_url, fingerprint, ca_file)
+    if problem:
+        fail(PROG, problem, EXIT_USAGE)
+    return HttpTls.from_settings(fingerprint, ca_file)
+
+
+def _tracker_call(url: str, tls: Any, key: Any, call: str, *args: Any, timeout_s: float = 60.0) -> Any:
     import httpx
     import trio
 
@@ -280,7 +332,7 @@ def _tracker_call(url: str, key: Any, call: str, *args: Any, timeout_s: float = 
     from tracker.client import TrackerClient, TrackerClientError
 
     async def go() -> Any:
-        async with TrackerClient(url, key) as client:
+        async with TrackerClient(url, key, tls=tls) as client:
             with trio.fail_after(timeout_s):
                 return await getattr(client, call)(*args)
 
@@ -300,6 +352,7 @@ def _tracker_call(url: str, key: Any, call: str, *args: Any, timeout_s: float = 
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
 @click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
 @click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
+@_tracker_tls_options
 @click.pass_context
 def model_add(
     ctx: click.Context,
@@ -310,6 +363,8 @@ def model_add(
     tracker_url: str,
     data_dir: str | None,
     key_file: str | None,
+    tracker_tls_fingerprint: str,
+    tracker_ca_file: str,
 ) -> None:
     """Register the model in SOURCE (a GGUF file or an http(s) URL of one): manifest, name, sources.
 
@@ -321,6 +376,7 @@ def model_add(
 
     from tracker.model_add import ModelAddError, describe_file, describe_url, is_url, registration_payload
 
+    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     key = _signing_key(ctx, data_dir, key_file)
     urls = list(dict.fromkeys([*([source] if is_url(source) else []), *sources]))
     try:
@@ -335,8 +391,6 @@ def model_add(
                 described, streamed = describe_url(source, client, seen)
                 bar.close()
         else:
-            from pathlib import Path
-
             path = Path(source).expanduser()
             if not path.is_file():
                 raise click.ClickException(f"{source}: no such file (or give an http(s) URL)")
@@ -347,7 +401,7 @@ def model_add(
     except ModelAddError as err:
         raise click.ClickException(str(err)) from err
     payload = registration_payload(described, name, urls, replace)
-    answer = _tracker_call(tracker_url, key, "register_model", payload, described.manifest.to_json())
+    answer = _tracker_call(tracker_url, tls, key, "register_model", payload, described.manifest.to_json())
     click.echo(f"fingerprint  {answer['fingerprint']}")
     click.echo(f"name         {answer['name']} ({'new' if answer['created'] else 'updated'})")
     click.echo(
@@ -356,18 +410,21 @@ def model_add(
     click.echo(f"sources      {', '.join(urls) or '(none: nodes fetch from peers)'}")
     click.echo(
         f"join with    swarm-node start --model {answer['name']!r} --layers auto --tracker {tracker_url}"
+        + (f" --tracker-tls-fingerprint {tracker_tls_fingerprint}" if tracker_tls_fingerprint else "")
     )
 
 
 @model.command("list")
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
-def model_list(tracker_url: str) -> None:
+@_tracker_tls_options
+def model_list(tracker_url: str, tracker_tls_fingerprint: str, tracker_ca_file: str) -> None:
     """Print the registered models (JSON)."""
     import json
 
     import nacl.signing
 
-    models = _tracker_call(tracker_url, nacl.signing.SigningKey.generate(), "registry_models")
+    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+    models = _tracker_call(tracker_url, tls, nacl.signing.SigningKey.generate(), "registry_models")
     click.echo(json.dumps(models, indent=2))
 
 
@@ -376,13 +433,21 @@ def model_list(tracker_url: str) -> None:
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
 @click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
 @click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
+@_tracker_tls_options
 @click.pass_context
 def model_remove(
-    ctx: click.Context, model_name: str, tracker_url: str, data_dir: str | None, key_file: str | None
+    ctx: click.Context,
+    model_name: str,
+    tracker_url: str,
+    data_dir: str | None,
+    key_file: str | None,
+    tracker_tls_fingerprint: str,
+    tracker_ca_file: str,
 ) -> None:
     """Drop the registration of MODEL_NAME (a name or fingerprint); nodes already serving it go on."""
+    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     key = _signing_key(ctx, data_dir, key_file)
-    answer = _tracker_call(tracker_url, key, "unregister_model", model_name)
+    answer = _tracker_call(tracker_url, tls, key, "unregister_model", model_name)
     click.echo(f"removed {answer['fingerprint']}")
 
 

@@ -24,6 +24,13 @@ nonce), so a replica that did record the first attempt refuses nothing: the
 ledger and the registry are idempotent where it matters (usage rows are unique
 per gateway, request and node).
 
+HTTPS: ``tls`` (:class:`common.tls.HttpTls`) says how an https:// tracker's
+certificate is trusted: pinned by its sha256 (``tracker_tls_fingerprint``, what
+``swarm-tracker tls-fingerprint`` prints; checked on every connection before
+anything is sent; a wrong one raises ``httpx.ConnectError`` whose message names
+the certificate shown and the pin, and fails over like an unreachable replica),
+else the system CAs or a CA file (docs/tls.md, "The tracker over HTTPS").
+
 No timeouts inside: wrap calls in ``trio.fail_after``. Errors: every non-2xx
 answer raises :class:`TrackerClientError` with the status and the error body;
 ``routes()`` returns the body for 503 "no route" instead, so callers can read
@@ -43,6 +50,8 @@ import httpx
 import nacl.signing
 
 from common.config import parse_urls
+from common.tls import HttpTls
+from common.tls_http import async_client
 from proto.announce import Announce, CheckResults, Evidence, GatewayStats, Heartbeat, Leave, UsageReport
 from proto.signing import make_payload, public_key_hex, sign_envelope
 
@@ -72,6 +81,7 @@ class TrackerClient:
         *,
         clock: Callable[[], float] = time.time,
         transport: httpx.AsyncBaseTransport | None = None,
+        tls: HttpTls | None = None,
     ) -> None:
         self.key = key
         self.key_id = public_key_hex(key)
@@ -79,8 +89,9 @@ class TrackerClient:
         self.urls = parse_tracker_urls(base_urls)
         self._current = 0
         self.failovers = 0
+        self.tls = tls or HttpTls()
         # Timeouts belong to the caller (trio.fail_after); httpx's own are disabled.
-        self._http = httpx.AsyncClient(timeout=None, transport=transport)
+        self._http = async_client(self.tls, transport=transport)
 
     @property
     def url(self) -> str:

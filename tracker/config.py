@@ -19,6 +19,8 @@ from common.config import load_layered
 
 ENV_PREFIX = "SWARM_TRACKER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+TLS_CERT_FILE = "tracker-tls.crt"  # the self-signed certificate's files in data_dir (tls_self_signed)
+TLS_KEY_FILE = "tracker-tls.key"
 
 
 class ConfigError(ValueError):
@@ -42,6 +44,17 @@ class TrackerConfig:
     )
     db_url: str = _f("", "SQLAlchemy URL; empty = sqlite:///<data_dir>/tracker.sqlite3")
     port_file: str = _f("", "if set, the bound port is written here once the server listens")
+    tls_cert_file: str = _f(
+        "",
+        "PEM certificate (chain) to serve HTTPS with (then HTTPS only); nodes and gateways pin its sha256 "
+        "(tracker_tls_fingerprint) or verify it against a CA; empty = plain HTTP, or see tls_self_signed",
+    )
+    tls_key_file: str = _f("", "PEM private key of tls_cert_file (mode 0600)")
+    tls_self_signed: bool = _f(
+        False,
+        "serve HTTPS with a self-signed certificate made on first start in data_dir (tracker-tls.crt, "
+        "tracker-tls.key) and kept; its fingerprint is printed then and by `swarm-tracker tls-fingerprint`",
+    )
     heartbeat_interval_s: float = _f(10.0, "how often nodes are told to heartbeat")
     heartbeat_timeout_s: float = _f(30.0, "a node silent this long expires and leaves routing")
     expiry_check_interval_s: float = _f(2.0, "how often the tracker looks for silent nodes")
@@ -147,6 +160,17 @@ class TrackerConfig:
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir).expanduser()
 
+    @property
+    def tls(self) -> bool:
+        """Whether the tracker serves HTTPS (a certificate given, or its self-signed one)."""
+        return bool(self.tls_cert_file) or self.tls_self_signed
+
+    def resolved_tls_files(self) -> tuple[Path, Path]:
+        """(certificate, key) it serves HTTPS with: the given pair, or the self-signed one in data_dir."""
+        if self.tls_cert_file:
+            return Path(self.tls_cert_file).expanduser(), Path(self.tls_key_file).expanduser()
+        return self.resolved_data_dir() / TLS_CERT_FILE, self.resolved_data_dir() / TLS_KEY_FILE
+
     def registry_key_ids(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in self.registry_keys.split(",") if k.strip())
 
@@ -172,6 +196,10 @@ class TrackerConfig:
     def validate(self) -> TrackerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_cert_file and self.tls_self_signed:
+            raise ConfigError("tls_self_signed makes a certificate: drop it or tls_cert_file/tls_key_file")
         for name in (
             "heartbeat_interval_s",
             "heartbeat_timeout_s",

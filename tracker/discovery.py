@@ -72,7 +72,7 @@ class _PrivateLoop:
 class _Advertisement:
     """One zeroconf instance and one registered service on a private loop (blocking; call from a thread)."""
 
-    def __init__(self, port: int, tracker_id: str, host: str) -> None:
+    def __init__(self, port: int, tracker_id: str, host: str, scheme: str = "http") -> None:
         from zeroconf import ServiceInfo
 
         addresses = _local_ipv4_addresses(host) or ["127.0.0.1"]
@@ -81,7 +81,7 @@ class _Advertisement:
             f"swarm-tracker-{tracker_id[:16]}.{SERVICE_TYPE}",
             port=port,
             parsed_addresses=addresses,
-            properties={"tracker_id": tracker_id, "scheme": "http"},
+            properties={"tracker_id": tracker_id, "scheme": scheme},
             server=f"swarm-tracker-{tracker_id[:16]}.local.",
         )
         self.private = _PrivateLoop()
@@ -119,10 +119,11 @@ async def advertise(
     port: int,
     tracker_id: str,
     host: str = "0.0.0.0",
+    scheme: str = "http",
     *,
     task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Advertise until cancelled.
+    """Advertise until cancelled (``scheme``: "https" for a tracker serving TLS).
 
     ``started(True)`` once registered, ``started(False)`` if multicast is unusable.
     """
@@ -131,7 +132,7 @@ async def advertise(
     with trio.move_on_after(10):
         try:
             ad = await trio.to_thread.run_sync(
-                _Advertisement, port, tracker_id, host, limiter=limiter, abandon_on_cancel=True
+                _Advertisement, port, tracker_id, host, scheme, limiter=limiter, abandon_on_cancel=True
             )
         except Exception as err:  # zeroconf raises OSError and its own errors when multicast is missing
             event(log, "zeroconf_unavailable", level=logging.WARNING, error=repr(err))
@@ -198,10 +199,11 @@ async def _discover(timeout_s: float, tracker_id: str | None) -> str | None:
                     continue
                 addrs = info.parsed_addresses()
                 v4 = [a for a in addrs if ":" not in a]
+                scheme = "https" if info.properties.get(b"scheme") == b"https" else "http"
                 if v4:
-                    return f"http://{v4[0]}:{info.port}"
+                    return f"{scheme}://{v4[0]}:{info.port}"
                 if addrs:
-                    return f"http://[{addrs[0]}]:{info.port}"
+                    return f"{scheme}://[{addrs[0]}]:{info.port}"
             return None
         finally:
             await browser.async_cancel()

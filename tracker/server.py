@@ -7,12 +7,18 @@ the port file is written; pass ``on_ready`` to also receive the
 :class:`RunningTracker` (port, URL, the registry), e.g. in tests. Cancel the
 surrounding scope, or set ``shutdown``, to stop it; hypercorn then drains
 connections within its graceful timeout.
+
+HTTPS (docs/tls.md, "The tracker over HTTPS"): with ``tls_cert_file``/``tls_key_file``, or
+``tls_self_signed`` (a certificate made on first start in the data directory and
+kept), hypercorn serves TLS itself on ``port``; the certificate's sha256 is
+logged (``tracker_tls``) and, when the certificate was made now, printed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,9 +31,10 @@ import trio
 from common import files
 from common.grpc_adapter import Grpc, open_grpc
 from common.logs import event
+from common.tls import ServerCert, TlsError, load_or_create_server_cert, load_server_cert
 from tracker.app import create_app
 from tracker.challenger import Challenger
-from tracker.config import TrackerConfig
+from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, ConfigError, TrackerConfig
 from tracker.dashboard import DashboardFeed
 from tracker.discovery import advertise
 from tracker.keys import load_or_create_key_at
@@ -51,6 +58,31 @@ def _open_store(config: TrackerConfig) -> tuple[Store, nacl.signing.SigningKey]:
     key = load_or_create_key_at(config.resolved_key_file())
     engine = make_engine(config.resolved_db_url())
     return Store(engine), key
+
+
+def load_tls(config: TrackerConfig) -> tuple[ServerCert, bool]:
+    """The certificate the tracker serves HTTPS with, and whether it was made now (ConfigError if
+    unusable). Blocking: call in a thread."""
+    try:
+        if config.tls_cert_file:
+            return load_server_cert(*config.resolved_tls_files()), False
+        return load_or_create_server_cert(
+            config.resolved_data_dir(),
+            cert_name=TLS_CERT_FILE,
+            key_name=TLS_KEY_FILE,
+            common_name="swarm-tracker",
+        )
+    except TlsError as err:
+        raise ConfigError(f"tls: {err}") from err
+
+
+def _announce_made(cert: ServerCert, cert_path: str) -> None:
+    sys.stderr.write(
+        f"swarm-tracker: made a self-signed TLS certificate {cert_path}\n"
+        f"swarm-tracker: its sha256 fingerprint (nodes and gateways: --tracker-tls-fingerprint):\n"
+        f"  {cert.fingerprint}\n"
+    )
+    sys.stderr.flush()
 
 
 @asynccontextmanager
@@ -105,13 +137,22 @@ async def _serve_tracker(
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")  # through our JSON handler, not hypercorn's own
         hc.graceful_timeout = SHUTDOWN_GRACE_S
+        scheme = "http"
+        if config.tls:
+            cert, made = await files.run_sync(load_tls, config)  # reads, or makes and writes, files
+            cert_path, key_path = config.resolved_tls_files()
+            hc.certfile, hc.keyfile = str(cert_path), str(key_path)
+            scheme = "https"
+            event(log, "tracker_tls", certificate=hc.certfile, fingerprint=cert.fingerprint, made_now=made)
+            if made:
+                _announce_made(cert, hc.certfile)
         async with trio.open_nursery() as nursery:
             trigger = shutdown.wait if shutdown is not None else None
             binds = await nursery.start(
                 functools.partial(hypercorn.trio.serve, app, hc, shutdown_trigger=trigger)
             )
             port = int(binds[0].rsplit(":", 1)[1])
-            url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
+            url = f"{scheme}://{'127.0.0.1' if config.host in ('0.0.0.0', '') else host}:{port}"
             await registry.join(config.public_url or url)
             if config.port_file:
                 await files.write_port_file(config.port_file, port)
@@ -126,7 +167,7 @@ async def _serve_tracker(
                         if feed is not None:
                             await inner.start(feed.run)
                         if config.zeroconf:
-                            await inner.start(advertise, port, registry.tracker_id, config.host)
+                            await inner.start(advertise, port, registry.tracker_id, config.host, scheme)
                         task_status.started()
 
             await nursery.start(run_helpers)
