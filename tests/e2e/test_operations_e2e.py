@@ -257,7 +257,9 @@ def test_sigterm_and_swarm_node_stop_leave_the_tracker_at_once(
         t0 = time.monotonic()
         a.proc.send_signal(signal.SIGTERM)
         while _state(url, a.extra["node_id"]) != "left":
-            assert time.monotonic() - t0 < 1.0, "the tracker did not hear the leave within a second"
+            # Expiry would take 60 s; the leave is heard at once. 10 s, not a tight figure: this
+            # asserts the mechanism, not the speed of a machine shared with other tests.
+            assert time.monotonic() - t0 < 10.0, "the tracker did not hear the leave (it waited for expiry)"
             time.sleep(0.02)
         sigterm_s = time.monotonic() - t0
         assert not _routes_through(url, a.extra["node_id"], fingerprint)
@@ -270,7 +272,7 @@ def test_sigterm_and_swarm_node_stop_leave_the_tracker_at_once(
 
         def watch() -> None:
             start = time.monotonic()
-            while time.monotonic() - start < 10:
+            while time.monotonic() - start < 20:
                 if _state(url, b.extra["node_id"]) == "left":
                     seen.append(time.monotonic() - start)
                     return
@@ -295,7 +297,7 @@ def test_sigterm_and_swarm_node_stop_leave_the_tracker_at_once(
         )
         watcher.join()
         assert done.returncode == 0 and "stopped" in done.stdout, done.stderr
-        assert seen and seen[0] < 1.0, seen
+        assert seen and seen[0] < 10.0, seen
         assert not _routes_through(url, b.extra["node_id"], fingerprint)
         assert '"left_tracker"' in b.log_path.read_text()
         again = subprocess.run(
