@@ -263,26 +263,26 @@ def start_local_swarm(
             tracker_args = [*(tracker_args or []), "--tls-self-signed"]
         tracker = sup.start_tracker(host=net.addr("tracker"), extra_args=tracker_args)
         tracker.wait_port(timeout_s)
-        pin, pin_args = "", []
+        tracker_pin, pin_args = "", []
         verify: ssl.SSLContext | bool = True
         if tracker_tls:
             assert tracker.data_dir is not None
             # Made before the tracker listens, so it is there once the port file is.
             cert = tracker.data_dir / TRACKER_CERT_FILE
-            pin = fingerprint_pem(cert.read_bytes())
-            pin_args, verify = ["--tracker-tls-fingerprint", pin], trust_only(cert)
+            tracker_pin = fingerprint_pem(cert.read_bytes())
+            pin_args, verify = ["--tracker-tls-fingerprint", tracker_pin], trust_only(cert)
         tracker_url = f"{'https' if tracker_tls else 'http'}://{net.addr('tracker')}:{tracker.port}"
         net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s, verify=verify)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
-        if pin:
-            _say(quiet, f"  tracker  TLS certificate sha256 {pin} (nodes and gateway pin it)")
+        if tracker_pin:
+            _say(quiet, f"  tracker  TLS certificate sha256 {tracker_pin} (nodes and gateway pin it)")
         gateway: Service | None = None
         relay_args: list[str] = []
         keep_tls: tuple[str, ...] = ()
         if relayed:
             # The relay over wss:// (docs/tls.md): the gateway gets a certificate and an HTTPS port
             # beside its plain one (clients on loopback keep http://); relayed nodes pin it.
-            tls_args, tls_port_file, pin = _gateway_tls(Path(workdir))
+            tls_args, tls_port_file, relay_pin = _gateway_tls(Path(workdir))
             gateway = sup.start_gateway(
                 tracker_url=tracker_url,
                 tracker_id=str(tracker.extra["tracker_id"]),  # what it checks route tickets with
@@ -297,7 +297,7 @@ def start_local_swarm(
             keep_tls = (*tls_args[:4], "--tls-port", str(tls_port))
             relay_args = [
                 *("--relay", f"https://{net.addr('gateway')}:{tls_port}"),
-                *("--relay-tls-fingerprint", pin),
+                *("--relay-tls-fingerprint", relay_pin),
             ]
             _say(
                 quiet,
@@ -373,7 +373,7 @@ def start_local_swarm(
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
         swarm = LocalSwarm(
-            sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls, tracker_tls_fingerprint=pin
+            sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls, tracker_tls_fingerprint=tracker_pin
         )
         if wan is not None:
             # Loopback forwarders into the WAN, entering at the profile's client host.
