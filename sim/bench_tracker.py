@@ -137,19 +137,30 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
             repeats = 50 if n <= 1000 else 10
             rng = random.Random(1)
             row: dict[str, Any] = {"nodes": n, "n_layers": n_layers}
-            for k in (1, 4):
+            for k in (1, 4, 32):
                 row[f"select_routes_k{k}"] = _time_ms(
                     lambda k=k, snap=snap, rng=rng: select_routes(snap, FP, k, rng=rng), repeats
                 )
             row["routes_found_k4"] = len(select_routes(snap, FP, 4, rng=rng).routes)
             placed, origin = with_coordinates(snap, seed=n)
-            for k in (1, 4):
+            for k in (1, 4, 32):
                 row[f"coords_k{k}"] = _time_ms(
                     lambda k=k, snap=placed, rng=rng, origin=origin: select_routes(
                         snap, FP, k, rng=rng, origin=origin
                     ),
                     repeats,
                 )
+            # Cold: the first look-up on a new snapshot also builds the per-model arrays (the tracker
+            # reuses one snapshot for snapshot_ttl_s; the simulator until the swarm changes).
+            row["coords_k32_cold"] = _time_ms(
+                lambda snap=placed, rng=rng, origin=origin: select_routes(
+                    dataclasses.replace(snap), FP, 32, rng=rng, origin=origin
+                ),
+                repeats,
+            )
+            found = select_routes(placed, FP, 32, rng=rng, origin=origin).routes
+            row["routes_found_coords_k32"] = len(found)
+            row["distinct_nodes_coords_k32"] = len({n for r in found for n in r.node_ids})
             row["recommend_span"] = _time_ms(
                 lambda snap=snap, rng=rng: recommend_span(snap, FP, 8, rng=rng), repeats
             )
@@ -586,15 +597,16 @@ def main(
         "routing": bench_routing([10, 1000, 10000], [30, 80]),
     }
     print(
-        f"{'nodes':>6} {'layers':>6} {'select k=1 ms':>14} {'select k=4 ms':>14} {'coords k=1':>11} "
-        f"{'coords k=4':>11} {'recommend ms':>13} {'routes(k=4)':>11}"
+        f"{'nodes':>6} {'layers':>6} {'blind k=1':>10} {'k=4':>7} {'k=32':>7} {'coords k=1':>11} "
+        f"{'k=4':>7} {'k=32':>7} {'k=32 cold':>10} {'recommend':>10}   (median ms)"
     )
     for r in results["routing"]:
         print(
-            f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>14.2f} "
-            f"{r['select_routes_k4']['median_ms']:>14.2f} {r['coords_k1']['median_ms']:>11.2f} "
-            f"{r['coords_k4']['median_ms']:>11.2f} {r['recommend_span']['median_ms']:>13.2f} "
-            f"{r['routes_found_k4']:>11}"
+            f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k1']['median_ms']:>10.2f} "
+            f"{r['select_routes_k4']['median_ms']:>7.2f} {r['select_routes_k32']['median_ms']:>7.2f} "
+            f"{r['coords_k1']['median_ms']:>11.2f} {r['coords_k4']['median_ms']:>7.2f} "
+            f"{r['coords_k32']['median_ms']:>7.2f} {r['coords_k32_cold']['median_ms']:>10.2f} "
+            f"{r['recommend_span']['median_ms']:>10.2f}"
         )
     if not skip_http:
         http = bench_http(nodes, concurrency, duration_s)
