@@ -230,12 +230,12 @@ def select_routes(
     ties_all = np.random.default_rng(rng.getrandbits(64)).random(n_all)
     keep = np.ones(n_all, dtype=bool)
     for node in exclude_nodes:
-        for i in cols.of_node.get(node, ()):
+        for i in cols.indices(node):
             keep[i] = False
     extra = np.zeros(n_all)
     if extra_sessions:
         for node, count in extra_sessions.items():
-            for i in cols.of_node.get(node, ()):
+            for i in cols.indices(node):
                 extra[i] = max(float(count), 0.0)
     base_all = cols.compute_ms(extra, snapshot, costs)
     tx_all = cols.transfer_ms(extra, model.n_embd, costs)
@@ -339,7 +339,8 @@ class _Columns:
 
     n_layers: int
     shards: list[ShardView]
-    of_node: dict[str, list[int]]
+    of_node: dict[str, int]  # node id -> its shard's index (one of them, if it serves several)
+    more_of_node: dict[str, list[int]]  # node id -> all its shards' indices, where it serves several
     start: npt.NDArray[np.intp]
     end: npt.NDArray[np.intp]
     span: npt.NDArray[np.intp]  # an id per distinct (start, end)
@@ -354,6 +355,14 @@ class _Columns:
     has: npt.NDArray[np.bool_]  # a trusted coordinate
     pos: FloatArray  # n x 3 (zeros where none)
     half_h: FloatArray  # half the height (zero where none)
+
+    def indices(self, node: str) -> list[int]:
+        """The indices of ``node``'s shards (none if it serves none of this model)."""
+        many = self.more_of_node.get(node)
+        if many is not None:
+            return many
+        one = self.of_node.get(node)
+        return [] if one is None else [one]
 
     def compute_ms(self, extra: FloatArray, snapshot: SwarmSnapshot, costs: RoutingCosts) -> FloatArray:
         """:func:`shard_cost_ms` of every shard at once (the same formula)."""
@@ -405,52 +414,64 @@ def _columns(snapshot: SwarmSnapshot, model: ModelInfo) -> _Columns:
         key=attrgetter("start"),
     )
     n = len(shards)
-    of_node: dict[str, list[int]] = {}
-    rows = []
+    ids = list(map(attrgetter("node_id"), shards))
+    of_node = dict(zip(ids, range(n), strict=True))  # (no list per node: 10 000s of small objects cost)
+    more: dict[str, list[int]] = {}
+    if len(of_node) < n:  # some node serves several shards of this model
+        seen: set[str] = set()
+        several: set[str] = set()
+        for node in ids:
+            (several if node in seen else seen).add(node)
+        for i, node in enumerate(ids):
+            if node in several:
+                more.setdefault(node, []).append(i)
+    # Column by column with C-level attribute access: this runs once per snapshot over 10 000s of shards.
+    numbers = attrgetter(
+        "start",
+        "end",
+        "decode_ms_per_token",
+        "max_sessions",
+        "active_sessions",
+        "queue_depth",
+        "relayed",
+        "probation",
+    )
+    table = np.array(list(map(numbers, shards)), dtype=float).reshape(n, 8)
+    start = table[:, 0].astype(np.intp)
+    end = table[:, 1].astype(np.intp)
+    span = np.unique(start * (n_layers + 1) + end, return_inverse=True)[1].reshape(n).astype(np.intp)
+    kv_full = np.fromiter((f == 0 for f in map(attrgetter("kv_free_tokens"), shards)), dtype=bool, count=n)
+    uplink = np.fromiter(
+        (u if u is not None and u > 0 else 0.0 for u in map(attrgetter("uplink_mbit_s"), shards)),
+        dtype=float,
+        count=n,
+    )
+    found_coords = list(map(attrgetter("coord"), shards))
+    placed = [i for i, c in enumerate(found_coords) if c is not None and c.error <= UNTRUSTED_ERROR]
     pos = np.zeros((n, 3))
     half_h = np.zeros(n)
     has = np.zeros(n, dtype=bool)
-    limit = UNTRUSTED_ERROR
-    spans: dict[tuple[int, int], int] = {}
-    for i, s in enumerate(shards):
-        of_node.setdefault(s.node_id, []).append(i)
-        c = s.coord
-        if c is not None and c.error <= limit:
-            has[i] = True
-            pos[i] = c.vec
-            half_h[i] = 0.5 * c.height_ms
-        rows.append(
-            (
-                s.start,
-                s.end,
-                spans.setdefault((s.start, s.end), len(spans)),
-                s.decode_ms_per_token,
-                s.max_sessions if s.max_sessions > 1 else 1,
-                s.active_sessions if s.active_sessions > 0 else 0,
-                s.queue_depth if s.queue_depth > 0 else 0,
-                s.kv_free_tokens == 0,
-                s.relayed,
-                s.probation,
-                s.uplink_mbit_s if s.uplink_mbit_s and s.uplink_mbit_s > 0 else 0.0,
-            )
-        )
-    table = np.array(rows, dtype=float).reshape(n, 11)
-    as_int = table[:, :3].astype(np.intp)
+    if placed:
+        chosen = [found_coords[i] for i in placed]
+        pos[placed] = np.array([c.vec for c in chosen if c is not None])
+        half_h[placed] = 0.5 * np.array([c.height_ms for c in chosen if c is not None])
+        has[placed] = True
     cols = _Columns(
         n_layers=n_layers,
         shards=shards,
         of_node=of_node,
-        start=as_int[:, 0],
-        end=as_int[:, 1],
-        span=as_int[:, 2],
-        decode=table[:, 3].copy(),
-        capacity=table[:, 4].copy(),
-        active=table[:, 5].copy(),
-        queued=table[:, 6].copy(),
-        kv_full=table[:, 7] > 0,
-        relayed=table[:, 8] > 0,
-        probation=table[:, 9] > 0,
-        uplink=table[:, 10].copy(),
+        more_of_node=more,
+        start=start,
+        end=end,
+        span=span,
+        decode=table[:, 2].copy(),
+        capacity=np.maximum(table[:, 3], 1.0),
+        active=np.maximum(table[:, 4], 0.0),
+        queued=np.maximum(table[:, 5], 0.0),
+        kv_full=kv_full,
+        relayed=table[:, 6] > 0,
+        probation=table[:, 7] > 0,
+        uplink=uplink,
         has=has,
         pos=pos,
         half_h=half_h,
