@@ -1,7 +1,8 @@
 """Network coordinates: pairwise latency estimates without n^2 state (Vivaldi with a height).
 
-Pure: standard library only, no I/O, no clock (times are passed in), no randomness
-(directions for coincident points come from a hash of the peer's id).
+Pure: standard library and numpy (:func:`update_many`, the vectorised refit of many endpoints)
+only, no I/O, no clock (times are passed in), no randomness (directions for coincident points
+come from a hash of the peer's id).
 
 The model
     Every endpoint (node or gateway) has a :class:`NetCoord`: a point ``vec`` in
@@ -88,6 +89,8 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 DIMENSIONS = 3
 MIN_HEIGHT_MS = 0.05
@@ -339,6 +342,116 @@ def typical_one_way_ms(
     return values[idx]
 
 
+def update_many(
+    owns: Sequence[NetCoord], obs: Sequence[Sequence[Observation]], params: VivaldiParams = DEFAULT_PARAMS
+) -> list[NetCoord]:
+    """:func:`update` of many endpoints at once (``owns[i]`` from ``obs[i]``), vectorised across
+    them: the same steps in the same order for each, so each result equals ``update(owns[i],
+    obs[i])`` up to floating-point rounding. Every endpoint reads its peers' coordinates as given
+    (a refit of many endpoints in one round sees the round's starting positions)."""
+    n = len(owns)
+    if len(obs) != n:
+        raise ValueError("update_many needs one observation list per endpoint")
+    rows = [
+        [o for o in lst[:MAX_OBSERVATIONS] if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
+        for lst in obs
+    ]
+    width = max((len(r) for r in rows), default=0)
+    x = np.array([o.vec for o in owns], dtype=float).reshape(n, DIMENSIONS)
+    h = np.maximum(np.array([o.height_ms for o in owns], dtype=float), MIN_HEIGHT_MS)
+    e = np.clip(np.array([o.error for o in owns], dtype=float), MIN_ERROR, 1.0)
+    if width == 0 or n == 0:
+        return [
+            NetCoord((float(a), float(b), float(c)), float(hh), float(ee))
+            for (a, b, c), hh, ee in zip(x.tolist(), h, e, strict=True)
+        ]
+    valid = np.zeros((n, width), dtype=bool)
+    y = np.zeros((n, width, DIMENSIONS))
+    hj = np.full((n, width), MIN_HEIGHT_MS)
+    ej = np.ones((n, width))
+    rtt = np.ones((n, width))
+    confirmed = np.zeros((n, width), dtype=bool)
+    for i, r in enumerate(rows):
+        m = len(r)
+        if not m:
+            continue
+        valid[i, :m] = True
+        y[i, :m] = [o.peer.vec for o in r]
+        hj[i, :m] = [max(o.peer.height_ms, MIN_HEIGHT_MS) for o in r]
+        ej[i, :m] = [min(max(o.peer.error, MIN_ERROR), 1.0) for o in r]
+        rtt[i, :m] = [o.rtt_ms for o in r]
+        confirmed[i, :m] = [o.confirmed for o in r]
+    counts = valid.sum(axis=1)
+    floor_ratio = math.log(params.min_outlier_ratio)
+    quantile_at = np.minimum(counts - 1, (params.outlier_quantile * counts).astype(np.intp)).clip(0)
+    rows_idx = np.arange(n)
+    for p in range(params.passes):
+        d = x[:, None, :] - y
+        pred = np.sqrt(np.einsum("ijk,ijk->ij", d, d)) + h[:, None] + hj
+        misfit = np.abs(np.log(rtt / pred))
+        ordered = np.sort(np.where(valid, misfit, np.inf), axis=1)
+        typical = ordered[rows_idx, quantile_at]
+        cutoff = np.where(counts > 0, np.maximum(params.outlier_factor * typical, floor_ratio), 0.0)
+        for j in range(width):
+            m = misfit[:, j]
+            live = valid[:, j] & ((m <= 2.0 * cutoff) | confirmed[:, j])
+            if not live.any():
+                continue
+            safe_m = np.where(m > 0, m, 1.0)
+            trust = np.where((m <= cutoff) | confirmed[:, j], 1.0, (cutoff / safe_m) ** 2)
+            dv = x - y[:, j]
+            euclid = np.sqrt(np.einsum("ij,ij->i", dv, dv))
+            dist = euclid + h + hj[:, j]
+            residual = rtt[:, j] - dist
+            weight = e / (e + ej[:, j])
+            gain = params.ce * weight * trust
+            e_new = np.clip(np.abs(residual) / rtt[:, j] * gain + e * (1.0 - gain), MIN_ERROR, 1.0)
+            limit = np.maximum(params.max_step_floor_ms, params.max_step_ratio * dist)
+            residual = np.clip(residual, -limit, limit)
+            step = params.cc * weight * trust * residual
+            apart = euclid > 1e-9
+            move = np.where(apart, step / dist, 0.0)[:, None] * dv
+            together = live & ~apart
+            if together.any():  # coincident points: a direction from the peer's id, as in update()
+                for i in np.flatnonzero(together).tolist():
+                    u = _unit_from_key(rows[i][j].peer_key, p)
+                    move[i] = (step[i] * u[0], step[i] * u[1], step[i] * u[2])
+            x = np.where(live[:, None], x + move, x)
+            h = np.where(live, np.maximum(MIN_HEIGHT_MS, h + step * (h + hj[:, j]) / dist), h)
+            e = np.where(live, e_new, e)
+    out: list[NetCoord] = []
+    for i in range(n):
+        xi, hi, ei = x[i], float(h[i]), float(e[i])
+        if not (np.isfinite(xi).all() and math.isfinite(hi) and math.isfinite(ei)):
+            out.append(owns[i])
+        else:
+            out.append(NetCoord((float(xi[0]), float(xi[1]), float(xi[2])), hi, ei))
+    return out
+
+
+def refit_many(
+    items: Sequence[
+        tuple[NetCoord | None, Mapping[str, float], Mapping[str, float], Mapping[str, NetCoord | None]]
+    ],
+    params: VivaldiParams = DEFAULT_PARAMS,
+) -> list[NetCoord | None]:
+    """:func:`refit` of many endpoints at once, each item ``(own, own_claims, claims_about, peers)``;
+    the Vivaldi steps run vectorised (:func:`update_many`), so each result equals ``refit`` of that
+    item up to floating-point rounding."""
+    prepared = [observations(own_claims, about, peers, params) for _own, own_claims, about, peers in items]
+    todo = [i for i, (obs, _b, _d) in enumerate(prepared) if obs]
+    updated = update_many([items[i][0] or ORIGIN for i in todo], [prepared[i][0] for i in todo], params)
+    result: list[NetCoord | None] = [own for own, _c, _a, _p in items]
+    for i, new in zip(todo, updated, strict=True):
+        result[i] = new
+    for i, (_obs, both, disputes) in enumerate(prepared):
+        share = disputes / both if both else 0.0
+        new_c = result[i]
+        if new_c is not None and share > new_c.error:
+            result[i] = NetCoord(new_c.vec, new_c.height_ms, min(1.0, share))
+    return result
+
+
 __all__ = [
     "DIMENSIONS",
     "MAX_CLAIMS_PER_REPORTER",
@@ -360,6 +473,8 @@ __all__ = [
     "AGREE_RATIO",
     "DISPUTE_SLACK_MS",
     "refit",
+    "refit_many",
     "typical_one_way_ms",
     "update",
+    "update_many",
 ]

@@ -157,11 +157,22 @@ def shard_cost_ms(
     """Expected compute time (with the wait for a slot, + relay and probation penalties) of one
     token through this shard for one more session, under its reported load plus ``extra_sessions``
     (sessions handed out there since its last report)."""
+    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
+    cost = _loaded_compute_ms(shard, load, costs)
+    if shard.relayed:
+        cost += snapshot.relay_penalty_ms
+    if shard.probation:
+        cost += snapshot.probation_penalty_ms
+    return cost
+
+
+def _loaded_compute_ms(shard: ShardView, load: float, costs: RoutingCosts) -> float:
+    """The load-dependent part of :func:`shard_cost_ms` with ``load`` sessions on the shard."""
     decode = shard.decode_ms_per_token
     if decode < costs.min_decode_ms_per_token:
         decode = costs.min_decode_ms_per_token
     capacity = shard.max_sessions if shard.max_sessions > 1 else 1
-    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
+    load = load if load > 0 else 0.0
     queued = shard.queue_depth if shard.queue_depth > 0 else 0
     occupancy = min((load + queued) / capacity, costs.max_occupancy)
     cost = decode * (
@@ -169,10 +180,6 @@ def shard_cost_ms(
     )
     if load >= capacity or shard.kv_free_tokens == 0:
         cost += costs.saturated_penalty_ms
-    if shard.relayed:
-        cost += snapshot.relay_penalty_ms
-    if shard.probation:
-        cost += snapshot.probation_penalty_ms
     return cost
 
 
@@ -181,14 +188,42 @@ def transfer_ms(
 ) -> float:
     """Time for ``shard`` to send one token's hidden state over its uplink, behind the frames of
     the sessions it already serves (reported plus ``extra_sessions``)."""
+    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
+    return _loaded_transfer_ms(shard, n_embd, load, costs)
+
+
+def _loaded_transfer_ms(shard: ShardView, n_embd: int, load: float, costs: RoutingCosts) -> float:
     mbit = (
         shard.uplink_mbit_s
         if shard.uplink_mbit_s and shard.uplink_mbit_s > 0
         else costs.default_uplink_mbit_s
     )
-    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
     one = n_embd * costs.activation_bytes_per_value * 8.0 / (mbit * 1000.0)
-    return one * (1.0 + costs.uplink_queue_share * load)
+    return one * (1.0 + costs.uplink_queue_share * (load if load > 0 else 0.0))
+
+
+def repriced_ms(
+    route: Route, sessions_now: Mapping[str, float], n_embd: int, costs: RoutingCosts = DEFAULT_COSTS
+) -> float:
+    """``route.expected_ms_per_token`` with its stages' load as it is now (node id -> sessions it
+    serves, as the asking gateway knows it; stages not named keep the load they were priced with).
+    A gateway choosing among its pooled routes between look-ups uses this: only the load terms
+    (compute, wait for a slot, uplink queue) change, the latencies stay."""
+    total = route.expected_ms_per_token
+    last = len(route.hops) - 1
+    for i, hop in enumerate(route.hops):
+        now = sessions_now.get(hop.node_id)
+        if now is None:
+            continue
+        then = float(hop.active_sessions if hop.active_sessions > 0 else 0)
+        if now == then:
+            continue
+        total += _loaded_compute_ms(hop, now, costs) - _loaded_compute_ms(hop, then, costs)
+        if i < last:  # the last stage sends only the sampled token
+            total += _loaded_transfer_ms(hop, n_embd, now, costs) - _loaded_transfer_ms(
+                hop, n_embd, then, costs
+            )
+    return total
 
 
 def trusted(coord: NetCoord | None) -> NetCoord | None:
@@ -819,6 +854,7 @@ __all__ = [
     "RouteSelection",
     "RoutingCosts",
     "DEFAULT_COSTS",
+    "repriced_ms",
     "select_routes",
     "shard_cost_ms",
     "transfer_ms",

@@ -127,6 +127,10 @@ class GatewayConfig:
     # New sessions avoid pooled routes the selector expects to be slower than this per token
     # (they wait instead). 0 = no bound. Recovery ignores it: a slow stage beats a failed session.
     max_route_ms_per_token: float = 0.0
+    # A new session goes to the pooled route cheapest at its stages' current load, re-priced with the
+    # tracker's cost model (tracker.routing.repriced_ms); false: the route's expected time per token
+    # times (1 + its busiest stage's occupancy), as before.
+    reprice_routes: bool = True
     prefill_chunk_tokens: int = 256
     step_token_budget: int = 512  # tokens one batch step of a node may hold (decode first)
     # "relay": every hop is gateway -> stage -> gateway; "push": stages send hidden states to the next
