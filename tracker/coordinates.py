@@ -262,6 +262,7 @@ def observations(
     (see :func:`probe_back`)."""
     out: list[Observation] = []
     both = disputes = 0
+    ratio = params.dispute_ratio
     for peer_id in sorted(own_claims):
         if peer_id not in peers:
             continue
@@ -269,11 +270,13 @@ def observations(
         other = claims_about.get(peer_id)
         if other is not None:
             both += 1
-            if disputed(rtt, other, params.dispute_ratio):
+            # disputed(rtt, other, ...), written out: this runs for every pair of every refit
+            lo, hi = (rtt, other) if rtt <= other else (other, rtt)
+            if hi > ratio * lo + DISPUTE_SLACK_MS:
                 disputes += 1
                 continue  # one side lies: the pair counts for neither
-            confirmed = not disputed(rtt, other, AGREE_RATIO)
-            rtt = max(rtt, other)
+            confirmed = hi <= AGREE_RATIO * lo + DISPUTE_SLACK_MS
+            rtt = hi
         else:
             confirmed = False
         out.append(Observation(peer_id, peers[peer_id] or ORIGIN, rtt, confirmed))
@@ -352,10 +355,8 @@ def update_many(
     n = len(owns)
     if len(obs) != n:
         raise ValueError("update_many needs one observation list per endpoint")
-    rows = [
-        [o for o in lst[:MAX_OBSERVATIONS] if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS and o.peer.is_finite()]
-        for lst in obs
-    ]
+    # (A NetCoord is finite by construction, so only the RTT's range filters here.)
+    rows = [[o for o in lst[:MAX_OBSERVATIONS] if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS] for lst in obs]
     width = max((len(r) for r in rows), default=0)
     x = np.array([o.vec for o in owns], dtype=float).reshape(n, DIMENSIONS)
     h = np.maximum(np.array([o.height_ms for o in owns], dtype=float), MIN_HEIGHT_MS)
@@ -365,22 +366,22 @@ def update_many(
             NetCoord((float(a), float(b), float(c)), float(hh), float(ee))
             for (a, b, c), hh, ee in zip(x.tolist(), h, e, strict=True)
         ]
+    # Every row's observations, flattened, then scattered into (endpoint, observation) arrays.
+    flat = [o for r in rows for o in r]
+    at_row = np.repeat(np.arange(n), [len(r) for r in rows])
+    at_col = np.concatenate([np.arange(len(r)) for r in rows])
     valid = np.zeros((n, width), dtype=bool)
+    valid[at_row, at_col] = True
     y = np.zeros((n, width, DIMENSIONS))
+    y[at_row, at_col] = np.array([o.peer.vec for o in flat], dtype=float).reshape(len(flat), DIMENSIONS)
     hj = np.full((n, width), MIN_HEIGHT_MS)
+    hj[at_row, at_col] = np.maximum([o.peer.height_ms for o in flat], MIN_HEIGHT_MS)
     ej = np.ones((n, width))
+    ej[at_row, at_col] = np.clip([o.peer.error for o in flat], MIN_ERROR, 1.0)
     rtt = np.ones((n, width))
+    rtt[at_row, at_col] = [o.rtt_ms for o in flat]
     confirmed = np.zeros((n, width), dtype=bool)
-    for i, r in enumerate(rows):
-        m = len(r)
-        if not m:
-            continue
-        valid[i, :m] = True
-        y[i, :m] = [o.peer.vec for o in r]
-        hj[i, :m] = [max(o.peer.height_ms, MIN_HEIGHT_MS) for o in r]
-        ej[i, :m] = [min(max(o.peer.error, MIN_ERROR), 1.0) for o in r]
-        rtt[i, :m] = [o.rtt_ms for o in r]
-        confirmed[i, :m] = [o.confirmed for o in r]
+    confirmed[at_row, at_col] = [o.confirmed for o in flat]
     counts = valid.sum(axis=1)
     floor_ratio = math.log(params.min_outlier_ratio)
     quantile_at = np.minimum(counts - 1, (params.outlier_quantile * counts).astype(np.intp)).clip(0)

@@ -156,9 +156,10 @@ class SimCoordinates:
 
     def _claim(self, reporter: str, peer: str, rtt: float, now_s: float) -> None:
         table = self._claims.setdefault(reporter, {})
+        table.pop(peer, None)  # re-inserted last: the table stays ordered from the oldest claim
         table[peer] = (rtt, now_s)
         self._about.setdefault(peer, {})[reporter] = (rtt, now_s)
         if len(table) > MAX_CLAIMS_PER_REPORTER:
-            oldest = min(table, key=lambda p: (table[p][1], p))
+            oldest = next(iter(table))
             del table[oldest]
             self._about.get(oldest, {}).pop(reporter, None)
