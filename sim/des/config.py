@@ -145,6 +145,10 @@ class PolicyConfig:
     # and the asking gateway's position; "blind": the same function without coordinates (the
     # tracker before coordinates: every hop the same default latency); "nearest": the baseline.
     routing: str = "tracker"
+    # The route cost's load terms (tracker.routing.RoutingCosts, docs/tracker.md "Route selection").
+    batch_growth_per_session: float = 0.15  # a batch step's growth per session, in single-token times
+    queue_wait_weight: float = 1.0  # the wait for a slot: this times u / (1 - u), in single-token times
+    uplink_queue_share: float = 0.5  # a frame waits behind this share of the other sessions' frames
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,9 @@ def _validate_policy(policy: PolicyConfig) -> None:
         raise ScenarioError(f"policy.placement must be 'tracker' or 'random', got {policy.placement!r}")
     if policy.routing not in ("tracker", "blind", "nearest"):
         raise ScenarioError(f"policy.routing must be 'tracker', 'blind' or 'nearest', got {policy.routing!r}")
+    for name in ("batch_growth_per_session", "queue_wait_weight", "uplink_queue_share"):
+        if not getattr(policy, name) >= 0:
+            raise ScenarioError(f"policy.{name} must be >= 0")
 
 
 def _validate(s: Scenario) -> None:

@@ -135,13 +135,15 @@ class SimCoordinates:
         # (as a tracker refitting each heartbeat's reporter sees its peers), in one vectorised call.
         reporters = list(targets)
         cutoff = now_s - self.claim_ttl_s
-        items = []
+        items: list[
+            tuple[NetCoord | None, dict[str, float], dict[str, float], dict[str, NetCoord | None]]
+        ] = []
         where, coords = self._where, self.coords
         for key in reporters:
-            own = {p: r for p, (r, at) in self._claims.get(key, {}).items() if at >= cutoff}
+            claimed = {p: r for p, (r, at) in self._claims.get(key, {}).items() if at >= cutoff}
             about = {p: r for p, (r, at) in self._about.get(key, {}).items() if at >= cutoff}
-            peers = {p: coords.get(p) for p in (*own, *about) if p in where}
-            items.append((coords.get(key), own, about, peers))
+            known = {p: coords.get(p) for p in (*claimed, *about) if p in where}
+            items.append((coords.get(key), claimed, about, known))
         for key, new in zip(reporters, refit_many(items), strict=True):
             coords[key] = new
         self.refits += len(reporters)

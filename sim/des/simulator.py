@@ -98,7 +98,12 @@ class Simulation:
             sc.policy.routing,
             self._latency_to_gateway,
             (lambda g: coords.coord(gateway_key(g))) if coords is not None else (lambda g: None),
-            RoutingCosts(activation_bytes_per_value=2.0),  # the simulated frames are f16
+            RoutingCosts(
+                activation_bytes_per_value=2.0,  # the simulated frames are f16
+                batch_growth_per_session=sc.policy.batch_growth_per_session,
+                queue_wait_weight=sc.policy.queue_wait_weight,
+                uplink_queue_share=sc.policy.uplink_queue_share,
+            ),
         )
         self.gateways = Gateways(
             sc.gateway,
