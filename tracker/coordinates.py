@@ -289,20 +289,43 @@ def probe_back(own_claims: Mapping[str, float], claims_about: Mapping[str, float
     return sorted(p for p in claims_about if p not in own_claims)[:limit]
 
 
+def first_position(key: str, own_claims: Mapping[str, float]) -> NetCoord:
+    """Where an endpoint's first coordinate starts: a direction from a hash of its id, at half
+    the median of its own claims (at least 1 ms) -- never the origin.
+
+    Starting everyone at the origin collapses the embedding onto a line: the first endpoint
+    placed moves away from the origin along some direction, the next ones move along the
+    lines joining them to it, and Vivaldi's forces between collinear points stay on that line.
+    Three regions cannot be embedded on a line (the heights absorb the misfit: on the
+    emulated WAN two eu nodes 12 ms apart were predicted 100 ms apart with 40-50 ms heights)
+    and the points leave the line only through rounding, over hundreds of refits. A
+    replay of the live claims took 274-297 rounds from origin starts and 7-36 from these
+    (docs/tracker.md, Network coordinates)."""
+    if not key:
+        return ORIGIN
+    values = sorted(v for v in own_claims.values() if MIN_RTT_MS <= v <= MAX_RTT_MS)
+    radius = max(1.0, 0.5 * values[len(values) // 2]) if values else 1.0
+    u = _unit_from_key(key, -1)
+    return NetCoord((radius * u[0], radius * u[1], radius * u[2]), MIN_HEIGHT_MS, 1.0)
+
+
 def refit(
     own: NetCoord | None,
     own_claims: Mapping[str, float],
     claims_about: Mapping[str, float],
     peers: Mapping[str, NetCoord | None],
     params: VivaldiParams = DEFAULT_PARAMS,
+    *,
+    key: str = "",
 ) -> NetCoord | None:
     """The endpoint's new coordinate, or its old one (None: still unknown) when it has no
-    observation of a known peer. A first coordinate starts at the origin. The error
-    estimate is at least the share of its two-sided pairs that are disputed (an endpoint
-    others contradict counts for little in their refits, and routing prices it as unknown
-    past ``UNTRUSTED_ERROR``)."""
+    observation of a known peer. A first coordinate starts at :func:`first_position` of
+    ``key`` (the endpoint's id; the origin without one). The error estimate is at least the
+    share of its two-sided pairs that are disputed (an endpoint others contradict counts for
+    little in their refits, and routing prices it as unknown past ``UNTRUSTED_ERROR``)."""
     obs, both, disputes = observations(own_claims, claims_about, peers, params)
-    new = update(own if own is not None else ORIGIN, obs, params) if obs else own
+    start = own if own is not None else first_position(key, own_claims)
+    new = update(start, obs, params) if obs else own
     share = disputes / both if both else 0.0
     if new is not None and share > new.error:
         new = NetCoord(new.vec, new.height_ms, min(1.0, share))
@@ -432,17 +455,21 @@ def update_many(
 
 def refit_many(
     items: Sequence[
-        tuple[NetCoord | None, Mapping[str, float], Mapping[str, float], Mapping[str, NetCoord | None]]
+        tuple[str, NetCoord | None, Mapping[str, float], Mapping[str, float], Mapping[str, NetCoord | None]]
     ],
     params: VivaldiParams = DEFAULT_PARAMS,
 ) -> list[NetCoord | None]:
-    """:func:`refit` of many endpoints at once, each item ``(own, own_claims, claims_about, peers)``;
-    the Vivaldi steps run vectorised (:func:`update_many`), so each result equals ``refit`` of that
-    item up to floating-point rounding."""
-    prepared = [observations(own_claims, about, peers, params) for _own, own_claims, about, peers in items]
+    """:func:`refit` of many endpoints at once, each item ``(key, own, own_claims, claims_about,
+    peers)``; the Vivaldi steps run vectorised (:func:`update_many`), so each result equals
+    ``refit(own, own_claims, claims_about, peers, key=key)`` up to floating-point rounding."""
+    prepared = [observations(own_claims, about, peers, params) for _k, _o, own_claims, about, peers in items]
     todo = [i for i, (obs, _b, _d) in enumerate(prepared) if obs]
-    updated = update_many([items[i][0] or ORIGIN for i in todo], [prepared[i][0] for i in todo], params)
-    result: list[NetCoord | None] = [own for own, _c, _a, _p in items]
+    starts = [
+        own if own is not None else first_position(key, own_claims)
+        for key, own, own_claims, _a, _p in (items[i] for i in todo)
+    ]
+    updated = update_many(starts, [prepared[i][0] for i in todo], params)
+    result: list[NetCoord | None] = [own for _k, own, _c, _a, _p in items]
     for i, new in zip(todo, updated, strict=True):
         result[i] = new
     for i, (_obs, both, disputes) in enumerate(prepared):
@@ -470,6 +497,7 @@ __all__ = [
     "observations",
     "probe_back",
     "disputed",
+    "first_position",
     "UNTRUSTED_ERROR",
     "AGREE_RATIO",
     "DISPUTE_SLACK_MS",

@@ -136,14 +136,14 @@ class SimCoordinates:
         reporters = list(targets)
         cutoff = now_s - self.claim_ttl_s
         items: list[
-            tuple[NetCoord | None, dict[str, float], dict[str, float], dict[str, NetCoord | None]]
+            tuple[str, NetCoord | None, dict[str, float], dict[str, float], dict[str, NetCoord | None]]
         ] = []
         where, coords = self._where, self.coords
         for key in reporters:
             claimed = {p: r for p, (r, at) in self._claims.get(key, {}).items() if at >= cutoff}
             about = {p: r for p, (r, at) in self._about.get(key, {}).items() if at >= cutoff}
             known = {p: coords.get(p) for p in (*claimed, *about) if p in where}
-            items.append((coords.get(key), claimed, about, known))
+            items.append((key, coords.get(key), claimed, about, known))
         for key, new in zip(reporters, refit_many(items), strict=True):
             coords[key] = new
         self.refits += len(reporters)
