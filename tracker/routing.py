@@ -280,6 +280,8 @@ def select_routes(
     # One draw from ``rng`` seeds the tie keys of all eligible shards: the same snapshot and seed
     # always give the same answer, and identical shards share traffic across calls.
     ties_all = np.random.default_rng(rng.getrandbits(64)).random(n_all)
+    # Per-request eligibility is a mask over the (per-snapshot) columns; a filter that depends on
+    # the request goes here, a preference as a term of _Columns.compute_ms.
     keep = np.ones(n_all, dtype=bool)
     for node in exclude_nodes:
         for i in cols.indices(node):
