@@ -152,7 +152,11 @@ class RoutingCosts:
     batch_growth_per_session: float = 0.15
     # Expected wait for a slot, in single-token times, is this times u / (1 - u) at occupancy u.
     queue_wait_weight: float = 1.0
-    max_occupancy: float = 0.95  # u is capped here (a full shard also pays saturated_penalty_ms)
+    # A term linear in the occupancy u, in single-token times (the cost model before queueing was
+    # priced: occupancy_weight=1, batch growth, queue wait and uplink queue 0).
+    occupancy_weight: float = 0.0
+    # u is capped here (a full shard also pays saturated_penalty_ms); must be < 1 with a queue wait.
+    max_occupancy: float = 0.95
     # The uplink sends a step's frames one after another: a session's frame waits on average
     # behind this share of the others'.
     uplink_queue_share: float = 0.5
@@ -160,6 +164,12 @@ class RoutingCosts:
     # ``prune_floor + prune_per_route * k`` are searched (see "Complexity").
     prune_floor: int = 4
     prune_per_route: int = 1
+
+    def __post_init__(self) -> None:
+        if self.queue_wait_weight and not 0.0 <= self.max_occupancy < 1.0:
+            raise ValueError("max_occupancy must be in [0, 1) when queue_wait_weight is set")
+        if self.prune_floor < 1 or self.prune_per_route < 0:
+            raise ValueError("prune_floor must be >= 1 and prune_per_route >= 0")
 
 
 DEFAULT_COSTS = RoutingCosts()
@@ -192,9 +202,10 @@ def _loaded_compute_ms(shard: ShardView, load: float, costs: RoutingCosts) -> fl
     load = load if load > 0 else 0.0
     queued = shard.queue_depth if shard.queue_depth > 0 else 0
     occupancy = min((load + queued) / capacity, costs.max_occupancy)
-    cost = decode * (
-        1.0 + costs.batch_growth_per_session * load + costs.queue_wait_weight * occupancy / (1.0 - occupancy)
-    )
+    factor = 1.0 + costs.batch_growth_per_session * load + costs.occupancy_weight * occupancy
+    if costs.queue_wait_weight:
+        factor += costs.queue_wait_weight * occupancy / (1.0 - occupancy)
+    cost = decode * factor
     if load >= capacity or shard.kv_free_tokens == 0:
         cost += costs.saturated_penalty_ms
     return cost
@@ -423,11 +434,10 @@ class _Columns:
         decode = np.maximum(self.decode, costs.min_decode_ms_per_token)
         load = self.active + extra
         occupancy = np.minimum((load + self.queued) / self.capacity, costs.max_occupancy)
-        cost = decode * (
-            1.0
-            + costs.batch_growth_per_session * load
-            + costs.queue_wait_weight * occupancy / (1.0 - occupancy)
-        )
+        factor = 1.0 + costs.batch_growth_per_session * load + costs.occupancy_weight * occupancy
+        if costs.queue_wait_weight:
+            factor = factor + costs.queue_wait_weight * occupancy / (1.0 - occupancy)
+        cost = decode * factor
         cost = cost + np.where((load >= self.capacity) | self.kv_full, costs.saturated_penalty_ms, 0.0)
         cost = cost + np.where(self.relayed, snapshot.relay_penalty_ms, 0.0)
         result: FloatArray = cost + np.where(self.probation, snapshot.probation_penalty_ms, 0.0)

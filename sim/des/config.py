@@ -149,6 +149,8 @@ class PolicyConfig:
     batch_growth_per_session: float = 0.15  # a batch step's growth per session, in single-token times
     queue_wait_weight: float = 1.0  # the wait for a slot: this times u / (1 - u), in single-token times
     uplink_queue_share: float = 0.5  # a frame waits behind this share of the other sessions' frames
+    occupancy_weight: float = 0.0  # a term linear in the occupancy (1 with the others 0: the model before)
+    max_occupancy: float = 0.95  # the occupancy is capped here (< 1 with a queue wait)
 
 
 @dataclass(frozen=True)
@@ -269,9 +271,11 @@ def _validate_policy(policy: PolicyConfig) -> None:
         raise ScenarioError(f"policy.placement must be 'tracker' or 'random', got {policy.placement!r}")
     if policy.routing not in ("tracker", "blind", "nearest"):
         raise ScenarioError(f"policy.routing must be 'tracker', 'blind' or 'nearest', got {policy.routing!r}")
-    for name in ("batch_growth_per_session", "queue_wait_weight", "uplink_queue_share"):
+    for name in ("batch_growth_per_session", "queue_wait_weight", "uplink_queue_share", "occupancy_weight"):
         if not getattr(policy, name) >= 0:
             raise ScenarioError(f"policy.{name} must be >= 0")
+    if policy.queue_wait_weight and not 0 <= policy.max_occupancy < 1:
+        raise ScenarioError("policy.max_occupancy must be in [0, 1) when policy.queue_wait_weight > 0")
 
 
 def _validate(s: Scenario) -> None:

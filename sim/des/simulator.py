@@ -103,6 +103,8 @@ class Simulation:
                 batch_growth_per_session=sc.policy.batch_growth_per_session,
                 queue_wait_weight=sc.policy.queue_wait_weight,
                 uplink_queue_share=sc.policy.uplink_queue_share,
+                occupancy_weight=sc.policy.occupancy_weight,
+                max_occupancy=sc.policy.max_occupancy,
             ),
         )
         self.gateways = Gateways(
