@@ -17,17 +17,24 @@ The model
 
 The decision, in order
     1. A pinned node (an operator fixed its span) stays.
-    2. A node that alone holds some layer of its span stays: leaving would cut every
-       route (it is a single point of failure itself; others should join next to it).
+    2. A node stays if leaving would leave a layer of its span with fewer than
+       ``min_holders`` holders (2: never cut a model, nor make a single point of failure;
+       others should join next to it).
+    Demand: a model's counts as at least ``demand_floor_share`` of the mean over the
+    models, so a model nobody asks for right now keeps some capacity.
     3. For every model the node may serve (``capacity_layers``), the span it would take
-       on the swarm without it (:func:`tracker.placement.recommend_span`), and the
-       service level of the worse-off of its old and that model afterwards.
-    4. It moves to the best candidate only if that raises the worse-off service level
-       by at least ``min_gain`` (relative; hysteresis: moves that gain little are not
-       worth a drain and a download, and two nodes trading places forever gain nothing),
-       or, within its model, if afterwards fewer layers are held by a single node (a
-       single point of failure removed) and the model's throughput drops by at most
-       ``max_spof_cost``.
+       on the swarm without it (:func:`tracker.placement.recommend_span`: the weakest
+       layers, aligned with the existing boundaries).
+    4. It moves where the layers it would join are poorest -- their weakest coverage per
+       unit of their model's demand -- if the layers it leaves would, without it, still
+       be at least ``1 + min_gain`` times richer (hysteresis: a move that gains less is
+       not worth a drain and a download, and after a move the two sides are within that
+       factor, so nodes do not trade places back and forth); or, within its model, if
+       afterwards fewer layers are held by a single node (a single point of failure
+       removed) and the model's throughput drops by at most ``max_spof_cost``.
+
+    Comparing spans rather than whole models lets one node at a time fix a model whose
+    halves are equally weak (moving one node does not raise the minimum of both).
 
 Bounds: the caller runs this once per node per interval (O(shards) per model each).
 """
@@ -44,7 +51,11 @@ from tracker.snapshot import ShardView, SwarmSnapshot
 
 @dataclass(frozen=True)
 class RebalanceParams:
-    min_gain: float = 0.25  # a move must raise the worse-off service level by this share
+    min_gain: float = 0.25  # the layers left must stay this much richer than those joined
+    min_holders: int = 2  # a node does not leave layers that would then have fewer holders than this
+    # A model's demand counts as at least this share of the mean demand of the models (an idle
+    # model keeps some capacity for when its demand comes back).
+    demand_floor_share: float = 0.5
     max_spof_cost: float = 0.1  # a move that removes a single point of failure may cost this share
     min_decode_ms_per_token: float = 0.001
 
@@ -58,7 +69,7 @@ class Move:
     start: int
     end: int
     reason: str  # "throughput" or "single_point_of_failure"
-    gain: float  # relative change of the service level that decided it
+    gain: float  # how much richer (relative) the layers it leaves are than those it joins
 
 
 def throughput(snapshot: SwarmSnapshot, model_fingerprint: str) -> float:
@@ -67,6 +78,16 @@ def throughput(snapshot: SwarmSnapshot, model_fingerprint: str) -> float:
     if model is None or model.n_layers < 1:
         return 0.0
     return min(layer_coverage(snapshot, model_fingerprint, model.n_layers))
+
+
+def _fewest_holders(snapshot: SwarmSnapshot, fp: str, start: int, end: int) -> int:
+    """The fewest distinct nodes holding any layer of ``[start, end)`` of model ``fp``."""
+    holders: list[set[str]] = [set() for _ in range(start, end)]
+    for s in snapshot.shards:
+        if s.model_fingerprint == fp:
+            for layer in range(max(s.start, start), min(s.end, end)):
+                holders[layer - start].add(s.node_id)
+    return min((len(h) for h in holders), default=0)
 
 
 def single_holders(snapshot: SwarmSnapshot, model_fingerprint: str) -> list[int]:
@@ -80,11 +101,6 @@ def single_holders(snapshot: SwarmSnapshot, model_fingerprint: str) -> list[int]
             for layer in range(s.start, s.end):
                 holders[layer].add(s.node_id)
     return [i for i, h in enumerate(holders) if len(h) == 1]
-
-
-def _level(snapshot: SwarmSnapshot, fp: str, demand: Mapping[str, float]) -> float:
-    want = demand.get(fp, 0.0)
-    return float("inf") if want <= 0 else throughput(snapshot, fp) / want
 
 
 def advise(
@@ -108,11 +124,14 @@ def advise(
         return None
     here = mine[0]
     fp = here.model_fingerprint
-    if set(range(here.start, here.end)) & set(single_holders(snapshot, fp)):
-        return None  # it alone holds a layer: leaving would cut the model
+    if _fewest_holders(snapshot, fp, here.start, here.end) - 1 < max(1, params.min_holders):
+        return None  # leaving would cut the model, or leave one of its layers with too few holders
+    floor = params.demand_floor_share * sum(demand.values()) / max(1, len(demand))
+    demand = {m: max(demand.get(m, 0.0), floor) for m in {fp, *capacity_layers, *demand}}
     per_layer_ms = max(here.decode_ms_per_token, params.min_decode_ms_per_token) / (here.end - here.start)
     without = replace(snapshot, shards=tuple(s for s in snapshot.shards if s.node_id != node_id))
-    before = min(_level(snapshot, m, demand) for m in {fp, *capacity_layers})
+    # What the layers it serves would have without it, per unit of their model's demand.
+    source = _span_level(without, fp, here.start, here.end, demand)
 
     best: tuple[float, Move] | None = None
     for target in sorted(capacity_layers):
@@ -122,19 +141,30 @@ def advise(
         a, b = recommend_span(without, target, cap, rng=rng)
         if target == fp and (a, b) == (here.start, here.end):
             continue
-        moved = _with_shard(without, here, target, a, b, per_layer_ms)
-        after = min(_level(moved, m, demand) for m in {fp, *capacity_layers})
-        gain = _relative(after, before)
+        goal = _span_level(without, target, a, b, demand)
+        gain = _relative(source, goal)  # how much richer the layers it leaves are than those it joins
         reason = ""
         if gain >= params.min_gain:
             reason = "throughput"
-        elif target == fp and len(single_holders(moved, fp)) < len(single_holders(snapshot, fp)):
-            cost = _relative(throughput(moved, fp), throughput(snapshot, fp))
-            if cost >= -params.max_spof_cost:
-                reason = "single_point_of_failure"
+        elif target == fp:
+            moved = _with_shard(without, here, target, a, b, per_layer_ms)
+            if len(single_holders(moved, fp)) < len(single_holders(snapshot, fp)):
+                cost = _relative(throughput(moved, fp), throughput(snapshot, fp))
+                if cost >= -params.max_spof_cost:
+                    reason = "single_point_of_failure"
         if reason and (best is None or gain > best[0]):
             best = (gain, Move(target, a, b, reason, gain))
     return best[1] if best is not None else None
+
+
+def _span_level(snapshot: SwarmSnapshot, fp: str, start: int, end: int, demand: Mapping[str, float]) -> float:
+    """The weakest coverage of ``[start, end)`` per unit of the model's demand (inf without demand)."""
+    want = demand.get(fp, 0.0)
+    model = snapshot.model(fp)
+    if want <= 0 or model is None:
+        return float("inf")
+    cover = layer_coverage(snapshot, fp, model.n_layers)
+    return min(cover[start:end]) / want
 
 
 def _with_shard(

@@ -91,6 +91,11 @@ class NodesConfig:
     download_mbps: float = 0.0  # 0 = shards load instantly; else shard bytes / this before serving
     max_layers: int = 0  # cap on a node's shard length (0 = memory decides)
     profiles: tuple[ProfileShare, ...] = (ProfileShare(),)
+    # Rebalancing (tracker.rebalance.advise): every this many seconds (0 = never) this many serving
+    # nodes, drawn at random, ask whether to move; a node told to move drains, downloads its new span
+    # (download_mbps) and serves it. Demand per model: the sessions its gateways hold or queue.
+    rebalance_interval_s: float = 0.0
+    rebalance_nodes_per_round: int = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Burst:
     start_s: float = 0.0
     duration_s: float = 0.0
     rate_per_s: float = 0.0  # added to the base rate during the burst
+    model: str = ""  # the burst's requests all go to this model ("": split like the base rate)
 
 
 @dataclass(frozen=True)
@@ -306,6 +312,12 @@ def _validate(s: Scenario) -> None:
     need(s.nodes.initial >= 0, "nodes.initial must be >= 0")
     need(0.0 <= s.nodes.crash_fraction <= 1.0, "nodes.crash_fraction must be in [0, 1]")
     need(s.nodes.heartbeat_interval_s > 0, "nodes.heartbeat_interval_s must be > 0")
+    need(s.nodes.rebalance_interval_s >= 0, "nodes.rebalance_interval_s must be >= 0")
+    need(s.nodes.rebalance_nodes_per_round >= 1, "nodes.rebalance_nodes_per_round must be >= 1")
+    for b in s.workload.bursts:
+        need(
+            not b.model or b.model in {m.name for m in s.models}, f"workload burst model {b.model!r} unknown"
+        )
     need(len(s.nodes.profiles) >= 1, "nodes.profiles must not be empty")
     for ps in s.nodes.profiles:
         need(ps.profile in PROFILES, f"unknown hardware profile {ps.profile!r}; known: {sorted(PROFILES)}")

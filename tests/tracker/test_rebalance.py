@@ -21,6 +21,7 @@ def test_throughput_is_the_weakest_layer_and_zero_with_a_gap() -> None:
 def test_a_node_that_alone_holds_a_layer_stays() -> None:
     snap = snapshot(10, [shard("a", 0, 5), shard("b", 5, 10), shard("c", 5, 10)])
     assert advise(snap, "a", {FP: 5}, {FP: 1.0}, rng=random.Random(0)) is None
+    assert advise(snap, "b", {FP: 5}, {FP: 1.0}, rng=random.Random(0)) is None  # would leave one holder
 
 
 def test_a_redundant_node_moves_to_the_weakest_layers() -> None:
@@ -52,12 +53,18 @@ def test_pinned_nodes_and_small_gains_stay() -> None:
 
 
 def test_demand_moves_a_node_to_the_model_that_needs_it() -> None:
-    # Two whole copies of FP, nobody on OTHER; the demand is all on OTHER.
-    snap = snapshot(10, [shard("a", 0, 10, ms=10.0), shard("b", 0, 10, ms=10.0)])
+    # Three whole copies of FP, nobody on OTHER; the demand is all on OTHER.
+    snap = snapshot(10, [shard(n, 0, 10, ms=10.0) for n in ("a", "b", "c")])
     move = advise(snap, "b", {FP: 10, OTHER_FP: 10}, {OTHER_FP: 5.0}, rng=random.Random(0))
     assert move is not None and move.model_fingerprint == OTHER_FP and (move.start, move.end) == (0, 10)
-    # With the demand on FP, b stays.
-    assert advise(snap, "b", {FP: 10, OTHER_FP: 10}, {FP: 5.0}, rng=random.Random(0)) is None
+    # With the demand on FP, an OTHER nobody serves still gets one node (its demand floor) ...
+    floor = advise(snap, "b", {FP: 10, OTHER_FP: 10}, {FP: 5.0}, rng=random.Random(0))
+    assert floor is not None and floor.model_fingerprint == OTHER_FP
+    # ... but once it has a copy, b stays; and with two copies left, nobody leaves (min_holders).
+    served = snapshot(10, [*snap.shards, shard("o", 0, 10, ms=10.0, fp=OTHER_FP)])
+    assert advise(served, "b", {FP: 10, OTHER_FP: 10}, {FP: 5.0}, rng=random.Random(0)) is None
+    two = snapshot(10, [shard(n, 0, 10, ms=10.0) for n in ("a", "b")])
+    assert advise(two, "b", {FP: 10, OTHER_FP: 10}, {OTHER_FP: 5.0}, rng=random.Random(0)) is None
 
 
 def test_a_move_that_removes_a_single_point_of_failure() -> None:
