@@ -152,7 +152,7 @@ class PolicyConfig:
     # tracker before coordinates: every hop the same default latency); "nearest": the baseline.
     routing: str = "tracker"
     # The route cost's load terms (tracker.routing.RoutingCosts, docs/tracker.md "Route selection").
-    batch_growth_per_session: float = 0.15  # a batch step's growth per session, in single-token times
+    batch_growth_per_session: float = 0.3  # a batch step's growth per session, in single-token times
     queue_wait_weight: float = 1.0  # the wait for a slot: this times u / (1 - u), in single-token times
     uplink_queue_share: float = 0.5  # a frame waits behind this share of the other sessions' frames
     occupancy_weight: float = 0.0  # a term linear in the occupancy (1 with the others 0: the model before)
