@@ -122,15 +122,20 @@ def with_coordinates(snap: SwarmSnapshot, seed: int) -> tuple[SwarmSnapshot, Net
 
 
 def _time_ms(fn: Any, repeats: int) -> dict[str, float]:
+    """Wall and CPU time of ``fn`` (median, min, max of ``repeats`` calls). On a shared machine the
+    CPU time (``time.thread_time``: this thread only) is the steadier figure of the work done."""
     samples = []
+    cpu = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
+        cpu.append((time.thread_time() - c0) * 1000.0)
         samples.append((time.perf_counter() - t0) * 1000.0)
     return {
         "median_ms": statistics.median(samples),
         "min_ms": min(samples),
         "max_ms": max(samples),
+        "median_cpu_ms": statistics.median(cpu),
         "repeats": repeats,
     }
 
@@ -143,24 +148,53 @@ def bench_routing(sizes: list[int], layer_counts: list[int]) -> list[dict[str, A
             repeats = 50 if n <= 1000 else 10
             rng = random.Random(1)
             row: dict[str, Any] = {"nodes": n, "n_layers": n_layers}
-            for k in (1, 4):
+            for k in (1, 4, 32):
                 row[f"select_routes_k{k}"] = _time_ms(
                     lambda k=k, snap=snap, rng=rng: select_routes(snap, FP, k, rng=rng), repeats
                 )
             row["routes_found_k4"] = len(select_routes(snap, FP, 4, rng=rng).routes)
             placed, origin = with_coordinates(snap, seed=n)
-            for k in (1, 4):
+            for k in (1, 4, 32):
                 row[f"coords_k{k}"] = _time_ms(
                     lambda k=k, snap=placed, rng=rng, origin=origin: select_routes(
                         snap, FP, k, rng=rng, origin=origin
                     ),
                     repeats,
                 )
+            # Cold: the first look-up on a new snapshot also builds the per-model arrays (the tracker
+            # reuses one snapshot for snapshot_ttl_s; the simulator until the swarm changes).
+            row["coords_k32_cold"] = _time_ms(
+                lambda snap=placed, rng=rng, origin=origin: select_routes(
+                    dataclasses.replace(snap), FP, 32, rng=rng, origin=origin
+                ),
+                repeats,
+            )
+            found = select_routes(placed, FP, 32, rng=rng, origin=origin).routes
+            row["routes_found_coords_k32"] = len(found)
+            row["distinct_nodes_coords_k32"] = len({n for r in found for n in r.node_ids})
+            row["load_average"] = os.getloadavg()  # the machine is shared: what else ran meanwhile
             row["recommend_span"] = _time_ms(
                 lambda snap=snap, rng=rng: recommend_span(snap, FP, 8, rng=rng), repeats
             )
             rows.append(row)
+    _print_k32(rows)
     return rows
+
+
+def _print_k32(rows: list[dict[str, Any]]) -> None:
+    """The look-ups of 32 routes, wall and CPU time (the table main() prints has k = 1 and 4)."""
+    for unit in ("median_ms", "median_cpu_ms"):
+        print(
+            f"{'nodes':>6} {'layers':>6} {'blind k=32':>11} {'coords k=1':>11} {'k=4':>7} {'k=32':>7} "
+            f"{'k=32 cold':>10}   ({unit})"
+        )
+        for r in rows:
+            print(
+                f"{r['nodes']:>6} {r['n_layers']:>6} {r['select_routes_k32'][unit]:>11.2f} "
+                f"{r['coords_k1'][unit]:>11.2f} {r['coords_k4'][unit]:>7.2f} "
+                f"{r['coords_k32'][unit]:>7.2f} {r['coords_k32_cold'][unit]:>10.2f}"
+            )
+    print()
 
 
 # --- HTTP throughput -----------------------------------------------------------------------------

@@ -16,17 +16,29 @@ Cost of a route (milliseconds per generated token), for the gateway at ``origin`
     ``entry + sum(compute(s)) + sum over inner hops (latency(s_i, s_i+1) + transfer(s_i))
     + ring + exit``:
 
-    * ``compute(s) = decode_ms_per_token * (1 + (active + queue) / max_sessions)``
-      plus ``saturated_penalty_ms`` when the shard is full (active >= max or no
+    * ``compute(s)``, the expected time of one more session's token through the shard
+      (its queueing included), with ``d = decode_ms_per_token``, ``c = max_sessions``,
+      ``n = active + extra`` sessions (``extra``: ``extra_sessions``, what was handed
+      out there since its last report) and occupancy ``u = min((n + queue) / c,
+      max_occupancy)``::
+
+          d * (1 + batch_growth_per_session * n + queue_wait_weight * u / (1 - u))
+
+      -- a batch step grows with every session in it (memory-bound decode: a little
+      per session), and the wait for a slot grows like an M/M/1 queue's as the shard
+      fills -- plus ``saturated_penalty_ms`` when the shard is full (n >= c or no
       free KV) plus ``snapshot.relay_penalty_ms`` when it is reached through a relay
       plus ``snapshot.probation_penalty_ms`` when its node is on probation (trusted
-      nodes first; probation nodes still serve, their requests checked);
+      nodes first; probation nodes still serve, their requests checked). So a near,
+      idle node wins over a far one, and keeps winning until its load costs more than
+      the distance to the next best: near nodes are used until they are busy;
     * ``latency(a, b)`` is one-way: ``snapshot.latency_ms[(a, b)]`` if given, else
       half the RTT the two nodes' network coordinates predict
       (:mod:`tracker.coordinates`; a coordinate whose error exceeds
       ``UNTRUSTED_ERROR`` counts as none), else ``snapshot.default_latency_ms``;
     * ``transfer(s)`` = one token's hidden state (``n_embd * activation_bytes_per_value``)
-      over the sender's uplink (``ShardView.uplink_mbit_s``, else ``default_uplink_mbit_s``);
+      over the sender's uplink (``ShardView.uplink_mbit_s``, else ``default_uplink_mbit_s``),
+      times ``1 + uplink_queue_share * n``: a step's frames leave one after another;
     * ``ring`` = ``latency(last, first)``: with direct push the last stage sends the
       sampled token straight to the first (0 for a one-stage route);
     * ``entry`` / ``exit`` = ``latency`` between the gateway (``origin``, its
@@ -41,14 +53,20 @@ Cost of a route (milliseconds per generated token), for the gateway at ``origin`
     inequality, at most an exit plus an entry leg); with no positions and no
     explicit pairs (constant hops) it is exact.
 
-Complexity
-    Without coordinates or explicit pairs every hop costs the same, so one pass in
-    start order settles the best way into each boundary (O(n)). With coordinates,
-    each boundary's predecessors are first reduced to those not *dominated* (q
-    dominates p when reaching p's position through q is no dearer: then q is at
-    least as good for every successor, by the triangle inequality), then every
-    successor is priced against that frontier in one vectorised step. Explicit
-    ``latency_ms`` pairs use a scan of predecessors cheapest first with an early stop.
+Complexity (measured by ``sim/bench_tracker.py``, docs/tracker.md)
+    Per snapshot, once: each model's eligible shards as arrays (numpy columns, kept in
+    ``SwarmSnapshot.memo``; the tracker reuses one snapshot for ``snapshot_ttl_s``, the
+    simulator until the swarm changes). Per look-up: every shard's cost in one vectorised
+    step, then *pruning*: within one span ``[a, b)``, shards are ranked by a lower bound of
+    any route through them (their cost and transfer plus twice their leg to the gateway:
+    by the triangle inequality a route through a node goes there and back) and only the
+    best ``prune_floor + prune_per_route * k`` are searched. The search itself is exact
+    over what is kept; pruning can lose the optimum only where a span has more shards
+    than that and one ranked low is the best continuation of its neighbours (a swarm of
+    a few hundred shards per span). The hop latencies between the shards ending and the
+    shards starting at each boundary are one matrix, computed once per look-up and shared
+    by its k searches; a search is one ``argmin`` per boundary. A look-up of 32 routes
+    of an 80-layer model over 10 000 nodes takes ~20 ms (warm) on the 2-core machine.
 
 k routes (data parallelism)
     Routes are chosen one after another; every shard already used counts as
@@ -79,7 +97,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -88,10 +106,9 @@ import numpy.typing as npt
 
 from tracker.coordinates import UNTRUSTED_ERROR, NetCoord
 from tracker.errors import UnknownModel
-from tracker.snapshot import ShardView, SwarmSnapshot
+from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 _INF = float("inf")
-MAX_FRONTIER = 512  # beyond this many undominated predecessors, the rest are kept unpruned
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -130,23 +147,47 @@ class RoutingCosts:
     default_uplink_mbit_s: float = 50.0  # a node that announced no uplink
     gateway_leg_weight: float = 1.0  # how much the gateway -> first and last -> gateway legs count
     ring_weight: float = 1.0  # how much the last -> first stage link counts (0: price open chains only)
+    # Queueing (see the module docstring): a batch step grows by this share of the single-token
+    # time per session in it (memory-bound GPUs ~0.15, CPUs ~0.6; nodes report only the single);
+    # 0.3 also covers what the model leaves out (attention over each session's context, the
+    # step's scheduling) and is what met the tail goals in the simulator (docs/simulation.md).
+    batch_growth_per_session: float = 0.3
+    # Expected wait for a slot, in single-token times, is this times u / (1 - u) at occupancy u.
+    queue_wait_weight: float = 1.0
+    # A term linear in the occupancy u, in single-token times (the cost model before queueing was
+    # priced: occupancy_weight=1, batch growth, queue wait and uplink queue 0).
+    occupancy_weight: float = 0.0
+    # u is capped here (a full shard also pays saturated_penalty_ms); must be < 1 with a queue wait.
+    max_occupancy: float = 0.95
+    # The uplink sends a step's frames one after another: a session's frame waits on average
+    # behind this share of the others'.
+    uplink_queue_share: float = 0.5
+    # Above this many shards of one span [a, b), only the most promising (cheapest lower bound)
+    # ``prune_floor + prune_per_route * k`` are searched (see "Complexity").
+    prune_floor: int = 4
+    prune_per_route: int = 1
+
+    def __post_init__(self) -> None:
+        if self.queue_wait_weight and not 0.0 <= self.max_occupancy < 1.0:
+            raise ValueError("max_occupancy must be in [0, 1) when queue_wait_weight is set")
+        if self.prune_floor < 1 or self.prune_per_route < 0:
+            raise ValueError("prune_floor must be >= 1 and prune_per_route >= 0")
 
 
 DEFAULT_COSTS = RoutingCosts()
 
 
-def shard_cost_ms(shard: ShardView, snapshot: SwarmSnapshot, costs: RoutingCosts = DEFAULT_COSTS) -> float:
-    """Expected compute (+ relay) time of one token through this shard under its current load."""
-    # Written without max()/min() calls: this runs once per shard per request (10 000s of times).
-    decode = shard.decode_ms_per_token
-    if decode < costs.min_decode_ms_per_token:
-        decode = costs.min_decode_ms_per_token
-    capacity = shard.max_sessions if shard.max_sessions > 1 else 1
-    active = shard.active_sessions if shard.active_sessions > 0 else 0
-    queued = shard.queue_depth if shard.queue_depth > 0 else 0
-    cost = decode * (1.0 + (active + queued) / capacity)
-    if active >= capacity or shard.kv_free_tokens == 0:
-        cost += costs.saturated_penalty_ms
+def shard_cost_ms(
+    shard: ShardView,
+    snapshot: SwarmSnapshot,
+    costs: RoutingCosts = DEFAULT_COSTS,
+    extra_sessions: float = 0.0,
+) -> float:
+    """Expected compute time (with the wait for a slot, + relay and probation penalties) of one
+    token through this shard for one more session, under its reported load plus ``extra_sessions``
+    (sessions handed out there since its last report)."""
+    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
+    cost = _loaded_compute_ms(shard, load, costs)
     if shard.relayed:
         cost += snapshot.relay_penalty_ms
     if shard.probation:
@@ -154,14 +195,65 @@ def shard_cost_ms(shard: ShardView, snapshot: SwarmSnapshot, costs: RoutingCosts
     return cost
 
 
-def transfer_ms(shard: ShardView, n_embd: int, costs: RoutingCosts = DEFAULT_COSTS) -> float:
-    """Time for ``shard`` to send one token's hidden state over its uplink."""
+def _loaded_compute_ms(shard: ShardView, load: float, costs: RoutingCosts) -> float:
+    """The load-dependent part of :func:`shard_cost_ms` with ``load`` sessions on the shard."""
+    decode = shard.decode_ms_per_token
+    if decode < costs.min_decode_ms_per_token:
+        decode = costs.min_decode_ms_per_token
+    capacity = shard.max_sessions if shard.max_sessions > 1 else 1
+    load = load if load > 0 else 0.0
+    queued = shard.queue_depth if shard.queue_depth > 0 else 0
+    occupancy = min((load + queued) / capacity, costs.max_occupancy)
+    factor = 1.0 + costs.batch_growth_per_session * load + costs.occupancy_weight * occupancy
+    if costs.queue_wait_weight:
+        factor += costs.queue_wait_weight * occupancy / (1.0 - occupancy)
+    cost = decode * factor
+    if load >= capacity or shard.kv_free_tokens == 0:
+        cost += costs.saturated_penalty_ms
+    return cost
+
+
+def transfer_ms(
+    shard: ShardView, n_embd: int, costs: RoutingCosts = DEFAULT_COSTS, extra_sessions: float = 0.0
+) -> float:
+    """Time for ``shard`` to send one token's hidden state over its uplink, behind the frames of
+    the sessions it already serves (reported plus ``extra_sessions``)."""
+    load = (shard.active_sessions if shard.active_sessions > 0 else 0) + max(extra_sessions, 0.0)
+    return _loaded_transfer_ms(shard, n_embd, load, costs)
+
+
+def _loaded_transfer_ms(shard: ShardView, n_embd: int, load: float, costs: RoutingCosts) -> float:
     mbit = (
         shard.uplink_mbit_s
         if shard.uplink_mbit_s and shard.uplink_mbit_s > 0
         else costs.default_uplink_mbit_s
     )
-    return n_embd * costs.activation_bytes_per_value * 8.0 / (mbit * 1000.0)
+    one = n_embd * costs.activation_bytes_per_value * 8.0 / (mbit * 1000.0)
+    return one * (1.0 + costs.uplink_queue_share * (load if load > 0 else 0.0))
+
+
+def repriced_ms(
+    route: Route, sessions_now: Mapping[str, float], n_embd: int, costs: RoutingCosts = DEFAULT_COSTS
+) -> float:
+    """``route.expected_ms_per_token`` with its stages' load as it is now (node id -> sessions it
+    serves, as the asking gateway knows it; stages not named keep the load they were priced with).
+    A gateway choosing among its pooled routes between look-ups uses this: only the load terms
+    (compute, wait for a slot, uplink queue) change, the latencies stay."""
+    total = route.expected_ms_per_token
+    last = len(route.hops) - 1
+    for i, hop in enumerate(route.hops):
+        now = sessions_now.get(hop.node_id)
+        if now is None:
+            continue
+        then = float(hop.active_sessions if hop.active_sessions > 0 else 0)
+        if now == then:
+            continue
+        total += _loaded_compute_ms(hop, now, costs) - _loaded_compute_ms(hop, then, costs)
+        if i < last:  # the last stage sends only the sampled token
+            total += _loaded_transfer_ms(hop, n_embd, now, costs) - _loaded_transfer_ms(
+                hop, n_embd, then, costs
+            )
+    return total
 
 
 def trusted(coord: NetCoord | None) -> NetCoord | None:
@@ -180,9 +272,12 @@ def select_routes(
     rng: random.Random,
     costs: RoutingCosts = DEFAULT_COSTS,
     origin: NetCoord | None = None,
+    extra_sessions: Mapping[str, float] | None = None,
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
-    network coordinate; None = unknown); see the module docstring.
+    network coordinate; None = unknown); see the module docstring. ``extra_sessions``: node id ->
+    sessions expected there beyond its last report (the tracker's recent hand-outs, what the
+    asking gateway has in flight); they count as load.
 
     Raises :class:`tracker.errors.UnknownModel` if the snapshot has no such model,
     ``ValueError`` if ``k < 1``.
@@ -193,29 +288,52 @@ def select_routes(
     if model is None:
         raise UnknownModel(f"unknown model fingerprint {model_fingerprint!r}")
     n_layers = model.n_layers
-    shards = sorted(
-        (
-            s
-            for s in snapshot.shards
-            if s.model_fingerprint == model_fingerprint
-            and 0 <= s.start < s.end <= n_layers
-            and model.allows(s.start, s.end)
-            and s.node_id not in exclude_nodes
-        ),
-        key=attrgetter("start"),  # stable: equal starts keep the snapshot's order
+    cols = _columns(snapshot, model)
+    n_all = len(cols.shards)
+    # One draw from ``rng`` seeds the tie keys of all eligible shards: the same snapshot and seed
+    # always give the same answer, and identical shards share traffic across calls.
+    ties_all = np.random.default_rng(rng.getrandbits(64)).random(n_all)
+    # Per-request eligibility is a mask over the (per-snapshot) columns; a filter that depends on
+    # the request goes here, a preference as a term of _Columns.compute_ms.
+    keep = np.ones(n_all, dtype=bool)
+    for node in exclude_nodes:
+        for i in cols.indices(node):
+            keep[i] = False
+    extra = np.zeros(n_all)
+    if extra_sessions:
+        for node, count in extra_sessions.items():
+            for i in cols.indices(node):
+                extra[i] = max(float(count), 0.0)
+    base_all = cols.compute_ms(extra, snapshot, costs)
+    tx_all = cols.transfer_ms(extra, model.n_embd, costs)
+    entry_all = cols.entry_ms(origin, snapshot.default_latency_ms, costs.gateway_leg_weight)
+    # Pruning: within one span, rank shards by a lower bound of any route through them (their own
+    # cost and transfer, and the way there and back from the gateway); keep the best few per span.
+    per_span = costs.prune_floor + costs.prune_per_route * k
+    lower = base_all + tx_all + 2.0 * entry_all
+    idx = np.flatnonzero(keep)
+    order = idx[np.lexsort((ties_all[idx], lower[idx], cols.span[idx]))]
+    if order.size:
+        spans = cols.span[order]
+        first_of_span = np.flatnonzero(np.r_[True, spans[1:] != spans[:-1]])
+        rank = np.arange(order.size) - np.repeat(first_of_span, np.diff(np.r_[first_of_span, order.size]))
+        order = order[rank < per_span]
+    sub = np.sort(order)  # back in start order (the columns are sorted by start)
+    shards = [cols.shards[i] for i in sub.tolist()]
+    if not shards:
+        return RouteSelection(routes=(), uncovered=_uncovered(shards, n_layers))
+    graph = _Graph(
+        cols, sub, ties_all[sub], base_all[sub], tx_all[sub], entry_all[sub], extra[sub], snapshot, costs
     )
-    # One draw per eligible shard, in start order (the snapshot's order among equal starts):
-    # the same snapshot and seed always give the same answer.
-    ties = [rng.random() for _ in shards]
-    base = [shard_cost_ms(s, snapshot, costs) for s in shards]
-    graph = _Graph(shards, base, ties, snapshot, n_layers, model.n_embd, costs, trusted(origin))
+    graph.origin = trusted(origin)
+    base = graph.base
 
-    first = graph.shortest(base)
+    first = graph.shortest(base, graph.tx)
     if first is None:
         return RouteSelection(routes=(), uncovered=_uncovered(shards, n_layers))
 
     paths: list[tuple[int, ...]] = [first]
-    uses = [0] * len(shards)
+    uses = np.zeros(len(shards))
     last = first
     # A search that returns an existing route makes that route dearer again and retries, so a
     # distinct alternative wins once one exists; the bound keeps a tiny swarm from looping.
@@ -224,39 +342,26 @@ def select_routes(
             break
         for i in last:
             uses[i] += 1
-        penalised = [_penalised(base[i], shards[i], u, costs) if u else base[i] for i, u in enumerate(uses)]
-        last = graph.shortest(penalised) or first
+        cost, tx = graph.penalised(uses)
+        last = graph.shortest(cost, tx) or first
         if last not in paths:
             paths.append(last)
     if len(paths) < k:
-        _fill_by_banning(graph, paths, k, uses, base, shards, costs, max_searches=4 * k)
+        _fill_by_banning(graph, paths, k, uses, max_searches=4 * k)
 
     if k > 1 and not _node_disjoint(paths, shards):
-        disjoint = _disjoint_by_flow(shards, base, snapshot.default_latency_ms, n_layers, k)
+        disjoint = _disjoint_by_flow(shards, base.tolist(), snapshot.default_latency_ms, n_layers, k)
         if disjoint is not None and _node_disjoint(disjoint, shards):
             paths = disjoint
 
-    routes = [graph.route(p, base) for p in paths]
-    order = sorted(range(len(routes)), key=lambda r: (routes[r].expected_ms_per_token, ties[paths[r][0]]))
-    return RouteSelection(routes=tuple(routes[r] for r in order), uncovered=())
-
-
-def _penalised(base: float, shard: ShardView, uses: int, costs: RoutingCosts) -> float:
-    """Cost of a shard that ``uses`` earlier routes already run through: each use is one
-    more session of load, plus a flat penalty so disjoint alternatives win."""
-    decode = max(shard.decode_ms_per_token, costs.min_decode_ms_per_token)
-    return base + decode * uses / max(shard.max_sessions, 1) + costs.reuse_penalty_ms * uses
+    routes = [graph.route(p) for p in paths]
+    ties = graph.ties
+    order_r = sorted(range(len(routes)), key=lambda r: (routes[r].expected_ms_per_token, ties[paths[r][0]]))
+    return RouteSelection(routes=tuple(routes[r] for r in order_r), uncovered=())
 
 
 def _fill_by_banning(
-    graph: _Graph,
-    paths: list[tuple[int, ...]],
-    k: int,
-    uses: list[int],
-    base: list[float],
-    shards: list[ShardView],
-    costs: RoutingCosts,
-    max_searches: int,
+    graph: _Graph, paths: list[tuple[int, ...]], k: int, uses: FloatArray, max_searches: int
 ) -> None:
     """Add distinct routes by banning one shard of an existing route at a time (appends to ``paths``).
 
@@ -266,20 +371,21 @@ def _fill_by_banning(
     """
     searches = 0
     while len(paths) < k and searches < max_searches:
-        penalised = [_penalised(base[i], shards[i], u, costs) if u else base[i] for i, u in enumerate(uses)]
+        cost, tx = graph.penalised(uses)
         best: tuple[float, tuple[int, ...]] | None = None
         for banned in sorted({i for p in paths for i in p}):
             if searches >= max_searches:
                 break
             searches += 1
-            saved, penalised[banned] = penalised[banned], _INF
-            cand = graph.shortest(penalised)
-            penalised[banned] = saved
+            saved = cost[banned]
+            cost[banned] = _INF
+            cand = graph.shortest(cost, tx)
+            cost[banned] = saved
             if cand is None or banned in cand or cand in paths:
                 continue
-            cost = graph.path_cost(cand, penalised)
-            if best is None or cost < best[0]:
-                best = (cost, cand)
+            total = graph.path_cost(cand, cost, tx)
+            if best is None or total < best[0]:
+                best = (total, cand)
         if best is None:
             return
         paths.append(best[1])
@@ -287,92 +393,249 @@ def _fill_by_banning(
             uses[i] += 1
 
 
+# Hop matrices (predecessors x successors at one boundary) up to this many entries are computed
+# once per look-up and reused by all its searches; larger ones are priced in slices per search.
+MAX_CACHED_MATRIX = 1_000_000
+_SLICE = 250_000
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A model's eligible shards (right model, inside the model, at its split points) as arrays,
+    sorted by start (stable: equal starts keep the snapshot's order). Built once per snapshot."""
+
+    n_layers: int
+    shards: list[ShardView]
+    of_node: dict[str, int]  # node id -> its shard's index (one of them, if it serves several)
+    more_of_node: dict[str, list[int]]  # node id -> all its shards' indices, where it serves several
+    start: npt.NDArray[np.intp]
+    end: npt.NDArray[np.intp]
+    span: npt.NDArray[np.intp]  # an id per distinct (start, end)
+    decode: FloatArray
+    capacity: FloatArray
+    active: FloatArray
+    queued: FloatArray
+    kv_full: npt.NDArray[np.bool_]
+    relayed: npt.NDArray[np.bool_]
+    probation: npt.NDArray[np.bool_]
+    uplink: FloatArray  # 0 = not announced
+    has: npt.NDArray[np.bool_]  # a trusted coordinate
+    pos: FloatArray  # n x 3 (zeros where none)
+    half_h: FloatArray  # half the height (zero where none)
+
+    def indices(self, node: str) -> list[int]:
+        """The indices of ``node``'s shards (none if it serves none of this model)."""
+        many = self.more_of_node.get(node)
+        if many is not None:
+            return many
+        one = self.of_node.get(node)
+        return [] if one is None else [one]
+
+    def compute_ms(self, extra: FloatArray, snapshot: SwarmSnapshot, costs: RoutingCosts) -> FloatArray:
+        """:func:`shard_cost_ms` of every shard at once (the same formula)."""
+        decode = np.maximum(self.decode, costs.min_decode_ms_per_token)
+        load = self.active + extra
+        occupancy = np.minimum((load + self.queued) / self.capacity, costs.max_occupancy)
+        factor = 1.0 + costs.batch_growth_per_session * load + costs.occupancy_weight * occupancy
+        if costs.queue_wait_weight:
+            factor = factor + costs.queue_wait_weight * occupancy / (1.0 - occupancy)
+        cost = decode * factor
+        cost = cost + np.where((load >= self.capacity) | self.kv_full, costs.saturated_penalty_ms, 0.0)
+        cost = cost + np.where(self.relayed, snapshot.relay_penalty_ms, 0.0)
+        result: FloatArray = cost + np.where(self.probation, snapshot.probation_penalty_ms, 0.0)
+        return result
+
+    def transfer_ms(self, extra: FloatArray, n_embd: int, costs: RoutingCosts) -> FloatArray:
+        """:func:`transfer_ms` of every shard at once."""
+        rate = np.where(self.uplink > 0, self.uplink, costs.default_uplink_mbit_s)
+        one = n_embd * costs.activation_bytes_per_value * 8.0 / (rate * 1000.0)
+        result: FloatArray = one * (1.0 + costs.uplink_queue_share * (self.active + extra))
+        return result
+
+    def entry_ms(self, origin: NetCoord | None, default_ms: float, weight: float) -> FloatArray:
+        """The weighted one-way latency between the gateway at ``origin`` and every shard."""
+        legs = np.full(len(self.shards), default_ms)
+        o = trusted(origin)
+        if o is not None:
+            diff = self.pos - np.asarray(o.vec)
+            near = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h + 0.5 * o.height_ms
+            legs = np.where(self.has, near, legs)
+        result: FloatArray = weight * legs
+        return result
+
+
+def _columns(snapshot: SwarmSnapshot, model: ModelInfo) -> _Columns:
+    key = ("routing.columns", model.fingerprint)
+    found = snapshot.memo.get(key)
+    if isinstance(found, _Columns):
+        return found
+    n_layers = model.n_layers
+    fp = model.fingerprint
+    shards = sorted(
+        (
+            s
+            for s in snapshot.shards
+            if s.model_fingerprint == fp and 0 <= s.start < s.end <= n_layers and model.allows(s.start, s.end)
+        ),
+        key=attrgetter("start"),
+    )
+    n = len(shards)
+    ids = list(map(attrgetter("node_id"), shards))
+    of_node = dict(zip(ids, range(n), strict=True))  # (no list per node: 10 000s of small objects cost)
+    more: dict[str, list[int]] = {}
+    if len(of_node) < n:  # some node serves several shards of this model
+        seen: set[str] = set()
+        several: set[str] = set()
+        for node in ids:
+            (several if node in seen else seen).add(node)
+        for i, node in enumerate(ids):
+            if node in several:
+                more.setdefault(node, []).append(i)
+    # Column by column with C-level attribute access: this runs once per snapshot over 10 000s of shards.
+    numbers = attrgetter(
+        "start",
+        "end",
+        "decode_ms_per_token",
+        "max_sessions",
+        "active_sessions",
+        "queue_depth",
+        "relayed",
+        "probation",
+    )
+    table = np.array(list(map(numbers, shards)), dtype=float).reshape(n, 8)
+    start = table[:, 0].astype(np.intp)
+    end = table[:, 1].astype(np.intp)
+    span = np.unique(start * (n_layers + 1) + end, return_inverse=True)[1].reshape(n).astype(np.intp)
+    kv_full = np.fromiter((f == 0 for f in map(attrgetter("kv_free_tokens"), shards)), dtype=bool, count=n)
+    uplink = np.fromiter(
+        (u if u is not None and u > 0 else 0.0 for u in map(attrgetter("uplink_mbit_s"), shards)),
+        dtype=float,
+        count=n,
+    )
+    found_coords = list(map(attrgetter("coord"), shards))
+    placed = [i for i, c in enumerate(found_coords) if c is not None and c.error <= UNTRUSTED_ERROR]
+    pos = np.zeros((n, 3))
+    half_h = np.zeros(n)
+    has = np.zeros(n, dtype=bool)
+    if placed:
+        chosen = [found_coords[i] for i in placed]
+        pos[placed] = np.array([c.vec for c in chosen if c is not None])
+        half_h[placed] = 0.5 * np.array([c.height_ms for c in chosen if c is not None])
+        has[placed] = True
+    cols = _Columns(
+        n_layers=n_layers,
+        shards=shards,
+        of_node=of_node,
+        more_of_node=more,
+        start=start,
+        end=end,
+        span=span,
+        decode=table[:, 2].copy(),
+        capacity=np.maximum(table[:, 3], 1.0),
+        active=np.maximum(table[:, 4], 0.0),
+        queued=np.maximum(table[:, 5], 0.0),
+        kv_full=kv_full,
+        relayed=table[:, 6] > 0,
+        probation=table[:, 7] > 0,
+        uplink=uplink,
+        has=has,
+        pos=pos,
+        half_h=half_h,
+    )
+    snapshot.memo[key] = cols
+    return cols
+
+
 class _Graph:
-    """Eligible shards indexed by boundary, their network positions, and the searches over them."""
+    """The shards one look-up searches (a pruned subset of the columns, in start order), indexed
+    by boundary, with the hop latencies between them, and the searches over them."""
 
     def __init__(
         self,
-        shards: list[ShardView],
-        base: list[float],
-        ties: list[float],
+        cols: _Columns,
+        sub: npt.NDArray[np.intp],
+        ties: FloatArray,
+        base: FloatArray,
+        tx: FloatArray,
+        entry: FloatArray,
+        extra: FloatArray,
         snapshot: SwarmSnapshot,
-        n_layers: int,
-        n_embd: int,
         costs: RoutingCosts,
-        origin: NetCoord | None,
     ) -> None:
-        self.shards = shards
+        self.shards = [cols.shards[i] for i in sub.tolist()]
+        self.node_ids = [s.node_id for s in self.shards]
         self.ties = ties
-        self.n_layers = n_layers
+        self.base = base
+        self.tx = tx
+        self.entry = entry
+        self.exit = entry  # one-way latency is symmetric
+        self.n_layers = cols.n_layers
+        self.costs = costs
         self.default_ms = snapshot.default_latency_ms
         self.latency = snapshot.latency_ms
-        self.leg_weight = costs.gateway_leg_weight
         self.ring_weight = costs.ring_weight
-        self.origin = origin
-        n = len(shards)
-        self.start_of = [0] * n
-        self.end_of = [0] * n
-        self.tx = [0.0] * n
-        self.coords: list[NetCoord | None] = [None] * n
-        vecs: list[tuple[float, float, float]] = []
-        heights: list[float] = []
-        placed: list[int] = []
-        self.by_start: dict[int, list[int]] = {}
-        # One pass over the shards (this runs per route request over up to 10 000s of them).
-        per_bit_ms = n_embd * costs.activation_bytes_per_value * 8.0 / 1000.0
-        fallback_rate = costs.default_uplink_mbit_s
-        limit = UNTRUSTED_ERROR
-        for i, sh in enumerate(shards):
-            self.start_of[i] = sh.start
-            self.end_of[i] = sh.end
-            rate = sh.uplink_mbit_s
-            self.tx[i] = per_bit_ms / (rate if rate is not None and rate > 0 else fallback_rate)
-            c = sh.coord
-            if c is not None and c.error <= limit:
-                self.coords[i] = c
-                placed.append(i)
-                vecs.append(c.vec)
-                heights.append(c.height_ms)
-            group = self.by_start.get(sh.start)
-            if group is None:
-                self.by_start[sh.start] = [i]
-            else:
-                group.append(i)
-        self.starts = sorted(self.by_start)
-        self.positioned = bool(placed)
-        gateway = self.leg_weight * self.default_ms
-        if not self.positioned:
-            self.entry = [gateway] * n
-        else:
-            where = np.asarray(placed, dtype=np.intp)
-            self.has = np.zeros(n, dtype=bool)
-            self.has[where] = True
-            self.pos = np.zeros((n, 3))
-            self.pos[where] = np.asarray(vecs, dtype=float)
-            self.half_h = np.zeros(n)
-            self.half_h[where] = 0.5 * np.asarray(heights, dtype=float)
-            self.tx_arr = np.asarray(self.tx, dtype=float)
-            self.tie_arr = np.asarray(ties, dtype=float)
-            entry = np.full(n, gateway)
-            if origin is not None:
-                diff = self.pos - np.asarray(origin.vec)
-                legs = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h + 0.5 * origin.height_ms
-                entry = np.where(self.has, self.leg_weight * legs, entry)
-            self.entry_arr = entry
-            self.entry = entry.tolist()
-            self.start_groups = {x: np.asarray(g, dtype=np.intp) for x, g in self.by_start.items()}
-            ends: dict[int, list[int]] = {}
-            for i, e in enumerate(self.end_of):
-                ends.setdefault(e, []).append(i)
-            self.end_groups = {x: np.asarray(g, dtype=np.intp) for x, g in ends.items()}
-        self.exit = self.entry  # one-way latency is symmetric
+        self.has = cols.has[sub]
+        self.pos = cols.pos[sub]
+        self.half_h = cols.half_h[sub]
+        self.coords = [trusted(s.coord) for s in self.shards]
+        self.origin: NetCoord | None = None
+        self._cols = cols
+        self._sub = sub
+        self._extra = extra
+        self._snapshot = snapshot
+        starts = cols.start[sub]
+        ends = cols.end[sub]
+        self.start_of = starts
+        self.end_of = ends
+        self.starts = sorted(set(starts.tolist()))
+        self.start_groups: dict[int, npt.NDArray[np.intp]] = {}
+        self.end_groups: dict[int, npt.NDArray[np.intp]] = {}
+        for x in self.starts:
+            self.start_groups[x] = np.flatnonzero(starts == x)
+        for x in sorted(set(ends.tolist())):
+            group = np.flatnonzero(ends == x)
+            # Ties among predecessors go to the lower tie key: argmin takes the first of equals.
+            self.end_groups[x] = group[np.argsort(ties[group], kind="stable")]
+        self.hops: dict[int, FloatArray | None] = {}
+        for x in self.starts:
+            preds = self.end_groups.get(x)
+            if x == 0 or preds is None:
+                continue
+            succ = self.start_groups[x]
+            self.hops[x] = (
+                self.hop_matrix(preds, succ) if preds.size * succ.size <= MAX_CACHED_MATRIX else None
+            )
 
     # -- costs of single links ---------------------------------------------------------------------------
+
+    def hop_matrix(self, a: npt.NDArray[np.intp], b: npt.NDArray[np.intp]) -> FloatArray:
+        """One-way latency from each shard in ``a`` (rows) to each in ``b`` (columns)."""
+        diff = self.pos[a][:, None, :] - self.pos[b][None, :, :]
+        near = (
+            0.5 * np.sqrt(np.einsum("ijk,ijk->ij", diff, diff))
+            + self.half_h[a][:, None]
+            + self.half_h[b][None, :]
+        )
+        both = self.has[a][:, None] & self.has[b][None, :]
+        m: FloatArray = np.where(both, near, self.default_ms)
+        if self.latency:
+            rows: dict[str, list[int]] = {}
+            for r, i in enumerate(a.tolist()):
+                rows.setdefault(self.node_ids[i], []).append(r)
+            cols: dict[str, list[int]] = {}
+            for c, j in enumerate(b.tolist()):
+                cols.setdefault(self.node_ids[j], []).append(c)
+            for (na, nb), ms in self.latency.items():
+                if na in rows and nb in cols:
+                    for r in rows[na]:
+                        for c in cols[nb]:
+                            m[r, c] = ms
+        return m
 
     def one_way_ms(self, a: int, b: int) -> float:
         """One-way latency from shard a's node to shard b's node."""
         if self.latency:
-            given = self.latency.get((self.shards[a].node_id, self.shards[b].node_id))
+            given = self.latency.get((self.node_ids[a], self.node_ids[b]))
             if given is not None:
                 return given
         ca, cb = self.coords[a], self.coords[b]
@@ -386,7 +649,7 @@ class _Graph:
         if a is None:
             return None if cb is None or self.origin is None else self.origin.rtt_ms(cb)
         if self.latency:
-            given = self.latency.get((self.shards[a].node_id, self.shards[b].node_id))
+            given = self.latency.get((self.node_ids[a], self.node_ids[b]))
             if given is not None:
                 return 2.0 * given
         ca = self.coords[a]
@@ -395,258 +658,114 @@ class _Graph:
     def ring_ms(self, last: int, first: int) -> float:
         return 0.0 if last == first else self.ring_weight * self.one_way_ms(last, first)
 
-    def path_cost(self, path: Iterable[int], cost: list[float]) -> float:
+    def ring_vec(self, lasts: npt.NDArray[np.intp], heads: npt.NDArray[np.intp]) -> FloatArray:
+        """:meth:`ring_ms` for many (last, first) pairs at once."""
+        if self.latency:
+            return np.array([self.ring_ms(int(j), int(h)) for j, h in zip(lasts, heads, strict=True)])
+        diff = self.pos[lasts] - self.pos[heads]
+        near = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h[lasts] + self.half_h[heads]
+        ring = np.where(self.has[lasts] & self.has[heads], near, self.default_ms)
+        result: FloatArray = np.where(lasts == heads, 0.0, self.ring_weight * ring)
+        return result
+
+    def penalised(self, uses: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """Shard and transfer costs when each shard carries ``uses`` earlier routes of this look-up:
+        each use is one more session of load, plus ``reuse_penalty_ms`` so disjoint routes win."""
+        if not uses.any():
+            return self.base.copy(), self.tx
+        cols, sub = self._cols, self._sub
+        load = self._extra + uses
+        full_extra = np.zeros(len(cols.shards))
+        full_extra[sub] = load
+        cost = (
+            cols.compute_ms(full_extra, self._snapshot, self.costs)[sub] + self.costs.reuse_penalty_ms * uses
+        )
+        one = self.tx / (1.0 + self.costs.uplink_queue_share * (cols.active[sub] + self._extra))
+        tx = one * (1.0 + self.costs.uplink_queue_share * (cols.active[sub] + load))
+        return cost, tx
+
+    def path_cost(self, path: Iterable[int], cost: FloatArray, tx: FloatArray) -> float:
         total = 0.0
         prev = -1
         head = -1
         for i in path:
             if prev < 0:
                 head = i
-                total += self.entry[i]
+                total += float(self.entry[i])
             else:
-                total += self.one_way_ms(prev, i) + self.tx[prev]
-            total += cost[i]
+                total += self.one_way_ms(prev, i) + float(tx[prev])
+            total += float(cost[i])
             prev = i
-        return total + self.ring_ms(prev, head) + self.exit[prev]
+        return total + self.ring_ms(prev, head) + float(self.exit[prev])
 
-    def route(self, path: tuple[int, ...], cost: list[float]) -> Route:
+    def route(self, path: tuple[int, ...]) -> Route:
         hops = tuple(self.shards[i] for i in path)
         rtts = tuple(self.known_rtt_ms(path[j - 1] if j else None, i) for j, i in enumerate(path))
         rates = tuple(None if j == 0 else self.shards[path[j - 1]].uplink_mbit_s for j in range(len(path)))
         ring = self.known_rtt_ms(path[-1], path[0]) if len(path) > 1 else 0.0
         return Route(
             hops=hops,
-            expected_ms_per_token=self.path_cost(path, cost),
+            expected_ms_per_token=self.path_cost(path, self.base, self.tx),
             hop_rtt_ms=rtts,
             hop_bandwidth_mbit_s=rates,
             ring_rtt_ms=ring,
             exit_rtt_ms=self.known_rtt_ms(None, path[-1]),
         )
 
-    # -- searches ------------------------------------------------------------------------------------
+    # -- the search ----------------------------------------------------------------------------------------
 
-    def shortest(self, cost: list[float]) -> tuple[int, ...] | None:
-        """Least-cost 0 -> L path (shard indices) under ``cost``, exact ties to the lower tie key."""
-        if self.latency:
-            return self._shortest_pairwise(cost)
-        if self.positioned:
-            return self._shortest_positioned(cost)
-        return self._shortest_flat(cost)
-
-    def _finish(
-        self, last: list[int], dist: list[float], first_of: list[int], pred: list[int]
-    ) -> tuple[int, ...] | None:
-        """The best complete path among the shards ending at L, with the ring and exit priced exactly."""
-        if not last:
-            return None
-        ties = self.ties
-        j = min(last, key=lambda p: (dist[p] + self.ring_ms(p, first_of[p]) + self.exit[p], ties[p]))
-        path = []
-        while j >= 0:
-            path.append(j)
-            j = pred[j]
-        return tuple(reversed(path))
-
-    def _shortest_flat(self, cost: list[float]) -> tuple[int, ...] | None:
-        """Every hop costs the default: the best way into boundary x does not depend on the next
-        shard, so one pass in start order settles it (shards ending at x all start before x)."""
-        hop = self.default_ms
-        starts, ends, ties, tx = self.start_of, self.end_of, self.ties, self.tx
-        n = len(cost)
-        # boundary -> (dist + the sender's transfer, tie, last shard)
-        reach: dict[int, tuple[float, float, int]] = {}
-        dist = [_INF] * n
-        pred = [-1] * n
-        first_of = [-1] * n
-        last: list[int] = []
-        for j, x in enumerate(starts):
-            if cost[j] == _INF:  # infinite cost = banned shard
-                continue
-            if x == 0:
-                dist[j] = self.entry[j] + cost[j]
-                first_of[j] = j
-            else:
-                r = reach.get(x)
-                if r is None:
-                    continue
-                pred[j] = r[2]
-                first_of[j] = first_of[r[2]]
-                dist[j] = r[0] + hop + cost[j]
-            e = ends[j]
-            if e == self.n_layers:
-                last.append(j)
-                continue
-            d = dist[j] + tx[j]
-            cur = reach.get(e)
-            if cur is None or d < cur[0] or (d == cur[0] and ties[j] < cur[1]):
-                reach[e] = (d, ties[j], j)
-        return self._finish(last, dist, first_of, pred)
-
-    def _shortest_pairwise(self, cost: list[float]) -> tuple[int, ...] | None:
-        """With explicit per-pair latencies: the state is the last shard; predecessors are scanned
-        cheapest first with an early stop (a hop costs at least the smallest latency known)."""
-        shards, ties, tx = self.shards, self.ties, self.tx
-        n = len(cost)
-        dist = [_INF] * n
-        pred = [-1] * n
-        first_of = [-1] * n
-        ends_at: dict[int, list[int]] = {}
-        min_hop = min([self.default_ms, *self.latency.values()])
-        if self.positioned:
-            min_hop = 0.0
-        for x in self.starts:
-            here = self.by_start[x]
-            if x == 0:
-                for j in here:
-                    if cost[j] < _INF:  # infinite cost = banned shard
-                        dist[j] = self.entry[j] + cost[j]
-                        first_of[j] = j
-                        ends_at.setdefault(shards[j].end, []).append(j)
-                continue
-            preds = ends_at.get(x)
-            if not preds:
-                continue
-            preds.sort(key=lambda p: (dist[p] + tx[p], ties[p]))
-            for j in here:
-                if cost[j] == _INF:
-                    continue
-                best_p, best_d = -1, _INF
-                for p in preds:
-                    dp = dist[p] + tx[p]
-                    if dp + min_hop > best_d:
-                        break  # sorted by dist: nobody further down can win
-                    d = dp + self.one_way_ms(p, j)
-                    if d < best_d or (d == best_d and ties[p] < ties[best_p]):
-                        best_p, best_d = p, d
-                dist[j] = best_d + cost[j]
-                pred[j] = best_p
-                first_of[j] = first_of[best_p]
-                ends_at.setdefault(shards[j].end, []).append(j)
-        return self._finish(ends_at.get(self.n_layers, []), dist, first_of, pred)
-
-    def _shortest_positioned(self, cost: list[float]) -> tuple[int, ...] | None:
-        """With network coordinates: per boundary, the undominated predecessors price every
-        successor in one vectorised step (see the module docstring)."""
-        n = len(cost)
-        cost_arr = np.asarray(cost, dtype=float)
+    def shortest(self, cost: FloatArray, tx: FloatArray) -> tuple[int, ...] | None:
+        """Least-cost 0 -> L path (shard indices) under ``cost`` (inf = banned) and ``tx``, exact
+        for every term but the ring (priced for each candidate last stage with its chain's first);
+        exact ties to the lower tie key."""
+        n = cost.shape[0]
         dist = np.full(n, _INF)
         pred = np.full(n, -1, dtype=np.intp)
         first = np.full(n, -1, dtype=np.intp)
-        default = self.default_ms
         for x in self.starts:
             here = self.start_groups[x]
-            here = here[cost_arr[here] < _INF]  # infinite cost = banned shard
-            if here.size == 0:
-                continue
             if x == 0:
-                dist[here] = self.entry_arr[here] + cost_arr[here]
+                dist[here] = self.entry[here] + cost[here]
                 first[here] = here
                 continue
             preds = self.end_groups.get(x)
             if preds is None:
                 continue
-            preds = preds[dist[preds] < _INF]  # shards ending here that a chain reaches
-            if preds.size == 0:
+            before = dist[preds] + tx[preds]  # inf where no chain reaches the predecessor
+            if not np.isfinite(before).any():
                 continue
-            before = dist[preds] + self.tx_arr[preds]  # each one's value before the hop's latency
-            # A successor without a usable coordinate: the cheapest predecessor, plus the default.
-            cheapest = int(np.lexsort((self.tie_arr[preds], before))[0])
-            best = np.full(here.size, float(before[cheapest]) + default)
-            choice = np.full(here.size, int(preds[cheapest]), dtype=np.intp)
-            placed = self.has[here]
-            if placed.any():
-                succ = here[placed]
-                # One with a coordinate: the cheapest predecessor without one, plus the default ...
-                sub_best = np.full(succ.size, _INF)
-                sub_choice = np.full(succ.size, -1, dtype=np.intp)
-                unplaced = preds[~self.has[preds]]
-                if unplaced.size:
-                    u = int(np.lexsort((self.tie_arr[unplaced], dist[unplaced] + self.tx_arr[unplaced]))[0])
-                    p0 = int(unplaced[u])
-                    sub_best[:] = dist[p0] + self.tx[p0] + default
-                    sub_choice[:] = p0
-                # ... or the best of the undominated predecessors with one, at the predicted latency.
-                with_pos = preds[self.has[preds]]
-                if with_pos.size:
-                    a = dist[with_pos] + self.tx_arr[with_pos] + self.half_h[with_pos]
-                    keep = _frontier(a, self.pos[with_pos], self.tie_arr[with_pos])
-                    front = with_pos[keep]
-                    value, arg = _price(a[keep], self.pos[front], self.pos[succ])
-                    value = value + self.half_h[succ]
-                    better = value < sub_best
-                    sub_best = np.where(better, value, sub_best)
-                    sub_choice = np.where(better, front[arg], sub_choice)
-                best[placed] = sub_best
-                choice[placed] = sub_choice
-            dist[here] = best + cost_arr[here]
+            matrix = self.hops.get(x)
+            if matrix is not None:
+                total = before[:, None] + matrix
+                arg = total.argmin(axis=0)
+                best = total[arg, np.arange(here.size)]
+            else:
+                best = np.empty(here.size)
+                arg = np.empty(here.size, dtype=np.intp)
+                step = max(1, _SLICE // preds.size)
+                for lo in range(0, here.size, step):
+                    part = before[:, None] + self.hop_matrix(preds, here[lo : lo + step])
+                    a = part.argmin(axis=0)
+                    arg[lo : lo + step] = a
+                    best[lo : lo + step] = part[a, np.arange(part.shape[1])]
+            choice = preds[arg]
+            dist[here] = best + cost[here]
             pred[here] = choice
-            first[here] = first[choice]  # (a choice of -1 only where dist is infinite)
+            first[here] = first[choice]
         lasts = self.end_groups.get(self.n_layers)
         if lasts is None:
             return None
-        lasts = lasts[dist[lasts] < _INF]
+        lasts = lasts[np.isfinite(dist[lasts])]
         if lasts.size == 0:
             return None
-        heads = first[lasts]
-        diff = self.pos[lasts] - self.pos[heads]
-        ring = 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff)) + self.half_h[lasts] + self.half_h[heads]
-        ring = np.where(self.has[lasts] & self.has[heads], ring, default)
-        ring = np.where(lasts == heads, 0.0, self.ring_weight * ring)
-        total = dist[lasts] + ring + self.entry_arr[lasts]  # exit = entry: latency is symmetric
-        j = int(lasts[np.lexsort((self.tie_arr[lasts], total))[0]])
+        ring = self.ring_vec(lasts, first[lasts])
+        total = dist[lasts] + ring + self.exit[lasts]
+        j = int(lasts[np.lexsort((self.ties[lasts], total))[0]])
         path = []
         while j >= 0:
             path.append(j)
             j = int(pred[j])
         return tuple(reversed(path))
-
-
-def _pairwise_distances(a: FloatArray, b: FloatArray) -> FloatArray:
-    """Euclidean distances between the rows of ``a`` (m x 3) and ``b`` (n x 3): an m x n array."""
-    diff = a[:, None, :] - b[None, :, :]
-    result: FloatArray = np.sqrt(np.einsum("ijk,ijk->ij", diff, diff))
-    return result
-
-
-def _frontier(a: FloatArray, pos: FloatArray, ties: FloatArray) -> npt.NDArray[np.intp]:
-    """Indices (into ``a``) of the predecessors no other one dominates, cheapest first.
-
-    q dominates p when ``a[q] + |pos[q] - pos[p]| / 2 <= a[p]``: reaching any successor
-    through q then costs no more than through p. The cheapest candidate left is never
-    dominated (whatever could dominate it is cheaper, so kept, or dominated by a kept one:
-    dominance is transitive); it is kept, and everything it dominates is dropped, until
-    nothing is left -- one vectorised test per kept predecessor. Past ``MAX_FRONTIER`` kept
-    ones, the rest is kept unpruned (still exact, only slower)."""
-    order = np.lexsort((ties, a))
-    a_s, pos_s = a[order], pos[order]
-    left = np.arange(order.size, dtype=np.intp)
-    kept: list[int] = []
-    while left.size:
-        if len(kept) >= MAX_FRONTIER:
-            kept.extend(left.tolist())
-            break
-        q = int(left[0])
-        kept.append(q)
-        rest = left[1:]
-        diff = pos_s[rest] - pos_s[q]
-        reach = a_s[q] + 0.5 * np.sqrt(np.einsum("ij,ij->i", diff, diff))
-        left = rest[reach > a_s[rest]]
-    result: npt.NDArray[np.intp] = order[np.asarray(kept, dtype=np.intp)]
-    return result
-
-
-def _price(a: FloatArray, front: FloatArray, succ: FloatArray) -> tuple[FloatArray, npt.NDArray[np.intp]]:
-    """For each successor position: min over the frontier of ``a + |front - succ| / 2``, and which.
-    Done in slices so the temporary stays bounded (about 1M distances)."""
-    best = np.empty(succ.shape[0])
-    arg = np.empty(succ.shape[0], dtype=np.intp)
-    step = max(1, 1_000_000 // max(1, front.shape[0]))
-    for lo in range(0, succ.shape[0], step):
-        m = a[:, None] + 0.5 * _pairwise_distances(front, succ[lo : lo + step])
-        idx = m.argmin(axis=0)
-        arg[lo : lo + step] = idx
-        best[lo : lo + step] = m[idx, np.arange(m.shape[1])]
-    return best, arg
 
 
 def _node_disjoint(paths: list[tuple[int, ...]], shards: list[ShardView]) -> bool:
@@ -766,6 +885,7 @@ __all__ = [
     "RouteSelection",
     "RoutingCosts",
     "DEFAULT_COSTS",
+    "repriced_ms",
     "select_routes",
     "shard_cost_ms",
     "transfer_ms",

@@ -51,6 +51,7 @@ from tracker.errors import (
     StorageUnavailable,
     UnknownModel,
 )
+from tracker.handouts import HandoutLedger
 from tracker.json_input import check_json
 from tracker.metrics import Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
@@ -142,6 +143,8 @@ class Registry:
         self._models_lock = trio.Lock()
         self._cpu = trio.CapacityLimiter(1)
         self._route_cpu = trio.CapacityLimiter(1)  # route searches and placement, in a worker thread
+        # Sessions handed out since each node's last heartbeat: routing counts them as load.
+        self.handouts = HandoutLedger(max_age_s=2.0 * config.heartbeat_interval_s)
         self.limiter = trio.CapacityLimiter(config.resolved_db_threads())
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -313,6 +316,7 @@ class Registry:
             "heartbeat", functools.partial(self.store.heartbeat, h, self.clock(), nonce, challenge=challenge)
         )
         self.metrics.inc("swarm_tracker_heartbeats_total")
+        self.handouts.reported(h.node_id)  # its load figures now include the sessions handed out
         if restored:
             self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_restorations_total")
@@ -643,11 +647,18 @@ class Registry:
         snap = await self.snapshot()
         info = self.resolve_model(snap, model)
         origin = snap.gateway_coords.get(gateway_id) if gateway_id else None
+        extra = self.handouts.extra(self.clock())
 
         def search() -> tuple[RouteSelection, float]:
             t0 = time.perf_counter()
             found = select_routes(
-                snap, info.fingerprint, k, exclude_nodes=exclude, rng=self.rng, origin=origin
+                snap,
+                info.fingerprint,
+                k,
+                exclude_nodes=exclude,
+                rng=self.rng,
+                origin=origin,
+                extra_sessions=extra,
             )
             return found, time.perf_counter() - t0
 
@@ -656,6 +667,7 @@ class Registry:
         selection, took_s = await trio.to_thread.run_sync(search, limiter=self._route_cpu)
         self.metrics.observe("swarm_tracker_route_selection_seconds", took_s)
         now = self.clock()
+        self.handouts.record((r.node_ids for r in selection.routes), now)
         shard_of = {s.node_id: s for s in snap.shards if s.model_fingerprint == info.fingerprint}
         routes = []
         for route in selection.routes:

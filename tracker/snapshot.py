@@ -100,6 +100,12 @@ class SwarmSnapshot:
         return None
 
     @functools.cached_property
+    def memo(self) -> dict[object, object]:
+        """Scratch space for indexes derived from this snapshot (routing's per-model arrays): the
+        snapshot never changes, so whatever is derived from it may be kept with it."""
+        return {}
+
+    @functools.cached_property
     def _by_boundary(self) -> _BoundaryIndex:
         index = _BoundaryIndex({}, {}, {}, {m.fingerprint: m.n_layers for m in self.models})
         for sh in self.shards:

@@ -410,7 +410,7 @@ class Store(TrustStore):
             mine = {p: r for p, (r, _) in table.items()}
             peers = self._coordinates(s, set(mine) | set(about))
             own = _coord_of(own_row)
-            new = coordinates.refit(own, mine, about, peers)
+            new = coordinates.refit(own, mine, about, peers, key=reporter_id)
             if new is not None and new != own:
                 _set_coord(own_row, new, now_s)
             wanted = coordinates.probe_back(mine, about, 4 * probe_back_max)

@@ -91,6 +91,11 @@ class NodesConfig:
     download_mbps: float = 0.0  # 0 = shards load instantly; else shard bytes / this before serving
     max_layers: int = 0  # cap on a node's shard length (0 = memory decides)
     profiles: tuple[ProfileShare, ...] = (ProfileShare(),)
+    # Rebalancing (tracker.rebalance.advise): every this many seconds (0 = never) this many serving
+    # nodes, drawn at random, ask whether to move; a node told to move drains, downloads its new span
+    # (download_mbps) and serves it. Demand per model: the sessions its gateways hold or queue.
+    rebalance_interval_s: float = 0.0
+    rebalance_nodes_per_round: int = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Burst:
     start_s: float = 0.0
     duration_s: float = 0.0
     rate_per_s: float = 0.0  # added to the base rate during the burst
+    model: str = ""  # the burst's requests all go to this model ("": split like the base rate)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,10 @@ class GatewayConfig:
     # New sessions avoid pooled routes the selector expects to be slower than this per token
     # (they wait instead). 0 = no bound. Recovery ignores it: a slow stage beats a failed session.
     max_route_ms_per_token: float = 0.0
+    # A new session goes to the pooled route cheapest at its stages' current load, re-priced with the
+    # tracker's cost model (tracker.routing.repriced_ms); false: the route's expected time per token
+    # times (1 + its busiest stage's occupancy), as before.
+    reprice_routes: bool = True
     prefill_chunk_tokens: int = 256
     step_token_budget: int = 512  # tokens one batch step of a node may hold (decode first)
     # "relay": every hop is gateway -> stage -> gateway; "push": stages send hidden states to the next
@@ -141,6 +151,12 @@ class PolicyConfig:
     # and the asking gateway's position; "blind": the same function without coordinates (the
     # tracker before coordinates: every hop the same default latency); "nearest": the baseline.
     routing: str = "tracker"
+    # The route cost's load terms (tracker.routing.RoutingCosts, docs/tracker.md "Route selection").
+    batch_growth_per_session: float = 0.3  # a batch step's growth per session, in single-token times
+    queue_wait_weight: float = 1.0  # the wait for a slot: this times u / (1 - u), in single-token times
+    uplink_queue_share: float = 0.5  # a frame waits behind this share of the other sessions' frames
+    occupancy_weight: float = 0.0  # a term linear in the occupancy (1 with the others 0: the model before)
+    max_occupancy: float = 0.95  # the occupancy is capped here (< 1 with a queue wait)
 
 
 @dataclass(frozen=True)
@@ -261,6 +277,11 @@ def _validate_policy(policy: PolicyConfig) -> None:
         raise ScenarioError(f"policy.placement must be 'tracker' or 'random', got {policy.placement!r}")
     if policy.routing not in ("tracker", "blind", "nearest"):
         raise ScenarioError(f"policy.routing must be 'tracker', 'blind' or 'nearest', got {policy.routing!r}")
+    for name in ("batch_growth_per_session", "queue_wait_weight", "uplink_queue_share", "occupancy_weight"):
+        if not getattr(policy, name) >= 0:
+            raise ScenarioError(f"policy.{name} must be >= 0")
+    if policy.queue_wait_weight and not 0 <= policy.max_occupancy < 1:
+        raise ScenarioError("policy.max_occupancy must be in [0, 1) when policy.queue_wait_weight > 0")
 
 
 def _validate(s: Scenario) -> None:
@@ -291,6 +312,12 @@ def _validate(s: Scenario) -> None:
     need(s.nodes.initial >= 0, "nodes.initial must be >= 0")
     need(0.0 <= s.nodes.crash_fraction <= 1.0, "nodes.crash_fraction must be in [0, 1]")
     need(s.nodes.heartbeat_interval_s > 0, "nodes.heartbeat_interval_s must be > 0")
+    need(s.nodes.rebalance_interval_s >= 0, "nodes.rebalance_interval_s must be >= 0")
+    need(s.nodes.rebalance_nodes_per_round >= 1, "nodes.rebalance_nodes_per_round must be >= 1")
+    for b in s.workload.bursts:
+        need(
+            not b.model or b.model in {m.name for m in s.models}, f"workload burst model {b.model!r} unknown"
+        )
     need(len(s.nodes.profiles) >= 1, "nodes.profiles must not be empty")
     for ps in s.nodes.profiles:
         need(ps.profile in PROFILES, f"unknown hardware profile {ps.profile!r}; known: {sorted(PROFILES)}")

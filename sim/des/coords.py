@@ -15,8 +15,10 @@ heartbeat interval:
   (``common.rtt.RttBook``);
 * the tracker keeps each reporter's latest claim per peer (at most
   ``MAX_CLAIMS_PER_REPORTER``, none older than ``claim_ttl_s``) and refits every
-  reporter with :func:`tracker.coordinates.refit` from its own claims and the
-  claims about it.
+  reporter from its own claims and the claims about it: what
+  :func:`tracker.coordinates.refit` does for each, run for all reporters of a round at once
+  (:func:`tracker.coordinates.refit_many`, vectorised; each reads the coordinates the
+  round started with).
 
 Coordinates reach routing through the snapshot (``ShardView.coord``) at the next
 load refresh, and the gateway's own as the ``origin`` of its route requests.
@@ -30,7 +32,7 @@ import time
 from collections.abc import Iterable
 
 from sim.des.geography import Endpoint, Geography
-from tracker.coordinates import MAX_CLAIMS_PER_REPORTER, NetCoord, refit
+from tracker.coordinates import MAX_CLAIMS_PER_REPORTER, NetCoord, refit_many
 
 PROBE_BACK_MAX = 6
 GATEWAY_POOL_PROBES = 16
@@ -129,8 +131,22 @@ class SimCoordinates:
             for peer in peers:
                 if peer in self._where:
                     self._claim(reporter, peer, self._measure(reporter, peer), now_s)
-        for reporter in targets:
-            self._refit(reporter, now_s)
+        # Every reporter is refitted from the coordinates as they were at the start of the round
+        # (as a tracker refitting each heartbeat's reporter sees its peers), in one vectorised call.
+        reporters = list(targets)
+        cutoff = now_s - self.claim_ttl_s
+        items: list[
+            tuple[str, NetCoord | None, dict[str, float], dict[str, float], dict[str, NetCoord | None]]
+        ] = []
+        where, coords = self._where, self.coords
+        for key in reporters:
+            claimed = {p: r for p, (r, at) in self._claims.get(key, {}).items() if at >= cutoff}
+            about = {p: r for p, (r, at) in self._about.get(key, {}).items() if at >= cutoff}
+            known = {p: coords.get(p) for p in (*claimed, *about) if p in where}
+            items.append((key, coords.get(key), claimed, about, known))
+        for key, new in zip(reporters, refit_many(items), strict=True):
+            coords[key] = new
+        self.refits += len(reporters)
         self.rounds += 1
         self.wall_s += time.perf_counter() - t0
 
@@ -142,17 +158,10 @@ class SimCoordinates:
 
     def _claim(self, reporter: str, peer: str, rtt: float, now_s: float) -> None:
         table = self._claims.setdefault(reporter, {})
+        table.pop(peer, None)  # re-inserted last: the table stays ordered from the oldest claim
         table[peer] = (rtt, now_s)
         self._about.setdefault(peer, {})[reporter] = (rtt, now_s)
         if len(table) > MAX_CLAIMS_PER_REPORTER:
-            oldest = min(table, key=lambda p: (table[p][1], p))
+            oldest = next(iter(table))
             del table[oldest]
             self._about.get(oldest, {}).pop(reporter, None)
-
-    def _refit(self, key: str, now_s: float) -> None:
-        cutoff = now_s - self.claim_ttl_s
-        own = {p: r for p, (r, at) in self._claims.get(key, {}).items() if at >= cutoff}
-        about = {p: r for p, (r, at) in self._about.get(key, {}).items() if at >= cutoff}
-        peers = {p: self.coords.get(p) for p in (*own, *about) if p in self._where}
-        self.coords[key] = refit(self.coords.get(key), own, about, peers)
-        self.refits += 1

@@ -48,13 +48,15 @@ from sim.des.node import GONE, SERVING, SimNode, WorkItem
 from sim.des.policies import PlannedRoute, Routing
 from sim.des.session import DECODE, DONE, FAILED, PREFILL, QUEUED, RECOVERING, REPLAY, Session
 from sim.des.snapshots import SnapshotCache
+from tracker.routing import Route, repriced_ms
 
 
 @dataclass
 class _Pool:
     version: int
     computed_s: float
-    routes: list[tuple[list[SimNode], float]]
+    routes: list[tuple[list[SimNode], float, Route | None]]
+    n_embd: int
 
 
 class Gateways:
@@ -77,6 +79,7 @@ class Gateways:
     ) -> None:
         self.cfg = cfg
         self._push = cfg.data_plane == "push"
+        self._reprice = cfg.reprice_routes
         self._geo = geo
         if self._push and geo is None:
             raise ValueError("the push data plane needs the geography (node-to-node latency)")
@@ -155,7 +158,10 @@ class Gateways:
                 self.cache.routable(), self.fingerprints[m], self.cfg.routes_k, g, self.rng
             )
             pool = _Pool(
-                self.cache.version, now, [(self._resolve(p), p.expected_ms_per_token) for p in planned]
+                self.cache.version,
+                now,
+                [(self._resolve(p), p.expected_ms_per_token, p.route) for p in planned],
+                self.models[m].n_embd,
             )
             self._pools[key] = pool
         assert pool is not None
@@ -165,10 +171,14 @@ class Gateways:
         return [self.nodes[nid] for nid in p.node_ids]
 
     def _choose(self, pool: _Pool) -> list[SimNode] | None:
+        """The pooled route to place a new session on. With the tracker's routes: the one whose
+        cost re-priced at its stages' current load (:func:`tracker.routing.repriced_ms`) is lowest;
+        otherwise the expected time per token scaled by the busiest stage's occupancy."""
         best: list[SimNode] | None = None
         best_score = 0.0
         bound = self.cfg.max_route_ms_per_token
-        for route, expected_ms in pool.routes:
+        costs = self.routing.costs
+        for route, expected_ms, priced in pool.routes:
             if bound and expected_ms > bound:
                 continue
             occupancy = 0.0
@@ -182,7 +192,10 @@ class Gateways:
                     occupancy = occ
             if not ok:
                 continue
-            score = expected_ms * (1.0 + occupancy)
+            if priced is not None and self._reprice:
+                score = repriced_ms(priced, {n.node_id: len(n.sessions) for n in route}, pool.n_embd, costs)
+            else:
+                score = expected_ms * (1.0 + occupancy)
             if best is None or score < best_score:
                 best, best_score = route, score
         return best
@@ -209,7 +222,7 @@ class Gateways:
         out: list[list[str]] = [[] for _ in range(self.n_gateways)]
         for (g, _m), pool in sorted(self._pools.items()):
             seen = dict.fromkeys(out[g])
-            for route, _ in pool.routes:
+            for route, _, _ in pool.routes:
                 for n in route:
                     seen[n.node_id] = None
             out[g] = list(seen)

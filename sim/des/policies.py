@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from tracker.coordinates import NetCoord
 from tracker.placement import recommend_span
-from tracker.routing import DEFAULT_COSTS, RoutingCosts, select_routes
+from tracker.routing import DEFAULT_COSTS, Route, RoutingCosts, select_routes
 from tracker.snapshot import ShardView, SwarmSnapshot
 
 
@@ -40,6 +40,7 @@ from tracker.snapshot import ShardView, SwarmSnapshot
 class PlannedRoute:
     node_ids: tuple[str, ...]
     expected_ms_per_token: float
+    route: Route | None = None  # the tracker's route (its stages' views at look-up), for re-pricing
 
 
 # one-way latency in ms from a node to a gateway (by index)
@@ -107,7 +108,7 @@ class Routing:
             )
             self.wall_s += time.perf_counter() - t0
             return [
-                PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token) for r in sel.routes
+                PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token, r) for r in sel.routes
             ]
         shards = [
             s for s in snapshot.shards if s.model_fingerprint == fingerprint and s.node_id not in exclude
@@ -158,7 +159,7 @@ class Routing:
             self.wall_s += time.perf_counter() - t0
             if sel.routes:
                 r = sel.routes[0]
-                return PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token)
+                return PlannedRoute(tuple(h.node_id for h in r.hops), r.expected_ms_per_token, r)
         else:
             mid = _nearest_routes(inside, a, b, 1, lambda nid: self._latency_ms(nid, gateway))
             if mid:

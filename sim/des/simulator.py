@@ -92,13 +92,22 @@ class Simulation:
             self.cache,
             _rng(seed, "nodes"),
             _rng(seed, "churn"),
+            _rng(seed, "rebalance"),
+            self._demand,
         )
         coords = self.coords
         self.routing = Routing(
             sc.policy.routing,
             self._latency_to_gateway,
             (lambda g: coords.coord(gateway_key(g))) if coords is not None else (lambda g: None),
-            RoutingCosts(activation_bytes_per_value=2.0),  # the simulated frames are f16
+            RoutingCosts(
+                activation_bytes_per_value=2.0,  # the simulated frames are f16
+                batch_growth_per_session=sc.policy.batch_growth_per_session,
+                queue_wait_weight=sc.policy.queue_wait_weight,
+                uplink_queue_share=sc.policy.uplink_queue_share,
+                occupancy_weight=sc.policy.occupancy_weight,
+                max_occupancy=sc.policy.max_occupancy,
+            ),
         )
         self.gateways = Gateways(
             sc.gateway,
@@ -123,6 +132,13 @@ class Simulation:
         self._rng_clients = _rng(seed, "clients")
         self._next_sid = 0
 
+    def _demand(self) -> dict[str, float]:
+        """Per model: the sessions the gateways hold or queue now (what rebalancing weighs)."""
+        out = dict.fromkeys(self.fingerprints, 0.0)
+        for s in self.gateways.sessions.values():
+            out[self.fingerprints[s.model_index]] += 1.0
+        return out
+
     def _latency_to_gateway(self, node_id: str, gateway: int) -> float:
         return self.swarm.nodes[node_id].gateway_latency_s[gateway] * 1000.0
 
@@ -133,7 +149,8 @@ class Simulation:
             if not path.is_absolute():
                 path = Path(self.sc.source_dir or ".") / path
             return trace_requests(path, [m.name for m in self.sc.models], self.sc.run.duration_s, w.start_s)
-        return poisson_requests(w, [m.request_share for m in self.sc.models], self.sc.run.duration_s, rng)
+        shares = [m.request_share for m in self.sc.models]
+        return poisson_requests(w, shares, self.sc.run.duration_s, rng, [m.name for m in self.sc.models])
 
     # -- events ---------------------------------------------------------------
     def _schedule_next_request(self) -> None:
@@ -260,6 +277,7 @@ class Simulation:
                     "joins": self.swarm.joins,
                     "crashes": self.swarm.crashes,
                     "graceful_leaves": self.swarm.graceful_leaves,
+                    "moves": self.swarm.moves,
                     "serving_at_end": self.swarm.serving,
                 },
                 "stages_per_session": {str(k): v for k, v in sorted(m.stages_per_session.items())},

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from sim.des.config import Scenario
 from sim.des.events import EventLoop
 from sim.des.geography import Endpoint, Geography
-from sim.des.hardware import PROFILES, capacity_layers, step_cost
+from sim.des.hardware import PROFILES, HardwareProfile, capacity_layers, step_cost
 from sim.des.node import DRAINING, GONE, LOADING, SERVING, SimNode, WorkItem
 from sim.des.policies import Placement
 from sim.des.snapshots import SnapshotCache
+from tracker.rebalance import advise
 
 
 class Swarm:
@@ -38,6 +39,8 @@ class Swarm:
         cache: SnapshotCache,
         rng_nodes: random.Random,
         rng_churn: random.Random,
+        rng_rebalance: random.Random | None = None,
+        demand: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.sc = scenario
         self.cfg = scenario.nodes
@@ -49,6 +52,10 @@ class Swarm:
         self.cache = cache
         self.rng = rng_nodes
         self.rng_churn = rng_churn
+        self.rng_rebalance = rng_rebalance or random.Random(0)
+        self.demand = demand  # model fingerprint -> current demand (rebalancing)
+        self.moves = 0
+        self._spawned = 0  # nodes made: joins and moves (node ids)
         self.nodes: dict[str, SimNode] = {}  # every node that ever joined
         self.coverage: list[list[int]] = [[0] * m.n_layers for m in scenario.models]
         self.serving = 0
@@ -64,6 +71,8 @@ class Swarm:
 
     # -- arrivals ---------------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.rebalance_interval_s > 0:
+            self.loop.schedule_in(self.cfg.rebalance_interval_s, self._rebalance)
         for _ in range(self.cfg.initial):
             self.loop.schedule_at(self.rng_churn.uniform(0.0, self.cfg.bootstrap_s), self.join)
         if self.cfg.join_rate_per_s > 0:
@@ -88,8 +97,14 @@ class Swarm:
             self.cache.placed(), self.fingerprints[m], model.n_layers, cap, rng
         )
         self.joins += 1
+        self._spawn(m, profile, endpoint, start, end)
+
+    def _spawn(self, m: int, profile: HardwareProfile, endpoint: Endpoint, start: int, end: int) -> SimNode:
+        """A node of model ``m`` serving ``[start, end)`` once its shard is downloaded."""
+        model = self.sc.models[m]
+        self._spawned += 1
         node = SimNode(
-            node_id=f"n{self.joins:06d}",
+            node_id=f"n{self._spawned:06d}",
             model_index=m,
             model_fingerprint=self.fingerprints[m],
             n_layers_model=model.n_layers,
@@ -110,6 +125,34 @@ class Swarm:
         if self.cfg.download_mbps > 0:
             load_s = (end - start) * model.layer_bytes * 8.0 / (self.cfg.download_mbps * 1e6)
         self.loop.schedule_in(load_s, self._ready, node)
+        return node
+
+    # -- rebalancing (tracker.rebalance) -----------------------------------------
+    def _rebalance(self) -> None:
+        """Some serving nodes ask whether to move; those told to drain and come back on the new span
+        (the same volunteer: profile and place; a new node id, as a re-announce gives)."""
+        self.loop.schedule_in(self.cfg.rebalance_interval_s, self._rebalance)
+        serving = [n for n in self.nodes.values() if n.state == SERVING]
+        if not serving:
+            return
+        rng = self.rng_rebalance
+        asked = rng.sample(serving, min(self.cfg.rebalance_nodes_per_round, len(serving)))
+        demand = self.demand()
+        models = {fp: i for i, fp in enumerate(self.fingerprints)}
+        for node in asked:
+            if node.state != SERVING:
+                continue
+            caps = {
+                fp: capacity_layers(node.profile, self.sc.models[i], self.cfg.max_layers)
+                for fp, i in models.items()
+            }
+            move = advise(self.cache.routable(), node.node_id, caps, demand, rng=rng)
+            if move is None:
+                continue
+            self.moves += 1
+            self.leave_gracefully(node)
+            self.graceful_leaves -= 1  # a move, not a departure
+            self._spawn(models[move.model_fingerprint], node.profile, node.endpoint, move.start, move.end)
 
     def _ready(self, node: SimNode) -> None:
         if node.state != LOADING:

@@ -34,7 +34,11 @@ def _lognormal_int(rng: random.Random, median: float, sigma: float, cap: int) ->
 
 
 def poisson_requests(
-    cfg: WorkloadConfig, model_shares: list[float], end_s: float, rng: random.Random
+    cfg: WorkloadConfig,
+    model_shares: list[float],
+    end_s: float,
+    rng: random.Random,
+    model_names: list[str] | None = None,
 ) -> Iterator[Request]:
     changes = sorted(
         {0.0, end_s, *(b.start_s for b in cfg.bursts), *(b.start_s + b.duration_s for b in cfg.bursts)}
@@ -65,6 +69,14 @@ def poisson_requests(
             continue
         t += dt
         m = rng.choices(models, weights=model_shares)[0] if len(models) > 1 else 0
+        named = [b for b in cfg.bursts if b.model and b.start_s <= t < b.start_s + b.duration_s]
+        if named and model_names:  # a burst for one model: its share of the rate goes there
+            pick = rng.random() * r
+            for b in named:
+                pick -= b.rate_per_s
+                if pick < 0:
+                    m = model_names.index(b.model)
+                    break
         yield Request(
             t,
             m,
