@@ -154,7 +154,21 @@ class GatewayConfig:
         "batch-invariant numbers: off | checked (the runs of a check; nodes can then tell a check "
         "from other traffic) | all (every session; no batching across sessions)",
     )
-    open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
+    open_timeout_s: float = _f(
+        3.0,
+        "longest wait for every stage to acknowledge OPEN (a node answers it in milliseconds: a stopped "
+        "or silent node costs a request no more than this before the route is replaced)",
+    )
+    dial_timeout_s: float = _f(
+        2.0,
+        "longest wait for a node's first answer (Info) before its route is replaced: a dead address or "
+        "one that accepts connections and never answers costs a request no more than this",
+    )
+    avoid_unreachable_s: float = _f(
+        60.0,
+        "how long this gateway routes around a node that did not answer Info or OPEN in time (it also "
+        "tells the tracker, which challenges the node again before routing to it)",
+    )
     prefill_step_timeout_s: float = _f(
         120.0,
         "ceiling of the deadline of one prefill step through every stage (it adapts to the measured "
@@ -272,6 +286,7 @@ class GatewayConfig:
             "route_ttl_s",
             "node_info_ttl_s",
             "open_timeout_s",
+            "dial_timeout_s",
             "prefill_step_timeout_s",
             "decode_step_timeout_s",
             "tracker_timeout_s",
@@ -321,6 +336,8 @@ class GatewayConfig:
                 f"batch_isolation must be one of {', '.join(BATCH_ISOLATION_MODES)}, "
                 f"got {self.batch_isolation!r}"
             )
+        if self.avoid_unreachable_s < 0:
+            raise ConfigError("avoid_unreachable_s must be >= 0")
         if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:
             raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:

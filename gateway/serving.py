@@ -97,6 +97,8 @@ from tracker.client import TrackerClient, TrackerClientError
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
+VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
+MAX_UNREACHABLE_REPORTED = 64  # node ids waiting for the next statistics report (proto.announce)
 MAX_RECOVERIES = 2
 
 
@@ -263,11 +265,9 @@ class GatewayService:
             tracker_key=tracker_key,
         )
         self.node_infos = NodeInfoCache(
-            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.open_timeout_s
+            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.dial_timeout_s
         )
-        self.vocabs = VocabStore(
-            config.resolved_data_dir() / "vocab", channels, timeout_s=config.open_timeout_s
-        )
+        self.vocabs = VocabStore(config.resolved_data_dir() / "vocab", channels, timeout_s=VOCAB_TIMEOUT_S)
         self.access = Access(
             config.resolved_api_keys_file(),
             AuthPolicy(
@@ -294,6 +294,10 @@ class GatewayService:
         self.checks = CheckPolicy(config.check_fraction)
         self._rng = random.Random()
         self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
+        # Nodes that did not answer Info or OPEN in time: avoided for avoid_unreachable_s, and named
+        # to the tracker in the next statistics report (it challenges them again before routing).
+        self._unreachable: dict[str, float] = {}
+        self.unreachable_to_report: set[str] = set()
         self.evidence: list[dict[str, Any]] = []  # verdicts waiting to go to the tracker
         self.checks_passed: dict[str, int] = {}  # node id -> checks passed since the last report
         self._passes: dict[str, int] = {}  # node id -> checks passed, as seen by this gateway
@@ -590,6 +594,7 @@ class GatewayService:
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
                 self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
+                self._note_unreachable(job, err)
                 excluded.add(err.node_id)
                 last_error = err
                 continue
@@ -698,6 +703,7 @@ class GatewayService:
                 for hop in route.hops:
                     self.node_infos.forget(hop)
                     self.prefix.forget_node(hop.node_id)
+                self._note_unreachable(job, err)
                 excluded.add(err.node_id)
                 last_error = err
             finally:
@@ -871,11 +877,33 @@ class GatewayService:
         return needed > 0 and (hop.probation or self._passes.get(hop.node_id, 0) < needed)
 
     def _liars(self) -> frozenset[str]:
+        """The nodes this gateway routes around: caught lying, or silent when last dialled."""
         now = time.monotonic()
-        for node, until in list(self._excluded.items()):
-            if until <= now:
-                del self._excluded[node]
-        return frozenset(self._excluded)
+        for avoided in (self._excluded, self._unreachable):
+            for node, until in list(avoided.items()):
+                if until <= now:
+                    del avoided[node]
+        return frozenset(self._excluded) | frozenset(self._unreachable)
+
+    def _note_unreachable(self, job: Job, err: StageFailed) -> None:
+        """A node failed before its session opened without answering an error of its own (dead,
+        silent, not the node announced): route around it for a while and tell the tracker."""
+        if err.remote is not None or isinstance(err, StageBusy) or not err.node_id:
+            return
+        if self.config.avoid_unreachable_s > 0:
+            self._unreachable[err.node_id] = time.monotonic() + self.config.avoid_unreachable_s
+        if len(self.unreachable_to_report) < MAX_UNREACHABLE_REPORTED:
+            self.unreachable_to_report.add(err.node_id)
+        self.metrics.inc("swarm_gateway_unreachable_nodes_total")
+        event(
+            log,
+            "node_unreachable",
+            level=logging.WARNING,
+            request_id=job.request_id,
+            node_id=err.node_id,
+            avoid_s=self.config.avoid_unreachable_s,
+            error=err.message[:300],
+        )
 
     def _on_verdict(self, job: Job, result: Verdict, divergence: Divergence, judge: StepReport) -> None:
         if result.liar is None:

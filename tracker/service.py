@@ -328,6 +328,20 @@ class Registry:
             "probe": await self._probe_hints(h.node_id, rtt),
         }
 
+    async def _rechallenge(self, gateway_id: str, node_ids: tuple[str, ...]) -> None:
+        """Nodes a gateway could not reach leave routing until they answer a challenge again, so the
+        next clients do not pay the dial deadline for them (a node that answers is back in seconds)."""
+        if not node_ids or not self._challenges(False) or self.challenger is None:
+            return
+        moved = await self._db(self.store.rechallenge, node_ids)
+        if not moved:
+            return
+        self.invalidate_snapshot()
+        for node_id in moved:
+            self.challenger.enqueue(node_id)
+            self.metrics.inc("swarm_tracker_rechallenges_total")
+            event(log, "node_rechallenged", level=logging.WARNING, node_id=node_id, reporter=gateway_id)
+
     async def _record_rtt(self, reporter_id: str, samples: tuple[RttSample, ...]) -> RttResult | None:
         """Claims and the refit of the reporter's coordinate (its own transaction, after the signed
         write: a lost refit only delays a coordinate by one report)."""
@@ -397,6 +411,7 @@ class Registry:
             ),
         )
         self.metrics.inc("swarm_tracker_gateway_reports_total")
+        await self._rechallenge(g.gateway_id, g.unreachable)
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
             self._snapshot_stale = True  # routes for this gateway are priced from its new position

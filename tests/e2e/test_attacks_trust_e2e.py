@@ -1,0 +1,159 @@
+"""Attacks on trust where volunteers really are (issue 27), with real processes on loopback: a tracker,
+real nodes on the bundled model, a real gateway driven by the official ``openai`` client, and attackers
+with keys made on the spot (tests/e2e/attackers.py).
+
+- Tarpits: three fresh keys announce the whole model at an address that accepts TCP and never
+  answers, and a real node of the swarm stops (SIGSTOP: its port still accepts connections). Every
+  legitimate request gets the whole model's greedy text; the gateway gives up on the silent node
+  after its dial or OPEN deadline, routes around it and names it to the tracker, which sends it back
+  to its challenge (out of routing); the fresh keys never leave theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nacl.signing
+import openai
+import pytest
+
+from proto.announce import ModelSpec
+from proto.signing import public_key_hex
+from sim.launcher import LocalSwarm, start_local_swarm
+from sim.procs import NO_SPOT_CHECKS
+from tests.e2e.attackers import KeepAlive, Tarpit, announce, client
+from tests.e2e.swarm_helpers import Reference, wait_until
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+N_NEW = 12
+LEGIT_REQUESTS = 12
+
+
+def _chat(swarm: LocalSwarm) -> tuple[str, float]:
+    c = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+    t0 = time.monotonic()
+    reply = c.chat.completions.create(
+        model=swarm.model_name,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=N_NEW,
+        temperature=0,
+    )
+    return reply.choices[0].message.content or "", time.monotonic() - t0
+
+
+def _model(swarm: LocalSwarm) -> ModelSpec:
+    (m,) = [
+        m for m in httpx.get(swarm.tracker_url + "/v1/models", timeout=10).json()["models"] if m["routable"]
+    ]
+    return ModelSpec(m["fingerprint"], m["name"], m["architecture"], m["n_layers"], m["n_embd"])
+
+
+def _states(swarm: LocalSwarm) -> dict[str, str]:
+    nodes = httpx.get(f"{swarm.tracker_url}/v1/swarm", timeout=30).json()["nodes"]
+    return {n["node_id"]: n["state"] for n in nodes}
+
+
+def _events(text: str, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if f'"{name}"' in line]
+
+
+@pytest.fixture(scope="module")
+def tarpit_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("tarpit"),
+        model=model_path,
+        n_nodes=3,
+        layers=["0:15", "15:30", "15:30"],
+        node_cache=node_cache,
+        gateway_args=["--route-ttl-s", "1", "--stats-interval-s", "1", *NO_SPOT_CHECKS],
+        node_args=["--no-benchmark"],
+        tracker_args=[
+            "--heartbeat-interval-s",
+            "1",
+            "--heartbeat-timeout-s",
+            "120",  # the stopped node must leave routing on the gateway's word, not by expiring
+            "--challenge-timeout-s",
+            "20",
+            "--challenge-info-timeout-s",
+            "2",
+            "--challenge-attempts",
+            "2",
+            "--probation-checks",
+            "0",
+        ],
+    )
+    yield s
+    s.stop()
+
+
+def test_tarpits_cost_a_legit_request_seconds_and_leave_routing(
+    tarpit_swarm: LocalSwarm, reference: Reference
+) -> None:
+    swarm = tarpit_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    assert _chat(swarm)[0] == want
+    model = _model(swarm)
+    tarpit = Tarpit()
+    keys = [nacl.signing.SigningKey.generate() for _ in range(3)]
+    sybils = {public_key_hex(k) for k in keys}
+    # The second [15, 30) node goes silent: it stays live at the tracker (its heartbeats stop, but
+    # the timeout is long) and its port accepts connections that nothing answers.
+    silent = swarm.nodes[2]
+    silent_id = str(httpx.get(f"http://127.0.0.1:{silent.admin_port}/healthz", timeout=10).json()["node_id"])
+    beats: KeepAlive | None = None
+    stopped = False
+    try:
+        with client("127.0.5.1") as attacker:
+            for key in keys:
+                r = attacker.post(
+                    swarm.tracker_url + "/v1/announce",
+                    json=announce(key, model, address=tarpit.address, tls_fingerprint=secrets.token_hex(32)),
+                )
+                assert r.status_code == 200, r.text
+        beats = KeepAlive(swarm.tracker_url, keys, "127.0.5.1")
+        os.kill(silent.pid, signal.SIGSTOP)
+        stopped = True
+        latencies: list[float] = []
+        for _ in range(LEGIT_REQUESTS):
+            text, took = _chat(swarm)
+            assert text == want
+            latencies.append(took)
+
+        def settled() -> dict[str, str] | None:
+            st = _states(swarm)
+            out = all(st.get(n) == "challenge_failed" for n in sybils) and st.get(silent_id) != "live"
+            return st if out else None
+
+        states = wait_until(
+            settled, 60, "the Sybils to fail their challenge and the silent node to leave routing"
+        )
+        print(
+            f"\ntarpit attack: {LEGIT_REQUESTS} legit requests, longest {max(latencies):.2f} s, "
+            f"median {statistics.median(latencies):.2f} s; silent node now {states[silent_id]}"
+        )
+        gw = swarm.gateway.log_text()
+        assert silent_id in {e["node_id"] for e in _events(gw, "node_unreachable")}
+        assert sybils.isdisjoint(e.get("node_id") for e in _events(gw, "node_unreachable"))  # never routed
+        assert silent_id in {e["node_id"] for e in _events(swarm.tracker.log_text(), "node_rechallenged")}
+        # A silent node costs a request at most the dial and OPEN deadlines (2 s, 3 s) on top of its
+        # work; the bound here leaves room for a loaded 2-core machine.
+        assert max(latencies) < 15.0, latencies
+    finally:
+        if stopped:
+            os.kill(silent.pid, signal.SIGCONT)
+        if beats is not None:
+            beats.close()
+        tarpit.close()
