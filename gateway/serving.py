@@ -413,7 +413,14 @@ class GatewayService:
         except UpstreamFailed:
             return target
         for m in models:
-            if target in (m.get("name"), m.get("fingerprint"), protocol.model_id(str(m.get("name", "")))):
+            if target == m.get("fingerprint"):
+                return target
+        for m in models:
+            # A name counts only where the tracker says it resolves to this model (tracker/names.py:
+            # registered, or served by trusted nodes); a tracker without the field: every name does.
+            if not m.get("name_resolves", True):
+                continue
+            if target in (m.get("name"), protocol.model_id(str(m.get("name", "")))):
                 return str(m.get("fingerprint") or m.get("name"))
         return target
 

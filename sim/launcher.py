@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -164,12 +165,16 @@ def start_local_swarm(
     relay_indices: list[int] | None = None,
     wan_profile: WanProfile | None = None,
     register_gateway: bool = False,
+    register_model: bool = False,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
 
     ``register_gateway``: create the gateway's key first and start the tracker with it as its one
     registered gateway (``--registered-gateways``), as an operator exposing a swarm would: route
     tickets then go to that gateway only and name it (docs/tracker.md, Route tickets).
+
+    ``register_model``: register ``model`` with the tracker before any node starts (``swarm-tracker
+    model add``, the operator's path): its name then resolves to its fingerprint only.
 
     ``relay_nodes`` K: the last K nodes start with ``--relay`` pointed at the gateway (they accept no
     connections and are reached over their WebSocket); ``relay_indices`` picks them by index instead.
@@ -203,6 +208,9 @@ def start_local_swarm(
         tracker_url = f"http://{net.addr('tracker')}:{tracker.port}"
         net.probe("tracker", wait_http, tracker, f"{tracker_url}/healthz", timeout_s)
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
+        if register_model:
+            _register_model(model, tracker_url, Path(workdir) / "tracker", net)
+            _say(quiet, f"  tracker  registered {model.name}: its name resolves to its fingerprint only")
         gateway: Service | None = None
         relay_args: list[str] = []
         keep_tls: tuple[str, ...] = ()
@@ -317,6 +325,15 @@ def start_local_swarm(
         raise
 
 
+def _register_model(model: Path, tracker_url: str, tracker_dir: Path, net: _Network) -> None:
+    """``swarm-tracker model add`` with the tracker's own key (what an operator runs)."""
+    argv = [sys.executable, "-m", "tracker.cli", "model", "add", str(model)]
+    argv += ["--tracker", tracker_url, "--data-dir", str(tracker_dir)]
+    done = net.probe("tracker", subprocess.run, argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise LaunchError(f"registering {model.name} failed: {(done.stderr or done.stdout).strip()[-400:]}")
+
+
 def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
     body = {
         "model": model,
@@ -413,6 +430,8 @@ def up(
             relay_nodes=relay_nodes,
             wan_profile=wan_profile,
             register_gateway=True,  # as exposed swarms run: tickets for the gateway only
+            register_model=True,  # the operator's path: the name is bound to this fingerprint
+            tracker_args=["--unregistered-names", "trusted"],  # the tracker's default, not the harness's
         )
     except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err

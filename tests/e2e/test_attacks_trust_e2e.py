@@ -7,6 +7,11 @@ with keys made on the spot (tests/e2e/attackers.py).
   legitimate request gets the whole model's greedy text; the gateway gives up on the silent node
   after its dial or OPEN deadline, routes around it and names it to the tracker, which sends it back
   to its challenge (out of routing); the fresh keys never leave theirs.
+- A name taken by fresh keys: with no model registered, four fresh keys announce another
+  fingerprint under the real model's name (relayed: the tracker cannot challenge them, they go live
+  on probation). The name keeps resolving to the model trusted nodes serve; every request by name is
+  served by the real model; the tracker's model list and dashboard say which fingerprint the name
+  resolves to and why.
 """
 
 from __future__ import annotations
@@ -157,3 +162,104 @@ def test_tarpits_cost_a_legit_request_seconds_and_leave_routing(
         if beats is not None:
             beats.close()
         tarpit.close()
+
+
+HIJACK = "f" * 64  # the largest fingerprint: the old rule (most live shards, ties to the larger) picks it
+
+
+@pytest.fixture(scope="module")
+def name_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("names"),
+        model=model_path,
+        n_nodes=4,
+        layers=["0:15", "0:15", "15:30", "15:30"],
+        node_cache=node_cache,
+        # Every request checked, so the honest nodes earn trust (one passed check) by serving.
+        gateway_args=["--route-ttl-s", "1", "--check-fraction", "1", "--probation-checks", "1"],
+        node_args=["--no-benchmark"],
+        tracker_args=[
+            "--heartbeat-interval-s",
+            "1",
+            "--probation-checks",
+            "1",
+            "--unregistered-names",
+            "trusted",  # the tracker's default (the harness's is any)
+        ],
+    )
+    yield s
+    s.stop()
+
+
+def _tracker_models(swarm: LocalSwarm) -> dict[str, dict[str, Any]]:
+    rows = httpx.get(swarm.tracker_url + "/v1/models", timeout=10).json()["models"]
+    return {m["fingerprint"]: m for m in rows}
+
+
+def test_fresh_keys_announcing_another_model_under_its_name_move_nothing(
+    name_swarm: LocalSwarm, reference: Reference
+) -> None:
+    swarm = name_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    by_fingerprint = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+
+    def earned() -> bool:
+        reply = by_fingerprint.chat.completions.create(
+            model=model.fingerprint,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=N_NEW,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == want
+        return bool(_tracker_models(swarm)[model.fingerprint]["name_resolves"])
+
+    wait_until(earned, 90, "the honest nodes to earn trust (passed checks) and the name to resolve", 1.0)
+    hijack = ModelSpec(HIJACK, model.name, model.architecture, model.n_layers, model.n_embd)
+    keys = [nacl.signing.SigningKey.generate() for _ in range(4)]
+    beats: KeepAlive | None = None
+    try:
+        with client("127.0.6.1") as attacker:
+            for key in keys:
+                r = attacker.post(
+                    swarm.tracker_url + "/v1/announce", json=announce(key, hijack, address=None)
+                )
+                assert r.status_code == 200, r.text
+        beats = KeepAlive(swarm.tracker_url, keys, "127.0.6.1")
+        wait_until(
+            lambda: all(_states(swarm).get(public_key_hex(k)) == "live" for k in keys),
+            30,
+            "the hijackers live",
+        )
+        rows = wait_until(
+            lambda: r if HIJACK in (r := _tracker_models(swarm)) else None, 30, "the hijack in the list"
+        )
+        assert rows[HIJACK]["live_nodes"] == 4 and rows[HIJACK]["trusted_nodes"] == 0
+        assert not rows[HIJACK]["name_resolves"] and rows[model.fingerprint]["name_resolves"]
+        assert "trusted" in rows[model.fingerprint]["name_reason"]
+        by_name = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+        served = []
+        for _ in range(6):
+            reply = by_name.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=N_NEW,
+                temperature=0,
+            )
+            served.append((reply.choices[0].message.content, reply.system_fingerprint))
+        assert all(text == want for text, _ in served), served
+        # The gateway lists the hijack by its fingerprint only; the name means the real model.
+        listed = httpx.get(swarm.base_url + "/models", timeout=10).json()["data"]
+        ids = {m["fingerprint"]: m["id"] for m in listed}
+        assert ids[HIJACK] == HIJACK and ids[model.fingerprint] != model.fingerprint
+        names = httpx.get(swarm.tracker_url + "/v1/dashboard/state", timeout=10).json()["names"]
+        (entry,) = [n for n in names if n["name"] == model.name]
+        assert entry["fingerprint"] == model.fingerprint and entry["candidates"] == 2, entry
+        print(
+            f"\nname attack: 4 fresh keys under {model.name!r}: {len(served)} of {len(served)} by name exact"
+        )
+    finally:
+        if beats is not None:
+            beats.close()
