@@ -26,7 +26,11 @@ from typing import Any
 
 from gateway.session_machine import Sampled, StepReport
 
-Key = tuple[int, int, int]  # (stage, start, end)
+# (layer boundary, start, end): the layer a stage's output ends at and the step's positions. Runs
+# of one request on routes cut alike compare at every stage; runs on routes cut differently (a
+# shadow whose nodes together cover a span no other node holds) compare where their boundaries
+# meet -- at least the model's end, the sampled token. Callers that give no boundary key by stage.
+Key = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class CheckPolicy:
         return on_probation or rng.random() < self.fraction
 
 
-def key(report: StepReport) -> Key:
-    return (report.stage, report.start, report.end)
+def key(report: StepReport, boundary: int | None = None) -> Key:
+    return (report.stage if boundary is None else boundary, report.start, report.end)
 
 
 def _same_sampled(a: Sampled | None, b: Sampled | None) -> bool:
@@ -90,12 +94,16 @@ class Comparator:
     def reports(self, run: str) -> list[StepReport]:
         return list(self._reports.get(run, {}).values())
 
-    def add(self, run: str, report: StepReport) -> bool:
-        """Record a report; True when it disagrees with another run's report of the same step."""
+    def keyed(self, run: str) -> list[tuple[Key, StepReport]]:
+        return list(self._reports.get(run, {}).items())
+
+    def add(self, run: str, report: StepReport, boundary: int | None = None, *, k: Key | None = None) -> bool:
+        """Record a report (at layer ``boundary``, or under key ``k``); True when it disagrees with
+        another run's report of the same step."""
         mine = self._reports.get(run)
         if mine is None or sum(len(r) for r in self._reports.values()) >= self._max:
             return False
-        k = key(report)
+        k = k if k is not None else key(report, boundary)
         mine[k] = report
         diverged = False
         for other, theirs in self._reports.items():
@@ -117,7 +125,8 @@ class Comparator:
     def settled_before(self, k: Key, runs: tuple[str, str]) -> bool:
         """Both runs reported every step before ``k`` that either reported (nothing earlier is unknown)."""
         a, b = (self._reports[r] for r in runs)
-        earlier = {x for x in (*a, *b) if (x[1], x[0]) < (k[1], k[0])}
+        common = {x[0] for x in a} & {x[0] for x in b}  # boundaries both runs' routes have
+        earlier = {x for x in (*a, *b) if x[0] in common and (x[1], x[0]) < (k[1], k[0])}
         return all(x in a and x in b for x in earlier)
 
 
@@ -142,6 +151,26 @@ def verdict(divergence: Divergence, judge: StepReport) -> Verdict:
         liar = disagreeing[0]
         return Verdict(k, liar, divergence.reports[liar].node_id, tuple(agreeing), "outvoted by the judge")
     return Verdict(k, None, "", tuple(agreeing), f"the judge agrees with {agreeing or 'neither run'}")
+
+
+def trusted_verdict(divergence: Divergence, trusted: frozenset[str]) -> Verdict | None:
+    """No third node can judge (nobody else holds the span): a node on probation that contradicts a
+    trusted one is the liar; None when both or neither are trusted (the request then fails)."""
+    k = divergence.key
+    runs = list(divergence.reports.items())
+    if len(runs) != 2:
+        return None
+    (a, ra), (b, rb) = runs
+    if (ra.node_id in trusted) == (rb.node_id in trusted) or ra.node_id == rb.node_id:
+        return None
+    honest, liar = (a, b) if ra.node_id in trusted else (b, a)
+    return Verdict(
+        k,
+        liar,
+        divergence.reports[liar].node_id,
+        (honest,),
+        "contradicted a trusted node; no third node could judge",
+    )
 
 
 def _describe(report: StepReport) -> dict[str, Any]:

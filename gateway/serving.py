@@ -61,6 +61,7 @@ from gateway.errors import (
     Overloaded,
     StageBusy,
     StageFailed,
+    Unconfirmable,
     UpstreamFailed,
 )
 from gateway.gate import Gate
@@ -583,7 +584,13 @@ class GatewayService:
         excluded: set[str] = set(avoid) | self._liars()
         last_error: StageFailed | None = None
         index = progress.index if progress is not None else 0
-        for attempt in range(OPEN_ATTEMPTS):
+        # Nodes on probation that no other route could check: routed around while another route
+        # exists; only when none is left does the request run on them unconfirmed (a swarm where
+        # nobody can check anybody yet, docs/security.md).
+        unconfirmable: set[str] = set()
+        allow_unconfirmed = False
+        attempt = 0
+        while attempt < OPEN_ATTEMPTS:
             candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
             if not candidates:
                 try:
@@ -591,10 +598,15 @@ class GatewayService:
                         job.model_key or request.model, frozenset(excluded)
                     )
                 except NoRoute:
+                    if unconfirmable and not allow_unconfirmed:
+                        allow_unconfirmed = True
+                        excluded -= unconfirmable
+                        continue
                     if last_error is None:
                         raise
                     break
                 candidates = list(model_routes.routes)
+            attempt += 1
             use_fork = fork if attempt == 0 and not avoid else None
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
@@ -669,7 +681,15 @@ class GatewayService:
                     run: Run = session
                     if checked:
                         run = await self._checked(
-                            stack, job, request, route, prepared, sampling, step_tokens, session
+                            stack,
+                            job,
+                            request,
+                            route,
+                            prepared,
+                            sampling,
+                            step_tokens,
+                            session,
+                            allow_unconfirmed=allow_unconfirmed,
                         )
                     try:
                         yield run, prepared
@@ -692,6 +712,14 @@ class GatewayService:
                                 step=m.config.step_tokens,
                             )
                 return
+            except Unconfirmable as err:
+                if not entered or allow_unconfirmed:
+                    raise
+                # Nothing was generated yet: another route, without the nodes nobody can check.
+                attempt -= 1  # not a failure of the route
+                unconfirmable |= err.failed_nodes
+                excluded |= err.failed_nodes
+                last_error = err
             except StageFailed as err:
                 if entered:
                     raise  # failed mid-generation: _run_sessions replays the history on another route
@@ -795,23 +823,61 @@ class GatewayService:
             self.metrics.observe("swarm_gateway_hop_latency_seconds", timing.seconds)
 
     async def _other_route(
-        self, model: str, like: Route, avoid: frozenset[str]
+        self,
+        model: str,
+        like: Route,
+        avoid: frozenset[str],
+        suspects: frozenset[str] | None = None,
     ) -> tuple[Route, list[StageInfo]]:
-        """A route with ``like``'s layer boundaries and none of ``avoid``'s nodes (shadow or judge)."""
+        """A route to check ``like`` against (a shadow or a judge), best first.
+
+        Without ``suspects`` (a judge): none of ``avoid``'s nodes. With them (a shadow): it must
+        replace at least one suspect (every node of ``like`` when there are none), and the more
+        suspects it replaces the better; nodes it shares with ``like`` saw the same inputs twice
+        and are not checked by it. Among equals: the same layer boundaries first (every stage
+        compares), then no node of ``avoid`` at all; a route cut otherwise -- nodes that together
+        cover a span nobody else holds -- compares where the boundaries meet (at least the
+        sampled token)."""
         spans = [(h.start, h.end) for h in like.hops]
-        avoid = avoid | self._liars()
-        for fresh in (False, True):
-            pool = (
-                await self.routes.fetch_excluding(model, avoid) if fresh else await self.routes.routes(model)
-            )
-            for candidate in pool.routes:
-                if [(h.start, h.end) for h in candidate.hops] != spans:
+        liars = self._liars()
+        nodes = [h.node_id for h in like.hops]
+        strict = suspects is None
+        everyone = frozenset(nodes)
+        # What the route must replace: a judge none of avoid; a shadow the suspects, else (when no
+        # route replaces one: they hold spans nobody else does) any node it can.
+        wants = [avoid] if suspects is None else [w for w in (suspects, everyone) if w]
+
+        def best_of(pool: list[Route], wanted: frozenset[str]) -> tuple[tuple[int, ...], Route] | None:
+            best: tuple[tuple[int, ...], Route] | None = None
+            for candidate in pool:
+                ids = {h.node_id for h in candidate.hops}
+                if [h.node_id for h in candidate.hops] == nodes or ids & liars or (strict and ids & avoid):
                     continue
-                if avoid & {h.node_id for h in candidate.hops}:
+                replaced = len(wanted - ids)
+                if replaced == 0:
                     continue
+                same = [(h.start, h.end) for h in candidate.hops] == spans
+                score = (int(replaced == len(wanted)), replaced, int(same), int(not ids & avoid))
+                if best is None or score > best[0]:
+                    best = (score, candidate)
+            return best
+
+        pool = list((await self.routes.routes(model)).routes)
+        found = best_of(pool, wants[0])
+        if found is None or found[0] != (1, len(wants[0]), 1, 1):
+            try:  # a fresh look-up may know better routes than the cached ones
+                pool += (
+                    await self.routes.fetch_excluding(model, (avoid if strict else frozenset()) | liars)
+                ).routes
+            except NoRoute:
+                pass
+        for wanted in wants:
+            found = best_of(pool, wanted)
+            if found is not None:
+                candidate = found[1]
                 stages = [await self.node_infos.get(h, like.model_fingerprint) for h in candidate.hops]
                 return candidate, stages
-        raise NoRoute(f"no second route with the same layer boundaries {spans} and other nodes")
+        raise NoRoute(f"no other route covering the layers {spans} that could check this one")
 
     async def _checked(
         self,
@@ -823,13 +889,25 @@ class GatewayService:
         sampling: codec.SamplingSettings,
         step_tokens: int,
         primary: RouteSession,
+        *,
+        allow_unconfirmed: bool = True,
     ) -> Run:
-        """The request also runs on a shadow route (spot check), or unchecked when there is none."""
+        """The request also runs on a shadow route (spot check). Without one: unchecked when every
+        node of the route is trusted or ``allow_unconfirmed``; else :class:`Unconfirmable`, naming
+        the route's nodes on probation (the caller takes another route)."""
         primary_nodes = frozenset(h.node_id for h in route.hops)
+        suspects = frozenset(h.node_id for h in route.hops if self._on_probation(h))
         same_encodings = primary.machine.config.encodings
+
+        def encodings_for(other: Route) -> Sequence[frame_pb2.Encoding] | None:
+            # Honest nodes report the same digests only when fed alike: the primary's encodings
+            # where the routes are cut alike; a route cut otherwise sends at the data plane's choice.
+            same = [(h.start, h.end) for h in other.hops] == [(h.start, h.end) for h in route.hops]
+            return same_encodings if same else None
+
         try:
             shadow_route, stages = await self._other_route(
-                job.model_key or request.model, route, primary_nodes
+                job.model_key or request.model, route, primary_nodes, suspects
             )
             shadow = await stack.enter_async_context(
                 self._session(
@@ -842,13 +920,29 @@ class GatewayService:
                     report_steps=True,
                     isolated=self.config.isolates(True),
                     stages=stages,
-                    encodings=same_encodings,
+                    encodings=encodings_for(shadow_route),
                 )
             )
         except GatewayError as err:
+            if suspects and not allow_unconfirmed:
+                self.metrics.inc("swarm_gateway_checks_total", outcome="unconfirmable")
+                event(
+                    log,
+                    "route_unconfirmable",
+                    request_id=job.request_id,
+                    suspects=sorted(suspects),
+                    reason=err.message,
+                )
+                raise Unconfirmable(
+                    f"no route can check the node(s) on probation of this route: {err.message}",
+                    node_id=sorted(suspects)[0],
+                    failed_nodes=suspects,
+                ) from err
             self.metrics.inc("swarm_gateway_checks_total", outcome="no_shadow")
             event(log, "check_skipped", request_id=job.request_id, reason=err.message)
             return primary
+        hops = {h.node_id: h for h in (*route.hops, *shadow_route.hops)}
+        trusted = frozenset(n for n, h in hops.items() if not self._on_probation(h))
 
         @asynccontextmanager
         async def open_judge(avoid: frozenset[str]) -> AsyncIterator[RouteSession]:
@@ -863,7 +957,7 @@ class GatewayService:
                 report_steps=True,
                 isolated=self.config.isolates(True),
                 stages=judge_stages,
-                encodings=same_encodings,
+                encodings=encodings_for(judge_route),
             ) as judge:
                 yield judge
 
@@ -875,6 +969,7 @@ class GatewayService:
             open_judge=open_judge,
             on_verdict=lambda v, d, r: self._on_verdict(job, v, d, r),
             judge_timeout_s=self.config.check_judge_timeout_s,
+            trusted=trusted,
         )
 
     def _on_probation(self, hop: Hop) -> bool:
@@ -936,7 +1031,7 @@ class GatewayService:
         passed = stats.divergences == 0 and stats.unchecked_since is None and stats.compared_steps > 0
         if passed:
             self.metrics.inc("swarm_gateway_checks_total", outcome="passed")
-            for node in run.node_ids:
+            for node in run.checked_node_ids:  # not nodes both runs shared: nothing checked them
                 self.checks_passed[node] = self.checks_passed.get(node, 0) + 1
                 self._passes[node] = self._passes.get(node, 0) + 1
         elif stats.unchecked_since is not None:

@@ -57,6 +57,8 @@ class LocalSwarm:
     # With relayed nodes: the gateway flags that keep its certificate and HTTPS port (the nodes pin the
     # certificate and dial that port), for a test that restarts the gateway.
     gateway_tls_args: tuple[str, ...] = ()
+    # With relayed nodes: the node flags that reach the gateway's relay (its URL and certificate pin).
+    relay_args: tuple[str, ...] = ()
 
     @property
     def tracker_url(self) -> str:
@@ -306,7 +308,9 @@ def start_local_swarm(
             quiet,
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
-        swarm = LocalSwarm(sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls)
+        swarm = LocalSwarm(
+            sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls, relay_args=tuple(relay_args)
+        )
         if wan is not None:
             # Loopback forwarders into the WAN, entering at the profile's client host.
             swarm.wan = wan

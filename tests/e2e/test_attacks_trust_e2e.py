@@ -12,6 +12,14 @@ with keys made on the spot (tests/e2e/attackers.py).
   on probation). The name keeps resolving to the model trusted nodes serve; every request by name is
   served by the real model; the tracker's model list and dashboard say which fingerprint the name
   resolves to and why.
+- A liar on a span nobody else holds: a relayed fresh key (no join challenge can dial it) computing
+  nothing and claiming the whole model ``[0, 30)``, announcing the fastest decode there is. Its
+  requests are checked against nodes that together cover the span (compared at the sampled token),
+  judged by a third route, and it is named on its first request: no client sees its output.
+- A liar without a disjoint twin: one node on ``[0, 15)``, two on ``[15, 30)``, one of those a
+  newcomer that replaces every token after answering its challenge honestly. Its runs are checked
+  against the other ``[15, 30)`` node with the first stage shared; with no third node to judge, the
+  trusted node's word decides: named on its first request, no wrong token delivered.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ import nacl.signing
 import openai
 import pytest
 
+from node.failpoints import CONSENT, CONSENT_ENV, ENV
 from proto.announce import ModelSpec
 from proto.signing import public_key_hex
-from sim.launcher import LocalSwarm, start_local_swarm
+from sim.launcher import LocalSwarm, _wait_announced, start_local_swarm
 from sim.procs import NO_SPOT_CHECKS
 from tests.e2e.attackers import KeepAlive, Tarpit, announce, client
 from tests.e2e.swarm_helpers import Reference, wait_until
@@ -263,3 +272,161 @@ def test_fresh_keys_announcing_another_model_under_its_name_move_nothing(
     finally:
         if beats is not None:
             beats.close()
+
+
+CHECKED_GATEWAY = ["--route-ttl-s", "1", "--check-fraction", "1", "--probation-checks", "1"]
+# Probation costs nothing in routing here: a liar announcing the fastest decode is routed first, as
+# it would be wherever honest nodes are slower than its claim.
+LIAR_TRACKER = ["--heartbeat-interval-s", "1", "--probation-checks", "1", "--probation-penalty-ms", "0"]
+
+
+def _node_id(node: Any) -> str:
+    return str(httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=10).json()["node_id"])
+
+
+def _checks_passed(swarm: LocalSwarm) -> dict[str, int]:
+    nodes = httpx.get(f"{swarm.tracker_url}/v1/swarm", timeout=30).json()["nodes"]
+    return {n["node_id"]: int(n.get("checks_passed") or 0) for n in nodes}
+
+
+def _earn_trust(swarm: LocalSwarm, want: str, fingerprint: str, nodes: set[str]) -> int:
+    """Checked requests until every node of ``nodes`` passed a check at the tracker; the requests sent."""
+    c = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+    sent = 0
+
+    def trusted() -> bool:
+        nonlocal sent
+        passed = _checks_passed(swarm)
+        if all(passed.get(n, 0) >= 1 for n in nodes):
+            return True
+        reply = c.chat.completions.create(
+            model=fingerprint,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=N_NEW,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == want
+        sent += 1
+        return False
+
+    wait_until(trusted, 120, f"{len(nodes)} honest nodes to pass a check", 1.0)
+    return sent
+
+
+def _start_liar(
+    swarm: LocalSwarm, model_path: Path, node_cache: Path, layers: str, lies: str, extra: list[str]
+) -> Any:
+    node = swarm.supervisor.start_node(
+        f"liar-{lies.split(',')[0]}",
+        model=model_path,
+        layers=layers,
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra_args=["--no-benchmark", *extra],
+        env={ENV: f"{lies},fake_speed", CONSENT_ENV: CONSENT},
+    )
+    node.wait_port(300)
+    _wait_announced(swarm.tracker_url, node, 300)
+    return node
+
+
+def _attack(
+    swarm: LocalSwarm, want: str, fingerprint: str, liar_id: str, requests: int
+) -> tuple[int, list[str]]:
+    """``requests`` chats; (the request after which the gateway had named the liar, the answers)."""
+    c = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+    named_after = 0
+    answers = []
+    for i in range(requests):
+        reply = c.chat.completions.create(
+            model=fingerprint,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=N_NEW,
+            temperature=0,
+        )
+        answers.append(reply.choices[0].message.content or "")
+        verdicts = _events(swarm.gateway.log_text(), "spot_check_verdict")
+        if not named_after and any(v.get("liar") == liar_id for v in verdicts):
+            named_after = i + 1
+    return named_after, answers
+
+
+@pytest.fixture(scope="module")
+def covering_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("covering"),
+        model=model_path,
+        n_nodes=4,
+        layers=["0:15", "0:15", "15:30", "15:30"],
+        relay_indices=[3],  # the gateway serves a relay (the liar uses it); one honest node is relayed too
+        node_cache=node_cache,
+        gateway_args=CHECKED_GATEWAY,
+        node_args=["--no-benchmark"],
+        tracker_args=LIAR_TRACKER,
+    )
+    yield s
+    s.stop()
+
+
+def test_a_relayed_liar_on_a_span_nobody_holds_is_checked_by_covering_nodes(
+    covering_swarm: LocalSwarm, reference: Reference, model_path: Path, node_cache: Path
+) -> None:
+    swarm = covering_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    honest = {_node_id(n) for n in swarm.nodes}
+    _earn_trust(swarm, want, model.fingerprint, honest)
+    liar = _start_liar(swarm, model_path, node_cache, "0:30", "no_model", list(swarm.relay_args))
+    liar_id = _node_id(liar)
+    assert wait_until(
+        lambda: _states(swarm).get(liar_id) == "live", 60, "the relayed liar live (no challenge)"
+    )
+    named_after, answers = _attack(swarm, want, model.fingerprint, liar_id, 8)
+    print(f"\nrelayed liar on [0, 30): named after {named_after} request(s); {len(answers)} answers exact")
+    assert all(a == want for a in answers), answers
+    assert 1 <= named_after <= 2, named_after
+    wait_until(lambda: _states(swarm).get(liar_id) == "banned", 30, "the tracker to ban the liar")
+
+
+@pytest.fixture(scope="module")
+def twin_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("twin"),
+        model=model_path,
+        n_nodes=3,
+        layers=["0:15", "15:30", "15:30"],
+        node_cache=node_cache,
+        gateway_args=CHECKED_GATEWAY,
+        node_args=["--no-benchmark"],
+        tracker_args=LIAR_TRACKER,
+    )
+    yield s
+    s.stop()
+
+
+def test_a_liar_without_a_disjoint_twin_is_checked_with_the_rest_of_the_route_shared(
+    twin_swarm: LocalSwarm, reference: Reference, model_path: Path, node_cache: Path
+) -> None:
+    swarm = twin_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    first, second, third = swarm.nodes
+    # The [15, 30) nodes check each other (the first stage shared); [0, 15) has no twin.
+    _earn_trust(swarm, want, model.fingerprint, {_node_id(second), _node_id(third)})
+    third.stop()  # now one node on [0, 15) and one on [15, 30) ...
+    liar = _start_liar(swarm, model_path, node_cache, "15:30", "swap_sampler,honest_steps=1", [])
+    liar_id = _node_id(liar)  # ... and the newcomer beside it, which passed its challenge honestly
+    assert wait_until(lambda: _states(swarm).get(liar_id) == "live", 90, "the liar past its challenge")
+    named_after, answers = _attack(swarm, want, model.fingerprint, liar_id, 8)
+    print(f"\nliar with a shared first stage: named after {named_after} request(s); {len(answers)} exact")
+    assert all(a == want for a in answers), answers
+    assert 1 <= named_after <= 2, named_after
+    (verdict,) = [
+        v for v in _events(swarm.gateway.log_text(), "spot_check_verdict") if v.get("liar") == liar_id
+    ]
+    assert "trusted" in verdict["detail"], verdict
+    wait_until(lambda: _states(swarm).get(liar_id) == "banned", 30, "the tracker to ban the liar")
