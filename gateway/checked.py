@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 import trio
 
 from common.logs import event
-from gateway.checks import Comparator, Divergence, Verdict, trusted_verdict, verdict
+from gateway.checks import (
+    Comparator,
+    Divergence,
+    Verdict,
+    divergence_stage,
+    same_token_tolerant,
+    trusted_verdict,
+    verdict,
+)
 from gateway.errors import GatewayError, UpstreamFailed
 from gateway.route_session import RouteSession
 from gateway.session_machine import Sampled, StepReport
@@ -80,7 +88,7 @@ class CheckedSession:
         # they saw the same inputs twice, so agreement proves nothing about them.
         self.shared = frozenset(primary.node_ids) & frozenset(shadow.node_ids)
         self._trusted = trusted  # nodes whose word decides when no third node can judge
-        self.comparator = Comparator(("primary", "shadow"))
+        self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
         self.stats = CheckStats()
         self._stack = stack
         self._open_judge = open_judge
@@ -161,13 +169,21 @@ class CheckedSession:
                 continue
             names = list(self.runs)
             first = self._tokens[names[0]][i]
-            if any(not _same_token(first, self._tokens[n][i]) for n in names[1:]):
+            if any(not self._same(first, self._tokens[n][i]) for n in names[1:]):
                 self._diverged = True  # the last stage's step reports say where; judge it
                 continue
             self._delivered += 1
             return first
 
     # -- internals ----------------------------------------------------------------------------------------
+
+    def _same(self, a: Sampled, b: Sampled) -> bool:
+        return _same_token(a, b, self.comparator.exact)
+
+    def _one_recipe(self, *extra: RouteSession) -> bool:
+        """Every stage of every run shares one runtime recipe: compare bit for bit (else tolerantly)."""
+        sessions = [*self.runs.values(), *extra]
+        return len({st.recipe_fingerprint for s in sessions for st in s.machine.stages}) <= 1
 
     def _listen(self, name: str, session: RouteSession) -> None:
         def on_step(report: StepReport) -> None:
@@ -221,11 +237,12 @@ class CheckedSession:
             judge = await self._open_judge_for(div)
         except CheckFailed:
             # Nobody else holds the span: a node on probation contradicting a trusted one loses.
-            result = trusted_verdict(div, self._trusted)
+            result = trusted_verdict(div, self._trusted, self.comparator.exact)
             if result is None:
                 raise
             await self._convict(result, div, div.reports[result.honest[0]], judge=None)
             return
+        self.comparator.exact = self.comparator.exact and self._one_recipe(judge)
         self.comparator.add_run("judge")
         self._tokens["judge"] = []
         self._listen("judge", judge)
@@ -250,7 +267,7 @@ class CheckedSession:
             )
         judge_report = self.comparator.report("judge", div.key)
         assert judge_report is not None  # judged() said so
-        result = verdict(div, judge_report)
+        result = verdict(div, judge_report, self.comparator.exact)
         await self._convict(result, div, judge_report, judge=judge)
 
     async def _convict(
@@ -271,7 +288,7 @@ class CheckedSession:
         if judge is None:
             self.runs = {"primary": self.runs[honest]}
             self._tokens = {"primary": self._tokens[honest]}
-            self.comparator = Comparator(("primary",))
+            self.comparator = Comparator(("primary",), exact=old.exact)
             for k, report in old.keyed(honest):
                 self.comparator.add("primary", report, k=k)
             self.stats.unchecked_since = self._delivered
@@ -279,7 +296,7 @@ class CheckedSession:
             # Go on with the two runs that agree: the honest one leads, the judge checks it.
             self.runs = {"primary": self.runs[honest], "shadow": judge}
             self._tokens = {"primary": self._tokens[honest], "shadow": self._tokens["judge"]}
-            self.comparator = Comparator(("primary", "shadow"))
+            self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
             for k, report in old.keyed(honest):
                 self.comparator.add("primary", report, k=k)
             for k, report in old.keyed("judge"):
@@ -292,7 +309,8 @@ class CheckedSession:
             "liar_excluded",
             level=logging.WARNING,
             node_id=result.node_id,
-            stage=div.key[0],
+            stage=divergence_stage(div, result.liar),
+            layer=div.key[0],
             positions=[div.key[1], div.key[2]],
             tokens_delivered=self._delivered,
         )
@@ -315,7 +333,9 @@ class CheckedSession:
         ) from error
 
 
-def _same_token(a: Sampled, b: Sampled) -> bool:
+def _same_token(a: Sampled, b: Sampled, exact: bool = True) -> bool:
+    if not exact:
+        return same_token_tolerant(a, b)
     return (
         a.token_id == b.token_id
         and a.logprob == b.logprob
@@ -325,7 +345,7 @@ def _same_token(a: Sampled, b: Sampled) -> bool:
 
 
 def _renamed(old: Comparator, src: str, dst: str) -> Comparator:
-    new = Comparator((dst,))
+    new = Comparator((dst,), exact=old.exact)
     for k, report in old.keyed(src):
         new.add(dst, report, k=k)
     return new

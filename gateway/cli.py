@@ -88,7 +88,7 @@ def _help(name: str) -> str:
 @click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))
 @click.option(
     "--batch-isolation",
-    type=click.Choice(["off", "checked", "all"]),
+    type=click.Choice(["auto", "off", "checked", "all"]),
     default=None,
     help=_help("batch_isolation"),
 )

@@ -49,7 +49,7 @@ from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
-from gateway.checks import CheckPolicy, Divergence, Verdict, evidence
+from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
 from gateway.config import GatewayConfig
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
@@ -665,7 +665,7 @@ class GatewayService:
                         sampling,
                         step_tokens,
                         report_steps=checked,
-                        isolated=self.config.isolates(checked),
+                        isolated=self.config.isolates(checked, prepared.vocab.architecture),
                         session_id=session_id,
                         kv_source=kv_source,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
@@ -834,7 +834,9 @@ class GatewayService:
         Without ``suspects`` (a judge): none of ``avoid``'s nodes. With them (a shadow): it must
         replace at least one suspect (every node of ``like`` when there are none), and the more
         suspects it replaces the better; nodes it shares with ``like`` saw the same inputs twice
-        and are not checked by it. Among equals: the same layer boundaries first (every stage
+        and are not checked by it. Then one runtime recipe with ``like`` (bit-for-bit comparison;
+        across recipes the tolerance of :func:`gateway.checks.agree`). Among equals: the same layer
+        boundaries first (every stage
         compares), then no node of ``avoid`` at all; a route cut otherwise -- nodes that together
         cover a span nobody else holds -- compares where the boundaries meet (at least the
         sampled token)."""
@@ -847,8 +849,19 @@ class GatewayService:
         # route replaces one: they hold spans nobody else does) any node it can.
         wants = [avoid] if suspects is None else [w for w in (suspects, everyone) if w]
 
-        def best_of(pool: list[Route], wanted: frozenset[str]) -> tuple[tuple[int, ...], Route] | None:
-            best: tuple[tuple[int, ...], Route] | None = None
+        async def recipes(route: Route) -> list[StageInfo] | None:
+            try:
+                return [await self.node_infos.get(h, like.model_fingerprint) for h in route.hops]
+            except StageFailed:  # a node that does not answer cannot check anything
+                return None
+
+        mine = await recipes(like)
+        own = {st.recipe_fingerprint for st in mine or ()}
+
+        async def best_of(
+            pool: list[Route], wanted: frozenset[str]
+        ) -> tuple[tuple[int, ...], Route, list[StageInfo]] | None:
+            best: tuple[tuple[int, ...], Route, list[StageInfo]] | None = None
             for candidate in pool:
                 ids = {h.node_id for h in candidate.hops}
                 if [h.node_id for h in candidate.hops] == nodes or ids & liars or (strict and ids & avoid):
@@ -857,14 +870,20 @@ class GatewayService:
                 if replaced == 0:
                     continue
                 same = [(h.start, h.end) for h in candidate.hops] == spans
-                score = (int(replaced == len(wanted)), replaced, int(same), int(not ids & avoid))
+                stages = await recipes(candidate)
+                if stages is None:
+                    continue
+                # One recipe on both runs: compared bit for bit; else with the tolerance of
+                # gateway.checks.agree (weaker), so a shadow of the primary's recipe comes first.
+                one_recipe = int(len(own | {st.recipe_fingerprint for st in stages}) == 1)
+                score = (int(replaced == len(wanted)), one_recipe, replaced, int(same), int(not ids & avoid))
                 if best is None or score > best[0]:
-                    best = (score, candidate)
+                    best = (score, candidate, stages)
             return best
 
         pool = list((await self.routes.routes(model)).routes)
-        found = best_of(pool, wants[0])
-        if found is None or found[0] != (1, len(wants[0]), 1, 1):
+        found = await best_of(pool, wants[0])
+        if found is None or found[0] != (1, 1, len(wants[0]), 1, 1):
             try:  # a fresh look-up may know better routes than the cached ones
                 pool += (
                     await self.routes.fetch_excluding(model, (avoid if strict else frozenset()) | liars)
@@ -872,11 +891,9 @@ class GatewayService:
             except NoRoute:
                 pass
         for wanted in wants:
-            found = best_of(pool, wanted)
+            found = await best_of(pool, wanted)
             if found is not None:
-                candidate = found[1]
-                stages = [await self.node_infos.get(h, like.model_fingerprint) for h in candidate.hops]
-                return candidate, stages
+                return found[1], found[2]
         raise NoRoute(f"no other route covering the layers {spans} that could check this one")
 
     async def _checked(
@@ -918,7 +935,7 @@ class GatewayService:
                     sampling,
                     step_tokens,
                     report_steps=True,
-                    isolated=self.config.isolates(True),
+                    isolated=self.config.isolates(True, prepared.vocab.architecture),
                     stages=stages,
                     encodings=encodings_for(shadow_route),
                 )
@@ -955,7 +972,7 @@ class GatewayService:
                 sampling,
                 step_tokens,
                 report_steps=True,
-                isolated=self.config.isolates(True),
+                isolated=self.config.isolates(True, prepared.vocab.architecture),
                 stages=judge_stages,
                 encodings=encodings_for(judge_route),
             ) as judge:
@@ -1012,7 +1029,9 @@ class GatewayService:
             self.metrics.inc("swarm_gateway_checks_total", outcome="inconclusive")
         else:
             self.metrics.inc("swarm_gateway_checks_total", outcome="liar_caught")
-            self._excluded[result.node_id] = time.monotonic() + self.config.exclude_liars_s
+            # Across recipes a verdict may be an honest near-tie: avoided a while, not for a day.
+            avoid_s = self.config.exclude_liars_s if result.exact else min(self.config.exclude_liars_s, 600.0)
+            self._excluded[result.node_id] = time.monotonic() + avoid_s
             self.routes.invalidate(job.model_key or job.request.model)
         event(
             log,
@@ -1020,7 +1039,8 @@ class GatewayService:
             level=logging.WARNING,
             request_id=job.request_id,
             liar=result.node_id or None,
-            stage=divergence.key[0],
+            stage=divergence_stage(divergence, result.liar),
+            layer=divergence.key[0],
             positions=[divergence.key[1], divergence.key[2]],
             detail=result.detail,
         )

@@ -8,6 +8,14 @@ greedy output after 12 tokens; docs/engine.md) and the same compute backend
 over a canonical JSON object of exactly those fields, so every party computes
 the same hex string without depending on protobuf serialization order.
 
+``cpu_features`` names the instruction-set features the CPU kernels were
+built and run with (llama.cpp's system info: ``avx2``, ``fma``, ``f16c``, the
+``repack`` and ``llamafile`` kernels ...): an AVX2 build and one without it
+pick other kernels and may round differently. It enters the canonical JSON
+only when known (a node that does not report it keeps its old fingerprint).
+Two nodes are compared bit for bit only within one recipe; across recipes the
+gateway's checks use a tolerance (gateway/checks.py, docs/security.md).
+
 ``backend`` is ``"cpu"`` for a node that offloads nothing, ``"<backend>"``
 (``"cuda"``, ``"vulkan"``, ``"metal"`` ...) when every layer of its shard and
 its output run on that device, and ``"<backend>+cpu"`` when only some do. It
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from proto.swarm.v1 import shard_service_pb2
@@ -33,6 +42,7 @@ class Recipe:
     kv_type: str
     flash_attention: bool
     backend: str = "cpu"
+    cpu_features: str = ""  # e.g. "avx,avx2,f16c,fma,repack,sse3" (see cpu_features_from_system_info)
 
     def canonical_json(self) -> bytes:
         fields: dict[str, object] = {
@@ -44,6 +54,8 @@ class Recipe:
         }
         if self.backend.lower() != "cpu":
             fields["backend"] = self.backend.lower()
+        if self.cpu_features:
+            fields["cpu_features"] = self.cpu_features.lower()
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
     def fingerprint(self) -> str:
@@ -58,6 +70,7 @@ class Recipe:
             flash_attention=self.flash_attention,
             fingerprint=self.fingerprint(),
             backend=self.backend,
+            cpu_features=self.cpu_features,
         )
 
     @classmethod
@@ -69,4 +82,18 @@ class Recipe:
             kv_type=message.kv_type,
             flash_attention=message.flash_attention,
             backend=message.backend or "cpu",
+            cpu_features=message.cpu_features,
         )
+
+
+_FEATURE = re.compile(r"([A-Za-z0-9_]+)\s*=\s*1\b")
+
+
+def cpu_features_from_system_info(text: str) -> str:
+    """The CPU features llama.cpp reports on (``llama_print_system_info``'s ``CPU : AVX2 = 1 | ...``
+    part): lowercase, sorted, comma-separated; "" when it names none."""
+    features: set[str] = set()
+    for line in text.splitlines():
+        for part in line.split("CPU :")[1:]:
+            features.update(m.group(1).lower() for m in _FEATURE.finditer(part.split(":")[0]))
+    return ",".join(sorted(features))

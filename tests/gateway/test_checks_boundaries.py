@@ -43,3 +43,20 @@ def test_a_node_on_probation_contradicting_a_trusted_one_is_named_and_nobody_els
     assert v is not None and (v.liar, v.node_id, v.honest) == ("shadow", L, ("primary",))
     assert trusted_verdict(div, frozenset()) is None  # both on probation: no verdict, the request fails
     assert trusted_verdict(div, frozenset({B, L})) is None  # both trusted: no guess either
+
+
+def test_across_recipes_the_sampled_token_decides_and_hidden_digests_are_not_compared() -> None:
+    """Two honest nodes of different builds: other low-order bits (digest, logprob), the same token."""
+    c = Comparator(("primary", "shadow"), exact=False)
+    c.add("primary", report(0, A, 0, 8, b"bits-of-build-1"), 15)
+    assert not c.add("shadow", report(0, L, 0, 8, b"bits-of-build-2"), 15)  # not comparable: skipped
+    assert c.compared == 0
+    near = StepReport(1, L, 1, 2, 0, 8, b"other", Sampled(7, -0.5000001, ((7, -0.5000001),), False))
+    c.add("primary", report(1, B, 0, 8, b"t", 7), 30)
+    assert not c.add("shadow", near, 30) and c.compared == 1
+    assert c.first_divergence() is None
+    assert c.add("shadow", report(1, L, 8, 9, b"u", 9), 30) is False
+    assert c.add("primary", report(1, B, 8, 9, b"u", 8), 30)  # another token: a divergence even so
+    exact = Comparator(("primary", "shadow"))
+    exact.add("primary", report(1, B, 0, 8, b"t", 7), 30)
+    assert exact.add("shadow", near, 30)  # within one recipe the logprob's last bit counts
