@@ -82,7 +82,11 @@ class CheckedSession:
         on_verdict: Callable[[Verdict, Divergence, StepReport], None],
         judge_timeout_s: float = 120.0,
         trusted: frozenset[str] = frozenset(),
+        numerics: dict[str, str] | None = None,
     ) -> None:
+        # Node id -> what it must share with another to be compared bit for bit (the recipe's check
+        # fingerprint: CPU features included); nodes missing here count by their stage's recipe.
+        self._numerics = numerics if numerics is not None else {}
         self.runs: dict[str, RouteSession] = {"primary": primary, "shadow": shadow}
         # Nodes in both runs (the rest of a route shared with a shadow that replaces the suspects):
         # they saw the same inputs twice, so agreement proves nothing about them.
@@ -183,7 +187,10 @@ class CheckedSession:
     def _one_recipe(self, *extra: RouteSession) -> bool:
         """Every stage of every run shares one runtime recipe: compare bit for bit (else tolerantly)."""
         sessions = [*self.runs.values(), *extra]
-        return len({st.recipe_fingerprint for s in sessions for st in s.machine.stages}) <= 1
+        kinds = {
+            self._numerics.get(st.node_id, st.recipe_fingerprint) for s in sessions for st in s.machine.stages
+        }
+        return len(kinds) <= 1
 
     def _listen(self, name: str, session: RouteSession) -> None:
         def on_step(report: StepReport) -> None:

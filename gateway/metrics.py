@@ -88,7 +88,8 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_gateway_checks_total": m.counter(
         "spot checks (a request also run on a second route), by outcome: started, passed, liar_caught,"
-        " inconclusive, abandoned (the shadow failed), no_shadow (no second route)",
+        " inconclusive, abandoned (the shadow failed), no_shadow (no second route), unconfirmable (nodes"
+        " on probation no route can check: another route taken)",
         "outcome",
     ),
     "swarm_gateway_recoveries_total": m.counter(

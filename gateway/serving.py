@@ -856,7 +856,7 @@ class GatewayService:
                 return None
 
         mine = await recipes(like)
-        own = {st.recipe_fingerprint for st in mine or ()}
+        own = {st.check_fingerprint or st.recipe_fingerprint for st in mine or ()}
 
         async def best_of(
             pool: list[Route], wanted: frozenset[str]
@@ -875,7 +875,8 @@ class GatewayService:
                     continue
                 # One recipe on both runs: compared bit for bit; else with the tolerance of
                 # gateway.checks.agree (weaker), so a shadow of the primary's recipe comes first.
-                one_recipe = int(len(own | {st.recipe_fingerprint for st in stages}) == 1)
+                theirs = {st.check_fingerprint or st.recipe_fingerprint for st in stages}
+                one_recipe = int(len(own | theirs) == 1)
                 score = (int(replaced == len(wanted)), one_recipe, replaced, int(same), int(not ids & avoid))
                 if best is None or score > best[0]:
                     best = (score, candidate, stages)
@@ -960,10 +961,17 @@ class GatewayService:
             return primary
         hops = {h.node_id: h for h in (*route.hops, *shadow_route.hops)}
         trusted = frozenset(n for n, h in hops.items() if not self._on_probation(h))
+        # Node id -> Recipe.check_fingerprint: the runs compare bit for bit only where all share one.
+        numerics = {
+            st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in (*prepared.stages, *stages)
+        }
 
         @asynccontextmanager
         async def open_judge(avoid: frozenset[str]) -> AsyncIterator[RouteSession]:
             judge_route, judge_stages = await self._other_route(job.model_key or request.model, route, avoid)
+            numerics.update(
+                {st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in judge_stages}
+            )
             async with self._session(
                 job,
                 request,
@@ -987,6 +995,7 @@ class GatewayService:
             on_verdict=lambda v, d, r: self._on_verdict(job, v, d, r),
             judge_timeout_s=self.config.check_judge_timeout_s,
             trusted=trusted,
+            numerics=numerics,
         )
 
     def _on_probation(self, hop: Hop) -> bool:

@@ -11,10 +11,13 @@ the same hex string without depending on protobuf serialization order.
 ``cpu_features`` names the instruction-set features the CPU kernels were
 built and run with (llama.cpp's system info: ``avx2``, ``fma``, ``f16c``, the
 ``repack`` and ``llamafile`` kernels ...): an AVX2 build and one without it
-pick other kernels and may round differently. It enters the canonical JSON
-only when known (a node that does not report it keeps its old fingerprint).
-Two nodes are compared bit for bit only within one recipe; across recipes the
-gateway's checks use a tolerance (gateway/checks.py, docs/security.md).
+pick other kernels and may round differently in the low-order bits. Stages
+that differ only there still compose a correct route, so it is not part of
+:meth:`Recipe.fingerprint` (what every stage of a route shares and frames
+carry) but of :meth:`Recipe.check_fingerprint`: the identity under which two
+nodes' answers are compared bit for bit (spot checks, the tracker's
+challenge); across check fingerprints the gateway's checks use a tolerance
+(gateway/checks.py, docs/security.md).
 
 ``backend`` is ``"cpu"`` for a node that offloads nothing, ``"<backend>"``
 (``"cuda"``, ``"vulkan"``, ``"metal"`` ...) when every layer of its shard and
@@ -54,13 +57,21 @@ class Recipe:
         }
         if self.backend.lower() != "cpu":
             fields["backend"] = self.backend.lower()
-        if self.cpu_features:
-            fields["cpu_features"] = self.cpu_features.lower()
         return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
     def fingerprint(self) -> str:
         """sha256 (lowercase hex) of :meth:`canonical_json`."""
         return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    def check_fingerprint(self) -> str:
+        """What two nodes must share to be compared bit for bit: the fingerprint and the CPU
+        features (the fingerprint itself where the features are not reported)."""
+        if not self.cpu_features:
+            return self.fingerprint()
+        body = (
+            self.canonical_json() + b"|cpu_features=" + self.cpu_features.lower().encode("ascii", "replace")
+        )
+        return hashlib.sha256(body).hexdigest()
 
     def to_wire(self) -> shard_service_pb2.RuntimeRecipe:
         return shard_service_pb2.RuntimeRecipe(

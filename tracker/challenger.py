@@ -276,7 +276,8 @@ class Challenger:
             or claimed.model_fingerprint != target.model_fingerprint
         ):
             raise ChallengeFailed("the node's runtime recipe does not hash to the fingerprint it gives")
-        recipe = info.recipe.fingerprint
+        # References are answers of nodes that compute the same bits: the same recipe and CPU features.
+        recipe = claimed.check_fingerprint()
         spec = challenge_input(
             self._secret,
             model_fingerprint=target.model_fingerprint,
