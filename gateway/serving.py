@@ -544,6 +544,10 @@ class GatewayService:
             self.prefix.take(None)
             return route, prepared, None
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
+        if holder is not None and any(self._on_probation(h) for h in holder.hops):
+            # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
+            # from a cold request: through a node on probation every request runs cold, checked.
+            holder = None
         if holder is None or (
             holder is not route
             and self.routes.route_load(holder)
