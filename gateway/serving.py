@@ -611,7 +611,7 @@ class GatewayService:
                     break
                 candidates = list(model_routes.routes)
             attempt += 1
-            use_fork = fork if attempt == 0 and not avoid else None
+            use_fork = fork if attempt == 1 and not avoid else None  # the first route tried
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
@@ -840,10 +840,9 @@ class GatewayService:
         suspects it replaces the better; nodes it shares with ``like`` saw the same inputs twice
         and are not checked by it. Then one runtime recipe with ``like`` (bit-for-bit comparison;
         across recipes the tolerance of :func:`gateway.checks.agree`). Among equals: the same layer
-        boundaries first (every stage
-        compares), then no node of ``avoid`` at all; a route cut otherwise -- nodes that together
-        cover a span nobody else holds -- compares where the boundaries meet (at least the
-        sampled token)."""
+        boundaries first (every stage compares), then no node of ``avoid`` at all; a route cut
+        otherwise -- nodes that together cover a span nobody else holds -- compares where the
+        boundaries meet (at least the sampled token)."""
         spans = [(h.start, h.end) for h in like.hops]
         liars = self._liars()
         nodes = [h.node_id for h in like.hops]
