@@ -544,9 +544,11 @@ class GatewayService:
             self.prefix.take(None)
             return route, prepared, None
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
-        if holder is not None and any(self._on_probation(h) for h in holder.hops):
+        suspects = {h.node_id for h in holder.hops if self._on_probation(h)} if holder is not None else set()
+        if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
             # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
-            # from a cold request: through a node on probation every request runs cold, checked.
+            # from a cold request: through a node on probation that another route could check,
+            # every request runs cold, and checked.
             holder = None
         if holder is None or (
             holder is not route
