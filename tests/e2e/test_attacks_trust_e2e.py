@@ -274,7 +274,18 @@ def test_fresh_keys_announcing_another_model_under_its_name_move_nothing(
             beats.close()
 
 
-CHECKED_GATEWAY = ["--route-ttl-s", "1", "--check-fraction", "1", "--probation-checks", "1"]
+# Every request checked, and cold (no kept prefixes): a client's first turns, which a newcomer is
+# routed; warm turns go back to the route holding their prefix (docs/security.md, Limits).
+CHECKED_GATEWAY = [
+    "--route-ttl-s",
+    "1",
+    "--check-fraction",
+    "1",
+    "--probation-checks",
+    "1",
+    "--kv-keep-s",
+    "0",
+]
 # Probation costs nothing in routing here: a liar announcing the fastest decode is routed first, as
 # it would be wherever honest nodes are slower than its claim.
 LIAR_TRACKER = ["--heartbeat-interval-s", "1", "--probation-checks", "1", "--probation-penalty-ms", "0"]
@@ -400,9 +411,7 @@ def twin_swarm(
         n_nodes=3,
         layers=["0:15", "15:30", "15:30"],
         node_cache=node_cache,
-        # No kept prefixes: every request is cold, as a client's first turn is. (Warm turns through
-        # the first stage, which nobody can check, are not checked: docs/security.md, Limits.)
-        gateway_args=[*CHECKED_GATEWAY, "--kv-keep-s", "0"],
+        gateway_args=CHECKED_GATEWAY,
         node_args=["--no-benchmark"],
         tracker_args=LIAR_TRACKER,
     )
