@@ -662,8 +662,6 @@ class GatewayService:
                 checked = checkable and self.checks.wants(
                     self._rng, any(self._on_probation(h) for h in route.hops)
                 )
-                if checked and not allow_unconfirmed:
-                    await self._require_confirmable(job, request, route)  # before any OPEN
                 async with (
                     self._session(
                         job,
@@ -721,7 +719,7 @@ class GatewayService:
                             )
                 return
             except Unconfirmable as err:
-                if allow_unconfirmed:
+                if not entered or allow_unconfirmed:
                     raise
                 # Nothing was generated yet: another route, without the nodes nobody can check.
                 attempt -= 1  # not a failure of the route
@@ -903,31 +901,6 @@ class GatewayService:
             if found is not None:
                 return found[1], found[2]
         raise NoRoute(f"no other route covering the layers {spans} that could check this one")
-
-    async def _require_confirmable(self, job: Job, request: GenerationRequest, route: Route) -> None:
-        """:class:`Unconfirmable` when ``route`` has nodes on probation and no route could be its
-        shadow: found before the session opens, so the request moves on without a wasted OPEN."""
-        suspects = frozenset(h.node_id for h in route.hops if self._on_probation(h))
-        if not suspects:
-            return
-        try:
-            await self._other_route(
-                job.model_key or request.model, route, frozenset(h.node_id for h in route.hops), suspects
-            )
-        except GatewayError as err:
-            self.metrics.inc("swarm_gateway_checks_total", outcome="unconfirmable")
-            event(
-                log,
-                "route_unconfirmable",
-                request_id=job.request_id,
-                suspects=sorted(suspects),
-                reason=err.message,
-            )
-            raise Unconfirmable(
-                f"no route can check the node(s) on probation of this route: {err.message}",
-                node_id=sorted(suspects)[0],
-                failed_nodes=suspects,
-            ) from err
 
     async def _checked(
         self,
