@@ -35,7 +35,15 @@ from dataclasses import dataclass, field
 import trio
 
 from common.logs import event
-from gateway.checks import Comparator, Divergence, Verdict, verdict
+from gateway.checks import (
+    Comparator,
+    Divergence,
+    Verdict,
+    divergence_stage,
+    same_token_tolerant,
+    trusted_verdict,
+    verdict,
+)
 from gateway.errors import GatewayError, UpstreamFailed
 from gateway.route_session import RouteSession
 from gateway.session_machine import Sampled, StepReport
@@ -73,9 +81,18 @@ class CheckedSession:
         open_judge: JudgeOpener,
         on_verdict: Callable[[Verdict, Divergence, StepReport], None],
         judge_timeout_s: float = 120.0,
+        trusted: frozenset[str] = frozenset(),
+        numerics: dict[str, str] | None = None,
     ) -> None:
+        # Node id -> what it must share with another to be compared bit for bit (the recipe's check
+        # fingerprint: CPU features included); nodes missing here count by their stage's recipe.
+        self._numerics = numerics if numerics is not None else {}
         self.runs: dict[str, RouteSession] = {"primary": primary, "shadow": shadow}
-        self.comparator = Comparator(("primary", "shadow"))
+        # Nodes in both runs (the rest of a route shared with a shadow that replaces the suspects):
+        # they saw the same inputs twice, so agreement proves nothing about them.
+        self.shared = frozenset(primary.node_ids) & frozenset(shadow.node_ids)
+        self._trusted = trusted  # nodes whose word decides when no third node can judge
+        self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
         self.stats = CheckStats()
         self._stack = stack
         self._open_judge = open_judge
@@ -118,6 +135,11 @@ class CheckedSession:
         return [n for s in self.runs.values() for n in s.node_ids]
 
     @property
+    def checked_node_ids(self) -> list[str]:
+        """The nodes this check compared with other nodes (not those both runs shared)."""
+        return [n for n in dict.fromkeys(self.node_ids) if n not in self.shared]
+
+    @property
     def reused(self) -> int:
         return 0  # a checked run never starts from kept KV: the shadow route holds none
 
@@ -151,7 +173,7 @@ class CheckedSession:
                 continue
             names = list(self.runs)
             first = self._tokens[names[0]][i]
-            if any(not _same_token(first, self._tokens[n][i]) for n in names[1:]):
+            if any(not self._same(first, self._tokens[n][i]) for n in names[1:]):
                 self._diverged = True  # the last stage's step reports say where; judge it
                 continue
             self._delivered += 1
@@ -159,9 +181,27 @@ class CheckedSession:
 
     # -- internals ----------------------------------------------------------------------------------------
 
+    def _same(self, a: Sampled, b: Sampled) -> bool:
+        return _same_token(a, b, self.comparator.exact)
+
+    def _one_recipe(self, *extra: RouteSession) -> bool:
+        """Every stage of every run shares one runtime recipe: compare bit for bit (else tolerantly)."""
+        sessions = [*self.runs.values(), *extra]
+        kinds = {
+            self._numerics.get(st.node_id, st.recipe_fingerprint) for s in sessions for st in s.machine.stages
+        }
+        return len(kinds) <= 1
+
     def _listen(self, name: str, session: RouteSession) -> None:
         def on_step(report: StepReport) -> None:
-            if name in self.comparator.runs and self.comparator.add(name, report) and name != "judge":
+            stages = session.machine.stages
+            # Keyed by the layer the stage's output ends at: routes cut differently meet there.
+            boundary = stages[report.stage].end if 0 <= report.stage < len(stages) else -1 - report.stage
+            if (
+                name in self.comparator.runs
+                and self.comparator.add(name, report, boundary)
+                and name != "judge"
+            ):
                 self._diverged = True
                 self.stats.divergences += 1
             self.stats.compared_steps = self.comparator.compared
@@ -200,7 +240,16 @@ class CheckedSession:
         first = div.key
         await self._wait_report(SETTLE_TIMEOUT_S, lambda: self.comparator.settled_before(first, pair))
         div = self.comparator.first_divergence() or div  # it only gets earlier
-        judge = await self._open_judge_for(div)
+        try:
+            judge = await self._open_judge_for(div)
+        except CheckFailed:
+            # Nobody else holds the span: a node on probation contradicting a trusted one loses.
+            result = trusted_verdict(div, self._trusted, self.comparator.exact)
+            if result is None:
+                raise
+            await self._convict(result, div, div.reports[result.honest[0]], judge=None)
+            return
+        self.comparator.exact = self.comparator.exact and self._one_recipe(judge)
         self.comparator.add_run("judge")
         self._tokens["judge"] = []
         self._listen("judge", judge)
@@ -225,34 +274,50 @@ class CheckedSession:
             )
         judge_report = self.comparator.report("judge", div.key)
         assert judge_report is not None  # judged() said so
-        result = verdict(div, judge_report)
+        result = verdict(div, judge_report, self.comparator.exact)
+        await self._convict(result, div, judge_report, judge=judge)
+
+    async def _convict(
+        self, result: Verdict, div: Divergence, judge_report: StepReport, *, judge: RouteSession | None
+    ) -> None:
+        """Act on a verdict: drop the liar's run and go on with the honest one (checked by the
+        judge's run when there is one, alone when a trusted node's word decided)."""
         self.stats.verdicts.append(result)
         self._on_verdict(result, div, judge_report)
         if result.liar is None:
-            raise CheckFailed(f"two routes disagree at stage {div.key[0]} and the judge sides with neither")
+            raise CheckFailed(f"two routes disagree at layer {div.key[0]} and the judge sides with neither")
         liar = self.runs.pop(result.liar)
         await liar.close(release=False)
         liar.abort()
         self._retired.append(liar)
         honest = result.honest[0]
-        # Go on with the two runs that agree: the honest one leads, the judge checks it.
-        self.runs = {"primary": self.runs[honest], "shadow": judge}
-        self._tokens = {"primary": self._tokens[honest], "shadow": self._tokens["judge"]}
         old = self.comparator
-        self.comparator = Comparator(("primary", "shadow"))
-        for report in old.reports(honest):
-            self.comparator.add("primary", report)
-        for report in old.reports("judge"):
-            self.comparator.add("shadow", report)
+        if judge is None:
+            self.runs = {"primary": self.runs[honest]}
+            self._tokens = {"primary": self._tokens[honest]}
+            self.comparator = Comparator(("primary",), exact=old.exact)
+            for k, report in old.keyed(honest):
+                self.comparator.add("primary", report, k=k)
+            self.stats.unchecked_since = self._delivered
+        else:
+            # Go on with the two runs that agree: the honest one leads, the judge checks it.
+            self.runs = {"primary": self.runs[honest], "shadow": judge}
+            self._tokens = {"primary": self._tokens[honest], "shadow": self._tokens["judge"]}
+            self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
+            for k, report in old.keyed(honest):
+                self.comparator.add("primary", report, k=k)
+            for k, report in old.keyed("judge"):
+                self.comparator.add("shadow", report, k=k)
+            self._listen("shadow", judge)
         self._listen("primary", self.runs["primary"])
-        self._listen("shadow", judge)
         self._diverged = self.comparator.first_divergence() is not None
         event(
             log,
             "liar_excluded",
             level=logging.WARNING,
             node_id=result.node_id,
-            stage=div.key[0],
+            stage=divergence_stage(div, result.liar),
+            layer=div.key[0],
             positions=[div.key[1], div.key[2]],
             tokens_delivered=self._delivered,
         )
@@ -262,7 +327,7 @@ class CheckedSession:
         in dispute (the stages before them agreed, so sharing those proves nothing wrong)."""
         stage = div.key[0]
         everyone = frozenset(self.node_ids)
-        disputants = frozenset(self.runs[name].node_ids[stage] for name in ("primary", "shadow"))
+        disputants = frozenset(r.node_id for r in div.reports.values())
         error: GatewayError | None = None
         for avoid in (everyone, disputants):
             try:
@@ -271,11 +336,13 @@ class CheckedSession:
                 error = err
         assert error is not None
         raise CheckFailed(
-            f"two routes disagree at stage {stage} and no third route can judge: {error.message}"
+            f"two routes disagree at layer {stage} and no third route can judge: {error.message}"
         ) from error
 
 
-def _same_token(a: Sampled, b: Sampled) -> bool:
+def _same_token(a: Sampled, b: Sampled, exact: bool = True) -> bool:
+    if not exact:
+        return same_token_tolerant(a, b)
     return (
         a.token_id == b.token_id
         and a.logprob == b.logprob
@@ -285,7 +352,7 @@ def _same_token(a: Sampled, b: Sampled) -> bool:
 
 
 def _renamed(old: Comparator, src: str, dst: str) -> Comparator:
-    new = Comparator((dst,))
-    for report in old.reports(src):
-        new.add(dst, report)
+    new = Comparator((dst,), exact=old.exact)
+    for k, report in old.keyed(src):
+        new.add(dst, report, k=k)
     return new

@@ -26,7 +26,11 @@ from typing import Any
 
 from gateway.session_machine import Sampled, StepReport
 
-Key = tuple[int, int, int]  # (stage, start, end)
+# (layer boundary, start, end): the layer a stage's output ends at and the step's positions. Runs
+# of one request on routes cut alike compare at every stage; runs on routes cut differently (a
+# shadow whose nodes together cover a span no other node holds) compare where their boundaries
+# meet -- at least the model's end, the sampled token. Callers that give no boundary key by stage.
+Key = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class CheckPolicy:
         return on_probation or rng.random() < self.fraction
 
 
-def key(report: StepReport) -> Key:
-    return (report.stage, report.start, report.end)
+def key(report: StepReport, boundary: int | None = None) -> Key:
+    return (report.stage if boundary is None else boundary, report.start, report.end)
 
 
 def _same_sampled(a: Sampled | None, b: Sampled | None) -> bool:
@@ -54,9 +58,26 @@ def _same_sampled(a: Sampled | None, b: Sampled | None) -> bool:
     )
 
 
-def agree(a: StepReport, b: StepReport) -> bool:
-    """Two reports of the same step say the same thing (digest and sampled token)."""
-    return a.digest == b.digest and _same_sampled(a.sampled, b.sampled)
+def agree(a: StepReport, b: StepReport, exact: bool = True) -> bool:
+    """Two reports of the same step say the same thing: bit for bit (digest and sampled token with
+    its logprobs) when both runs share one runtime recipe; across recipes (another build, other CPU
+    features: honest nodes may differ in low-order bits) the same sampled token, its end-of-generation
+    flag and the same top candidates' order -- the tolerance (docs/security.md, Heterogeneity)."""
+    if exact:
+        return a.digest == b.digest and _same_sampled(a.sampled, b.sampled)
+    return same_token_tolerant(a.sampled, b.sampled)
+
+
+def comparable(a: StepReport, b: StepReport, exact: bool = True) -> bool:
+    """Whether two reports of one step can be compared: always within a recipe; across recipes only
+    where a token was sampled (hidden-state digests of other builds differ in low-order bits)."""
+    return exact or (a.sampled is not None and b.sampled is not None)
+
+
+def same_token_tolerant(a: Sampled | None, b: Sampled | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.token_id == b.token_id and a.end_of_generation == b.end_of_generation
 
 
 @dataclass(frozen=True)
@@ -68,7 +89,11 @@ class Divergence:
 class Comparator:
     """The step reports of several runs of one request, keyed by (stage, positions)."""
 
-    def __init__(self, runs: tuple[str, ...] = ("primary", "shadow"), max_reports: int = 200_000) -> None:
+    def __init__(
+        self, runs: tuple[str, ...] = ("primary", "shadow"), max_reports: int = 200_000, *, exact: bool = True
+    ) -> None:
+        # exact: every run shares one runtime recipe (bit for bit); else the tolerance of agree().
+        self.exact = exact
         self._reports: dict[str, dict[Key, StepReport]] = {run: {} for run in runs}
         self._divergent: set[Key] = set()
         self.compared = 0
@@ -90,19 +115,23 @@ class Comparator:
     def reports(self, run: str) -> list[StepReport]:
         return list(self._reports.get(run, {}).values())
 
-    def add(self, run: str, report: StepReport) -> bool:
-        """Record a report; True when it disagrees with another run's report of the same step."""
+    def keyed(self, run: str) -> list[tuple[Key, StepReport]]:
+        return list(self._reports.get(run, {}).items())
+
+    def add(self, run: str, report: StepReport, boundary: int | None = None, *, k: Key | None = None) -> bool:
+        """Record a report (at layer ``boundary``, or under key ``k``); True when it disagrees with
+        another run's report of the same step."""
         mine = self._reports.get(run)
         if mine is None or sum(len(r) for r in self._reports.values()) >= self._max:
             return False
-        k = key(report)
+        k = k if k is not None else key(report, boundary)
         mine[k] = report
         diverged = False
         for other, theirs in self._reports.items():
-            if other == run or k not in theirs:
+            if other == run or k not in theirs or not comparable(report, theirs[k], self.exact):
                 continue
             self.compared += 1
-            if not agree(report, theirs[k]):
+            if not agree(report, theirs[k], self.exact):
                 self._divergent.add(k)
                 diverged = True
         return diverged
@@ -117,7 +146,8 @@ class Comparator:
     def settled_before(self, k: Key, runs: tuple[str, str]) -> bool:
         """Both runs reported every step before ``k`` that either reported (nothing earlier is unknown)."""
         a, b = (self._reports[r] for r in runs)
-        earlier = {x for x in (*a, *b) if (x[1], x[0]) < (k[1], k[0])}
+        common = {x[0] for x in a} & {x[0] for x in b}  # boundaries both runs' routes have
+        earlier = {x for x in (*a, *b) if x[0] in common and (x[1], x[0]) < (k[1], k[0])}
         return all(x in a and x in b for x in earlier)
 
 
@@ -131,17 +161,52 @@ class Verdict:
     node_id: str
     honest: tuple[str, ...]
     detail: str
+    # Reached bit for bit within one runtime recipe. Across recipes (the tolerance) honest nodes
+    # part on near-tied tokens now and then (docs/security.md, Heterogeneity): such a verdict
+    # drops the run for this request but is no evidence for a ban.
+    exact: bool = True
 
 
-def verdict(divergence: Divergence, judge: StepReport) -> Verdict:
+def verdict(divergence: Divergence, judge: StepReport, exact: bool = True) -> Verdict:
     """Decide between the two runs that parted at ``divergence`` with the judge's report of the step."""
     k = divergence.key
-    agreeing = [run for run, r in divergence.reports.items() if agree(r, judge)]
-    disagreeing = [run for run, r in divergence.reports.items() if not agree(r, judge)]
+    agreeing = [run for run, r in divergence.reports.items() if agree(r, judge, exact)]
+    disagreeing = [run for run, r in divergence.reports.items() if not agree(r, judge, exact)]
     if len(agreeing) == 1 and len(disagreeing) == 1:
         liar = disagreeing[0]
-        return Verdict(k, liar, divergence.reports[liar].node_id, tuple(agreeing), "outvoted by the judge")
-    return Verdict(k, None, "", tuple(agreeing), f"the judge agrees with {agreeing or 'neither run'}")
+        detail = "outvoted by the judge" + ("" if exact else " (across recipes: the sampled token)")
+        return Verdict(k, liar, divergence.reports[liar].node_id, tuple(agreeing), detail, exact)
+    return Verdict(k, None, "", tuple(agreeing), f"the judge agrees with {agreeing or 'neither run'}", exact)
+
+
+def trusted_verdict(divergence: Divergence, trusted: frozenset[str], exact: bool = True) -> Verdict | None:
+    """No third node can judge (nobody else holds the span): a node on probation that contradicts a
+    trusted one is the liar; None when both or neither are trusted (the request then fails)."""
+    k = divergence.key
+    runs = list(divergence.reports.items())
+    if len(runs) != 2:
+        return None
+    (a, ra), (b, rb) = runs
+    if (ra.node_id in trusted) == (rb.node_id in trusted) or ra.node_id == rb.node_id:
+        return None
+    honest, liar = (a, b) if ra.node_id in trusted else (b, a)
+    return Verdict(
+        k,
+        liar,
+        divergence.reports[liar].node_id,
+        (honest,),
+        "contradicted a trusted node; no third node could judge",
+        exact,
+    )
+
+
+def divergence_stage(divergence: Divergence, run: str | None = None) -> int:
+    """The stage index (in ``run``'s route, else the lowest) of the disputed step; the divergence's
+    key holds the layer boundary, which routes cut differently share."""
+    report = divergence.reports.get(run) if run else None
+    if report is not None:
+        return report.stage
+    return min((r.stage for r in divergence.reports.values()), default=0)
 
 
 def _describe(report: StepReport) -> dict[str, Any]:
@@ -162,12 +227,13 @@ def evidence(
     gateway_id: str, request_id: str, result: Verdict, divergence: Divergence, judge: StepReport
 ) -> dict[str, Any]:
     """What a gateway tells the tracker about a verdict (it signs the whole as its own statement)."""
-    stage, start, end = divergence.key
+    _layer, start, end = divergence.key
+    stage = divergence_stage(divergence, result.liar)
     return {
         "gateway_id": gateway_id,
         "request_id": request_id,
         "liar": result.node_id,
-        "conclusive": result.liar is not None,
+        "conclusive": result.liar is not None and result.exact,
         "stage": stage,
         "positions": [start, end],
         "reports": {run: _describe(r) for run, r in divergence.reports.items()},

@@ -90,11 +90,13 @@ def _help(name: str) -> str:
 @click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))
 @click.option(
     "--batch-isolation",
-    type=click.Choice(["off", "checked", "all"]),
+    type=click.Choice(["auto", "off", "checked", "all"]),
     default=None,
     help=_help("batch_isolation"),
 )
 @click.option("--open-timeout-s", type=float, default=None, help=_help("open_timeout_s"))
+@click.option("--dial-timeout-s", type=float, default=None, help=_help("dial_timeout_s"))
+@click.option("--avoid-unreachable-s", type=float, default=None, help=_help("avoid_unreachable_s"))
 @click.option("--prefill-step-timeout-s", type=float, default=None, help=_help("prefill_step_timeout_s"))
 @click.option("--decode-step-timeout-s", type=float, default=None, help=_help("decode_step_timeout_s"))
 @click.option(

@@ -22,7 +22,11 @@ ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
-BATCH_ISOLATION_MODES = ("off", "checked", "all")
+BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
+# Architectures whose numbers for a row depend on what else shares its batch on llama.cpp's CPU
+# kernels (tests/node/test_gemma3_real.py): with batch_isolation = auto every session of such a
+# model is isolated, so the same request gives the same text under load.
+BATCH_VARIANT_ARCHITECTURES = frozenset({"gemma3"})
 
 
 class ConfigError(ValueError):
@@ -157,12 +161,28 @@ class GatewayConfig:
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
     batch_isolation: str = _f(
-        "off",
-        "which sessions every stage computes in batches of their own, so spot checks compare "
-        "batch-invariant numbers: off | checked (the runs of a check; nodes can then tell a check "
-        "from other traffic) | all (every session; no batching across sessions)",
+        "auto",
+        "which sessions every stage computes in batches of their own, so the same request gives the "
+        "same numbers under any load and spot checks compare batch-invariant numbers: auto (every "
+        "session of a model whose numbers depend on the batch, e.g. Gemma 3; none of the others) | "
+        "off | checked (the runs of a check; nodes can then tell a check from other traffic) | all "
+        "(every session; no batching across sessions)",
     )
-    open_timeout_s: float = _f(30.0, "longest wait for every stage to acknowledge OPEN")
+    open_timeout_s: float = _f(
+        3.0,
+        "longest wait for every stage to acknowledge OPEN (a node answers it in milliseconds: a stopped "
+        "or silent node costs a request no more than this before the route is replaced)",
+    )
+    dial_timeout_s: float = _f(
+        2.0,
+        "longest wait for a node's first answer (Info) before its route is replaced: a dead address or "
+        "one that accepts connections and never answers costs a request no more than this",
+    )
+    avoid_unreachable_s: float = _f(
+        60.0,
+        "how long this gateway routes around a node that did not answer Info or OPEN in time (it also "
+        "tells the tracker, which challenges the node again before routing to it)",
+    )
     prefill_step_timeout_s: float = _f(
         120.0,
         "ceiling of the deadline of one prefill step through every stage (it adapts to the measured "
@@ -234,10 +254,13 @@ class GatewayConfig:
             out[alias.strip()] = target.strip()
         return out
 
-    def isolates(self, checked: bool) -> bool:
+    def isolates(self, checked: bool, architecture: str = "") -> bool:
         """Whether a session's stages compute it in batches of its own (``batch_isolation``): the
         primary, shadow and judge of a check always agree on it, so their digests compare bit for bit
-        even for models whose numbers depend on the batch (docs/security.md, Limits)."""
+        even for models whose numbers depend on the batch (docs/security.md, Limits). ``auto``:
+        every session of a batch-variant ``architecture`` (:data:`BATCH_VARIANT_ARCHITECTURES`)."""
+        if self.batch_isolation == "auto":
+            return architecture in BATCH_VARIANT_ARCHITECTURES
         return self.batch_isolation == "all" or (self.batch_isolation == "checked" and checked)
 
     def cors(self) -> tuple[str, ...]:
@@ -293,6 +316,7 @@ class GatewayConfig:
             "route_ttl_s",
             "node_info_ttl_s",
             "open_timeout_s",
+            "dial_timeout_s",
             "prefill_step_timeout_s",
             "decode_step_timeout_s",
             "tracker_timeout_s",
@@ -355,6 +379,8 @@ class GatewayConfig:
                 f"batch_isolation must be one of {', '.join(BATCH_ISOLATION_MODES)}, "
                 f"got {self.batch_isolation!r}"
             )
+        if self.avoid_unreachable_s < 0:
+            raise ConfigError("avoid_unreachable_s must be >= 0")
         if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:
             raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:

@@ -16,7 +16,8 @@ Exception tree::
     ├── NoRoute                      503 server_error            the tracker has no complete route right now
     ├── UpstreamFailed               502 server_error            a node or the tracker failed
     │   └── StageFailed              502 server_error            one node failed (.node_id, .remote)
-    │       └── StageBusy            503 server_error            one node is full (RESOURCE_EXHAUSTED)
+    │       ├── StageBusy            503 server_error            one node is full (RESOURCE_EXHAUSTED)
+    │       └── Unconfirmable        503 server_error            nodes on probation no other route can check
     └── InternalFailure              500 server_error            a bug in the gateway
 
 Pure module: the standard library only. ``gateway.app`` turns any of these
@@ -160,6 +161,18 @@ class StageBusy(StageFailed):
         self, message: str, *, node_id: str, remote: object | None = None, retry_after_s: int | None = None
     ) -> None:
         super().__init__(message, node_id=node_id, remote=remote, retry_after_s=retry_after_s)
+        self.code = self.default_code
+
+
+class Unconfirmable(StageFailed):
+    """A route's nodes on probation (``failed_nodes``) cannot be checked by any other route: the
+    request takes another route (a client sees this only where no route is left at all)."""
+
+    status = 503
+    default_code = "unconfirmable"
+
+    def __init__(self, message: str, *, node_id: str, failed_nodes: frozenset[str] = frozenset()) -> None:
+        super().__init__(message, node_id=node_id, failed_nodes=failed_nodes, retry_after_s=5)
         self.code = self.default_code
 
 

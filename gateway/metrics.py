@@ -55,6 +55,10 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_usage_reports_total": m.counter(
         "usage reports sent to the tracker, by outcome", "outcome"
     ),
+    "swarm_gateway_unreachable_nodes_total": m.counter(
+        "nodes that did not answer Info or OPEN in time (dead, stopped, a tarpit): routed around "
+        "for avoid_unreachable_s and named to the tracker"
+    ),
     "swarm_gateway_stats_reports_total": m.counter(
         "statistics reports sent to the tracker (dashboard), by outcome", "outcome"
     ),
@@ -84,7 +88,8 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_gateway_checks_total": m.counter(
         "spot checks (a request also run on a second route), by outcome: started, passed, liar_caught,"
-        " inconclusive, abandoned (the shadow failed), no_shadow (no second route)",
+        " inconclusive, abandoned (the shadow failed), no_shadow (no second route), unconfirmable (nodes"
+        " on probation no route can check: another route taken)",
         "outcome",
     ),
     "swarm_gateway_recoveries_total": m.counter(

@@ -939,7 +939,9 @@ def model_list(
         routable = bool(m.get("routable"))
         coverage = m.get("coverage")
         entry = {
-            "id": model_id(name),
+            # A name the tracker does not resolve to this model (unregistered, no trusted holder, or
+            # another model's): the model is listed, and reached, by its fingerprint.
+            "id": model_id(name) if m.get("name_resolves", True) else str(fingerprint),
             "object": "model",
             "created": created,
             "owned_by": "swarm",

@@ -416,6 +416,8 @@ class StageInfo:
     max_step_tokens: int
     max_kv_tokens_per_session: int
     fetched_at_s: float
+    # Recipe.check_fingerprint: nodes compared bit for bit share it (CPU features included).
+    check_fingerprint: str = ""
 
 
 class NodeInfoCache:
@@ -473,7 +475,8 @@ class NodeInfoCache:
         stage = StageInfo(
             node_id=info.node_id,
             address=hop.address,
-            recipe_fingerprint=Recipe.from_wire(info.recipe).fingerprint(),
+            recipe_fingerprint=(recipe := Recipe.from_wire(info.recipe)).fingerprint(),
+            check_fingerprint=recipe.check_fingerprint(),
             n_embd=int(info.model.n_embd),
             n_layers=int(info.model.n_layers),
             n_ctx_train=int(info.model.n_ctx_train),

@@ -49,7 +49,7 @@ from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
-from gateway.checks import CheckPolicy, Divergence, Verdict, evidence
+from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
 from gateway.config import GatewayConfig
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
@@ -61,6 +61,7 @@ from gateway.errors import (
     Overloaded,
     StageBusy,
     StageFailed,
+    Unconfirmable,
     UpstreamFailed,
 )
 from gateway.gate import Gate
@@ -97,6 +98,8 @@ from tracker.client import TrackerClient, TrackerClientError
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
+VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
+MAX_UNREACHABLE_REPORTED = 64  # node ids waiting for the next statistics report (proto.announce)
 MAX_RECOVERIES = 2
 
 
@@ -263,11 +266,9 @@ class GatewayService:
             tracker_key=tracker_key,
         )
         self.node_infos = NodeInfoCache(
-            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.open_timeout_s
+            channels, ttl_s=config.node_info_ttl_s, timeout_s=config.dial_timeout_s
         )
-        self.vocabs = VocabStore(
-            config.resolved_data_dir() / "vocab", channels, timeout_s=config.open_timeout_s
-        )
+        self.vocabs = VocabStore(config.resolved_data_dir() / "vocab", channels, timeout_s=VOCAB_TIMEOUT_S)
         self.access = Access(
             config.resolved_api_keys_file(),
             AuthPolicy(
@@ -294,6 +295,10 @@ class GatewayService:
         self.checks = CheckPolicy(config.check_fraction)
         self._rng = random.Random()
         self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
+        # Nodes that did not answer Info or OPEN in time: avoided for avoid_unreachable_s, and named
+        # to the tracker in the next statistics report (it challenges them again before routing).
+        self._unreachable: dict[str, float] = {}
+        self.unreachable_to_report: set[str] = set()
         self.evidence: list[dict[str, Any]] = []  # verdicts waiting to go to the tracker
         self.checks_passed: dict[str, int] = {}  # node id -> checks passed since the last report
         self._passes: dict[str, int] = {}  # node id -> checks passed, as seen by this gateway
@@ -409,7 +414,14 @@ class GatewayService:
         except UpstreamFailed:
             return target
         for m in models:
-            if target in (m.get("name"), m.get("fingerprint"), protocol.model_id(str(m.get("name", "")))):
+            if target == m.get("fingerprint"):
+                return target
+        for m in models:
+            # A name counts only where the tracker says it resolves to this model (tracker/names.py:
+            # registered, or served by trusted nodes); a tracker without the field: every name does.
+            if not m.get("name_resolves", True):
+                continue
+            if target in (m.get("name"), protocol.model_id(str(m.get("name", "")))):
                 return str(m.get("fingerprint") or m.get("name"))
         return target
 
@@ -532,6 +544,12 @@ class GatewayService:
             self.prefix.take(None)
             return route, prepared, None
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
+        suspects = {h.node_id for h in holder.hops if self._on_probation(h)} if holder is not None else set()
+        if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
+            # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
+            # from a cold request: through a node on probation that another route could check,
+            # every request runs cold, and checked.
+            holder = None
         if holder is None or (
             holder is not route
             and self.routes.route_load(holder)
@@ -572,7 +590,13 @@ class GatewayService:
         excluded: set[str] = set(avoid) | self._liars()
         last_error: StageFailed | None = None
         index = progress.index if progress is not None else 0
-        for attempt in range(OPEN_ATTEMPTS):
+        # Nodes on probation that no other route could check: routed around while another route
+        # exists; only when none is left does the request run on them unconfirmed (a swarm where
+        # nobody can check anybody yet, docs/security.md).
+        unconfirmable: set[str] = set()
+        allow_unconfirmed = False
+        attempt = 0
+        while attempt < OPEN_ATTEMPTS:
             candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
             if not candidates:
                 try:
@@ -580,16 +604,22 @@ class GatewayService:
                         job.model_key or request.model, frozenset(excluded)
                     )
                 except NoRoute:
+                    if unconfirmable and not allow_unconfirmed:
+                        allow_unconfirmed = True
+                        excluded -= unconfirmable
+                        continue
                     if last_error is None:
                         raise
                     break
                 candidates = list(model_routes.routes)
-            use_fork = fork if attempt == 0 and not avoid else None
+            attempt += 1
+            use_fork = fork if attempt == 1 and not avoid else None  # the first route tried
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
                 self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
+                self._note_unreachable(job, err)
                 excluded.add(err.node_id)
                 last_error = err
                 continue
@@ -641,7 +671,7 @@ class GatewayService:
                         sampling,
                         step_tokens,
                         report_steps=checked,
-                        isolated=self.config.isolates(checked),
+                        isolated=self.config.isolates(checked, prepared.vocab.architecture),
                         session_id=session_id,
                         kv_source=kv_source,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
@@ -657,7 +687,15 @@ class GatewayService:
                     run: Run = session
                     if checked:
                         run = await self._checked(
-                            stack, job, request, route, prepared, sampling, step_tokens, session
+                            stack,
+                            job,
+                            request,
+                            route,
+                            prepared,
+                            sampling,
+                            step_tokens,
+                            session,
+                            allow_unconfirmed=allow_unconfirmed,
                         )
                     try:
                         yield run, prepared
@@ -680,6 +718,14 @@ class GatewayService:
                                 step=m.config.step_tokens,
                             )
                 return
+            except Unconfirmable as err:
+                if not entered or allow_unconfirmed:
+                    raise
+                # Nothing was generated yet: another route, without the nodes nobody can check.
+                attempt -= 1  # not a failure of the route
+                unconfirmable |= err.failed_nodes
+                excluded |= err.failed_nodes
+                last_error = err
             except StageFailed as err:
                 if entered:
                     raise  # failed mid-generation: _run_sessions replays the history on another route
@@ -698,6 +744,7 @@ class GatewayService:
                 for hop in route.hops:
                     self.node_infos.forget(hop)
                     self.prefix.forget_node(hop.node_id)
+                self._note_unreachable(job, err)
                 excluded.add(err.node_id)
                 last_error = err
             finally:
@@ -782,23 +829,78 @@ class GatewayService:
             self.metrics.observe("swarm_gateway_hop_latency_seconds", timing.seconds)
 
     async def _other_route(
-        self, model: str, like: Route, avoid: frozenset[str]
+        self,
+        model: str,
+        like: Route,
+        avoid: frozenset[str],
+        suspects: frozenset[str] | None = None,
     ) -> tuple[Route, list[StageInfo]]:
-        """A route with ``like``'s layer boundaries and none of ``avoid``'s nodes (shadow or judge)."""
+        """A route to check ``like`` against (a shadow or a judge), best first.
+
+        Without ``suspects`` (a judge): none of ``avoid``'s nodes. With them (a shadow): it must
+        replace at least one suspect (every node of ``like`` when there are none), and the more
+        suspects it replaces the better; nodes it shares with ``like`` saw the same inputs twice
+        and are not checked by it. Then one runtime recipe with ``like`` (bit-for-bit comparison;
+        across recipes the tolerance of :func:`gateway.checks.agree`). Among equals: the same layer
+        boundaries first (every stage compares), then no node of ``avoid`` at all; a route cut
+        otherwise -- nodes that together cover a span nobody else holds -- compares where the
+        boundaries meet (at least the sampled token)."""
         spans = [(h.start, h.end) for h in like.hops]
-        avoid = avoid | self._liars()
-        for fresh in (False, True):
-            pool = (
-                await self.routes.fetch_excluding(model, avoid) if fresh else await self.routes.routes(model)
-            )
-            for candidate in pool.routes:
-                if [(h.start, h.end) for h in candidate.hops] != spans:
+        liars = self._liars()
+        nodes = [h.node_id for h in like.hops]
+        strict = suspects is None
+        everyone = frozenset(nodes)
+        # What the route must replace: a judge none of avoid; a shadow the suspects, else (when no
+        # route replaces one: they hold spans nobody else does) any node it can.
+        wants = [avoid] if suspects is None else [w for w in (suspects, everyone) if w]
+
+        async def recipes(route: Route) -> list[StageInfo] | None:
+            try:
+                return [await self.node_infos.get(h, like.model_fingerprint) for h in route.hops]
+            except StageFailed:  # a node that does not answer cannot check anything
+                return None
+
+        mine = await recipes(like)
+        own = {st.check_fingerprint or st.recipe_fingerprint for st in mine or ()}
+
+        async def best_of(
+            pool: list[Route], wanted: frozenset[str]
+        ) -> tuple[tuple[int, ...], Route, list[StageInfo]] | None:
+            best: tuple[tuple[int, ...], Route, list[StageInfo]] | None = None
+            for candidate in pool:
+                ids = {h.node_id for h in candidate.hops}
+                if [h.node_id for h in candidate.hops] == nodes or ids & liars or (strict and ids & avoid):
                     continue
-                if avoid & {h.node_id for h in candidate.hops}:
+                replaced = len(wanted - ids)
+                if replaced == 0:
                     continue
-                stages = [await self.node_infos.get(h, like.model_fingerprint) for h in candidate.hops]
-                return candidate, stages
-        raise NoRoute(f"no second route with the same layer boundaries {spans} and other nodes")
+                same = [(h.start, h.end) for h in candidate.hops] == spans
+                stages = await recipes(candidate)
+                if stages is None:
+                    continue
+                # One recipe on both runs: compared bit for bit; else with the tolerance of
+                # gateway.checks.agree (weaker), so a shadow of the primary's recipe comes first.
+                theirs = {st.check_fingerprint or st.recipe_fingerprint for st in stages}
+                one_recipe = int(len(own | theirs) == 1)
+                score = (int(replaced == len(wanted)), one_recipe, replaced, int(same), int(not ids & avoid))
+                if best is None or score > best[0]:
+                    best = (score, candidate, stages)
+            return best
+
+        pool = list((await self.routes.routes(model)).routes)
+        found = await best_of(pool, wants[0])
+        if found is None or found[0] != (1, 1, len(wants[0]), 1, 1):
+            try:  # a fresh look-up may know better routes than the cached ones
+                pool += (
+                    await self.routes.fetch_excluding(model, (avoid if strict else frozenset()) | liars)
+                ).routes
+            except NoRoute:
+                pass
+        for wanted in wants:
+            found = await best_of(pool, wanted)
+            if found is not None:
+                return found[1], found[2]
+        raise NoRoute(f"no other route covering the layers {spans} that could check this one")
 
     async def _checked(
         self,
@@ -810,13 +912,25 @@ class GatewayService:
         sampling: codec.SamplingSettings,
         step_tokens: int,
         primary: RouteSession,
+        *,
+        allow_unconfirmed: bool = True,
     ) -> Run:
-        """The request also runs on a shadow route (spot check), or unchecked when there is none."""
+        """The request also runs on a shadow route (spot check). Without one: unchecked when every
+        node of the route is trusted or ``allow_unconfirmed``; else :class:`Unconfirmable`, naming
+        the route's nodes on probation (the caller takes another route)."""
         primary_nodes = frozenset(h.node_id for h in route.hops)
+        suspects = frozenset(h.node_id for h in route.hops if self._on_probation(h))
         same_encodings = primary.machine.config.encodings
+
+        def encodings_for(other: Route) -> Sequence[frame_pb2.Encoding] | None:
+            # Honest nodes report the same digests only when fed alike: the primary's encodings
+            # where the routes are cut alike; a route cut otherwise sends at the data plane's choice.
+            same = [(h.start, h.end) for h in other.hops] == [(h.start, h.end) for h in route.hops]
+            return same_encodings if same else None
+
         try:
             shadow_route, stages = await self._other_route(
-                job.model_key or request.model, route, primary_nodes
+                job.model_key or request.model, route, primary_nodes, suspects
             )
             shadow = await stack.enter_async_context(
                 self._session(
@@ -827,19 +941,42 @@ class GatewayService:
                     sampling,
                     step_tokens,
                     report_steps=True,
-                    isolated=self.config.isolates(True),
+                    isolated=self.config.isolates(True, prepared.vocab.architecture),
                     stages=stages,
-                    encodings=same_encodings,
+                    encodings=encodings_for(shadow_route),
                 )
             )
         except GatewayError as err:
+            if suspects and not allow_unconfirmed:
+                self.metrics.inc("swarm_gateway_checks_total", outcome="unconfirmable")
+                event(
+                    log,
+                    "route_unconfirmable",
+                    request_id=job.request_id,
+                    suspects=sorted(suspects),
+                    reason=err.message,
+                )
+                raise Unconfirmable(
+                    f"no route can check the node(s) on probation of this route: {err.message}",
+                    node_id=sorted(suspects)[0],
+                    failed_nodes=suspects,
+                ) from err
             self.metrics.inc("swarm_gateway_checks_total", outcome="no_shadow")
             event(log, "check_skipped", request_id=job.request_id, reason=err.message)
             return primary
+        hops = {h.node_id: h for h in (*route.hops, *shadow_route.hops)}
+        trusted = frozenset(n for n, h in hops.items() if not self._on_probation(h))
+        # Node id -> Recipe.check_fingerprint: the runs compare bit for bit only where all share one.
+        numerics = {
+            st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in (*prepared.stages, *stages)
+        }
 
         @asynccontextmanager
         async def open_judge(avoid: frozenset[str]) -> AsyncIterator[RouteSession]:
             judge_route, judge_stages = await self._other_route(job.model_key or request.model, route, avoid)
+            numerics.update(
+                {st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in judge_stages}
+            )
             async with self._session(
                 job,
                 request,
@@ -848,9 +985,9 @@ class GatewayService:
                 sampling,
                 step_tokens,
                 report_steps=True,
-                isolated=self.config.isolates(True),
+                isolated=self.config.isolates(True, prepared.vocab.architecture),
                 stages=judge_stages,
-                encodings=same_encodings,
+                encodings=encodings_for(judge_route),
             ) as judge:
                 yield judge
 
@@ -862,6 +999,8 @@ class GatewayService:
             open_judge=open_judge,
             on_verdict=lambda v, d, r: self._on_verdict(job, v, d, r),
             judge_timeout_s=self.config.check_judge_timeout_s,
+            trusted=trusted,
+            numerics=numerics,
         )
 
     def _on_probation(self, hop: Hop) -> bool:
@@ -871,18 +1010,42 @@ class GatewayService:
         return needed > 0 and (hop.probation or self._passes.get(hop.node_id, 0) < needed)
 
     def _liars(self) -> frozenset[str]:
+        """The nodes this gateway routes around: caught lying, or silent when last dialled."""
         now = time.monotonic()
-        for node, until in list(self._excluded.items()):
-            if until <= now:
-                del self._excluded[node]
-        return frozenset(self._excluded)
+        for avoided in (self._excluded, self._unreachable):
+            for node, until in list(avoided.items()):
+                if until <= now:
+                    del avoided[node]
+        return frozenset(self._excluded) | frozenset(self._unreachable)
+
+    def _note_unreachable(self, job: Job, err: StageFailed) -> None:
+        """A node failed before its session opened without answering an error of its own (dead,
+        silent, not the node announced): route around it for a while and tell the tracker."""
+        if err.remote is not None or isinstance(err, StageBusy) or not err.node_id:
+            return
+        if self.config.avoid_unreachable_s > 0:
+            self._unreachable[err.node_id] = time.monotonic() + self.config.avoid_unreachable_s
+        if len(self.unreachable_to_report) < MAX_UNREACHABLE_REPORTED:
+            self.unreachable_to_report.add(err.node_id)
+        self.metrics.inc("swarm_gateway_unreachable_nodes_total")
+        event(
+            log,
+            "node_unreachable",
+            level=logging.WARNING,
+            request_id=job.request_id,
+            node_id=err.node_id,
+            avoid_s=self.config.avoid_unreachable_s,
+            error=err.message[:300],
+        )
 
     def _on_verdict(self, job: Job, result: Verdict, divergence: Divergence, judge: StepReport) -> None:
         if result.liar is None:
             self.metrics.inc("swarm_gateway_checks_total", outcome="inconclusive")
         else:
             self.metrics.inc("swarm_gateway_checks_total", outcome="liar_caught")
-            self._excluded[result.node_id] = time.monotonic() + self.config.exclude_liars_s
+            # Across recipes a verdict may be an honest near-tie: avoided a while, not for a day.
+            avoid_s = self.config.exclude_liars_s if result.exact else min(self.config.exclude_liars_s, 600.0)
+            self._excluded[result.node_id] = time.monotonic() + avoid_s
             self.routes.invalidate(job.model_key or job.request.model)
         event(
             log,
@@ -890,7 +1053,8 @@ class GatewayService:
             level=logging.WARNING,
             request_id=job.request_id,
             liar=result.node_id or None,
-            stage=divergence.key[0],
+            stage=divergence_stage(divergence, result.liar),
+            layer=divergence.key[0],
             positions=[divergence.key[1], divergence.key[2]],
             detail=result.detail,
         )
@@ -901,7 +1065,7 @@ class GatewayService:
         passed = stats.divergences == 0 and stats.unchecked_since is None and stats.compared_steps > 0
         if passed:
             self.metrics.inc("swarm_gateway_checks_total", outcome="passed")
-            for node in run.node_ids:
+            for node in run.checked_node_ids:  # not nodes both runs shared: nothing checked them
                 self.checks_passed[node] = self.checks_passed.get(node, 0) + 1
                 self._passes[node] = self._passes.get(node, 0) + 1
         elif stats.unchecked_since is not None:

@@ -1025,6 +1025,13 @@ class RouteMachine:
         lost = frozenset({*self._failed_nodes, *([failure.node_id] if failure.node_id else [])})
         out: list[Command] = [SessionFailed(dataclasses.replace(failure, failed_nodes=lost))]
         out += self._close_all(release=False, now=now)
+        # The failed node's CANCEL goes out, but its answer is not waited for: a stopped or silent
+        # node would hold the request for close_timeout_s more (its KV lease frees it anyway).
+        if failure.node_id:
+            for stage in self._stages:
+                if stage.spec.node_id == failure.node_id:
+                    stage.closed = True
+            out += self._maybe_closed(now)
         return out
 
     # -- recovery -------------------------------------------------------------------------------------

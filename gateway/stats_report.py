@@ -9,7 +9,8 @@ cached route (at most ``proto.announce.MAX_ROUTE_STATS``, busiest first), the
 decode time it measured of each node (``gateway/trust_report.py``: routing
 trusts that rather than the node's claim), and the round trips measured to the
 nodes of its routes since the last report (``common.rtt``; for the tracker's
-network coordinates).
+network coordinates), and the nodes that did not answer its Info or OPEN in
+time (the tracker challenges them again before routing to them).
 
 A failed report is counted (``swarm_gateway_stats_reports_total{outcome}``)
 and logged once per outage; the next interval reports the next delta, so an
@@ -91,7 +92,18 @@ def build_report(
         url=url[:255],
         nodes=observed.drain() if (observed := getattr(service, "observed", None)) is not None else (),
         rtt_samples=rtt.take_samples() if rtt is not None else (),
+        unreachable=_take_unreachable(service),
     )
+
+
+def _take_unreachable(service: Any) -> tuple[str, ...]:
+    """The nodes the service found silent since the last report (each named once)."""
+    waiting = getattr(service, "unreachable_to_report", None)
+    if not waiting:
+        return ()
+    out = tuple(sorted(waiting))
+    waiting.clear()
+    return out
 
 
 async def report_stats_loop(

@@ -72,6 +72,7 @@ class LoadedVocab:
     eog: frozenset[int]
     limiter: trio.CapacityLimiter
     sandbox: TemplateSandbox | None = None
+    architecture: str = ""  # general.architecture (which models batch isolation must cover)
 
     async def render_chat(self, messages: Sequence[dict[str, Any]], **extra: Any) -> str:
         """The chat prompt, rendered by the model's template in the sandbox's worker processes
@@ -108,7 +109,16 @@ def _load(path: Path, fingerprint: str) -> LoadedVocab:
     }
     source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
     template = TemplateSource(source, special.get(vocab.bos, ""), special.get(vocab.eos, ""))
-    return LoadedVocab(fingerprint, vocab, pieces, template, n, eog, trio.CapacityLimiter(1))
+    return LoadedVocab(
+        fingerprint,
+        vocab,
+        pieces,
+        template,
+        n,
+        eog,
+        trio.CapacityLimiter(1),
+        architecture=str(vocab.metadata("general.architecture") or ""),
+    )
 
 
 class VocabStore:

@@ -60,7 +60,7 @@ from node.llama_runtime import (
 )
 from node.sampling import SampledToken, SamplingParams, sample_choices
 from node.shard import ShardFiles
-from proto.recipe import Recipe
+from proto.recipe import Recipe, cpu_features_from_system_info
 
 log = logging.getLogger("swarm.engine")
 
@@ -108,6 +108,10 @@ def runtime_recipe(model_fingerprint: str, config: EngineConfig, backend: str = 
         kv_type=config.kv_type,
         flash_attention=config.flash_attn,
         backend=backend,
+        # The instruction sets the CPU kernels use (another build or CPU level: other low-order bits).
+        cpu_features=cpu_features_from_system_info(
+            llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+        ),
     )
 
 

@@ -485,6 +485,7 @@ class RouteStat:
 
 
 MAX_NODE_SPEEDS = 64
+MAX_UNREACHABLE = 64  # node ids one statistics report may name as not answering
 
 
 @dataclass(frozen=True)
@@ -544,6 +545,9 @@ class GatewayStats:
     rtt_samples: tuple[RttSample, ...] = ()  # round trips to nodes measured since the last report
     # What this gateway measured of each node's decode time (routing trusts this, not the claim).
     nodes: tuple[NodeSpeed, ...] = ()
+    # Nodes that did not answer this gateway's Info or OPEN in time since the last report (the
+    # tracker challenges them again before it routes to them).
+    unreachable: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any) -> GatewayStats:
@@ -564,8 +568,16 @@ class GatewayStats:
             "url",
             "rtt_samples",
             "nodes",
+            "unreachable",
         }
         _check_keys(o, frozenset(keys) | ENVELOPE_FIELDS, w)
+        unreachable = o.get("unreachable", [])
+        if (
+            not isinstance(unreachable, list)
+            or len(unreachable) > MAX_UNREACHABLE
+            or not all(isinstance(n, str) and _HEX64.match(n) for n in unreachable)
+        ):
+            raise PayloadError(f"{w}.unreachable must be a list of at most {MAX_UNREACHABLE} node ids")
         routes = o.get("routes", [])
         if not isinstance(routes, list) or len(routes) > MAX_ROUTE_STATS:
             raise PayloadError(f"{w}.routes must be a list of at most {MAX_ROUTE_STATS} objects")
@@ -589,6 +601,7 @@ class GatewayStats:
             url=_str(o, "url", w, max_len=255, min_len=0) if "url" in o else "",
             rtt_samples=_rtt_samples(o, w, gateway_id),
             nodes=tuple(NodeSpeed.from_json(n) for n in nodes),
+            unreachable=tuple(sorted(set(unreachable))),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -610,6 +623,8 @@ class GatewayStats:
             body["rtt_samples"] = [x.to_json() for x in self.rtt_samples]
         if self.nodes:  # only when there is something: a tracker without the field still accepts the rest
             body["nodes"] = [n.to_json() for n in self.nodes]
+        if self.unreachable:
+            body["unreachable"] = list(self.unreachable)
         return body
 
 

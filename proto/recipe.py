@@ -8,6 +8,17 @@ greedy output after 12 tokens; docs/engine.md) and the same compute backend
 over a canonical JSON object of exactly those fields, so every party computes
 the same hex string without depending on protobuf serialization order.
 
+``cpu_features`` names the instruction-set features the CPU kernels were
+built and run with (llama.cpp's system info: ``avx2``, ``fma``, ``f16c``, the
+``repack`` and ``llamafile`` kernels ...): an AVX2 build and one without it
+pick other kernels and may round differently in the low-order bits. Stages
+that differ only there still compose a correct route, so it is not part of
+:meth:`Recipe.fingerprint` (what every stage of a route shares and frames
+carry) but of :meth:`Recipe.check_fingerprint`: the identity under which two
+nodes' answers are compared bit for bit (spot checks, the tracker's
+challenge); across check fingerprints the gateway's checks use a tolerance
+(gateway/checks.py, docs/security.md).
+
 ``backend`` is ``"cpu"`` for a node that offloads nothing, ``"<backend>"``
 (``"cuda"``, ``"vulkan"``, ``"metal"`` ...) when every layer of its shard and
 its output run on that device, and ``"<backend>+cpu"`` when only some do. It
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from proto.swarm.v1 import shard_service_pb2
@@ -33,6 +45,7 @@ class Recipe:
     kv_type: str
     flash_attention: bool
     backend: str = "cpu"
+    cpu_features: str = ""  # e.g. "avx,avx2,f16c,fma,repack,sse3" (see cpu_features_from_system_info)
 
     def canonical_json(self) -> bytes:
         fields: dict[str, object] = {
@@ -50,6 +63,16 @@ class Recipe:
         """sha256 (lowercase hex) of :meth:`canonical_json`."""
         return hashlib.sha256(self.canonical_json()).hexdigest()
 
+    def check_fingerprint(self) -> str:
+        """What two nodes must share to be compared bit for bit: the fingerprint and the CPU
+        features (the fingerprint itself where the features are not reported)."""
+        if not self.cpu_features:
+            return self.fingerprint()
+        body = (
+            self.canonical_json() + b"|cpu_features=" + self.cpu_features.lower().encode("ascii", "replace")
+        )
+        return hashlib.sha256(body).hexdigest()
+
     def to_wire(self) -> shard_service_pb2.RuntimeRecipe:
         return shard_service_pb2.RuntimeRecipe(
             llama_cpp_build=self.llama_cpp_build,
@@ -58,6 +81,7 @@ class Recipe:
             flash_attention=self.flash_attention,
             fingerprint=self.fingerprint(),
             backend=self.backend,
+            cpu_features=self.cpu_features,
         )
 
     @classmethod
@@ -69,4 +93,18 @@ class Recipe:
             kv_type=message.kv_type,
             flash_attention=message.flash_attention,
             backend=message.backend or "cpu",
+            cpu_features=message.cpu_features,
         )
+
+
+_FEATURE = re.compile(r"([A-Za-z0-9_]+)\s*=\s*1\b")
+
+
+def cpu_features_from_system_info(text: str) -> str:
+    """The CPU features llama.cpp reports on (``llama_print_system_info``'s ``CPU : AVX2 = 1 | ...``
+    part): lowercase, sorted, comma-separated; "" when it names none."""
+    features: set[str] = set()
+    for line in text.splitlines():
+        for part in line.split("CPU :")[1:]:
+            features.update(m.group(1).lower() for m in _FEATURE.finditer(part.split(":")[0]))
+    return ",".join(sorted(features))

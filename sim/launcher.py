@@ -28,6 +28,7 @@ import json
 import math
 import signal
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,6 +90,8 @@ class LocalSwarm:
     gateway_tls_args: tuple[str, ...] = ()
     # With tracker_tls: the sha256 of the tracker's self-signed certificate, which nodes and gateway pin.
     tracker_tls_fingerprint: str = ""
+    # With relayed nodes: the node flags that reach the gateway's relay (its URL and certificate pin).
+    relay_args: tuple[str, ...] = ()
 
     @property
     def tracker_url(self) -> str:
@@ -222,12 +225,16 @@ def start_local_swarm(
     wan_profile: WanProfile | None = None,
     register_gateway: bool = False,
     tracker_tls: bool = False,
+    register_model: bool = False,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
 
     ``register_gateway``: create the gateway's key first and start the tracker with it as its one
     registered gateway (``--registered-gateways``), as an operator exposing a swarm would: route
     tickets then go to that gateway only and name it (docs/tracker.md, Route tickets).
+
+    ``register_model``: register ``model`` with the tracker before any node starts (``swarm-tracker
+    model add``, the operator's path): its name then resolves to its fingerprint only.
 
     ``relay_nodes`` K: the last K nodes start with ``--relay`` pointed at the gateway (they accept no
     connections and are reached over their WebSocket); ``relay_indices`` picks them by index instead.
@@ -276,6 +283,9 @@ def start_local_swarm(
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
         if tracker_pin:
             _say(quiet, f"  tracker  TLS certificate sha256 {tracker_pin} (nodes and gateway pin it)")
+        if register_model:
+            _register_model(model, tracker_url, Path(workdir) / "tracker", net, pin_args)
+            _say(quiet, f"  tracker  registered {model.name}: its name resolves to its fingerprint only")
         gateway: Service | None = None
         relay_args: list[str] = []
         keep_tls: tuple[str, ...] = ()
@@ -373,7 +383,14 @@ def start_local_swarm(
             f"  gateway  ready at {gw_url}/v1  (pid {gateway.pid}; {time.monotonic() - t0:.1f} s in all)",
         )
         swarm = LocalSwarm(
-            sup, tracker, nodes, gateway, name, gateway_tls_args=keep_tls, tracker_tls_fingerprint=tracker_pin
+            sup,
+            tracker,
+            nodes,
+            gateway,
+            name,
+            gateway_tls_args=keep_tls,
+            tracker_tls_fingerprint=tracker_pin,
+            relay_args=tuple(relay_args),
         )
         if wan is not None:
             # Loopback forwarders into the WAN, entering at the profile's client host.
@@ -392,6 +409,17 @@ def start_local_swarm(
             if wan is not None:
                 wan.close()
         raise
+
+
+def _register_model(
+    model: Path, tracker_url: str, tracker_dir: Path, net: _Network, pin_args: list[str]
+) -> None:
+    """``swarm-tracker model add`` with the tracker's own key (what an operator runs)."""
+    argv = [sys.executable, "-m", "tracker.cli", "model", "add", str(model)]
+    argv += ["--tracker", tracker_url, "--data-dir", str(tracker_dir), *pin_args]
+    done = net.probe("tracker", subprocess.run, argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise LaunchError(f"registering {model.name} failed: {(done.stderr or done.stdout).strip()[-400:]}")
 
 
 def _sample_request(base_url: str, model: str) -> tuple[str, dict]:
@@ -523,6 +551,8 @@ def _up(
             wan_profile=wan_profile,
             register_gateway=True,  # as exposed swarms run: tickets for the gateway only
             tracker_tls=tracker_tls,
+            register_model=True,  # the operator's path: the name is bound to this fingerprint
+            tracker_args=["--unregistered-names", "trusted"],  # the tracker's default, not the harness's
         )
     except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err

@@ -398,6 +398,10 @@ class Supervisor:
         ]
         if heartbeat_timeout_s is not None:
             argv += ["--heartbeat-timeout-s", str(heartbeat_timeout_s)]
+        if "--unregistered-names" not in args:
+            # Every key of a harness swarm is the harness's own: names resolve as in a private swarm
+            # unless a test asks for the default (trusted holders only; docs/security.md, Names).
+            argv += ["--unregistered-names", "any"]
         argv += args
         svc = self.spawn(name, argv, port_file=data / "port", data_dir=data, env=env)
         svc.extra["tracker_id"] = self.tracker_id

@@ -239,7 +239,8 @@ class Challenger:
         raise ChallengeFailed("the node announced no TLS certificate and allow_plaintext_nodes is off")
 
     async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
-        """One attempt: Info, OPEN, PREFILL, RELEASE; returns (recipe, input, digest)."""
+        """One attempt: Info, OPEN, PREFILL, RELEASE; returns (the recipe's check fingerprint, input,
+        digest)."""
         pin = self._pin(target)
         try:
             # A node answers Info in milliseconds: a dead or tarpit address is given up on after
@@ -276,7 +277,9 @@ class Challenger:
             or claimed.model_fingerprint != target.model_fingerprint
         ):
             raise ChallengeFailed("the node's runtime recipe does not hash to the fingerprint it gives")
-        recipe = info.recipe.fingerprint
+        recipe = info.recipe.fingerprint  # what the session's frames carry
+        # References are answers of nodes that compute the same bits: the same recipe and CPU features.
+        check = claimed.check_fingerprint()
         spec = challenge_input(
             self._secret,
             model_fingerprint=target.model_fingerprint,
@@ -288,7 +291,7 @@ class Challenger:
             n_tokens=self.config.challenge_tokens,
         )
         digest = await self._session(target, recipe, spec)
-        return recipe, spec, digest
+        return check, spec, digest
 
     async def _session(self, target: ChallengeTarget, recipe: str, spec: ChallengeInput) -> str:
         reg = self.registry

@@ -124,6 +124,12 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     "--challenge-timeout-s", type=float, default=None, help="Longest one challenge attempt may take."
 )
 @click.option(
+    "--unregistered-names",
+    type=click.Choice(["trusted", "any"]),
+    default=None,
+    help="What an unregistered model name resolves to: the model trusted nodes serve, or any (private).",
+)
+@click.option(
     "--challenge-info-timeout-s",
     type=float,
     default=None,

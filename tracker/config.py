@@ -155,6 +155,13 @@ class TrackerConfig:
         "challenge nodes that announce no TLS certificate over plaintext gRPC (else they fail the "
         "challenge); nodes that announce one are always dialled over TLS pinned to it",
     )
+    unregistered_names: str = _f(
+        "trusted",
+        "what an unregistered model name resolves to: trusted (the fingerprint most trusted nodes "
+        "serve under it; fresh keys move nothing, and with no trusted holder the name resolves to "
+        "nothing) | any (the most live shards, trusted or not: private swarms where every key is "
+        "the operator's)",
+    )
     log_level: str = _f("info", "debug, info, warning or error")
 
     def resolved_data_dir(self) -> Path:
@@ -263,6 +270,8 @@ class TrackerConfig:
                 raise ConfigError(f"registry_keys: {k!r} is not 64 lowercase hex characters")
         if self.snapshot_ttl_s < 0 or self.default_latency_ms < 0 or self.relay_penalty_ms < 0:
             raise ConfigError("snapshot_ttl_s, default_latency_ms and relay_penalty_ms must be >= 0")
+        if self.unregistered_names not in ("trusted", "any"):
+            raise ConfigError(f"unregistered_names must be trusted or any, got {self.unregistered_names!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self

@@ -36,6 +36,9 @@ SPECS: dict[str, m.Spec] = {
         "periodic maintenance rounds, by whether this replica held the lock", "outcome"
     ),
     "swarm_tracker_challenges_total": m.counter("node challenges finished, by outcome", "outcome"),
+    "swarm_tracker_rechallenges_total": m.counter(
+        "live nodes sent back to their challenge because a gateway could not reach them"
+    ),
     "swarm_tracker_checks_credited_total": m.counter("spot checks passed, credited to nodes"),
     "swarm_tracker_evidence_total": m.counter(
         "verdicts reported by gateways, by whether they were conclusive", "conclusive"

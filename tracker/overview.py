@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tracker.names import resolve_names
 from tracker.snapshot import SwarmSnapshot
 
 MAX_NODE_ROWS = 500
@@ -239,8 +240,10 @@ def build_state(
     top_contributors: Mapping[str, Any],
     heartbeat_interval_s: float,
     series_window_s: float,
+    unregistered_names: str = "trusted",
 ) -> dict[str, Any]:
     late_after = LATE_FACTOR * heartbeat_interval_s
+    resolved = resolve_names(snapshot, unregistered_names)
     rows = [_node_row(n, now_s, late_after) for n in nodes]
     rows.sort(
         key=lambda r: (_STATE_ORDER.get(r["state"], 9), r["model"] or "", r["start"] or 0, r["node_id"])
@@ -261,8 +264,20 @@ def build_state(
                 "gaps": gaps(counts),
                 "live_nodes": len({s.node_id for s in shards}),
                 "spans": sorted([s.start, s.end, s.node_id[:8]] for s in shards)[:MAX_NODE_ROWS],
+                "trusted_nodes": len({s.node_id for s in shards if s.trusted}),
             }
         )
+    # Which fingerprint each name resolves to, and why (tracker/names.py).
+    names = [
+        {
+            "name": r.name,
+            "fingerprint": r.fingerprint,
+            "reason": r.reason,
+            "registered": r.registered,
+            "candidates": r.candidates,
+        }
+        for r in sorted(resolved.values(), key=lambda r: r.name)
+    ][:MAX_NODE_ROWS]
     spans = {s.node_id: (s.start, s.end) for s in snapshot.shards}
     fresh = 3.0 * max(
         [float(r["interval_s"]) for r in reports[-64:]] or [5.0]
@@ -286,6 +301,7 @@ def build_state(
         "replica_id": replica_id,
         "replicas": list(replicas),
         "models": models,
+        "names": names,
         # "live" counts the nodes heard from recently; "late" the registered-live ones that are not
         "node_counts": {
             **{s: 0 for s in ("live", "expired", "left")},

@@ -55,6 +55,7 @@ from tracker.handouts import HandoutLedger
 from tracker.json_input import check_json
 from tracker.metrics import Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
+from tracker.names import resolve_names
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
 from tracker.ratelimit import NonceShare, TokenBuckets
 from tracker.registry import KIND as REGISTRATION_KIND
@@ -332,6 +333,20 @@ class Registry:
             "probe": await self._probe_hints(h.node_id, rtt),
         }
 
+    async def _rechallenge(self, gateway_id: str, node_ids: tuple[str, ...]) -> None:
+        """Nodes a gateway could not reach leave routing until they answer a challenge again, so the
+        next clients do not pay the dial deadline for them (a node that answers is back in seconds)."""
+        if not node_ids or not self._challenges(False) or self.challenger is None:
+            return
+        moved = await self._db(self.store.rechallenge, node_ids)
+        if not moved:
+            return
+        self.invalidate_snapshot()
+        for node_id in moved:
+            self.challenger.enqueue(node_id)
+            self.metrics.inc("swarm_tracker_rechallenges_total")
+            event(log, "node_rechallenged", level=logging.WARNING, node_id=node_id, reporter=gateway_id)
+
     async def _record_rtt(self, reporter_id: str, samples: tuple[RttSample, ...]) -> RttResult | None:
         """Claims and the refit of the reporter's coordinate (its own transaction, after the signed
         write: a lost refit only delays a coordinate by one report)."""
@@ -401,6 +416,7 @@ class Registry:
             ),
         )
         self.metrics.inc("swarm_tracker_gateway_reports_total")
+        await self._rechallenge(g.gateway_id, g.unreachable)
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
             self._snapshot_stale = True  # routes for this gateway are priced from its new position
@@ -585,10 +601,9 @@ class Registry:
         self._snapshot, self._snapshot_at, self._snapshot_generation = snap, now, generation
         return snap
 
-    @staticmethod
-    def resolve_model(snap: SwarmSnapshot, model: str) -> ModelInfo:
+    def resolve_model(self, snap: SwarmSnapshot, model: str) -> ModelInfo:
         """A fingerprint, or a name: a registered name resolves only to its registered fingerprint;
-        among unregistered ones the fingerprint with the most live shards wins."""
+        an unregistered one only by nodes that earned trust (tracker/names.py)."""
         found = snap.model(model)
         if found is not None:
             return found
@@ -598,14 +613,13 @@ class Registry:
             if info is None:  # registered moments ago: the snapshot lists registered models
                 raise UnknownModel(f"model {model!r} is registered to {bound[:16]}, which is not known yet")
             return info
-        named = [m for m in snap.models if m.name == model]
-        if not named:
+        resolution = resolve_names(snap, self.config.unregistered_names).get(model)
+        if resolution is None:
             raise UnknownModel(f"no model with fingerprint or name {model!r}")
-        counts = {m.fingerprint: 0 for m in named}
-        for s in snap.shards:
-            if s.model_fingerprint in counts:
-                counts[s.model_fingerprint] += 1
-        return max(named, key=lambda m: (counts[m.fingerprint], m.fingerprint))
+        info = snap.model(resolution.fingerprint) if resolution.fingerprint else None
+        if info is None:
+            raise UnknownModel(f"model name {model!r} is {resolution.reason}")
+        return info
 
     def open_route_request(self, envelope: Any) -> dict[str, Any]:
         """A signed ``/v1/routes`` request (kind ``route_request``, signed by a gateway's key): its payload.
@@ -885,7 +899,9 @@ class Registry:
             cached = self._models_cache
             if cached is not None and cached[0] is snap:
                 return cached[1]
-            rows = await trio.to_thread.run_sync(model_rows, snap, limiter=self._cpu)
+            rows = await trio.to_thread.run_sync(
+                model_rows, snap, self.config.unregistered_names, limiter=self._cpu
+            )
             self._models_cache = (snap, rows)
             return rows
 
@@ -1016,6 +1032,7 @@ class Registry:
             top_contributors=top,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             series_window_s=window,
+            unregistered_names=self.config.unregistered_names,
         )
         return await trio.to_thread.run_sync(build, limiter=self._cpu)  # off the event loop
 
@@ -1027,12 +1044,14 @@ def shards_by_model(snap: SwarmSnapshot) -> dict[str, tuple[ShardView, ...]]:
     return {fp: tuple(g) for fp, g in groups.items()}
 
 
-def model_rows(snap: SwarmSnapshot) -> list[dict[str, Any]]:
-    """The rows of ``GET /v1/models``: each model's live nodes, routability and weakest layer.
+def model_rows(snap: SwarmSnapshot, names: str = "trusted") -> list[dict[str, Any]]:
+    """The rows of ``GET /v1/models``: each model's live nodes, routability and weakest layer, and
+    whether its name resolves to it (``name_resolves``, ``name_reason``: tracker/names.py).
 
     One pass groups the shards by model, so each model's route search and coverage see only its own
     shards: linear in models + shards, not their product (1,000 junk models cost milliseconds)."""
     by_model = shards_by_model(snap)
+    resolved = resolve_names(snap, names)
     out = []
     for m in snap.models:
         if snap.registered_names.get(m.name, m.fingerprint) != m.fingerprint:
@@ -1044,12 +1063,23 @@ def model_rows(snap: SwarmSnapshot) -> list[dict[str, Any]]:
             routable = bool(select_routes(sub, m.fingerprint, 1, rng=random.Random(0)).routes)
         else:
             cover, routable = [], False
+        name = resolved.get(m.name)
+        mine = name is not None and name.fingerprint == m.fingerprint
         out.append(
             {
                 **_model_json(m),
                 "live_nodes": len({s.node_id for s in shards}),
+                "trusted_nodes": len({s.node_id for s in shards if s.trusted}),
                 "routable": routable,
                 "min_layer_tokens_per_s": round(min(cover), 3) if cover else 0.0,
+                "name_resolves": mine,
+                "name_reason": (
+                    name.reason
+                    if name is not None and (mine or not name.fingerprint)
+                    else f"the name resolves to {name.fingerprint[:16]}: {name.reason}"
+                    if name is not None
+                    else "no name"
+                ),
             }
         )
     return out

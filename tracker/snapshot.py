@@ -74,6 +74,10 @@ class ShardView:
     probation: bool = False
     # sha256 of the node's gRPC TLS certificate, as announced ("" = plaintext); diallers pin it.
     tls_fingerprint: str = ""
+    # Earned trust: passed the join challenge against trusted nodes' answers, or passed
+    # probation_checks spot checks (every node, where the tracker runs without probation). Only
+    # trusted nodes move an unregistered model name (tracker/names.py).
+    trusted: bool = False
 
 
 @dataclass(frozen=True)

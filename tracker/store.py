@@ -754,9 +754,15 @@ class Store(TrustStore):
                     Shard.observed_at_s,
                     Reputation.checks_passed,
                     Node.tls_fingerprint,
+                    ChallengeResult.outcome,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
+                .outerjoin(
+                    ChallengeResult,
+                    (ChallengeResult.node_id == Shard.node_id)
+                    & (ChallengeResult.model_fingerprint == Shard.model_fingerprint),
+                )
                 .where(Node.state == NODE_LIVE, Node.last_seen_s >= cutoff)
                 .order_by(Shard.node_id, Shard.model_fingerprint)
             ).all()
@@ -797,6 +803,7 @@ class Store(TrustStore):
                 coord=_coord(r[15], r[16], r[17], r[18], r[19]),
                 probation=(r[22] or 0) < probation_checks,
                 tls_fingerprint=r[23] or "",
+                trusted=probation_checks == 0 or (r[22] or 0) >= probation_checks or r[24] == "passed",
             )
             for r in rows
         )

@@ -421,6 +421,27 @@ class TrustStore:
                 ).rowcount
             )
 
+    def rechallenge(self, node_ids: tuple[str, ...]) -> list[str]:
+        """Live direct nodes a gateway found silent go back to ``challenging`` (out of routing until
+        they answer the tracker's challenge again); the ids moved."""
+        if not node_ids:
+            return []
+        with self.engine.begin() as conn:
+            moved = list(
+                conn.execute(
+                    select(Node.id).where(
+                        Node.id.in_(node_ids), Node.state == NODE_LIVE, Node.relay.is_(False)
+                    )
+                ).scalars()
+            )
+            if moved:
+                conn.execute(
+                    update(Node)
+                    .where(Node.id.in_(moved), Node.state == NODE_LIVE)
+                    .values(state=NODE_CHALLENGING)
+                )
+            return moved
+
     def challenging_nodes(self, now_s: float, *, live_within_s: float, limit: int) -> list[str]:
         """Nodes waiting for a challenge and heard from recently (the periodic sweep's work list)."""
         with Session(self.engine) as s:

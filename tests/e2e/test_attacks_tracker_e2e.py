@@ -35,17 +35,20 @@ import nacl.signing
 import openai
 import pytest
 
-from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
-from proto.signing import make_payload, public_key_hex, sign_envelope
+from proto.announce import ModelSpec
+from proto.signing import make_payload, public_key_hex
 from sim.launcher import LocalSwarm, start_local_swarm
 from sim.procs import NO_SPOT_CHECKS
+from tests.e2e.attackers import Tarpit
+from tests.e2e.attackers import announce as _announce
+from tests.e2e.attackers import client as _client
+from tests.e2e.attackers import heartbeat as _heartbeat
 from tests.e2e.swarm_helpers import Reference, wait_until
 
 pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
 N_NEW = 16
-HARDWARE = Hardware(cpu_cores=4, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=50 << 30)
 PRUNE_AFTER_S = 5.0
 # Junk never heartbeats: it stays live this long (through the read flood), expires, and is pruned
 # PRUNE_AFTER_S later. The real nodes heartbeat every second.
@@ -85,49 +88,11 @@ def swarm(
     s.stop()
 
 
-def _client(source: str = "127.0.0.1", timeout_s: float = 30.0) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=timeout_s)
-
-
 def _model(swarm: LocalSwarm) -> ModelSpec:
     (m,) = [
         m for m in httpx.get(swarm.tracker_url + "/v1/models", timeout=10).json()["models"] if m["routable"]
     ]
     return ModelSpec(m["fingerprint"], m["name"], m["architecture"], m["n_layers"], m["n_embd"])
-
-
-def _announce(
-    key: nacl.signing.SigningKey,
-    model: ModelSpec,
-    *,
-    address: str | None,
-    start: int = 0,
-    end: int | None = None,
-    tls_fingerprint: str = "",
-) -> dict[str, str]:
-    a = Announce(
-        node_id=public_key_hex(key),
-        addresses=(address,) if address else (),
-        relay=address is None,
-        relay_via=None if address else "ab" * 32,
-        hardware=HARDWARE,
-        software_version="attacker",
-        model=model,
-        shard_start=start,
-        shard_end=model.n_layers if end is None else end,
-        decode_ms_per_token=0.01,  # as attractive as can be
-        prefill_tokens_per_s=1e6,
-        max_sessions=64,
-        tls_fingerprint=tls_fingerprint,
-    )
-    return sign_envelope(key, make_payload("announce", "node_id", key, time.time(), a.to_json()))
-
-
-def _heartbeat(key: nacl.signing.SigningKey) -> dict[str, str]:
-    h = Heartbeat(
-        node_id=public_key_hex(key), active_sessions=0, queue_depth=0, kv_free_tokens=4096, tokens_served=0
-    )
-    return sign_envelope(key, make_payload("heartbeat", "node_id", key, time.time(), h.to_json()))
 
 
 def _chat(swarm: LocalSwarm) -> str:
@@ -159,34 +124,6 @@ def _node_complaints(swarm: LocalSwarm) -> int:
         for line in node.log_text().splitlines()
         if '"tracker_refused"' in line or '"tracker_unreachable"' in line
     )
-
-
-class Tarpit:
-    """Accepts TCP connections and never answers (holds them until closed)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.sock.settimeout(0.2)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.held: list[socket.socket] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=False)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.held.append(conn)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        for conn in self.held:
-            conn.close()
-        self.sock.close()
 
 
 def _dead_address() -> str:

@@ -201,3 +201,27 @@ def test_a_1000_token_prompt_equals_llama_cpp_python(client, model_name: str, ll
     assert want_chat and want_text
     assert chat(client, model_name, long_text, True) == want_chat
     assert completion(client, model_name, long_text, False) == want_text
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "Write one sentence about the sea.",
+    "What is two plus two?",
+    "Who wrote Hamlet?",
+    "Give me a word that rhymes with cat.",
+    "What do bees make?",
+]
+
+
+def test_eight_concurrent_clients_get_the_whole_models_text(client, model_name: str, llm) -> None:
+    """Under load every greedy answer is the whole model's: batch_isolation = auto (the gateway's
+    default) computes every session of a Gemma 3 model in batches of its own (docs/security.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = [ref_chat(llm, q) for q in QUESTIONS]
+    assert all(want)
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        got = list(pool.map(lambda q: chat(client, model_name, q, True), QUESTIONS * 2))
+    assert got == want * 2

@@ -40,7 +40,14 @@ def test_the_runs_of_a_check_are_isolated_alike_and_other_sessions_per_mode(
     assert config.isolates(False) is plain
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_auto_isolates_every_session_of_a_batch_variant_model_and_none_of_the_others(checked: bool) -> None:
+    config = GatewayConfig().validate()
+    assert config.batch_isolation == "auto"  # the default: checks stay indistinguishable from traffic
+    assert config.isolates(checked, "gemma3") is True  # the same request, the same text under load
+    assert config.isolates(checked, "llama") is False  # batch-invariant here: batching kept
+
+
 def test_batch_isolation_takes_only_its_modes() -> None:
-    assert GatewayConfig().batch_isolation == "off"  # checks stay indistinguishable from traffic
     with pytest.raises(ConfigError, match="batch_isolation"):
         GatewayConfig(batch_isolation="sometimes").validate()

@@ -69,3 +69,20 @@ def test_recipe_fingerprint_is_canonical_and_sensitive() -> None:
         Recipe("llama-cpp-python 0.3.36", "a" * 64, "f16", True),
     ]
     assert len({base.fingerprint(), *(v.fingerprint() for v in variants)}) == 5
+
+
+def test_the_recipe_names_the_cpu_features_and_keeps_old_fingerprints_without_them() -> None:
+    """Another CPU level or build is another recipe (issue 27): compared bit for bit only within one."""
+    from proto.recipe import cpu_features_from_system_info
+
+    info = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 0 | FMA = 1 | REPACK = 1 | "
+    assert cpu_features_from_system_info(info) == "avx,avx2,fma,repack,sse3,ssse3"
+    assert cpu_features_from_system_info("no cpu line") == ""
+    base = Recipe("llama-cpp-python 0.3.36", "a" * 64, "f16", True)
+    avx2 = Recipe("llama-cpp-python 0.3.36", "a" * 64, "f16", True, cpu_features="avx,avx2,fma")
+    no_avx2 = Recipe("llama-cpp-python 0.3.36", "a" * 64, "f16", True, cpu_features="avx,fma")
+    # They compose one route (frames carry one fingerprint) but are compared bit for bit only alike.
+    assert base.fingerprint() == avx2.fingerprint() == no_avx2.fingerprint()
+    assert len({base.check_fingerprint(), avx2.check_fingerprint(), no_avx2.check_fingerprint()}) == 3
+    assert base.check_fingerprint() == base.fingerprint()  # nodes that do not report it: unchanged
+    assert Recipe.from_wire(avx2.to_wire()) == avx2 and avx2.to_wire().fingerprint == avx2.fingerprint()

@@ -109,8 +109,11 @@ function laneLayout(spans) {
   return { placed, lanes: lanes.length };
 }
 
-function renderModel(m) {
+function renderModel(m, names) {
   const card = el("div", { class: "model", "data-model": m.fingerprint });
+  // Which fingerprint the name resolves to, and why (registered, trusted nodes, or not at all).
+  const res = (names || {})[m.name];
+  const mine = res && res.fingerprint === m.fingerprint;
   const ok = m.gaps.length === 0;
   const thin = m.coverage.filter((c) => c === 1).length;
   card.append(el("div", { class: "model-head" },
@@ -119,7 +122,11 @@ function renderModel(m) {
     el("span", { class: "muted", text: `${m.n_layers} layers · ${m.live_nodes} live nodes` }),
     el("span", { class: "badge " + (ok ? "ok" : "bad"), "data-routable": ok ? "yes" : "no",
       text: ok ? "routable" : "gap: layers " + m.gaps.map(([a, b]) => `${a}–${b - 1}`).join(", ") }),
-    thin && ok ? el("span", { class: "badge warn", text: `${thin} layers on one node only` }) : null));
+    thin && ok ? el("span", { class: "badge warn", text: `${thin} layers on one node only` }) : null,
+    res ? el("span", { class: "badge " + (mine ? "ok" : "warn"), "data-name-resolves": mine ? "yes" : "no",
+      title: res.reason,
+      text: mine ? `name → this model (${res.registered ? "registered" : "trusted nodes"})`
+        : res.fingerprint ? `name → ${res.fingerprint.slice(0, 16)}` : "name resolves to nothing" }) : null));
 
   const W = 1000, cellH = 26, laneH = 16, pad = 2;
   const n = m.n_layers;
@@ -166,7 +173,8 @@ function renderModels(state) {
     box.replaceChildren(el("div", { class: "empty-note", text: "No model yet: start a node (swarm-node start --tracker …)." }));
     return;
   }
-  box.replaceChildren(...state.models.map(renderModel));
+  const names = Object.fromEntries((state.names || []).map((n) => [n.name, n]));
+  box.replaceChildren(...state.models.map((m) => renderModel(m, names)));
 }
 
 // ---------------------------------------------------------------- charts

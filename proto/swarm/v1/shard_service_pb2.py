@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from proto.swarm.v1 import frame_pb2 as proto_dot_swarm_dot_v1_dot_frame__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/swarm/v1/shard_service.proto\x12\x08swarm.v1\x1a\x1aproto/swarm/v1/frame.proto\"\r\n\x0bInfoRequest\"\x8c\x01\n\tModelInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x10\n\x08n_layers\x18\x04 \x01(\r\x12\x0e\n\x06n_embd\x18\x05 \x01(\r\x12\x0f\n\x07n_vocab\x18\x06 \x01(\r\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\x04\"\x93\x01\n\rRuntimeRecipe\x12\x17\n\x0fllama_cpp_build\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07kv_type\x18\x03 \x01(\t\x12\x17\n\x0f\x66lash_attention\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"\x87\x01\n\x08NodeLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x14\n\x0cqueued_steps\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x03 \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\x04 \x01(\x04\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x05 \x01(\x02\"\xd6\x01\n\nNodeLimits\x12\x17\n\x0fmax_frame_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12!\n\x19max_kv_tokens_per_session\x18\x04 \x01(\x04\x12%\n\tencodings\x18\x05 \x03(\x0e\x32\x12.swarm.v1.Encoding\x12\x1a\n\x12min_schema_version\x18\x06 \x01(\r\x12\x1a\n\x12max_schema_version\x18\x07 \x01(\r\"\x95\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ModelInfo\x12#\n\x05shard\x18\x03 \x01(\x0b\x32\x14.swarm.v1.LayerRange\x12\'\n\x06recipe\x18\x04 \x01(\x0b\x32\x17.swarm.v1.RuntimeRecipe\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.swarm.v1.NodeLoad\x12$\n\x06limits\x18\x06 \x01(\x0b\x32\x14.swarm.v1.NodeLimits\x12\x0f\n\x07is_last\x18\x07 \x01(\x08\x12\x14\n\x0cserves_vocab\x18\x08 \x01(\x08\x12\x17\n\x0ftls_fingerprint\x18\t \x01(\t\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.swarm.v1.ServingStatus\x12\x11\n\tuptime_ms\x18\x02 \x01(\x04\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.swarm.v1.NodeLoad\"B\n\x0cVocabRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"i\n\nVocabChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\",\n\x0fManifestRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\"A\n\rManifestReply\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"h\n\x12TensorBytesRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\"0\n\x10TensorBytesChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x88\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1b\n\x17SERVING_STATUS_DRAINING\x10\x02\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x03\x32\xfc\x02\n\x0cShardService\x12/\n\x07Session\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x31\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x12.swarm.v1.NodeInfo\x12;\n\x06Health\x12\x17.swarm.v1.HealthRequest\x1a\x18.swarm.v1.HealthResponse\x12:\n\x08GetVocab\x12\x16.swarm.v1.VocabRequest\x1a\x14.swarm.v1.VocabChunk0\x01\x12\x41\n\x0bGetManifest\x12\x19.swarm.v1.ManifestRequest\x1a\x17.swarm.v1.ManifestReply\x12L\n\x0eGetTensorBytes\x12\x1c.swarm.v1.TensorBytesRequest\x1a\x1a.swarm.v1.TensorBytesChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/swarm/v1/shard_service.proto\x12\x08swarm.v1\x1a\x1aproto/swarm/v1/frame.proto\"\r\n\x0bInfoRequest\"\x8c\x01\n\tModelInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x10\n\x08n_layers\x18\x04 \x01(\r\x12\x0e\n\x06n_embd\x18\x05 \x01(\r\x12\x0f\n\x07n_vocab\x18\x06 \x01(\r\x12\x13\n\x0bn_ctx_train\x18\x07 \x01(\x04\"\xa9\x01\n\rRuntimeRecipe\x12\x17\n\x0fllama_cpp_build\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07kv_type\x18\x03 \x01(\t\x12\x17\n\x0f\x66lash_attention\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x14\n\x0c\x63pu_features\x18\x07 \x01(\t\"\x87\x01\n\x08NodeLoad\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\r\x12\x14\n\x0cqueued_steps\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x03 \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\x04 \x01(\x04\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x05 \x01(\x02\"\xd6\x01\n\nNodeLimits\x12\x17\n\x0fmax_frame_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12!\n\x19max_kv_tokens_per_session\x18\x04 \x01(\x04\x12%\n\tencodings\x18\x05 \x03(\x0e\x32\x12.swarm.v1.Encoding\x12\x1a\n\x12min_schema_version\x18\x06 \x01(\r\x12\x1a\n\x12max_schema_version\x18\x07 \x01(\r\"\x95\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.swarm.v1.ModelInfo\x12#\n\x05shard\x18\x03 \x01(\x0b\x32\x14.swarm.v1.LayerRange\x12\'\n\x06recipe\x18\x04 \x01(\x0b\x32\x17.swarm.v1.RuntimeRecipe\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.swarm.v1.NodeLoad\x12$\n\x06limits\x18\x06 \x01(\x0b\x32\x14.swarm.v1.NodeLimits\x12\x0f\n\x07is_last\x18\x07 \x01(\x08\x12\x14\n\x0cserves_vocab\x18\x08 \x01(\x08\x12\x17\n\x0ftls_fingerprint\x18\t \x01(\t\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.swarm.v1.ServingStatus\x12\x11\n\tuptime_ms\x18\x02 \x01(\x04\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.swarm.v1.NodeLoad\"B\n\x0cVocabRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"i\n\nVocabChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\",\n\x0fManifestRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\"A\n\rManifestReply\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\"h\n\x12TensorBytesRequest\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\"0\n\x10TensorBytesChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x88\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1b\n\x17SERVING_STATUS_DRAINING\x10\x02\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x03\x32\xfc\x02\n\x0cShardService\x12/\n\x07Session\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x31\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x12.swarm.v1.NodeInfo\x12;\n\x06Health\x12\x17.swarm.v1.HealthRequest\x1a\x18.swarm.v1.HealthResponse\x12:\n\x08GetVocab\x12\x16.swarm.v1.VocabRequest\x1a\x14.swarm.v1.VocabChunk0\x01\x12\x41\n\x0bGetManifest\x12\x19.swarm.v1.ManifestRequest\x1a\x17.swarm.v1.ManifestReply\x12L\n\x0eGetTensorBytes\x12\x1c.swarm.v1.TensorBytesRequest\x1a\x1a.swarm.v1.TensorBytesChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.swarm.v1.shard_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVINGSTATUS']._serialized_start=1593
-  _globals['_SERVINGSTATUS']._serialized_end=1729
+  _globals['_SERVINGSTATUS']._serialized_start=1615
+  _globals['_SERVINGSTATUS']._serialized_end=1751
   _globals['_INFOREQUEST']._serialized_start=76
   _globals['_INFOREQUEST']._serialized_end=89
   _globals['_MODELINFO']._serialized_start=92
   _globals['_MODELINFO']._serialized_end=232
   _globals['_RUNTIMERECIPE']._serialized_start=235
-  _globals['_RUNTIMERECIPE']._serialized_end=382
-  _globals['_NODELOAD']._serialized_start=385
-  _globals['_NODELOAD']._serialized_end=520
-  _globals['_NODELIMITS']._serialized_start=523
-  _globals['_NODELIMITS']._serialized_end=737
-  _globals['_NODEINFO']._serialized_start=740
-  _globals['_NODEINFO']._serialized_end=1017
-  _globals['_HEALTHREQUEST']._serialized_start=1019
-  _globals['_HEALTHREQUEST']._serialized_end=1034
-  _globals['_HEALTHRESPONSE']._serialized_start=1036
-  _globals['_HEALTHRESPONSE']._serialized_end=1146
-  _globals['_VOCABREQUEST']._serialized_start=1148
-  _globals['_VOCABREQUEST']._serialized_end=1214
-  _globals['_VOCABCHUNK']._serialized_start=1216
-  _globals['_VOCABCHUNK']._serialized_end=1321
-  _globals['_MANIFESTREQUEST']._serialized_start=1323
-  _globals['_MANIFESTREQUEST']._serialized_end=1367
-  _globals['_MANIFESTREPLY']._serialized_start=1369
-  _globals['_MANIFESTREPLY']._serialized_end=1434
-  _globals['_TENSORBYTESREQUEST']._serialized_start=1436
-  _globals['_TENSORBYTESREQUEST']._serialized_end=1540
-  _globals['_TENSORBYTESCHUNK']._serialized_start=1542
-  _globals['_TENSORBYTESCHUNK']._serialized_end=1590
-  _globals['_SHARDSERVICE']._serialized_start=1732
-  _globals['_SHARDSERVICE']._serialized_end=2112
+  _globals['_RUNTIMERECIPE']._serialized_end=404
+  _globals['_NODELOAD']._serialized_start=407
+  _globals['_NODELOAD']._serialized_end=542
+  _globals['_NODELIMITS']._serialized_start=545
+  _globals['_NODELIMITS']._serialized_end=759
+  _globals['_NODEINFO']._serialized_start=762
+  _globals['_NODEINFO']._serialized_end=1039
+  _globals['_HEALTHREQUEST']._serialized_start=1041
+  _globals['_HEALTHREQUEST']._serialized_end=1056
+  _globals['_HEALTHRESPONSE']._serialized_start=1058
+  _globals['_HEALTHRESPONSE']._serialized_end=1168
+  _globals['_VOCABREQUEST']._serialized_start=1170
+  _globals['_VOCABREQUEST']._serialized_end=1236
+  _globals['_VOCABCHUNK']._serialized_start=1238
+  _globals['_VOCABCHUNK']._serialized_end=1343
+  _globals['_MANIFESTREQUEST']._serialized_start=1345
+  _globals['_MANIFESTREQUEST']._serialized_end=1389
+  _globals['_MANIFESTREPLY']._serialized_start=1391
+  _globals['_MANIFESTREPLY']._serialized_end=1456
+  _globals['_TENSORBYTESREQUEST']._serialized_start=1458
+  _globals['_TENSORBYTESREQUEST']._serialized_end=1562
+  _globals['_TENSORBYTESCHUNK']._serialized_start=1564
+  _globals['_TENSORBYTESCHUNK']._serialized_end=1612
+  _globals['_SHARDSERVICE']._serialized_start=1754
+  _globals['_SHARDSERVICE']._serialized_end=2134
 # @@protoc_insertion_point(module_scope)

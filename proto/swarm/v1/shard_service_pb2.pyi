@@ -42,20 +42,22 @@ class ModelInfo(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., name: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx_train: _Optional[int] = ...) -> None: ...
 
 class RuntimeRecipe(_message.Message):
-    __slots__ = ("llama_cpp_build", "model_fingerprint", "kv_type", "flash_attention", "fingerprint", "backend")
+    __slots__ = ("llama_cpp_build", "model_fingerprint", "kv_type", "flash_attention", "fingerprint", "backend", "cpu_features")
     LLAMA_CPP_BUILD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_TYPE_FIELD_NUMBER: _ClassVar[int]
     FLASH_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
     llama_cpp_build: str
     model_fingerprint: str
     kv_type: str
     flash_attention: bool
     fingerprint: str
     backend: str
-    def __init__(self, llama_cpp_build: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_type: _Optional[str] = ..., flash_attention: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    cpu_features: str
+    def __init__(self, llama_cpp_build: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_type: _Optional[str] = ..., flash_attention: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., cpu_features: _Optional[str] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("active_sessions", "queued_steps", "kv_tokens_used", "kv_tokens_total", "decode_ms_per_token")
