@@ -19,8 +19,8 @@ A :class:`Supervisor` owns a work directory and every process it starts there.
   services behind its back.
 - **Dying with the supervisor**: on Linux every process started from the main
   thread asks the kernel for a parent-death signal (``prctl(PR_SET_PDEATHSIG,
-  SIGTERM)``, set in the child between fork and exec, :data:`PARENT_DEATH_SIGNAL`):
-  when the supervising process ends -- SIGKILL included, with nobody left to
+  SIGTERM)``, set by a few lines of Python that then exec the service:
+  :func:`parent_death_prefix`): when the supervising process ends -- SIGKILL included, with nobody left to
   call :meth:`Supervisor.stop_all` -- each service gets SIGTERM and stops the
   way it does on Ctrl-C (drains, leaves the tracker, closes its database), so
   no process or port outlives it. The signal follows the *thread* that forked,
@@ -42,7 +42,6 @@ A :class:`Supervisor` owns a work directory and every process it starts there.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -81,7 +80,6 @@ FIXED_ENV = {
 _MODULES = {"swarm-node": "node.cli", "swarm-tracker": "tracker.cli", "swarm-gateway": "gateway.cli"}
 PARENT_DEATH_SIGNAL = signal.SIGTERM  # what a service gets when its supervising process is gone
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_prctl: Any = None
 
 
 class LaunchError(RuntimeError):
@@ -96,27 +94,39 @@ def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def parent_death_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get :data:`PARENT_DEATH_SIGNAL` when the calling thread
-    ends; None where there is no such thing (not Linux, or not the main thread: see the module
-    docstring). The libc function is looked up here, before the fork: the child only calls it."""
-    global _prctl
+# Run in the child in place of a ``preexec_fn``: ask for the parent-death signal, check the parent
+# is still the one that started us, then exec the service. A ``preexec_fn`` would make subprocess
+# fork() instead of vfork()/posix_spawn(), and a fork of a process whose gRPC threads are busy (the
+# test process runs scripted nodes on gRPC) runs gRPC's fork handlers in the child, which abort it
+# ("Check failed: next_worker->state == KICKED"). Isolated (-I -S): nothing but the standard library.
+_PARENT_DEATH_EXEC = f"""
+import ctypes, os, sys
+parent, signum, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+if prctl({_PR_SET_PDEATHSIG}, signum, 0, 0, 0) != 0:
+    sys.exit(126)  # refuse to run a service that could outlive its supervisor
+if os.getppid() != parent:  # the parent died before the request took effect
+    sys.exit(0)
+os.execvp(argv[0], argv)
+"""
+
+
+def parent_death_prefix() -> list[str]:
+    """The argv prefix that makes a child get :data:`PARENT_DEATH_SIGNAL` when the calling thread
+    ends (it execs the real command, keeping its pid); empty where there is no such thing (not Linux,
+    or not the main thread: see the module docstring)."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    if _prctl is None:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-        prctl.restype = ctypes.c_int
-        _prctl = prctl
-    prctl, parent, signum = _prctl, os.getpid(), int(PARENT_DEATH_SIGNAL)
-
-    def in_child() -> None:
-        if prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-            os._exit(126)  # refuse to run a service that could outlive its supervisor
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os._exit(0)
-
-    return in_child
+        return []
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        _PARENT_DEATH_EXEC,
+        str(os.getpid()),
+        str(int(PARENT_DEATH_SIGNAL)),
+    ]
 
 
 def console_script(name: str) -> list[str]:
@@ -349,6 +359,7 @@ class Supervisor:
             if f is not None:
                 f.unlink(missing_ok=True)
         command = list(argv) if self.place is None else self.place(name, list(argv))
+        command = [*parent_death_prefix(), *command]
         log_path = self.workdir / "logs" / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -359,7 +370,6 @@ class Supervisor:
                 env=service_env(env),
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=parent_death_hook(),
             )
         svc = Service(name, proc, log_path, port_file, admin_port_file=admin_port_file, data_dir=data_dir)
         self.services.append(svc)

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sim.procs import parent_death_hook, wait_until
+from sim.procs import parent_death_prefix, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # A supervising process: starts `sleep` through the Supervisor (main thread, or a worker thread with
@@ -72,10 +72,10 @@ def test_a_killed_supervisor_takes_its_processes_with_it(tmp_path: Path) -> None
 def test_spawned_from_a_worker_thread_no_parent_death_signal(tmp_path: Path) -> None:
     """The signal follows the forking thread: none is asked for from a thread that may end first."""
     found: list[object] = []
-    t = threading.Thread(target=lambda: found.append(parent_death_hook()))
+    t = threading.Thread(target=lambda: found.append(parent_death_prefix()))
     t.start()
     t.join()
-    assert found == [None] and parent_death_hook() is not None
+    assert found == [[]] and parent_death_prefix() != []
     parent, sleeper = _supervised_sleeper(tmp_path, "thread")
     try:
         time.sleep(0.5)  # the spawning thread has ended: the sleeper still runs
