@@ -21,9 +21,10 @@ Layouts:
 
 Exactness: every session's greedy tokens in the shared layouts are compared
 with the ``contexts`` layout, where each prompt runs alone in a fresh
-one-sequence context (what the parity reference does). CPU time of the calling thread is the reported figure (with
-one llama.cpp thread the compute runs on it; a neighbour's load cannot inflate
-it); wall time beside. Figures, not assertions.
+one-sequence context (what the parity reference does). CPU time of the
+calling thread is the reported figure (with one llama.cpp thread the compute
+runs on it; a neighbour's load cannot inflate it); wall time beside. Figures,
+not assertions.
 """
 
 from __future__ import annotations
