@@ -726,6 +726,14 @@ class ShardEngine:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
+    @property
+    def pool_refusals(self) -> int:
+        return self._pool_refusals
+
+    @property
+    def pool_compactions(self) -> int:
+        return self._compactions
+
     def statistics(self) -> EngineStats:
         return EngineStats(
             sessions=len(self._sessions),

