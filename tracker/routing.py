@@ -180,9 +180,14 @@ def select_routes(
     rng: random.Random,
     costs: RoutingCosts = DEFAULT_COSTS,
     origin: NetCoord | None = None,
+    kv_tokens: int = 0,
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
     network coordinate; None = unknown); see the module docstring.
+
+    ``kv_tokens`` > 0: the KV positions the request needs on every stage (prompt plus max_tokens);
+    a shard whose last heartbeat announced fewer free KV positions is skipped (one that announced
+    nothing yet is kept), so a long prompt goes to a route that can hold it.
 
     Raises :class:`tracker.errors.UnknownModel` if the snapshot has no such model,
     ``ValueError`` if ``k < 1``.
@@ -201,6 +206,7 @@ def select_routes(
             and 0 <= s.start < s.end <= n_layers
             and model.allows(s.start, s.end)
             and s.node_id not in exclude_nodes
+            and not (kv_tokens > 0 and s.kv_free_tokens is not None and s.kv_free_tokens < kv_tokens)
         ),
         key=attrgetter("start"),  # stable: equal starts keep the snapshot's order
     )
