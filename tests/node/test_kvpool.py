@@ -186,3 +186,31 @@ def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
             if pooled.has_session(sid):
                 pooled.release(sid)
     assert pooled.statistics().kv_pool.used_blocks == 0
+
+
+def test_the_session_machine_reports_the_pool_as_its_capacity() -> None:
+    from node.session_machine import FrameServer, ServingSpec
+
+    def spec(**kw: object) -> ServingSpec:
+        base: dict[str, object] = dict(
+            node_id="n" * 64,
+            model_fingerprint="ab" * 32,
+            recipe_fingerprint="cd" * 32,
+            shard_start=0,
+            shard_end=30,
+            n_embd=576,
+            n_vocab=100,
+            is_first=True,
+            is_last=True,
+            max_sessions=8,
+            session_kv_tokens=8192,
+            n_ctx_train=8192,
+        )
+        return ServingSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+    def allow(*_: object) -> None:
+        return None
+
+    assert FrameServer(spec(kv_pool_tokens=16384), allow).statistics().kv_tokens_capacity == 16384
+    # The per-sequence layout: every slot's positions.
+    assert FrameServer(spec(session_kv_tokens=2048), allow).statistics().kv_tokens_capacity == 8 * 2048
