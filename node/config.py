@@ -150,7 +150,8 @@ class NodeConfig:
     kv_pool_tokens: int = _f(
         0,
         "KV positions of one pool shared by every session (16-position blocks taken as sessions grow, "
-        "nothing reserved at OPEN); 0 = the per-sequence layout (max_sessions x session_kv_tokens)",
+        "nothing reserved at OPEN); -1 = sized from the memory left after the shard's weights; "
+        "0 = the per-sequence layout (max_sessions x session_kv_tokens)",
     )
     max_session_kv_tokens: int = _f(
         0, "with a pool: the most positions one session may grow to; 0 = the model's trained context"
@@ -259,8 +260,10 @@ class NodeConfig:
             raise ConfigError("max_kept_sessions, max_kept_kv_tokens and max_keep_s must be >= 0")
         if self.session_kv_tokens < 16:
             raise ConfigError("session_kv_tokens must be >= 16")
-        if self.kv_pool_tokens and self.kv_pool_tokens < 256:
-            raise ConfigError(f"kv_pool_tokens must be 0 (no pool) or >= 256, got {self.kv_pool_tokens}")
+        if self.kv_pool_tokens not in (0, -1) and self.kv_pool_tokens < 256:
+            raise ConfigError(
+                f"kv_pool_tokens must be 0 (no pool), -1 (auto) or >= 256, got {self.kv_pool_tokens}"
+            )
         if self.max_session_kv_tokens and self.max_session_kv_tokens < 16:
             raise ConfigError("max_session_kv_tokens must be 0 (the model's context) or >= 16")
         if self.batch_tokens < ISOLATED_SLICE_TOKENS:

@@ -205,7 +205,7 @@ class NodeDaemon:
             session_kv_tokens=(
                 (cfg.max_session_kv_tokens or 1 << 30) if cfg.kv_pool_tokens else cfg.session_kv_tokens
             ),
-            kv_pool_tokens=cfg.kv_pool_tokens,
+            kv_pool_tokens=joined.kv_pool_tokens,
             n_batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
             load_mode=cfg.load_mode,

@@ -214,3 +214,35 @@ def test_the_session_machine_reports_the_pool_as_its_capacity() -> None:
     assert FrameServer(spec(kv_pool_tokens=16384), allow).statistics().kv_tokens_capacity == 16384
     # The per-sequence layout: every slot's positions.
     assert FrameServer(spec(session_kv_tokens=2048), allow).statistics().kv_tokens_capacity == 8 * 2048
+
+
+def test_an_automatic_pool_fills_what_the_span_leaves_of_the_memory_budget(tmp_path: Path) -> None:
+    from node.capacity import POOL_MARGIN, MemoryLimit, Sizing, auto_pool_tokens
+    from node.config import NodeConfig
+    from node.errors import CapacityError
+    from node.joining import _Joiner
+
+    # 4 layers of 100 MB weights; KV priced at 1000 positions: 1 MB per layer (1000 bytes/position/layer).
+    sizing = Sizing(
+        layer_bytes=(100_000_000,) * 4,
+        kv_bytes_per_layer=(1_000_000,) * 4,
+        first_extra_bytes=10_000_000,
+        last_extra_bytes=20_000_000,
+        fixed_bytes=50_000_000,
+    )
+    budget = 1_000_000_000
+    tokens = auto_pool_tokens(sizing, 0, 2, budget, sized_positions=1000, n_batch=512)
+    room = budget * (1 - POOL_MARGIN) - (50_000_000 + 200_000_000 + 10_000_000)
+    per_position = 2 * 1000 + 4 * 512
+    assert tokens % 256 == 0 and tokens <= room / per_position < tokens + 256
+    # The last stage carries the LM head: less room, a smaller pool; a span that fills memory: none.
+    assert auto_pool_tokens(sizing, 2, 4, budget, 1000, 512) < tokens
+    assert auto_pool_tokens(sizing, 0, 4, 400_000_000, 1000, 512) == 0
+    cfg = NodeConfig(kv_pool_tokens=-1, cache_dir=str(tmp_path), max_sessions=1, session_kv_tokens=1000)
+    joiner = _Joiner(cfg.validate(), None, "")
+    limit = MemoryLimit(budget, "memory_limit_mb")
+    assert joiner._pool_tokens(sizing, limit, 0, 2) == auto_pool_tokens(sizing, 0, 2, budget, 1024, 512)
+    with pytest.raises(CapacityError, match="holds no KV pool"):
+        joiner._pool_tokens(sizing, MemoryLimit(400_000_000, "cgroup"), 0, 4)
+    fixed = NodeConfig(kv_pool_tokens=4096, cache_dir=str(tmp_path)).validate()
+    assert _Joiner(fixed, None, "")._pool_tokens(None, None, 0, 2) == 4096
