@@ -135,13 +135,21 @@ def _run_contexts(model: ctypes.c_void_p, prompts: list[list[int]], steps: int) 
             c.close()
 
 
-def bench(model_path: Path, *, pool: int, context: int, steps: int, rounds: int) -> dict[str, Any]:
+def bench(
+    model_path: Path,
+    *,
+    pool: int,
+    context: int,
+    steps: int,
+    rounds: int,
+    counts: tuple[int, ...] = SESSION_COUNTS,
+) -> dict[str, Any]:
     model = load_model(model_path)
     try:
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-        all_prompts = _prompts(max(SESSION_COUNTS), context, n_vocab)
+        all_prompts = _prompts(max(counts), context, n_vocab)
         rows = []
-        for n in SESSION_COUNTS:
+        for n in counts:
             if n * (context + steps) > pool:
                 continue
             prompts = all_prompts[:n]
@@ -200,6 +208,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=33, help="greedy tokens per session")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="17 steps, 512-token contexts")
+    ap.add_argument("--sessions", default="1,4,8,16", help="session counts, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.quick:
