@@ -566,7 +566,8 @@ class GatewayService:
             route = self.routes.acquire([other])
             try:
                 return route, await self._prepare(request, route)
-            except ContextLengthExceeded:
+            except (ContextLengthExceeded, StageFailed):
+                # Too short as well, or not answering now: the refusal stands unless another fits.
                 self.routes.release(route)
             except BaseException:
                 self.routes.release(route)
