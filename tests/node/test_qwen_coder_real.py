@@ -56,7 +56,7 @@ def qwen_path() -> Path:
 def prompt(qwen_path: Path) -> list[int]:
     with Vocabulary(qwen_path) as v:
         text = ""
-        while len(v.tokenize(text + CODE)) < 3000:
+        while len(v.tokenize(text)) < 3000:
             text += CODE
         return v.tokenize(text + "def summarise(records):\n")
 
@@ -75,7 +75,7 @@ def stages(qwen_path: Path, node_cache: Path) -> Iterator[list[ShardEngine]]:
 def test_a_3000_token_prompt_through_a_pooled_split_is_bit_exact(
     qwen_path: Path, stages: list[ShardEngine], prompt: list[int]
 ) -> None:
-    assert 3000 <= len(prompt) < 3100 and all(s.session_kv_limit == 4096 for s in stages)
+    assert 3000 <= len(prompt) < 3200 and all(s.session_kv_limit == 4096 for s in stages)
     for s in stages:
         s.open_session("q")
 
