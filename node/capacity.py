@@ -141,14 +141,15 @@ def auto_pool_tokens(
     """Positions of a KV pool that fills what the span ``[start, end)`` leaves of ``budget_bytes``.
 
     ``sizing`` prices ``sized_positions`` KV positions per layer (the per-sequence layout it was made
-    for); the pool takes the budget less :data:`POOL_MARGIN`, less the span's bytes without KV, at the
-    span's KV bytes per position plus llama.cpp's attention mask (f32, ``n_batch`` rows, one per
-    position). A multiple of 256 (llama.cpp's padding); 0 when nothing is left.
+    for); the pool takes the budget less :data:`POOL_MARGIN`, less the span's bytes without KV, at
+    twice the span's KV bytes per position (the pool, and room for the transient copy a compaction
+    makes of the used KV: node.engine) plus llama.cpp's attention mask (f32, ``n_batch`` rows, one
+    per position). A multiple of 256 (llama.cpp's padding); 0 when nothing is left.
     """
     kv = sum(sizing.kv_bytes_per_layer[start:end])
     if kv <= 0 or sized_positions <= 0:
         return 0
-    per_position = kv / sized_positions + 4 * n_batch
+    per_position = 2 * kv / sized_positions + 4 * n_batch
     room = budget_bytes * (1 - POOL_MARGIN) - (sizing.span_bytes(start, end) - kv)
     return max(0, int(room / per_position) // 256 * 256)
 

@@ -233,7 +233,7 @@ def test_an_automatic_pool_fills_what_the_span_leaves_of_the_memory_budget(tmp_p
     budget = 1_000_000_000
     tokens = auto_pool_tokens(sizing, 0, 2, budget, sized_positions=1000, n_batch=512)
     room = budget * (1 - POOL_MARGIN) - (50_000_000 + 200_000_000 + 10_000_000)
-    per_position = 2 * 1000 + 4 * 512
+    per_position = 2 * (2 * 1000) + 4 * 512  # the pool and a compaction's copy, and the mask row
     assert tokens % 256 == 0 and tokens <= room / per_position < tokens + 256
     # The last stage carries the LM head: less room, a smaller pool; a span that fills memory: none.
     assert auto_pool_tokens(sizing, 2, 4, budget, 1000, 512) < tokens
