@@ -144,6 +144,18 @@ class AdmissionPolicy:
         return ticket in self._active
 
 
+def kv_room(free_per_stage: Sequence[int | None]) -> int | None:
+    """Free KV positions a route has for a new request: its tightest stage's, None if no stage said."""
+    known = [f for f in free_per_stage if f is not None]
+    return min(known) if known else None
+
+
+def fits_kv(free_per_stage: Sequence[int | None], need_tokens: int) -> bool:
+    """A route can hold ``need_tokens`` more KV positions on every stage (unknown stages are trusted)."""
+    room = kv_room(free_per_stage)
+    return room is None or room >= need_tokens
+
+
 def least_loaded(routes: Sequence[R], load: Callable[[R], int], cost: Callable[[R], float]) -> R:
     """The route with the least load (sessions in flight on its nodes); ties go to the cheaper route,
     then the first listed."""

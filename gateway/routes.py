@@ -74,6 +74,9 @@ class Hop:
     probation: bool = False  # the tracker has not seen this node pass enough spot checks yet
     # sha256 of the node's gRPC TLS certificate, from its signed announcement ("" = plaintext).
     tls_fingerprint: str = ""
+    # Free KV positions the node's last heartbeat announced (its KV pool's free blocks x 16), as the
+    # tracker saw it when it answered; None = not known.
+    kv_free_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,13 @@ def _opt_float(value: Any) -> float | None:
     return number if math.isfinite(number) and number >= 0 else None
 
 
+def _opt_count(value: Any) -> int | None:
+    """An optional count from the tracker: an integer >= 0, or None (absent, null, nonsense)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 def _tls_fingerprint(value: Any) -> str:
     """A hop's pin: 64 lowercase hex, or "" (absent, null); anything else is a malformed answer."""
     if value is None or value == "":
@@ -136,6 +146,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_float(h.get("bandwidth_mbit_s")),
                     bool(h.get("probation", False)),
                     _tls_fingerprint(h.get("tls_fingerprint")),
+                    _opt_count(h.get("kv_free_tokens")),
                 )
                 for h in r["hops"]
             )

@@ -46,7 +46,7 @@ import trio
 from common.logs import event
 from gateway import protocol, structured, tools
 from gateway.access import Access, anonymous_limits
-from gateway.admission import AdmissionPolicy
+from gateway.admission import AdmissionPolicy, fits_kv
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
 from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
@@ -534,9 +534,15 @@ class GatewayService:
         route = self.routes.acquire(candidates)
         try:
             prepared = await self._prepare(request, route)
+        except ContextLengthExceeded as too_long:
+            self.routes.release(route)
+            route, prepared = await self._longer_route(
+                request, [r for r in candidates if r is not route], too_long
+            )
         except BaseException:
             self.routes.release(route)
             raise
+        route, prepared = await self._kv_fit(request, route, prepared, candidates)
         if not self._warm(request):
             return route, prepared, None
         hit = self.prefix.lookup(job.client, route.model_fingerprint, prepared.prompt, trio.current_time())
@@ -567,6 +573,45 @@ class GatewayService:
                 self.routes.release(route)
                 raise
         return route, prepared, hit
+
+    async def _longer_route(
+        self, request: GenerationRequest, others: list[Route], too_long: ContextLengthExceeded
+    ) -> tuple[Route, _Prepared]:
+        """The prompt passes the picked route's context (its nodes' per-session KV): the first other
+        candidate whose stages can hold it (nodes with a KV pool serve longer contexts), else the
+        refusal as it was."""
+        for other in others:
+            route = self.routes.acquire([other])
+            try:
+                return route, await self._prepare(request, route)
+            except (ContextLengthExceeded, StageFailed):
+                # Too short as well, or not answering now: the refusal stands unless another fits.
+                self.routes.release(route)
+            except BaseException:
+                self.routes.release(route)
+                raise
+        raise too_long
+
+    async def _kv_fit(
+        self, request: GenerationRequest, route: Route, prepared: _Prepared, candidates: list[Route]
+    ) -> tuple[Route, _Prepared]:
+        """The picked route, or another candidate when the picked one's nodes announced less free KV
+        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv)."""
+        need = len(prepared.prompt) + (request.max_tokens or 1)
+        if fits_kv([h.kv_free_tokens for h in route.hops], need):
+            return route, prepared
+        roomy = [
+            r for r in candidates if r is not route and fits_kv([h.kv_free_tokens for h in r.hops], need)
+        ]
+        if not roomy:
+            return route, prepared  # none known to fit: the nodes decide
+        self.routes.release(route)
+        other = self.routes.acquire(roomy)
+        try:
+            return other, await self._prepare(request, other)
+        except BaseException:
+            self.routes.release(other)
+            raise
 
     @asynccontextmanager
     async def _open(

@@ -357,6 +357,18 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
 )
 @click.option("--max-sessions", type=int, default=None, help="Most concurrent Route Sessions.")
 @click.option("--session-kv-tokens", type=int, default=None, help="KV positions per session.")
+@click.option(
+    "--kv-pool-tokens",
+    type=int,
+    default=None,
+    help="KV positions of one pool shared by all sessions (16-position blocks); 0 = per-session slots.",
+)
+@click.option(
+    "--max-session-kv-tokens",
+    type=int,
+    default=None,
+    help="With a pool: most positions one session may grow to (0 = the model's trained context).",
+)
 @click.option("--batch-tokens", type=int, default=None, help="Most positions per engine batch.")
 @click.option(
     "--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch."

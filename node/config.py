@@ -159,7 +159,18 @@ class NodeConfig:
     admin_port_file: str = _f("", "write the bound admin port here once serving")
     threads: int = _f(0, "llama.cpp compute threads; 0 = the machine's physical cores")
     max_sessions: int = _f(8, "most Route Sessions held at once (KV sequences)")
-    session_kv_tokens: int = _f(2048, "KV positions one session may hold (prompt plus generation)")
+    session_kv_tokens: int = _f(
+        2048, "per-sequence layout (kv_pool_tokens = 0): KV positions one session may hold, reserved"
+    )
+    kv_pool_tokens: int = _f(
+        0,
+        "KV positions of one pool shared by every session (16-position blocks taken as sessions grow, "
+        "nothing reserved at OPEN); -1 = sized from the memory left after the shard's weights; "
+        "0 = the per-sequence layout (max_sessions x session_kv_tokens)",
+    )
+    max_session_kv_tokens: int = _f(
+        0, "with a pool: the most positions one session may grow to; 0 = the model's trained context"
+    )
     batch_tokens: int = _f(512, "most positions one engine batch takes (llama.cpp n_batch)")
     prefill_chunk_tokens: int = _f(
         256, "most positions of one prefill step per batch, so decodes keep moving"
@@ -268,6 +279,12 @@ class NodeConfig:
             raise ConfigError("max_kept_sessions, max_kept_kv_tokens and max_keep_s must be >= 0")
         if self.session_kv_tokens < 16:
             raise ConfigError("session_kv_tokens must be >= 16")
+        if self.kv_pool_tokens not in (0, -1) and self.kv_pool_tokens < 256:
+            raise ConfigError(
+                f"kv_pool_tokens must be 0 (no pool), -1 (auto) or >= 256, got {self.kv_pool_tokens}"
+            )
+        if self.max_session_kv_tokens and self.max_session_kv_tokens < 16:
+            raise ConfigError("max_session_kv_tokens must be 0 (the model's context) or >= 16")
         if self.batch_tokens < ISOLATED_SLICE_TOKENS:
             # An isolated step's slice must run as one llama.cpp ubatch on every node (node.batching).
             raise ConfigError(f"batch_tokens must be >= {ISOLATED_SLICE_TOKENS}")

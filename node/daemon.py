@@ -35,6 +35,7 @@ import math
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
 from node.rtt import node_sampler
-from node.session_machine import FrameServer, ServingSpec, StepOutcome
+from node.session_machine import FrameServer, MachineStats, ServingSpec, StepOutcome
 from node.tickets import TicketVerifier
 from proto import codec
 from proto.announce import Announce, Heartbeat, Leave, ModelSpec
@@ -202,7 +203,10 @@ class NodeDaemon:
         engine_config = EngineConfig(
             n_threads_count=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
-            session_kv_tokens=cfg.session_kv_tokens,
+            session_kv_tokens=(
+                (cfg.max_session_kv_tokens or 1 << 30) if cfg.kv_pool_tokens else cfg.session_kv_tokens
+            ),
+            kv_pool_tokens=joined.kv_pool_tokens,
             n_batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
             load_mode=cfg.load_mode,
@@ -253,6 +257,7 @@ class NodeDaemon:
                 max_sessions=cfg.max_sessions,
                 session_kv_tokens=engine.session_kv_limit,
                 n_ctx_train=meta.context_length or engine.session_kv_limit,
+                kv_pool_tokens=engine.pool.total_blocks * 16 if engine.pool is not None else 0,
                 max_queued_steps=cfg.max_queued_steps,
                 idle_lease_s=cfg.idle_lease_s,
                 reattach_window_s=cfg.reattach_window_s,
@@ -519,11 +524,33 @@ class NodeDaemon:
             node_id=self.node_id,
             active_sessions=stats.sessions,
             queue_depth=self.scheduler.queue_depth,
-            kv_free_tokens=max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted),
+            kv_free_tokens=self._kv_free_tokens(stats),
             tokens_served=max(0, served),
             kv_used_tokens=stats.kv_tokens_used,
             rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
         )
+
+    def _pool_metrics(
+        self, one: Callable[[float], dict[tuple[tuple[str, str], ...], float]]
+    ) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        engine = self.engine
+        pool = engine.pool if engine is not None else None
+        if engine is None or pool is None:
+            return {"swarm_node_kv_pool_blocks": one(0), "swarm_node_kv_pool_free_blocks": one(0)}
+        # Plain int reads of what the compute thread updates (no iteration over its dicts).
+        return {
+            "swarm_node_kv_pool_blocks": one(pool.total_blocks),
+            "swarm_node_kv_pool_free_blocks": one(pool.free_blocks),
+            "swarm_node_kv_pool_refusals_total": one(engine.pool_refusals),
+            "swarm_node_kv_pool_compactions_total": one(engine.pool_compactions),
+        }
+
+    def _kv_free_tokens(self, stats: MachineStats) -> int:
+        """Positions free for new work: the pool's free blocks, or the slots not granted yet."""
+        pool = self.engine.pool if self.engine is not None else None
+        if pool is not None:
+            return pool.free_blocks * 16  # an int read; the compute thread owns the pool
+        return max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
 
     async def _tracker_loop(self) -> None:
         with self._tracker_scope:
@@ -756,6 +783,7 @@ class NodeDaemon:
             "swarm_node_kept_sessions": one(stats.kept_sessions),
             "swarm_node_kept_kv_tokens": one(stats.kept_kv_tokens),
             "swarm_node_kv_tokens_capacity": one(stats.kv_tokens_capacity),
+            **self._pool_metrics(one),
             "swarm_node_tokens_per_second": one(tps),
             "swarm_node_decode_ms_per_token": one(sched.decode_ms_per_token),
             "swarm_node_draining": one(1.0 if self.draining else 0.0),

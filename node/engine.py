@@ -19,9 +19,15 @@ Invariants
 * A whole step is validated before any KV is touched; a refused item gets an
   error result and the other items run. If llama.cpp fails a decode, every
   session of that step is truncated back to where it was: no partial KV.
-* KV is per sequence (``kv_unified = False``): llama.cpp then forms ubatches
-  per sequence group, and captured rows come back in ubatch order; they are
-  put back in batch order with :func:`node.llama_runtime.ubatch_plan`, whose
+* Two KV layouts. The KV pool (``kv_pool_tokens > 0``, what a node runs): one
+  unified KV stream of ``kv_pool_tokens`` cells shared by every session, held
+  in 16-position blocks (:mod:`node.kvpool`); a session takes blocks as it
+  grows, nothing is reserved when it opens, and a piece of work whose growth
+  does not fit in the free blocks is refused (``KVPoolExhaustedError``) before
+  any KV is touched. The per-sequence layout (``kv_pool_tokens = 0``):
+  ``max_sessions`` streams of ``session_kv_tokens`` cells each, all allocated
+  up front. Either way captured rows come back in ubatch order and are put
+  back in batch order with :func:`node.llama_runtime.ubatch_plan`, whose
   per-ubatch row counts are checked against what the callback saw.
 * Not thread-safe: one engine belongs to one thread (the node's compute thread).
 """
@@ -44,10 +50,12 @@ from node.errors import (
     EngineError,
     InputShapeError,
     KVBudgetError,
+    KVPoolExhaustedError,
     PositionError,
     SessionLimitError,
     UnknownSessionError,
 )
+from node.kvpool import KvPool, PoolStats
 from node.llama_runtime import (
     BatchBuffer,
     ContextSettings,
@@ -69,7 +77,12 @@ log = logging.getLogger("swarm.engine")
 class EngineConfig:
     n_threads_count: int = 1
     max_sessions: int = 8
-    session_kv_tokens: int = 2048  # KV budget of one session (llama.cpp rounds up to 256)
+    # Per-sequence layout: the KV of one session (llama.cpp rounds up to 256). With a pool: the most
+    # positions one session may hold (the operator's cap; the model's trained context bounds it too).
+    session_kv_tokens: int = 2048
+    # > 0: one KV pool of this many positions shared by all sessions (unified KV, 16-position blocks);
+    # 0: the per-sequence layout (max_sessions x session_kv_tokens, reserved up front).
+    kv_pool_tokens: int = 0
     n_batch_tokens: int = 512  # most tokens one llama_decode takes
     flash_attn: bool = True
     kv_type: str = "f16"
@@ -88,6 +101,19 @@ class EngineConfig:
             raise EngineError(f"max_sessions must be in [1, {limit}], got {self.max_sessions}")
         if self.session_kv_tokens < 16:
             raise EngineError(f"session_kv_tokens must be >= 16, got {self.session_kv_tokens}")
+        if self.kv_pool_tokens:
+            if self.kv_pool_tokens < 256:
+                raise EngineError(f"kv_pool_tokens must be 0 or >= 256, got {self.kv_pool_tokens}")
+            return ContextSettings(
+                n_threads=self.n_threads_count,
+                n_seq_max=self.max_sessions,
+                n_ctx=-(-self.kv_pool_tokens // 256) * 256,
+                n_batch=self.n_batch_tokens,
+                n_ubatch=self.n_batch_tokens,
+                flash_attn=self.flash_attn,
+                kv_type=self.kv_type,
+                kv_unified=True,
+            )
         return ContextSettings(
             n_threads=self.n_threads_count,
             n_seq_max=self.max_sessions,
@@ -219,6 +245,9 @@ class EngineStats:
     tokens_processed: int
     compute_s: float
     capture: str
+    kv_pool: PoolStats | None = None  # the pool's blocks (None: per-sequence layout)
+    kv_pool_refusals: int = 0  # pieces of work refused because the pool had no room
+    kv_pool_compactions: int = 0  # times the pool's cells were re-packed (holes closed)
 
 
 class ShardEngine:
@@ -271,7 +300,20 @@ class ShardEngine:
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._vocab = vocab
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-        self.session_kv_limit = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        self.kv_layout = settings
+        self.pool: KvPool | None = None
+        if config.kv_pool_tokens:
+            n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model)) or config.session_kv_tokens
+            self.pool = KvPool(config.kv_pool_tokens)
+            self.session_kv_limit = min(config.session_kv_tokens, n_ctx_train, self.pool.total_blocks * 16)
+        else:
+            self.session_kv_limit = int(llama_cpp.llama_n_ctx_seq(self._ctx))
+        self._pool_refusals = 0
+        # Released or truncated KV left holes among the pool's cells: llama.cpp would fill them with
+        # later positions of other sessions, out of position order (which changes the low-order bits
+        # of attention), so the pool is compacted before the next growth (see _compact).
+        self._holes = False
+        self._compactions = 0
         self.n_batch = settings.n_batch
         self._batch = BatchBuffer(settings.n_batch, self.n_embd)
         self._batch.use_embeddings(True)
@@ -288,14 +330,15 @@ class ShardEngine:
         self._tokens = 0
         self._compute_s = 0.0
         log.info(
-            "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d capture=%s "
-            "backend=%s gpu_layers=%d",
+            "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d kv_pool=%d "
+            "capture=%s backend=%s gpu_layers=%d",
             files.start,
             files.end,
             self.is_first,
             self.is_last,
             config.max_sessions,
             self.session_kv_limit,
+            config.kv_pool_tokens,
             "none" if self._capture is None else ("c" if self._capture.compiled else "python"),
             self.backend,
             config.n_gpu_layers,
@@ -313,8 +356,9 @@ class ShardEngine:
         positions: int = 0,
         move: bool = False,
     ) -> int:
-        """Reserve a sequence for ``session_id``; returns its KV budget in tokens.
+        """Give ``session_id`` a sequence; returns its KV budget in tokens (the most it may grow to).
 
+        With the pool nothing is reserved: the session takes blocks as its work arrives.
         With ``source``, the session starts with the first ``positions`` positions of that session's
         KV: ``move`` takes the source's sequence over (a kept session; the source is gone afterwards,
         nothing is copied), else the KV is copied (llama.cpp's sequence copy: with per-sequence KV
@@ -338,9 +382,19 @@ class ShardEngine:
             )
         params = (sampling or SamplingParams()).validate()
         constraint = self._constraint(params)
+        if src is not None and not move and self.pool is not None:
+            # A copy shares the source's cells in llama.cpp; the pool still counts them twice (never under).
+            if not self.pool.resize(session_id, positions):
+                raise KVPoolExhaustedError(
+                    f"the KV pool has {self.pool.free_blocks * 16} free positions; copying {positions} "
+                    f"positions of {source!r} needs more"
+                )
         if src is not None and move:
             del self._sessions[source]
             seq = src.seq
+            if self.pool is not None:
+                self.pool.move(source, session_id)
+                self.pool.resize(session_id, positions)  # shrinks: always fits
         else:
             seq = self._free_seqs.pop(0)
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -371,6 +425,8 @@ class ShardEngine:
         if sess is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
         llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, -1, -1)
+        if self.pool is not None:
+            self._holes |= self.pool.release(session_id) > 0
         self._free_seqs.append(sess.seq)
         self._free_seqs.sort()
 
@@ -381,8 +437,11 @@ class ShardEngine:
             raise PositionError(
                 f"cannot truncate session {session_id!r} of KV length {sess.kv_len} to {position}"
             )
+        self._holes |= position < sess.kv_len
         llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, position, -1)
         sess.kv_len = position
+        if self.pool is not None:
+            self.pool.resize(session_id, position)  # shrinks: always fits
 
     def kv_len(self, session_id: str) -> int:
         return self._session(session_id).kv_len
@@ -461,7 +520,11 @@ class ShardEngine:
             errors.append(err)
             if err is None:
                 seen.add(w.session_id)
+        if self.pool is not None:
+            self._take_blocks(works, errors)
         accepted = [i for i, e in enumerate(errors) if e is None]
+        if accepted and self._holes:
+            self._compact()
         hidden_out: dict[int, np.ndarray] = {}
         sampled: dict[int, SampledToken] = {}
         logits_out: dict[int, np.ndarray] = {}
@@ -475,6 +538,9 @@ class ShardEngine:
                     sess = self._sessions[w.session_id]
                     llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, w.start_pos, -1)
                     sess.kv_len = w.start_pos
+                    if self.pool is not None:
+                        self.pool.resize(w.session_id, w.start_pos)
+                        self._holes = True
                     errors[i] = failure
         results = []
         now = time.monotonic()
@@ -497,6 +563,48 @@ class ShardEngine:
                 )
             )
         return results
+
+    def _compact(self) -> None:
+        """Re-pack the pool's cells: every session's KV is copied out (llama.cpp's sequence state),
+        the cache cleared, and the sessions restored one after another, each into contiguous cells in
+        position order from cell 0. A session's attention then reads its cells in position order, as
+        the whole model alone does, so its numbers stay bit-identical; the free cells are all after
+        the used ones. Costs one copy of the used KV (transient host memory of that size)."""
+        self._holes = False
+        held = sorted((s for s in self._sessions.values() if s.kv_len), key=lambda s: s.seq)
+        if not held:
+            llama_cpp.llama_memory_clear(self._mem, False)
+            return
+        t0 = time.perf_counter()
+        states: list[tuple[_Session, ctypes.Array[ctypes.c_uint8]]] = []
+        for sess in held:
+            size = int(llama_cpp.llama_state_seq_get_size(self._ctx, sess.seq))
+            buf = (ctypes.c_uint8 * size)()
+            if int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, sess.seq)) != size:
+                raise DecodeError(f"could not copy out the KV of session {sess.session_id!r}")
+            states.append((sess, buf))
+        llama_cpp.llama_memory_clear(self._mem, False)
+        for sess, buf in states:
+            if int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(buf), sess.seq)) == 0:
+                raise DecodeError(f"could not restore the KV of session {sess.session_id!r}")
+        self._compactions += 1
+        log.debug("kv pool compacted sessions=%d in %.1f ms", len(held), 1000 * (time.perf_counter() - t0))
+
+    def _take_blocks(self, works: list[Work], errors: list[EngineError | None]) -> None:
+        """Grow every valid piece's session in the pool, in step order; a piece that does not fit is
+        refused whole (its session keeps what it holds) and the pieces after it may still fit."""
+        assert self.pool is not None
+        for i, w in enumerate(works):
+            if errors[i] is not None:
+                continue
+            end = w.start_pos + w.n_tokens
+            if not self.pool.resize(w.session_id, end):
+                self._pool_refusals += 1
+                need = self.pool.growth_blocks(w.session_id, end)
+                errors[i] = KVPoolExhaustedError(
+                    f"session {w.session_id!r}: the KV pool has {self.pool.free_blocks} free blocks of 16 "
+                    f"positions; {w.n_tokens} more positions need {need}"
+                )
 
     def _run(
         self,
@@ -562,7 +670,7 @@ class ShardEngine:
         plan: list[np.ndarray] | None = None
         if self._capture is not None:
             self._capture.reset()
-            plan = ubatch_plan(b.seq[:n], self.n_batch, self.config.kv_unified)
+            plan = ubatch_plan(b.seq[:n], self.n_batch, self.kv_layout.kv_unified)
             if self._capture.injects:
                 # The graph transforms its input before the first layer: hand it the exact rows instead.
                 self._capture.set_inject_rows(embd[np.concatenate(plan)])
@@ -622,12 +730,27 @@ class ShardEngine:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
+    @property
+    def pool_refusals(self) -> int:
+        return self._pool_refusals
+
+    @property
+    def pool_compactions(self) -> int:
+        return self._compactions
+
     def statistics(self) -> EngineStats:
         return EngineStats(
             sessions=len(self._sessions),
             max_sessions=self.config.max_sessions,
             kv_tokens_used=sum(s.kv_len for s in self._sessions.values()),
-            kv_tokens_capacity=self.session_kv_limit * self.config.max_sessions,
+            kv_tokens_capacity=(
+                self.pool.total_blocks * 16
+                if self.pool is not None
+                else self.session_kv_limit * self.config.max_sessions
+            ),
+            kv_pool=self.pool.stats() if self.pool is not None else None,
+            kv_pool_refusals=self._pool_refusals,
+            kv_pool_compactions=self._compactions,
             steps=self._steps,
             decodes=self._decodes,
             tokens_processed=self._tokens,

@@ -14,6 +14,7 @@
     └── EngineError                the layer-range engine refused a piece of work
         ├── SessionLimitError      no free sequence slot (RESOURCE_EXHAUSTED)
         ├── KVBudgetError          the session would exceed its KV budget (RESOURCE_EXHAUSTED)
+        ├── KVPoolExhaustedError   the node's KV pool has no free block for the work (RESOURCE_EXHAUSTED)
         ├── PositionError          work does not start at the session's KV length (POSITION_MISMATCH)
         ├── UnknownSessionError    no such session, or already released (UNKNOWN_SESSION)
         ├── InputShapeError        hidden states / tokens of the wrong shape or kind (SHAPE)
@@ -79,6 +80,12 @@ class SessionLimitError(EngineError):
 
 
 class KVBudgetError(EngineError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class KVPoolExhaustedError(EngineError):
+    """The node's KV pool has no free block for this work now; other sessions' releases make room."""
+
     status = "RESOURCE_EXHAUSTED"
 
 

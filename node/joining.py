@@ -49,7 +49,7 @@ from node.assemble import (
     prepare_remote,
     resolve,
 )
-from node.capacity import MemoryLimit, ModelShape, Sizing, memory_limits, sizing_for
+from node.capacity import MemoryLimit, ModelShape, Sizing, auto_pool_tokens, memory_limits, sizing_for
 from node.config import NodeConfig
 from node.errors import CapacityError, NotGGUFError
 from node.fetch import FetchStatistics
@@ -83,6 +83,7 @@ class Joined:
     gpu_layers: int  # of the shard's layers, offloaded (llama.cpp's n_gpu_layers)
     device: Device | None
     join_s: float
+    kv_pool_tokens: int = 0  # kv_pool_tokens = -1: the pool sized from the memory the span leaves
 
 
 def _memory_bytes(cfg: NodeConfig) -> int:
@@ -187,7 +188,7 @@ class _Joiner:
             prepared = await prepare_remote(source, self.cache, sources)
             meta = prepared.meta
             sizing, budget, capacity, device = None, None, 0, None
-            if cfg.layers == "auto" or cfg.gpu_layers == "auto":
+            if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens < 0:
                 sizing, budget, capacity, device = await self._size(
                     meta, source.manifest, prepared.header_file
                 )
@@ -214,13 +215,38 @@ class _Joiner:
             gpu_layers=gpu_layer_count(cfg, sizing, start, end, device),
             device=device,
             join_s=time.monotonic() - t0,
+            kv_pool_tokens=self._pool_tokens(sizing, budget, start, end),
         )
+
+    def _pool_tokens(self, sizing: Sizing | None, budget: MemoryLimit | None, start: int, end: int) -> int:
+        """The configured KV pool, or (kv_pool_tokens = -1) what the span leaves of the memory budget."""
+        cfg = self.cfg
+        if cfg.kv_pool_tokens >= 0:
+            return cfg.kv_pool_tokens
+        if sizing is None or budget is None:
+            raise CapacityError("kv_pool_tokens = -1 needs the node's memory sizing, which was not made")
+        end = min(end, sizing.n_layers)
+        sized = cfg.max_sessions * (-(-cfg.session_kv_tokens // 256) * 256)
+        tokens = auto_pool_tokens(sizing, start, end, budget.bytes, sized, cfg.batch_tokens)
+        if tokens < 256:
+            raise CapacityError(
+                f"the memory left after layers [{start}, {end}) ({budget.bytes / 2**20:.0f} MiB budget, "
+                f"from {budget.source}) holds no KV pool: serve fewer layers or raise memory_limit_mb"
+            )
+        event(
+            log,
+            "kv_pool_sized",
+            kv_pool_tokens=tokens,
+            budget_bytes=budget.bytes,
+            budget_source=budget.source,
+        )
+        return tokens
 
     async def _local(self, path: Path, t0: float) -> Joined:
         cfg = self.cfg
         sizing, budget, capacity, device = None, None, 0, None
         meta: ModelMeta | None = None
-        if cfg.layers == "auto" or cfg.gpu_layers == "auto":
+        if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens < 0:
             found, whole = await run_sync(self._local_meta, path)
             sizing, budget, capacity, device = await self._size(found, whole, path)
             meta = found
@@ -248,6 +274,7 @@ class _Joiner:
             gpu_layers=gpu_layer_count(cfg, sizing, start, end, device),
             device=device,
             join_s=time.monotonic() - t0,
+            kv_pool_tokens=self._pool_tokens(sizing, budget, start, end),
         )
 
     def _local_meta(self, path: Path) -> tuple[ModelMeta, Manifest]:

@@ -41,7 +41,15 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_kv_tokens_granted": m.gauge("KV positions granted to sessions"),
     "swarm_node_kept_sessions": m.gauge("released sessions kept warm for a next turn (Release.keep_ms)"),
     "swarm_node_kept_kv_tokens": m.gauge("KV positions held by kept sessions"),
-    "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots"),
+    "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots (or of the KV pool)"),
+    "swarm_node_kv_pool_blocks": m.gauge("16-position blocks of the KV pool (0: per-sequence layout)"),
+    "swarm_node_kv_pool_free_blocks": m.gauge("free blocks of the KV pool"),
+    "swarm_node_kv_pool_refusals_total": m.counter(
+        "pieces of work refused because the KV pool had no free block (waits for KV)", scraped=True
+    ),
+    "swarm_node_kv_pool_compactions_total": m.counter(
+        "times the KV pool's cells were re-packed after releases", scraped=True
+    ),
     "swarm_node_tokens_per_second": m.gauge("positions per second of engine time (busy throughput)"),
     "swarm_node_decode_ms_per_token": m.gauge("smoothed time of decode-only batches per step"),
     "swarm_node_draining": m.gauge("1 while the node is shutting down (refusing new sessions)"),

@@ -135,6 +135,7 @@ class ServingSpec:
     max_sessions: int
     session_kv_tokens: int  # most positions one session may hold (the engine's per-sequence KV)
     n_ctx_train: int  # the model's trained context; a larger budget is CONTEXT_EXCEEDED
+    kv_pool_tokens: int = 0  # the engine's KV pool (0: per-sequence layout, max_sessions x session_kv_tokens)
     max_queued_steps: int = 64
     idle_lease_s: float = 300.0
     reattach_window_s: float = 30.0
@@ -1417,7 +1418,8 @@ class FrameServer:
             history_bytes=self._history_bytes,
             kv_tokens_used=sum(s.kv_len for s in sessions),
             kv_tokens_granted=sum(s.budget for s in sessions),
-            kv_tokens_capacity=self.spec.max_sessions * self.spec.session_kv_tokens,
+            kv_tokens_capacity=self.spec.kv_pool_tokens
+            or self.spec.max_sessions * self.spec.session_kv_tokens,
             kept_sessions=len(self._kept),
             kept_kv_tokens=sum(k.kv_len for k in self._kept.values()),
             connections=len(self._conns),

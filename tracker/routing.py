@@ -273,11 +273,16 @@ def select_routes(
     costs: RoutingCosts = DEFAULT_COSTS,
     origin: NetCoord | None = None,
     extra_sessions: Mapping[str, float] | None = None,
+    kv_tokens: int = 0,
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
     network coordinate; None = unknown); see the module docstring. ``extra_sessions``: node id ->
     sessions expected there beyond its last report (the tracker's recent hand-outs, what the
     asking gateway has in flight); they count as load.
+
+    ``kv_tokens`` > 0: the KV positions the request needs on every stage (prompt plus max_tokens);
+    a shard whose last heartbeat announced fewer free KV positions is skipped (one that announced
+    nothing yet is kept), so a long prompt goes to a route that can hold it.
 
     Raises :class:`tracker.errors.UnknownModel` if the snapshot has no such model,
     ``ValueError`` if ``k < 1``.
@@ -299,6 +304,10 @@ def select_routes(
     for node in exclude_nodes:
         for i in cols.indices(node):
             keep[i] = False
+    if kv_tokens > 0:  # a shard that announced too little free KV for the request (none said: kept)
+        for i, shard in enumerate(cols.shards):
+            if shard.kv_free_tokens is not None and shard.kv_free_tokens < kv_tokens:
+                keep[i] = False
     extra = np.zeros(n_all)
     if extra_sessions:
         for node, count in extra_sessions.items():

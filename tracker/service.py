@@ -648,8 +648,12 @@ class Registry:
         gateway_id: str | None = None,
         *,
         bound: bool = False,
+        kv_tokens: int = 0,
     ) -> dict[str, Any]:
         """Routes for ``model``; priced from ``gateway_id``'s network coordinate when it has one.
+
+        ``kv_tokens``: KV positions the request needs on every stage; shards announcing less free KV
+        are left out (tracker.routing.select_routes).
 
         ``bound``: the request was signed by ``gateway_id`` (:meth:`open_route_request`), so every
         ticket names that gateway and nodes accept it only on OPENs that gateway signs.
@@ -673,6 +677,7 @@ class Registry:
                 rng=self.rng,
                 origin=origin,
                 extra_sessions=extra,
+                kv_tokens=kv_tokens,
             )
             return found, time.perf_counter() - t0
 
@@ -716,6 +721,8 @@ class Registry:
                             "rtt_ms": _ms(route.hop_rtt_ms[i]),
                             "bandwidth_mbit_s": route.hop_bandwidth_mbit_s[i],
                             "probation": shard_of[h.node_id].probation,
+                            # Free KV positions of its last heartbeat (null before the first).
+                            "kv_free_tokens": shard_of[h.node_id].kv_free_tokens,
                         }
                         for i, h in enumerate(route.hops)
                     ],

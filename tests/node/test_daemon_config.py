@@ -70,6 +70,8 @@ def dataclasses_frozen_error() -> type[Exception]:
         ("tracker_id = 'abc'\n", {}, "tracker_id must be 64"),
         ("max_kept_sessions = -1\n", {}, "max_kept_sessions, max_kept_kv_tokens and max_keep_s"),
         ("batch_tokens = 32\n", {}, "batch_tokens must be >= 64"),  # an isolated slice is one ubatch
+        ("kv_pool_tokens = 100\n", {}, "kv_pool_tokens must be 0 \\(no pool\\), -1 \\(auto\\) or >= 256"),
+        ("max_session_kv_tokens = 8\n", {}, "max_session_kv_tokens must be 0"),
     ],
 )
 def test_config_errors(tmp_path: Path, file_text: str, env: dict[str, str], message: str) -> None:
