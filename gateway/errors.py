@@ -136,6 +136,8 @@ class StageFailed(UpstreamFailed):
     """A node answered with an error, broke its stream or did not answer; ``node_id`` says which.
 
     ``remote`` is the node's wire error (``proto.errors.RemoteError``) when it sent one.
+    ``answered``: the address answered at once, refusing (another certificate than announced): the
+    route is replaced, but this is no silent or dead node to route around for a while.
     """
 
     def __init__(
@@ -146,10 +148,12 @@ class StageFailed(UpstreamFailed):
         remote: object | None = None,
         retry_after_s: int | None = None,
         failed_nodes: frozenset[str] = frozenset(),
+        answered: bool = False,
     ) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.node_id = node_id
         self.remote = remote
+        self.answered = answered
         self.failed_nodes = failed_nodes | ({node_id} if node_id else set())  # every node the session lost
 
 

@@ -54,6 +54,11 @@ class PlaintextRefused(StreamError):
     """The node announced no TLS certificate and this gateway dials only over TLS."""
 
 
+class CertificateRefused(StreamError):
+    """The address answered with another certificate than the node announced: not the node, but
+    not a silent address either (it answered at once)."""
+
+
 class StageStream:
     """One bidirectional Session stream to one node: ``send`` bytes, ``receive`` bytes."""
 
@@ -121,10 +126,13 @@ class NodeChannels:
         except RpcError as err:
             if err.code == "UNAUTHENTICATED":  # not the certificate the node announced: one line, no trace
                 event(log, "node_tls_refused", level=logging.WARNING, address=address, error=str(err))
+                raise CertificateRefused(f"Info from {address} failed: {err}") from err
             raise StreamError(f"Info from {address} failed: {err}") from err
         info = shard_service_pb2.NodeInfo.FromString(data)
         if tls_fingerprint and info.tls_fingerprint != tls_fingerprint:
-            raise StreamError(f"the node at {address} says it serves another TLS certificate than announced")
+            raise CertificateRefused(
+                f"the node at {address} says it serves another TLS certificate than announced"
+            )
         return info
 
     async def get_vocab(self, address: str, model_fingerprint: str, max_bytes: int) -> bytes:

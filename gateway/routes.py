@@ -43,7 +43,7 @@ from common.tls import is_fingerprint
 from common.tls_http import pin_refusal
 from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
-from gateway.grpc_bridge import NodeChannels, StreamError
+from gateway.grpc_bridge import CertificateRefused, NodeChannels, StreamError
 from gateway.metrics import Metrics
 from gateway.route_tickets import TicketRefused, verify_route
 from gateway.tracker_key import TrackerKey
@@ -468,7 +468,9 @@ class NodeInfoCache:
                     info = await self._channels.info(hop.address, hop.tls_fingerprint)
             except (StreamError, trio.TooSlowError) as err:
                 raise StageFailed(
-                    f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}", node_id=hop.node_id
+                    f"node {hop.node_id[:8]} at {hop.address} did not answer Info: {err}",
+                    node_id=hop.node_id,
+                    answered=isinstance(err, CertificateRefused),
                 ) from err
         if info.node_id != hop.node_id:
             raise StageFailed(

@@ -1065,8 +1065,10 @@ class GatewayService:
 
     def _note_unreachable(self, job: Job, err: StageFailed) -> None:
         """A node failed before its session opened without answering an error of its own (dead,
-        silent, not the node announced): route around it for a while and tell the tracker."""
-        if err.remote is not None or isinstance(err, StageBusy) or not err.node_id:
+        silent, not the node announced): route around it for a while and tell the tracker. An
+        address that answered at once with another certificate than announced (``answered``) only
+        loses this request's route: it cost no time, and the node may announce its real one again."""
+        if err.remote is not None or err.answered or isinstance(err, StageBusy) or not err.node_id:
             return
         if self.config.avoid_unreachable_s > 0:
             self._unreachable[err.node_id] = time.monotonic() + self.config.avoid_unreachable_s
