@@ -113,7 +113,8 @@ class SparseKvBuffer:
         self.geometry = geometry
 
     def drop_all(self) -> None:
-        madvise(self.start, self.length, MADV_DONTNEED)
+        # Never the first page: it holds malloc's chunk header (zeroing it makes free() abort).
+        madvise(self.start + PAGE, self.length - PAGE, MADV_DONTNEED)
 
     def drop_stream(self, stream: int, first_cell: int = 0) -> int:
         """Drop cells ``first_cell..`` of ``stream`` in every layer; returns the bytes dropped."""
@@ -146,7 +147,7 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
                         break
             if found:
                 lo, n = found[0]
-                for off in range(0, n, 64 << 20):
+                for off in range(PAGE, n, 64 << 20):  # not the first page: malloc's chunk header
                     madvise(lo + off, min(64 << 20, n - off), MADV_DONTNEED)
             done.wait(0.002)
 
