@@ -110,7 +110,9 @@ def main() -> None:
         "rss_after_creation_mib": round(rss1 / MIB, 1),
         "rss_after_prefill_mib": round(rss2 / MIB, 1),
         "rss_after_release_of_one_mib": round(rss3 / MIB, 1),
-        "kv_bytes_written_mib": round(args.sessions * (args.context + args.steps) * geo.bytes_per_position / MIB, 1),
+        "kv_bytes_written_mib": round(
+            args.sessions * (args.context + args.steps) * geo.bytes_per_position / MIB, 1
+        ),
         "dropped_on_release_mib": round(dropped / MIB, 1),
     }
     for k, v in result.items():
