@@ -61,7 +61,7 @@ def main() -> None:
     model = load_model(test_model_path())
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     prompts = _prompts(args.sessions, args.context, n_vocab)
-    today = _Ctx(model, _settings(16384, 8, False))
+    today = _Ctx(model, _settings(16384, max(8, args.sessions), False))  # 16 x 1024 at 16
     today_toks, today_rate = _decode(today, prompts, args.steps)
     today.close()
 
