@@ -1,0 +1,183 @@
+"""Sparse per-sequence KV streams: pages of a llama.cpp KV buffer only where sessions wrote (Linux, CPU).
+
+A per-sequence context (``kv_unified = false``) with ``n_seq_max`` streams, each
+as long as the model's trained context, has a large *virtual* KV buffer. llama.cpp
+allocates it with ``posix_memalign`` (a fresh anonymous mapping for a buffer this
+size) and clears it to zero when the context is made, which would make all of it
+resident. An untouched or dropped anonymous page reads back as zero -- exactly
+what the clear wrote -- so after creation the buffer's pages are dropped
+(``madvise(MADV_DONTNEED)``), and when a session is released (or truncated) the
+pages of its stream past its length are dropped again. Correctness never depends
+on timing: a dropped page and a cleared page hold the same bytes.
+
+Layout (``llama-kv-cache.cpp``, pinned build): for each layer a K tensor then a
+V tensor, each ``[row, kv_size, n_stream]`` contiguous, so stream ``s`` of a
+tensor is one slice of ``kv_size * row`` bytes. Ranges are page-aligned inward
+(a page shared by two streams stays resident: at most two pages per tensor and
+stream). The buffer is found as the new anonymous mapping of the expected size
+in ``/proc/self/maps`` across context creation; if none matches (another build,
+an SWA model with two caches, GPU offload), :func:`find_buffer` returns None and
+the caller falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PAGE = 4096
+MADV_DONTNEED = 4
+MADV_NOHUGEPAGE = 15
+TENSOR_ALIGN = 32  # ggml's CPU buffer alignment
+# The user pointer of an mmapped malloc chunk, and ggml's own alignment of it, sit within the
+# mapping's first page: the slices' absolute offsets are known to within that page.
+BASE_SLACK = PAGE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _pad(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What the KV buffer of a per-sequence context holds."""
+
+    n_layer: int
+    k_row_bytes: int  # one cell of one layer's K
+    v_row_bytes: int
+    kv_size: int  # cells per stream
+    n_stream: int
+
+    def tensor_bytes(self, row: int) -> int:
+        return _pad(row * self.kv_size * self.n_stream, TENSOR_ALIGN)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.n_layer * (self.tensor_bytes(self.k_row_bytes) + self.tensor_bytes(self.v_row_bytes))
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.n_layer * (self.k_row_bytes + self.v_row_bytes)
+
+    def stream_ranges(self, stream: int, first_cell: int = 0) -> list[tuple[int, int]]:
+        """Byte ranges (offsets from the buffer's start) of cells ``first_cell..kv_size`` of ``stream``."""
+        out = []
+        off = 0
+        for _ in range(self.n_layer):
+            for row in (self.k_row_bytes, self.v_row_bytes):
+                base = off + stream * self.kv_size * row
+                out.append((base + first_cell * row, base + self.kv_size * row))
+                off += self.tensor_bytes(row)
+        return out
+
+
+def row_bytes(n_embd_gqa: int, type_size: int, block: int) -> int:
+    return n_embd_gqa // block * type_size
+
+
+def anon_mappings() -> dict[int, int]:
+    """Anonymous private read-write mappings of this process: start -> length."""
+    out = {}
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) == 5 and parts[1].startswith("rw"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out[lo] = hi - lo
+    return out
+
+
+def _matches(length: int, want: int) -> bool:
+    return want <= length <= want + 2 * PAGE
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    if length <= 0:
+        return
+    if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), ctypes.c_int(advice)) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise({advice}) failed")
+
+
+class SparseKvBuffer:
+    """A found KV buffer: drops the pages of whole streams or of their tails."""
+
+    def __init__(self, start: int, length: int, geometry: KvGeometry) -> None:
+        self.start = start
+        self.length = length
+        self.geometry = geometry
+
+    def drop_all(self) -> None:
+        # Never the first page: it holds malloc's chunk header (zeroing it makes free() abort).
+        madvise(self.start + PAGE, self.length - PAGE, MADV_DONTNEED)
+
+    def drop_stream(self, stream: int, first_cell: int = 0) -> int:
+        """Drop cells ``first_cell..`` of ``stream`` in every layer; returns the bytes dropped."""
+        dropped = 0
+        for a, b in self.geometry.stream_ranges(stream, first_cell):
+            lo = _pad(self.start + BASE_SLACK + a, PAGE)
+            hi = (self.start + b) // PAGE * PAGE
+            if hi > lo:
+                madvise(lo, hi - lo, MADV_DONTNEED)
+                dropped += hi - lo
+        return dropped
+
+
+def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[object, SparseKvBuffer | None]:
+    """Run ``create`` (llama.cpp context creation) while a thread keeps dropping the pages of the new
+    KV buffer as llama.cpp clears it (zeros either way), so the buffer is never all resident.
+    Returns what ``create`` returned and the buffer (None: not found, nothing was dropped)."""
+    want = geometry.buffer_bytes
+    before = anon_mappings()
+    done = threading.Event()
+    found: list[tuple[int, int]] = []
+
+    def dropper() -> None:
+        while not done.is_set():
+            if not found:
+                for lo, n in anon_mappings().items():
+                    if _matches(n, want) and before.get(lo) != n:
+                        found.append((lo, n))
+                        madvise(lo, n, MADV_NOHUGEPAGE)
+                        break
+            if found:
+                lo, n = found[0]
+                for off in range(PAGE, n, 64 << 20):  # not the first page: malloc's chunk header
+                    madvise(lo + off, min(64 << 20, n - off), MADV_DONTNEED)
+            done.wait(0.002)
+
+    thread = threading.Thread(target=dropper, name="kv-page-dropper", daemon=True)
+    thread.start()
+    try:
+        result = create()
+    finally:
+        done.set()
+        thread.join()
+    new = [(lo, n) for lo, n in anon_mappings().items() if _matches(n, want) and before.get(lo) != n]
+    if len(new) != 1:
+        return result, None
+    buf = SparseKvBuffer(new[0][0], new[0][1], geometry)
+    madvise(buf.start, buf.length, MADV_NOHUGEPAGE)
+    buf.drop_all()
+    return result, buf
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    vals = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":")
+                vals[k] = int(v.split()[0]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
