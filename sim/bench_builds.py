@@ -128,7 +128,8 @@ def main() -> None:
     args = parser.parse_args()
     r = measure(_model(args.model), args.alt, min(args.prompts, len(PROMPTS)), args.new)
     print(
-        f"{'model':<36} {'positions':>9} {'identical':>9} {'flips':>5} {'FPR/token':>9} {'FPR/req':>7} {'max |dlogit|':>12}"
+        f"{'model':<36} {'positions':>9} {'identical':>9} {'flips':>5} "
+        f"{'FPR/token':>9} {'FPR/req':>7} {'max |dlogit|':>12}"
     )
     print(
         f"{r['model']:<36} {r['positions']:>9} {r['bit_identical_positions']:>9} {r['argmax_flips']:>5} "
