@@ -144,6 +144,13 @@ def _set_field(struct: ctypes.Structure, name: str, value: object) -> None:
 
 
 def _llama_lib_dir() -> Path:
+    """Where the loaded libllama and its ggml libraries live: llama-cpp-python 0.3.36 loads
+    ``$LLAMA_CPP_LIB_PATH/libllama.so`` when that is set (another build of the same release, e.g.
+    scripts/build-alt-llama's), else its package's ``lib``; ggml-base must come from the same
+    folder, or two copies of ggml would be loaded side by side."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:
+        return Path(override)
     return Path(llama_cpp.__file__).parent / "lib"
 
 
