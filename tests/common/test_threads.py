@@ -43,6 +43,10 @@ ALLOWED: dict[str, dict[str, str]] = {
         "trio.to_thread": "llama.cpp start-up, start-up benchmark and close; the hardware probe; shard "
         "extraction (reads and hashes the model file)"
     },
+    "node.kvsparse": {
+        "threading": "sparse KV streams: one short-lived thread drops the KV buffer's pages while "
+        "llama.cpp clears it at context creation (no trio, no llama.cpp call in it)"
+    },
     "tracker.service": {"trio.to_thread": "the database driver (SQLAlchemy is blocking)"},
     "tracker.server": {"trio.to_thread": "opening and closing the database"},
     "tracker.discovery": {
