@@ -16,8 +16,8 @@ tensor is one slice of ``kv_size * row`` bytes. Ranges are page-aligned inward
 (a page shared by two streams stays resident: at most two pages per tensor and
 stream). The buffer is found as the new anonymous mapping of the expected size
 in ``/proc/self/maps`` across context creation; if none matches (another build,
-an SWA model with two caches, GPU offload), :func:`find_buffer` returns None and
-the caller falls back.
+an SWA model with two caches, GPU offload), :func:`create_sparse` returns None for the
+buffer (nothing is dropped) and the caller falls back.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ class PreemptionPlan:
     blocks_freed: int
 
     @property
-    def covers(self) -> bool:
+    def preempts(self) -> bool:
+        """Whether anyone is preempted (the requester alone, when it yields, counts)."""
         return bool(self.victims)
 
 

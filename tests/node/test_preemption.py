@@ -22,7 +22,7 @@ def _plan(holders: list[Holder], need: int, free: int, req: str = "r", req_seq: 
 
 def test_nothing_is_preempted_while_free_blocks_cover_the_need() -> None:
     plan = _plan([Holder("a", 1, 10)], need=4, free=4)
-    assert plan.victims == () and plan.blocks_freed == 0 and not plan.covers
+    assert plan.victims == () and plan.blocks_freed == 0 and not plan.preempts
 
 
 def test_the_youngest_goes_first_and_only_as_many_as_needed() -> None:
