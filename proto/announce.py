@@ -346,6 +346,8 @@ _HEARTBEAT_KEYS = (
             "kv_free_tokens",
             "tokens_served",
             "kv_used_tokens",
+            "kv_pool_tokens",
+            "kv_session_max_tokens",
             "rtt_samples",
         }
     )
@@ -362,6 +364,8 @@ class Heartbeat:
     tokens_served: int  # tokens processed since the previous heartbeat
     kv_used_tokens: int | None = None  # KV positions held by sessions now (None = not reported)
     rtt_samples: tuple[RttSample, ...] = ()  # round trips measured since the last report
+    kv_pool_tokens: int | None = None  # the KV pool's size in positions (None = not reported)
+    kv_session_max_tokens: int | None = None  # most positions one session may hold here (None = not reported)
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -378,6 +382,12 @@ class Heartbeat:
             _int(o, "tokens_served", 0, big, w),
             _int(o, "kv_used_tokens", 0, big, w) if o.get("kv_used_tokens") is not None else None,
             _rtt_samples(o, w, node_id),
+            _int(o, "kv_pool_tokens", 0, big, w) if o.get("kv_pool_tokens") is not None else None,
+            (
+                _int(o, "kv_session_max_tokens", 0, big, w)
+                if o.get("kv_session_max_tokens") is not None
+                else None
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -392,6 +402,10 @@ class Heartbeat:
             body["kv_used_tokens"] = self.kv_used_tokens
         if self.rtt_samples:
             body["rtt_samples"] = [x.to_json() for x in self.rtt_samples]
+        if self.kv_pool_tokens is not None:
+            body["kv_pool_tokens"] = self.kv_pool_tokens
+        if self.kv_session_max_tokens is not None:
+            body["kv_session_max_tokens"] = self.kv_session_max_tokens
         return body
 
 

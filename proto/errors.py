@@ -26,6 +26,7 @@ Exception tree::
     ├── UnavailableError             STATUS_UNAVAILABLE
     ├── DownstreamFailedError        STATUS_DOWNSTREAM_FAILED the next stage could not take a push
     ├── NoHistoryError               STATUS_NO_HISTORY       replay asked for outputs not kept
+    ├── PreemptedError               STATUS_PREEMPTED        KV freed for an older session: re-prefill later
     └── RemoteError                  an Error frame received from the peer (any status)
 
 Every class has the default retry hint that docs/protocol.md gives for its
@@ -214,6 +215,14 @@ class NoHistoryError(ProtocolError):
     retry = status_pb2.RETRY_NONE
 
 
+class PreemptedError(ProtocolError):
+    """The node freed this session's KV for an older session; resume it elsewhere or later by re-prefill."""
+
+    status = status_pb2.STATUS_PREEMPTED
+    retry = status_pb2.RETRY_RESUME
+    closes_session = True
+
+
 class RemoteError(ProtocolError):
     """The peer answered with an Error frame; ``status`` is what it reported."""
 
@@ -255,6 +264,7 @@ _BY_STATUS: dict[int, type[ProtocolError]] = {
         UnavailableError,
         DownstreamFailedError,
         NoHistoryError,
+        PreemptedError,
     )
 }
 

@@ -421,6 +421,10 @@ def test_error_frames_round_trip() -> None:
     assert reply.kv_len == 2 and reply.step_id == request.step_id and not remote.session_closed
     (bare,) = _wire([codec.error_frame(errors.BadFrameError("unreadable"))])
     assert errors.error_from_body(bare.error).status == status_pb2.STATUS_BAD_FRAME
+    body = errors.error_body(errors.PreemptedError("pool full", retry_after_ms=50))
+    preempted = errors.error_from_body(body)
+    assert preempted.status == status_pb2.STATUS_PREEMPTED and preempted.retry == status_pb2.RETRY_RESUME
+    assert preempted.session_closed and preempted.retry_after_ms == 50
     unknown = errors.error_from_body(status_pb2.Error(status=999, message="newer peer"))
     assert unknown.retry == status_pb2.RETRY_REPLACE and "999" in str(unknown)
     assert errors.InternalError("x").session_closed and not errors.EncodeError("x").session_closed

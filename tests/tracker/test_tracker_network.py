@@ -38,6 +38,11 @@ def test_rtt_samples_and_uplink_round_trip_and_refusals() -> None:
     hb = Heartbeat(public_key_hex(k), 0, 0, 10, 0, rtt_samples=(RttSample(public_key_hex(peer), 12.5),))
     assert Heartbeat.from_json(hb.to_json()) == hb
     assert "rtt_samples" not in Heartbeat(public_key_hex(k), 0, 0, 10, 0).to_json()  # older trackers
+    pooled = Heartbeat(public_key_hex(k), 0, 0, 10, 0, kv_pool_tokens=4096, kv_session_max_tokens=2048)
+    assert Heartbeat.from_json(pooled.to_json()) == pooled
+    assert "kv_pool_tokens" not in Heartbeat(public_key_hex(k), 0, 0, 10, 0).to_json()
+    with pytest.raises(PayloadError, match="kv_pool_tokens"):
+        Heartbeat.from_json({**pooled.to_json(), "kv_pool_tokens": -1})
     a = announce_for(k)
     with_uplink = Announce(**{**a.__dict__, "uplink_mbit_s": 40.0})
     assert Announce.from_json(with_uplink.to_json()).uplink_mbit_s == 40.0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/swarm/v1/status.proto\x12\x08swarm.v1\"\x8e\x01\n\x05\x45rror\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.swarm.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\"\n\x05retry\x18\x03 \x01(\x0e\x32\x13.swarm.v1.RetryHint\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x04\x12\x16\n\x0esession_closed\x18\x05 \x01(\x08*\xdc\x04\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x14\n\x10STATUS_BAD_FRAME\x10\x02\x12\x19\n\x15STATUS_SCHEMA_VERSION\x10\x03\x12\x1f\n\x1bSTATUS_FINGERPRINT_MISMATCH\x10\x04\x12\x13\n\x0fSTATUS_CHECKSUM\x10\x05\x12\x14\n\x10STATUS_TOO_LARGE\x10\x06\x12\x10\n\x0cSTATUS_SHAPE\x10\x07\x12\x10\n\x0cSTATUS_DTYPE\x10\x08\x12\x1c\n\x18STATUS_POSITION_MISMATCH\x10\t\x12\x1a\n\x16STATUS_UNKNOWN_SESSION\x10\n\x12\x19\n\x15STATUS_SESSION_CLOSED\x10\x0b\x12\x1d\n\x19STATUS_RESOURCE_EXHAUSTED\x10\x0c\x12\x19\n\x15STATUS_TICKET_INVALID\x10\r\x12\x13\n\x0fSTATUS_INTERNAL\x10\x0e\x12\x14\n\x10STATUS_CANCELLED\x10\x0f\x12\x19\n\x15STATUS_SHARD_MISMATCH\x10\x10\x12\x16\n\x12STATUS_ROUTE_EPOCH\x10\x11\x12\x18\n\x14STATUS_STEP_CONFLICT\x10\x12\x12\x19\n\x15STATUS_CHUNK_SEQUENCE\x10\x13\x12\x1b\n\x17STATUS_CONTEXT_EXCEEDED\x10\x14\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x15\x12\x1c\n\x18STATUS_DOWNSTREAM_FAILED\x10\x16\x12\x15\n\x11STATUS_NO_HISTORY\x10\x17*y\n\tRetryHint\x12\x15\n\x11RETRY_UNSPECIFIED\x10\x00\x12\x0e\n\nRETRY_NONE\x10\x01\x12\x0e\n\nRETRY_SAME\x10\x02\x12\x10\n\x0cRETRY_RESYNC\x10\x03\x12\x10\n\x0cRETRY_REOPEN\x10\x04\x12\x11\n\rRETRY_REPLACE\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/swarm/v1/status.proto\x12\x08swarm.v1\"\x8e\x01\n\x05\x45rror\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.swarm.v1.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\"\n\x05retry\x18\x03 \x01(\x0e\x32\x13.swarm.v1.RetryHint\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x04\x12\x16\n\x0esession_closed\x18\x05 \x01(\x08*\xf2\x04\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x14\n\x10STATUS_BAD_FRAME\x10\x02\x12\x19\n\x15STATUS_SCHEMA_VERSION\x10\x03\x12\x1f\n\x1bSTATUS_FINGERPRINT_MISMATCH\x10\x04\x12\x13\n\x0fSTATUS_CHECKSUM\x10\x05\x12\x14\n\x10STATUS_TOO_LARGE\x10\x06\x12\x10\n\x0cSTATUS_SHAPE\x10\x07\x12\x10\n\x0cSTATUS_DTYPE\x10\x08\x12\x1c\n\x18STATUS_POSITION_MISMATCH\x10\t\x12\x1a\n\x16STATUS_UNKNOWN_SESSION\x10\n\x12\x19\n\x15STATUS_SESSION_CLOSED\x10\x0b\x12\x1d\n\x19STATUS_RESOURCE_EXHAUSTED\x10\x0c\x12\x19\n\x15STATUS_TICKET_INVALID\x10\r\x12\x13\n\x0fSTATUS_INTERNAL\x10\x0e\x12\x14\n\x10STATUS_CANCELLED\x10\x0f\x12\x19\n\x15STATUS_SHARD_MISMATCH\x10\x10\x12\x16\n\x12STATUS_ROUTE_EPOCH\x10\x11\x12\x18\n\x14STATUS_STEP_CONFLICT\x10\x12\x12\x19\n\x15STATUS_CHUNK_SEQUENCE\x10\x13\x12\x1b\n\x17STATUS_CONTEXT_EXCEEDED\x10\x14\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x15\x12\x1c\n\x18STATUS_DOWNSTREAM_FAILED\x10\x16\x12\x15\n\x11STATUS_NO_HISTORY\x10\x17\x12\x14\n\x10STATUS_PREEMPTED\x10\x18*\x8b\x01\n\tRetryHint\x12\x15\n\x11RETRY_UNSPECIFIED\x10\x00\x12\x0e\n\nRETRY_NONE\x10\x01\x12\x0e\n\nRETRY_SAME\x10\x02\x12\x10\n\x0cRETRY_RESYNC\x10\x03\x12\x10\n\x0cRETRY_REOPEN\x10\x04\x12\x11\n\rRETRY_REPLACE\x10\x05\x12\x10\n\x0cRETRY_RESUME\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.swarm.v1.status_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUS']._serialized_start=187
-  _globals['_STATUS']._serialized_end=791
-  _globals['_RETRYHINT']._serialized_start=793
-  _globals['_RETRYHINT']._serialized_end=914
+  _globals['_STATUS']._serialized_end=813
+  _globals['_RETRYHINT']._serialized_start=816
+  _globals['_RETRYHINT']._serialized_end=955
   _globals['_ERROR']._serialized_start=42
   _globals['_ERROR']._serialized_end=184
 # @@protoc_insertion_point(module_scope)

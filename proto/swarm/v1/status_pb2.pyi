@@ -31,6 +31,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_UNAVAILABLE: _ClassVar[Status]
     STATUS_DOWNSTREAM_FAILED: _ClassVar[Status]
     STATUS_NO_HISTORY: _ClassVar[Status]
+    STATUS_PREEMPTED: _ClassVar[Status]
 
 class RetryHint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ class RetryHint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RETRY_RESYNC: _ClassVar[RetryHint]
     RETRY_REOPEN: _ClassVar[RetryHint]
     RETRY_REPLACE: _ClassVar[RetryHint]
+    RETRY_RESUME: _ClassVar[RetryHint]
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_BAD_FRAME: Status
@@ -64,12 +66,14 @@ STATUS_CONTEXT_EXCEEDED: Status
 STATUS_UNAVAILABLE: Status
 STATUS_DOWNSTREAM_FAILED: Status
 STATUS_NO_HISTORY: Status
+STATUS_PREEMPTED: Status
 RETRY_UNSPECIFIED: RetryHint
 RETRY_NONE: RetryHint
 RETRY_SAME: RetryHint
 RETRY_RESYNC: RetryHint
 RETRY_REOPEN: RetryHint
 RETRY_REPLACE: RetryHint
+RETRY_RESUME: RetryHint
 
 class Error(_message.Message):
     __slots__ = ("status", "message", "retry", "retry_after_ms", "session_closed")
