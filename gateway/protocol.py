@@ -8,8 +8,9 @@ builders at the bottom produce the response objects, streaming chunks and both
 logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
-``min_p``, ``repetition_penalty``, ``cache_prompt`` and llama.cpp's
-``grammar`` (GBNF or Lark) and ``json_schema``.
+``min_p``, ``repetition_penalty``, ``cache_prompt``, llama.cpp's
+``grammar`` (GBNF or Lark) and ``json_schema``, and (chat) ``conversation_id``
+(:mod:`gateway.conversations`).
 
 Fields this module does not know are ignored (their names are returned in
 :attr:`GenerationRequest.ignored` for a debug log), like vLLM, llama.cpp and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +156,7 @@ class GenerationRequest:
     tool_name: str = ""  # tool_choice "function": the function's name
     parallel_tool_calls: bool = True
     cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
+    conversation_id: str | None = None  # extension (chat): the gateway keeps the history (conversations)
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
 
     @property
@@ -464,6 +467,18 @@ def _tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> tuple[str, s
 
 
 _EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "cache_prompt", "grammar", "json_schema")
+CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def conversation_id(value: Any) -> str | None:
+    """A conversation id from a body field or header (None: none given); 400 if malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not CONVERSATION_ID.fullmatch(value):
+        raise _bad(
+            "'conversation_id' must be 1-128 letters, digits and . _ : -", "conversation_id", "invalid_value"
+        )
+    return value
 
 
 def _seed(value: int | None) -> int | None:
@@ -573,6 +588,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             "top_p",
             "top_logprobs",
             *_EXTENSIONS,
+            "conversation_id",
         }
     )
     ignored = _check_fields(body, known)
@@ -601,6 +617,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         tool_choice=choice,
         tool_name=tool_name,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        conversation_id=conversation_id(body.get("conversation_id")),
         ignored=ignored,
         **{**common, "seed": _seed(common["seed"])},
     )
