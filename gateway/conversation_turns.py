@@ -125,6 +125,8 @@ class ConversationTurns:
                 "left_out_messages": dropped,
                 "compaction": note,
             }
+            if summary:
+                info["summary"] = summary  # what stands for the left-out messages
             headers = {
                 "X-Conversation-Id": cid,
                 "X-Conversation-Compacted": str(dropped) if dropped > turn.dropped else "0",

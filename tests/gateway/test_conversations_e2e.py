@@ -41,8 +41,8 @@ def plain(swarm: Swarm, messages: list[dict[str, Any]], max_tokens: int) -> str:
     return r.choices[0].message.content or ""
 
 
-def counter(swarm: Swarm, name: str) -> float:
-    return sum(float(x.split()[-1]) for x in metric_lines(swarm.base, name) if not x.startswith("#"))
+def counter(base: str, name: str) -> float:
+    return sum(float(x.split()[-1]) for x in metric_lines(base, name) if not x.startswith("#"))
 
 
 def test_turns_send_only_new_messages_and_equal_the_whole_history(swarm: Swarm) -> None:
@@ -93,11 +93,13 @@ def test_turns_send_only_new_messages_and_equal_the_whole_history(swarm: Swarm) 
     assert (other.model_extra or {})["conversation"]["turn"] == 1
 
 
-def test_a_conversation_past_the_context_is_compacted_and_goes_on(swarm: Swarm) -> None:
-    client = swarm.client(api_key="conversation-long")
+def long_conversation(swarm: Swarm, base: str, api_key: str, policy: str) -> int:
+    """Three long turns on a 1,024-position context, each checked against a plain request given what the
+    model saw; the first turn that was compacted."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=300)
     filler = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]}." for i in range(45))
     history = [ChatMessage("system", SYSTEM)]
-    compactions_before = counter(swarm, "swarm_gateway_conversation_compactions_total")
+    compactions_before = counter(base, "swarm_gateway_conversation_compactions_total")
     compacted_turn = None
     for turn in range(3):
         question = f"Turn {turn}. {filler} What colour came last?"
@@ -113,14 +115,36 @@ def test_a_conversation_past_the_context_is_compacted_and_goes_on(swarm: Swarm) 
         info = (r.model_extra or {})["conversation"]
         text = r.choices[0].message.content or ""
         # What the model saw: the kept history less what the gateway reports it left out.
-        seen = prompt_of(history, info["left_out_messages"], "")
+        seen = prompt_of(history, info["left_out_messages"], info.get("summary", ""))
         assert text == plain(swarm, [m.to_template() for m in seen], 8), (turn, info)
         if info["compacted"]:
             compacted_turn = compacted_turn if compacted_turn is not None else turn
-            assert info["compaction"] == "drop_oldest" and info["left_out_messages"] >= 2
+            assert info["compaction"] == policy and info["left_out_messages"] >= 2
+            assert bool(info.get("summary")) == (policy == "summary")
         history.append(ChatMessage("assistant", text))
     assert compacted_turn is not None and compacted_turn >= 1
-    assert counter(swarm, "swarm_gateway_conversation_compactions_total") > compactions_before
+    assert counter(base, "swarm_gateway_conversation_compactions_total") > compactions_before
+    return compacted_turn
+
+
+def test_a_conversation_past_the_context_is_compacted_and_goes_on(swarm: Swarm) -> None:
+    long_conversation(swarm, swarm.base, "conversation-long", "drop_oldest")
+
+
+def test_the_summary_policy_puts_the_models_summary_in_place_of_what_is_left_out(swarm: Swarm) -> None:
+    from swarm_fixtures import url
+
+    gateway = swarm.supervisor.start_gateway(
+        tracker_url=url(swarm.tracker),
+        name="gw-summary",
+        extra_args=["--prefix-exact"],
+        env={"SWARM_GATEWAY_CONVERSATION_COMPACTION": "summary"},
+    ).ready(60)
+    try:
+        long_conversation(swarm, url(gateway), "conversation-summary", "summary")
+        assert counter(url(gateway), "swarm_gateway_conversation_summaries_total") >= 1
+    finally:
+        gateway.stop(15)
 
 
 def test_a_turn_that_cannot_fit_even_alone_is_a_409_and_bad_ids_a_400(swarm: Swarm) -> None:
@@ -146,7 +170,7 @@ def test_a_turn_that_cannot_fit_even_alone_is_a_409_and_bad_ids_a_400(swarm: Swa
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "conversation_id"
-    assert counter(swarm, "swarm_gateway_conversations_live") >= 1
+    assert counter(swarm.base, "swarm_gateway_conversations_live") >= 1
     with pytest.raises(openai.BadRequestError):
         swarm.client().chat.completions.create(
             model=swarm.model,
