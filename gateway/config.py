@@ -240,6 +240,12 @@ class GatewayConfig:
     )
     conversation_summary_tokens: int = _f(256, "most tokens of a compaction summary (policy summary)")
     prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
+    prefix_share_min_tokens: int = _f(
+        256,
+        "a request may start from another client's kept KV when their prompts agree on at least this many "
+        "tokens (a chat app's system prompt); the nodes copy it. Another client can tell from timing that "
+        "such a prefix was sent recently; 0 = never share across clients",
+    )
     prefix_exact: bool = _f(
         False,
         "reuse only kept positions computed in whole prefill steps, so a warm request's output is "
@@ -383,6 +389,8 @@ class GatewayConfig:
                 "conversation_compaction must be drop_oldest or summary, "
                 f"got {self.conversation_compaction!r}"
             )
+        if self.prefix_share_min_tokens < 0:
+            raise ConfigError("prefix_share_min_tokens must be >= 0")
         if self.prefix_min_tokens < 1 or self.prefix_route_slack < 0:
             raise ConfigError("prefix_min_tokens must be >= 1 and prefix_route_slack >= 0")
         try:

@@ -311,6 +311,7 @@ class GatewayService:
             ttl_s=max(0.0, config.kv_keep_s - 1.0),
             min_tokens=config.prefix_min_tokens,
             exact=config.prefix_exact,
+            share_min_tokens=config.prefix_share_min_tokens,
         )
         self.conversations = ConversationStore(
             ConversationLimits(
@@ -778,6 +779,7 @@ class GatewayService:
                         isolated=self.config.isolates(checked, prepared.vocab.architecture),
                         session_id=session_id,
                         kv_source=kv_source,
+                        kv_copy=hit is not None and hit.shared,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
                     ) as session,
                     AsyncExitStack() as stack,
@@ -876,6 +878,7 @@ class GatewayService:
         stages: Sequence[StageInfo] | None = None,
         session_id: str | None = None,
         kv_source: tuple[str, int] | None = None,
+        kv_copy: bool = False,
         keep_ms: int = 0,
         encodings: Sequence[frame_pb2.Encoding] | None = None,
     ) -> AbstractAsyncContextManager[RouteSession]:
@@ -905,6 +908,7 @@ class GatewayService:
             report_steps=report_steps,
             isolated=isolated,
             kv_source=kv_source,
+            kv_copy=kv_copy,
             keep_ms=keep_ms,
             prove_open=self._prove_open,
             on_timing=self._on_timing,
