@@ -207,6 +207,7 @@ class NodeDaemon:
                 (cfg.max_session_kv_tokens or 1 << 30) if cfg.kv_pool_tokens else cfg.session_kv_tokens
             ),
             kv_pool_tokens=joined.kv_pool_tokens,
+            kv_pool_layout=cfg.kv_pool_layout,
             n_batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
             load_mode=cfg.load_mode,
@@ -264,6 +265,7 @@ class NodeDaemon:
                 max_kept_sessions=cfg.max_kept_sessions,
                 max_kept_kv_tokens=cfg.max_kept_kv_tokens,
                 max_keep_s=cfg.max_keep_s,
+                max_preemptions=cfg.max_preemptions,
                 limits=limits,
             )
             self.verifier = TicketVerifier(
@@ -528,6 +530,9 @@ class NodeDaemon:
             tokens_served=max(0, served),
             kv_used_tokens=stats.kv_tokens_used,
             rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
+            # With a pool, its size and the longest session it holds; without one the slots say the same.
+            kv_pool_tokens=stats.kv_tokens_capacity,
+            kv_session_max_tokens=self.spec.session_kv_tokens,
         )
 
     def _pool_metrics(
@@ -535,21 +540,33 @@ class NodeDaemon:
     ) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         engine = self.engine
         pool = engine.pool if engine is not None else None
+        layout: dict[tuple[tuple[str, str], ...], float] = {
+            (("layout", engine.layout_name if engine is not None else "none"),): 1.0
+        }
         if engine is None or pool is None:
-            return {"swarm_node_kv_pool_blocks": one(0), "swarm_node_kv_pool_free_blocks": one(0)}
+            return {
+                "swarm_node_kv_pool_blocks": one(0),
+                "swarm_node_kv_pool_free_blocks": one(0),
+                "swarm_node_kv_layout": layout,
+            }
+        stats = self.machine.statistics()
         # Plain int reads of what the compute thread updates (no iteration over its dicts).
         return {
             "swarm_node_kv_pool_blocks": one(pool.total_blocks),
+            "swarm_node_kv_pool_used_blocks": one(pool.used_blocks),
             "swarm_node_kv_pool_free_blocks": one(pool.free_blocks),
-            "swarm_node_kv_pool_refusals_total": one(engine.pool_refusals),
+            "swarm_node_kv_pool_reserved_blocks": one(stats.kv_blocks_reserved),
+            "swarm_node_kv_pool_refusals_total": one(engine.pool_refusals + stats.kv_refusals),
+            "swarm_node_kv_preemptions_total": one(stats.preemptions),
             "swarm_node_kv_pool_compactions_total": one(engine.pool_compactions),
+            "swarm_node_kv_layout": layout,
         }
 
     def _kv_free_tokens(self, stats: MachineStats) -> int:
-        """Positions free for new work: the pool's free blocks, or the slots not granted yet."""
-        pool = self.engine.pool if self.engine is not None else None
-        if pool is not None:
-            return pool.free_blocks * 16  # an int read; the compute thread owns the pool
+        """Positions free for new work: the pool's blocks nobody holds or has a step accepted for (the
+        session machine's view, which runs ahead of the engine's), or the slots not granted yet."""
+        if stats.kv_pool_blocks:
+            return max(0, stats.kv_pool_blocks - stats.kv_blocks_reserved) * 16
         return max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
 
     async def _tracker_loop(self) -> None:
