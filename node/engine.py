@@ -19,16 +19,20 @@ Invariants
 * A whole step is validated before any KV is touched; a refused item gets an
   error result and the other items run. If llama.cpp fails a decode, every
   session of that step is truncated back to where it was: no partial KV.
-* Two KV layouts. The KV pool (``kv_pool_tokens > 0``, what a node runs): one
-  unified KV stream of ``kv_pool_tokens`` cells shared by every session, held
-  in 16-position blocks (:mod:`node.kvpool`); a session takes blocks as it
-  grows, nothing is reserved when it opens, and a piece of work whose growth
-  does not fit in the free blocks is refused (``KVPoolExhaustedError``) before
-  any KV is touched. The per-sequence layout (``kv_pool_tokens = 0``):
-  ``max_sessions`` streams of ``session_kv_tokens`` cells each, all allocated
-  up front. Either way captured rows come back in ubatch order and are put
-  back in batch order with :func:`node.llama_runtime.ubatch_plan`, whose
-  per-ubatch row counts are checked against what the callback saw.
+* KV layouts. The per-sequence layout (``kv_pool_tokens = 0``): ``max_sessions``
+  streams of ``session_kv_tokens`` cells each, all allocated up front. The KV
+  pool (``kv_pool_tokens > 0``): sessions hold 16-position blocks of one pool
+  (:mod:`node.kvpool`), take them as they grow -- nothing is reserved when a
+  session opens -- and a piece of work whose growth does not fit in the free
+  blocks is refused (``KVPoolExhaustedError``) before any KV is touched. The
+  pool's llama.cpp layout (:mod:`node.kvlayout`): sparse per-sequence streams
+  as long as a session may grow, resident only where sessions wrote
+  (:mod:`node.kvsparse`; the default where it applies), resident per-sequence
+  streams of ``pool / max_sessions`` cells (the fallback), or one unified
+  stream (opt-in; compacted after releases). Either way captured rows come
+  back in ubatch order and are put back in batch order with
+  :func:`node.llama_runtime.ubatch_plan`, whose per-ubatch row counts are
+  checked against what the callback saw.
 * Not thread-safe: one engine belongs to one thread (the node's compute thread).
 """
 

@@ -69,7 +69,13 @@ class _Client:
         self.pos = 0
 
     async def open(self) -> None:
-        frame = codec.open_frame(self.header, step_id=1, route_ticket=b"t", kv_budget_tokens=512)
+        frame = codec.open_frame(
+            self.header,
+            step_id=1,
+            route_ticket=b"t",
+            kv_budget_tokens=512,
+            sampling=codec.SamplingSettings(temperature=0.0),  # greedy
+        )
         await self.hub.feed(self.conn, codec.serialize_frame(frame))
         assert codec.body_kind(await self.recv()) == "open_ack"
 
