@@ -56,7 +56,7 @@ from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
 from node.rtt import node_sampler
-from node.session_machine import FrameServer, MachineStats, ServingSpec, StepOutcome
+from node.session_machine import FrameServer, ServingSpec, StepOutcome, kv_announcement
 from node.tickets import TicketVerifier
 from proto import codec
 from proto.announce import Announce, Heartbeat, Leave, ModelSpec
@@ -519,6 +519,7 @@ class NodeDaemon:
 
     def _heartbeat(self) -> Heartbeat:
         stats = self.machine.statistics()
+        kv = kv_announcement(stats, self.spec)
         tokens = self.scheduler.statistics().tokens_processed
         served = tokens - self.counters.tokens_at_last_heartbeat
         self.counters.tokens_at_last_heartbeat = tokens
@@ -526,13 +527,12 @@ class NodeDaemon:
             node_id=self.node_id,
             active_sessions=stats.sessions,
             queue_depth=self.scheduler.queue_depth,
-            kv_free_tokens=self._kv_free_tokens(stats),
+            kv_free_tokens=kv.free_tokens,
             tokens_served=max(0, served),
             kv_used_tokens=stats.kv_tokens_used,
             rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
-            # With a pool, its size and the longest session it holds; without one the slots say the same.
-            kv_pool_tokens=stats.kv_tokens_capacity,
-            kv_session_max_tokens=self.spec.session_kv_tokens,
+            kv_pool_tokens=kv.pool_tokens,
+            kv_session_max_tokens=kv.session_max_tokens,
         )
 
     def _pool_metrics(
@@ -561,13 +561,6 @@ class NodeDaemon:
             "swarm_node_kv_pool_compactions_total": one(engine.pool_compactions),
             "swarm_node_kv_layout": layout,
         }
-
-    def _kv_free_tokens(self, stats: MachineStats) -> int:
-        """Positions free for new work: the pool's blocks nobody holds or has a step accepted for (the
-        session machine's view, which runs ahead of the engine's), or the slots not granted yet."""
-        if stats.kv_pool_blocks:
-            return max(0, stats.kv_pool_blocks - stats.kv_blocks_reserved) * 16
-        return max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
 
     async def _tracker_loop(self) -> None:
         with self._tracker_scope:

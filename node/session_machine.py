@@ -441,6 +441,25 @@ class MachineStats:
     kv_refusals: int = 0  # steps refused because the pool had no room and nobody could be preempted
 
 
+@dataclass(frozen=True)
+class KvAnnouncement:
+    """What a heartbeat says of this node's KV (proto.announce.Heartbeat), in positions."""
+
+    free_tokens: int  # free for new work: the pool's unreserved blocks, or the slots not granted yet
+    pool_tokens: int  # the pool's size (without a pool: all slots together)
+    session_max_tokens: int  # the most one session may hold here
+
+
+def kv_announcement(stats: MachineStats, spec: ServingSpec) -> KvAnnouncement:
+    """The heartbeat's KV figures: with a pool the machine's view (blocks reserved by accepted steps
+    count as used: it runs ahead of the engine's), else the per-sequence slots."""
+    if stats.kv_pool_blocks:
+        free = max(0, stats.kv_pool_blocks - stats.kv_blocks_reserved) * BLOCK_TOKENS
+    else:
+        free = max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
+    return KvAnnouncement(free, stats.kv_tokens_capacity, spec.session_kv_tokens)
+
+
 class FrameServer:
     """All Route Sessions of one node; transport-independent (see the module docstring)."""
 

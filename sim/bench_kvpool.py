@@ -5,8 +5,9 @@
 
 Raw llama.cpp (the whole model, token ids in, one thread, flash attention on,
 f16 KV -- the node's recipe), N concurrent sessions (1, 4, 8, 16) each holding
-a context of ``--context`` tokens, then decoding ``--steps`` greedy tokens per
-session, all sessions in one batch per step. The KV memory is the same for
+a context of ``--context`` tokens (prefilled once per layout), then decoding
+``--steps`` greedy tokens per session, all sessions in one batch per step, and
+cutting them off again for the next round. The KV memory is the same for
 every layout: ``--pool`` positions (default 16384 = today's 8 x 2048).
 
 Layouts:
@@ -120,18 +121,24 @@ def _geometry(model: ctypes.c_void_p, kv_size: int, n_stream: int) -> kvsparse.K
     return kvsparse.KvGeometry(llama_cpp.llama_model_n_layer(model), row, row, kv_size, n_stream)
 
 
-def _run_shared(
-    model: ctypes.c_void_p,
-    settings: ContextSettings,
-    prompts: list[list[int]],
-    steps: int,
-    sparse_streams: int = 0,
-) -> dict[str, Any]:
-    """Every session a sequence of one context; one batch of all sessions per decode step."""
-    c = _Ctx(model, settings, sparse_streams)
-    try:
-        toks = [[c.prefill(s, p)] for s, p in enumerate(prompts)]
-        n = len(prompts)
+class _Shared:
+    """Every session a sequence of one context, its prompt in the KV (prefilled once); each round
+    decodes ``steps`` greedy tokens of all sessions, one batch per step, then cuts them off again."""
+
+    def __init__(
+        self,
+        model: ctypes.c_void_p,
+        settings: ContextSettings,
+        prompts: list[list[int]],
+        sparse_streams: int = 0,
+    ) -> None:
+        self.c = _Ctx(model, settings, sparse_streams)
+        self.prompts = prompts
+        self.first = [self.c.prefill(s, p) for s, p in enumerate(prompts)]
+
+    def round(self, steps: int) -> dict[str, Any]:
+        c, prompts, n = self.c, self.prompts, len(self.prompts)
+        toks = [[t] for t in self.first]
         wall = cpu = 0.0
         for k in range(steps - 1):
             w0, c0 = time.perf_counter(), time.thread_time()
@@ -140,27 +147,38 @@ def _run_shared(
                 toks[s].append(c.argmax(s))
             wall += time.perf_counter() - w0
             cpu += time.thread_time() - c0
+        for s, p in enumerate(prompts):
+            llama_cpp.llama_memory_seq_rm(c.mem, s, len(p), -1)
         return {"tokens": toks, "wall_s": wall, "cpu_s": cpu}
-    finally:
-        c.close()
+
+    def close(self) -> None:
+        self.c.close()
 
 
-def _run_contexts(model: ctypes.c_void_p, prompts: list[list[int]], steps: int) -> dict[str, Any]:
-    """One context per session (weights shared); one decode per session per step."""
-    ctxs = [_Ctx(model, _settings(-(-(len(p) + steps) // 256) * 256, 1, False)) for p in prompts]
-    try:
-        toks = [[c.prefill(0, p)] for c, p in zip(ctxs, prompts, strict=True)]
+class _Contexts:
+    """One context per session (weights shared), prompts prefilled once; one decode per session per step."""
+
+    def __init__(self, model: ctypes.c_void_p, prompts: list[list[int]], steps: int) -> None:
+        self.ctxs = [_Ctx(model, _settings(-(-(len(p) + steps) // 256) * 256, 1, False)) for p in prompts]
+        self.prompts = prompts
+        self.first = [c.prefill(0, p) for c, p in zip(self.ctxs, prompts, strict=True)]
+
+    def round(self, steps: int) -> dict[str, Any]:
+        toks = [[t] for t in self.first]
         wall = cpu = 0.0
         for k in range(steps - 1):
             w0, c0 = time.perf_counter(), time.thread_time()
-            for s, c in enumerate(ctxs):
-                c.decode([0], [len(prompts[s]) + k], [toks[s][-1]], [True])
+            for s, c in enumerate(self.ctxs):
+                c.decode([0], [len(self.prompts[s]) + k], [toks[s][-1]], [True])
                 toks[s].append(c.argmax(0))
             wall += time.perf_counter() - w0
             cpu += time.thread_time() - c0
+        for c, p in zip(self.ctxs, self.prompts, strict=True):
+            llama_cpp.llama_memory_seq_rm(c.mem, 0, len(p), -1)
         return {"tokens": toks, "wall_s": wall, "cpu_s": cpu}
-    finally:
-        for c in ctxs:
+
+    def close(self) -> None:
+        for c in self.ctxs:
             c.close()
 
 
@@ -185,27 +203,22 @@ def bench(
             if n * (context + steps) > pool:
                 continue
             prompts = all_prompts[:n]
-            every: dict[str, Callable[[], dict[str, Any]]] = {
-                "per_seq": functools.partial(
-                    _run_shared, model, _settings(pool, max(8, n), False), prompts, steps
-                ),
+            every: dict[str, Callable[[], _Shared | _Contexts]] = {
+                "per_seq": functools.partial(_Shared, model, _settings(pool, max(8, n), False), prompts),
                 "sparse": functools.partial(
-                    _run_shared,
-                    model,
-                    _settings(ctx_train * streams, streams, False),
-                    prompts,
-                    steps,
-                    streams,
+                    _Shared, model, _settings(ctx_train * streams, streams, False), prompts, streams
                 ),
-                "unified": functools.partial(_run_shared, model, _settings(pool, 64, True), prompts, steps),
-                "contexts": functools.partial(_run_contexts, model, prompts, steps),
+                "unified": functools.partial(_Shared, model, _settings(pool, 64, True), prompts),
+                "contexts": functools.partial(_Contexts, model, prompts, steps),
             }
-            layouts = {k: every[k] for k in names}
+            layouts = {k: every[k]() for k in names}  # every prompt prefilled once per layout
             samples: dict[str, list[float]] = {k: [] for k in layouts}
             walls: dict[str, list[float]] = {k: [] for k in layouts}
             exact: dict[str, bool] = {}
-            for _ in range(rounds):
-                outs = {name: fn() for name, fn in layouts.items()}
+            for r in range(rounds):
+                # Interleaved, the order reversed every other round (neither layout always runs first).
+                order = list(layouts) if r % 2 == 0 else list(reversed(layouts))
+                outs = {name: layouts[name].round(steps) for name in order}
                 # every session alone in its own context, else today's layout
                 solo = outs["contexts" if "contexts" in outs else "per_seq"]["tokens"]
                 for name, out in outs.items():
@@ -228,6 +241,8 @@ def bench(
                         round(a / b, 3) for a, b in zip(samples[name], samples["per_seq"], strict=True)
                     ]
             rows.append(row)
+            for obj in layouts.values():
+                obj.close()
             print(
                 f"{n:3d} sessions x {context}: per_seq {row['per_seq_cpu_tok_s']:7.1f}  "
                 + "  ".join(

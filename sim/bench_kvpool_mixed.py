@@ -8,6 +8,9 @@ seeded; natural text) each generate ``--new`` greedy tokens through one
 engine holding the whole model (one thread, flash attention, f16 KV), in two
 layouts of the same KV memory (16,384 positions):
 
+``--scale k`` divides the prompt lengths, the slots and the pool by ``k``: a
+cheaper run of the same shape (concurrency depends on the ratios only).
+
 * ``per_seq``: today's 8 slots of 2,048 positions. A request whose prompt plus
   generation passes 2,048 is refused (what the gateway answers today).
 * ``pool``: one pool of 16,384 positions in ``--layout`` (node.kvlayout;
@@ -62,10 +65,10 @@ class _Req:
     out: list[int] = field(default_factory=list)
 
 
-def _requests(vocab: Vocabulary, n: int, seed: int) -> list[list[int]]:
+def _requests(vocab: Vocabulary, n: int, seed: int, scale: int = 1) -> list[list[int]]:
     base = vocab.tokenize(TEXT * 200)
     rng = np.random.default_rng(seed)
-    lengths = np.exp(rng.uniform(np.log(100), np.log(6000), size=n)).astype(int)
+    lengths = np.exp(rng.uniform(np.log(100 / scale), np.log(6000 / scale), size=n)).astype(int)
     out = []
     for i, length in enumerate(lengths):
         off = (i * 37) % 50
@@ -154,6 +157,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new", type=int, default=16, help="greedy tokens per request")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="divide prompt lengths, slots and pool by this (a cheaper run of the same shape)",
+    )
     ap.add_argument("--sessions", type=int, default=32, help="the pool's most sessions (sequence streams)")
     ap.add_argument("--layout", default="auto", help="the pool's layout (node.kvlayout): auto, unified ...")
     ap.add_argument(
@@ -165,17 +174,17 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="bench-kvpool-"))
     files = extract_shard(model, 0, 30, cache)
     with Vocabulary(model) as vocab:
-        prompts = _requests(vocab, args.requests, args.seed)
+        prompts = _requests(vocab, args.requests, args.seed, args.scale)
     layouts = {
         "per_seq": EngineConfig(
-            n_threads_count=1, max_sessions=8, session_kv_tokens=2048, n_batch_tokens=512
+            n_threads_count=1, max_sessions=8, session_kv_tokens=2048 // args.scale, n_batch_tokens=512
         ),
         "pool": EngineConfig(
             n_threads_count=1,
             max_sessions=args.sessions,
             session_kv_tokens=1 << 30,
             n_batch_tokens=512,
-            kv_pool_tokens=16384,
+            kv_pool_tokens=16384 // args.scale,
             kv_pool_layout=args.layout,
         ),
     }
@@ -184,7 +193,8 @@ def main() -> None:
         "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new,
-        "kv_positions": 16384,
+        "kv_positions": 16384 // args.scale,
+        "scale": args.scale,
         "pool_sessions": args.sessions,
         "admit": args.admit,
     }

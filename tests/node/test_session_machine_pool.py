@@ -144,3 +144,18 @@ def test_a_session_at_its_preemption_bound_is_not_preempted_again() -> None:
     assert _errors(actions)["old"].error.status == S.STATUS_PREEMPTED
     assert [a for a in actions if isinstance(a, Compute)][0].job.session_id == "young"
     assert h.m.statistics().preemptions == 2
+
+
+def test_the_heartbeat_announces_the_pool_and_what_admission_reserved() -> None:
+    from node.session_machine import kv_announcement
+
+    h = Harness(**POOL)
+    h.open("a", budget=64)
+    h.run_step("a", 2, 0, 20)  # 2 blocks
+    h.step("a", 22, 20, 13)  # accepted, still computing: up to 33 positions = 3 blocks
+    kv = kv_announcement(h.m.statistics(), h.spec)
+    assert (kv.free_tokens, kv.pool_tokens, kv.session_max_tokens) == (16, 64, 64)
+    slots = Harness(max_sessions=2, session_kv_tokens=64)
+    slots.open("a", budget=40)
+    kv = kv_announcement(slots.m.statistics(), slots.spec)
+    assert (kv.free_tokens, kv.pool_tokens, kv.session_max_tokens) == (128 - 40, 128, 64)
