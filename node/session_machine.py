@@ -629,6 +629,12 @@ class FrameServer:
         source, positions, move = self._kv_source(frame.open, budget)
         if source == sid:
             source, positions, move = "", 0, False
+        if positions and not move and self.spec.kv_pool_tokens:
+            # A copy holds its positions at once: without free blocks for it, the session starts empty
+            # (the gateway prefills it whole) rather than preempting anyone for an optimisation.
+            free = self.spec.kv_pool_tokens // BLOCK_TOKENS - self._reserved_blocks()
+            if blocks_for(positions) > free:
+                source, positions, move = "", 0, False
         victims = [sid] if sid in self._kept else []  # a kept session's id opened afresh: its KV goes
         if not move:
             # Kept sessions are given up first (oldest first) when a new session needs their slot.

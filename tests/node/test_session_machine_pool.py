@@ -159,3 +159,19 @@ def test_the_heartbeat_announces_the_pool_and_what_admission_reserved() -> None:
     slots.open("a", budget=40)
     kv = kv_announcement(slots.m.statistics(), slots.spec)
     assert (kv.free_tokens, kv.pool_tokens, kv.session_max_tokens) == (128 - 40, 128, 64)
+
+
+def test_a_copy_that_does_not_fit_starts_empty_instead_of_preempting() -> None:
+    from node.session_machine import OpenKv
+
+    h = Harness(**POOL)
+    h.open("src", budget=64)
+    h.run_step("src", 2, 0, 48)  # 3 of 4 blocks
+    frame = codec.open_frame(
+        h.header("copy"), step_id=1, route_ticket=b"good", kv_budget_tokens=64, kv_source=("src", 32)
+    )
+    actions = h.feed(frame)
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    assert opened.source == "" and opened.source_positions == 0
+    (ack,) = sends(actions)
+    assert ack.kv_len == 0 and h.m.statistics().preemptions == 0
