@@ -136,20 +136,28 @@ POOL_MARGIN = 0.05  # of the budget, left free when a KV pool is sized automatic
 
 
 def auto_pool_tokens(
-    sizing: Sizing, start: int, end: int, budget_bytes: int, sized_positions: int, n_batch: int
+    sizing: Sizing,
+    start: int,
+    end: int,
+    budget_bytes: int,
+    sized_positions: int,
+    n_batch: int,
+    *,
+    copies: int = 1,
 ) -> int:
     """Positions of a KV pool that fills what the span ``[start, end)`` leaves of ``budget_bytes``.
 
     ``sizing`` prices ``sized_positions`` KV positions per layer (the per-sequence layout it was made
     for); the pool takes the budget less :data:`POOL_MARGIN`, less the span's bytes without KV, at
-    twice the span's KV bytes per position (the pool, and room for the transient copy a compaction
-    makes of the used KV: node.engine) plus llama.cpp's attention mask (f32, ``n_batch`` rows, one
-    per position). A multiple of 256 (llama.cpp's padding); 0 when nothing is left.
+    ``copies`` times the span's KV bytes per position (1: the per-sequence layouts, sparse or
+    resident; 2: the unified layout, whose compaction makes a transient copy of the used KV:
+    node.engine) plus llama.cpp's attention mask (f32, ``n_batch`` rows, one per position). A
+    multiple of 256 (llama.cpp's padding); 0 when nothing is left.
     """
     kv = sum(sizing.kv_bytes_per_layer[start:end])
     if kv <= 0 or sized_positions <= 0:
         return 0
-    per_position = 2 * kv / sized_positions + 4 * n_batch
+    per_position = copies * kv / sized_positions + 4 * n_batch
     room = budget_bytes * (1 - POOL_MARGIN) - (sizing.span_bytes(start, end) - kv)
     return max(0, int(room / per_position) // 256 * 256)
 

@@ -369,6 +369,18 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     default=None,
     help="With a pool: most positions one session may grow to (0 = the model's trained context).",
 )
+@click.option(
+    "--kv-pool-layout",
+    type=click.Choice(["auto", "sparse", "resident", "unified"]),
+    default=None,
+    help="With a pool: how llama.cpp lays it out (auto: sparse streams where they apply, else resident).",
+)
+@click.option(
+    "--max-preemptions",
+    type=int,
+    default=None,
+    help="With a pool: a session preempted this many times here is never preempted again.",
+)
 @click.option("--batch-tokens", type=int, default=None, help="Most positions per engine batch.")
 @click.option(
     "--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch."

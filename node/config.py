@@ -171,6 +171,14 @@ class NodeConfig:
     max_session_kv_tokens: int = _f(
         0, "with a pool: the most positions one session may grow to; 0 = the model's trained context"
     )
+    kv_pool_layout: str = _f(
+        "auto",
+        "with a pool: auto (sparse per-sequence streams where they apply, else resident streams of "
+        "pool / max_sessions positions), sparse, resident, or unified (one shared stream: slower)",
+    )
+    max_preemptions: int = _f(
+        3, "with a pool: a session preempted this many times on this node is never preempted again"
+    )
     batch_tokens: int = _f(512, "most positions one engine batch takes (llama.cpp n_batch)")
     prefill_chunk_tokens: int = _f(
         256, "most positions of one prefill step per batch, so decodes keep moving"
@@ -285,6 +293,12 @@ class NodeConfig:
             )
         if self.max_session_kv_tokens and self.max_session_kv_tokens < 16:
             raise ConfigError("max_session_kv_tokens must be 0 (the model's context) or >= 16")
+        if self.kv_pool_layout not in ("auto", "sparse", "resident", "unified"):
+            raise ConfigError(
+                f"kv_pool_layout must be auto, sparse, resident or unified, got {self.kv_pool_layout!r}"
+            )
+        if self.max_preemptions < 0:
+            raise ConfigError("max_preemptions must be >= 0")
         if self.batch_tokens < ISOLATED_SLICE_TOKENS:
             # An isolated step's slice must run as one llama.cpp ubatch on every node (node.batching).
             raise ConfigError(f"batch_tokens must be >= {ISOLATED_SLICE_TOKENS}")

@@ -56,7 +56,7 @@ from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
 from node.push import PushLinks
 from node.rtt import node_sampler
-from node.session_machine import FrameServer, MachineStats, ServingSpec, StepOutcome
+from node.session_machine import FrameServer, ServingSpec, StepOutcome, kv_announcement
 from node.tickets import TicketVerifier
 from proto import codec
 from proto.announce import Announce, Heartbeat, Leave, ModelSpec
@@ -207,6 +207,7 @@ class NodeDaemon:
                 (cfg.max_session_kv_tokens or 1 << 30) if cfg.kv_pool_tokens else cfg.session_kv_tokens
             ),
             kv_pool_tokens=joined.kv_pool_tokens,
+            kv_pool_layout=cfg.kv_pool_layout,
             n_batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
             load_mode=cfg.load_mode,
@@ -264,6 +265,7 @@ class NodeDaemon:
                 max_kept_sessions=cfg.max_kept_sessions,
                 max_kept_kv_tokens=cfg.max_kept_kv_tokens,
                 max_keep_s=cfg.max_keep_s,
+                max_preemptions=cfg.max_preemptions,
                 limits=limits,
             )
             self.verifier = TicketVerifier(
@@ -517,6 +519,7 @@ class NodeDaemon:
 
     def _heartbeat(self) -> Heartbeat:
         stats = self.machine.statistics()
+        kv = kv_announcement(stats, self.spec)
         tokens = self.scheduler.statistics().tokens_processed
         served = tokens - self.counters.tokens_at_last_heartbeat
         self.counters.tokens_at_last_heartbeat = tokens
@@ -524,10 +527,12 @@ class NodeDaemon:
             node_id=self.node_id,
             active_sessions=stats.sessions,
             queue_depth=self.scheduler.queue_depth,
-            kv_free_tokens=self._kv_free_tokens(stats),
+            kv_free_tokens=kv.free_tokens,
             tokens_served=max(0, served),
             kv_used_tokens=stats.kv_tokens_used,
             rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
+            kv_pool_tokens=kv.pool_tokens,
+            kv_session_max_tokens=kv.session_max_tokens,
         )
 
     def _pool_metrics(
@@ -535,22 +540,27 @@ class NodeDaemon:
     ) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         engine = self.engine
         pool = engine.pool if engine is not None else None
+        layout: dict[tuple[tuple[str, str], ...], float] = {
+            (("layout", engine.layout_name if engine is not None else "none"),): 1.0
+        }
         if engine is None or pool is None:
-            return {"swarm_node_kv_pool_blocks": one(0), "swarm_node_kv_pool_free_blocks": one(0)}
+            return {
+                "swarm_node_kv_pool_blocks": one(0),
+                "swarm_node_kv_pool_free_blocks": one(0),
+                "swarm_node_kv_layout": layout,
+            }
+        stats = self.machine.statistics()
         # Plain int reads of what the compute thread updates (no iteration over its dicts).
         return {
             "swarm_node_kv_pool_blocks": one(pool.total_blocks),
+            "swarm_node_kv_pool_used_blocks": one(pool.used_blocks),
             "swarm_node_kv_pool_free_blocks": one(pool.free_blocks),
-            "swarm_node_kv_pool_refusals_total": one(engine.pool_refusals),
+            "swarm_node_kv_pool_reserved_blocks": one(stats.kv_blocks_reserved),
+            "swarm_node_kv_pool_refusals_total": one(engine.pool_refusals + stats.kv_refusals),
+            "swarm_node_kv_preemptions_total": one(stats.preemptions),
             "swarm_node_kv_pool_compactions_total": one(engine.pool_compactions),
+            "swarm_node_kv_layout": layout,
         }
-
-    def _kv_free_tokens(self, stats: MachineStats) -> int:
-        """Positions free for new work: the pool's free blocks, or the slots not granted yet."""
-        pool = self.engine.pool if self.engine is not None else None
-        if pool is not None:
-            return pool.free_blocks * 16  # an int read; the compute thread owns the pool
-        return max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
 
     async def _tracker_loop(self) -> None:
         with self._tracker_scope:

@@ -19,23 +19,29 @@ Invariants
 * A whole step is validated before any KV is touched; a refused item gets an
   error result and the other items run. If llama.cpp fails a decode, every
   session of that step is truncated back to where it was: no partial KV.
-* Two KV layouts. The KV pool (``kv_pool_tokens > 0``, what a node runs): one
-  unified KV stream of ``kv_pool_tokens`` cells shared by every session, held
-  in 16-position blocks (:mod:`node.kvpool`); a session takes blocks as it
-  grows, nothing is reserved when it opens, and a piece of work whose growth
-  does not fit in the free blocks is refused (``KVPoolExhaustedError``) before
-  any KV is touched. The per-sequence layout (``kv_pool_tokens = 0``):
-  ``max_sessions`` streams of ``session_kv_tokens`` cells each, all allocated
-  up front. Either way captured rows come back in ubatch order and are put
-  back in batch order with :func:`node.llama_runtime.ubatch_plan`, whose
-  per-ubatch row counts are checked against what the callback saw.
+* KV layouts. The per-sequence layout (``kv_pool_tokens = 0``): ``max_sessions``
+  streams of ``session_kv_tokens`` cells each, all allocated up front. The KV
+  pool (``kv_pool_tokens > 0``): sessions hold 16-position blocks of one pool
+  (:mod:`node.kvpool`), take them as they grow -- nothing is reserved when a
+  session opens -- and a piece of work whose growth does not fit in the free
+  blocks is refused (``KVPoolExhaustedError``) before any KV is touched. The
+  pool's llama.cpp layout (:mod:`node.kvlayout`): sparse per-sequence streams
+  as long as a session may grow, resident only where sessions wrote
+  (:mod:`node.kvsparse`; the default where it applies), resident per-sequence
+  streams of ``pool / max_sessions`` cells (the fallback), or one unified
+  stream (opt-in; compacted after releases). Either way captured rows come
+  back in ubatch order and are put back in batch order with
+  :func:`node.llama_runtime.ubatch_plan`, whose per-ubatch row counts are
+  checked against what the callback saw.
 * Not thread-safe: one engine belongs to one thread (the node's compute thread).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +49,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from node import architectures
+from node import architectures, kvsparse
 from node.constraints import ConstraintError, GrammarConstraint, LLTokenizer, Pieces, tokenizer_for
 from node.errors import (
     DecodeError,
@@ -55,10 +61,12 @@ from node.errors import (
     SessionLimitError,
     UnknownSessionError,
 )
+from node.kvlayout import LAYOUTS, LayoutChoice, LayoutError, LayoutFacts, choose_layout
 from node.kvpool import KvPool, PoolStats
 from node.llama_runtime import (
     BatchBuffer,
     ContextSettings,
+    LlamaError,
     RowDequantizer,
     TensorCapture,
     free_model,
@@ -80,9 +88,13 @@ class EngineConfig:
     # Per-sequence layout: the KV of one session (llama.cpp rounds up to 256). With a pool: the most
     # positions one session may hold (the operator's cap; the model's trained context bounds it too).
     session_kv_tokens: int = 2048
-    # > 0: one KV pool of this many positions shared by all sessions (unified KV, 16-position blocks);
-    # 0: the per-sequence layout (max_sessions x session_kv_tokens, reserved up front).
+    # > 0: one KV pool of this many positions shared by all sessions (16-position blocks taken as they
+    # grow); 0: the per-sequence layout (max_sessions x session_kv_tokens, reserved up front).
     kv_pool_tokens: int = 0
+    # How the pool is laid out in llama.cpp (node.kvlayout): "auto" = sparse per-sequence streams where
+    # they apply, else resident per-sequence streams sized from the pool; "sparse", "resident" or
+    # "unified" (one shared stream: slower, exact only alone; kept for comparison).
+    kv_pool_layout: str = "auto"
     n_batch_tokens: int = 512  # most tokens one llama_decode takes
     flash_attn: bool = True
     kv_type: str = "f16"
@@ -95,7 +107,16 @@ class EngineConfig:
     # repacked copy (common.llama.LOAD_MODES); "mmap" shares pages between processes mapping one file.
     load_mode: str = "read"
 
-    def context_settings(self) -> ContextSettings:
+    def context_settings(self, layout: LayoutChoice | None = None) -> ContextSettings:
+        """llama.cpp's settings: the per-sequence layout's, or (``layout``) the pool's chosen layout."""
+        base = self._base_settings()
+        if layout is None:
+            return base
+        return dataclasses.replace(
+            base, n_seq_max=self.max_sessions, n_ctx=layout.n_ctx, kv_unified=layout.layout == "unified"
+        )
+
+    def _base_settings(self) -> ContextSettings:
         if self.max_sessions < 1 or self.max_sessions > llama_cpp.llama_max_parallel_sequences():
             limit = llama_cpp.llama_max_parallel_sequences()
             raise EngineError(f"max_sessions must be in [1, {limit}], got {self.max_sessions}")
@@ -104,16 +125,10 @@ class EngineConfig:
         if self.kv_pool_tokens:
             if self.kv_pool_tokens < 256:
                 raise EngineError(f"kv_pool_tokens must be 0 or >= 256, got {self.kv_pool_tokens}")
-            return ContextSettings(
-                n_threads=self.n_threads_count,
-                n_seq_max=self.max_sessions,
-                n_ctx=-(-self.kv_pool_tokens // 256) * 256,
-                n_batch=self.n_batch_tokens,
-                n_ubatch=self.n_batch_tokens,
-                flash_attn=self.flash_attn,
-                kv_type=self.kv_type,
-                kv_unified=True,
-            )
+            if self.kv_pool_layout not in LAYOUTS:
+                raise EngineError(
+                    f"unknown kv_pool_layout {self.kv_pool_layout!r}; choose one of {', '.join(LAYOUTS)}"
+                )
         return ContextSettings(
             n_threads=self.n_threads_count,
             n_seq_max=self.max_sessions,
@@ -248,6 +263,8 @@ class EngineStats:
     kv_pool: PoolStats | None = None  # the pool's blocks (None: per-sequence layout)
     kv_pool_refusals: int = 0  # pieces of work refused because the pool had no room
     kv_pool_compactions: int = 0  # times the pool's cells were re-packed (holes closed)
+    kv_layout: str = "per-sequence"  # "per-sequence" (no pool), or the pool's "sparse", "resident", "unified"
+    kv_layout_reason: str = ""  # why that layout (a fallback names its obstacle)
 
 
 class ShardEngine:
@@ -286,13 +303,17 @@ class ShardEngine:
                 cache_dir if config.capture == "auto" else None,
                 inject_name=inject_name,
             )
+        # The pool's layout (node.kvlayout): None for the per-sequence layout (no pool).
+        self.layout: LayoutChoice | None = None
+        self._sparse: kvsparse.SparseKvBuffer | None = None
+        self._kv_rows: tuple[int, int] | None = None
         try:
-            self._ctx = new_context(
-                self._model,
-                settings,
-                cb_eval=self._capture.callback_ptr if self._capture else None,
-                cb_user_data=self._capture.user_data if self._capture else None,
-            )
+            if config.kv_pool_tokens:
+                self._ctx = self._pool_context()
+                assert self.layout is not None  # chosen by _pool_context
+                settings = config.context_settings(self.layout)
+            else:
+                self._ctx = self._new_context(settings)
         except Exception:
             free_model(self._model)
             raise
@@ -302,10 +323,13 @@ class ShardEngine:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self.kv_layout = settings
         self.pool: KvPool | None = None
-        if config.kv_pool_tokens:
-            n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model)) or config.session_kv_tokens
-            self.pool = KvPool(config.kv_pool_tokens)
-            self.session_kv_limit = min(config.session_kv_tokens, n_ctx_train, self.pool.total_blocks * 16)
+        if self.layout is not None:
+            # Resident streams hold at most n_ctx cells in all (a small pool may get a little more).
+            resident = self.layout.layout == "resident"
+            self.pool = KvPool(
+                min(config.kv_pool_tokens, self.layout.n_ctx) if resident else config.kv_pool_tokens
+            )
+            self.session_kv_limit: int = self.layout.session_limit
         else:
             self.session_kv_limit = int(llama_cpp.llama_n_ctx_seq(self._ctx))
         self._pool_refusals = 0
@@ -314,6 +338,8 @@ class ShardEngine:
         # of attention), so the pool is compacted before the next growth (see _compact).
         self._holes = False
         self._compactions = 0
+        # Only the unified layout shares cells between sessions; the per-sequence ones never compact.
+        self._compacts = self.layout is not None and self.layout.layout == "unified"
         self.n_batch = settings.n_batch
         self._batch = BatchBuffer(settings.n_batch, self.n_embd)
         self._batch.use_embeddings(True)
@@ -338,7 +364,7 @@ class ShardEngine:
         self._compute_s = 0.0
         log.info(
             "engine ready shard=[%d,%d) first=%s last=%s sessions=%d kv_per_session=%d kv_pool=%d "
-            "capture=%s backend=%s gpu_layers=%d",
+            "kv_layout=%s (%s) capture=%s backend=%s gpu_layers=%d",
             files.start,
             files.end,
             self.is_first,
@@ -346,10 +372,144 @@ class ShardEngine:
             config.max_sessions,
             self.session_kv_limit,
             config.kv_pool_tokens,
+            self.layout_name,
+            self.layout.reason if self.layout is not None else "no pool",
             "none" if self._capture is None else ("c" if self._capture.compiled else "python"),
             self.backend,
             config.n_gpu_layers,
         )
+
+    # -- the KV layout -------------------------------------------------------------------------
+
+    @property
+    def layout_name(self) -> str:
+        """The KV layout in use: "per-sequence" (no pool), or the pool's "sparse", "resident", "unified"."""
+        return "per-sequence" if self.layout is None else self.layout.layout
+
+    def _new_context(self, settings: ContextSettings) -> ctypes.c_void_p:
+        assert self._model is not None  # loaded before any context
+        return new_context(
+            self._model,
+            settings,
+            cb_eval=self._capture.callback_ptr if self._capture else None,
+            cb_user_data=self._capture.user_data if self._capture else None,
+        )
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _meta_int(self, key: str) -> int | None:
+        value = self._meta(key)
+        try:
+            return None if value is None else int(value)
+        except ValueError:
+            return None  # an array (per-layer values) or something else
+
+    def _kv_row_bytes(self) -> tuple[int, int] | None:
+        """Bytes of one cell of one layer's K and V (None: not computable, e.g. per-layer KV heads)."""
+        arch = self._meta("general.architecture")
+        kv_type = {"f16": (2, 1), "f32": (4, 1), "q8_0": (34, 32)}.get(self.config.kv_type)
+        n_head = int(llama_cpp.llama_model_n_head(self._model))
+        if arch is None or kv_type is None or n_head <= 0:
+            return None
+        heads_kv = self._meta_int(f"{arch}.attention.head_count_kv")
+        if heads_kv is None and self._meta(f"{arch}.attention.head_count_kv") is not None:
+            return None  # present but not one number: KV heads differ by layer
+        heads_kv = heads_kv or n_head
+        default = int(llama_cpp.llama_model_n_embd(self._model)) // n_head
+        k_len = self._meta_int(f"{arch}.attention.key_length") or default
+        v_len = self._meta_int(f"{arch}.attention.value_length") or default
+        if k_len != v_len or (heads_kv * k_len) % kv_type[1]:
+            return None
+        row = kvsparse.row_bytes(heads_kv * k_len, kv_type[0], kv_type[1])
+        return row, row
+
+    def _layout_facts(self) -> LayoutFacts:
+        cfg = self.config
+        self._kv_rows = self._kv_row_bytes()
+        n_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        room, strict = kvsparse.address_room()
+        return LayoutFacts(
+            pool_tokens=cfg.kv_pool_tokens,
+            max_sessions=cfg.max_sessions,
+            session_cap=cfg.session_kv_tokens,
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(self._model)),
+            bytes_per_position=n_layer * sum(self._kv_rows) if self._kv_rows else 0,
+            linux=sys.platform.startswith("linux"),
+            gpu_offload=cfg.n_gpu_layers > 0,
+            sliding_window=int(llama_cpp.llama_model_n_swa(self._model)) > 0,
+            virtual_room_bytes=room,
+            strict_overcommit=strict,
+        )
+
+    def _pool_context(self) -> ctypes.c_void_p:
+        """The pool's llama.cpp context in the chosen layout; sparse streams fall back to resident ones
+        (logged, and named by ``layout_name`` / the statistics) when their buffer cannot be made."""
+        cfg = self.config
+        facts = self._layout_facts()
+        try:
+            self.layout = choose_layout(cfg.kv_pool_layout, facts)
+        except LayoutError as err:
+            raise EngineError(str(err)) from err
+        if self.layout.layout != "sparse":
+            if self.layout.layout == "resident" and cfg.kv_pool_layout == "auto":
+                log.warning("kv pool on resident per-sequence streams: %s", self.layout.reason)
+            return self._new_context(cfg.context_settings(self.layout))
+        assert self._kv_rows is not None  # sparse_obstacle checked the geometry
+        geometry = kvsparse.KvGeometry(
+            int(llama_cpp.llama_model_n_layer(self._model)),
+            self._kv_rows[0],
+            self._kv_rows[1],
+            self.layout.stream_cells,
+            self.layout.n_streams,
+        )
+        made: list[ctypes.c_void_p] = []
+        settings = cfg.context_settings(self.layout)
+        try:
+            _, buf = kvsparse.create_sparse(lambda: made.append(self._new_context(settings)), geometry)
+            why = "the KV buffer was not found among the new mappings (another llama.cpp build?)"
+        except LlamaError:
+            buf, why = None, f"llama.cpp could not create {geometry.buffer_bytes / 2**20:.0f} MiB of streams"
+        if buf is not None and made:
+            self._sparse = buf
+            return made[0]
+        if made:
+            llama_cpp.llama_free(made[0])
+        if cfg.kv_pool_layout == "sparse":
+            raise EngineError(f"kv_pool_layout = sparse cannot be used here: {why}")
+        resident = choose_layout("resident", facts)
+        self.layout = dataclasses.replace(resident, reason=f"fallback: {why}")
+        log.warning("kv pool on resident per-sequence streams: %s", self.layout.reason)
+        return self._new_context(cfg.context_settings(self.layout))
+
+    def kv_resident_bytes(self) -> int | None:
+        """Sparse streams: bytes of the KV buffer resident now (what sessions wrote); else None."""
+        return None if self._sparse is None else self._sparse.resident_bytes()
+
+    def _drop_pages(self, seq: int, first_cell: int = 0) -> None:
+        """Sparse streams: give the pages of ``seq``'s cells from ``first_cell`` on back to the system.
+        Without flash attention llama.cpp stores V transposed (cells innermost), so a stream's tail is
+        not one range: only whole streams are dropped then."""
+        if self._sparse is not None and (first_cell == 0 or self.config.flash_attn):
+            self._sparse.drop_stream(seq, first_cell)
+
+    def _copy_kv(self, source_seq: int, seq: int) -> None:
+        """Copy a sequence's KV into another stream. Sparse streams: through llama.cpp's sequence state
+        (only the cells the source holds are written; llama.cpp's stream copy would write -- and make
+        resident -- the whole target stream)."""
+        if self._sparse is None:
+            llama_cpp.llama_memory_seq_cp(self._mem, source_seq, seq, -1, -1)
+            return
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, source_seq))
+        buf = (ctypes.c_uint8 * size)()
+        if int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, source_seq)) != size:
+            raise DecodeError("could not copy out the source session's KV")
+        if int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, size, seq)) == 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._drop_pages(seq)
+            raise DecodeError("could not copy the source session's KV")
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -403,13 +563,20 @@ class ShardEngine:
                 self.pool.move(source, session_id)
                 self.pool.resize(session_id, positions)  # shrinks: always fits
         else:
-            seq = self._free_seqs.pop(0)
+            seq = self._free_seqs[0]
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
             if src is not None:
-                llama_cpp.llama_memory_seq_cp(self._mem, src.seq, seq, -1, -1)
+                try:
+                    self._copy_kv(src.seq, seq)
+                except DecodeError:
+                    if self.pool is not None:
+                        self.pool.release(session_id)
+                    raise
+            self._free_seqs.pop(0)
         sess = _Session(session_id, seq, budget, params, constraint=constraint)
         if src is not None:
             llama_cpp.llama_memory_seq_rm(self._mem, seq, positions, -1)
+            self._drop_pages(seq, positions)
             sess.kv_len = positions
         self._sessions[session_id] = sess
         return budget
@@ -429,8 +596,9 @@ class ShardEngine:
         if sess is None:
             raise UnknownSessionError(f"unknown session {session_id!r}")
         llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, -1, -1)
+        self._drop_pages(sess.seq)
         if self.pool is not None:
-            self._holes |= self.pool.release(session_id) > 0
+            self._holes |= self.pool.release(session_id) > 0 and self._compacts
         self._free_seqs.append(sess.seq)
         self._free_seqs.sort()
 
@@ -441,8 +609,9 @@ class ShardEngine:
             raise PositionError(
                 f"cannot truncate session {session_id!r} of KV length {sess.kv_len} to {position}"
             )
-        self._holes |= position < sess.kv_len
+        self._holes |= position < sess.kv_len and self._compacts
         llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, position, -1)
+        self._drop_pages(sess.seq, position)
         sess.kv_len = position
         if self.pool is not None:
             self.pool.resize(session_id, position)  # shrinks: always fits
@@ -541,10 +710,11 @@ class ShardEngine:
                     w = works[i]
                     sess = self._sessions[w.session_id]
                     llama_cpp.llama_memory_seq_rm(self._mem, sess.seq, w.start_pos, -1)
+                    self._drop_pages(sess.seq, w.start_pos)
                     sess.kv_len = w.start_pos
                     if self.pool is not None:
                         self.pool.resize(w.session_id, w.start_pos)
-                        self._holes = True
+                        self._holes = self._compacts
                     errors[i] = failure
         results = []
         now = time.monotonic()
@@ -755,6 +925,8 @@ class ShardEngine:
             kv_pool=self.pool.stats() if self.pool is not None else None,
             kv_pool_refusals=self._pool_refusals,
             kv_pool_compactions=self._compactions,
+            kv_layout=self.layout_name,
+            kv_layout_reason=self.layout.reason if self.layout is not None else "",
             steps=self._steps,
             decodes=self._decodes,
             tokens_processed=self._tokens,

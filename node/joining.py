@@ -227,7 +227,8 @@ class _Joiner:
             raise CapacityError("kv_pool_tokens = -1 needs the node's memory sizing, which was not made")
         end = min(end, sizing.n_layers)
         sized = cfg.max_sessions * (-(-cfg.session_kv_tokens // 256) * 256)
-        tokens = auto_pool_tokens(sizing, start, end, budget.bytes, sized, cfg.batch_tokens)
+        copies = 2 if cfg.kv_pool_layout == "unified" else 1  # the unified layout's compaction copy
+        tokens = auto_pool_tokens(sizing, start, end, budget.bytes, sized, cfg.batch_tokens, copies=copies)
         if tokens < 256:
             raise CapacityError(
                 f"the memory left after layers [{start}, {end}) ({budget.bytes / 2**20:.0f} MiB budget, "

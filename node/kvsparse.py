@@ -116,6 +116,18 @@ class SparseKvBuffer:
         # Never the first page: it holds malloc's chunk header (zeroing it makes free() abort).
         madvise(self.start + PAGE, self.length - PAGE, MADV_DONTNEED)
 
+    def resident_bytes(self) -> int:
+        """Bytes of the buffer resident now (the mapping's ``Rss`` in ``/proc/self/smaps``)."""
+        head = f"{self.start:x}-"
+        with open("/proc/self/smaps") as fh:
+            inside = False
+            for line in fh:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    inside = line.startswith(head)
+                elif inside and line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
     def drop_stream(self, stream: int, first_cell: int = 0) -> int:
         """Drop cells ``first_cell..`` of ``stream`` in every layer; returns the bytes dropped."""
         dropped = 0
@@ -181,3 +193,45 @@ def rss_bytes() -> tuple[int, int]:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
+
+
+def address_room() -> tuple[int | None, bool]:
+    """(address space this process may still map, or None when unbounded; whether the kernel commits
+    virtual memory strictly). Bounded by ``RLIMIT_AS`` less what is mapped now, and under the default
+    heuristic overcommit by RAM plus swap (the kernel refuses one mapping larger than that)."""
+    import resource
+
+    room: int | None = None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft not in (resource.RLIM_INFINITY, -1):
+        room = max(0, soft - _status_kib("VmSize") * 1024)
+    mode = "0"
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as fh:
+            mode = fh.read().strip()
+    except OSError:
+        pass
+    if mode == "0":
+        ram = (_meminfo_kib("MemTotal") + _meminfo_kib("SwapTotal")) * 1024
+        if ram > 0:
+            room = ram if room is None else min(room, ram)
+    return room, mode == "2"
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _meminfo_kib(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

@@ -43,9 +43,21 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_kept_kv_tokens": m.gauge("KV positions held by kept sessions"),
     "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots (or of the KV pool)"),
     "swarm_node_kv_pool_blocks": m.gauge("16-position blocks of the KV pool (0: per-sequence layout)"),
+    "swarm_node_kv_pool_used_blocks": m.gauge(
+        "blocks of the KV pool holding sessions' KV (the engine's count)"
+    ),
     "swarm_node_kv_pool_free_blocks": m.gauge("free blocks of the KV pool"),
+    "swarm_node_kv_pool_reserved_blocks": m.gauge(
+        "blocks sessions hold or have steps accepted for, kept sessions included (admission's count)"
+    ),
     "swarm_node_kv_pool_refusals_total": m.counter(
-        "pieces of work refused because the KV pool had no free block (waits for KV)", scraped=True
+        "steps refused because the KV pool had no room and no session could be preempted", scraped=True
+    ),
+    "swarm_node_kv_preemptions_total": m.counter(
+        "sessions preempted (KV freed, gateway told PREEMPTED) to make room for older ones", scraped=True
+    ),
+    "swarm_node_kv_layout": m.gauge(
+        "1 for the KV layout in use: per-sequence (no pool), sparse, resident or unified", "layout"
     ),
     "swarm_node_kv_pool_compactions_total": m.counter(
         "times the KV pool's cells were re-packed after releases", scraped=True

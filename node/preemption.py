@@ -6,7 +6,8 @@ blocks go first (the ones that have done the least work lose the least), until
 the blocks freed cover the need. When the session asking for room is itself
 younger than every session that could make room, it is the one that yields
 (the plan names only it). A session past its preemption bound is not chosen
-again (the gateway fails it with a clear error instead of looping).
+again, not even as a yielding requester: it keeps its KV and waits, or older
+sessions make room for it (no session is preempted without end).
 
 The decision only: the frame server frees the victims' KV on every stage of
 their routes and tells their gateways; the gateway keeps their tokens and
@@ -54,12 +55,15 @@ def choose_victims(
     need_blocks: int,
     free_blocks: int,
     max_preemptions: int,
+    requester_preemptions: int = 0,
 ) -> PreemptionPlan:
     """The youngest sessions whose blocks, with the free ones, cover ``need_blocks``.
 
     An empty plan when the free blocks already cover the need, or when every
     eligible session together could not (then the work is refused as before:
-    preempting would lose progress and still not make room).
+    preempting would lose progress and still not make room). A requester at its own bound
+    (``requester_preemptions >= max_preemptions``) does not yield: older sessions make room for it,
+    or the work is refused and it waits with its KV intact.
     """
     if need_blocks < 0 or free_blocks < 0 or max_preemptions < 0:
         raise ValueError("need_blocks, free_blocks and max_preemptions must be >= 0")
@@ -70,7 +74,8 @@ def choose_victims(
         (h for h in holders if h.session != requester and h.blocks > 0 and h.preemptions < max_preemptions),
         key=lambda h: (-h.opened_seq, h.session),
     )
-    if eligible and requester_opened_seq > eligible[0].opened_seq:
+    yields = requester_preemptions < max_preemptions
+    if eligible and yields and requester_opened_seq > eligible[0].opened_seq:
         mine = sum(h.blocks for h in holders if h.session == requester)
         return PreemptionPlan((requester,), mine)
     victims: list[str] = []

@@ -87,6 +87,8 @@ import numpy as np
 import numpy.typing as npt
 
 from common.logs import event
+from node.kvpool import BLOCK_TOKENS, blocks_for
+from node.preemption import Holder, choose_victims
 from proto import codec
 from proto.errors import (
     BadFrameError,
@@ -96,6 +98,7 @@ from proto.errors import (
     InternalError,
     NoHistoryError,
     PositionMismatchError,
+    PreemptedError,
     ProtocolError,
     ResourceExhaustedError,
     RouteEpochError,
@@ -148,6 +151,8 @@ class ServingSpec:
     max_kept_sessions: int = 4  # released sessions kept warm (Release.keep_ms); 0: never keep
     max_kept_kv_tokens: int = 8192  # positions all kept sessions hold together
     max_keep_s: float = 120.0  # longest a released session is kept
+    max_preemptions: int = 3  # with a pool: a session preempted this often here is never chosen again
+    kv_retry_after_ms: int = 500  # retry hint of a step refused because the KV pool has no room
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -330,6 +335,7 @@ class _Session:
     history_limit: int = 0
     history: _History | None = None
     isolated: bool = False  # OpenSession.isolated: its steps run in batches of their own
+    opened_seq: int = 0  # the order sessions opened here (higher = younger; kept across a preemption)
 
 
 @dataclass(frozen=True)
@@ -429,6 +435,29 @@ class MachineStats:
     evictions: int
     errors_by_status: dict[str, int]
     draining: bool
+    kv_pool_blocks: int = 0  # the pool's 16-position blocks (0: per-sequence layout)
+    kv_blocks_reserved: int = 0  # blocks sessions hold or have steps accepted for (kept sessions too)
+    preemptions: int = 0  # sessions preempted to make room in the pool
+    kv_refusals: int = 0  # steps refused because the pool had no room and nobody could be preempted
+
+
+@dataclass(frozen=True)
+class KvAnnouncement:
+    """What a heartbeat says of this node's KV (proto.announce.Heartbeat), in positions."""
+
+    free_tokens: int  # free for new work: the pool's unreserved blocks, or the slots not granted yet
+    pool_tokens: int  # the pool's size (without a pool: all slots together)
+    session_max_tokens: int  # the most one session may hold here
+
+
+def kv_announcement(stats: MachineStats, spec: ServingSpec) -> KvAnnouncement:
+    """The heartbeat's KV figures: with a pool the machine's view (blocks reserved by accepted steps
+    count as used: it runs ahead of the engine's), else the per-sequence slots."""
+    if stats.kv_pool_blocks:
+        free = max(0, stats.kv_pool_blocks - stats.kv_blocks_reserved) * BLOCK_TOKENS
+    else:
+        free = max(0, stats.kv_tokens_capacity - stats.kv_tokens_granted)
+    return KvAnnouncement(free, stats.kv_tokens_capacity, spec.session_kv_tokens)
 
 
 class FrameServer:
@@ -457,6 +486,12 @@ class FrameServer:
         self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # released sessions kept warm, oldest first
         self._reused = 0
+        self._open_order = itertools.count(1)
+        # Sessions preempted here: (times, their opened_seq), so a resumed session keeps its age and its
+        # count (the bound of node.preemption); bounded like the closed sessions.
+        self._preempted: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._preemptions = 0
+        self._kv_refusals = 0
         self.draining = False
 
     # -- connections ---------------------------------------------------------------------------
@@ -594,6 +629,12 @@ class FrameServer:
         source, positions, move = self._kv_source(frame.open, budget)
         if source == sid:
             source, positions, move = "", 0, False
+        if positions and not move and self.spec.kv_pool_tokens:
+            # A copy holds its positions at once: without free blocks for it, the session starts empty
+            # (the gateway prefills it whole) rather than preempting anyone for an optimisation.
+            free = self.spec.kv_pool_tokens // BLOCK_TOKENS - self._reserved_blocks()
+            if blocks_for(positions) > free:
+                source, positions, move = "", 0, False
         victims = [sid] if sid in self._kept else []  # a kept session's id opened afresh: its KV goes
         if not move:
             # Kept sessions are given up first (oldest first) when a new session needs their slot.
@@ -607,6 +648,7 @@ class FrameServer:
         for victim in victims:
             actions += self._evict_kept(victim)
         self._closed.pop(sid, None)
+        remembered = self._preempted.get(sid)
         sess = _Session(
             session_id=sid,
             conn=conn,
@@ -619,6 +661,7 @@ class FrameServer:
             last_step_id=int(frame.step_id),
             expires_at=now + self.spec.idle_lease_s,
             isolated=bool(frame.open.isolated),
+            opened_seq=remembered[1] if remembered is not None else next(self._open_order),
         )
         if positions:
             sess.kv_len = positions
@@ -1087,11 +1130,14 @@ class FrameServer:
     def _accept(
         self, conn: int, frame: frame_pb2.Frame, step: codec.Step, sess: _Session, now: float
     ) -> list[Action]:
-        """A whole step passed every check: compute it now, or queue it behind the running one."""
+        """A whole step passed every check: compute it now, or queue it behind the running one.
+
+        With a KV pool, room for the step's growth is made first (:meth:`_make_room`): it may preempt
+        younger sessions, refuse the step (RESOURCE_EXHAUSTED, retry SAME) or preempt this session."""
+        job: StepJob | None = None
+        nbytes = 0
         if sess.busy_job is None:
             job = self._job(step, sess, check_queue=True)
-            self._run(sess, job, step, frame, conn)
-            actions: list[Action] = [Compute(job)]
         else:
             self._job(step, sess, check_queue=False)  # the same checks now, so a refusal is immediate
             nbytes = sum(int(t.nbytes) for t in step.tensors.values())
@@ -1109,12 +1155,122 @@ class FrameServer:
                     retry=status_pb2.RETRY_SAME,
                     retry_after_ms=self.spec.busy_retry_after_ms,
                 )
+        actions, proceed = self._make_room(sess, step.end, frame)
+        if not proceed:
+            return actions
+        if job is not None:
+            self._run(sess, job, step, frame, conn)
+            actions.append(Compute(job))
+        else:
             sess.pending.append(_Pending(step, frame, conn, nbytes))
             self._pending_bytes += nbytes
-            actions = []
         sess.accepted_end = step.end
         sess.accepted_step = step.step_id
         sess.expires_at = now + self.spec.idle_lease_s
+        return actions
+
+    # -- the KV pool: room, preemption ------------------------------------------------------------
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the pool must hold: every session's KV once its accepted steps ran, and kept sessions.
+        Never less than the engine's own count (node.kvpool), which grows only as steps run."""
+        live = sum(blocks_for(s.accepted_end) for s in self._sessions.values())
+        return live + sum(blocks_for(k.kv_len) for k in self._kept.values())
+
+    def _preemption_count(self, sid: str) -> int:
+        remembered = self._preempted.get(sid)
+        return remembered[0] if remembered is not None else 0
+
+    def _make_room(self, sess: _Session, end: int, frame: frame_pb2.Frame) -> tuple[list[Action], bool]:
+        """Room in the pool for ``sess`` to grow to ``end`` positions: (actions, whether the step runs).
+
+        Free blocks first, then kept sessions (oldest first: nobody waits on them), then the plan of
+        :func:`node.preemption.choose_victims` -- the youngest sessions, or this one when it is the
+        youngest. When nothing can make room the step is refused (RESOURCE_EXHAUSTED, retry SAME after
+        ``kv_retry_after_ms``) and nothing is freed. Errors go to the session's owner (the gateway),
+        also for a step pushed by the previous stage: a refusal on a push stream would read as that
+        stage's push failing."""
+        if not self.spec.kv_pool_tokens:
+            return [], True
+        need = blocks_for(end) - blocks_for(sess.accepted_end)
+        free = self.spec.kv_pool_tokens // BLOCK_TOKENS - self._reserved_blocks()
+        if need <= free:
+            return [], True
+        kept = sum(blocks_for(k.kv_len) for k in self._kept.values())
+        holders = [
+            Holder(
+                s.session_id, s.opened_seq, blocks_for(s.accepted_end), self._preemption_count(s.session_id)
+            )
+            for s in self._sessions.values()
+        ]
+        plan = choose_victims(
+            holders,
+            requester=sess.session_id,
+            requester_opened_seq=sess.opened_seq,
+            need_blocks=need,
+            free_blocks=free + kept,
+            max_preemptions=self.spec.max_preemptions,
+            requester_preemptions=self._preemption_count(sess.session_id),
+        )
+        if need > free + kept and not plan.preempts:
+            self._kv_refusals += 1
+            refusal = ResourceExhaustedError(
+                f"the KV pool has {max(0, free)} free blocks of {BLOCK_TOKENS} positions; "
+                f"{end - sess.accepted_end} more positions need {need} and no session can be preempted",
+                retry=status_pb2.RETRY_SAME,
+                retry_after_ms=self.spec.kv_retry_after_ms,
+            )
+            event(log, "kv_pool_refused", session_id=sess.session_id, need_blocks=need, free_blocks=free)
+            return ([] if sess.conn is None else [self._error(sess.conn, refusal, frame, sess.kv_len)]), False
+        actions: list[Action] = []
+        while need > free and self._kept and sess.session_id not in plan.victims:
+            oldest = next(iter(self._kept))
+            free += blocks_for(self._kept[oldest].kv_len)
+            actions += self._evict_kept(oldest)
+        if need <= free:
+            return actions, True
+        for victim in plan.victims:
+            if victim == sess.session_id:
+                return actions + self._preempt(sess, frame), False
+            actions += self._preempt(self._sessions[victim], None)
+        return actions, True
+
+    def _preempt(self, sess: _Session, frame: frame_pb2.Frame | None) -> list[Action]:
+        """Free ``sess``'s KV for an older session and tell its owner (PREEMPTED, RETRY_RESUME, closed).
+
+        ``frame``: the session's own refused step when it is the one that yields (the answer echoes
+        it); else an unsolicited notice."""
+        sid = sess.session_id
+        count = self._preemption_count(sid) + 1
+        self._preempted[sid] = (count, sess.opened_seq)
+        self._preempted.move_to_end(sid)
+        while len(self._preempted) > MAX_CLOSED_REMEMBERED:
+            self._preempted.popitem(last=False)
+        self._preemptions += 1
+        actions: list[Action] = []
+        if sess.busy_job is not None:
+            actions.append(Drop(sess.busy_job))
+            self._jobs.pop(sess.busy_job, None)  # its result is dropped, never sent
+        conn, freed = sess.conn, sess.kv_len
+        exc = PreemptedError(
+            f"this node's KV pool ran out: the session's KV was freed for an older session "
+            f"(preempted {count} time(s) here; at most {self.spec.max_preemptions})"
+        )
+        self._forget(sess)
+        self._remember_closed(sid, _Closed("preempted", sess.last_step_id, ()))
+        actions.append(FreeKv(sid))
+        if conn is not None:
+            if frame is not None:
+                actions.append(self._error(conn, exc, frame, 0))
+            else:
+                notice = self._header(sess).frame(
+                    frame_pb2.PHASE_UNSPECIFIED, step_id=sess.last_step_id, kv_len=0
+                )
+                notice.error.CopyFrom(error_body(exc))
+                notice.error.session_closed = True
+                self._errors[exc.status_name] = self._errors.get(exc.status_name, 0) + 1
+                actions.append(self._send(conn, (notice,)))
+        event(log, "session_preempted", session_id=sid, freed_kv_tokens=freed, times=count)
         return actions
 
     def _run(self, sess: _Session, job: StepJob, step: codec.Step, frame: frame_pb2.Frame, conn: int) -> None:
@@ -1435,4 +1591,8 @@ class FrameServer:
             evictions=self._evictions,
             errors_by_status=dict(self._errors),
             draining=self.draining,
+            kv_pool_blocks=self.spec.kv_pool_tokens // BLOCK_TOKENS,
+            kv_blocks_reserved=self._reserved_blocks() if self.spec.kv_pool_tokens else 0,
+            preemptions=self._preemptions,
+            kv_refusals=self._kv_refusals,
         )

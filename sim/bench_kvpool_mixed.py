@@ -1,23 +1,30 @@
 """Mixed load at equal KV memory: the KV pool against today's per-sequence slots (engine level).
 
-    python -m sim.bench_kvpool_mixed [--requests 32] [--out docs/perf/kvpool-mixed.json]
+    python -m sim.bench_kvpool_mixed [--requests 32] [--sessions 32] [--layout auto] [--admit fifo|fit]
+        [--out docs/perf/kvpool-mixed-sparse.json]
 
 ``--requests`` requests with prompts of 100 to 6,000 tokens (log-uniform,
 seeded; natural text) each generate ``--new`` greedy tokens through one
 engine holding the whole model (one thread, flash attention, f16 KV), in two
 layouts of the same KV memory (16,384 positions):
 
+``--scale k`` divides the prompt lengths, the slots and the pool by ``k``: a
+cheaper run of the same shape (concurrency depends on the ratios only).
+
 * ``per_seq``: today's 8 slots of 2,048 positions. A request whose prompt plus
   generation passes 2,048 is refused (what the gateway answers today).
-* ``pool``: one pool of 16,384 positions, sessions up to the model's 8,192.
+* ``pool``: one pool of 16,384 positions in ``--layout`` (node.kvlayout;
+  auto = sparse per-sequence streams here), sessions up to the model's 8,192.
   A request is started when the pool's free blocks hold its prompt plus
   generation (admission by KV; nothing is reserved in the engine) and at most
-  64 sessions run.
+  ``--sessions`` sessions run.
 
-Requests arrive all at once and start first come, first served; each step
-batches every running session's next piece (prefill chunks of 256, decode
-steps). Reported: requests completed and refused, the most sessions running
-at once, the mean over steps, wall time, and how many completions are
+Requests arrive all at once and start first come, first served (``--admit
+fifo``: the head of the queue waits for room and everyone behind it) or, with
+``--admit fit``, any waiting request whose KV fits starts (in arrival order);
+each step batches every running session's next piece (prefill chunks of 256,
+decode steps). Reported: requests completed and refused, the most sessions
+running at once, the mean over steps, wall time, and how many completions are
 identical to the same request alone in a fresh one-sequence context.
 Figures, not assertions.
 """
@@ -58,10 +65,10 @@ class _Req:
     out: list[int] = field(default_factory=list)
 
 
-def _requests(vocab: Vocabulary, n: int, seed: int) -> list[list[int]]:
+def _requests(vocab: Vocabulary, n: int, seed: int, scale: int = 1) -> list[list[int]]:
     base = vocab.tokenize(TEXT * 200)
     rng = np.random.default_rng(seed)
-    lengths = np.exp(rng.uniform(np.log(100), np.log(6000), size=n)).astype(int)
+    lengths = np.exp(rng.uniform(np.log(100 / scale), np.log(6000 / scale), size=n)).astype(int)
     out = []
     for i, length in enumerate(lengths):
         off = (i * 37) % 50
@@ -69,7 +76,9 @@ def _requests(vocab: Vocabulary, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _run(engine: ShardEngine, prompts: list[list[int]], n_new: int, pool: bool) -> dict[str, Any]:
+def _run(
+    engine: ShardEngine, prompts: list[list[int]], n_new: int, pool: bool, admit: str = "fifo"
+) -> dict[str, Any]:
     limit = engine.session_kv_limit
     waiting = [_Req(i, p) for i, p in enumerate(prompts)]
     refused = [r.rid for r in waiting if len(r.prompt) + n_new > limit]
@@ -80,15 +89,17 @@ def _run(engine: ShardEngine, prompts: list[list[int]], n_new: int, pool: bool) 
     reserved = 0  # admission's view: blocks the running requests will need at their end
     t0 = time.perf_counter()
     while waiting or running:
-        while waiting:
-            need = blocks_for(len(waiting[0].prompt) + n_new)
+        for r in list(waiting):
+            need = blocks_for(len(r.prompt) + n_new)
+            if len(running) >= engine.config.max_sessions:
+                break
             if pool:
                 assert engine.pool is not None
-                if len(running) >= engine.config.max_sessions or reserved + need > engine.pool.total_blocks:
-                    break
-            elif len(running) >= engine.config.max_sessions:
-                break
-            r = waiting.pop(0)
+                if reserved + need > engine.pool.total_blocks:
+                    if admit == "fifo":
+                        break  # first come, first served: the head waits, and everyone behind it
+                    continue  # "fit": a later request that fits starts now
+            waiting.remove(r)
             engine.open_session(f"r{r.rid}")
             reserved += need
             running.append(r)
@@ -146,23 +157,35 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new", type=int, default=16, help="greedy tokens per request")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="divide prompt lengths, slots and pool by this (a cheaper run of the same shape)",
+    )
+    ap.add_argument("--sessions", type=int, default=32, help="the pool's most sessions (sequence streams)")
+    ap.add_argument("--layout", default="auto", help="the pool's layout (node.kvlayout): auto, unified ...")
+    ap.add_argument(
+        "--admit", default="fifo", choices=["fifo", "fit"], help="fit: later requests that fit start first"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     model = test_model_path()
     cache = Path(tempfile.mkdtemp(prefix="bench-kvpool-"))
     files = extract_shard(model, 0, 30, cache)
     with Vocabulary(model) as vocab:
-        prompts = _requests(vocab, args.requests, args.seed)
+        prompts = _requests(vocab, args.requests, args.seed, args.scale)
     layouts = {
         "per_seq": EngineConfig(
-            n_threads_count=1, max_sessions=8, session_kv_tokens=2048, n_batch_tokens=512
+            n_threads_count=1, max_sessions=8, session_kv_tokens=2048 // args.scale, n_batch_tokens=512
         ),
         "pool": EngineConfig(
             n_threads_count=1,
-            max_sessions=64,
+            max_sessions=args.sessions,
             session_kv_tokens=1 << 30,
             n_batch_tokens=512,
-            kv_pool_tokens=16384,
+            kv_pool_tokens=16384 // args.scale,
+            kv_pool_layout=args.layout,
         ),
     }
     result: dict[str, Any] = {
@@ -170,12 +193,16 @@ def main() -> None:
         "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new,
-        "kv_positions": 16384,
+        "kv_positions": 16384 // args.scale,
+        "scale": args.scale,
+        "pool_sessions": args.sessions,
+        "admit": args.admit,
     }
     outputs: dict[str, dict[int, list[int]]] = {}
     for name, cfg in layouts.items():
         with ShardEngine(files, cfg, cache) as engine:
-            row = _run(engine, prompts, args.new, pool=cfg.kv_pool_tokens > 0)
+            row = _run(engine, prompts, args.new, pool=cfg.kv_pool_tokens > 0, admit=args.admit)
+            row["layout"] = engine.layout_name
         outputs[name] = row.pop("outputs")
         result[name] = row
         print(f"{name:8s} {row}", flush=True)

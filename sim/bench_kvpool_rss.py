@@ -29,9 +29,12 @@ from sim.bench_join import in_cgroup, make_cgroup
 from sim.procs import Supervisor
 
 
-def _metrics(admin_port: int) -> dict[str, float]:
+def _metrics(admin_port: int) -> tuple[dict[str, float], str]:
+    """The node's unlabelled KV gauges, and the KV layout it runs (``swarm_node_kv_layout{layout=...}``)."""
     text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics", timeout=10).text
-    return {k: float(v) for k, v in re.findall(r"^(swarm_node_kv_\w+) (\S+)$", text, re.M)}
+    layout = re.search(r'^swarm_node_kv_layout\{layout="(\w[\w-]*)"\} 1(?:\.0)?$', text, re.M)
+    gauges = {k: float(v) for k, v in re.findall(r"^(swarm_node_kv_\w+) (\S+)$", text, re.M)}
+    return gauges, layout.group(1) if layout else "?"
 
 
 def main() -> None:
@@ -51,7 +54,7 @@ def main() -> None:
         node = sup.start_node(
             "node", model=model, layers="0:30", tracker_url=None, extra_args=["--kv-pool-tokens", "-1"]
         ).ready(600)
-        gauges = _metrics(node.admin_port)
+        gauges, layout = _metrics(node.admin_port)
         proc = psutil.Process(node.proc.pid)
         status = Path(f"/proc/{proc.pid}/status").read_text()
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
@@ -62,6 +65,7 @@ def main() -> None:
             "cgroup_version": group.version,
             "kv_pool_tokens": int(gauges.get("swarm_node_kv_pool_blocks", 0)) * 16,
             "kv_tokens_capacity": int(gauges.get("swarm_node_kv_tokens_capacity", 0)),
+            "kv_layout": layout,
             "rss_bytes": rss,
             "peak_rss_bytes": hwm,
             "cgroup": group.statistics(),
@@ -70,7 +74,7 @@ def main() -> None:
         sup.stop_all()
         group.remove()
     print(f"limit                 {limit / 2**20:8.0f} MiB (cgroup v{result['cgroup_version']})")
-    print(f"pool sized            {result['kv_pool_tokens']:8d} positions")
+    print(f"pool sized            {result['kv_pool_tokens']:8d} positions ({result['kv_layout']} layout)")
     print(f"node RSS / peak       {rss / 2**20:8.0f} / {hwm / 2**20:.0f} MiB")
     print(f"cgroup                {result['cgroup']}")
     if args.out:

@@ -1,7 +1,9 @@
-"""The node's KV pool: block accounting (pure) and the engine on one unified pool (real llama.cpp)."""
+"""The node's KV pool: block accounting (pure) and the engine on a pool (real llama.cpp): its default
+layout (sparse per-sequence streams) and the opt-in unified stream (compaction)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +61,15 @@ def _tokens(n: int, seed: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def pooled(model_path: Path, node_cache: Path) -> Iterator[ShardEngine]:
     with ShardEngine(extract_shard(model_path, 0, 30, node_cache), POOL, node_cache) as engine:
+        assert engine.layout_name == "sparse"
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def unified(model_path: Path, node_cache: Path) -> Iterator[ShardEngine]:
+    config = dataclasses.replace(POOL, kv_pool_layout="unified")
+    with ShardEngine(extract_shard(model_path, 0, 30, node_cache), config, node_cache) as engine:
+        assert engine.layout_name == "unified"
         yield engine
 
 
@@ -143,7 +154,7 @@ TEXTS = [
 
 
 def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
-    pooled: ShardEngine, solo_reference: ReferenceModel, vocab
+    unified: ShardEngine, solo_reference: ReferenceModel, vocab
 ) -> None:
     """Eight sessions fill the pool, every other one leaves, a long session takes the room (the pool
     is compacted first), and all of them decode together: each gives the greedy tokens it gives
@@ -153,16 +164,16 @@ def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
     sids = [f"frag-{i}" for i in range(8)]
     prompts = {sid: vocab.tokenize(TEXTS[i % 4] * 6)[: 100 + i] for i, sid in enumerate(sids)}
     for sid in sids:
-        pooled.open_session(sid)
-        _prefill(pooled, sid, np.array(prompts[sid], dtype=np.int32))
+        unified.open_session(sid)
+        _prefill(unified, sid, np.array(prompts[sid], dtype=np.int32))
     for sid in sids[::2]:
-        pooled.release(sid)
+        unified.release(sid)
     prompts["long"] = vocab.tokenize(" ".join(TEXTS) * 8)[:448]
     live = [*sids[1::2], "long"]
-    pooled.open_session("long")
+    unified.open_session("long")
     try:
-        _prefill(pooled, "long", np.array(prompts["long"], dtype=np.int32))
-        assert pooled.statistics().kv_pool_compactions >= 1
+        _prefill(unified, "long", np.array(prompts["long"], dtype=np.int32))
+        assert unified.statistics().kv_pool_compactions >= 1
         got = {sid: [int(np.argmax(_LAST[sid]))] for sid in live}
         for _ in range(15):
             works = [
@@ -174,7 +185,7 @@ def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
                 )
                 for sid in live
             ]
-            for w, r in zip(works, pooled.step(works), strict=True):
+            for w, r in zip(works, unified.step(works), strict=True):
                 assert r.ok, r.error
                 got[w.session_id].append(int(np.argmax(r.logits)))
         for sid in live:
@@ -183,9 +194,9 @@ def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
             assert got[sid] == want, sid
     finally:
         for sid in live:
-            if pooled.has_session(sid):
-                pooled.release(sid)
-    assert pooled.statistics().kv_pool.used_blocks == 0
+            if unified.has_session(sid):
+                unified.release(sid)
+    assert unified.statistics().kv_pool.used_blocks == 0
 
 
 def test_the_session_machine_reports_the_pool_as_its_capacity() -> None:
@@ -233,11 +244,14 @@ def test_an_automatic_pool_fills_what_the_span_leaves_of_the_memory_budget(tmp_p
     budget = 1_000_000_000
     tokens = auto_pool_tokens(sizing, 0, 2, budget, sized_positions=1000, n_batch=512)
     room = budget * (1 - POOL_MARGIN) - (50_000_000 + 200_000_000 + 10_000_000)
-    per_position = 2 * (2 * 1000) + 4 * 512  # the pool and a compaction's copy, and the mask row
+    per_position = 2 * 1000 + 4 * 512  # the pool (per-sequence layouts: no compaction copy) and the mask row
     assert tokens % 256 == 0 and tokens <= room / per_position < tokens + 256
     # The last stage carries the LM head: less room, a smaller pool; a span that fills memory: none.
     assert auto_pool_tokens(sizing, 2, 4, budget, 1000, 512) < tokens
     assert auto_pool_tokens(sizing, 0, 4, 400_000_000, 1000, 512) == 0
+    # The unified layout prices a compaction's transient copy of the KV too.
+    unified = auto_pool_tokens(sizing, 0, 2, budget, 1000, 512, copies=2)
+    assert unified <= room / (2 * 2 * 1000 + 4 * 512) < unified + 256 and unified < tokens
     cfg = NodeConfig(kv_pool_tokens=-1, cache_dir=str(tmp_path), max_sessions=1, session_kv_tokens=1000)
     joiner = _Joiner(cfg.validate(), None, "")
     limit = MemoryLimit(budget, "memory_limit_mb")

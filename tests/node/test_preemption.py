@@ -92,3 +92,17 @@ def test_plan_properties(holders: list[Holder], need: int, free: int, req_seq: i
     else:
         eligible = sum(h.blocks for h in holders if h.session != "s0" and h.blocks and h.preemptions < bound)
         assert need <= free or free + eligible < need
+
+
+def test_a_requester_at_its_bound_does_not_yield_older_sessions_make_room() -> None:
+    holders = [Holder("old", 1, 8), Holder("r", 9, 2)]
+    plan = choose_victims(
+        holders,
+        requester="r",
+        requester_opened_seq=9,
+        need_blocks=4,
+        free_blocks=0,
+        max_preemptions=3,
+        requester_preemptions=3,
+    )
+    assert plan.victims == ("old",) and plan.blocks_freed == 8
