@@ -485,6 +485,18 @@ class NodeInfoCache:
                 f"node {hop.node_id[:8]} serves another model or shard than routed", node_id=hop.node_id
             )
         limits = info.limits
+        # The most positions one session may hold there: what the node's Info says. A node too old to
+        # say (0) is held to the model's trained context, and its OPEN grant is checked against the
+        # session's budget anyway (gateway.session_machine: fewer granted = busy); a node that names
+        # neither cannot be sized, and is not routed to (no guessed default).
+        session_kv = int(limits.max_kv_tokens_per_session) or int(info.model.n_ctx_train)
+        if session_kv <= 0:
+            raise StageFailed(
+                f"node {hop.node_id[:8]}'s Info names neither its per-session KV limit nor the model's "
+                "context (an old or broken node): not routed to",
+                node_id=hop.node_id,
+                answered=True,
+            )
         stage = StageInfo(
             node_id=info.node_id,
             address=hop.address,
@@ -497,9 +509,7 @@ class NodeInfoCache:
             serves_vocab=bool(info.serves_vocab),
             max_frame_bytes=int(limits.max_frame_bytes) or 4 * 1024 * 1024,
             max_step_tokens=int(limits.max_step_tokens) or 512,
-            max_kv_tokens_per_session=int(limits.max_kv_tokens_per_session)
-            or int(info.model.n_ctx_train)
-            or 2048,
+            max_kv_tokens_per_session=session_kv,
             fetched_at_s=self._clock(),
         )
         if len(self._infos) > 4096:

@@ -55,6 +55,14 @@ same-span node, no kept outputs, a second failure meanwhile, too many
 recoveries) ends the session with a failure the service answers by re-running
 the whole token history on another route.
 
+Preemption. A stage whose KV pool ran out may free this session's KV to make
+room for an older session and say so with STATUS_PREEMPTED (retry hint
+RETRY_RESUME, session closed on that node). Nothing is replaced in place: the
+machine ends the session at once (CANCEL to every other stage, which frees
+their KV; the preempting stage is not waited for) and reports a failure of
+kind "preempted". The service keeps the tokens and resumes the request by
+re-prefilling them when a route has room again (gateway/serving.py).
+
 Timings (decode steps only; the machine's clock is the ``now`` of its events).
 A decode step *starts* when its input leaves: the gateway sends it (one stage,
 a resume, another choice) or the last stage reported the step before, which is
@@ -167,9 +175,10 @@ class Failure:
     """Why the session (or a stage) failed.
 
     ``kind``: "stage" (one node failed; another route can fix it when
-    ``replaceable``), "busy" (a node is full), "context" (the request does not
-    fit: a client error), "protocol" (a node broke the protocol: not retried on
-    it).
+    ``replaceable``), "busy" (a node is full), "preempted" (a node freed the
+    session's KV for an older session: resume by re-prefill, the node is not
+    at fault), "context" (the request does not fit: a client error),
+    "protocol" (a node broke the protocol: not retried on it).
     """
 
     kind: str
@@ -183,6 +192,9 @@ class Failure:
     # Every node this session lost (a stage replaced, then its replacement failed too): a whole-route
     # re-run must avoid them all, not only ``node_id``.
     failed_nodes: frozenset[str] = frozenset()
+    # "busy" because a stage granted fewer KV positions than the session's budget (a KV shortage the
+    # service may wait out), not because it has no session slot or is draining.
+    kv_short: bool = False
 
 
 @dataclass(frozen=True)
@@ -626,6 +638,7 @@ class RouteMachine:
                     f"{self.config.kv_budget} were asked",
                     stage.spec.node_id,
                     retry_after_s=2,
+                    kv_short=True,
                 ),
                 now,
             )
@@ -958,6 +971,23 @@ class RouteMachine:
             if remote.retry_after_ms
             else None
         )
+        if remote.status == S.STATUS_PREEMPTED:
+            # The node freed the session's KV for an older session: nothing to replace in place. The
+            # session ends here (CANCEL to the other stages frees theirs); the service resumes it by
+            # re-prefilling its tokens once there is room (RETRY_RESUME). The CANCEL to the preempting
+            # node too: harmless where it freed the session, and frees it where it did not say so.
+            return self._give_up(
+                Failure(
+                    "preempted",
+                    f"{who} preempted the session: {remote.message}",
+                    stage.spec.node_id,
+                    retry_after_s=retry_s,
+                    status=remote.status,
+                    retry=remote.retry,
+                    retry_after_ms=int(remote.retry_after_ms),
+                ),
+                now,
+            )
         if remote.status == S.STATUS_CONTEXT_EXCEEDED:
             failure = Failure("context", f"{who}: {remote.message}", stage.spec.node_id, replaceable=False)
         elif remote.status in (S.STATUS_RESOURCE_EXHAUSTED, S.STATUS_UNAVAILABLE):
