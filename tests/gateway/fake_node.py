@@ -42,6 +42,10 @@ N_EMBD = 576
 # Scripted failures shared by every fake node of a test: the next ``left`` decode steps that find a session
 # past ``after`` generated tokens get INTERNAL on the last stage.
 FAILURES: dict[str, int] = {"left": 0, "after": 0}
+# Scripted preemptions, the same way: the next ``left`` decode steps on the last stage that find a session
+# past ``after`` generated tokens free its KV and answer STATUS_PREEMPTED (a node whose KV pool ran out and
+# freed this session for an older one). ``done`` counts them.
+PREEMPTIONS: dict[str, int] = {"left": 0, "after": 0, "done": 0}
 
 
 @dataclass
@@ -133,6 +137,21 @@ class ScriptedBackend:
                 FAILURES["left"] -= 1
                 out.append(
                     SliceResult(self.kv[sid], error_status="INTERNAL", error_message="scripted failure")
+                )
+                continue
+            if (
+                node.is_last
+                and job.is_decode
+                and PREEMPTIONS["left"] > 0
+                and node.generated(self.history[sid]) >= PREEMPTIONS["after"]
+            ):
+                PREEMPTIONS["left"] -= 1
+                PREEMPTIONS["done"] += 1
+                self.free(sid)  # the pool's blocks go to the older session
+                out.append(
+                    SliceResult(
+                        0, error_status="PREEMPTED", error_message="KV pool full: freed for an older one"
+                    )
                 )
                 continue
             self.kv[sid] += s.count

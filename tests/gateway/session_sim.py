@@ -401,7 +401,6 @@ class SimSwarm:
         elif fault.kind == "resume":
             node.hung = False
 
-
     def preempt(self, machine: RouteMachine, node: SimNode) -> None:
         """``node`` frees the current session's KV for an older session and says so on its stream."""
         sid = machine.config.session_id
@@ -414,9 +413,7 @@ class SimSwarm:
         if slot is None:
             return
         self.jobs = [
-            (n, j)
-            for n, j in self.jobs
-            if not (n == node.name and getattr(j, "session_id", None) == sid)
+            (n, j) for n, j in self.jobs if not (n == node.name and getattr(j, "session_id", None) == sid)
         ]
         self.node_actions(node, node.machine.fail_session(sid, "preempted for an older session"))
         frame = codec.error_frame(
