@@ -249,8 +249,9 @@ class _TooLongHere(Exception):
     def refusal(self, largest: int) -> PromptTooLong:
         where = self.where
         if self.max_tokens is None:
+            verb = "have" if where == "messages" else "has"
             text = (
-                f"The {where} has {self.prompt} tokens, but the largest context this swarm can serve now "
+                f"The {where} {verb} {self.prompt} tokens, but the largest context this swarm can serve now "
                 f"is {largest} tokens (prompt plus completion). Shorten the {where}."
             )
         else:
