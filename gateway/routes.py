@@ -99,6 +99,10 @@ class ModelRoutes:
     name: str
     routes: tuple[Route, ...]
     fetched_at_s: float
+    # The tracker's view of the whole swarm (not only these routes): the most KV positions one session
+    # can hold on some complete route, and what some route has free for one now; None = not known.
+    kv_session_max_tokens: int | None = None
+    kv_free_max_tokens: int | None = None
 
 
 def route_id(hops: Sequence[Hop]) -> str:
@@ -164,7 +168,16 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_float(r.get("exit_rtt_ms")),
                 )
             )
-        return ModelRoutes(str(model["fingerprint"]), str(model["name"]), tuple(routes), now_s)
+        raw_kv = body.get("kv")
+        kv: dict[str, Any] = raw_kv if isinstance(raw_kv, dict) else {}
+        return ModelRoutes(
+            str(model["fingerprint"]),
+            str(model["name"]),
+            tuple(routes),
+            now_s,
+            _opt_count(kv.get("session_max_tokens")),
+            _opt_count(kv.get("free_max_tokens")),
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise UpstreamFailed(f"the tracker's route answer is malformed: {err!r}") from err
 
@@ -254,12 +267,14 @@ class RouteCache:
             )
         return dataclasses.replace(cached, routes=valid)
 
-    async def _fetch_or_hold(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+    async def _fetch_or_hold(
+        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+    ) -> ModelRoutes:
         """:meth:`_fetch`, unless the tracker failed less than :data:`TRACKER_RETRY_S` ago."""
         if self._clock() < self._tracker_down_until:
             raise UpstreamFailed("the tracker is unreachable (a recent look-up failed)", retry_after_s=5)
         try:
-            fetched = await self._fetch(model, exclude)
+            fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens)
         except UpstreamFailed:
             self._tracker_down_until = self._clock() + TRACKER_RETRY_S
             raise
@@ -268,7 +283,14 @@ class RouteCache:
             event(log, "routes_refreshed", model=fetched.name, routes=len(fetched.routes))
         return fetched
 
-    async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+    async def fetch_for_kv(self, model: str, kv_tokens: int) -> ModelRoutes:
+        """Fresh routes whose nodes announced room for ``kv_tokens`` positions (a prompt longer than
+        every cached route holds, where the tracker says the swarm has a route for it); not cached."""
+        return await self._fetch_or_hold(model, kv_tokens=kv_tokens)
+
+    async def _fetch(
+        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+    ) -> ModelRoutes:
         try:
             with trio.fail_after(self._timeout_s):
                 # The key every ticket must be signed with (asked of the tracker only on a first use).
@@ -276,7 +298,12 @@ class RouteCache:
                 # Our id lets the tracker price routes from where this gateway is (its coordinate).
                 # Signed with our key: the tickets name this gateway, and only its OPENs use them.
                 body = await self._tracker.routes(
-                    model, k=self._k, exclude=exclude, gateway_id=self._tracker.key_id, sign=True
+                    model,
+                    k=self._k,
+                    exclude=exclude,
+                    gateway_id=self._tracker.key_id,
+                    sign=True,
+                    kv_tokens=kv_tokens,
                 )
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))

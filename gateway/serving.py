@@ -569,7 +569,7 @@ class GatewayService:
         except _TooLongHere as too_long:
             self.routes.release(route)
             route, prepared = await self._longer_route(
-                request, [r for r in candidates if r is not route], too_long
+                job, request, [r for r in candidates if r is not route], too_long
             )
         except BaseException:
             self.routes.release(route)
@@ -607,13 +607,26 @@ class GatewayService:
         return route, prepared, hit
 
     async def _longer_route(
-        self, request: GenerationRequest, others: list[Route], too_long: _TooLongHere
+        self, job: Job, request: GenerationRequest, others: list[Route], too_long: _TooLongHere
     ) -> tuple[Route, _Prepared]:
         """The prompt passes the picked route's context (its nodes' per-session KV): the first other
-        candidate whose stages can hold it (nodes with a KV pool serve longer contexts), else 413
-        ``prompt_too_long`` naming the largest context any route tried allows (or the tracker's
-        figure for the whole swarm, when it knows a larger one)."""
+        candidate whose stages can hold it (nodes with a KV pool serve longer contexts). None does:
+        when the tracker said some route of the swarm holds that many positions per session
+        (``kv.session_max_tokens`` of its answer), one look-up for routes with room for it, and
+        :class:`KvExhausted` (the KV wait) when none has room now; else 413 ``prompt_too_long``
+        naming the largest context of the routes tried and of the tracker's answer."""
         largest = too_long.limit
+        model = job.model_key or request.model
+        swarm_max = (await self.routes.routes(model)).kv_session_max_tokens
+        if swarm_max is not None and swarm_max >= too_long.wanted:
+            try:
+                others = [*others, *(await self.routes.fetch_for_kv(model, too_long.wanted)).routes]
+            except NoRoute as err:
+                raise KvExhausted(
+                    f"a route of the swarm holds {too_long.wanted} positions per session, but none has "
+                    "them free now",
+                    retry_after_s=self.kv_gate.policy.retry_after_s(),
+                ) from err
         for other in others:
             route = self.routes.acquire([other])
             try:
@@ -627,6 +640,8 @@ class GatewayService:
             except BaseException:
                 self.routes.release(route)
                 raise
+        if swarm_max is not None and swarm_max < too_long.wanted:
+            largest = max(largest, swarm_max)
         self.metrics.inc("swarm_gateway_prompt_too_long_total")
         raise too_long.refusal(largest)
 
@@ -1409,9 +1424,10 @@ class GatewayService:
             event(
                 log, "kv_wait", request_id=job.request_id, choice=progress.index, reason=error.message[:300]
             )
-        hint = float(error.retry_after_s or 0) if isinstance(error, Preempted) else 0.0
         try:
-            await waiter.turn(hint)
+            # A preemption's retry_after hint is not slept: the wait itself is the pause (until another
+            # session ends, at most kv_retry_s), and the node answers again if it still has no room.
+            await waiter.turn()
         except KvExhausted:
             self.metrics.inc("swarm_gateway_kv_waits_total", outcome="timed_out")
             self.metrics.observe("swarm_gateway_kv_wait_seconds", self.config.kv_wait_s)
