@@ -1516,7 +1516,9 @@ class GatewayService:
             except GatewayError as err:
                 if not in_body and isinstance(err, KvExhausted) and self.config.kv_wait_s > 0:
                     raise _WaitForKv(err) from err  # fits a context, not the free KV now: wait for room
-                if in_body and isinstance(err, Preempted):
+                if in_body and (isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short)):
+                    # Preempted, or a stage had no room for the next step: the session was released on
+                    # every stage; wait for room and resume it by re-prefill (counted, bounded).
                     self._preempted(job, progress, err)
                     raise _WaitForKv(err) from err
                 if not in_body and failed_before is not None:
@@ -1552,7 +1554,7 @@ class GatewayService:
                 if fork is not None and index == 0 and not fork.ready.is_set():
                     fork.ready.set()  # choice 0 failed before its first token: the others try alone
 
-    def _preempted(self, job: Job, progress: _Progress, err: Preempted) -> None:
+    def _preempted(self, job: Job, progress: _Progress, err: StageFailed) -> None:
         """A node preempted this choice's session mid-generation: count it (fail past the bound)."""
         progress.preemptions += 1
         if progress.preemptions > self.config.max_preemptions:

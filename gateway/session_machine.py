@@ -61,7 +61,11 @@ RETRY_RESUME, session closed on that node). Nothing is replaced in place: the
 machine ends the session at once (CANCEL to every other stage, which frees
 their KV; the preempting stage is not waited for) and reports a failure of
 kind "preempted". The service keeps the tokens and resumes the request by
-re-prefilling them when a route has room again (gateway/serving.py).
+re-prefilling them when a route has room again (gateway/serving.py). A stage
+that refuses a step mid-generation with RESOURCE_EXHAUSTED (no room in its
+pool and nobody it may preempt, or its queue of waiting steps full) is
+answered the same way: a "busy" failure with ``kv_short``, no in-place
+replacement.
 
 Timings (decode steps only; the machine's clock is the ``now`` of its events).
 A decode step *starts* when its input leaves: the gateway sends it (one stage,
@@ -990,6 +994,24 @@ class RouteMachine:
             )
         if remote.status == S.STATUS_CONTEXT_EXCEEDED:
             failure = Failure("context", f"{who}: {remote.message}", stage.spec.node_id, replaceable=False)
+        elif remote.status == S.STATUS_RESOURCE_EXHAUSTED and self.phase == _RUNNING:
+            # Mid-generation: the stage has no room (its KV pool, or its queue of waiting steps) for the
+            # next step and nothing it may preempt. Another node of the span would need the whole span
+            # replayed; the service instead releases the session everywhere, waits for room and resumes
+            # it by re-prefill, as after a preemption.
+            return self._give_up(
+                Failure(
+                    "busy",
+                    f"{who} has no room for the next step: {remote.message}",
+                    stage.spec.node_id,
+                    retry_after_s=retry_s or 1,
+                    status=remote.status,
+                    retry=remote.retry,
+                    retry_after_ms=int(remote.retry_after_ms),
+                    kv_short=True,
+                ),
+                now,
+            )
         elif remote.status in (S.STATUS_RESOURCE_EXHAUSTED, S.STATUS_UNAVAILABLE):
             failure = Failure(
                 "busy",

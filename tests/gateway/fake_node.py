@@ -44,8 +44,9 @@ N_EMBD = 576
 FAILURES: dict[str, int] = {"left": 0, "after": 0}
 # Scripted preemptions, the same way: the next ``left`` decode steps on the last stage that find a session
 # past ``after`` generated tokens free its KV and answer STATUS_PREEMPTED (a node whose KV pool ran out and
-# freed this session for an older one). ``done`` counts them.
-PREEMPTIONS: dict[str, int] = {"left": 0, "after": 0, "done": 0}
+# freed this session for an older one), or with ``refuse`` 1 keep it and answer RESOURCE_EXHAUSTED (no room
+# for the step and nobody to preempt). ``done`` counts them.
+PREEMPTIONS: dict[str, int] = {"left": 0, "after": 0, "done": 0, "refuse": 0}
 
 
 @dataclass
@@ -147,6 +148,13 @@ class ScriptedBackend:
             ):
                 PREEMPTIONS["left"] -= 1
                 PREEMPTIONS["done"] += 1
+                if PREEMPTIONS["refuse"]:
+                    out.append(
+                        SliceResult(
+                            self.kv[sid], error_status="RESOURCE_EXHAUSTED", error_message="KV pool full"
+                        )
+                    )
+                    continue
                 self.free(sid)  # the pool's blocks go to the older session
                 out.append(
                     SliceResult(

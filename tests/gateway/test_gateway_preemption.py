@@ -131,18 +131,22 @@ def _all_free(swarm: dict) -> bool:
     return all(not n.state.sessions and not n.backend.kv for n in swarm["nodes"].nodes)
 
 
-def test_a_preempted_stream_resumes_with_exactly_the_undisturbed_text(swarm: dict) -> None:
+@pytest.mark.parametrize("refuse", [0, 1], ids=["preempted", "refused_mid_generation"])
+def test_a_preempted_stream_resumes_with_exactly_the_undisturbed_text(swarm: dict, refuse: int) -> None:
+    """Preempted (STATUS_PREEMPTED), or refused a step mid-generation (RESOURCE_EXHAUSTED: no room and
+    nobody to preempt): released everywhere, resumed by re-prefill, the same text."""
     client = _client(swarm)
-    PREEMPTIONS.update(left=0, after=0, done=0)
+    PREEMPTIONS.update(left=0, after=0, done=0, refuse=0)
     reference = _stream(client, 16)
     assert reference and swarm["nodes"].expected.startswith(reference)
     resumed_before = _counter(swarm, "swarm_gateway_preemptions_total", "resumed")
-    PREEMPTIONS.update(left=2, after=4, done=0)  # at the 5th generated token, twice
+    PREEMPTIONS.update(left=2, after=4, done=0, refuse=refuse)  # at the 5th generated token, twice
     got = _stream(client, 16)
     assert PREEMPTIONS["done"] == 2 and PREEMPTIONS["left"] == 0
     assert got == reference
     assert _counter(swarm, "swarm_gateway_preemptions_total", "resumed") == resumed_before + 2
     wait_until(lambda: _all_free(swarm), 30, "both nodes freed every session")
+    PREEMPTIONS.update(refuse=0)
 
 
 def test_preempted_more_often_than_allowed_fails_with_503_preempted(swarm: dict) -> None:
