@@ -158,12 +158,18 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_text_stays_exact(
     small_pool_swarm: LocalSwarm,
 ) -> None:
     swarm = small_pool_swarm
-    announced = [n.get("shard", {}).get("kv_pool_tokens") for n in live_nodes(swarm.tracker_url)]
-    if any(a is None for a in announced):
+    metrics = [httpx.get(f"http://127.0.0.1:{n.admin_port}/metrics", timeout=10).text for n in swarm.nodes]
+    if not all("swarm_node_kv_preemptions_total" in text for text in metrics):
         pytest.skip(
-            "the nodes do not announce kv_pool_tokens in their heartbeats: the node's KV pool preemption "
-            "(branch pool-node) is not on this main"
+            "the nodes do not preempt (no swarm_node_kv_preemptions_total on their /metrics): the node's "
+            "KV pool preemption (branch pool-node) is not on this main"
         )
+    # The gateway admits by what the heartbeats announce: wait for the first ones with the pool's size.
+    wait_until(
+        lambda: all(n.get("shard", {}).get("kv_pool_tokens") for n in live_nodes(swarm.tracker_url)),
+        60,
+        "heartbeats announcing the pools",
+    )
     client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=600)
 
     def ask(topic: str) -> str:
