@@ -142,6 +142,13 @@ TOPICS = ["a lighthouse keeper", "a river barge", "a mountain hut", "a night tra
 def small_pool_swarm(
     tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
 ) -> Iterator[LocalSwarm]:
+    from node.metrics import SPECS as NODE_METRICS
+
+    if "swarm_node_kv_preemptions_total" not in NODE_METRICS:  # checked before any process starts
+        pytest.skip(
+            "the node does not preempt (no swarm_node_kv_preemptions_total among its metrics): the "
+            "node's KV pool preemption (branch pool-node) is not on this main"
+        )
     s = start_local_swarm(
         tmp_path_factory.mktemp("small-pool-swarm"),
         model=model_path,
@@ -158,12 +165,6 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_text_stays_exact(
     small_pool_swarm: LocalSwarm,
 ) -> None:
     swarm = small_pool_swarm
-    metrics = [httpx.get(f"http://127.0.0.1:{n.admin_port}/metrics", timeout=10).text for n in swarm.nodes]
-    if not all("swarm_node_kv_preemptions_total" in text for text in metrics):
-        pytest.skip(
-            "the nodes do not preempt (no swarm_node_kv_preemptions_total on their /metrics): the node's "
-            "KV pool preemption (branch pool-node) is not on this main"
-        )
     # The gateway admits by what the heartbeats announce: wait for the first ones with the pool's size.
     wait_until(
         lambda: all(n.get("shard", {}).get("kv_pool_tokens") for n in live_nodes(swarm.tracker_url)),
