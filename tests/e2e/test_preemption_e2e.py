@@ -133,9 +133,15 @@ def test_preempted_requests_resume_with_exactly_the_undisturbed_text(swarm: dict
         )
 
 
-POOL_TOKENS = 512  # each request below needs ~200 positions on each stage: two fit, not four
+POOL_TOKENS = 256  # each request below needs ~110 positions on each stage: two fit, not four
 N_CONCURRENT = 4
-TOPICS = ["a lighthouse keeper", "a river barge", "a mountain hut", "a night train"]
+N_LIST = 88  # tokens each request generates (lists that do not end early)
+PROMPTS = [
+    "The numbers from one to one hundred, in words: one, two, three,",
+    "The days of the week, over and over: Monday, Tuesday, Wednesday,",
+    "The letters of the alphabet, spelled out: a, b, c, d, e,",
+    "The months of the year, again and again: January, February, March,",
+]
 
 
 @pytest.fixture(scope="module")
@@ -173,20 +179,18 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_text_stays_exact(
     )
     client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=600)
 
-    def ask(topic: str) -> str:
-        reply = client.chat.completions.create(
-            model=swarm.model_name,
-            messages=[{"role": "user", "content": f"Write a short story about {topic}, in three sentences."}],
-            max_tokens=160,
-            temperature=0,
+    def ask(prompt: str) -> str:
+        reply = client.completions.create(
+            model=swarm.model_name, prompt=prompt, max_tokens=N_LIST, temperature=0
         )
-        return reply.choices[0].message.content or ""
+        assert reply.choices[0].finish_reason == "length"  # every request grows to its full size
+        return reply.choices[0].text
 
-    alone = [ask(t) for t in TOPICS]  # one at a time: the pool holds each
+    alone = [ask(p) for p in PROMPTS]  # one at a time: the pool holds each
     base = swarm.base_url.removesuffix("/v1")
     before = _resumed(base)
     with concurrent.futures.ThreadPoolExecutor(N_CONCURRENT) as pool:
-        together = list(pool.map(ask, TOPICS))
+        together = list(pool.map(ask, PROMPTS))
     assert together == alone
     assert _resumed(base) > before, "no session was preempted: the pool was not under pressure"
     for node in swarm.nodes:
