@@ -85,6 +85,13 @@ class GatewayConfig:
         "while waiting for KV room, the first in line tries again this often (at once when a session of"
         " this gateway ends)",
     )
+    exact_resume: bool = _f(
+        True,
+        "a session resumed after a preemption or moved to another route re-prefills its generated tokens one"
+        " position per step, as their decode steps computed them, so the text stays bit-exact (llama.cpp's"
+        " results may depend on how positions are batched); false: in prefill chunks (faster, may differ at"
+        " a near-tie)",
+    )
     max_preemptions: int = _f(
         4, "times one request may be preempted by a node (its KV freed for an older session) and resumed"
     )

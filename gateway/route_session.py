@@ -467,6 +467,7 @@ async def open_route_session(
     recovery: RecoveryPolicy | None = None,
     kv_source: tuple[str, int] | None = None,
     keep_ms: int = 0,
+    single_from: int = 0,
     report_steps: bool = False,
     isolated: bool = False,
     prove_open: OpenProver | None = None,
@@ -517,6 +518,7 @@ async def open_route_session(
         expected_step_s=route.expected_ms_per_token / 1000 if route.expected_ms_per_token > 0 else math.nan,
         kv_source=kv_source,
         keep_ms=keep_ms,
+        single_from=single_from,
         report_steps=report_steps,
         isolated=isolated,
     )

@@ -30,6 +30,7 @@ a KV source and prefills only the rest (docs/gateway.md, Warm conversations).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import secrets
@@ -272,6 +273,9 @@ class _Prepared:
     max_new: int
     kv_budget: int
     grammar: str = ""
+    # A resume or route replay: positions from here on (the generated tokens) are prefilled one per step
+    # (RouteConfig.single_from; 0 = chunked). Shadows and judges of a spot check use the same.
+    replay_from: int = 0
 
 
 class GatewayService:
@@ -725,6 +729,8 @@ class GatewayService:
             use_fork = fork if attempt == 1 and not avoid else None  # the first route tried
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
+                if progress is not None and progress.generated and self.config.exact_resume:
+                    prepared = dataclasses.replace(prepared, replay_from=len(prepared.prompt))
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
                 self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
@@ -931,6 +937,7 @@ class GatewayService:
             prove_open=self._prove_open,
             on_timing=self._on_timing,
             encodings=encodings,
+            single_from=prepared.replay_from,
         )
 
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:

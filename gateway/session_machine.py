@@ -159,6 +159,10 @@ class RouteConfig:
     # honour it start empty; a route whose stages disagree is re-opened empty.
     kv_source: tuple[str, int] | None = None
     keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
+    # Prefill positions at or past this one go one per step: a resumed or replayed session's generated
+    # tokens, computed again exactly as their decode steps computed them (llama.cpp's low-order bits may
+    # depend on how positions are cut into batches); 0 = every prefill in step_tokens chunks.
+    single_from: int = 0
     report_steps: bool = False  # emit every stage's step report (spot checks compare them)
     # Every stage computes this session's steps in batches of their own (OpenSession.isolated): the
     # runs of a spot check then report the same digests even where batching changes the numbers.
@@ -710,9 +714,15 @@ class RouteMachine:
         if self.phase != _RUNNING or self._stopped:
             return out
         first = self._stages[0]
+        single = self.config.single_from
         while self._sent_end < self.prompt_len and len(self._inflight) < self.config.pipeline_steps:
             start = self._sent_end
-            end = min(self.prompt_len, start + self.config.step_tokens)
+            if single and start >= single:
+                end = start + 1  # a generated token, as its decode step computed it
+            elif single:
+                end = min(self.prompt_len, single, start + self.config.step_tokens)
+            else:
+                end = min(self.prompt_len, start + self.config.step_tokens)
             for frame in codec.step_frames(
                 first.header,
                 frame_pb2.PHASE_PREFILL,
@@ -1347,7 +1357,8 @@ class RouteMachine:
         if self.recoveries or self.prompt_len == 0:
             return 0
         step = self.config.step_tokens
-        return self.reused + ((self.prompt_len - self.reused) // step) * step
+        chunked = min(self.prompt_len, self.config.single_from or self.prompt_len)
+        return self.reused + (max(0, chunked - self.reused) // step) * step
 
     def kept_prefix(self) -> list[int]:
         """After a RELEASE with ``keep_ms`` that every stage confirmed: the tokens of the KV the route

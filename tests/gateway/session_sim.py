@@ -461,6 +461,7 @@ def run_request(
     encodings: tuple[int, ...] = (),
     timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
     max_preemptions: int = 4,
+    exact_resume: bool = True,
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -502,6 +503,8 @@ def run_request(
             decode_timeout_floor_s=1,
             close_timeout_s=2,
             encodings=encodings,  # type: ignore[arg-type]
+            # A re-run prefills the generated tokens one per step, as gateway.serving does (exact_resume).
+            single_from=len(prompt) if generated and exact_resume else 0,
         )
         if timeouts:
             config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]

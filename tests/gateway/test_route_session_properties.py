@@ -191,3 +191,33 @@ def test_preemptions_among_failures_keep_the_text_exact_and_free_every_stage(
     else:
         assert result.tokens == REFERENCE[: len(result.tokens)]
     assert all_freed(swarm) == []
+
+
+def test_a_resume_prefills_the_prompt_in_chunks_and_each_generated_token_alone() -> None:
+    """``single_from``: the prompt goes in step_tokens chunks as it did first; the generated tokens one
+    position per step, as their decode steps computed them (so the resumed KV is bit-exact)."""
+    from gateway.session_machine import RouteConfig, RouteMachine, SendFrame, StageSpec
+    from proto import codec
+
+    prompt_len, generated = 13, 4
+    config = RouteConfig(
+        session_id="s",
+        request_id="r",
+        model_fingerprint="a" * 64,
+        sampling=codec.SamplingSettings(temperature=0.0),
+        kv_budget=40,
+        step_tokens=5,
+        node_frame_bytes=1 << 20,
+        pipeline_steps=16,
+        single_from=prompt_len,
+    )
+    machine = RouteMachine(config, [StageSpec("n", "n", 0, 12, "b" * 64, b"t")], new_token=lambda: b"x" * 8)
+    machine.open(0.0)
+    machine.phase, machine._stages[0].acked = "ready", True  # the OPEN was acknowledged
+    sent = [
+        c.frame for c in machine.begin(list(range(prompt_len + generated)), 0.0) if isinstance(c, SendFrame)
+    ]
+    spans = [(f.positions.start, f.positions.end) for f in sent]
+    assert spans == [(0, 5), (5, 10), (10, 13), (13, 14), (14, 15), (15, 16), (16, 17)]
+    assert [f.activation.sample for f in sent] == [False] * 6 + [True]  # the next token comes from the last
+    assert machine.aligned_prefix == 10  # what a cold request of this prompt computed alike: whole chunks
