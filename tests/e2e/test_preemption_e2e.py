@@ -133,9 +133,9 @@ def test_preempted_requests_resume_with_exactly_the_undisturbed_text(swarm: dict
         )
 
 
-POOL_TOKENS = 256  # each request below needs ~110 positions on each stage: two fit, not four
+POOL_TOKENS = 160  # each request below needs ~70 positions on each stage: two fit, not four
 N_CONCURRENT = 4
-N_LIST = 88  # tokens each request generates (lists that do not end early)
+N_LIST = 48  # tokens each request generates (lists that do not end early)
 PROMPTS = [
     "The numbers from one to one hundred, in words: one, two, three,",
     "The days of the week, over and over: Monday, Tuesday, Wednesday,",
