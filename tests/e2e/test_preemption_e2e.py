@@ -133,9 +133,10 @@ def test_preempted_requests_resume_with_exactly_the_undisturbed_text(swarm: dict
         )
 
 
-POOL_TOKENS = 160  # each request below needs ~70 positions on each stage: two fit, not four
+POOL_TOKENS = 256  # the smallest pool a node takes; each request below needs ~85 positions: 6 blocks
+# of 16 on each stage, so two fit at full length, not four
 N_CONCURRENT = 4
-N_LIST = 48  # tokens each request generates (lists that do not end early)
+N_LIST = 64  # tokens each request generates (lists that do not end early)
 PROMPTS = [
     "The numbers from one to one hundred, in words: one, two, three,",
     "The days of the week, over and over: Monday, Tuesday, Wednesday,",
