@@ -144,6 +144,95 @@ class AdmissionPolicy:
         return ticket in self._active
 
 
+@dataclass(frozen=True)
+class KvWaitStats:
+    waiting: int
+    max_waiters: int
+    waits_total: int  # requests (and preempted sessions) that entered the wait
+    served_total: int  # ... and left it with a route that had room
+    rejected_total: int  # refused at once: the wait was full
+    timed_out_total: int  # gave up after kv_wait_s
+    waited_s_total: float  # time spent waiting by those that left the wait
+
+
+class KvWaitPolicy:
+    """Who waits for KV room, first come first served (pure).
+
+    A request whose prompt plus ``max_tokens`` fits some route's context but no
+    route's free KV now, and a session a node preempted, wait here::
+
+        enter() --> QUEUE  (room in the wait: it waits its turn)
+                --> REJECT (``max_waiters`` already wait -> 503 kv_exhausted)
+        QUEUE --leave(served=True)-->  gone (it found a route with room)
+              --leave(served=False)--> gone (timed out -> 503 kv_exhausted, or the client left)
+
+    Only the first in line tries the routes again (:meth:`is_first`), so a long
+    request is not overtaken for ever by short ones that happen to fit a gap.
+    Invariants: ``waiting <= max_waiters``; order of arrival is kept.
+    ``Retry-After`` estimates from the mean of the waits served so far.
+    """
+
+    def __init__(self, max_waiters: int, mean_wait_s: float = 5.0) -> None:
+        if max_waiters < 0:
+            raise ValueError("max_waiters >= 0")
+        self.max_waiters = max_waiters
+        self._queue: OrderedDict[int, float] = OrderedDict()  # ticket -> when it entered
+        self._mean_s = mean_wait_s
+        self._waits = 0
+        self._served = 0
+        self._rejected = 0
+        self._timed_out = 0
+        self._waited_s = 0.0
+
+    def stats(self) -> KvWaitStats:
+        return KvWaitStats(
+            len(self._queue),
+            self.max_waiters,
+            self._waits,
+            self._served,
+            self._rejected,
+            self._timed_out,
+            self._waited_s,
+        )
+
+    def retry_after_s(self) -> int:
+        """Seconds until KV room plausibly comes for one more: the waits ahead of it, each a mean wait."""
+        return max(1, min(60, math.ceil(self._mean_s * (len(self._queue) + 1))))
+
+    def enter(self, ticket: int, now: float) -> Decision:
+        if ticket in self._queue:
+            return Decision("queue")
+        if len(self._queue) >= self.max_waiters:
+            self._rejected += 1
+            return Decision(
+                "reject",
+                503,
+                f"{len(self._queue)} requests already wait for KV room (the limit)",
+                self.retry_after_s(),
+            )
+        self._queue[ticket] = now
+        self._waits += 1
+        return Decision("queue")
+
+    def is_first(self, ticket: int) -> bool:
+        return next(iter(self._queue), None) == ticket
+
+    def is_waiting(self, ticket: int) -> bool:
+        return ticket in self._queue
+
+    def leave(self, ticket: int, now: float, *, served: bool, timed_out: bool = False) -> None:
+        since = self._queue.pop(ticket, None)
+        if since is None:
+            return
+        waited = max(0.0, now - since)
+        self._waited_s += waited
+        if served:
+            self._served += 1
+            self._mean_s = 0.8 * self._mean_s + 0.2 * waited
+        elif timed_out:
+            self._timed_out += 1
+
+
 def kv_room(free_per_stage: Sequence[int | None]) -> int | None:
     """Free KV positions a route has for a new request: its tightest stage's, None if no stage said."""
     known = [f for f in free_per_stage if f is not None]
@@ -163,3 +252,23 @@ def least_loaded(routes: Sequence[R], load: Callable[[R], int], cost: Callable[[
         raise ValueError("no routes to choose from")
     best = min(range(len(routes)), key=lambda i: (load(routes[i]), cost(routes[i]), i))
     return routes[best]
+
+
+def route_context(session_max_per_stage: Sequence[int | None]) -> int | None:
+    """The most positions one session may hold on a route: its tightest stage's, None if no stage said."""
+    known = [m for m in session_max_per_stage if m is not None]
+    return min(known) if known else None
+
+
+def kv_verdict(need_tokens: int, largest_context: int | None, free_per_route: Sequence[int | None]) -> str:
+    """What to do with a request needing ``need_tokens`` positions on every stage.
+
+    ``largest_context``: the most positions any route of the swarm lets one session hold (None:
+    unknown); ``free_per_route``: each candidate route's free room now (:func:`kv_room`; None:
+    unknown, trusted). "too_long" (413: no route can ever hold it), "fits" (some route has room,
+    or nobody said) or "wait" (it fits the swarm, not its free KV now)."""
+    if largest_context is not None and need_tokens > largest_context:
+        return "too_long"
+    if not free_per_route or any(f is None or f >= need_tokens for f in free_per_route):
+        return "fits"
+    return "wait"

@@ -57,6 +57,9 @@ def _help(name: str) -> str:
 @click.option("--max-queue", type=int, default=None, help=_help("max_queue"))
 @click.option("--max-sessions-per-client", type=int, default=None, help=_help("max_sessions_per_client"))
 @click.option("--queue-timeout-s", type=float, default=None, help=_help("queue_timeout_s"))
+@click.option("--kv-wait-s", type=float, default=None, help=_help("kv_wait_s"))
+@click.option("--max-kv-waiters", type=int, default=None, help=_help("max_kv_waiters"))
+@click.option("--max-preemptions", type=int, default=None, help=_help("max_preemptions"))
 @click.option("--api-keys-file", default=None, help=_help("api_keys_file"))
 @click.option(
     "--allow-anonymous/--no-anonymous", "allow_anonymous", default=None, help=_help("allow_anonymous")

@@ -74,6 +74,27 @@ class GatewayConfig:
         0, "running plus queued requests per client (API key, else address); 0 = no limit; more get 429"
     )
     queue_timeout_s: float = _f(30.0, "longest wait for a session slot before 503")
+    kv_wait_s: float = _f(
+        60.0,
+        "longest wait for KV room: a request that fits the swarm's contexts but not its free KV now, or a"
+        " preempted session waiting to resume; then 503 kv_exhausted",
+    )
+    max_kv_waiters: int = _f(32, "requests and preempted sessions waiting for KV room at once; more get 503")
+    kv_retry_s: float = _f(
+        1.0,
+        "while waiting for KV room, the first in line tries again this often (at once when a session of"
+        " this gateway ends)",
+    )
+    exact_resume: bool = _f(
+        True,
+        "a session resumed after a preemption or moved to another route re-prefills its generated tokens one"
+        " position per step, as their decode steps computed them, so the text stays bit-exact (llama.cpp's"
+        " results may depend on how positions are batched); false: in prefill chunks (faster, may differ at"
+        " a near-tie)",
+    )
+    max_preemptions: int = _f(
+        4, "times one request may be preempted by a node (its KV freed for an older session) and resumed"
+    )
     api_keys_file: str = _f(
         "",
         "API keys (SHA-256 of each, one JSON object per line; swarm-gateway keys add/list/revoke); "
@@ -329,6 +350,8 @@ class GatewayConfig:
         for name in (
             "max_queue",
             "max_sessions_per_client",
+            "max_kv_waiters",
+            "max_preemptions",
             "anonymous_max_tokens",
             "anonymous_tokens_per_minute",
             "client_send_buffer_bytes",
@@ -337,6 +360,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be >= 0")
         for name in (
             "queue_timeout_s",
+            "kv_wait_s",
+            "kv_retry_s",
             "route_ttl_s",
             "node_info_ttl_s",
             "open_timeout_s",

@@ -12,12 +12,15 @@ Exception tree::
     ├── ClientStalled                408 invalid_request_error   stream reader idle for client_stall_s
     ├── ConversationConflict         409 invalid_request_error   conversation_full / conversation_gone
     ├── PayloadTooLarge              413 invalid_request_error   request body over max_request_bytes
+    ├── PromptTooLong                413 invalid_request_error   prompt + max_tokens past every route
     ├── RateLimited                  429 rate_limit_error        per-client or per-key quota
     ├── Overloaded                   503 server_error            no slot or queue room, or the wait timed out
+    │   └── KvExhausted              503 server_error            no KV room on any route in time
     ├── NoRoute                      503 server_error            the tracker has no complete route right now
     ├── UpstreamFailed               502 server_error            a node or the tracker failed
     │   └── StageFailed              502 server_error            one node failed (.node_id, .remote)
     │       ├── StageBusy            503 server_error            one node is full (RESOURCE_EXHAUSTED)
+    │       ├── Preempted            503 server_error            a node freed the session's KV (PREEMPTED)
     │       └── Unconfirmable        503 server_error            nodes on probation no other route can check
     └── InternalFailure              500 server_error            a bug in the gateway
 
@@ -116,6 +119,20 @@ class PayloadTooLarge(GatewayError):
     default_code = "payload_too_large"
 
 
+class PromptTooLong(GatewayError):
+    """The prompt plus the completion asked for needs more KV positions than any route of the swarm
+    lets one session hold now; the message names the largest context the swarm can serve
+    (``max_context_tokens``)."""
+
+    status = 413
+    type = "invalid_request_error"
+    default_code = "prompt_too_long"
+
+    def __init__(self, message: str, *, max_context_tokens: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.max_context_tokens = max_context_tokens
+
+
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
@@ -126,6 +143,13 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     default_code = "overloaded"
+
+
+class KvExhausted(Overloaded):
+    """The request fits the swarm's contexts but no route had the free KV for it within ``kv_wait_s``
+    (or too many already wait for KV)."""
+
+    default_code = "kv_exhausted"
 
 
 class NoRoute(GatewayError):
@@ -174,6 +198,25 @@ class StageBusy(StageFailed):
     ) -> None:
         super().__init__(message, node_id=node_id, remote=remote, retry_after_s=retry_after_s)
         self.code = self.default_code
+        # The node granted fewer KV positions than the session needs (a shortage worth waiting out),
+        # not "no session slot" or "draining".
+        self.kv_short = False
+
+
+class Preempted(StageFailed):
+    """A node freed this session's KV to make room for an older session (STATUS_PREEMPTED, retry
+    RETRY_RESUME): the session is released on every stage and resumed later by re-prefilling its
+    tokens, on the same route or another. The node did nothing wrong: it is not avoided. A client
+    sees this only when its request was preempted more than ``max_preemptions`` times."""
+
+    status = 503
+    default_code = "preempted"
+
+    def __init__(
+        self, message: str, *, node_id: str, remote: object | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message, node_id=node_id, remote=remote, retry_after_s=retry_after_s)
+        self.code = self.default_code
 
 
 class Unconfirmable(StageFailed):
@@ -216,6 +259,8 @@ def public_message(err: GatewayError, request_id: str) -> str:
     """What the client reads for ``err`` (see the module docstring)."""
     if isinstance(err, StageBusy):
         text = "Every route tried is full right now; retry later."
+    elif isinstance(err, Preempted):
+        text = "The request was preempted too often: the swarm's KV memory is under pressure; retry later."
     elif isinstance(err, StageFailed):
         text = "A node of the swarm failed while serving this request."
     elif isinstance(err, UpstreamFailed):

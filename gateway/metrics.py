@@ -16,6 +16,7 @@ Latency histograms, all in seconds (buckets ``common.metrics.LATENCY_BUCKETS_S``
 ``swarm_gateway_step_seconds``                     one decode step through the whole route
 ``swarm_gateway_session_seconds``                  Route Session wall time
 ``swarm_gateway_recovery_seconds``                 stage failure until generation could continue
+``swarm_gateway_kv_wait_seconds``                  time one request (or preempted session) waited for KV
 =================================================  ====================================================
 """
 
@@ -123,6 +124,23 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_recovery_seconds": m.histogram(
         "time from a stage failure until generation could continue"
     ),
+    "swarm_gateway_kv_wait_seconds": m.histogram(
+        "time a request, or a preempted session, waited for a route with KV room"
+    ),
+    "swarm_gateway_kv_waits_total": m.counter(
+        "waits for KV room by outcome: served (a route had room), timed_out (kv_wait_s passed: 503"
+        " kv_exhausted), rejected (the wait was full: 503 kv_exhausted), left (the client went away)",
+        "outcome",
+    ),
+    "swarm_gateway_preemptions_total": m.counter(
+        "sessions a node preempted (freed their KV for an older session), by outcome: resumed (re-prefilled"
+        " and generating again), failed (preempted more than max_preemptions times, or no room came)",
+        "outcome",
+    ),
+    "swarm_gateway_prompt_too_long_total": m.counter(
+        "requests refused with 413 prompt_too_long (prompt plus max_tokens past every route's context)"
+    ),
+    "swarm_gateway_kv_waiting": m.gauge("requests and preempted sessions waiting for KV room now"),
     "swarm_gateway_sessions_active": m.gauge("Route Sessions running now"),
     "swarm_gateway_requests_queued": m.gauge("requests waiting for a session slot"),
     "swarm_gateway_route_inflight_sessions": m.gauge(

@@ -35,7 +35,7 @@ from typing import Protocol
 import trio
 
 from gateway.encodings import stage_encodings
-from gateway.errors import ContextLengthExceeded, GatewayError, NoRoute, StageBusy, StageFailed
+from gateway.errors import ContextLengthExceeded, GatewayError, NoRoute, Preempted, StageBusy, StageFailed
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels, StageStream, StreamError
 from gateway.recovery import NoSameSpan, RecoveryPolicy
@@ -153,7 +153,11 @@ def _gateway_error(failure: Failure) -> GatewayError:
     if failure.status:
         remote = RemoteError(failure.status, failure.message, retry=failure.retry or status_pb2.RETRY_NONE)
     if failure.kind == "busy":
-        return StageBusy(failure.message, node_id=failure.node_id, remote=remote, retry_after_s=retry_s or 2)
+        busy = StageBusy(failure.message, node_id=failure.node_id, remote=remote, retry_after_s=retry_s or 2)
+        busy.kv_short = failure.kv_short
+        return busy
+    if failure.kind == "preempted":
+        return Preempted(failure.message, node_id=failure.node_id, remote=remote, retry_after_s=retry_s)
     if not failure.replaceable and remote is None:
         remote = RemoteError(status_pb2.STATUS_INTERNAL, failure.message, retry=status_pb2.RETRY_NONE)
     if failure.kind == "no_route":
@@ -463,6 +467,7 @@ async def open_route_session(
     recovery: RecoveryPolicy | None = None,
     kv_source: tuple[str, int] | None = None,
     keep_ms: int = 0,
+    single_from: int = 0,
     report_steps: bool = False,
     isolated: bool = False,
     kv_copy: bool = False,
@@ -515,6 +520,7 @@ async def open_route_session(
         kv_source=kv_source,
         kv_copy=kv_copy,
         keep_ms=keep_ms,
+        single_from=single_from,
         report_steps=report_steps,
         isolated=isolated,
     )

@@ -99,6 +99,10 @@ class ModelRoutes:
     name: str
     routes: tuple[Route, ...]
     fetched_at_s: float
+    # The tracker's view of the whole swarm (not only these routes): the most KV positions one session
+    # can hold on some complete route, and what some route has free for one now; None = not known.
+    kv_session_max_tokens: int | None = None
+    kv_free_max_tokens: int | None = None
 
 
 def route_id(hops: Sequence[Hop]) -> str:
@@ -164,7 +168,16 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_float(r.get("exit_rtt_ms")),
                 )
             )
-        return ModelRoutes(str(model["fingerprint"]), str(model["name"]), tuple(routes), now_s)
+        raw_kv = body.get("kv")
+        kv: dict[str, Any] = raw_kv if isinstance(raw_kv, dict) else {}
+        return ModelRoutes(
+            str(model["fingerprint"]),
+            str(model["name"]),
+            tuple(routes),
+            now_s,
+            _opt_count(kv.get("session_max_tokens")),
+            _opt_count(kv.get("free_max_tokens")),
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise UpstreamFailed(f"the tracker's route answer is malformed: {err!r}") from err
 
@@ -254,12 +267,14 @@ class RouteCache:
             )
         return dataclasses.replace(cached, routes=valid)
 
-    async def _fetch_or_hold(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+    async def _fetch_or_hold(
+        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+    ) -> ModelRoutes:
         """:meth:`_fetch`, unless the tracker failed less than :data:`TRACKER_RETRY_S` ago."""
         if self._clock() < self._tracker_down_until:
             raise UpstreamFailed("the tracker is unreachable (a recent look-up failed)", retry_after_s=5)
         try:
-            fetched = await self._fetch(model, exclude)
+            fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens)
         except UpstreamFailed:
             self._tracker_down_until = self._clock() + TRACKER_RETRY_S
             raise
@@ -268,7 +283,14 @@ class RouteCache:
             event(log, "routes_refreshed", model=fetched.name, routes=len(fetched.routes))
         return fetched
 
-    async def _fetch(self, model: str, exclude: frozenset[str] = frozenset()) -> ModelRoutes:
+    async def fetch_for_kv(self, model: str, kv_tokens: int) -> ModelRoutes:
+        """Fresh routes whose nodes announced room for ``kv_tokens`` positions (a prompt longer than
+        every cached route holds, where the tracker says the swarm has a route for it); not cached."""
+        return await self._fetch_or_hold(model, kv_tokens=kv_tokens)
+
+    async def _fetch(
+        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+    ) -> ModelRoutes:
         try:
             with trio.fail_after(self._timeout_s):
                 # The key every ticket must be signed with (asked of the tracker only on a first use).
@@ -276,7 +298,12 @@ class RouteCache:
                 # Our id lets the tracker price routes from where this gateway is (its coordinate).
                 # Signed with our key: the tickets name this gateway, and only its OPENs use them.
                 body = await self._tracker.routes(
-                    model, k=self._k, exclude=exclude, gateway_id=self._tracker.key_id, sign=True
+                    model,
+                    k=self._k,
+                    exclude=exclude,
+                    gateway_id=self._tracker.key_id,
+                    sign=True,
+                    kv_tokens=kv_tokens,
                 )
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))
@@ -485,6 +512,18 @@ class NodeInfoCache:
                 f"node {hop.node_id[:8]} serves another model or shard than routed", node_id=hop.node_id
             )
         limits = info.limits
+        # The most positions one session may hold there: what the node's Info says. A node too old to
+        # say (0) is held to the model's trained context, and its OPEN grant is checked against the
+        # session's budget anyway (gateway.session_machine: fewer granted = busy); a node that names
+        # neither cannot be sized, and is not routed to (no guessed default).
+        session_kv = int(limits.max_kv_tokens_per_session) or int(info.model.n_ctx_train)
+        if session_kv <= 0:
+            raise StageFailed(
+                f"node {hop.node_id[:8]}'s Info names neither its per-session KV limit nor the model's "
+                "context (an old or broken node): not routed to",
+                node_id=hop.node_id,
+                answered=True,
+            )
         stage = StageInfo(
             node_id=info.node_id,
             address=hop.address,
@@ -497,9 +536,7 @@ class NodeInfoCache:
             serves_vocab=bool(info.serves_vocab),
             max_frame_bytes=int(limits.max_frame_bytes) or 4 * 1024 * 1024,
             max_step_tokens=int(limits.max_step_tokens) or 512,
-            max_kv_tokens_per_session=int(limits.max_kv_tokens_per_session)
-            or int(info.model.n_ctx_train)
-            or 2048,
+            max_kv_tokens_per_session=session_kv,
             fetched_at_s=self._clock(),
         )
         if len(self._infos) > 4096:

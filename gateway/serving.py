@@ -30,6 +30,7 @@ a KV source and prefills only the rest (docs/gateway.md, Warm conversations).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import secrets
@@ -46,7 +47,7 @@ import trio
 from common.logs import event
 from gateway import protocol, structured, tools
 from gateway.access import Access, anonymous_limits
-from gateway.admission import AdmissionPolicy, fits_kv
+from gateway.admission import AdmissionPolicy, KvWaitPolicy, fits_kv, kv_room, kv_verdict
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
 from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
@@ -54,18 +55,20 @@ from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
-    ContextLengthExceeded,
     GatewayError,
     InternalFailure,
     InvalidRequest,
+    KvExhausted,
     NoRoute,
     Overloaded,
+    Preempted,
+    PromptTooLong,
     StageBusy,
     StageFailed,
     Unconfirmable,
     UpstreamFailed,
 )
-from gateway.gate import Gate
+from gateway.gate import Gate, KvGate, KvWaiter
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
@@ -222,6 +225,8 @@ class _Progress:
     last_failure: StageFailed | None = None
     started: bool = False
     recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
+    preemptions: int = 0  # times a node preempted this choice (it was resumed each time)
+    preempted_since: float | None = None  # waiting to resume after a preemption since (trio time)
     finish_reason: str = "stop"
 
 
@@ -250,6 +255,40 @@ def _recoverable(err: StageFailed) -> bool:
     return getattr(remote, "retry", status_pb2.RETRY_NONE) != status_pb2.RETRY_NONE
 
 
+class _WaitForKv(Exception):
+    """Internal: the request has to wait for KV room before it tries the routes again."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _TooLongHere(Exception):
+    """The prompt (plus max_tokens) passes one route's context ``limit``; internal: the service tries
+    the other routes and answers :class:`PromptTooLong` (413) when none holds it."""
+
+    def __init__(self, limit: int, prompt: int, wanted: int, where: str, max_tokens: int | None) -> None:
+        super().__init__(f"{wanted} positions past a route's context of {limit}")
+        self.limit, self.prompt, self.wanted = limit, prompt, wanted
+        self.where, self.max_tokens = where, max_tokens
+
+    def refusal(self, largest: int) -> PromptTooLong:
+        where = self.where
+        if self.max_tokens is None:
+            verb = "have" if where == "messages" else "has"
+            text = (
+                f"The {where} {verb} {self.prompt} tokens, but the largest context this swarm can serve now "
+                f"is {largest} tokens (prompt plus completion). Shorten the {where}."
+            )
+        else:
+            text = (
+                f"The request needs {self.wanted} tokens of context ({self.prompt} in the {where} and "
+                f"{self.max_tokens} for the completion), but the largest context this swarm can serve now "
+                f"is {largest} tokens. Shorten the {where} or lower max_tokens."
+            )
+        return PromptTooLong(text, max_context_tokens=largest, param=where)
+
+
 @dataclass
 class _Prepared:
     route: Route
@@ -259,6 +298,9 @@ class _Prepared:
     max_new: int
     kv_budget: int
     grammar: str = ""
+    # A resume or route replay: positions from here on (the generated tokens) are prefilled one per step
+    # (RouteConfig.single_from; 0 = chunked). Shadows and judges of a spot check use the same.
+    replay_from: int = 0
 
 
 class GatewayService:
@@ -281,6 +323,9 @@ class GatewayService:
         self.gate = Gate(
             AdmissionPolicy(config.max_sessions, config.max_queue, config.max_sessions_per_client),
             queue_timeout_s=config.queue_timeout_s,
+        )
+        self.kv_gate = KvGate(
+            KvWaitPolicy(config.max_kv_waiters), wait_s=config.kv_wait_s, retry_s=config.kv_retry_s
         )
         self.routes = RouteCache(
             tracker,
@@ -379,6 +424,7 @@ class GatewayService:
         return {
             "swarm_gateway_sessions_active": {(): float(stats.active)},
             "swarm_gateway_requests_queued": {(): float(stats.queued)},
+            "swarm_gateway_kv_waiting": {(): float(self.kv_gate.statistics().waiting)},
             "swarm_gateway_route_inflight_sessions": inflight,
             "swarm_gateway_routes_cached": cached,
             "swarm_gateway_conversations_live": {(): float(len(self.conversations))},
@@ -553,24 +599,14 @@ class GatewayService:
         if request.max_tokens is not None:
             wanted = len(prompt) + request.max_tokens
             if wanted > limit:
-                raise ContextLengthExceeded(
-                    f"This model's context limit on the current route is {limit} tokens (prompt plus "
-                    f"completion), but {wanted} were requested: {len(prompt)} in the {where} and "
-                    f"{request.max_tokens} for the "
-                    f"completion. Shorten the {where} or lower max_tokens.",
-                    param=where,
-                )
+                raise _TooLongHere(limit, len(prompt), wanted, where, request.max_tokens)
             max_new = request.max_tokens
         else:
             max_new = limit - len(prompt)
             if request.max_tokens_cap:
                 max_new = min(max_new, request.max_tokens_cap)
             if max_new < 1:
-                raise ContextLengthExceeded(
-                    f"This model's context limit on the current route is {limit} tokens, but the {where} "
-                    f"alone has {len(prompt)} tokens. Shorten the {where}.",
-                    param=where,
-                )
+                raise _TooLongHere(limit, len(prompt), len(prompt) + 1, where, None)
         # The last token sampled is never fed back: positions up to prompt + max_new - 2 go through.
         return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new - 1)
 
@@ -592,10 +628,10 @@ class GatewayService:
         route = self.routes.acquire(candidates)
         try:
             prepared = await self._prepare(request, route)
-        except ContextLengthExceeded as too_long:
+        except _TooLongHere as too_long:
             self.routes.release(route)
             route, prepared = await self._longer_route(
-                request, [r for r in candidates if r is not route], too_long
+                job, request, [r for r in candidates if r is not route], too_long
             )
         except BaseException:
             self.routes.release(route)
@@ -635,36 +671,68 @@ class GatewayService:
         return route, prepared, hit
 
     async def _longer_route(
-        self, request: GenerationRequest, others: list[Route], too_long: ContextLengthExceeded
+        self, job: Job, request: GenerationRequest, others: list[Route], too_long: _TooLongHere
     ) -> tuple[Route, _Prepared]:
         """The prompt passes the picked route's context (its nodes' per-session KV): the first other
-        candidate whose stages can hold it (nodes with a KV pool serve longer contexts), else the
-        refusal as it was."""
+        candidate whose stages can hold it (nodes with a KV pool serve longer contexts). None does:
+        when the tracker said some route of the swarm holds that many positions per session
+        (``kv.session_max_tokens`` of its answer), one look-up for routes with room for it, and
+        :class:`KvExhausted` (the KV wait) when none has room now; else 413 ``prompt_too_long``
+        naming the largest context of the routes tried and of the tracker's answer."""
+        largest = too_long.limit
+        model = job.model_key or request.model
+        swarm_max = (await self.routes.routes(model)).kv_session_max_tokens
+        if swarm_max is not None and swarm_max >= too_long.wanted:
+            try:
+                others = [*others, *(await self.routes.fetch_for_kv(model, too_long.wanted)).routes]
+            except NoRoute as err:
+                raise KvExhausted(
+                    f"a route of the swarm holds {too_long.wanted} positions per session, but none has "
+                    "them free now",
+                    retry_after_s=self.kv_gate.policy.retry_after_s(),
+                ) from err
         for other in others:
             route = self.routes.acquire([other])
             try:
                 return route, await self._prepare(request, route)
-            except (ContextLengthExceeded, StageFailed):
-                # Too short as well, or not answering now: the refusal stands unless another fits.
+            except _TooLongHere as shorter:
+                largest = max(largest, shorter.limit)
+                self.routes.release(route)
+            except StageFailed:
+                # Not answering now: the refusal stands unless another fits.
                 self.routes.release(route)
             except BaseException:
                 self.routes.release(route)
                 raise
-        raise too_long
+        if swarm_max is not None and swarm_max < too_long.wanted:
+            largest = max(largest, swarm_max)
+        self.metrics.inc("swarm_gateway_prompt_too_long_total")
+        raise too_long.refusal(largest)
 
     async def _kv_fit(
         self, request: GenerationRequest, route: Route, prepared: _Prepared, candidates: list[Route]
     ) -> tuple[Route, _Prepared]:
         """The picked route, or another candidate when the picked one's nodes announced less free KV
-        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv)."""
-        need = len(prepared.prompt) + (request.max_tokens or 1)
+        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv).
+        When no candidate announced room: :class:`KvExhausted`, which the caller waits out in the
+        KV wait (gateway.gate.KvGate) -- the request fits a route's context (``_prepare`` checked),
+        not the free KV now."""
+        need = len(prepared.prompt) + (request.max_tokens or 1)  # a pool grows on demand: no max_tokens, no
         if fits_kv([h.kv_free_tokens for h in route.hops], need):
             return route, prepared
         roomy = [
             r for r in candidates if r is not route and fits_kv([h.kv_free_tokens for h in r.hops], need)
         ]
         if not roomy:
-            return route, prepared  # none known to fit: the nodes decide
+            rooms = [kv_room([h.kv_free_tokens for h in r.hops]) for r in candidates]
+            if kv_verdict(need, None, rooms) == "wait":
+                self.routes.release(route)
+                raise KvExhausted(
+                    f"no route announced {need} free KV positions (the prompt's {len(prepared.prompt)} "
+                    f"plus max_tokens)",
+                    retry_after_s=self.kv_gate.policy.retry_after_s(),
+                )
+            return route, prepared
         self.routes.release(route)
         other = self.routes.acquire(roomy)
         try:
@@ -721,6 +789,8 @@ class GatewayService:
             use_fork = fork if attempt == 1 and not avoid else None  # the first route tried
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
+                if progress is not None and progress.generated and self.config.exact_resume:
+                    prepared = dataclasses.replace(prepared, replay_from=len(prepared.prompt))
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
                 self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
@@ -846,6 +916,11 @@ class GatewayService:
                 )
                 if use_fork is not None and isinstance(err, StageBusy):
                     continue  # the fork's route is full: another route, with a prefill of its own
+                if isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short):
+                    # Short of KV, not broken: another route now, this one again after the wait.
+                    excluded.add(err.node_id)
+                    last_error = err
+                    continue
                 self.routes.invalidate(job.model_key or request.model)
                 for hop in route.hops:
                     self.node_infos.forget(hop)
@@ -855,8 +930,20 @@ class GatewayService:
                 last_error = err
             finally:
                 self.routes.release(route)
+                if entered:
+                    self.kv_gate.notify_freed()  # the session's stages freed (or keep) its KV
         if last_error is None:
             raise Overloaded("every route tried is full right now; retry later", retry_after_s=2)
+        if isinstance(last_error, StageBusy) and last_error.kv_short:
+            raise KvExhausted(
+                f"every route tried is short of KV right now ({last_error.message})",
+                retry_after_s=last_error.retry_after_s or 2,
+            )
+        if isinstance(last_error, Preempted):
+            raise KvExhausted(
+                f"a route preempted the session while it opened ({last_error.message})",
+                retry_after_s=last_error.retry_after_s or 2,
+            )
         if isinstance(last_error, StageBusy):
             raise Overloaded(
                 f"every route tried is full right now ({last_error.message}); retry later",
@@ -913,6 +1000,7 @@ class GatewayService:
             prove_open=self._prove_open,
             on_timing=self._on_timing,
             encodings=encodings,
+            single_from=prepared.replay_from,
         )
 
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
@@ -1368,9 +1456,79 @@ class GatewayService:
         continues where it stopped: the client's stream just pauses. At most
         ``MAX_RECOVERIES`` times per request, and only for failures a new
         route can fix (a broken stream, a node error whose hint is not NONE).
+
+        KV. A request that fits a route's context but no route's free KV now
+        (``KvExhausted`` before the session opened) waits in the KV wait
+        (:class:`gateway.gate.KvGate`, at most ``kv_wait_s``) and tries again
+        when first in line. A session a node preempts (``Preempted``: its KV
+        freed for an older session) keeps its tokens, waits the same way and
+        is resumed by the same replay as a recovery, on whichever route has
+        room; at most ``max_preemptions`` times, and the node is not avoided.
         """
-        request = job.request
         avoid: set[str] = set()
+        waiter: KvWaiter | None = None
+        try:
+            while True:
+                try:
+                    await self._run_once(job, send, progress, arrived, task_status, fork, avoid, waiter)
+                    return
+                except _WaitForKv as wait:
+                    waiter = await self._kv_turn(job, progress, waiter, wait.error)
+        finally:
+            if waiter is not None:
+                self._kv_left(waiter)
+
+    async def _kv_turn(
+        self, job: Job, progress: _Progress, waiter: KvWaiter | None, error: GatewayError
+    ) -> KvWaiter:
+        """Enter the KV wait (or stay in it) and wait for this request's turn to try the routes again;
+        KvExhausted when the wait is full or ``kv_wait_s`` passed."""
+        if waiter is None or not self.kv_gate.policy.is_waiting(waiter.ticket):
+            try:
+                waiter = self.kv_gate.enter()
+            except KvExhausted:
+                self.metrics.inc("swarm_gateway_kv_waits_total", outcome="rejected")
+                if progress.preempted_since is not None:
+                    self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
+                raise
+            event(
+                log, "kv_wait", request_id=job.request_id, choice=progress.index, reason=error.message[:300]
+            )
+        try:
+            # A preemption's retry_after hint is not slept: the wait itself is the pause (until another
+            # session ends, at most kv_retry_s), and the node answers again if it still has no room.
+            await waiter.turn()
+        except KvExhausted:
+            self.metrics.inc("swarm_gateway_kv_waits_total", outcome="timed_out")
+            self.metrics.observe("swarm_gateway_kv_wait_seconds", self.config.kv_wait_s)
+            if progress.preempted_since is not None:
+                self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
+            raise
+        # The announced free KV is as old as the route cache: look again (the first in line only).
+        self.routes.invalidate(job.model_key or job.request.model)
+        return waiter
+
+    def _kv_left(self, waiter: KvWaiter) -> None:
+        if self.kv_gate.policy.is_waiting(waiter.ticket):
+            waited = trio.current_time() - waiter.entered
+            self.metrics.inc("swarm_gateway_kv_waits_total", outcome="served" if waiter.served else "left")
+            self.metrics.observe("swarm_gateway_kv_wait_seconds", waited)
+        self.kv_gate.leave(waiter)
+
+    async def _run_once(
+        self,
+        job: Job,
+        send: trio.MemorySendChannel[Event],
+        progress: _Progress,
+        arrived: float,
+        task_status: trio.TaskStatus[None],
+        fork: _Fork | None,
+        avoid: set[str],
+        waiter: KvWaiter | None,
+    ) -> None:
+        """The body of :meth:`_run_sessions` until it succeeds, fails for good or has to wait for KV
+        (``_WaitForKv``); route-level recoveries loop here."""
+        request = job.request
         index = progress.index
         while True:
             in_body = False
@@ -1381,6 +1539,10 @@ class GatewayService:
                     prepared,
                 ):
                     in_body = True
+                    if waiter is not None:
+                        waiter.served = True
+                        self._kv_left(waiter)
+                        waiter = None
                     if index > 0 and fork is not None:
                         fork.mark_opened(progress, len(fork.firsts) - 1)
                     if index == 0 and not progress.started and self._warm(request):
@@ -1422,6 +1584,13 @@ class GatewayService:
                             await fork.all_opened.wait()
                 return
             except GatewayError as err:
+                if not in_body and isinstance(err, KvExhausted) and self.config.kv_wait_s > 0:
+                    raise _WaitForKv(err) from err  # fits a context, not the free KV now: wait for room
+                if in_body and (isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short)):
+                    # Preempted, or a stage had no room for the next step: the session was released on
+                    # every stage; wait for room and resume it by re-prefill (counted, bounded).
+                    self._preempted(job, progress, err)
+                    raise _WaitForKv(err) from err
                 if not in_body and failed_before is not None:
                     # No route to continue on: the client hears about the failure that stopped it.
                     raise failed_before from err
@@ -1454,6 +1623,30 @@ class GatewayService:
             finally:
                 if fork is not None and index == 0 and not fork.ready.is_set():
                     fork.ready.set()  # choice 0 failed before its first token: the others try alone
+
+    def _preempted(self, job: Job, progress: _Progress, err: StageFailed) -> None:
+        """A node preempted this choice's session mid-generation: count it (fail past the bound)."""
+        progress.preemptions += 1
+        if progress.preemptions > self.config.max_preemptions:
+            self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
+            raise Preempted(
+                f"the session was preempted {progress.preemptions} times (the limit is "
+                f"{self.config.max_preemptions}): the swarm's KV is under pressure; last: {err.message}",
+                node_id=err.node_id,
+                remote=err.remote,
+                retry_after_s=err.retry_after_s or self.kv_gate.policy.retry_after_s(),
+            ) from err
+        progress.preempted_since = trio.current_time()
+        self.routes.invalidate(job.model_key or job.request.model)  # its free KV is news
+        event(
+            log,
+            "session_preempted",
+            request_id=job.request_id,
+            choice=progress.index,
+            node_id=err.node_id,
+            preemptions=progress.preemptions,
+            tokens_so_far=len(progress.generated),
+        )
 
     async def _generate(
         self,
@@ -1489,6 +1682,17 @@ class GatewayService:
                     )
                     fork.firsts = (first, *sampled.choices)
                     fork.ready.set()
+        if progress.preempted_since is not None:
+            self.metrics.inc("swarm_gateway_preemptions_total", outcome="resumed")
+            event(
+                log,
+                "session_resumed",
+                request_id=job.request_id,
+                choice=index,
+                waited_s=round(trio.current_time() - progress.preempted_since, 3),
+                replayed_positions=len(prepared.prompt) + len(progress.generated),
+            )
+            progress.preempted_since = None
         if progress.recovering_since is not None:
             now = trio.current_time()
             self.metrics.observe("swarm_gateway_recovery_seconds", now - progress.recovering_since)

@@ -55,6 +55,18 @@ same-span node, no kept outputs, a second failure meanwhile, too many
 recoveries) ends the session with a failure the service answers by re-running
 the whole token history on another route.
 
+Preemption. A stage whose KV pool ran out may free this session's KV to make
+room for an older session and say so with STATUS_PREEMPTED (retry hint
+RETRY_RESUME, session closed on that node). Nothing is replaced in place: the
+machine ends the session at once (CANCEL to every other stage, which frees
+their KV; the preempting stage is not waited for) and reports a failure of
+kind "preempted". The service keeps the tokens and resumes the request by
+re-prefilling them when a route has room again (gateway/serving.py). A stage
+that refuses a step mid-generation with RESOURCE_EXHAUSTED (no room in its
+pool and nobody it may preempt, or its queue of waiting steps full) is
+answered the same way: a "busy" failure with ``kv_short``, no in-place
+replacement.
+
 Timings (decode steps only; the machine's clock is the ``now`` of its events).
 A decode step *starts* when its input leaves: the gateway sends it (one stage,
 a resume, another choice) or the last stage reported the step before, which is
@@ -148,6 +160,10 @@ class RouteConfig:
     kv_source: tuple[str, int] | None = None
     kv_copy: bool = False  # copy a kept source, leaving it kept (a prefix shared across clients)
     keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
+    # Prefill positions at or past this one go one per step: a resumed or replayed session's generated
+    # tokens, computed again exactly as their decode steps computed them (llama.cpp's low-order bits may
+    # depend on how positions are cut into batches); 0 = every prefill in step_tokens chunks.
+    single_from: int = 0
     report_steps: bool = False  # emit every stage's step report (spot checks compare them)
     # Every stage computes this session's steps in batches of their own (OpenSession.isolated): the
     # runs of a spot check then report the same digests even where batching changes the numbers.
@@ -168,9 +184,10 @@ class Failure:
     """Why the session (or a stage) failed.
 
     ``kind``: "stage" (one node failed; another route can fix it when
-    ``replaceable``), "busy" (a node is full), "context" (the request does not
-    fit: a client error), "protocol" (a node broke the protocol: not retried on
-    it).
+    ``replaceable``), "busy" (a node is full), "preempted" (a node freed the
+    session's KV for an older session: resume by re-prefill, the node is not
+    at fault), "context" (the request does not fit: a client error),
+    "protocol" (a node broke the protocol: not retried on it).
     """
 
     kind: str
@@ -184,6 +201,9 @@ class Failure:
     # Every node this session lost (a stage replaced, then its replacement failed too): a whole-route
     # re-run must avoid them all, not only ``node_id``.
     failed_nodes: frozenset[str] = frozenset()
+    # "busy" because a stage granted fewer KV positions than the session's budget (a KV shortage the
+    # service may wait out), not because it has no session slot or is draining.
+    kv_short: bool = False
 
 
 @dataclass(frozen=True)
@@ -628,6 +648,7 @@ class RouteMachine:
                     f"{self.config.kv_budget} were asked",
                     stage.spec.node_id,
                     retry_after_s=2,
+                    kv_short=True,
                 ),
                 now,
             )
@@ -695,9 +716,15 @@ class RouteMachine:
         if self.phase != _RUNNING or self._stopped:
             return out
         first = self._stages[0]
+        single = self.config.single_from
         while self._sent_end < self.prompt_len and len(self._inflight) < self.config.pipeline_steps:
             start = self._sent_end
-            end = min(self.prompt_len, start + self.config.step_tokens)
+            if single and start >= single:
+                end = start + 1  # a generated token, as its decode step computed it
+            elif single:
+                end = min(self.prompt_len, single, start + self.config.step_tokens)
+            else:
+                end = min(self.prompt_len, start + self.config.step_tokens)
             for frame in codec.step_frames(
                 first.header,
                 frame_pb2.PHASE_PREFILL,
@@ -960,8 +987,43 @@ class RouteMachine:
             if remote.retry_after_ms
             else None
         )
+        if remote.status == S.STATUS_PREEMPTED:
+            # The node freed the session's KV for an older session: nothing to replace in place. The
+            # session ends here (CANCEL to the other stages frees theirs); the service resumes it by
+            # re-prefilling its tokens once there is room (RETRY_RESUME). The CANCEL to the preempting
+            # node too: harmless where it freed the session, and frees it where it did not say so.
+            return self._give_up(
+                Failure(
+                    "preempted",
+                    f"{who} preempted the session: {remote.message}",
+                    stage.spec.node_id,
+                    retry_after_s=retry_s,
+                    status=remote.status,
+                    retry=remote.retry,
+                    retry_after_ms=int(remote.retry_after_ms),
+                ),
+                now,
+            )
         if remote.status == S.STATUS_CONTEXT_EXCEEDED:
             failure = Failure("context", f"{who}: {remote.message}", stage.spec.node_id, replaceable=False)
+        elif remote.status == S.STATUS_RESOURCE_EXHAUSTED and self.phase == _RUNNING:
+            # Mid-generation: the stage has no room (its KV pool, or its queue of waiting steps) for the
+            # next step and nothing it may preempt. Another node of the span would need the whole span
+            # replayed; the service instead releases the session everywhere, waits for room and resumes
+            # it by re-prefill, as after a preemption.
+            return self._give_up(
+                Failure(
+                    "busy",
+                    f"{who} has no room for the next step: {remote.message}",
+                    stage.spec.node_id,
+                    retry_after_s=retry_s or 1,
+                    status=remote.status,
+                    retry=remote.retry,
+                    retry_after_ms=int(remote.retry_after_ms),
+                    kv_short=True,
+                ),
+                now,
+            )
         elif remote.status in (S.STATUS_RESOURCE_EXHAUSTED, S.STATUS_UNAVAILABLE):
             failure = Failure(
                 "busy",
@@ -1297,7 +1359,8 @@ class RouteMachine:
         if self.recoveries or self.prompt_len == 0:
             return 0
         step = self.config.step_tokens
-        return self.reused + ((self.prompt_len - self.reused) // step) * step
+        chunked = min(self.prompt_len, self.config.single_from or self.prompt_len)
+        return self.reused + (max(0, chunked - self.reused) // step) * step
 
     def kept_prefix(self) -> list[int]:
         """After a RELEASE with ``keep_ms`` that every stage confirmed: the tokens of the KV the route

@@ -21,6 +21,12 @@ comma-separated list:
 ``honest_steps=N``
     the lies above start after the node's first N steps (a liar that answers
     the tracker's join challenge honestly and lies to clients afterwards).
+``preempt_every=N`` (with ``preempt_times=K``, default 1)
+    the last stage answers STATUS_PREEMPTED instead of every N-th token it
+    samples, K times in all, as a node whose KV pool ran out does for its
+    youngest session (the gateway must release the session everywhere and
+    resume it by re-prefill). Not a lie: it tests the gateway's resume on real
+    nodes before (or besides) the pool's own preemption.
 
 The hooks run on the node's trio thread on every step outcome
 (:func:`corrupt`), before the session machine sees it; nothing else of the
@@ -54,10 +60,12 @@ class Failpoints:
     kinds: frozenset[str] = frozenset()
     n_vocab: int = 1
     honest_steps: int = 0
+    preempt_every: int = 0
+    preempt_times: int = 1
 
     @property
     def active(self) -> bool:
-        return bool(self.kinds)
+        return bool(self.kinds) or self.preempt_every > 0
 
     def announced_decode_ms(self, measured_ms: float) -> float:
         return 0.01 if "fake_speed" in self.kinds else measured_ms
@@ -89,9 +97,23 @@ class Liar:
         self.failpoints = failpoints
         self.rng = rng
         self.steps = 0
+        self.sampled = 0
+        self.preempted = 0
 
     def __call__(self, outcome: StepOutcome) -> StepOutcome:
         self.steps += 1
+        fp = self.failpoints
+        if fp.preempt_every and outcome.sampled is not None and outcome.error_status is None:
+            self.sampled += 1
+            if self.sampled % fp.preempt_every == 0 and self.preempted < fp.preempt_times:
+                self.preempted += 1
+                return replace(
+                    outcome,
+                    hidden=None,
+                    sampled=None,
+                    error_status="PREEMPTED",
+                    error_message="failpoint: KV freed for an older session",
+                )
         if self.steps <= self.failpoints.honest_steps:
             return outcome
         return self.failpoints.corrupt(outcome, self.rng)
@@ -109,16 +131,22 @@ def from_environment(env: Mapping[str, str] | None = None, *, n_vocab: int = 1) 
             f"(unset {ENV})"
         )
     kinds: set[str] = set()
-    honest = 0
+    counts = {"honest_steps": 0, "preempt_every": 0, "preempt_times": 1}
     for item in (k.strip() for k in spec.split(",")):
-        if item.startswith("honest_steps="):
+        name = item.split("=", 1)[0]
+        if "=" in item and name in counts:
             try:
-                honest = int(item.split("=", 1)[1])
+                counts[name] = int(item.split("=", 1)[1])
             except ValueError:
-                raise FailpointError(f"{ENV}: honest_steps must be an integer, got {item!r}") from None
+                raise FailpointError(f"{ENV}: {name} must be an integer, got {item!r}") from None
         elif item:
             kinds.add(item)
     unknown = kinds - KINDS
-    if unknown or honest < 0:
-        raise FailpointError(f"unknown failpoints {sorted(unknown)}; known: {sorted(KINDS)}, honest_steps=N")
-    return Failpoints(frozenset(kinds), n_vocab, honest)
+    if unknown or min(counts.values()) < 0:
+        raise FailpointError(
+            f"unknown failpoints {sorted(unknown)}; known: {sorted(KINDS)}, honest_steps=N, preempt_every=N,"
+            " preempt_times=K"
+        )
+    return Failpoints(
+        frozenset(kinds), n_vocab, counts["honest_steps"], counts["preempt_every"], counts["preempt_times"]
+    )

@@ -223,13 +223,19 @@ class TrackerClient:
         gateway_id: str | None = None,
         *,
         sign: bool = False,
+        kv_tokens: int = 0,
     ) -> dict[str, Any]:
         """Routes for ``model``; with ``gateway_id`` priced from that gateway's network position.
+
+        ``kv_tokens``: KV positions the request needs on every stage (0: any); routes whose nodes
+        announced less room are left out.
 
         ``sign``: sign the request with this client's key as a gateway (``route_request``): the
         tickets then name this key, and a tracker with registered gateways answers only such requests.
         """
         request: dict[str, Any] = {"model": model, "k": k, "exclude": sorted(exclude)}
+        if kv_tokens:
+            request["kv_tokens"] = kv_tokens
         if sign:
             # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
             return await self._call(

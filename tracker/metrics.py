@@ -12,6 +12,10 @@ from common.metrics import Labels
 
 __all__ = ["SPECS", "Labels", "Metrics"]
 
+# Per-node KV gauges: the first this many live nodes (by id) with a KV report; a bound, so a swarm of
+# thousands does not become thousands of series (the dashboard and /v1/swarm list every node).
+MAX_KV_NODES = 256
+
 SPECS: dict[str, m.Spec] = {
     "swarm_tracker_http_requests_total": m.counter(
         "HTTP requests by endpoint and status code", "endpoint", "status"
@@ -53,6 +57,24 @@ SPECS: dict[str, m.Spec] = {
     "swarm_tracker_nonce_cache_entries": m.gauge("nonces remembered in this replica's memory"),
     "swarm_tracker_dashboard_clients": m.gauge("dashboard event streams open"),
     "swarm_tracker_replicas": m.gauge("tracker replicas heard from within the liveness window"),
+    "swarm_tracker_node_kv_pool_tokens": m.gauge(
+        "a live node's KV pool size in positions, from its heartbeat (nodes that report one)",
+        "node",
+        max_series=MAX_KV_NODES,
+    ),
+    "swarm_tracker_node_kv_used_tokens": m.gauge(
+        "KV positions a live node's sessions hold, from its heartbeat", "node", max_series=MAX_KV_NODES
+    ),
+    "swarm_tracker_node_kv_free_tokens": m.gauge(
+        "KV positions free on a live node, from its heartbeat", "node", max_series=MAX_KV_NODES
+    ),
+    "swarm_tracker_kv_context_max_tokens": m.gauge(
+        "per model, the largest context one session can hold on some complete route: kind=session (the"
+        " nodes' per-session limits and pool sizes) or kind=free (what some route has free now)",
+        "model",
+        "kind",
+        max_series=64,
+    ),
 }
 
 

@@ -142,6 +142,10 @@ class Shard(Base):
     tokens_served_total: Mapped[int] = mapped_column(BigInteger)
     updated_s: Mapped[float] = mapped_column(Double)
     kv_used_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The node's KV pool size and the most positions one session may hold there, from its last
+    # heartbeat (None: not reported, e.g. an older node).
+    kv_pool_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    kv_session_max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Positions per second between the last two heartbeats (None until two have arrived).
     tokens_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     # Decode time registered gateways measured (EWMA of their reports) and when it was last

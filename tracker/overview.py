@@ -216,6 +216,8 @@ def _node_row(n: Mapping[str, Any], now_s: float, late_after_s: float) -> dict[s
         "queue_depth": shard.get("queue_depth"),
         "kv_used_tokens": shard.get("kv_used_tokens"),
         "kv_free_tokens": shard.get("kv_free_tokens"),
+        "kv_pool_tokens": shard.get("kv_pool_tokens"),  # null: the node does not report a pool
+        "kv_session_max_tokens": shard.get("kv_session_max_tokens"),
         "tokens_served_total": shard.get("tokens_served_total"),
         "version": n.get("software_version"),
         "last_seen_age_s": round(age, 1),

@@ -95,6 +95,7 @@ Invariants of the result
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -308,6 +309,8 @@ def select_routes(
         for i, shard in enumerate(cols.shards):
             if shard.kv_free_tokens is not None and shard.kv_free_tokens < kv_tokens:
                 keep[i] = False
+            if shard.kv_session_max_tokens is not None and shard.kv_session_max_tokens < kv_tokens:
+                keep[i] = False  # it may never hold that many positions for one session
     extra = np.zeros(n_all)
     if extra_sessions:
         for node, count in extra_sessions.items():
@@ -775,6 +778,59 @@ class _Graph:
             path.append(j)
             j = int(pred[j])
         return tuple(reversed(path))
+
+
+def session_capacity(shard: ShardView, *, free: bool = False) -> float:
+    """The most KV positions one session may hold on ``shard``: its announced per-session maximum,
+    else its pool's size; with ``free`` also no more than its free KV now. ``inf`` where the node
+    announced none of them (an older node: its own Info and OPEN grant decide)."""
+    cap = math.inf
+    for value in (
+        shard.kv_session_max_tokens if shard.kv_session_max_tokens is not None else shard.kv_pool_tokens,
+        shard.kv_free_tokens if free else None,
+    ):
+        if value is not None:
+            cap = min(cap, float(value))
+    return cap
+
+
+def largest_context(shards: Iterable[ShardView], n_layers: int, *, free: bool = False) -> int | None:
+    """The most KV positions one session can hold on any complete route of ``shards`` (one model's):
+    the widest path over the layer boundaries 0..n_layers, a route as wide as its tightest stage
+    (:func:`session_capacity`). None when no complete route exists or nobody on the widest one
+    announced a bound. What a gateway names in a 413 prompt_too_long; with ``free``: what fits now."""
+    best: dict[int, float] = {0: math.inf}
+    for shard in sorted(shards, key=attrgetter("start", "end")):
+        if shard.start in best and shard.end > shard.start:
+            width = min(best[shard.start], session_capacity(shard, free=free))
+            if width > best.get(shard.end, -1.0):
+                best[shard.end] = width
+    end = best.get(n_layers)
+    if end is None or math.isinf(end):
+        return None
+    return int(end)
+
+
+@dataclass(frozen=True)
+class KvContexts:
+    """One model's largest servable contexts (:func:`largest_context`), None where unknown."""
+
+    session_max_tokens: int | None  # the most positions one session may ever hold on some route
+    free_max_tokens: int | None  # ... and what some route has free for one now
+
+
+def kv_contexts(snapshot: SwarmSnapshot, model: ModelInfo) -> KvContexts:
+    """:func:`largest_context` of ``model``'s live shards, kept with the snapshot (one pass per snapshot)."""
+    key = ("routing.kv_contexts", model.fingerprint)
+    found = snapshot.memo.get(key)
+    if isinstance(found, KvContexts):
+        return found
+    shards = [s for s in snapshot.shards if s.model_fingerprint == model.fingerprint]
+    result = KvContexts(
+        largest_context(shards, model.n_layers), largest_context(shards, model.n_layers, free=True)
+    )
+    snapshot.memo[key] = result
+    return result
 
 
 def _node_disjoint(paths: list[tuple[int, ...]], shards: list[ShardView]) -> bool:

@@ -53,14 +53,14 @@ from tracker.errors import (
 )
 from tracker.handouts import HandoutLedger
 from tracker.json_input import check_json
-from tracker.metrics import Labels, Metrics
+from tracker.metrics import MAX_KV_NODES, Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.names import resolve_names
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
 from tracker.ratelimit import NonceShare, TokenBuckets
 from tracker.registry import KIND as REGISTRATION_KIND
 from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
-from tracker.routing import RouteSelection, select_routes
+from tracker.routing import RouteSelection, kv_contexts, select_routes
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 from tracker.store import NonceRecord, RttResult, Store, UsageGroup
 from tracker.trust import TrustService
@@ -721,8 +721,11 @@ class Registry:
                             "rtt_ms": _ms(route.hop_rtt_ms[i]),
                             "bandwidth_mbit_s": route.hop_bandwidth_mbit_s[i],
                             "probation": shard_of[h.node_id].probation,
-                            # Free KV positions of its last heartbeat (null before the first).
+                            # Free KV positions of its last heartbeat (null before the first), its
+                            # pool's size and the most one session may hold there (null: not said).
                             "kv_free_tokens": shard_of[h.node_id].kv_free_tokens,
+                            "kv_pool_tokens": shard_of[h.node_id].kv_pool_tokens,
+                            "kv_session_max_tokens": shard_of[h.node_id].kv_session_max_tokens,
                         }
                         for i, h in enumerate(route.hops)
                     ],
@@ -735,10 +738,18 @@ class Registry:
         outcome = "ok" if routes else "no_route"
         self.metrics.inc("swarm_tracker_route_requests_total", outcome=outcome)
         self.metrics.inc("swarm_tracker_routes_issued_total", len(routes))
+        contexts = kv_contexts(snap, info)
         return {
             "model": _model_json(info),
             "routes": routes,
             "uncovered": [list(r) for r in selection.uncovered],
+            # The largest context one session can have on any complete route of the swarm (whatever
+            # k routes were handed out), and the largest some route has free now; null = unknown (no
+            # node on the widest route announced a bound). A gateway names the first in a 413.
+            "kv": {
+                "session_max_tokens": contexts.session_max_tokens,
+                "free_max_tokens": contexts.free_max_tokens,
+            },
         }
 
     async def recommend(
@@ -944,7 +955,32 @@ class Registry:
             coverage[(("model", m.name[:64] or m.fingerprint[:16]),)] = float(
                 min(counts_per_layer, default=0)
             )
+        pool: dict[Labels, float] = {}
+        used: dict[Labels, float] = {}
+        free: dict[Labels, float] = {}
+        reporting = sorted(
+            (s for s in snap.shards if s.kv_pool_tokens is not None or s.kv_free_tokens is not None),
+            key=lambda s: s.node_id,
+        )[:MAX_KV_NODES]
+        for s in reporting:
+            label: Labels = (("node", s.node_id[:16]),)
+            for into, value in ((pool, s.kv_pool_tokens), (used, s.kv_used_tokens), (free, s.kv_free_tokens)):
+                if value is not None:
+                    into[label] = float(value)
+        contexts: dict[Labels, float] = {}
+        for m in snap.models:
+            if m.fingerprint not in by_model:
+                continue
+            found = kv_contexts(snap, m)
+            name = m.name[:64] or m.fingerprint[:16]
+            for kind, value in (("session", found.session_max_tokens), ("free", found.free_max_tokens)):
+                if value is not None:
+                    contexts[(("model", name), ("kind", kind))] = float(value)
         return {
+            "swarm_tracker_node_kv_pool_tokens": pool,
+            "swarm_tracker_node_kv_used_tokens": used,
+            "swarm_tracker_node_kv_free_tokens": free,
+            "swarm_tracker_kv_context_max_tokens": contexts,
             "swarm_tracker_nodes": {
                 (("state", state),): float(counts.get(state, 0)) for state in NODE_STATES
             },

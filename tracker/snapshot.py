@@ -66,6 +66,11 @@ class ShardView:
     region: str = ""  # free-form locality hint for latency estimates
     # Free KV cache room reported by the last heartbeat (tokens); None = not reported.
     kv_free_tokens: int | None = None
+    # The KV pool's size, the positions sessions hold now, and the most positions one session may hold
+    # there, from the last heartbeat (None = not reported: an older node, or before its first one).
+    kv_pool_tokens: int | None = None
+    kv_used_tokens: int | None = None
+    kv_session_max_tokens: int | None = None
     # The node's network coordinate (tracker/coordinates.py); None = not measured yet.
     coord: NetCoord | None = None
     # The node's uplink (what it sends activations with), as announced; None = unknown.

@@ -299,6 +299,8 @@ class Store(TrustStore):
             shard.queue_depth = 0
             shard.kv_free_tokens = None
             shard.kv_used_tokens = None
+            shard.kv_pool_tokens = None
+            shard.kv_session_max_tokens = None
             shard.tokens_per_s = None
             shard.capacity_layers = a.capacity_layers or None
             shard.updated_s = now_s
@@ -348,6 +350,8 @@ class Store(TrustStore):
                     queue_depth=h.queue_depth,
                     kv_free_tokens=h.kv_free_tokens,
                     kv_used_tokens=h.kv_used_tokens,
+                    kv_pool_tokens=h.kv_pool_tokens,
+                    kv_session_max_tokens=h.kv_session_max_tokens,
                     tokens_per_s=rate,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
                     updated_s=now_s,
@@ -755,6 +759,9 @@ class Store(TrustStore):
                     Reputation.checks_passed,
                     Node.tls_fingerprint,
                     ChallengeResult.outcome,
+                    Shard.kv_pool_tokens,
+                    Shard.kv_session_max_tokens,
+                    Shard.kv_used_tokens,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -804,6 +811,9 @@ class Store(TrustStore):
                 probation=(r[22] or 0) < probation_checks,
                 tls_fingerprint=r[23] or "",
                 trusted=probation_checks == 0 or (r[22] or 0) >= probation_checks or r[24] == "passed",
+                kv_pool_tokens=r[25],
+                kv_session_max_tokens=r[26],
+                kv_used_tokens=r[27],
             )
             for r in rows
         )
@@ -865,6 +875,8 @@ class Store(TrustStore):
                             "queue_depth": shard.queue_depth,
                             "kv_free_tokens": shard.kv_free_tokens,
                             "kv_used_tokens": shard.kv_used_tokens,
+                            "kv_pool_tokens": shard.kv_pool_tokens,
+                            "kv_session_max_tokens": shard.kv_session_max_tokens,
                             "tokens_per_s": shard.tokens_per_s,
                             "tokens_served_total": shard.tokens_served_total,
                             "updated_s": shard.updated_s,

@@ -42,6 +42,11 @@ N_EMBD = 576
 # Scripted failures shared by every fake node of a test: the next ``left`` decode steps that find a session
 # past ``after`` generated tokens get INTERNAL on the last stage.
 FAILURES: dict[str, int] = {"left": 0, "after": 0}
+# Scripted preemptions, the same way: the next ``left`` decode steps on the last stage that find a session
+# past ``after`` generated tokens free its KV and answer STATUS_PREEMPTED (a node whose KV pool ran out and
+# freed this session for an older one), or with ``refuse`` 1 keep it and answer RESOURCE_EXHAUSTED (no room
+# for the step and nobody to preempt). ``done`` counts them.
+PREEMPTIONS: dict[str, int] = {"left": 0, "after": 0, "done": 0, "refuse": 0}
 
 
 @dataclass
@@ -133,6 +138,28 @@ class ScriptedBackend:
                 FAILURES["left"] -= 1
                 out.append(
                     SliceResult(self.kv[sid], error_status="INTERNAL", error_message="scripted failure")
+                )
+                continue
+            if (
+                node.is_last
+                and job.is_decode
+                and PREEMPTIONS["left"] > 0
+                and node.generated(self.history[sid]) >= PREEMPTIONS["after"]
+            ):
+                PREEMPTIONS["left"] -= 1
+                PREEMPTIONS["done"] += 1
+                if PREEMPTIONS["refuse"]:
+                    out.append(
+                        SliceResult(
+                            self.kv[sid], error_status="RESOURCE_EXHAUSTED", error_message="KV pool full"
+                        )
+                    )
+                    continue
+                self.free(sid)  # the pool's blocks go to the older session
+                out.append(
+                    SliceResult(
+                        0, error_status="PREEMPTED", error_message="KV pool full: freed for an older one"
+                    )
                 )
                 continue
             self.kv[sid] += s.count

@@ -10,12 +10,15 @@ engine jobs that finish later, a virtual clock for the deadlines. A seeded
 scheduler picks which ready event happens next, so every interleaving a real
 swarm could produce is reachable; faults are injected by a plan: kill a node
 (its streams break, pushes to it fail), hang it (it stops answering; it may
-resume later with stale replies), duplicate a reply to the gateway.
+resume later with stale replies), duplicate a reply to the gateway, or
+preempt the session on a node (it frees the session's KV and answers
+STATUS_PREEMPTED / RETRY_RESUME, as a node whose KV pool ran out does).
 
 :func:`run_request` mimics ``gateway.serving``: a failure the machine cannot
 repair in place is answered by re-running the token history on a fresh route
-without the failed node. The reference is the same request on an undisturbed
-swarm.
+without the failed node; a preemption by re-running it on any route (the
+preempting node included: it did nothing wrong), at most ``max_preemptions``
+times. The reference is the same request on an undisturbed swarm.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from node.session_machine import (
     TruncateKv,
 )
 from proto import codec
+from proto.errors import PreemptedError
 
 MODEL_FP = "a" * 64
 RECIPE_FP = "b" * 64
@@ -143,7 +147,7 @@ class SimNode:
 
 @dataclass
 class Fault:
-    kind: str  # "kill", "hang", "resume", "dup"
+    kind: str  # "kill", "hang", "resume", "dup", "preempt"
     at: int  # after this many scheduler events
     node: str = ""
 
@@ -174,6 +178,7 @@ class SimSwarm:
     timings: list[StepTimed | HopTimed] = field(default_factory=list)  # (now, what) of every decode step
     timed_at: list[float] = field(default_factory=list)  # self.now of each entry of timings
     pushed: list[tuple[str, int]] = field(default_factory=list)  # (sender, tensor encoding) of each push
+    preemptions: int = 0  # sessions a node preempted (fault "preempt")
 
     # -- node side ------------------------------------------------------------------------------------
 
@@ -374,6 +379,9 @@ class SimSwarm:
             return
         if node is None:
             return
+        if fault.kind == "preempt":
+            self.preempt(machine, node)
+            return
         if fault.kind == "kill" and not node.dead:
             node.dead = True
             node.hung = False
@@ -393,6 +401,29 @@ class SimSwarm:
         elif fault.kind == "resume":
             node.hung = False
 
+    def preempt(self, machine: RouteMachine, node: SimNode) -> None:
+        """``node`` frees the current session's KV for an older session and says so on its stream."""
+        sid = machine.config.session_id
+        if node.dead or node.hung or node.machine.kv_len(sid) is None:
+            return
+        slot = next(
+            (key for key, (name, _conn) in self.slots.items() if key[0] == self.run and name == node.name),
+            None,
+        )
+        if slot is None:
+            return
+        self.jobs = [
+            (n, j) for n, j in self.jobs if not (n == node.name and getattr(j, "session_id", None) == sid)
+        ]
+        self.node_actions(node, node.machine.fail_session(sid, "preempted for an older session"))
+        frame = codec.error_frame(
+            PreemptedError("KV pool full: freed for an older session", retry_after_ms=50, session_closed=True)
+        )
+        frame.session_id = sid
+        frame.route_epoch = machine.epoch
+        self.to_gw.setdefault(slot, deque()).append(codec.serialize_frame(frame))
+        self.preemptions += 1
+
 
 @dataclass
 class RequestResult:
@@ -400,6 +431,7 @@ class RequestResult:
     failed: str | None
     recoveries: int
     route_runs: int
+    preempted: int = 0  # runs that ended in a preemption and were resumed (or failed past the bound)
 
 
 def make_nodes(
@@ -428,6 +460,8 @@ def run_request(
     max_events: int = 200_000,
     encodings: tuple[int, ...] = (),
     timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
+    max_preemptions: int = 4,
+    exact_resume: bool = True,
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -435,6 +469,7 @@ def run_request(
     excluded: set[str] = set()
     recoveries = 0
     runs = 0
+    preempted = 0
     spans = sorted(by_span)
     faults = list(faults)
     while True:
@@ -447,7 +482,7 @@ def run_request(
                 if n not in excluded and not swarm.nodes[n].dead and not swarm.nodes[n].hung
             ]
             if not live:
-                return RequestResult(generated, f"no node for {span}", recoveries, runs)
+                return RequestResult(generated, f"no node for {span}", recoveries, runs, preempted)
             route.append(live[0])
         history = prompt + generated
         budget = len(prompt) + max_new - 1
@@ -468,6 +503,8 @@ def run_request(
             decode_timeout_floor_s=1,
             close_timeout_s=2,
             encodings=encodings,  # type: ignore[arg-type]
+            # A re-run prefills the generated tokens one per step, as gateway.serving does (exact_resume).
+            single_from=len(prompt) if generated and exact_resume else 0,
         )
         if timeouts:
             config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]
@@ -499,10 +536,16 @@ def run_request(
         recoveries += machine.recoveries
         del generated[max_new:]
         if swarm.failure is None or stopped:
-            return RequestResult(generated, None, recoveries, runs)
+            return RequestResult(generated, None, recoveries, runs, preempted)
         failure = swarm.failure.failure
-        if not failure.replaceable or runs > 4:
-            return RequestResult(generated, failure.message, recoveries, runs)
+        if failure.kind == "preempted":
+            # Keep the tokens, resume by re-prefill on any route (no node is avoided for it), bounded.
+            preempted += 1
+            if preempted > max_preemptions:
+                return RequestResult(generated, failure.message, recoveries, runs, preempted)
+            continue
+        if not failure.replaceable or runs > 4 + preempted:
+            return RequestResult(generated, failure.message, recoveries, runs, preempted)
         if failure.node_id:
             excluded.add(failure.node_id)
         excluded.update(n for n, node in swarm.nodes.items() if node.dead)

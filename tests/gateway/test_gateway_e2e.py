@@ -281,13 +281,12 @@ def test_bad_input_and_over_capacity_on_the_real_swarm(client: openai.OpenAI, sw
             client.chat.completions.create(**args)
         assert info.value.status_code == status, (extra, info.value.body)
         assert set(info.value.body) == {"message", "type", "param", "code"}
-    with pytest.raises(openai.BadRequestError) as too_long:
+    with pytest.raises(openai.APIStatusError) as too_long:
         client.chat.completions.create(
             model=swarm["model"], messages=[{"role": "user", "content": "word " * 600}]
         )
-    assert (
-        too_long.value.body["code"] == "context_length_exceeded" and str(SESSION_KV) in too_long.value.message
-    )
+    assert too_long.value.status_code == 413
+    assert too_long.value.body["code"] == "prompt_too_long" and str(SESSION_KV) in too_long.value.message
     small = (
         swarm["supervisor"]
         .start_gateway(

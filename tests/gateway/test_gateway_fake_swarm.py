@@ -183,10 +183,10 @@ def test_latency_histograms_move_by_one_request(client: openai.OpenAI, swarm: di
         ({"model": "no-such-model"}, 404, "model"),
         (
             {"messages": [{"role": "user", "content": "word " * 700}]},
-            400,
+            413,
             "messages",
-        ),  # past the 512-token budget
-        ({"max_tokens": 1000}, 400, "messages"),  # under the anonymous cap, past the route's budget
+        ),  # past the 512-token budget of every route: 413 prompt_too_long
+        ({"max_tokens": 1000}, 413, "messages"),  # under the anonymous cap, past every route's budget
         ({"max_tokens": 100000}, 400, "max_tokens"),  # past the anonymous cap (anonymous_max_tokens)
     ],
 )
@@ -197,6 +197,8 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI, kwargs: dict, sta
     assert info.value.status_code == status
     body = info.value.body
     assert set(body) == {"message", "type", "param", "code"} and body["param"] == param
+    if status == 413:
+        assert body["code"] == "prompt_too_long" and "can serve now is 512 tokens" in body["message"]
     assert (
         client.chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "ok"}], max_tokens=2

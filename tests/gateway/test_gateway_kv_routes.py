@@ -4,7 +4,8 @@ Real gateway and tracker processes, scripted nodes (no model) on real gRPC:
 route A ([0,15) + [15,30)) grants 512 positions per session and is announced
 faster, so the gateway picks it first; route B grants 4096 (what a node with a
 KV pool serves). A 1,000-token prompt is answered through route B; a prompt
-neither route can hold is refused with 400 ``context_length_exceeded``.
+neither route can hold is refused with 413 ``prompt_too_long`` naming 4096, the
+largest context the swarm can serve.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from swarm_fixtures import announce, scripted_nodes, url
+from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 
 from common.vocab import Vocabulary
 from proto.announce import ModelSpec
@@ -79,6 +80,12 @@ def test_a_long_prompt_goes_to_the_route_that_can_hold_it(swarm: dict, model_pat
             got = client.completions.create(**kwargs).choices[0].text
         assert got and swarm["expected"].startswith(got)
     assert _opened(long_route) == 4 and _opened(short_route) == 2
-    with pytest.raises(openai.BadRequestError) as refused:
+    # Neither route holds 5,000 positions: 413 prompt_too_long, naming the largest context (route B's).
+    with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model="fake-kv-model", prompt="word " * 5000, max_tokens=4, temperature=0)
-    assert refused.value.status_code == 400 and "context" in str(refused.value).lower()
+    assert refused.value.status_code == 413
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "prompt_too_long" and body["param"] == "prompt"
+    assert "largest context this swarm can serve now is 4096 tokens" in body["message"]
+    too_long = metric_lines(url(swarm["gateway"]), "swarm_gateway_prompt_too_long_total")
+    assert too_long and float(too_long[0].split()[-1]) == 1

@@ -1,8 +1,14 @@
-"""Routes by free KV at the gateway: each hop's announced free KV, and which routes can hold a request."""
+"""Routes by free KV at the gateway: each hop's announced free KV, which routes can hold a request, the
+swarm's largest contexts from the tracker, and the bounded wait for KV room (policy and trio shell)."""
 
 from __future__ import annotations
 
-from gateway.admission import fits_kv, kv_room
+import pytest
+import trio
+
+from gateway.admission import KvWaitPolicy, fits_kv, kv_room, kv_verdict, route_context
+from gateway.errors import KvExhausted
+from gateway.gate import KvGate
 from gateway.routes import parse_routes
 
 
@@ -34,3 +40,68 @@ def test_the_tightest_stage_decides_and_unknown_stages_are_trusted() -> None:
     assert fits_kv([8192, 6016], 6000) and not fits_kv([8192, 5999], 6000)
     assert fits_kv([None, None], 10**6)  # nothing announced: the nodes decide
     assert not fits_kv([None, 100], 101)
+
+
+def test_the_answer_carries_the_swarms_largest_contexts() -> None:
+    body = {**_answer(1, 2), "kv": {"session_max_tokens": 8192, "free_max_tokens": 300}}
+    routes = parse_routes(body, 0.0)
+    assert (routes.kv_session_max_tokens, routes.kv_free_max_tokens) == (8192, 300)
+    for kv in ({}, {"session_max_tokens": None}, {"session_max_tokens": "x"}, "nonsense"):
+        assert parse_routes({**_answer(1), "kv": kv}, 0.0).kv_session_max_tokens is None
+    assert parse_routes(_answer(1), 0.0).kv_session_max_tokens is None  # a tracker from before it
+
+
+def test_the_kv_verdict() -> None:
+    assert route_context([4096, None, 8192]) == 4096 and route_context([None]) is None
+    assert kv_verdict(5000, 4096, [10_000]) == "too_long"  # past every route's context: 413
+    assert kv_verdict(3000, 4096, [1000, 2999]) == "wait"  # fits a context, no free KV now
+    assert kv_verdict(3000, 4096, [1000, 3000]) == "fits"
+    assert kv_verdict(3000, None, [None, 10]) == "fits"  # a route nobody described: the nodes decide
+    assert kv_verdict(3000, None, []) == "fits"
+
+
+def test_the_kv_wait_is_bounded_and_first_come_first_served() -> None:
+    policy = KvWaitPolicy(max_waiters=2, mean_wait_s=2.0)
+    assert policy.enter(1, 0.0).action == "queue" and policy.enter(2, 0.5).action == "queue"
+    full = policy.enter(3, 1.0)
+    assert (full.action, full.status) == ("reject", 503) and full.retry_after_s >= 1
+    assert policy.is_first(1) and not policy.is_first(2)
+    assert policy.enter(1, 2.0).action == "queue"  # already waiting: keeps its place
+    policy.leave(1, 3.0, served=True)
+    assert policy.is_first(2) and not policy.is_waiting(1)
+    policy.leave(2, 4.0, served=False, timed_out=True)
+    policy.leave(2, 5.0, served=True)  # twice: nothing more
+    stats = policy.stats()
+    assert (stats.waiting, stats.waits_total, stats.served_total, stats.rejected_total) == (0, 2, 1, 1)
+    assert stats.timed_out_total == 1 and stats.waited_s_total == 3.0 + 3.5
+
+
+async def test_the_kv_gate_wakes_the_first_in_line_when_a_session_ends_and_times_out() -> None:
+    gate = KvGate(KvWaitPolicy(max_waiters=2), wait_s=1.0, retry_s=30.0)
+    order: list[str] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait(name: str) -> None:
+            async with gate.waiting() as waiter:
+                await waiter.turn()
+                order.append(name)
+                waiter.served = True
+
+        nursery.start_soon(wait, "a")
+        await trio.sleep(0.01)
+        nursery.start_soon(wait, "b")
+        await trio.sleep(0.01)
+        with pytest.raises(KvExhausted) as full:  # two wait already
+            gate.enter()
+        assert full.value.status == 503 and full.value.code == "kv_exhausted" and full.value.retry_after_s
+        gate.notify_freed()  # a session ended: the first in line tries again
+        await trio.sleep(0.01)
+        assert order == ["a"]
+        gate.notify_freed()
+    assert order == ["a", "b"] and gate.statistics().served_total == 2
+    start = trio.current_time()
+    with pytest.raises(KvExhausted) as late:
+        async with gate.waiting() as waiter:
+            await waiter.turn()  # nobody frees anything: kv_wait_s passes
+    assert trio.current_time() - start >= 1.0 and late.value.retry_after_s
+    assert gate.statistics().timed_out_total == 1 and gate.statistics().waiting == 0

@@ -4,9 +4,11 @@ The gateway's ``RouteMachine`` drives real node session machines in memory
 (``session_sim``): every interleaving of deliveries is chosen by a seeded
 scheduler, and hypothesis picks the faults -- a stage killed or hung (and
 maybe resumed, with its stale replies arriving late) at any event, replies
-duplicated. Whatever happens, the client's tokens equal the undisturbed run's
-(or the request fails cleanly when no node is left for a span), and every
-node that is still up has freed every session once the request is over.
+duplicated, the session preempted by a node (its KV freed for an older session,
+STATUS_PREEMPTED). Whatever happens, the client's tokens equal the undisturbed
+run's (or the request fails cleanly when no node is left for a span, or it was
+preempted more often than allowed), and every node that is still up has freed
+every session once the request is over.
 """
 
 from __future__ import annotations
@@ -141,3 +143,81 @@ def test_no_spare_left_fails_cleanly_with_an_exact_prefix() -> None:
     assert result.failed is not None
     assert result.tokens == REFERENCE[: len(result.tokens)]
     assert all_freed(swarm) == []
+
+
+def test_a_preempted_session_resumes_by_re_prefill_with_the_same_tokens() -> None:
+    nodes, by_span = make_nodes(SPANS, spares=0)  # no spare: it resumes on the very same nodes
+    swarm = SimSwarm(nodes, random.Random(2))
+    result = run_request(swarm, by_span, PROMPT, MAX_NEW, faults=[Fault("preempt", 90, "n4-8-0")])
+    assert swarm.preemptions == 1, "the fault did not hit a live session"
+    assert result.tokens == REFERENCE and result.failed is None
+    assert result.preempted == 1 and result.route_runs == 2 and result.recoveries == 0
+    assert all_freed(swarm) == []
+
+
+def test_preempted_more_than_the_bound_fails_cleanly_with_an_exact_prefix() -> None:
+    nodes, by_span = make_nodes(SPANS, spares=0)
+    swarm = SimSwarm(nodes, random.Random(4))
+    plan = [Fault("preempt", at, "n8-12-0") for at in range(60, 2000, 25)]
+    result = run_request(swarm, by_span, PROMPT, MAX_NEW, faults=plan, max_preemptions=2)
+    assert result.failed is not None and "preempted" in result.failed
+    assert result.preempted == 3
+    assert result.tokens == REFERENCE[: len(result.tokens)]
+    assert all_freed(swarm) == []
+
+
+preemptions_and_faults = st.lists(
+    st.builds(
+        Fault,
+        kind=st.sampled_from(["preempt", "preempt", "preempt", "kill", "hang", "resume", "dup"]),
+        at=st.integers(min_value=0, max_value=400),
+        node=st.sampled_from([f"n{a}-{b}-{i}" for a, b in SPANS for i in range(2)]),
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=preemptions_and_faults, seed=st.integers(0, 2**16), push=st.booleans())
+def test_preemptions_among_failures_keep_the_text_exact_and_free_every_stage(
+    plan: list[Fault], seed: int, push: bool
+) -> None:
+    nodes, by_span = make_nodes(SPANS, spares=1)
+    swarm = SimSwarm(nodes, random.Random(seed))
+    result = run_request(swarm, by_span, PROMPT, MAX_NEW, faults=plan, push=push)
+    assert result.preempted <= swarm.preemptions
+    if result.failed is None:
+        assert result.tokens == REFERENCE
+    else:
+        assert result.tokens == REFERENCE[: len(result.tokens)]
+    assert all_freed(swarm) == []
+
+
+def test_a_resume_prefills_the_prompt_in_chunks_and_each_generated_token_alone() -> None:
+    """``single_from``: the prompt goes in step_tokens chunks as it did first; the generated tokens one
+    position per step, as their decode steps computed them (so the resumed KV is bit-exact)."""
+    from gateway.session_machine import RouteConfig, RouteMachine, SendFrame, StageSpec
+    from proto import codec
+
+    prompt_len, generated = 13, 4
+    config = RouteConfig(
+        session_id="s",
+        request_id="r",
+        model_fingerprint="a" * 64,
+        sampling=codec.SamplingSettings(temperature=0.0),
+        kv_budget=40,
+        step_tokens=5,
+        node_frame_bytes=1 << 20,
+        pipeline_steps=16,
+        single_from=prompt_len,
+    )
+    machine = RouteMachine(config, [StageSpec("n", "n", 0, 12, "b" * 64, b"t")], new_token=lambda: b"x" * 8)
+    machine.open(0.0)
+    machine.phase, machine._stages[0].acked = "ready", True  # the OPEN was acknowledged
+    sent = [
+        c.frame for c in machine.begin(list(range(prompt_len + generated)), 0.0) if isinstance(c, SendFrame)
+    ]
+    spans = [(f.positions.start, f.positions.end) for f in sent]
+    assert spans == [(0, 5), (5, 10), (10, 13), (13, 14), (14, 15), (15, 16), (16, 17)]
+    assert [f.activation.sample for f in sent] == [False] * 6 + [True]  # the next token comes from the last
+    assert machine.aligned_prefix == 10  # what a cold request of this prompt computed alike: whole chunks

@@ -65,3 +65,15 @@ def test_a_liar_may_answer_its_first_steps_honestly() -> None:
     assert tokens == [5, 5, 6, 6]
     with pytest.raises(FailpointError, match="integer"):
         from_environment({ENV: "swap_sampler,honest_steps=x", CONSENT_ENV: CONSENT})
+
+
+def test_preempt_every_turns_every_nth_sampled_step_into_a_preemption_k_times() -> None:
+    fp = from_environment({ENV: "preempt_every=3,preempt_times=2", CONSENT_ENV: CONSENT})
+    assert fp.active and (fp.preempt_every, fp.preempt_times) == (3, 2) and not fp.kinds
+    liar = Liar(fp, random.Random(0))
+    hidden_only = StepOutcome(1, kv_len=4, hidden=np.ones((1, 4), np.float32))
+    assert liar(hidden_only) is hidden_only  # not a last stage's step: untouched
+    statuses = [liar(StepOutcome(i, kv_len=i, sampled=SampledOut(5, -0.1))).error_status for i in range(12)]
+    assert statuses == [None, None, "PREEMPTED", None, None, "PREEMPTED", *[None] * 6]
+    with pytest.raises(FailpointError, match="preempt_every must be an integer"):
+        from_environment({ENV: "preempt_every=often", CONSENT_ENV: CONSENT})

@@ -18,8 +18,9 @@ from tracker_helpers import MODEL, FakeClock, announce_for, key, signed, test_co
 from proto.announce import Heartbeat
 from proto.signing import public_key_hex
 from tracker.app import create_app
-from tracker.routing import select_routes
+from tracker.routing import largest_context, select_routes
 from tracker.service import Registry
+from tracker.snapshot import ShardView
 from tracker.store import Store, make_engine
 
 
@@ -83,3 +84,100 @@ async def test_a_long_prompt_goes_to_the_route_with_room_for_it(swarm) -> None:
     snap = await registry.snapshot()
     found = select_routes(snap, MODEL.fingerprint, 1, rng=random.Random(0), kv_tokens=6000).routes
     assert [[h.node_id for h in r.hops] for r in found] == [slow]
+
+
+async def _pool_node(
+    client: Any, clock: FakeClock, seed: int, start: int, end: int, *, pool: int, session_max: int, free: int
+) -> str:
+    k = key(seed)
+    announce = announce_for(k, start, end, ms=5.0, port=9000 + seed)
+    assert (await _post(client, "/v1/announce", signed(k, "announce", announce.to_json(), clock())))[0] == 200
+    beat = Heartbeat(
+        public_key_hex(k),
+        active_sessions=1,
+        queue_depth=0,
+        kv_free_tokens=free,
+        tokens_served=0,
+        kv_used_tokens=pool - free,
+        kv_pool_tokens=pool,
+        kv_session_max_tokens=session_max,
+    )
+    assert (await _post(client, "/v1/heartbeat", signed(k, "heartbeat", beat.to_json(), clock())))[0] == 200
+    return public_key_hex(k)
+
+
+async def test_pool_sizes_are_kept_shown_and_name_the_largest_context(swarm) -> None:
+    client, clock, registry = swarm
+    # Route A: [0,15) one session up to 4096 (1000 free now) + [15,30) up to 8192; route B: one node
+    # [0,30) whose sessions may hold 2048 each, with 12000 free.
+    a0 = await _pool_node(client, clock, 11, 0, 15, pool=8192, session_max=4096, free=1000)
+    a1 = await _pool_node(client, clock, 12, 15, 30, pool=16384, session_max=8192, free=8000)
+    b = await _pool_node(client, clock, 13, 0, 30, pool=16384, session_max=2048, free=12000)
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 2})
+    assert status == 200
+    # The widest route holds 4096 per session (A's tightest stage); what is free for one now: 2048 (B).
+    assert body["kv"] == {"session_max_tokens": 4096, "free_max_tokens": 2048}
+    hops = {h["node_id"]: h for r in body["routes"] for h in r["hops"]}
+    assert (hops[a0]["kv_pool_tokens"], hops[a0]["kv_session_max_tokens"]) == (8192, 4096)
+    assert (hops[b]["kv_pool_tokens"], hops[b]["kv_session_max_tokens"]) == (16384, 2048)
+    # 1,500 positions: A's first stage has 1000 free, B holds it. 3,000: B may never hold that many
+    # for one session and A has no room now -- no route, but the answer says the swarm could (4096).
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 2, "kv_tokens": 1500})
+    assert status == 200 and [[h["node_id"] for h in r["hops"]] for r in body["routes"]] == [[b]]
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 2, "kv_tokens": 3000})
+    assert status == 503 and body["routes"] == [] and body["kv"]["session_max_tokens"] == 4096
+    # The node list and the dashboard show pool size, used and free per node.
+    swarm_body = json.loads(await (await client.get("/v1/swarm")).get_data())
+    shard = next(n["shard"] for n in swarm_body["nodes"] if n["node_id"] == a1)
+    assert (shard["kv_pool_tokens"], shard["kv_session_max_tokens"], shard["kv_used_tokens"]) == (
+        16384,
+        8192,
+        8384,
+    )
+    state = await registry.dashboard_state()  # what /v1/dashboard/state serves
+    row = next(n for n in state["nodes"] if n["node_id"] == a0)
+    assert (row["kv_pool_tokens"], row["kv_used_tokens"], row["kv_free_tokens"]) == (8192, 7192, 1000)
+    # /metrics: per node, and the largest context per model.
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    assert f'swarm_tracker_node_kv_pool_tokens{{node="{b[:16]}"}} 16384' in text
+    assert f'swarm_tracker_node_kv_free_tokens{{node="{a0[:16]}"}} 1000' in text
+    context = [line for line in text.splitlines() if line.startswith("swarm_tracker_kv_context_max_tokens")]
+    by_kind = {
+        kind: float(line.split()[-1])
+        for line in context
+        for kind in ("session", "free")
+        if f'"{kind}"' in line
+    }
+    assert by_kind == {"session": 4096.0, "free": 2048.0}, context
+
+
+def _shard(node: str, start: int, end: int, **kv: int | None) -> ShardView:
+    return ShardView(node, MODEL.fingerprint, start, end, 5.0, 500.0, **kv)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("shards", "free", "expected"),
+    [
+        ([], False, None),  # no route at all
+        ([_shard("a", 0, 15, kv_session_max_tokens=4096)], False, None),  # a gap: no complete route
+        ([_shard("a", 0, 30)], False, None),  # nobody announced a bound
+        ([_shard("a", 0, 15, kv_session_max_tokens=4096), _shard("b", 15, 30)], False, 4096),
+        ([_shard("a", 0, 30, kv_pool_tokens=9000)], False, 9000),  # no per-session maximum: the pool
+        ([_shard("a", 0, 30, kv_session_max_tokens=4096, kv_free_tokens=100)], True, 100),
+        (
+            [
+                _shard("a", 0, 10, kv_session_max_tokens=8192),
+                _shard("b", 10, 30, kv_session_max_tokens=1024),
+                _shard("c", 0, 20, kv_session_max_tokens=2048),
+                _shard("d", 20, 30, kv_session_max_tokens=16384),
+                _shard("e", 10, 20, kv_session_max_tokens=32768),
+            ],
+            False,
+            8192,  # a -> e -> d, not the cheaper-looking two-stage routes
+        ),
+    ],
+)
+def test_largest_context_is_the_widest_complete_route(
+    shards: list[ShardView], free: bool, expected: int | None
+) -> None:
+    assert largest_context(shards, 30, free=free) == expected

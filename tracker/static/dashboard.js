@@ -300,9 +300,15 @@ function renderNodes(state) {
     const hwText = `${hw.cpu_cores ?? "?"} cores · ${hw.ram_gb} GB` + (hw.gpus.length ? " · " + hw.gpus.join(", ") : "") +
       (hw.backends.length ? ` · ${hw.backends.join("/")}` : "");
     const where = n.relay ? "via gateway relay" : n.address;
-    const kv = n.kv_used_tokens !== null && n.kv_used_tokens !== undefined
-      ? `${fmt(n.kv_used_tokens, 0)} / ${fmt(n.kv_used_tokens + (n.kv_free_tokens || 0), 0)}`
-      : n.kv_free_tokens !== null && n.kv_free_tokens !== undefined ? `${fmt(n.kv_free_tokens, 0)} free` : "–";
+    const known = (v) => v !== null && v !== undefined;
+    // used / pool size (free), from the node's heartbeat; without a pool size: used / used + free.
+    const kv = known(n.kv_pool_tokens)
+      ? `${known(n.kv_used_tokens) ? fmt(n.kv_used_tokens, 0) : "?"} / ${fmt(n.kv_pool_tokens, 0)}` +
+        (known(n.kv_free_tokens) ? ` (${fmt(n.kv_free_tokens, 0)} free)` : "")
+      : known(n.kv_used_tokens)
+        ? `${fmt(n.kv_used_tokens, 0)} / ${fmt(n.kv_used_tokens + (n.kv_free_tokens || 0), 0)}`
+        : known(n.kv_free_tokens) ? `${fmt(n.kv_free_tokens, 0)} free` : "–";
+    const kvTitle = known(n.kv_session_max_tokens) ? `one session: at most ${n.kv_session_max_tokens} positions` : "";
     const dim = n.state === "expired" || n.state === "left";
     return el("tr", { class: dim ? "dim" : "", "data-node": n.node_id, "data-state": n.state },
       el("td", {}, el("span", { class: "state" }, el("span", { class: "dot " + n.state }), n.state)),
@@ -315,7 +321,7 @@ function renderNodes(state) {
       el("td", { class: "num", text: fmt(n.tokens_per_s) }),
       el("td", {}, loadBar(n.active_sessions, n.max_sessions)),
       el("td", { class: "num", text: n.queue_depth ?? "–" }),
-      el("td", { class: "num", text: kv }),
+      el("td", { class: "num", text: kv, title: kvTitle }),
       el("td", { class: "muted", text: n.version || "–" }),
       el("td", { class: "num", text: ago(n.last_seen_age_s) }));
   }));
