@@ -42,7 +42,9 @@ class RebalanceService:
         self.params = RebalanceParams(min_gain=cfg.rebalance_min_gain, min_holders=cfg.rebalance_min_holders)
 
     def looked_up(self, model_fingerprint: str, now_s: float) -> None:
-        """A route look-up for the model: one unit of its demand."""
+        """A route look-up for the model, or a request a gateway reported served: one unit of its
+        demand each (a gateway reuses pooled routes, so look-ups alone under-count a busy model;
+        a request no route can serve is reported by nobody, so usage alone misses it)."""
         self.demand.record(model_fingerprint, now_s)
 
     def _capacities(self, snap: SwarmSnapshot, own_fp: str, req: RebalanceRequest) -> dict[str, int]:
@@ -80,14 +82,17 @@ class RebalanceService:
             advise, view, req.node_id, capacities, demand, rng=reg.rng, pinned=req.pinned, params=self.params
         )
         move: Move | None = await trio.to_thread.run_sync(decide, limiter=reg._route_cpu)
+        here = mine[0].model_fingerprint
         why = ""
         if req.pinned:
             why = "pinned"
         elif move is None:
             why = "no span gains enough, or leaving would leave a layer with too few holders"
+        elif self.pending.reverses(here, move.model_fingerprint, now):
+            move, why = None, "another node is moving the other way"
         advice_move = None
         if move is not None:
-            self.pending.record(req.node_id, move, now)
+            self.pending.record(req.node_id, move, now, origin=here)
             names = {fp: name for name, fp in snap.registered_names.items()}
             info = snap.model(move.model_fingerprint)
             advice_move = MoveAdvice(

@@ -176,6 +176,9 @@ def apply_moves(snapshot: SwarmSnapshot, moves: Mapping[str, Move]) -> SwarmSnap
             kept.append(s)  # already there (announced at its new span)
             continue
         per_layer = s.decode_ms_per_token / max(1, s.end - s.start)
+        if move.model_fingerprint != s.model_fingerprint:
+            # Layers of another model weigh differently: take that model's typical speed per layer.
+            per_layer = _median_layer_ms(snapshot, move.model_fingerprint, per_layer)
         added.append(
             replace(
                 s,
@@ -190,6 +193,13 @@ def apply_moves(snapshot: SwarmSnapshot, moves: Mapping[str, Move]) -> SwarmSnap
     return replace(snapshot, shards=(*kept, *added))
 
 
+def _median_layer_ms(snapshot: SwarmSnapshot, fp: str, default: float) -> float:
+    """The median ``decode_ms_per_token`` per layer of model ``fp``'s shards (``default`` without any)."""
+    per_layer = sorted(s.decode_ms_per_token / (s.end - s.start) for s in snapshot.shards
+                       if s.model_fingerprint == fp and s.end > s.start)  # fmt: skip
+    return per_layer[len(per_layer) // 2] if per_layer else default
+
+
 class PendingMoves:
     """Moves the tracker advised and the nodes have not finished yet (node id -> move).
 
@@ -202,19 +212,28 @@ class PendingMoves:
             raise ValueError("keep_s must be > 0 and max_moves >= 1")
         self.keep_s = keep_s
         self.max_moves = max_moves
-        self._moves: dict[str, tuple[Move, float]] = {}  # oldest first
+        self._moves: dict[str, tuple[Move, float, str]] = {}  # node -> (move, when, model left); oldest first
 
-    def record(self, node_id: str, move: Move, now_s: float) -> None:
+    def record(self, node_id: str, move: Move, now_s: float, origin: str = "") -> None:
+        """``node_id`` was told to move from model ``origin`` ("" = not said) at ``now_s``."""
         self._moves.pop(node_id, None)
-        self._moves[node_id] = (move, now_s)
+        self._moves[node_id] = (move, now_s, origin)
         while len(self._moves) > self.max_moves:
             del self._moves[next(iter(self._moves))]
 
     def active(self, now_s: float, *, besides: str = "") -> dict[str, Move]:
         """The moves advised within ``keep_s`` (older ones are dropped), without ``besides``'s."""
-        for node in [n for n, (_m, at) in self._moves.items() if now_s - at > self.keep_s]:
+        for node in [n for n, (_m, at, _o) in self._moves.items() if now_s - at > self.keep_s]:
             del self._moves[node]
-        return {n: m for n, (m, _at) in self._moves.items() if n != besides}
+        return {n: m for n, (m, _at, _o) in self._moves.items() if n != besides}
+
+    def reverses(self, origin: str, target: str, now_s: float) -> bool:
+        """Whether a pending move goes the other way (from ``target``'s model to ``origin``'s): two
+        nodes trading models cost two drains and two downloads for nothing, so the second stays."""
+        self.active(now_s)
+        return origin != target and any(
+            o == target and m.model_fingerprint == origin for m, _at, o in self._moves.values()
+        )
 
     def __len__(self) -> int:
         return len(self._moves)

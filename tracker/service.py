@@ -450,6 +450,8 @@ class Registry:
             ),
         )
         tokens = sum(e.tokens for e in r.entries)
+        if result.recorded:
+            self.rebalance.looked_up(r.model_fingerprint, now)  # a request served: demand for its model
         self.metrics.inc("swarm_tracker_usage_tokens_total", tokens)
         event(
             log,
