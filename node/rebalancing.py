@@ -191,13 +191,15 @@ async def _serve_once(
     policy: MovePolicy,
     *,
     task_status: trio.TaskStatus[NodeReady] = trio.TASK_STATUS_IGNORED,
-) -> tuple[NodeReady, MoveAdvice | None]:
-    """One incarnation: serve ``cfg``'s span until ``shutdown`` or a decided move (then drained)."""
+) -> tuple[NodeReady | None, MoveAdvice | None]:
+    """One incarnation: serve ``cfg``'s span until ``shutdown`` or a decided move (then drained).
+    A shutdown while the span is still being fetched or loaded ends it at once (None, None)."""
     from node.daemon import NodeDaemon
 
     daemon = NodeDaemon(cfg)
     stop = trio.Event()
     mover: _Mover | None = None
+    ready: NodeReady | None = None
     async with trio.open_nursery() as nursery:
 
         async def serve(*, task_status: trio.TaskStatus[NodeReady]) -> None:
@@ -206,11 +208,13 @@ async def _serve_once(
 
         async def watch_shutdown() -> None:
             await shutdown.wait()
-            stop.set()
+            stop.set()  # a serving daemon stops (leave, drain); one still joining is cancelled
+            if ready is None:
+                nursery.cancel_scope.cancel()
 
-        ready: NodeReady = await nursery.start(serve)
-        task_status.started(ready)
         nursery.start_soon(watch_shutdown)
+        ready = await nursery.start(serve)
+        task_status.started(ready)
         if daemon.tracker_url:
             mover = _Mover(daemon, MoveState(time.monotonic()), policy)
             nursery.start_soon(mover.run, stop)
@@ -232,9 +236,9 @@ async def run_moving_node(
     while True:
         ready, move = await _serve_once(cfg, shutdown, policy, task_status=status)
         status = trio.TASK_STATUS_IGNORED  # readiness is reported once
-        specs.setdefault(ready.model_fingerprint, cfg.model)
-        if move is None:
+        if ready is None or move is None:
             return
+        specs.setdefault(ready.model_fingerprint, cfg.model)
         moves += 1
         cfg = _next_config(cfg, ready, move, specs)
         event(log, "rebalance_moving", model=cfg.model, layers=cfg.layers, moves=moves)
