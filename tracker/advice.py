@@ -16,8 +16,6 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-import trio
-
 from common.logs import event
 from proto.announce import PayloadError
 from proto.rebalance import ADVICE_KIND, REQUEST_KIND, MoveAdvice, RebalanceAdvice, RebalanceRequest
@@ -81,7 +79,7 @@ class RebalanceService:
         decide = functools.partial(
             advise, view, req.node_id, capacities, demand, rng=reg.rng, pinned=req.pinned, params=self.params
         )
-        move: Move | None = await trio.to_thread.run_sync(decide, limiter=reg._route_cpu)
+        move: Move | None = await reg.on_route_cpu(decide)
         here = mine[0].model_fingerprint
         why = ""
         if req.pinned:

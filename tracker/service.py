@@ -224,6 +224,11 @@ class Registry:
             self._refused(kind, err)
             raise
 
+    async def on_route_cpu(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in a worker thread, one at a time with route searches and placement (CPU-bound
+        decisions over a large snapshot must not hold the event loop)."""
+        return await trio.to_thread.run_sync(fn, limiter=self._route_cpu)
+
     def statistics(self) -> RegistryStatistics:
         return RegistryStatistics(
             nonce_cache_entries=len(self.nonces),
