@@ -18,7 +18,9 @@ the same advice several times in a row; ``pin_span`` turns moves off). A move, i
    the advised model and ``START:END``: its own model file when it has one, else the model's
    name or fingerprint in the tracker's registry, whose sources and peers serve only the
    span's tensors (:mod:`node.fetch`);
-4. **rejoin**: load, benchmark, announce (same key, same gRPC and admin ports).
+4. **rejoin**: load, benchmark, announce (same key, same gRPC and admin ports). A new span
+   that cannot be fetched or loaded sends the node back to the span it left (logged as
+   ``rebalance_move_failed``; that path has no test yet).
 
 One incarnation of :class:`~node.daemon.NodeDaemon` serves one span; the loop here starts the
 next. Readiness (``task_status``) is reported once, for the first span.
@@ -233,12 +235,34 @@ async def run_moving_node(
     specs: dict[str, str] = {}  # model fingerprint -> how to join it again (its own file first)
     moves = 0
     status = task_status
+    previous: NodeConfig | None = None  # the span served before the last move, to go back to
     while True:
-        ready, move = await _serve_once(cfg, shutdown, policy, task_status=status)
+        try:
+            ready, move = await _serve_once(cfg, shutdown, policy, task_status=status)
+        except Exception as err:  # a new span that cannot be fetched or loaded: back to the old one
+            if previous is None:
+                raise
+            event(
+                log,
+                "rebalance_move_failed",
+                level=logging.ERROR,
+                model=cfg.model,
+                layers=cfg.layers,
+                error=repr(err)[:500],
+                back_to=[previous.model, previous.layers],
+            )
+            cfg, previous = previous, None
+            continue
         status = trio.TASK_STATUS_IGNORED  # readiness is reported once
         if ready is None or move is None:
             return
         specs.setdefault(ready.model_fingerprint, cfg.model)
         moves += 1
+        previous = dataclasses.replace(
+            cfg,
+            layers=f"{ready.shard_start}:{ready.shard_end}",
+            port=ready.grpc_port,
+            admin_port=ready.admin_port if ready.admin_port is not None else cfg.admin_port,
+        )
         cfg = _next_config(cfg, ready, move, specs)
         event(log, "rebalance_moving", model=cfg.model, layers=cfg.layers, moves=moves)
