@@ -413,6 +413,20 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
     help="Seconds between heartbeats; default: what the tracker asks for.",
 )
 @click.option(
+    "--rebalance-interval-s",
+    type=float,
+    default=None,
+    help="Ask the tracker this often whether to move to another span, and move; 0 = never (default).",
+)
+@click.option(
+    "--rebalance-models",
+    default=None,
+    help="Models (names or fingerprints, commas) besides its own this node may move to.",
+)
+@click.option(
+    "--pin-span", "pin_span", is_flag=True, default=None, help="Never move this node's span (rebalancing)."
+)
+@click.option(
     "--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark."
 )
 @click.option(

@@ -206,6 +206,24 @@ class NodeConfig:
     )
     heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
     tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
+    rebalance_interval_s: float = _f(
+        0.0,
+        "how often the node asks the tracker whether another span would serve the swarm better, and "
+        "moves (drain, fetch, rejoin) when told to; 0 = never (the span chosen at start stays)",
+    )
+    pin_span: bool = _f(False, "never move this node's span (it still answers the tracker's question)")
+    rebalance_models: str = _f(
+        "", "models (names or fingerprints, commas) besides its own this node may move to; empty = none"
+    )
+    rebalance_confirmations: int = _f(2, "a move is made after the same advice this many times in a row")
+    rebalance_cooldown_s: float = _f(
+        600.0, "no move within this long of the node's start or its last move (hysteresis)"
+    )
+    rebalance_drain_s: float = _f(
+        60.0,
+        "before a move, how long sessions may finish; the rest are handed back (the gateway replays "
+        "them on another node)",
+    )
     discovery_timeout_s: float = _f(3.0, "how long zeroconf discovery of the tracker may take")
     benchmark: bool = _f(True, "measure prefill and decode speed of the shard at start-up")
     unmeasured_decode_ms: float = _f(
@@ -221,6 +239,9 @@ class NodeConfig:
 
     def resolved_model_path(self) -> Path:
         return Path(self.model).expanduser()
+
+    def rebalance_model_list(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.rebalance_models.split(",") if m.strip())
 
     def peer_addresses(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.peers.split(",") if p.strip())
@@ -324,6 +345,14 @@ class NodeConfig:
             raise ConfigError("heartbeat_interval_s, shutdown_grace_s and threads must be >= 0")
         if self.capacity_layers < 0:
             raise ConfigError("capacity_layers must be >= 0")
+        if min(self.rebalance_interval_s, self.rebalance_cooldown_s, self.rebalance_drain_s) < 0:
+            raise ConfigError("rebalance_interval_s, rebalance_cooldown_s and rebalance_drain_s must be >= 0")
+        if not 1 <= self.rebalance_confirmations <= 100:
+            raise ConfigError("rebalance_confirmations must be in 1..100")
+        if len(self.rebalance_model_list()) > 16:
+            raise ConfigError("rebalance_models: at most 16 models")
+        if self.rebalance_interval_s > 0 and self.no_tracker:
+            raise ConfigError("rebalance_interval_s asks the tracker: set it to 0 with no_tracker")
         if self.memory_limit_mb < 0 or self.memory_overhead_mb < 0:
             raise ConfigError("memory_limit_mb and memory_overhead_mb must be >= 0")
         if self.gpu_layers not in ("all", "auto") and not (

@@ -427,10 +427,8 @@ class NodeDaemon:
         self.draining = True
         stats = self.machine.statistics()
         event(log, "node_stopping", sessions=stats.sessions, kv_tokens_used=stats.kv_tokens_used)
-        self._tracker_scope.cancel()  # no heartbeat may follow the goodbye
-        if self.tracker_url:
-            with trio.CancelScope(shield=True):
-                await self._leave()
+        with trio.CancelScope(shield=True):
+            await self.leave_tracker()
         with trio.move_on_after(self.config.shutdown_grace_s + 5) as scope:
             scope.shield = True
             await self.hub.drain()
@@ -452,6 +450,12 @@ class NodeDaemon:
                 return url
             event(log, "tracker_not_found", level=logging.WARNING, retry_s=self.config.tracker_retry_s)
             await trio.sleep(self.config.tracker_retry_s)
+
+    async def leave_tracker(self) -> None:
+        """Stop heartbeats and tell the tracker we are going (once; a rebalancing move leaves early)."""
+        self._tracker_scope.cancel()  # no heartbeat may follow the goodbye
+        if self.tracker_url and not self.left_tracker:
+            await self._leave()
 
     async def _leave(self) -> None:
         """Tell the tracker we are going (signed), so it stops routing to us now, not at expiry."""
@@ -839,6 +843,12 @@ async def run_node(
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[NodeReady] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a node until ``shutdown`` is set (or the surrounding scope is cancelled)."""
+    """Run a node until ``shutdown`` is set (or the surrounding scope is cancelled); with
+    ``rebalance_interval_s`` > 0, one that moves when the tracker advises it (node/rebalancing.py)."""
+    if config.rebalance_interval_s > 0 and not config.no_tracker:
+        from node.rebalancing import run_moving_node
+
+        await run_moving_node(config, trio.Event() if shutdown is None else shutdown, task_status=task_status)
+        return
     daemon = NodeDaemon(config)
     await daemon.run(trio.Event() if shutdown is None else shutdown, task_status=task_status)

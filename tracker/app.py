@@ -251,6 +251,10 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
     async def heartbeat() -> Response:
         return _json(await registry.heartbeat(await read_json()))
 
+    @app.post("/v1/rebalance")
+    async def rebalance() -> Response:
+        return _json(await registry.rebalance.answer(await read_json()))
+
     @app.post("/v1/usage")
     async def usage() -> Response:
         return _json(await registry.report_usage(await read_json()))

@@ -53,6 +53,7 @@ from common.config import parse_urls
 from common.tls import HttpTls
 from common.tls_http import async_client
 from proto.announce import Announce, CheckResults, Evidence, GatewayStats, Heartbeat, Leave, UsageReport
+from proto.rebalance import REQUEST_KIND, RebalanceRequest
 from proto.signing import make_payload, public_key_hex, sign_envelope
 
 _FAILOVER_STATUSES = frozenset({502, 503, 504})
@@ -168,6 +169,14 @@ class TrackerClient:
     async def leave(self, leave: Leave) -> dict[str, Any]:
         payload = leave.to_json()
         return await self._call("POST", "/v1/leave", body=lambda: self.signed("leave", payload))
+
+    async def rebalance(self, request: RebalanceRequest) -> tuple[dict[str, Any], str]:
+        """Ask whether to move (``POST /v1/rebalance``): the tracker's signed advice envelope and
+        the nonce this question was signed with (the advice must repeat it)."""
+        payload = make_payload(REQUEST_KIND, "node_id", self.key, self.clock(), request.to_json())
+        envelope = sign_envelope(self.key, payload)
+        answer = await self._call("POST", "/v1/rebalance", body=lambda: envelope)
+        return answer, str(payload["nonce"])
 
     async def report_usage(self, report: UsageReport) -> dict[str, Any]:
         payload = report.to_json()

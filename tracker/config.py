@@ -108,6 +108,20 @@ class TrackerConfig:
     rtt_claim_ttl_s: float = _f(600.0, "how long a reported round trip counts for network coordinates")
     rtt_probe_hints: int = _f(2, "random peers each heartbeat answer asks a node to measure (0 = none)")
     rtt_probe_back_max: int = _f(6, "peers that measured a node it is asked to measure back, per answer")
+    rebalance_min_gain: float = _f(
+        0.25,
+        "rebalancing hysteresis: a node moves only if the layers it leaves stay this much richer "
+        "(capacity per demand) than the layers it joins",
+    )
+    rebalance_min_holders: int = _f(
+        2, "rebalancing never moves a node off a layer that would then have fewer holders than this"
+    )
+    rebalance_pending_s: float = _f(
+        300.0, "how long an advised move counts as under way (the swarm is judged as if it were done)"
+    )
+    demand_half_life_s: float = _f(
+        300.0, "a model's demand (its route look-ups) halves after this long, for rebalancing"
+    )
     db_threads: int = _f(0, "worker threads for the database; 0 = 1 for SQLite, 4 otherwise")
     zeroconf: bool = _f(True, "advertise _swarm-tracker._tcp.local. on the LAN")
     replica_heartbeat_interval_s: float = _f(5.0, "how often this replica records itself as alive")
@@ -227,6 +241,8 @@ class TrackerConfig:
             "challenge_info_timeout_s",
             "prune_after_s",
             "prune_interval_s",
+            "rebalance_pending_s",
+            "demand_half_life_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -249,6 +265,7 @@ class TrackerConfig:
             "rate_limit_max_identities",
             "prune_batch_max",
             "list_max_rows",
+            "rebalance_min_holders",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -260,6 +277,8 @@ class TrackerConfig:
             raise ConfigError("challenge_tokens must be in 1..256")
         if self.probation_checks < 0 or self.probation_penalty_ms < 0 or self.ban_host_s < 0:
             raise ConfigError("probation_checks, probation_penalty_ms and ban_host_s must be >= 0")
+        if not 0.0 <= self.rebalance_min_gain <= 1000.0:
+            raise ConfigError("rebalance_min_gain must be in 0..1000")
         if not 0.0 < self.observed_speed_alpha <= 1.0:
             raise ConfigError("observed_speed_alpha must be in (0, 1]")
         self.gateway_keys()  # raises on a malformed key

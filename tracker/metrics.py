@@ -33,6 +33,9 @@ SPECS: dict[str, m.Spec] = {
     "swarm_tracker_restorations_total": m.counter("expired or departed nodes that came back"),
     "swarm_tracker_route_requests_total": m.counter("route requests by outcome", "outcome"),
     "swarm_tracker_routes_issued_total": m.counter("routes handed out with a ticket"),
+    "swarm_tracker_rebalance_advice_total": m.counter(
+        "rebalancing questions answered, by advice (stay, or move and why)", "advice"
+    ),
     "swarm_tracker_usage_tokens_total": m.counter("tokens recorded in the usage ledger"),
     "swarm_tracker_gateway_reports_total": m.counter("gateway statistics reports accepted"),
     "swarm_tracker_rtt_samples_total": m.counter("round-trip samples received (network coordinates)"),

@@ -157,6 +157,88 @@ def advise(
     return best[1] if best is not None else None
 
 
+def apply_moves(snapshot: SwarmSnapshot, moves: Mapping[str, Move]) -> SwarmSnapshot:
+    """The swarm as it will be once the advised ``moves`` (node id -> move) are carried out: each
+    mover's shard taken away and put back at its target, at the same speed per layer.
+
+    The tracker answers every node from this view, so while one node drains and fetches, the
+    next one asking sees the gap that node will fill and does not rush to fill it too."""
+    if not moves:
+        return snapshot
+    kept: list[ShardView] = []
+    added: list[ShardView] = []
+    for s in snapshot.shards:
+        move = moves.get(s.node_id)
+        if move is None:
+            kept.append(s)
+            continue
+        if (s.model_fingerprint, s.start, s.end) == (move.model_fingerprint, move.start, move.end):
+            kept.append(s)  # already there (announced at its new span)
+            continue
+        per_layer = s.decode_ms_per_token / max(1, s.end - s.start)
+        if move.model_fingerprint != s.model_fingerprint:
+            # Layers of another model weigh differently: take that model's typical speed per layer.
+            per_layer = _median_layer_ms(snapshot, move.model_fingerprint, per_layer)
+        added.append(
+            replace(
+                s,
+                model_fingerprint=move.model_fingerprint,
+                start=move.start,
+                end=move.end,
+                decode_ms_per_token=per_layer * (move.end - move.start),
+                active_sessions=0,
+                queue_depth=0,
+            )
+        )
+    return replace(snapshot, shards=(*kept, *added))
+
+
+def _median_layer_ms(snapshot: SwarmSnapshot, fp: str, default: float) -> float:
+    """The median ``decode_ms_per_token`` per layer of model ``fp``'s shards (``default`` without any)."""
+    per_layer = sorted(s.decode_ms_per_token / (s.end - s.start) for s in snapshot.shards
+                       if s.model_fingerprint == fp and s.end > s.start)  # fmt: skip
+    return per_layer[len(per_layer) // 2] if per_layer else default
+
+
+class PendingMoves:
+    """Moves the tracker advised and the nodes have not finished yet (node id -> move).
+
+    Pure, bounded: a move is forgotten ``keep_s`` after it was advised (a node that took
+    longer, or never moved, is seen where it really is again), and at most ``max_moves`` are
+    kept, the oldest going first."""
+
+    def __init__(self, keep_s: float, max_moves: int = 100_000) -> None:
+        if keep_s <= 0 or max_moves < 1:
+            raise ValueError("keep_s must be > 0 and max_moves >= 1")
+        self.keep_s = keep_s
+        self.max_moves = max_moves
+        self._moves: dict[str, tuple[Move, float, str]] = {}  # node -> (move, when, model left); oldest first
+
+    def record(self, node_id: str, move: Move, now_s: float, origin: str = "") -> None:
+        """``node_id`` was told to move from model ``origin`` ("" = not said) at ``now_s``."""
+        self._moves.pop(node_id, None)
+        self._moves[node_id] = (move, now_s, origin)
+        while len(self._moves) > self.max_moves:
+            del self._moves[next(iter(self._moves))]
+
+    def active(self, now_s: float, *, besides: str = "") -> dict[str, Move]:
+        """The moves advised within ``keep_s`` (older ones are dropped), without ``besides``'s."""
+        for node in [n for n, (_m, at, _o) in self._moves.items() if now_s - at > self.keep_s]:
+            del self._moves[node]
+        return {n: m for n, (m, _at, _o) in self._moves.items() if n != besides}
+
+    def reverses(self, origin: str, target: str, now_s: float) -> bool:
+        """Whether a pending move goes the other way (from ``target``'s model to ``origin``'s): two
+        nodes trading models cost two drains and two downloads for nothing, so the second stays."""
+        self.active(now_s)
+        return origin != target and any(
+            o == target and m.model_fingerprint == origin for m, _at, o in self._moves.values()
+        )
+
+    def __len__(self) -> int:
+        return len(self._moves)
+
+
 def _span_level(snapshot: SwarmSnapshot, fp: str, start: int, end: int, demand: Mapping[str, float]) -> float:
     """The weakest coverage of ``[start, end)`` per unit of the model's demand (inf without demand)."""
     want = demand.get(fp, 0.0)
@@ -193,4 +275,13 @@ def _relative(after: float, before: float) -> float:
     return (after - before) / before
 
 
-__all__ = ["DEFAULT_PARAMS", "Move", "RebalanceParams", "advise", "single_holders", "throughput"]
+__all__ = [
+    "DEFAULT_PARAMS",
+    "Move",
+    "PendingMoves",
+    "RebalanceParams",
+    "advise",
+    "apply_moves",
+    "single_holders",
+    "throughput",
+]

@@ -42,6 +42,7 @@ from common.logs import event
 from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, RttSample, UsageReport
 from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
 from tracker import overview
+from tracker.advice import RebalanceService
 from tracker.config import TrackerConfig
 from tracker.errors import (
     BadRequest,
@@ -157,6 +158,8 @@ class Registry:
         self.replica_id = uuid.uuid4().hex
         self.url = ""  # set by the server once it listens
         self.trust = TrustService(self)
+        # Rebalancing advice (POST /v1/rebalance) and the demand per model it weighs.
+        self.rebalance = RebalanceService(self)
         # Set by the server when challenges are on (tracker/challenger.py); without one, announced
         # nodes go live at once (in-process uses, challenge_nodes = false).
         self.challenger: Challenger | None = None
@@ -220,6 +223,11 @@ class Registry:
         except SignatureError as err:
             self._refused(kind, err)
             raise
+
+    async def on_route_cpu(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in a worker thread, one at a time with route searches and placement (CPU-bound
+        decisions over a large snapshot must not hold the event loop)."""
+        return await trio.to_thread.run_sync(fn, limiter=self._route_cpu)
 
     def statistics(self) -> RegistryStatistics:
         return RegistryStatistics(
@@ -447,6 +455,8 @@ class Registry:
             ),
         )
         tokens = sum(e.tokens for e in r.entries)
+        if result.recorded:
+            self.rebalance.looked_up(r.model_fingerprint, now)  # a request served: demand for its model
         self.metrics.inc("swarm_tracker_usage_tokens_total", tokens)
         event(
             log,
@@ -666,6 +676,7 @@ class Registry:
         info = self.resolve_model(snap, model)
         origin = snap.gateway_coords.get(gateway_id) if gateway_id else None
         extra = self.handouts.extra(self.clock())
+        self.rebalance.looked_up(info.fingerprint, self.clock())
 
         def search() -> tuple[RouteSelection, float]:
             t0 = time.perf_counter()

@@ -282,6 +282,13 @@ class Store(TrustStore):
             node.last_seen_s = now_s
             node.state = NODE_CHALLENGING if challenge else NODE_LIVE
             s.flush()
+            # A node serves one shard: the one it announces. A shard of another model it served
+            # before (it moved: tracker/rebalance.py) is no longer routable, so it goes.
+            s.execute(
+                delete(Shard).where(
+                    Shard.node_id == a.node_id, Shard.model_fingerprint != a.model.fingerprint
+                )
+            )
             shard = s.scalars(
                 select(Shard).where(
                     Shard.node_id == a.node_id, Shard.model_fingerprint == a.model.fingerprint

@@ -222,6 +222,15 @@ class Simulation:
         }
         return result
 
+    def _model_demand(self) -> list[float]:
+        """Per model (scenario order): its share of the workload's requests (0 = never asked for;
+        a model a burst names, or any model of a trace, counts as asked for)."""
+        w = self.sc.workload
+        named = {b.model for b in w.bursts if b.model}
+        if w.kind == "trace":
+            return [1.0] * len(self.sc.models)
+        return [m.request_share if m.name not in named else max(m.request_share, 1.0) for m in self.sc.models]
+
     def _summarise(self) -> dict[str, Any]:
         sc, m = self.sc, self.metrics
         end = sc.run.duration_s
@@ -271,6 +280,7 @@ class Simulation:
                     "utilization_mean": round(mean_util, 6),
                     "utilization_gini": gini(util),
                     "utilization_max_over_mean": round(max(util) / mean_util, 4) if mean_util > 0 else None,
+                    **load_breakdown(served, util, {i for i, w in enumerate(self._model_demand()) if w > 0}),
                 },
                 "coverage": coverage_summary,
                 "swarm": {
@@ -299,3 +309,36 @@ class Simulation:
 
 def run(scenario: Scenario) -> dict[str, Any]:
     return Simulation(scenario).run()
+
+
+def load_breakdown(nodes: list[Any], util: list[float], demanded: set[int]) -> dict[str, Any]:
+    """Who carries the load: the Gini over the nodes of demanded models only (a node of a model
+    nobody asks for can carry nothing, whatever the routing), over the nodes that carried any,
+    and the busy time by hardware profile and by region (share of all busy time, and of nodes)."""
+    total = sum(util) or 1.0
+    on_demand = [u for n, u in zip(nodes, util, strict=True) if n.model_index in demanded]
+    carried = [u for u in util if u > 0]
+    groups: dict[str, dict[str, dict[str, float]]] = {"by_profile": {}, "by_region": {}}
+    for n, u in zip(nodes, util, strict=True):
+        for key, name in (("by_profile", n.profile.name), ("by_region", n.endpoint.region)):
+            g = groups[key].setdefault(name, {"nodes": 0.0, "busy_share": 0.0, "carried_any": 0.0})
+            g["nodes"] += 1
+            g["busy_share"] += u / total
+            g["carried_any"] += 1 if u > 0 else 0
+    return {
+        "nodes_of_demanded_models": len(on_demand),
+        "utilization_gini_demanded_models": gini(on_demand),
+        "nodes_that_carried_load": len(carried),
+        "utilization_gini_carried": gini(carried),
+        **{
+            key: {
+                name: {
+                    "nodes": int(g["nodes"]),
+                    "carried_any": int(g["carried_any"]),
+                    "busy_share": round(g["busy_share"], 4),
+                }
+                for name, g in sorted(v.items())
+            }
+            for key, v in groups.items()
+        },
+    }

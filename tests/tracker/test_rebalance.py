@@ -98,3 +98,37 @@ def test_a_move_never_cuts_a_model_and_always_gains(snap, cap: int, seed: int) -
         if throughput(snap, s.model_fingerprint) > 0:
             assert throughput(moved, s.model_fingerprint) > 0
         assert move.gain >= 0.25 or move.reason == "single_point_of_failure"
+
+
+def test_pending_moves_are_applied_and_forgotten() -> None:
+    from tracker.rebalance import PendingMoves, apply_moves
+
+    snap = snapshot(10, [shard("a", 0, 5, ms=10.0), shard("b", 0, 5, ms=10.0), shard("c", 5, 10, ms=10.0)])
+    pending = PendingMoves(keep_s=30.0)
+    pending.record("b", Move(FP, 5, 10, "throughput", 1.0), 0.0)
+    view = apply_moves(snap, pending.active(1.0))
+    spans = sorted((s.node_id, s.start, s.end) for s in view.shards)
+    assert spans == [("a", 0, 5), ("b", 5, 10), ("c", 5, 10)]
+    moved = next(s for s in view.shards if s.node_id == "b")
+    assert moved.decode_ms_per_token == 10.0 and moved.active_sessions == 0
+    # A node asking is judged where it really is; after keep_s the move is forgotten.
+    assert pending.active(1.0, besides="b") == {}
+    assert pending.active(31.0) == {} and len(pending) == 0
+    # A move already made (the node announced its new span) leaves the snapshot as it is.
+    done = snapshot(10, [shard("a", 0, 5), shard("b", 5, 10)])
+    assert apply_moves(done, {"b": Move(FP, 5, 10, "throughput", 1.0)}).shards == done.shards
+
+
+def test_pending_moves_name_trades_and_price_other_models_at_their_speed() -> None:
+    from tracker.rebalance import PendingMoves, apply_moves
+
+    pending = PendingMoves(keep_s=30.0)
+    pending.record("b", Move(OTHER_FP, 0, 10, "throughput", 1.0), 0.0, origin=FP)
+    assert pending.reverses(OTHER_FP, FP, 1.0)  # a node of OTHER told to go to FP would trade places
+    assert not pending.reverses(FP, OTHER_FP, 1.0) and not pending.reverses(FP, FP, 1.0)
+    assert not pending.reverses(OTHER_FP, FP, 31.0)  # forgotten after keep_s
+    # b (FP, 10 ms per layer) moving to OTHER, whose shards take 2 ms per layer: priced at 2.
+    snap = snapshot(10, [shard("b", 0, 10, ms=100.0), shard("o", 0, 10, ms=20.0, fp=OTHER_FP)])
+    view = apply_moves(snap, {"b": Move(OTHER_FP, 0, 10, "throughput", 1.0)})
+    moved = next(s for s in view.shards if s.node_id == "b")
+    assert moved.model_fingerprint == OTHER_FP and moved.decode_ms_per_token == 20.0
