@@ -77,6 +77,14 @@ def _token(history: list[int]) -> int:
     return value
 
 
+def _repetitive_token(history: list[int]) -> int:
+    """A "model" that mostly repeats itself (period 5), so n-gram drafts are often but not always right."""
+    value = _token(history)
+    if len(history) >= 5 and value % 4 != 0:
+        return history[-5]
+    return value
+
+
 @dataclass
 class SimNode:
     name: str
@@ -87,6 +95,7 @@ class SimNode:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # last stage: token history per session
     dead: bool = False
     hung: bool = False
+    repetitive: bool = False  # the last stage's "model" is _repetitive_token (speculation tests)
 
     def __post_init__(self) -> None:
         spec = ServingSpec(
@@ -126,9 +135,15 @@ class SimNode:
             del history[job.start :]
             ids = [] if job.token_ids is None else [int(t) for t in job.token_ids]
             history.extend(ids)
+            model = _repetitive_token if self.repetitive else _token
+            if job.drafts:  # a window: the draw after each of its positions
+                window = tuple(
+                    SampledOut(token_id=model(history[: job.start + i + 1]), logprob=-0.5) for i in range(n)
+                )
+                return StepOutcome(job.job_id, self.kv[sid], window=window)
             sampled = None
             if job.sample:
-                sampled = SampledOut(token_id=_token(history), logprob=-0.5)
+                sampled = SampledOut(token_id=model(history), logprob=-0.5)
             return StepOutcome(job.job_id, self.kv[sid], sampled=sampled)
         if job.tokens is not None:
             rows = np.repeat(job.tokens.astype(np.float32)[:, None], N_EMBD, axis=1)
@@ -403,14 +418,14 @@ class RequestResult:
 
 
 def make_nodes(
-    spans: list[tuple[int, int]], spares: int
+    spans: list[tuple[int, int]], spares: int, *, repetitive: bool = False
 ) -> tuple[dict[str, SimNode], dict[tuple[int, int], list[str]]]:
     nodes: dict[str, SimNode] = {}
     by_span: dict[tuple[int, int], list[str]] = {}
     for a, b in spans:
         for i in range(1 + spares):
             name = f"n{a}-{b}-{i}"
-            nodes[name] = SimNode(name, a, b)
+            nodes[name] = SimNode(name, a, b, repetitive=repetitive)
             by_span.setdefault((a, b), []).append(name)
     return nodes, by_span
 
@@ -428,6 +443,7 @@ def run_request(
     max_events: int = 200_000,
     encodings: tuple[int, ...] = (),
     timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
+    max_drafts: int = 0,  # speculative decoding (RouteConfig.max_drafts)
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -468,6 +484,7 @@ def run_request(
             decode_timeout_floor_s=1,
             close_timeout_s=2,
             encodings=encodings,  # type: ignore[arg-type]
+            max_drafts=max_drafts,
         )
         if timeouts:
             config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]
