@@ -8,7 +8,8 @@ builders at the bottom produce the response objects, streaming chunks and both
 logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
-``min_p``, ``repetition_penalty``, ``cache_prompt`` and llama.cpp's
+``min_p``, ``repetition_penalty``, ``cache_prompt``, ``speculation`` (true/false: speculative
+decoding for this request, overriding the gateway's default) and llama.cpp's
 ``grammar`` (GBNF or Lark) and ``json_schema``.
 
 Fields this module does not know are ignored (their names are returned in
@@ -154,6 +155,7 @@ class GenerationRequest:
     tool_name: str = ""  # tool_choice "function": the function's name
     parallel_tool_calls: bool = True
     cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
+    speculation: bool | None = None  # extension: speculative decoding on/off; None: the gateway decides
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
 
     @property
@@ -346,6 +348,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "n": n,
         "logit_bias": _logit_bias(body),
         "cache_prompt": body.get("cache_prompt") is not False,
+        "speculation": _boolean(body, "speculation") if body.get("speculation") is not None else None,
         "response_format": _grammar_fields(body),
     }
 
@@ -463,7 +466,15 @@ def _tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> tuple[str, s
     )
 
 
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "cache_prompt", "grammar", "json_schema")
+_EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "cache_prompt",
+    "speculation",
+    "grammar",
+    "json_schema",
+)
 
 
 def _seed(value: int | None) -> int | None:

@@ -382,6 +382,9 @@ class MachineStats:
     committed: int
     ewma_step_s: float
     reused: int
+    windows: int = 0  # speculative decode windows the last stage verified
+    window_tokens: int = 0  # tokens those windows produced (1 to drafts + 1 each)
+    drafted: int = 0  # drafted tokens those windows carried
 
 
 _OPENING, _READY, _RUNNING, _RECOVERING, _CLOSING, _DONE = (
@@ -429,6 +432,7 @@ class RouteMachine:
         self._forwarded_bytes = 0
         self._released = False
         self.reused = 0  # prompt positions taken from the KV source instead of prefilled
+        self._windows = self._window_tokens = self._drafted = 0  # speculative decoding (statistics)
         self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
         # Decode timings (module docstring): step id -> when it started, and -> {stage: report time}.
         self._step_started: dict[int, float] = {}
@@ -482,6 +486,9 @@ class RouteMachine:
             self.committed,
             self._ewma_step_s,
             self.reused,
+            self._windows,
+            self._window_tokens,
+            self._drafted,
         )
 
     def _direct(self, a: int, b: int) -> bool:
@@ -946,6 +953,9 @@ class RouteMachine:
             first = int(frame.positions.start) + 1
             if len(self.tokens) == first:
                 produced = _window_tokens(frame)
+                self._windows += 1
+                self._window_tokens += len(produced)
+                self._drafted += int(frame.result.drafts)
                 for i, t in enumerate(produced):
                     self.tokens.append(t.token_id)
                     out.append(EmitToken(t, first + i))

@@ -31,6 +31,18 @@ from common.speculation import (
 )
 
 HISTORY_TOKENS = 4096  # tokens of history a session's proposer looks at (the newest)
+DEFAULT_MAX_DRAFTS = 8
+# Most drafts per window where a model's logits at a window position are bit for bit those of a
+# one-position step (sim/spec_exactness.py, docs/perf/spec_exactness.json): SmolLM2 (llama) is exact
+# at windows of 2-9 positions; Gemma 3 only up to 3 (its logits move from the 4th position on).
+EXACT_DRAFTS = {"gemma3": 2}
+
+
+def max_drafts_for(architecture: str) -> int:
+    """Most drafts per window a node of this architecture accepts (OpenSession.speculation is capped)."""
+    return EXACT_DRAFTS.get(architecture, DEFAULT_MAX_DRAFTS)
+
+
 NGRAM = NgramConfig(min_ngram=2, max_ngram=3, capacity=HISTORY_TOKENS)
 
 
