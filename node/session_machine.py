@@ -152,6 +152,10 @@ class ServingSpec:
     # Speculative decoding (last stage): most drafts per window this node's model computes exactly
     # (a position inside a window bit for bit like a one-position step); 0: never speculate.
     max_draft_tokens: int = 8
+    # ... and only while at most this many sessions are open here (vLLM's disable-by-batch-size): on a
+    # compute-bound node every extra window position costs nearly a whole position, so under load the
+    # rejected drafts would take compute from the other sessions.
+    speculate_max_sessions: int = 4
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -1306,7 +1310,7 @@ class FrameServer:
                 # The next decode step goes straight to the first stage: step ids follow positions. A
                 # speculating session sends a window: the token and the drafts that may follow it.
                 drafts: tuple[int, ...] = ()
-                if sess.drafter is not None:
+                if sess.drafter is not None and len(self._sessions) <= self.spec.speculate_max_sessions:
                     drafts = sess.drafter.drafts(
                         sess.history_tokens,
                         step.token_ids[: nxt - step.start].tolist(),

@@ -185,3 +185,25 @@ def test_window_frames_are_validated() -> None:
     assert status_of(h.feed(unsampled[0])) == status_pb2.STATUS_BAD_FRAME
     assert h.m.kv_len("s1") == 4
     assert isinstance(sends(run_first(h, 4, [1, 2], drafts=1)), list)
+
+
+def test_no_drafts_while_more_sessions_than_speculate_max_sessions_are_open() -> None:
+    h = Harness(is_last=True, shard_start=4, shard_end=8, max_sessions=4, speculate_max_sessions=1)
+    for sid in ("s1", "s2"):
+        frame = codec.open_frame(
+            h.header(sid),
+            step_id=1,
+            route_ticket=b"good",
+            kv_budget_tokens=40,
+            sampling=codec.SamplingSettings(temperature=0.0),
+            ring=RING,
+            max_drafts=4,
+        )
+        h.feed(frame)
+    (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
+    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0))
+    assert plain.activation.drafts == 0  # two sessions open, speculation only up to one
+    h.feed(codec.release_frame(h.header("s2"), step_id=42, expected_kv_len=0))
+    (c,) = [a for a in feed_step(h, 6, [1]) if isinstance(a, Compute)]
+    window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=7, sampled=SampledOut(2, -0.1)), 0))
+    assert window.activation.drafts > 0
