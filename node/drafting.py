@@ -34,8 +34,9 @@ HISTORY_TOKENS = 4096  # tokens of history a session's proposer looks at (the ne
 DEFAULT_MAX_DRAFTS = 8
 # Most drafts per window where a model's logits at a window position are bit for bit those of a
 # one-position step (sim/spec_exactness.py, docs/perf/spec_exactness.json): SmolLM2 (llama) is exact
-# at windows of 2-9 positions; Gemma 3 only up to 3 (its logits move from the 4th position on).
-EXACT_DRAFTS = {"gemma3": 2}
+# at windows of 2-9 positions; Gemma 3 and Qwen2.5-Coder (qwen2) only up to 3 (their logits move from
+# the 4th position on: llama.cpp's CPU kernels take another path for 4 rows and more).
+EXACT_DRAFTS = {"gemma3": 2, "qwen2": 2}
 
 
 def max_drafts_for(architecture: str) -> int:
