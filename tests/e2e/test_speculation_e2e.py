@@ -7,7 +7,8 @@ with extra_body {"speculation": false}. Shown here:
 1. greedy text is identical with speculation on and off, streamed and not, for an editing prompt
    (the answer repeats the prompt: drafts are accepted, several tokens per pass) and an open chat;
 2. the gateway's counters show windows were verified and produced more than one token per pass;
-3. the last stage killed mid-generation (its spare takes over, the accepted history is replayed):
+3. a seeded sampled request (speculation asked for) gives the text of the same request without;
+4. the last stage killed mid-generation (its spare takes over, the accepted history is replayed):
    the text is still the same.
 """
 
@@ -143,3 +144,24 @@ def test_the_last_stage_killed_mid_generation_gives_the_same_text(
     text = chat(client, swarm.model_name, EDIT, spec=True, stream=True, on_chunk=on_chunk)
     assert killed, "the stream ended before the kill"
     assert text == plain[EDIT]
+
+
+def test_a_seeded_sampled_request_is_identical_with_speculation(
+    swarm: LocalSwarm, client: openai.OpenAI
+) -> None:
+    """Every draw is seeded from (seed, position), so a window's draws are the plain run's draws."""
+
+    def sampled(spec: bool) -> str:
+        out = client.chat.completions.create(
+            model=swarm.model_name,
+            messages=[{"role": "user", "content": EDIT}],
+            max_tokens=N_NEW,
+            temperature=0.7,
+            seed=1234,
+            extra_body={"speculation": spec},
+        )
+        return out.choices[0].message.content or ""
+
+    windows = metric(swarm, "swarm_gateway_spec_windows_total")
+    assert sampled(True) == sampled(False)
+    assert metric(swarm, "swarm_gateway_spec_windows_total") > windows
