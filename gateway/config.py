@@ -23,6 +23,7 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
 BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
+SPECULATION_MODES = ("greedy", "all", "off")
 # Architectures whose numbers for a row depend on what else shares its batch on llama.cpp's CPU
 # kernels (tests/node/test_gemma3_real.py): with batch_isolation = auto every session of such a
 # model is isolated, so the same request gives the same text under load.
@@ -189,6 +190,17 @@ class GatewayConfig:
         "off | checked (the runs of a check; nodes can then tell a check from other traffic) | all "
         "(every session; no batching across sessions)",
     )
+    speculation: str = _f(
+        "greedy",
+        "speculative decoding (the last stage drafts by n-gram lookup and one pass through the route "
+        "verifies a window of drafts; the text is unchanged): greedy (requests at temperature 0) | all "
+        "(sampled requests too: each draw is seeded per position, so the text equals a plain run's "
+        "with the same seed) | off. A request's extra_body 'speculation': true/false overrides it; "
+        "grammar-constrained requests, spot-checked sessions and single-stage routes never speculate",
+    )
+    speculation_max_drafts: int = _f(
+        8, "most drafted tokens per window (1..15); each node caps it where its model stays exact"
+    )
     open_timeout_s: float = _f(
         3.0,
         "longest wait for every stage to acknowledge OPEN (a node answers it in milliseconds: a stopped "
@@ -307,6 +319,15 @@ class GatewayConfig:
         if self.batch_isolation == "auto":
             return architecture in BATCH_VARIANT_ARCHITECTURES
         return self.batch_isolation == "all" or (self.batch_isolation == "checked" and checked)
+
+    def speculation_drafts(
+        self, temperature: float, override: bool | None, *, grammar: bool, checked: bool
+    ) -> int:
+        """Drafts per window for one session (0: no speculation); see ``speculation``."""
+        if grammar or checked or self.speculation_max_drafts == 0:
+            return 0
+        wanted = self.speculation == "all" or (self.speculation == "greedy" and temperature <= 0.0)
+        return self.speculation_max_drafts if (wanted if override is None else override) else 0
 
     def cors(self) -> tuple[str, ...]:
         return tuple(filter(None, (x.strip() for x in self.cors_origins.split(","))))
@@ -443,6 +464,12 @@ class GatewayConfig:
                 f"batch_isolation must be one of {', '.join(BATCH_ISOLATION_MODES)}, "
                 f"got {self.batch_isolation!r}"
             )
+        if self.speculation not in SPECULATION_MODES:
+            raise ConfigError(
+                f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}"
+            )
+        if not 0 <= self.speculation_max_drafts <= 15:
+            raise ConfigError(f"speculation_max_drafts must be in [0, 15], got {self.speculation_max_drafts}")
         if self.avoid_unreachable_s < 0:
             raise ConfigError("avoid_unreachable_s must be >= 0")
         if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:

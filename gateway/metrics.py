@@ -41,6 +41,13 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_gateway_prompt_tokens_total": m.counter("prompt tokens prefilled through the swarm"),
     "swarm_gateway_completion_tokens_total": m.counter("tokens generated through the swarm"),
+    "swarm_gateway_spec_windows_total": m.counter(
+        "speculative decode windows (a token and its drafts) verified by a route's last stage"
+    ),
+    "swarm_gateway_spec_window_tokens_total": m.counter(
+        "tokens those windows produced (accepted drafts plus the correction; / windows = tokens per pass)"
+    ),
+    "swarm_gateway_spec_drafted_tokens_total": m.counter("drafted tokens those windows carried"),
     "swarm_gateway_client_disconnects_total": m.counter("sessions cancelled because the client went away"),
     "swarm_gateway_client_stalls_total": m.counter(
         "sessions ended because a streaming client read nothing for client_stall_s"

@@ -8,9 +8,9 @@ builders at the bottom produce the response objects, streaming chunks and both
 logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
-``min_p``, ``repetition_penalty``, ``cache_prompt``, llama.cpp's
-``grammar`` (GBNF or Lark) and ``json_schema``, and (chat) ``conversation_id``
-(:mod:`gateway.conversations`).
+``min_p``, ``repetition_penalty``, ``cache_prompt``, ``speculation`` (true/false: speculative
+decoding for this request, overriding the gateway's default), llama.cpp's ``grammar`` (GBNF or
+Lark) and ``json_schema``, and (chat) ``conversation_id`` (:mod:`gateway.conversations`).
 
 Fields this module does not know are ignored (their names are returned in
 :attr:`GenerationRequest.ignored` for a debug log), like vLLM, llama.cpp and
@@ -157,6 +157,7 @@ class GenerationRequest:
     parallel_tool_calls: bool = True
     cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
     conversation_id: str | None = None  # extension (chat): the gateway keeps the history (conversations)
+    speculation: bool | None = None  # extension: speculative decoding on/off; None: the gateway decides
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
 
     @property
@@ -349,6 +350,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "n": n,
         "logit_bias": _logit_bias(body),
         "cache_prompt": body.get("cache_prompt") is not False,
+        "speculation": _boolean(body, "speculation") if body.get("speculation") is not None else None,
         "response_format": _grammar_fields(body),
     }
 
@@ -466,7 +468,15 @@ def _tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> tuple[str, s
     )
 
 
-_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "cache_prompt", "grammar", "json_schema")
+_EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "cache_prompt",
+    "speculation",
+    "grammar",
+    "json_schema",
+)
 CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 

@@ -474,6 +474,7 @@ async def open_route_session(
     prove_open: OpenProver | None = None,
     on_timing: Callable[[StepTimed | HopTimed], None] | None = None,
     encodings: Sequence[frame_pb2.Encoding] | None = None,
+    max_drafts: int = 0,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -483,7 +484,8 @@ async def open_route_session(
     stage cannot open the session.
 
     ``encodings`` (per stage, what it sends on) defaults to the data plane's
-    choice for ``route``; the runs of a spot check pass the primary's.
+    choice for ``route``; the runs of a spot check pass the primary's. ``max_drafts`` > 0 turns
+    speculative decoding on (RouteConfig.max_drafts).
     """
     recipe = {s.recipe_fingerprint for s in stages}
     if len(recipe) != 1:
@@ -523,6 +525,7 @@ async def open_route_session(
         single_from=single_from,
         report_steps=report_steps,
         isolated=isolated,
+        max_drafts=max_drafts,
     )
     specs = [
         StageSpec(

@@ -561,7 +561,7 @@ class GatewayService:
             try:
                 await self._prepare(request, route)
                 return True
-            except ContextLengthExceeded:
+            except _TooLongHere:
                 continue
         return not routes
 
@@ -877,6 +877,11 @@ class GatewayService:
                         yield run, prepared
                     finally:
                         self._report(job, run, route)
+                        spec = session.machine.statistics()
+                        if spec.windows:
+                            self.metrics.inc("swarm_gateway_spec_windows_total", spec.windows)
+                            self.metrics.inc("swarm_gateway_spec_window_tokens_total", spec.window_tokens)
+                            self.metrics.inc("swarm_gateway_spec_drafted_tokens_total", spec.drafted)
                         if run.relays:
                             self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
                         if isinstance(run, CheckedSession):
@@ -1001,6 +1006,12 @@ class GatewayService:
             on_timing=self._on_timing,
             encodings=encodings,
             single_from=prepared.replay_from,
+            max_drafts=self.config.speculation_drafts(
+                sampling.temperature,
+                request.speculation,
+                grammar=bool(sampling.grammar),
+                checked=report_steps,
+            ),
         )
 
     def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:

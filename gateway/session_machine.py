@@ -168,6 +168,9 @@ class RouteConfig:
     # Every stage computes this session's steps in batches of their own (OpenSession.isolated): the
     # runs of a spot check then report the same digests even where batching changes the numbers.
     isolated: bool = False
+    # Speculative decoding (docs/protocol.md, Speculation): the last stage of a ring drafts up to this
+    # many tokens per decode window and verifies them in one pass through the route. 0: off.
+    max_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,19 @@ def _sampled(frame: frame_pb2.Frame) -> Sampled | None:
     return Sampled(first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others))
 
 
+def _window_tokens(frame: frame_pb2.Frame) -> list[Sampled]:
+    """The tokens a decode window produced (a last stage's result with ``drafts``), in position order."""
+    return [
+        Sampled(
+            int(t.token_id),
+            float(t.logprob),
+            tuple((int(p.token_id), float(p.logprob)) for p in t.top_logprobs),
+            bool(t.end_of_generation),
+        )
+        for t in frame.result.sampled
+    ]
+
+
 def _status_name(status: int) -> str:
     return S.Status.Name(status) if status in S.Status.values() else f"status {status}"
 
@@ -387,6 +403,9 @@ class MachineStats:
     committed: int
     ewma_step_s: float
     reused: int
+    windows: int = 0  # speculative decode windows the last stage verified
+    window_tokens: int = 0  # tokens those windows produced (1 to drafts + 1 each)
+    drafted: int = 0  # drafted tokens those windows carried
 
 
 _OPENING, _READY, _RUNNING, _RECOVERING, _CLOSING, _DONE = (
@@ -434,6 +453,7 @@ class RouteMachine:
         self._forwarded_bytes = 0
         self._released = False
         self.reused = 0  # prompt positions taken from the KV source instead of prefilled
+        self._windows = self._window_tokens = self._drafted = 0  # speculative decoding (statistics)
         self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
         # Decode timings (module docstring): step id -> when it started, and -> {stage: report time}.
         self._step_started: dict[int, float] = {}
@@ -487,6 +507,9 @@ class RouteMachine:
             self.committed,
             self._ewma_step_s,
             self.reused,
+            self._windows,
+            self._window_tokens,
+            self._drafted,
         )
 
     def _direct(self, a: int, b: int) -> bool:
@@ -612,6 +635,7 @@ class RouteMachine:
                 kv_source=source,
                 isolated=self.config.isolated,
                 kv_copy=self.config.kv_copy,
+                max_drafts=self.config.max_drafts if last and n > 1 else 0,
             )
             if source is not None:  # the frame's expected_kv_len stays 0: the session is new
                 stage.open_frame.expected_kv_len = 0
@@ -916,13 +940,31 @@ class RouteMachine:
             return reported
         if k != self.n - 1 or self.phase != _RUNNING:
             return reported
+        window = frame.phase == frame_pb2.PHASE_DECODE and frame.result.drafts > 0
+        if window:
+            # A verified window: the stage kept its accepted positions (kv_len); its tokens follow the
+            # window's first position, one each, up to kv_len (the last one not in the KV yet).
+            end = int(frame.kv_len)
+            if not int(frame.positions.start) < end <= int(frame.positions.end) or len(
+                frame.result.sampled
+            ) != end - int(frame.positions.start):
+                return reported + self._stage_failed(
+                    k,
+                    Failure(
+                        "protocol",
+                        f"node {stage.spec.node_id[:8]} reported a window of {frame.result.drafts} drafts "
+                        f"with kv_len {frame.kv_len} and {len(frame.result.sampled)} tokens",
+                        stage.spec.node_id,
+                    ),
+                    now,
+                )
         # The last stage finished a step: every stage has it.
         if self._inflight and self._inflight[0].end <= self.prompt_len and end <= self.prompt_len:
             took = now - max(self._inflight[0].sent_at, self._progress_at)
             self._ewma_prefill_s = (
                 took if math.isnan(self._ewma_prefill_s) else 0.8 * self._ewma_prefill_s + 0.2 * took
             )
-        while self._inflight and self._inflight[0].end <= end:
+        while self._inflight and (self._inflight[0].end <= end or (window and self._inflight[0].start < end)):
             self._inflight.pop(0)
         if end <= self.committed:
             return reported  # a duplicate report
@@ -936,7 +978,20 @@ class RouteMachine:
         self._progress_at = now
         out: list[Command] = reported
         token = _sampled(frame)
-        if token is not None:
+        if window:
+            first = int(frame.positions.start) + 1
+            if len(self.tokens) == first:
+                produced = _window_tokens(frame)
+                self._windows += 1
+                self._window_tokens += len(produced)
+                self._drafted += int(frame.result.drafts)
+                for i, t in enumerate(produced):
+                    self.tokens.append(t.token_id)
+                    out.append(EmitToken(t, first + i))
+                self._eog = produced[-1].end_of_generation
+                if self._ring_expected():
+                    self._start_timing(self._data_id(self.committed), now)
+        elif token is not None:
             if len(self.tokens) == end:
                 self.tokens.append(token.token_id)
                 self._eog = token.end_of_generation

@@ -27,6 +27,7 @@ class SliceResult:
     sampled: SampledOut | None = None
     error_status: str | None = None
     error_message: str = ""
+    window: tuple[SampledOut, ...] = ()  # a window job (StepJob.drafts): the draws after this slice's rows
 
 
 class Backend(Protocol):
@@ -115,8 +116,9 @@ class EngineBackend:
                     start_pos=job.start + a,
                     tokens=None if job.tokens is None else job.tokens[a:b],
                     hidden=None if job.hidden is None else job.hidden[a:b],
-                    sample=job.sample and s.last,
+                    sample=job.sample and s.last and not job.drafts,
                     history=job.history,
+                    window_from=job.start if job.drafts else None,
                 )
             )
         results = self.engine.step(works)
@@ -131,7 +133,8 @@ class EngineBackend:
                 sampled = SampledOut(
                     first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others)
                 )
-            out.append(SliceResult(r.kv_len, hidden=r.hidden, sampled=sampled))
+            window = tuple(self._out(t) for t in r.window)
+            out.append(SliceResult(r.kv_len, hidden=r.hidden, sampled=sampled, window=window))
         return out
 
     def _out(self, t: object) -> SampledOut:

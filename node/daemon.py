@@ -51,6 +51,7 @@ from common.tls_http import pin_refusal
 from node import failpoints
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig
+from node.drafting import max_drafts_for
 from node.hub import Hub
 from node.identity import load_or_create_key, node_id
 from node.metrics import Metrics, TimedBackend, timed_outcomes
@@ -267,6 +268,7 @@ class NodeDaemon:
                 max_keep_s=cfg.max_keep_s,
                 max_preemptions=cfg.max_preemptions,
                 limits=limits,
+                max_draft_tokens=max_drafts_for(meta.architecture),
             )
             self.verifier = TicketVerifier(
                 node_id=self.node_id,

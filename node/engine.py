@@ -214,6 +214,10 @@ class Work:
     sample: bool = False  # last stage: sample a token after this piece's last position
     return_logits: bool = False  # last stage: also return the raw logits of the last position
     history: np.ndarray | None = None  # token ids so far, for penalties and grammars (last stage)
+    # Speculative decoding (last stage): also draw a token after every position >= window_from, each
+    # with the session's sampler at its own position (history up to that position), so every draw is
+    # what a one-position step would have drawn there. None: no window.
+    window_from: int | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -232,6 +236,7 @@ class WorkResult:
     logits: np.ndarray | None = None
     error: EngineError | None = None
     choices: tuple[SampledToken, ...] = ()  # n > 1: the other choices' first tokens
+    window: tuple[SampledToken, ...] = ()  # Work.window_from: the draws after this piece's positions
 
     @property
     def ok(self) -> bool:
@@ -346,6 +351,7 @@ class ShardEngine:
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
         self._choices: dict[int, tuple[SampledToken, ...]] = {}
+        self._window: dict[int, list[SampledToken]] = {}  # work index -> window draws (Work.window_from)
         # llguidance's view of the vocabulary, built once at load on the last stage: 0.4 s for SmolLM2's
         # 49k tokens, 2.1 s for Gemma 3's 262k. Built at the first grammar session's OPEN instead, it held
         # that OPEN past the gateway's open deadline (3 s) on a loaded machine.
@@ -679,7 +685,7 @@ class ShardEngine:
                 f"session {work.session_id!r}: {sess.kv_len} + {work.n_tokens} tokens exceed its KV budget "
                 f"of {sess.budget}"
             )
-        if (work.sample or work.return_logits) and not self.is_last:
+        if (work.sample or work.return_logits or work.window_from is not None) and not self.is_last:
             return InputShapeError("only the last stage samples or returns logits")
         return None
 
@@ -702,6 +708,7 @@ class ShardEngine:
         sampled: dict[int, SampledToken] = {}
         logits_out: dict[int, np.ndarray] = {}
         self._choices = {}
+        self._window = {}
         if accepted:
             try:
                 self._run(works, accepted, hidden_out, sampled, logits_out)
@@ -733,6 +740,7 @@ class ShardEngine:
                     sampled=sampled.get(i),
                     logits=logits_out.get(i),
                     choices=self._choices.get(i, ()),
+                    window=tuple(self._window.get(i, ())) if error is None else (),
                     error=error,
                 )
             )
@@ -822,6 +830,7 @@ class ShardEngine:
         assert embd is not None  # the engine's batch always carries embeddings
         n = 0
         outputs: list[tuple[int, int]] = []  # (work index, batch row) for last-stage outputs
+        drawn_rows: list[tuple[int, int, int]] = []  # (work index, batch row, position): window draws
         for i, off, take in segments:
             w = works[i]
             sess = self._sessions[w.session_id]
@@ -834,6 +843,10 @@ class ShardEngine:
             b.seq[rows] = sess.seq
             if self.is_last:
                 b.logits[rows] = 0
+                if w.window_from is not None:
+                    for r in range(max(off, w.window_from - w.start_pos), off + take):
+                        b.logits[n + r - off] = 1
+                        drawn_rows.append((i, n + r - off, w.start_pos + r))
                 if off + take == w.n_tokens and (w.sample or w.return_logits):
                     b.logits[n + take - 1] = 1
                     outputs.append((i, n + take - 1))
@@ -882,6 +895,18 @@ class ShardEngine:
             for i, off, take in segments:
                 hidden_out[i][off : off + take] = in_batch_order[pos : pos + take]
                 pos += take
+        for i, row, pos in drawn_rows:
+            w = works[i]
+            sess = self._sessions[w.session_id]
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)
+            if not ptr:
+                raise DecodeError(f"llama.cpp returned no logits for batch row {row}")
+            row_logits = np.ctypeslib.as_array(
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+            )
+            history = None if w.history is None else w.history[: pos + 1]
+            token = sample_choices(row_logits, sess.sampling, pos + 1, history, None, sess.budget - pos)[0]
+            self._window.setdefault(i, []).append(token)
         for i, row in outputs:
             w = works[i]
             ptr = llama_cpp.llama_get_logits_ith(self._ctx, row)

@@ -286,6 +286,7 @@ class Scheduler:
                 continue
             if r.hidden is not None:
                 p.hidden_parts.append(r.hidden)
+            p.window_parts.extend(r.window)
             p.done += s.count
             if p.remaining > 0:
                 continue
@@ -301,6 +302,7 @@ class Scheduler:
                     sampled=r.sampled,
                     compute_us=int(p.compute_s * 1e6),
                     queue_us=_us(p.queue_s),
+                    window=tuple(p.window_parts),
                 )
             )
 

@@ -87,6 +87,7 @@ import numpy as np
 import numpy.typing as npt
 
 from common.logs import event
+from node.drafting import SessionDrafter, verdict
 from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
 from proto import codec
@@ -153,6 +154,13 @@ class ServingSpec:
     max_keep_s: float = 120.0  # longest a released session is kept
     max_preemptions: int = 3  # with a pool: a session preempted this often here is never chosen again
     kv_retry_after_ms: int = 500  # retry hint of a step refused because the KV pool has no room
+    # Speculative decoding (last stage): most drafts per window this node's model computes exactly
+    # (a position inside a window bit for bit like a one-position step); 0: never speculate.
+    max_draft_tokens: int = 8
+    # ... and only while at most this many sessions are open here (vLLM's disable-by-batch-size): on a
+    # compute-bound node every extra window position costs nearly a whole position, so under load the
+    # rejected drafts would take compute from the other sessions.
+    speculate_max_sessions: int = 4
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -201,6 +209,8 @@ class StepJob:
     # Batch isolation (OpenSession.isolated): the scheduler runs this step in batches holding only its
     # rows, cut into ISOLATED_SLICE_TOKENS pieces counted from ``start`` (node.batching).
     isolated: bool = False
+    # A DECODE window (Activation.drafts): the last stage draws a token after every position.
+    drafts: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -229,6 +239,7 @@ class StepOutcome:
     error_status: str | None = None
     error_message: str = ""
     queue_us: int | None = None  # the job's wait in the scheduler before its first batch (metrics)
+    window: tuple[SampledOut, ...] = ()  # a window (StepJob.drafts), last stage: the draw after each position
 
 
 @dataclass(frozen=True)
@@ -336,6 +347,8 @@ class _Session:
     history: _History | None = None
     isolated: bool = False  # OpenSession.isolated: its steps run in batches of their own
     opened_seq: int = 0  # the order sessions opened here (higher = younger; kept across a preemption)
+    drafter: SessionDrafter | None = None  # last stage of a speculating session (OpenSession.speculation)
+    window_slack: int = 0  # drafts of the last accepted DECODE window: positions the next step may drop
 
 
 @dataclass(frozen=True)
@@ -745,6 +758,12 @@ class FrameServer:
         sess.upstream_token = bytes(body.upstream_token)
         sess.accepted_end = sess.kv_len
         sess.accepted_step = sess.last_step_id
+        sess.window_slack = 0
+        max_drafts = min(int(body.speculation.max_drafts), self.spec.max_draft_tokens)
+        if not (self.spec.is_last and sess.ring is not None and max_drafts > 0 and not sess.sampling.grammar):
+            sess.drafter = None  # grammar sessions never speculate: the grammar cannot roll back
+        elif sess.drafter is None or sess.drafter.policy.max_k != max_drafts:
+            sess.drafter = SessionDrafter(max_drafts)
         limit = 0 if self.spec.is_last else min(int(body.history_bytes), self.spec.max_history_bytes)
         if sess.history is not None and sess.history.limit != limit:
             self._drop_history(sess)
@@ -1107,7 +1126,7 @@ class FrameServer:
                     retry=status_pb2.RETRY_SAME,
                     retry_after_ms=self.spec.busy_retry_after_ms,
                 )
-            if frame.expected_kv_len != sess.accepted_end:
+            if frame.expected_kv_len != sess.accepted_end and not self._may_roll_back(frame, sess):
                 raise PositionMismatchError(
                     f"step expects KV length {frame.expected_kv_len}; the node holds {sess.kv_len}"
                     + (
@@ -1127,15 +1146,37 @@ class FrameServer:
         assert sess.assembler is not None  # set just above for chunk 0; checked by the caller otherwise
         return sess.assembler.add(frame)
 
+    def _may_roll_back(self, frame: frame_pb2.Frame, sess: _Session) -> bool:
+        """A DECODE step that starts inside the previous window's drafts: those were rejected.
+
+        Bounded to the previous window (``window_slack``) and only on an idle session, so a step
+        never drops an accepted position or one that is still being computed.
+        """
+        drop = sess.accepted_end - int(frame.expected_kv_len)
+        return (
+            frame.phase == frame_pb2.PHASE_DECODE
+            and 0 < drop <= sess.window_slack
+            and sess.busy_job is None
+            and not sess.pending
+        )
+
     def _accept(
         self, conn: int, frame: frame_pb2.Frame, step: codec.Step, sess: _Session, now: float
     ) -> list[Action]:
         """A whole step passed every check: compute it now, or queue it behind the running one.
 
-        With a KV pool, room for the step's growth is made first (:meth:`_make_room`): it may preempt
-        younger sessions, refuse the step (RESOURCE_EXHAUSTED, retry SAME) or preempt this session."""
+        A step that starts inside the previous window's drafts drops them first (speculation: the KV
+        is cut back to the step's start). With a KV pool, room for the step's growth is made next
+        (:meth:`_make_room`): it may preempt younger sessions, refuse the step (RESOURCE_EXHAUSTED,
+        retry SAME) or preempt this session."""
         job: StepJob | None = None
         nbytes = 0
+        rollback: list[Action] = []
+        if step.start < sess.accepted_end:  # _may_roll_back allowed it: drop the rejected drafts
+            self._job(step, sess, check_queue=True)  # its checks first: a refusal changes nothing
+            rollback.append(TruncateKv(sess.session_id, step.start))
+            sess.kv_len = sess.accepted_end = step.start
+            del sess.history_tokens[step.start :]
         if sess.busy_job is None:
             job = self._job(step, sess, check_queue=True)
         else:
@@ -1155,7 +1196,8 @@ class FrameServer:
                     retry=status_pb2.RETRY_SAME,
                     retry_after_ms=self.spec.busy_retry_after_ms,
                 )
-        actions, proceed = self._make_room(sess, step.end, frame)
+        made, proceed = self._make_room(sess, step.end, frame)
+        actions = [*rollback, *made]
         if not proceed:
             return actions
         if job is not None:
@@ -1166,6 +1208,7 @@ class FrameServer:
             self._pending_bytes += nbytes
         sess.accepted_end = step.end
         sess.accepted_step = step.step_id
+        sess.window_slack = step.drafts
         sess.expires_at = now + self.spec.idle_lease_s
         return actions
 
@@ -1316,6 +1359,8 @@ class FrameServer:
             if not np.isfinite(h).all():
                 raise ShapeError("hidden states contain NaN or infinity")
             hidden = np.ascontiguousarray(h, dtype=np.float32)
+        if step.drafts and self.spec.is_last and sess.sampling.grammar:
+            raise BadFrameError("a grammar-constrained session takes no drafted tokens")
         history: npt.NDArray[np.int32] | None = None
         if self.spec.is_last and sess.sampling.needs_history:
             history = np.asarray([*sess.history_tokens, *step.token_ids.tolist()], dtype=np.int32)
@@ -1336,6 +1381,7 @@ class FrameServer:
             is_decode=step.phase == frame_pb2.PHASE_DECODE,
             token_ids=step.token_ids,
             isolated=sess.isolated,
+            drafts=step.drafts if self.spec.is_last else 0,
         )
 
     # -- outcomes ----------------------------------------------------------------------------------
@@ -1370,7 +1416,8 @@ class FrameServer:
             return [] if sess.conn is None else [self._error(sess.conn, err, frame, sess.kv_len)]
         sess.last_step_id = step.step_id
         if self.spec.is_last and len(step.token_ids):
-            sess.history_tokens.extend(step.token_ids.tolist())
+            # A window keeps only its accepted positions (_outputs truncated the KV to them).
+            sess.history_tokens.extend(step.token_ids[: sess.kv_len - step.start].tolist())
         return actions + self._start_next(sess)
 
     def _failed_step(
@@ -1395,8 +1442,13 @@ class FrameServer:
         owner = sess.conn
         if self.spec.is_last:
             sampled = []
-            if outcome.sampled is not None:
-                for s in (outcome.sampled, *outcome.sampled.choices):
+            produced: tuple[SampledOut, ...] = ()
+            if step.drafts:
+                produced = self._verify_window(sess, step, outcome, actions)
+            elif outcome.sampled is not None:
+                produced = (outcome.sampled, *outcome.sampled.choices)
+            if produced:
+                for s in produced:
                     token = frame_pb2.SampledToken(
                         token_id=s.token_id, logprob=s.logprob, end_of_generation=s.end_of_generation
                     )
@@ -1411,23 +1463,34 @@ class FrameServer:
             if owner is not None:
                 actions.append(self._send(owner, tuple(replies)))
             ring = sess.ring
-            drawn = outcome.sampled
+            drawn = produced[-1] if step.drafts and produced else outcome.sampled
+            nxt = sess.kv_len if step.drafts else step.end  # the drawn token's position
             if (
                 ring is not None
                 and drawn is not None
                 and not drawn.end_of_generation
-                and step.end + 1 <= sess.budget
+                and nxt + 1 <= sess.budget
             ):
-                # The next decode step goes straight to the first stage: step ids follow positions.
+                # The next decode step goes straight to the first stage: step ids follow positions. A
+                # speculating session sends a window: the token and the drafts that may follow it.
+                drafts: tuple[int, ...] = ()
+                if sess.drafter is not None and len(self._sessions) <= self.spec.speculate_max_sessions:
+                    drafts = sess.drafter.drafts(
+                        sess.history_tokens,
+                        step.token_ids[: nxt - step.start].tolist(),
+                        drawn.token_id,
+                        sess.budget - nxt - 1,
+                    )
                 frames = codec.step_frames(
                     codec.target_header(self._header(sess), ring),
                     frame_pb2.PHASE_DECODE,
-                    step_id=step.step_id + step.n_tokens,
-                    start=step.end,
-                    token_ids=[drawn.token_id],
+                    step_id=sess.open_step_id + nxt + 1,
+                    start=nxt,
+                    token_ids=[drawn.token_id, *drafts],
                     sample=True,
                     hop_token=ring.hop_token,
                     max_frame_bytes=self.spec.limits.max_frame_bytes,
+                    drafts=len(drafts),
                 )
                 pushed = self._push(sess, ring, frames)
                 if pushed is not None:
@@ -1464,6 +1527,7 @@ class FrameServer:
             block_size=sess.out_block_size,
             hop_token=target.hop_token,
             max_frame_bytes=self.spec.limits.max_frame_bytes,
+            drafts=step.drafts,
         )
         if sess.history is not None:
             # Keep what the next stage received (decoded again when the encoding is lossy).
@@ -1484,6 +1548,27 @@ class FrameServer:
         if owner is not None:
             actions.append(self._send(owner, tuple(report)))
         return actions
+
+    def _verify_window(
+        self, sess: _Session, step: codec.Step, outcome: StepOutcome, actions: list[Action]
+    ) -> tuple[SampledOut, ...]:
+        """A window came back (last stage): keep the accepted drafts and the correction, drop the rest
+        of the window from the KV (a ``TruncateKv`` appended to ``actions``)."""
+        window = outcome.window
+        if len(window) != step.n_tokens:
+            raise InternalError(f"{len(window)} draws for a window of {step.n_tokens} positions")
+        found = verdict(
+            step.token_ids.tolist(), [w.token_id for w in window], [w.end_of_generation for w in window]
+        )
+        produced = window[: len(found.tokens)]
+        keep = step.start + len(produced)
+        if sess.drafter is not None:
+            sess.drafter.observe(step.drafts, found.accepted)
+        if keep < sess.kv_len:
+            actions.append(TruncateKv(sess.session_id, keep))
+            sess.kv_len = keep
+            self._drop_pending(sess)  # nothing may follow a window but its successor
+        return produced
 
     def push_failed(self, session_id: str, message: str, epoch: int | None = None) -> list[Action]:
         """The transport could not deliver a push of this session: tell the owner (the next stage failed).

@@ -72,6 +72,9 @@ ISOLATED_SLICE_TOKENS = 64
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per session
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar (tool schemas included) in one OPEN
 MAX_CHOICES = 16  # n of one request (sessions sharing one prompt)
+# Speculative decoding: most drafted tokens in one DECODE window (Activation.drafts), so a window
+# holds at most MAX_DRAFT_TOKENS + 1 positions and its result at most that many sampled tokens.
+MAX_DRAFT_TOKENS = 15
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # gRPC's default receive limit
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _LOGPROB_SLACK = 1e-4
@@ -327,8 +330,15 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             raise TooLargeError(f"chunk count {frame.chunk.count} not in 1..{limits.max_chunks_per_step}")
         if frame.chunk.index >= frame.chunk.count:
             raise BadFrameError(f"chunk index {frame.chunk.index} >= count {frame.chunk.count}")
-    elif frame.phase == frame_pb2.PHASE_DECODE and rows != 1:
-        raise BadFrameError(f"a DECODE step covers exactly one position, not {rows}")
+    drafts = frame.activation.drafts if kind == "activation" else frame.result.drafts
+    if drafts and frame.phase != frame_pb2.PHASE_DECODE:
+        raise BadFrameError("only a DECODE step carries drafted tokens")
+    if drafts > MAX_DRAFT_TOKENS:
+        raise BadFrameError(f"a window of {drafts} drafted tokens (limit {MAX_DRAFT_TOKENS})")
+    if not chunked and frame.phase == frame_pb2.PHASE_DECODE and rows != 1 + drafts:
+        raise BadFrameError(
+            f"a DECODE step covers its token and its {drafts} drafts ({1 + drafts} positions), not {rows}"
+        )
     first = not chunked or frame.chunk.index == 0
     if first and start != frame.expected_kv_len:
         raise BadFrameError(f"a step starts at expected_kv_len {frame.expected_kv_len}, not at {start}")
@@ -348,13 +358,21 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             raise BadFrameError(f"hop token longer than {MAX_TOKEN_BYTES} bytes")
         if body.replay and body.sample:
             raise BadFrameError("a replayed step samples nothing")
+        if body.drafts and (not body.sample or body.replay):
+            raise BadFrameError("a window of drafts is sampled and never a replay")
         _check_tensors(body.tensors, rows, limits)
     else:
         result = frame.result
-        if frame.kv_len < end:
+        # A window's last stage keeps only the accepted positions: at least the window's first.
+        floor = start + 1 if result.drafts else end
+        if frame.kv_len < floor:
             raise BadFrameError(f"kv_len {frame.kv_len} after a step ending at position {end}")
         if len(result.sampled) > MAX_CHOICES or (result.sampled and not _is_last_chunk(frame)):
             raise BadFrameError(f"at most {MAX_CHOICES} sampled tokens (choices), on the last chunk")
+        if result.drafts and len(result.sampled) > 1 + result.drafts:
+            raise BadFrameError(
+                f"a window of {result.drafts} drafts produces at most {1 + result.drafts} tokens"
+            )
         for token in result.sampled:
             if token.token_id < 0 or len(token.top_logprobs) > MAX_TOP_LOGPROBS:
                 raise BadFrameError("bad sampled token")
@@ -408,6 +426,13 @@ def _validate_open(body: frame_pb2.OpenSession, limits: FrameLimits) -> None:
         if body.HasField("downstream"):
             raise BadFrameError("a stage has a downstream (not last) or a ring (last), not both")
     sampling_settings(body.sampling)
+    if body.HasField("speculation"):
+        if body.speculation.max_drafts > MAX_DRAFT_TOKENS:
+            raise BadFrameError(
+                f"speculation of {body.speculation.max_drafts} drafts per window (limit {MAX_DRAFT_TOKENS})"
+            )
+        if body.speculation.max_drafts and not body.HasField("ring"):
+            raise BadFrameError("speculation needs a ring (the last stage of a route of two or more)")
 
 
 def validate_frame(frame: frame_pb2.Frame, limits: FrameLimits = DEFAULT_LIMITS) -> None:
@@ -502,6 +527,7 @@ def open_frame(
     kv_source: tuple[str, int] | None = None,
     isolated: bool = False,
     kv_copy: bool = False,
+    max_drafts: int = 0,
 ) -> frame_pb2.Frame:
     """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session).
 
@@ -510,6 +536,9 @@ def open_frame(
 
     ``kv_source`` (session id, positions) starts a new session from another session's KV; ``kv_copy``
     copies a kept source instead of taking it over (a prefix shared with another client's request).
+
+    ``max_drafts`` > 0 (the last stage of a ring) turns speculative decoding on: the stage drafts up
+    to that many tokens per decode window (docs/protocol.md, Speculation).
 
     ``downstream``/``ring``/``upstream_token``/``history_bytes`` set up direct
     push (docs/protocol.md, Direct push); without them the stage answers every
@@ -533,6 +562,8 @@ def open_frame(
         frame.open.kv_source.positions = kv_source[1]
         frame.open.kv_source.copy = kv_copy
     frame.open.isolated = isolated
+    if max_drafts:
+        frame.open.speculation.max_drafts = max_drafts
     return frame
 
 
@@ -735,18 +766,20 @@ def step_frames(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     hop_token: bytes = b"",
     replay: bool = False,
+    drafts: int = 0,
 ) -> list[frame_pb2.Frame]:
     """A PREFILL or DECODE step starting at position ``start`` (= the KV length expected).
 
     Splits by token rows into as many chunk frames as ``max_frame_bytes``
     needs; ``sample`` goes on the last one. ``hop_token`` marks a pushed step,
-    ``replay`` a recovery replay.
+    ``replay`` a recovery replay, ``drafts`` a DECODE window whose last ``drafts`` rows are drafted.
     """
     if phase not in (frame_pb2.PHASE_PREFILL, frame_pb2.PHASE_DECODE):
         raise EncodeError(f"a step is PREFILL or DECODE, not {phase}")
     template = header.frame(phase, step_id=step_id, expected_kv_len=start)
     template.activation.hop_token = hop_token  # in the template, so chunk sizing counts it
     template.activation.replay = replay
+    template.activation.drafts = drafts
     frames = _split(
         template,
         "activation",
@@ -808,6 +841,8 @@ def result_frames(
     frames[-1].result.compute_us = compute_us
     frames[-1].result.output_digest = digest
     frames[-1].result.pushed = pushed
+    for frame in frames:
+        frame.result.drafts = step.drafts
     return frames
 
 
@@ -862,6 +897,7 @@ class Step:
     compute_us: int = 0
     n_frames: int = 1
     replay: bool = False  # a recovery replay: compute and report, push and sample nothing
+    drafts: int = 0  # a DECODE window: its last ``drafts`` positions hold drafted tokens
 
     @property
     def n_tokens(self) -> int:
@@ -987,6 +1023,7 @@ class StepAssembler:
             compute_us=last.result.compute_us if kind == "result" else 0,
             n_frames=self._next_index,
             replay=kind == "activation" and last.activation.replay,
+            drafts=int(last.activation.drafts if kind == "activation" else last.result.drafts),
         )
 
 

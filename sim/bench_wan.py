@@ -24,6 +24,12 @@ side in one run, in rounds whose order rotates.
   between stages are encoded and decoded), so the figure is the encoding's
   effect alone.
 
+* ``spec`` (profiles as ``decode``): speculative decoding (docs/protocol.md,
+  Speculation) against plain decoding on the same route, direct push, for two
+  prompt classes: ``edit`` (the continuation copies text given in the
+  prompt) and ``chat`` (novel text); time per token against the ring bound
+  (in-process compute + three one-way delays), tokens per pass, same tokens.
+
 Needs root (network namespaces); says why and exits 2 without.
 """
 
@@ -44,6 +50,10 @@ import numpy as np
 
 SPANS = ((0, 10), (10, 20), (20, 30))
 PROMPT = "The three most important inventions of the last century are"
+EDIT_PROMPT = (
+    "Original code:\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    "def mul(a, b):\n    return a * b\n\n\nThe same code, copied exactly:\n\ndef add(a, b):\n"
+)
 SESSION_KV = 2560
 
 
@@ -241,6 +251,79 @@ def part_decode(
     return out
 
 
+def part_spec(
+    model: Path, cache: Path, prompts: dict[str, list[int]], n_new: int, rounds: int, profiles: list[str]
+) -> dict[str, Any]:
+    from gateway.route_session import DataPlane
+    from sim.route_client import generate, route_on
+    from sim.wan import load_profile
+
+    out: dict[str, Any] = {}
+    plane = DataPlane(push=True)
+    for profile_name in profiles:
+        one_way_ms = max(p.delay_ms for p in load_profile(profile_name).paths.values())
+        with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
+            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache)
+            try:
+                inproc = InProcess(model, cache)
+
+                async def body(
+                    channels: Any, addresses: list[str] = addresses, inproc: InProcess = inproc
+                ) -> dict[str, Any]:
+                    route, stages = await route_on(channels, addresses)
+                    await generate(channels, route, stages, prompts["chat"], 4, plane=plane)
+                    got: dict[str, Any] = {}
+                    for cls, prompt in prompts.items():
+                        per: dict[str, list[float]] = {"in-process": [], "plain": [], "spec": []}
+                        tokens: dict[str, list[int]] = {}
+                        for r in range(rounds):
+                            per["in-process"].append(inproc.decode_ms(prompt, n_new))
+                            for name in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+                                gen = await generate(
+                                    channels,
+                                    route,
+                                    stages,
+                                    prompt,
+                                    n_new,
+                                    plane=plane,
+                                    max_drafts=8 if name == "spec" else 0,
+                                )
+                                tokens.setdefault(name, gen.tokens)
+                                span = gen.arrivals_s[-1] - gen.arrivals_s[0]
+                                per[name].append(span * 1e3 / (len(gen.tokens) - 1))
+                                if name == "spec":
+                                    # Tokens arriving together came from one window: passes = bursts.
+                                    bursts = 1 + sum(
+                                        1
+                                        for a, b in zip(gen.arrivals_s, gen.arrivals_s[1:], strict=False)
+                                        if b - a > 1e-3
+                                    )
+                                    per.setdefault("tokens_per_pass", []).append(len(gen.tokens) / bursts)
+                        got[cls] = {"samples": per, "same_tokens": tokens["plain"] == tokens["spec"]}
+                    return got
+
+                measured = _in_client(wan, body)
+                inproc.close()
+            finally:
+                sup.stop_all()
+                wan.close()
+        res: dict[str, Any] = {"one_way_ms": one_way_ms}
+        for cls, m in measured.items():
+            med = {k: statistics.median(v) for k, v in m["samples"].items()}
+            bound = med["in-process"] + len(SPANS) * one_way_ms
+            res[cls] = {
+                "median": med,
+                "bound_ms": bound,
+                "plain_over_bound": med["plain"] / bound,
+                "spec_over_bound": med["spec"] / bound,
+                "spec_over_plain": med["spec"] / med["plain"],
+                "same_tokens": m["same_tokens"],
+                "samples": m["samples"],
+            }
+        out[profile_name] = res
+    return out
+
+
 def part_prefill(model: Path, cache: Path, prompt: list[int], rounds: int, profile: str) -> dict[str, Any]:
     from gateway.route_session import DataPlane
     from sim.route_client import generate, route_on
@@ -347,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         filler = vocab.tokenize(
             " ".join(["The history of science is a long story of questions and answers."] * 200)
         )
+        edit_prompt = vocab.tokenize(EDIT_PROMPT, add_special=True)
     long_prompt = (prompt + filler)[: args.prefill_tokens]
     parts = [p for p in args.parts.split(",") if p]
     result: dict[str, Any] = {"benchmark": "bench_wan", "spans": SPANS, "parts": {}}
@@ -366,6 +450,27 @@ def main(argv: list[str] | None = None) -> int:
                     f"{d['push_over_bound']:.2f}, relay/push {d['relay_over_push']:.2f}, "
                     f"same tokens {d['same_tokens']}"
                 )
+        if "spec" in parts:
+            spec = part_spec(
+                model,
+                cache,
+                {"edit": edit_prompt, "chat": prompt},
+                args.tokens,
+                args.rounds,
+                args.profiles.split(","),
+            )
+            result["parts"]["spec"] = spec
+            print("speculative decoding, 3 stages, greedy, median ms per token:")
+            for name, d in spec.items():
+                for cls in ("edit", "chat"):
+                    c = d[cls]
+                    m = c["median"]
+                    print(
+                        f"  {name} {cls}: in-process {m['in-process']:.1f} | plain {m['plain']:.1f} | "
+                        f"spec {m['spec']:.1f} ({m['tokens_per_pass']:.2f} tokens per pass) | bound "
+                        f"{c['bound_ms']:.1f} -> spec/bound {c['spec_over_bound']:.2f}, spec/plain "
+                        f"{c['spec_over_plain']:.2f}, same tokens {c['same_tokens']}"
+                    )
         if "prefill" in parts:
             prefill = part_prefill(model, cache, long_prompt, args.rounds, "link-10ms")
             result["parts"]["prefill"] = prefill

@@ -90,8 +90,10 @@ async def generate(
     plane: DataPlane,
     step_tokens: int = 256,
     sampling: codec.SamplingSettings | None = None,
+    max_drafts: int = 0,
 ) -> Generation:
-    """One request: ``n_new`` tokens after ``prompt`` (greedy unless ``sampling`` says otherwise)."""
+    """One request: ``n_new`` tokens after ``prompt`` (greedy unless ``sampling`` says otherwise);
+    ``max_drafts`` > 0: speculative decoding (RouteConfig.max_drafts)."""
     tokens: list[int] = []
     arrivals: list[float] = []
     started = time.perf_counter()
@@ -106,6 +108,7 @@ async def generate(
         step_tokens=step_tokens,
         max_frame_bytes=4 * 1024 * 1024,
         plane=plane,
+        max_drafts=max_drafts,
     ) as session:
         started = time.perf_counter()
         await session.begin(prompt)

@@ -171,18 +171,26 @@ class ScriptedBackend:
                     hidden[0, 0] = np.nextafter(np.float32(0), np.float32(1))  # one ulp
                 out.append(SliceResult(self.kv[sid], hidden=hidden))
                 continue
-            sampled = None
-            if job.sample and s.last:
-                k = node.generated(self.history[sid])
+
+            def draw(history: list[int]) -> SampledOut:
+                k = node.generated(history)
                 token = node.script[k] if k < len(node.script) else node.eos
                 if node.lie == "swap":
                     token = (token + 1) % 49152
-                sampled = SampledOut(
+                return SampledOut(
                     token_id=token,
                     logprob=-0.25,
                     top_logprobs=((token, -0.25), (node.eos, -3.0)),
                     end_of_generation=token == node.eos,
                 )
+
+            if job.drafts:  # a speculative window: the draw after each of this slice's positions
+                end = self.kv[sid]
+                hist = self.history[sid]
+                window = tuple(draw(hist[: p + 1]) for p in range(end - s.count, end))
+                out.append(SliceResult(end, window=window))
+                continue
+            sampled = draw(self.history[sid]) if job.sample and s.last else None
             out.append(SliceResult(self.kv[sid], sampled=sampled))
         return out
 

@@ -81,6 +81,14 @@ def _token(history: list[int]) -> int:
     return value
 
 
+def _repetitive_token(history: list[int]) -> int:
+    """A "model" that mostly repeats itself (period 5), so n-gram drafts are often but not always right."""
+    value = _token(history)
+    if len(history) >= 5 and value % 4 != 0:
+        return history[-5]
+    return value
+
+
 @dataclass
 class SimNode:
     name: str
@@ -91,6 +99,7 @@ class SimNode:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # last stage: token history per session
     dead: bool = False
     hung: bool = False
+    repetitive: bool = False  # the last stage's "model" is _repetitive_token (speculation tests)
 
     def __post_init__(self) -> None:
         spec = ServingSpec(
@@ -130,9 +139,15 @@ class SimNode:
             del history[job.start :]
             ids = [] if job.token_ids is None else [int(t) for t in job.token_ids]
             history.extend(ids)
+            model = _repetitive_token if self.repetitive else _token
+            if job.drafts:  # a window: the draw after each of its positions
+                window = tuple(
+                    SampledOut(token_id=model(history[: job.start + i + 1]), logprob=-0.5) for i in range(n)
+                )
+                return StepOutcome(job.job_id, self.kv[sid], window=window)
             sampled = None
             if job.sample:
-                sampled = SampledOut(token_id=_token(history), logprob=-0.5)
+                sampled = SampledOut(token_id=model(history), logprob=-0.5)
             return StepOutcome(job.job_id, self.kv[sid], sampled=sampled)
         if job.tokens is not None:
             rows = np.repeat(job.tokens.astype(np.float32)[:, None], N_EMBD, axis=1)
@@ -435,14 +450,14 @@ class RequestResult:
 
 
 def make_nodes(
-    spans: list[tuple[int, int]], spares: int
+    spans: list[tuple[int, int]], spares: int, *, repetitive: bool = False
 ) -> tuple[dict[str, SimNode], dict[tuple[int, int], list[str]]]:
     nodes: dict[str, SimNode] = {}
     by_span: dict[tuple[int, int], list[str]] = {}
     for a, b in spans:
         for i in range(1 + spares):
             name = f"n{a}-{b}-{i}"
-            nodes[name] = SimNode(name, a, b)
+            nodes[name] = SimNode(name, a, b, repetitive=repetitive)
             by_span.setdefault((a, b), []).append(name)
     return nodes, by_span
 
@@ -462,6 +477,7 @@ def run_request(
     timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
     max_preemptions: int = 4,
     exact_resume: bool = True,
+    max_drafts: int = 0,  # speculative decoding (RouteConfig.max_drafts)
 ) -> RequestResult:
     """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
     when the machine gives up), with ``faults`` injected."""
@@ -505,6 +521,7 @@ def run_request(
             encodings=encodings,  # type: ignore[arg-type]
             # A re-run prefills the generated tokens one per step, as gateway.serving does (exact_resume).
             single_from=len(prompt) if generated and exact_resume else 0,
+            max_drafts=max_drafts,
         )
         if timeouts:
             config = dataclasses.replace(config, **timeouts)  # type: ignore[arg-type]

@@ -182,7 +182,7 @@ class KvBudget(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes", "kv_source", "gateway_proof", "isolated")
+    __slots__ = ("route_ticket", "kv_budget", "sampling", "output_encoding", "output_block_size", "max_frame_bytes", "downstream", "upstream_token", "ring", "history_bytes", "kv_source", "gateway_proof", "isolated", "speculation")
     ROUTE_TICKET_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class OpenSession(_message.Message):
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_PROOF_FIELD_NUMBER: _ClassVar[int]
     ISOLATED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     route_ticket: bytes
     kv_budget: KvBudget
     sampling: SamplingParams
@@ -209,7 +210,14 @@ class OpenSession(_message.Message):
     kv_source: KvSource
     gateway_proof: bytes
     isolated: bool
-    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., gateway_proof: _Optional[bytes] = ..., isolated: _Optional[bool] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, route_ticket: _Optional[bytes] = ..., kv_budget: _Optional[_Union[KvBudget, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_encoding: _Optional[_Union[Encoding, str]] = ..., output_block_size: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., downstream: _Optional[_Union[PushTarget, _Mapping]] = ..., upstream_token: _Optional[bytes] = ..., ring: _Optional[_Union[PushTarget, _Mapping]] = ..., history_bytes: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., gateway_proof: _Optional[bytes] = ..., isolated: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("max_drafts",)
+    MAX_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    max_drafts: int
+    def __init__(self, max_drafts: _Optional[int] = ...) -> None: ...
 
 class OpenAck(_message.Message):
     __slots__ = ("node_id", "kv_tokens_granted", "max_frame_bytes", "max_step_tokens", "reattached")
@@ -226,18 +234,20 @@ class OpenAck(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., kv_tokens_granted: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("token_ids", "tensors", "sample", "hop_token", "replay")
+    __slots__ = ("token_ids", "tensors", "sample", "hop_token", "replay", "drafts")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     HOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     sample: bool
     hop_token: bytes
     replay: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ..., hop_token: _Optional[bytes] = ..., replay: _Optional[bool] = ...) -> None: ...
+    drafts: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ..., hop_token: _Optional[bytes] = ..., replay: _Optional[bool] = ..., drafts: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -260,18 +270,20 @@ class SampledToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., end_of_generation: _Optional[bool] = ...) -> None: ...
 
 class ActivationResult(_message.Message):
-    __slots__ = ("tensors", "sampled", "compute_us", "output_digest", "pushed")
+    __slots__ = ("tensors", "sampled", "compute_us", "output_digest", "pushed", "drafts")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     compute_us: int
     output_digest: bytes
     pushed: bool
-    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_us: _Optional[int] = ..., output_digest: _Optional[bytes] = ..., pushed: _Optional[bool] = ...) -> None: ...
+    drafts: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., compute_us: _Optional[int] = ..., output_digest: _Optional[bytes] = ..., pushed: _Optional[bool] = ..., drafts: _Optional[int] = ...) -> None: ...
 
 class Replay(_message.Message):
     __slots__ = ("target", "end", "step_tokens")

@@ -1,0 +1,209 @@
+"""Speculative decoding in the node's session machine: the last stage drafts, verifies and truncates;
+a stage before it drops the previous window's rejected drafts when the next window starts (bounded)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from node.session_machine import Compute, Push, SampledOut, StepOutcome, TruncateKv
+from proto import codec
+from proto.swarm.v1 import frame_pb2, status_pb2
+from tests.node.fakes import N_EMBD, RECIPE_FP
+from tests.node.test_session_machine import Harness, sends, status_of
+
+RING = codec.push_target("first", "10.0.0.1:1", b"ring-token", (0, 4), RECIPE_FP)
+PROMPT = [1, 2, 3, 1, 2, 3]
+
+
+def last_stage(max_drafts: int = 4, grammar: str = "") -> Harness:
+    h = Harness(is_last=True, shard_start=4, shard_end=8)
+    sampling = codec.SamplingSettings(temperature=0.0, grammar=grammar)
+    frame = codec.open_frame(
+        h.header(),
+        step_id=1,
+        route_ticket=b"good",
+        kv_budget_tokens=40,
+        sampling=sampling,
+        ring=RING,
+        max_drafts=max_drafts,
+    )
+    assert codec.body_kind(sends(h.feed(frame))[0]) == "open_ack"
+    return h
+
+
+def feed_step(h: Harness, start: int, tokens: list[int], *, drafts: int = 0, phase: int = 0) -> list:
+    phase = phase or (frame_pb2.PHASE_DECODE if drafts or len(tokens) == 1 else frame_pb2.PHASE_PREFILL)
+    frames = codec.step_frames(
+        h.header(),
+        phase,  # type: ignore[arg-type]
+        step_id=1 + start + 1,
+        start=start,
+        token_ids=tokens,
+        hidden=np.ones((len(tokens), N_EMBD), np.float32),
+        sample=True,
+        drafts=drafts,
+    )
+    out: list = []
+    for f in frames:
+        out += h.feed(f)
+    return out
+
+
+def pushed(actions: list) -> frame_pb2.Frame:
+    (push,) = [a for a in actions if isinstance(a, Push)]
+    (frame,) = push.frames
+    return frame
+
+
+def test_the_last_stage_sends_a_window_verifies_it_and_drops_the_rejected_drafts() -> None:
+    h = last_stage(max_drafts=4)
+    (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0)
+    window = pushed(out)
+    # "2 3 1" occurred before, followed by 2 3 (1, the token itself): the token and 3 drafts.
+    assert list(window.activation.token_ids) == [1, 2, 3, 1]
+    assert window.activation.drafts == 3 and window.positions.start == 6 and window.positions.end == 10
+    assert window.step_id == 1 + 6 + 1 and window.activation.sample
+    # The window comes back through the route: the target agrees with 2 drafts, then says 9.
+    (c,) = [a for a in feed_step(h, 6, [1, 2, 3, 1], drafts=3) if isinstance(a, Compute)]
+    assert c.job.drafts == 3
+    draws = tuple(SampledOut(t, -0.2) for t in (2, 3, 9, 9))
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=10, window=draws), 0)
+    assert TruncateKv("s1", 9) in out
+    (result,) = [f for f in sends(out) if codec.body_kind(f) == "result"]
+    assert [t.token_id for t in result.result.sampled] == [2, 3, 9]
+    assert result.kv_len == 9 and result.result.drafts == 3 and result.positions.end == 10
+    nxt = pushed(out)
+    assert nxt.positions.start == 9 and nxt.activation.token_ids[0] == 9 and nxt.step_id == 1 + 9 + 1
+    assert h.m.kv_len("s1") == 9
+
+
+def test_an_end_of_generation_draw_ends_the_window_and_the_ring() -> None:
+    h = last_stage(max_drafts=2)
+    (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0)
+    (c,) = [a for a in feed_step(h, 6, [1, 2, 3], drafts=2) if isinstance(a, Compute)]
+    draws = (SampledOut(2, -0.1), SampledOut(7, -0.1, end_of_generation=True), SampledOut(5, -0.1))
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=9, window=draws), 0)
+    (result,) = sends(out)
+    assert [t.token_id for t in result.result.sampled] == [2, 7] and result.kv_len == 8
+    assert not [a for a in out if isinstance(a, Push)]
+
+
+def test_without_a_match_or_for_a_grammar_the_ring_step_is_plain() -> None:
+    h = last_stage(max_drafts=4)
+    (c,) = [a for a in feed_step(h, 0, [10, 11, 12, 13]) if isinstance(a, Compute)]
+    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=4, sampled=SampledOut(14, -0.1)), 0))
+    assert list(plain.activation.token_ids) == [14] and plain.activation.drafts == 0
+    g = last_stage(max_drafts=4, grammar='start: "a"')
+    (c,) = [a for a in feed_step(g, 0, PROMPT) if isinstance(a, Compute)]
+    plain = pushed(g.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0))
+    assert plain.activation.drafts == 0
+    # A window sent to a grammar session anyway is refused and changes nothing.
+    assert status_of(feed_step(g, 6, [1, 2], drafts=1)) == status_pb2.STATUS_BAD_FRAME
+    assert g.m.kv_len("s1") == 6
+
+
+def first_stage() -> Harness:
+    h = Harness(is_first=True, shard_start=0, shard_end=4)
+    h.open(budget=40)
+    (c,) = [a for a in feed_first(h, 0, [5, 6, 7, 8], prefill=True) if isinstance(a, Compute)]
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=4, hidden=np.ones((4, N_EMBD), np.float32)), 0)
+    return h
+
+
+def feed_first(h: Harness, start: int, tokens: list[int], *, drafts: int = 0, prefill: bool = False) -> list:
+    frames = codec.step_frames(
+        h.header(),
+        frame_pb2.PHASE_PREFILL if prefill else frame_pb2.PHASE_DECODE,
+        step_id=1 + start + 1,
+        start=start,
+        token_ids=tokens,
+        sample=not prefill,
+        drafts=drafts,
+    )
+    out: list = []
+    for f in frames:
+        out += h.feed(f)
+    return out
+
+
+def run_first(h: Harness, start: int, tokens: list[int], drafts: int) -> list:
+    out = feed_first(h, start, tokens, drafts=drafts)
+    (c,) = [a for a in out if isinstance(a, Compute)]
+    end = start + len(tokens)
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=end, hidden=np.ones((len(tokens), N_EMBD), np.float32)), 0)
+    return out
+
+
+def test_a_stage_drops_the_rejected_drafts_when_the_next_window_starts_inside_the_last() -> None:
+    h = first_stage()
+    run_first(h, 4, [9, 1, 2, 3], drafts=3)  # positions 4..7; the stage holds 8
+    assert h.m.kv_len("s1") == 8
+    out = run_first(h, 6, [4, 5], drafts=1)  # the last stage accepted one draft: the window restarts at 6
+    (trunc,) = [a for a in out if isinstance(a, TruncateKv)]
+    assert trunc == TruncateKv("s1", 6)
+    assert out.index(trunc) < next(i for i, a in enumerate(out) if isinstance(a, Compute))
+    assert h.m.kv_len("s1") == 8
+
+
+def test_a_rollback_past_the_previous_window_or_while_busy_is_a_position_mismatch() -> None:
+    h = first_stage()
+    run_first(h, 4, [9, 1, 2], drafts=2)  # holds 7; at most 2 may go
+    run_first(h, 7, [3], drafts=0)  # all accepted: a plain step follows, and nothing may go any more
+    assert h.m.kv_len("s1") == 8
+    assert status_of(feed_first(h, 6, [3, 4], drafts=1)) in (
+        status_pb2.STATUS_POSITION_MISMATCH,
+        status_pb2.STATUS_STEP_CONFLICT,
+    )
+    assert h.m.kv_len("s1") == 8
+    h = first_stage()
+    run_first(h, 4, [9, 1, 2], drafts=2)
+    # A plain prefill step never rolls back.
+    assert status_of(feed_first(h, 6, [3, 4], prefill=True)) == status_pb2.STATUS_POSITION_MISMATCH
+    # While a step computes, nothing is dropped: the window is refused until the stage is idle.
+    busy = feed_first(h, 7, [3], drafts=0)
+    assert [a for a in busy if isinstance(a, Compute)]
+    assert status_of(feed_first(h, 6, [3, 4], drafts=1)) in (
+        status_pb2.STATUS_POSITION_MISMATCH,
+        status_pb2.STATUS_RESOURCE_EXHAUSTED,
+    )
+
+
+def test_window_frames_are_validated() -> None:
+    h = first_stage()
+    bad = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=6, start=4, token_ids=[1, 2], sample=True
+    )
+    bad[0].activation.drafts = 2  # 2 positions cannot hold a token and 2 drafts
+    assert status_of(h.feed(bad[0])) == status_pb2.STATUS_BAD_FRAME
+    bad[0].activation.drafts = codec.MAX_DRAFT_TOKENS + 1
+    assert status_of(h.feed(bad[0])) == status_pb2.STATUS_BAD_FRAME
+    unsampled = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=6, start=4, token_ids=[1, 2], drafts=1
+    )
+    assert status_of(h.feed(unsampled[0])) == status_pb2.STATUS_BAD_FRAME
+    assert h.m.kv_len("s1") == 4
+    assert isinstance(sends(run_first(h, 4, [1, 2], drafts=1)), list)
+
+
+def test_no_drafts_while_more_sessions_than_speculate_max_sessions_are_open() -> None:
+    h = Harness(is_last=True, shard_start=4, shard_end=8, max_sessions=4, speculate_max_sessions=1)
+    for sid in ("s1", "s2"):
+        frame = codec.open_frame(
+            h.header(sid),
+            step_id=1,
+            route_ticket=b"good",
+            kv_budget_tokens=40,
+            sampling=codec.SamplingSettings(temperature=0.0),
+            ring=RING,
+            max_drafts=4,
+        )
+        h.feed(frame)
+    (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
+    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0))
+    assert plain.activation.drafts == 0  # two sessions open, speculation only up to one
+    h.feed(codec.release_frame(h.header("s2"), step_id=42, expected_kv_len=0))
+    (c,) = [a for a in feed_step(h, 6, [1]) if isinstance(a, Compute)]
+    window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=7, sampled=SampledOut(2, -0.1)), 0))
+    assert window.activation.drafts > 0
