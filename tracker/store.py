@@ -755,6 +755,7 @@ class Store(TrustStore):
                     Reputation.checks_passed,
                     Node.tls_fingerprint,
                     ChallengeResult.outcome,
+                    ChallengeResult.route_recipe,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -804,6 +805,7 @@ class Store(TrustStore):
                 probation=(r[22] or 0) < probation_checks,
                 tls_fingerprint=r[23] or "",
                 trusted=probation_checks == 0 or (r[22] or 0) >= probation_checks or r[24] == "passed",
+                recipe_fingerprint=r[25] or "",
             )
             for r in rows
         )
