@@ -232,6 +232,26 @@ def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, see
             "largest_needed_margin": max((m for p in reqs for m in p), default=0.0),
         }
 
+    # The trade-off at other margins: honest positions that would be accused, and runner-up lies
+    # (the hardest token lie, against the other build on the decode path) that would be caught.
+    runner_needed = []
+    for i in range(len(sequences)):
+        (ia, la), (ib, lb) = rows("alt", "single", i), rows("reference", "single", i)
+        for r in range(len(ia)):
+            lie, checker = _runner_up(ia[r], la[r], top), _report(ib[r], lb[r], top)
+            if lie.token_id != checker.token_id:
+                runner_needed.append(_needed_margin(lie, checker))
+    all_honest = [m for name in pairs for per in needed[name] for m in per]
+    sweep = [
+        {
+            "margin_nats": m,
+            "honest_positions": len(all_honest),
+            "honest_accused": sum(x > m for x in all_honest),
+            "runner_up_lies": len(runner_needed),
+            "runner_up_caught": sum(x > m for x in runner_needed),
+        }
+        for m in (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+    ]
     honest = {
         name: {
             "greedy_tokens_that_differ": flips[name],
@@ -292,6 +312,7 @@ def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, see
         "safety_factor": safety,
         "margin_nats": margin,
         "honest_pairs": honest,
+        "margin_sweep": sweep,
         "liars_vs_other_build": detection,
         "compute_seconds": round(compute_s, 1),
         "paths": "batch: n_batch = n_ubatch = 512; single: one token at a time; one thread; flash attn on",
@@ -329,6 +350,12 @@ def main() -> None:
             f"{name:<20} {h['greedy_tokens_that_differ']:>5} {a['positions']:>9} {a['false_positives']:>4} "
             f"{a['per_token_false_positive_rate']:>9.4f} {a['requests_accused']:>5}/{a['requests']:<5} "
             f"{held['false_positives']:>5}/{held['positions']:<5}"
+        )
+    print(f"{'margin':>7} {'honest accused':>15} {'runner-up caught':>17}")
+    for row in r["margin_sweep"]:
+        print(
+            f"{row['margin_nats']:>7.2f} {row['honest_accused']:>7}/{row['honest_positions']:<7} "
+            f"{row['runner_up_caught']:>8}/{row['runner_up_lies']:<8}"
         )
     print(f"{'liar':<20} {'detected/token':>14} {'requests caught':>15}")
     for kind, d in r["liars_vs_other_build"].items():

@@ -89,6 +89,7 @@ def mixed_swarm(
                 extra_args=["--no-benchmark"],
                 env={"LLAMA_CPP_LIB_PATH": str(ALT_LIB)},
             )
+            node.wait_port(300)
             _wait_announced(swarm.tracker_url, node, 300)
             alt.append(node)
         yield swarm
