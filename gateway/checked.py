@@ -7,7 +7,10 @@ Session -- ordinary sessions on routes with the same layer boundaries and no
 node in common, started with ``report_steps`` -- compute the same request
 (same prompt, same seed). Every step report goes into a
 :class:`~gateway.checks.Comparator`; token i is released only when both runs
-produced it with the same logprobs and no step so far disagreed.
+produced it with the same logprobs and no step so far disagreed. Across recipes
+(check fingerprints) "the same" is the calibrated tolerance
+(:class:`~gateway.checks.Tolerance`), and where the runs sample different tokens
+at a near tie it accepts, the check ends: one run goes on alone (``_part``).
 
 On a disagreement the first divergent step is judged by a third run on yet
 another route (``open_judge``); the run that disagrees with the judge is

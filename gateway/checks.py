@@ -14,6 +14,12 @@ lowest stage: there, both stages had the same inputs) names two suspects; a
 third run, the *judge*, on yet another route, reports the same step, and the
 run that disagrees with the judge holds the liar (:func:`verdict`). Pure: no
 I/O; the service (``gateway.serving``) runs the sessions.
+
+Across check fingerprints (another build, other CPU features) honest nodes
+differ in low-order bits and, at near ties, in the greedy token: there only the
+sampled reports are compared, with the calibrated :class:`Tolerance`, and runs
+that part at a tolerated near tie are not compared afterwards
+(``Comparator.parted_at``).
 """
 
 from __future__ import annotations
