@@ -7,7 +7,10 @@ Session -- ordinary sessions on routes with the same layer boundaries and no
 node in common, started with ``report_steps`` -- compute the same request
 (same prompt, same seed). Every step report goes into a
 :class:`~gateway.checks.Comparator`; token i is released only when both runs
-produced it with the same logprobs and no step so far disagreed.
+produced it with the same logprobs and no step so far disagreed. Across recipes
+(check fingerprints) "the same" is the calibrated tolerance
+(:class:`~gateway.checks.Tolerance`), and where the runs sample different tokens
+at a near tie it accepts, the check ends: one run goes on alone (``_part``).
 
 On a disagreement the first divergent step is judged by a third run on yet
 another route (``open_judge``); the run that disagrees with the judge is
@@ -38,9 +41,9 @@ from common.logs import event
 from gateway.checks import (
     Comparator,
     Divergence,
+    Tolerance,
     Verdict,
     divergence_stage,
-    same_token_tolerant,
     trusted_verdict,
     verdict,
 )
@@ -69,6 +72,9 @@ class CheckStats:
     divergences: int = 0
     verdicts: list[Verdict] = field(default_factory=list)
     unchecked_since: int | None = None  # token index from which the request ran unchecked
+    # Across recipes: the token index where the runs sampled different tokens the tolerance accepts
+    # (a near tie); the request went on with the primary alone, unchecked from there.
+    parted_at: int | None = None
 
 
 class CheckedSession:
@@ -83,7 +89,13 @@ class CheckedSession:
         judge_timeout_s: float = 120.0,
         trusted: frozenset[str] = frozenset(),
         numerics: dict[str, str] | None = None,
+        tolerance: Tolerance | None = None,
+        greedy: bool = False,
     ) -> None:
+        # Across recipes the runs are compared with ``tolerance``; ``greedy``: plain greedy sampling
+        # (the tolerance's near-tie rule applies, gateway.checks.plain_greedy).
+        self._tolerance = tolerance or Tolerance()
+        self._greedy = greedy
         # Node id -> what it must share with another to be compared bit for bit (the recipe's check
         # fingerprint: CPU features included); nodes missing here count by their stage's recipe.
         self._numerics = numerics if numerics is not None else {}
@@ -92,7 +104,7 @@ class CheckedSession:
         # they saw the same inputs twice, so agreement proves nothing about them.
         self.shared = frozenset(primary.node_ids) & frozenset(shadow.node_ids)
         self._trusted = trusted  # nodes whose word decides when no third node can judge
-        self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
+        self.comparator = self._comparator(("primary", "shadow"), self._one_recipe())
         self.stats = CheckStats()
         self._stack = stack
         self._open_judge = open_judge
@@ -173,16 +185,56 @@ class CheckedSession:
                 continue
             names = list(self.runs)
             first = self._tokens[names[0]][i]
-            if any(not self._same(first, self._tokens[n][i]) for n in names[1:]):
-                self._diverged = True  # the last stage's step reports say where; judge it
-                continue
+            others = [self._tokens[n][i] for n in names[1:]]
+            if any(not self._same(first, other) for other in others):
+                if not self.comparator.exact and all(self._tolerated(first, o) for o in others):
+                    # An honest near tie across recipes: go on with one run (see _part).
+                    first = self._tokens[await self._part()][i]
+                else:
+                    self._diverged = True  # the last stage's step reports say where; judge it
+                    continue
             self._delivered += 1
             return first
 
     # -- internals ----------------------------------------------------------------------------------------
 
     def _same(self, a: Sampled, b: Sampled) -> bool:
-        return _same_token(a, b, self.comparator.exact)
+        if self.comparator.exact:
+            return _same_token(a, b)
+        return a.token_id == b.token_id and self._tolerated(a, b)
+
+    def _tolerated(self, a: Sampled, b: Sampled) -> bool:
+        return self._tolerance.consistent(a, b, greedy=self._greedy)
+
+    def _comparator(self, runs: tuple[str, ...], exact: bool) -> Comparator:
+        return Comparator(runs, exact=exact, tolerance=self._tolerance, greedy=self._greedy)
+
+    async def _part(self) -> str:
+        """The runs sampled different tokens the tolerance accepts (two recipes at a near tie): from
+        here on they are fed different inputs and cannot be compared. One run goes on alone, the
+        others are released: the primary, unless it has nodes on probation and another run has
+        none -- then that run's token is delivered and its run goes on, so what the client gets
+        unchecked from here comes from trusted nodes. Returns the survivor's name (its tokens)."""
+        keep = "primary"
+        if not self._all_trusted(self.runs["primary"]):
+            keep = next((n for n, s in self.runs.items() if self._all_trusted(s)), "primary")
+        for name in [n for n in self.runs if n != keep]:
+            session = self.runs.pop(name)
+            self._retired.append(session)
+            await session.close(release=True)
+            session.abort()
+        self.comparator = _renamed(self.comparator, keep, "primary")
+        if keep != "primary":
+            self.runs = {"primary": self.runs.pop(keep)}
+            self._tokens["primary"] = self._tokens[keep]
+            self._listen("primary", self.runs["primary"])
+        self.stats.parted_at = self._delivered
+        self.stats.unchecked_since = self._delivered
+        event(log, "check_parted", tokens=self._delivered, kept=keep)
+        return "primary"
+
+    def _all_trusted(self, session: RouteSession) -> bool:
+        return all(n in self._trusted for n in session.node_ids)
 
     def _one_recipe(self, *extra: RouteSession) -> bool:
         """Every stage of every run shares one runtime recipe: compare bit for bit (else tolerantly)."""
@@ -274,7 +326,7 @@ class CheckedSession:
             )
         judge_report = self.comparator.report("judge", div.key)
         assert judge_report is not None  # judged() said so
-        result = verdict(div, judge_report, self.comparator.exact)
+        result = verdict(div, judge_report, self.comparator.exact, self._tolerance, greedy=self._greedy)
         await self._convict(result, div, judge_report, judge=judge)
 
     async def _convict(
@@ -295,7 +347,7 @@ class CheckedSession:
         if judge is None:
             self.runs = {"primary": self.runs[honest]}
             self._tokens = {"primary": self._tokens[honest]}
-            self.comparator = Comparator(("primary",), exact=old.exact)
+            self.comparator = self._comparator(("primary",), old.exact)
             for k, report in old.keyed(honest):
                 self.comparator.add("primary", report, k=k)
             self.stats.unchecked_since = self._delivered
@@ -303,7 +355,7 @@ class CheckedSession:
             # Go on with the two runs that agree: the honest one leads, the judge checks it.
             self.runs = {"primary": self.runs[honest], "shadow": judge}
             self._tokens = {"primary": self._tokens[honest], "shadow": self._tokens["judge"]}
-            self.comparator = Comparator(("primary", "shadow"), exact=self._one_recipe())
+            self.comparator = self._comparator(("primary", "shadow"), self._one_recipe())
             for k, report in old.keyed(honest):
                 self.comparator.add("primary", report, k=k)
             for k, report in old.keyed("judge"):
@@ -340,9 +392,7 @@ class CheckedSession:
         ) from error
 
 
-def _same_token(a: Sampled, b: Sampled, exact: bool = True) -> bool:
-    if not exact:
-        return same_token_tolerant(a, b)
+def _same_token(a: Sampled, b: Sampled) -> bool:
     return (
         a.token_id == b.token_id
         and a.logprob == b.logprob
@@ -352,7 +402,8 @@ def _same_token(a: Sampled, b: Sampled, exact: bool = True) -> bool:
 
 
 def _renamed(old: Comparator, src: str, dst: str) -> Comparator:
-    new = Comparator((dst,), exact=old.exact)
+    new = Comparator((dst,), exact=old.exact, tolerance=old.tolerance, greedy=old.greedy)
+    new.parted_at = old.parted_at
     for k, report in old.keyed(src):
         new.add(dst, report, k=k)
     return new

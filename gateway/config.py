@@ -17,6 +17,7 @@ from typing import Any
 
 from common.config import load_layered
 from common.tls import HttpTls, pin_settings_problem
+from gateway.checks import CROSS_RECIPE_MARGIN_NATS
 
 ENV_PREFIX = "SWARM_GATEWAY_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -182,6 +183,12 @@ class GatewayConfig:
         "sampled; 0: no probation here (the tracker's probation flag is ignored too)",
     )
     exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
+    cross_recipe_margin_nats: float = _f(
+        CROSS_RECIPE_MARGIN_NATS,
+        "how far (natural log) two honest nodes of other recipes may put a token's logprob, and a "
+        "differing greedy token from the top, before a check calls it a lie (calibrated: "
+        "docs/security.md, Heterogeneity)",
+    )
     batch_isolation: str = _f(
         "auto",
         "which sessions every stage computes in batches of their own, so the same request gives the "
@@ -472,6 +479,10 @@ class GatewayConfig:
             raise ConfigError(f"speculation_max_drafts must be in [0, 15], got {self.speculation_max_drafts}")
         if self.avoid_unreachable_s < 0:
             raise ConfigError("avoid_unreachable_s must be >= 0")
+        if not 0.0 <= self.cross_recipe_margin_nats <= 20.0:
+            raise ConfigError(
+                f"cross_recipe_margin_nats must be in [0, 20], got {self.cross_recipe_margin_nats}"
+            )
         if self.check_judge_timeout_s <= 0 or self.exclude_liars_s < 0:
             raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:

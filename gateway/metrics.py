@@ -108,9 +108,14 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_gateway_checks_total": m.counter(
         "spot checks (a request also run on a second route), by outcome: started, passed, liar_caught,"
-        " inconclusive, abandoned (the shadow failed), no_shadow (no second route), unconfirmable (nodes"
+        " inconclusive, abandoned (the shadow failed), parted (two recipes parted at a near tie the"
+        " tolerance accepts: unchecked from there), no_shadow (no second route), unconfirmable (nodes"
         " on probation no route can check: another route taken)",
         "outcome",
+    ),
+    "swarm_gateway_cross_recipe_checks_total": m.counter(
+        "spot checks whose runs span more than one check fingerprint (another build or CPU features),"
+        " compared with the calibrated tolerance instead of bit for bit"
     ),
     "swarm_gateway_recoveries_total": m.counter(
         "stage failures recovered mid-generation, by kind (span: one stage replaced, route: whole route)"

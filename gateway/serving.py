@@ -50,7 +50,16 @@ from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy, KvWaitPolicy, fits_kv, kv_room, kv_verdict
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
-from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
+from gateway.checks import (
+    CHECK_TOP_LOGPROBS,
+    CheckPolicy,
+    Divergence,
+    Tolerance,
+    Verdict,
+    divergence_stage,
+    evidence,
+    plain_greedy,
+)
 from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
 from gateway.encodings import FIXED as FIXED_ENCODINGS
@@ -372,6 +381,8 @@ class GatewayService:
         self._models_stale = False  # serving the last model list: the tracker did not answer
         self._models_retry_at = -1e9
         self.checks = CheckPolicy(config.check_fraction)
+        checks_on = config.check_fraction > 0 or config.probation_checks > 0
+        self._check_top_logprobs = CHECK_TOP_LOGPROBS if checks_on else 0
         self._rng = random.Random()
         self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
         # Nodes that did not answer Info or OPEN in time: avoided for avoid_unreachable_s, and named
@@ -822,7 +833,9 @@ class GatewayService:
                     repetition_penalty=request.repetition_penalty,
                     frequency_penalty=request.frequency_penalty,
                     presence_penalty=request.presence_penalty,
-                    n_top_logprobs=request.n_top_logprobs,
+                    # With checks on, every session asks for the candidates the cross-recipe
+                    # tolerance compares (checked or not: a node cannot tell); clients get theirs.
+                    n_top_logprobs=max(request.n_top_logprobs, self._check_top_logprobs),
                     logit_bias=request.logit_bias,
                     grammar=job.grammar,
                     completion_start=len(prepared.prompt),
@@ -1199,6 +1212,8 @@ class GatewayService:
                 yield judge
 
         self.metrics.inc("swarm_gateway_checks_total", outcome="started")
+        if len(set(numerics.values())) > 1:
+            self.metrics.inc("swarm_gateway_cross_recipe_checks_total")
         return CheckedSession(
             primary,
             shadow,
@@ -1208,6 +1223,15 @@ class GatewayService:
             judge_timeout_s=self.config.check_judge_timeout_s,
             trusted=trusted,
             numerics=numerics,
+            tolerance=Tolerance(self.config.cross_recipe_margin_nats),
+            greedy=plain_greedy(
+                sampling.temperature,
+                repetition_penalty=sampling.repetition_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                presence_penalty=sampling.presence_penalty,
+                logit_bias=bool(sampling.logit_bias),
+                grammar=bool(sampling.grammar),
+            ),
         )
 
     def _on_probation(self, hop: Hop) -> bool:
@@ -1277,6 +1301,9 @@ class GatewayService:
             for node in run.checked_node_ids:  # not nodes both runs shared: nothing checked them
                 self.checks_passed[node] = self.checks_passed.get(node, 0) + 1
                 self._passes[node] = self._passes.get(node, 0) + 1
+        elif stats.parted_at is not None:
+            # Two recipes parted at a near tie the tolerance accepts: nobody accused, nobody credited.
+            self.metrics.inc("swarm_gateway_checks_total", outcome="parted")
         elif stats.unchecked_since is not None:
             self.metrics.inc("swarm_gateway_checks_total", outcome="abandoned")
 
@@ -1718,7 +1745,7 @@ class GatewayService:
                 tail = text.finish()
                 return await self._end(job, send, progress, tail.text, tail.tokens, "stop")
             piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
-            entry = _logprob_entry(vocab, sampled) if request.logprobs else None
+            entry = _logprob_entry(vocab, sampled, request.n_top_logprobs) if request.logprobs else None
             out = text.push(piece, entry)
             await self._emit(job, send, out.text, out.tokens, progress)
             if out.stopped:
@@ -1797,10 +1824,10 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
         await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope
 
 
-def _logprob_entry(vocab: LoadedVocab, sampled: Sampled) -> TokenLogprob:
+def _logprob_entry(vocab: LoadedVocab, sampled: Sampled, n_top: int) -> TokenLogprob:
     def piece(token: int) -> bytes:
         return vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
 
     raw = piece(sampled.token_id)
-    top = tuple((piece(t).decode("utf-8", "replace"), piece(t), lp) for t, lp in sampled.top_logprobs)
+    top = tuple((piece(t).decode("utf-8", "replace"), piece(t), lp) for t, lp in sampled.top_logprobs[:n_top])
     return TokenLogprob(raw.decode("utf-8", "replace"), raw, sampled.logprob, top)

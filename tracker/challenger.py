@@ -166,7 +166,7 @@ class Challenger:
             return result
         try:
             with trio.fail_after(self.config.challenge_timeout_s):
-                recipe, spec, digest = await self._attempt(target)
+                recipe, route_recipe, spec, digest = await self._attempt(target)
         except (Unanswered, trio.TooSlowError) as err:
             last = "no answer in time" if isinstance(err, trio.TooSlowError) else str(err)
             if attempt + 1 < self.config.challenge_attempts and self._retry_later(node_id, attempt + 1):
@@ -177,7 +177,9 @@ class Challenger:
             return await self._finish(target, "failed", False, str(err), "", "", "")
         refs = await reg._db(self._references, target, recipe, spec.input_id)
         v = verdict(digest, refs)
-        return await self._finish(target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id)
+        return await self._finish(
+            target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id, route_recipe=route_recipe
+        )
 
     def _references(self, target: ChallengeTarget, recipe: str, input_id: str) -> set[str]:
         return self.registry.store.challenge_references(
@@ -193,6 +195,8 @@ class Challenger:
         digest: str,
         recipe: str,
         input_id: str,
+        *,
+        route_recipe: str = "",
     ) -> Outcome:
         reg = self.registry
         moved = await reg._db(
@@ -201,6 +205,7 @@ class Challenger:
                 target,
                 recipe=recipe,
                 input_id=input_id,
+                route_recipe=route_recipe,
                 digest=digest,
                 outcome=outcome,
                 detail=detail,
@@ -238,9 +243,9 @@ class Challenger:
             return None
         raise ChallengeFailed("the node announced no TLS certificate and allow_plaintext_nodes is off")
 
-    async def _attempt(self, target: ChallengeTarget) -> tuple[str, ChallengeInput, str]:
-        """One attempt: Info, OPEN, PREFILL, RELEASE; returns (the recipe's check fingerprint, input,
-        digest)."""
+    async def _attempt(self, target: ChallengeTarget) -> tuple[str, str, ChallengeInput, str]:
+        """One attempt: Info, OPEN, PREFILL, RELEASE; returns (the recipe's check fingerprint, the
+        recipe's fingerprint, input, digest)."""
         pin = self._pin(target)
         try:
             # A node answers Info in milliseconds: a dead or tarpit address is given up on after
@@ -291,7 +296,7 @@ class Challenger:
             n_tokens=self.config.challenge_tokens,
         )
         digest = await self._session(target, recipe, spec)
-        return check, spec, digest
+        return check, recipe, spec, digest
 
     async def _session(self, target: ChallengeTarget, recipe: str, spec: ChallengeInput) -> str:
         reg = self.registry

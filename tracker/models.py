@@ -337,6 +337,9 @@ class ChallengeResult(Base):
     layer_end: Mapped[int] = mapped_column(Integer)
     input_id: Mapped[str] = mapped_column(String(32))
     digest: Mapped[str] = mapped_column(String(64))  # hex; "" when the node gave no usable answer
+    # recipe_fingerprint above is the *check* fingerprint (recipe + CPU features: who computes the
+    # same bits); this is the recipe's own fingerprint (what the stages of one route must share).
+    route_recipe: Mapped[str] = mapped_column(String(64), server_default="")
     outcome: Mapped[str] = mapped_column(String(24))  # passed, no_reference, mismatch, failed
     detail: Mapped[str] = mapped_column(String(400))
     at_s: Mapped[float] = mapped_column(Double)

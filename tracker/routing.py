@@ -107,6 +107,7 @@ import numpy.typing as npt
 
 from tracker.coordinates import UNTRUSTED_ERROR, NetCoord
 from tracker.errors import UnknownModel
+from tracker.recipes import recipe_exclusions
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 _INF = float("inf")
@@ -275,6 +276,7 @@ def select_routes(
     origin: NetCoord | None = None,
     extra_sessions: Mapping[str, float] | None = None,
     kv_tokens: int = 0,
+    one_recipe: bool = True,
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
     network coordinate; None = unknown); see the module docstring. ``extra_sessions``: node id ->
@@ -285,6 +287,9 @@ def select_routes(
     a shard whose last heartbeat announced fewer free KV positions is skipped (one that announced
     nothing yet is kept), so a long prompt goes to a route that can hold it.
 
+    ``one_recipe``: every route chains shards of one runtime recipe (tracker/recipes.py; shards
+    whose recipe is not known join any); False searches all shards together.
+
     Raises :class:`tracker.errors.UnknownModel` if the snapshot has no such model,
     ``ValueError`` if ``k < 1``.
     """
@@ -293,6 +298,28 @@ def select_routes(
     model = snapshot.model(model_fingerprint)
     if model is None:
         raise UnknownModel(f"unknown model fingerprint {model_fingerprint!r}")
+    if one_recipe and (others := recipe_exclusions(snapshot, model_fingerprint)):
+        # Several recipes: one search per recipe, the others' nodes excluded; the cheapest k of all.
+        found = [
+            select_routes(
+                snapshot,
+                model_fingerprint,
+                k,
+                exclude_nodes=exclude_nodes | other,
+                rng=rng,
+                costs=costs,
+                origin=origin,
+                extra_sessions=extra_sessions,
+                kv_tokens=kv_tokens,
+                one_recipe=False,
+            )
+            for other in others
+        ]
+        unique = {r.node_ids: r for sel in found for r in sel.routes}
+        best = sorted(unique.values(), key=lambda r: (r.expected_ms_per_token, r.node_ids))[:k]
+        if best:
+            return RouteSelection(routes=tuple(best), uncovered=())
+        return min(found, key=lambda sel: len(sel.uncovered))
     n_layers = model.n_layers
     cols = _columns(snapshot, model)
     n_all = len(cols.shards)

@@ -83,6 +83,10 @@ class ShardView:
     # probation_checks spot checks (every node, where the tracker runs without probation). Only
     # trusted nodes move an unregistered model name (tracker/names.py).
     trusted: bool = False
+    # The runtime recipe's fingerprint (proto/recipe.py: build, backend, KV type, attention) the
+    # tracker's join challenge saw the node report; "" = not known (relayed, not challenged yet).
+    # A route chains only shards of one recipe (unknown ones join any): tracker/recipes.py.
+    recipe_fingerprint: str = ""
 
 
 @dataclass(frozen=True)

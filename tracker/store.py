@@ -769,6 +769,7 @@ class Store(TrustStore):
                     Shard.kv_pool_tokens,
                     Shard.kv_session_max_tokens,
                     Shard.kv_used_tokens,
+                    ChallengeResult.route_recipe,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -821,6 +822,7 @@ class Store(TrustStore):
                 kv_pool_tokens=r[25],
                 kv_session_max_tokens=r[26],
                 kv_used_tokens=r[27],
+                recipe_fingerprint=r[28] or "",
             )
             for r in rows
         )

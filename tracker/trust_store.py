@@ -383,6 +383,7 @@ class TrustStore:
         detail: str,
         routable: bool,
         now_s: float,
+        route_recipe: str = "",
     ) -> bool:
         """Record the result and move the node out of ``challenging`` (to live, or to
         challenge_failed); False when the node is no longer waiting for this challenge."""
@@ -392,6 +393,7 @@ class TrustStore:
                 row = ChallengeResult(node_id=target.node_id, model_fingerprint=target.model_fingerprint)
                 s.add(row)
             row.recipe_fingerprint = recipe[:64]
+            row.route_recipe = route_recipe[:64]
             row.layer_start, row.layer_end = target.start, target.end
             row.input_id, row.digest, row.outcome = input_id[:32], digest[:64], outcome[:24]
             row.detail, row.at_s = detail[:400], now_s

@@ -46,7 +46,8 @@ def test_a_node_on_probation_contradicting_a_trusted_one_is_named_and_nobody_els
 
 
 def test_across_recipes_the_sampled_token_decides_and_hidden_digests_are_not_compared() -> None:
-    """Two honest nodes of different builds: other low-order bits (digest, logprob), the same token."""
+    """Two honest nodes of different builds: other low-order bits (digest, logprob), the same token
+    (the tolerance's finer rules: tests/gateway/test_cross_recipe_tolerance.py)."""
     c = Comparator(("primary", "shadow"), exact=False)
     c.add("primary", report(0, A, 0, 8, b"bits-of-build-1"), 15)
     assert not c.add("shadow", report(0, L, 0, 8, b"bits-of-build-2"), 15)  # not comparable: skipped
@@ -55,8 +56,11 @@ def test_across_recipes_the_sampled_token_decides_and_hidden_digests_are_not_com
     c.add("primary", report(1, B, 0, 8, b"t", 7), 30)
     assert not c.add("shadow", near, 30) and c.compared == 1
     assert c.first_divergence() is None
-    assert c.add("shadow", report(1, L, 8, 9, b"u", 9), 30) is False
-    assert c.add("primary", report(1, B, 8, 9, b"u", 8), 30)  # another token: a divergence even so
+    sure = StepReport(1, L, 1, 10, 8, 9, b"u", Sampled(9, -0.01, ((9, -0.01),), False))
+    assert c.add("shadow", sure, 30) is False
+    # Another token each run is sure of (not a near tie the tolerance accepts): a divergence even so.
+    other = StepReport(1, B, 1, 10, 8, 9, b"u", Sampled(8, -0.01, ((8, -0.01),), False))
+    assert c.add("primary", other, 30)
     exact = Comparator(("primary", "shadow"))
     exact.add("primary", report(1, B, 0, 8, b"t", 7), 30)
     assert exact.add("shadow", near, 30)  # within one recipe the logprob's last bit counts
