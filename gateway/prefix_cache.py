@@ -77,7 +77,6 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self._entries: OrderedDict[str, Kept] = OrderedDict()  # by session id, oldest first
         self.hits = 0
-        self.misses = 0
         self.reused_tokens = 0
 
     def __len__(self) -> int:
@@ -136,7 +135,6 @@ class PrefixCache:
     def take(self, hit: Hit | None) -> None:
         """The hit is being used (or was found useless): it leaves the index."""
         if hit is None:
-            self.misses += 1
             return
         self._entries.pop(hit.entry.session_id, None)
         self.hits += 1
