@@ -44,11 +44,15 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+import click
 import trio
 
 from common.logs import event
+
+if TYPE_CHECKING:
+    from common.tls import HttpTls
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -231,3 +235,33 @@ def _exit_for(
     leaf = found[0]
     log.error("service failed", exc_info=exc)
     fail(prog, f"internal error: {type(leaf).__name__}: {describe(leaf)} (traceback in the log above)")
+
+
+# -- Options shared by the services' one-shot commands ---------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tracker_tls_options(command: F) -> F:
+    """``--tracker-tls-fingerprint`` and ``--tracker-ca-file`` of a one-shot command that calls a
+    tracker (the services' own ``start``/``serve`` take them from their config schema); the command
+    turns them into an :class:`common.tls.HttpTls` with :func:`tracker_http_tls`."""
+    command = click.option(
+        "--tracker-ca-file", default="", help="With an https:// tracker: CA bundle (PEM) to verify it."
+    )(command)
+    return click.option(
+        "--tracker-tls-fingerprint",
+        default="",
+        help="With an https:// tracker: pin its certificate's sha256 (`swarm-tracker tls-fingerprint`).",
+    )(command)
+
+
+def tracker_http_tls(tracker_url: str, fingerprint: str, ca_file: str) -> HttpTls:
+    """How to trust ``tracker_url`` given those two options, or a usage error (exit code 2) naming the
+    contradiction (a pin for an http:// URL, both a pin and a CA file, ...)."""
+    from common.tls import HttpTls, pin_settings_problem
+
+    problem = pin_settings_problem("tracker", tracker_url, fingerprint, ca_file)
+    if problem:
+        raise click.UsageError(problem)
+    return HttpTls.from_settings(fingerprint, ca_file)

@@ -20,6 +20,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+class ConfigError(ValueError):
+    """A setting that cannot be used (an unknown key, a wrong type, a value out of range), from any
+    layer of any service's config; the message names the setting and where it came from."""
+
+
 class _Validated(Protocol):
     def validate(self) -> Any: ...
 
@@ -27,8 +32,8 @@ class _Validated(Protocol):
 C = TypeVar("C", bound=_Validated)
 
 
-def coerce(kind: type, name: str, value: Any, source: str, error: type[Exception]) -> Any:
-    """``value`` as a ``kind`` (bool, int, float or str), or ``error`` naming the source."""
+def coerce(kind: type, name: str, value: Any, source: str) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or str), or :class:`ConfigError` naming the source."""
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -54,7 +59,7 @@ def coerce(kind: type, name: str, value: Any, source: str, error: type[Exception
         return value
     elif isinstance(value, Path):
         return str(value)
-    raise error(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
+    raise ConfigError(f"{source}: {name} must be a {kind.__name__}, got {value!r}")
 
 
 def load_layered(
@@ -62,7 +67,6 @@ def load_layered(
     *,
     section: str,
     env_prefix: str,
-    error: type[Exception],
     file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -75,8 +79,8 @@ def load_layered(
 
     def put(key: str, value: Any, source: str, unknown: str) -> None:
         if key not in fields:
-            raise error(unknown)
-        values[key] = coerce(fields[key], key, value, source, error)
+            raise ConfigError(unknown)
+        values[key] = coerce(fields[key], key, value, source)
 
     path = file or env.get(config_file_env)
     if path:
@@ -84,7 +88,7 @@ def load_layered(
             with open(Path(path).expanduser(), "rb") as fh:
                 data = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as err:
-            raise error(f"cannot read config file {path}: {err}") from err
+            raise ConfigError(f"cannot read config file {path}: {err}") from err
         table = data[section] if set(data) == {section} and isinstance(data[section], dict) else data
         for key, value in table.items():
             put(key, value, f"config file {path}", f"config file {path}: unknown key {key!r}")

@@ -16,7 +16,9 @@ import nacl.signing
 
 
 class KeyFileError(ValueError):
-    """The key file cannot be used; the message says why and what to do."""
+    """A key file cannot be used: a service's ed25519 key, or the gateway's API keys file
+    (gateway.api_keys, the line number in the message); the message says which file, why and what
+    to do."""
 
 
 def load_or_create_key_file(path: Path) -> tuple[nacl.signing.SigningKey, bool]:

@@ -260,10 +260,6 @@ class Metrics:
                     total += sample.value
         return total
 
-    def add_source(self, source: Callable[[], ScrapeValues]) -> None:
-        """Call ``source`` at every render for scraped values (merged under explicit ones)."""
-        self._sources.append(source)
-
     # --- reading back --------------------------------------------------------------------------
 
     def value(self, name: str, **labels: str) -> float:

@@ -21,8 +21,9 @@ from pathlib import Path
 import trio
 
 from common import files
+from common.keyfile import KeyFileError
 from common.logs import event
-from gateway.api_keys import AuthPolicy, KeyFileError, KeyTable, Limits, Principal, parse_key_file
+from gateway.api_keys import AuthPolicy, KeyTable, Limits, Principal, parse_key_file
 from gateway.errors import AuthenticationFailed, InvalidRequest, Overloaded, RateLimited
 from gateway.metrics import Metrics
 from gateway.quota import QuotaBook, cap_max_tokens

@@ -36,6 +36,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
+from common.keyfile import KeyFileError
 from gateway.errors import AuthenticationFailed
 
 KEY_PREFIX = "sk-swarm-"
@@ -44,10 +45,6 @@ ID_PREFIX = "key_"
 LIMIT_FIELDS = ("max_sessions", "tokens_per_minute", "max_tokens")
 _FIELDS = {"id", "name", "sha256", "created", *LIMIT_FIELDS}
 MAX_NAME_CHARS = 64
-
-
-class KeyFileError(ValueError):
-    """The key file cannot be read as this module's format (line number in the message)."""
 
 
 @dataclass(frozen=True)

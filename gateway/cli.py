@@ -10,7 +10,8 @@ from typing import Any
 import click
 
 from common.cli import EXIT_USAGE, fail
-from gateway.config import FIELDS, ConfigError, GatewayConfig, load_config
+from common.config import ConfigError
+from gateway.config import FIELDS, GatewayConfig, load_config
 
 PROG = "swarm-gateway"
 
@@ -168,7 +169,8 @@ def _keys_path(config_file: str | None, data_dir: str | None, keys_file: str | N
 
 
 def _read_keys(path: Path) -> list[Any]:
-    from gateway.api_keys import KeyFileError, parse_key_file
+    from common.keyfile import KeyFileError
+    from gateway.api_keys import parse_key_file
 
     try:
         return parse_key_file(path.read_text(encoding="utf-8")) if path.exists() else []
@@ -201,7 +203,8 @@ def keys_add(
     """Make a key and print it (once: only its hash is stored)."""
     import time
 
-    from gateway.api_keys import KeyFileError, Limits, make_record, new_key
+    from common.keyfile import KeyFileError
+    from gateway.api_keys import Limits, make_record, new_key
 
     path = _keys_path(config_file, data_dir, keys_file)
     records = _read_keys(path)

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import load_layered
+from common.config import ConfigError, load_layered
 from common.tls import HttpTls, pin_settings_problem
 from gateway.checks import CROSS_RECIPE_MARGIN_NATS
 
 ENV_PREFIX = "SWARM_GATEWAY_"
-CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
 BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
@@ -29,10 +28,6 @@ SPECULATION_MODES = ("greedy", "all", "off")
 # kernels (tests/node/test_gemma3_real.py): with batch_isolation = auto every session of such a
 # model is isolated, so the same request gives the same text under load.
 BATCH_VARIANT_ARCHITECTURES = frozenset({"gemma3"})
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -506,7 +501,6 @@ def load_config(
         GatewayConfig,
         section="gateway",
         env_prefix=ENV_PREFIX,
-        error=ConfigError,
         file=file,
         env=env,
         flags=flags,

@@ -87,7 +87,6 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self._entries: OrderedDict[str, Kept] = OrderedDict()  # by session id, oldest first
         self.hits = 0
-        self.misses = 0
         self.shared_hits = 0
         self.reused_tokens = 0
 
@@ -151,7 +150,6 @@ class PrefixCache:
         """The hit is being used (or was found useless): it leaves the index, unless it is another
         client's shared prefix (copied: its owner still holds it)."""
         if hit is None:
-            self.misses += 1
             return
         if not hit.shared:
             self._entries.pop(hit.entry.session_id, None)

@@ -51,7 +51,6 @@ class _Account:
     active: int = 0
     balance: float = 0.0  # tokens in the bucket
     updated_s: float = 0.0
-    used_total: int = 0
 
 
 class QuotaBook:
@@ -116,7 +115,6 @@ class QuotaBook:
             return
         self._refill(acc, now)
         acc.active = max(0, acc.active - 1)
-        acc.used_total += max(0, tokens)
         if acc.limits.tokens_per_minute:
             acc.balance -= max(0, tokens)
 

@@ -9,10 +9,10 @@ token ids for the first stage, else the outputs the stage before it kept
 (REPLAY; docs/protocol.md). Healthy stages never re-prefill.
 
 Why same-span only: a replacement with other boundaries would change the
-neighbours' inputs or outputs too. Then :class:`NoSameSpan` tells the service
-to fall back to re-running the request on a fresh route with the whole token
-history as prefill (``gateway.serving``). When no live node covers the span at
-all, the finder raises :class:`NoReplacement`, naming the uncovered layers.
+neighbours' inputs or outputs too. When the finder has no same-span node to
+offer (none live, or none answering), it raises :class:`NoSameSpan`, naming
+why; the service then falls back to re-running the request on a fresh route
+with the whole token history as prefill (``gateway.serving``).
 """
 
 from __future__ import annotations
@@ -20,28 +20,17 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gateway.errors import NoRoute, StageFailed
 from gateway.session_machine import RecoveryReport
 
 __all__ = [
-    "NoReplacement",
     "NoSameSpan",
     "RecoveryPolicy",
     "RecoveryReport",
     "Replacement",
     "ReplacementFinder",
-    "SpanRecoveryImpossible",
 ]
 
 DEFAULT_MAX_RECOVERIES = 3  # stage replacements per session
-
-
-class SpanRecoveryImpossible(StageFailed):
-    """The failed span cannot be replaced in place (no same-span spare, or no hidden history kept)."""
-
-
-class NoReplacement(NoRoute):
-    """No live node covers the failed stage's layers: the request ends with this error."""
 
 
 class NoSameSpan(Exception):
@@ -57,7 +46,7 @@ class Replacement:
     ticket: bytes
 
 
-# (start, end, excluded node ids) -> Replacement; raises NoReplacement or SpanRecoveryImpossible.
+# (start, end, excluded node ids) -> Replacement; raises NoSameSpan when it has none to offer.
 ReplacementFinder = Callable[[int, int, frozenset[str]], Awaitable[Replacement]]
 
 

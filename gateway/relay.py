@@ -106,8 +106,6 @@ class RelayLink:
     node_id: str
     info: shard_service_pb2.NodeInfo
     outbound_send: trio.MemorySendChannel[bytes]
-    outbound_receive: trio.MemoryReceiveChannel[bytes]
-    connected_at_s: float = field(default_factory=time.time)
     sessions: dict[str, trio.MemorySendChannel[bytes | StreamError]] = field(default_factory=dict)
     closed: bool = False
     frames_in: int = 0
@@ -214,7 +212,7 @@ class RelayHub:
             await ws.send(json.dumps({"type": "refused", "reason": reason}))
             return
         send, receive = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
-        link = RelayLink(node_id, info, send, receive)
+        link = RelayLink(node_id, info, send)
         old = self._links.get(node_id)
         if old is not None:
             old.fail_all("the node reconnected its relay socket")

@@ -23,12 +23,13 @@ import nacl.signing
 import trio
 
 from common import files
+from common.config import ConfigError
 from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
 from common.tls import TlsError, fingerprint_pem
 from gateway.app import create_app
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
 from gateway.tracker_key import TrackerKey, resolve_tracker_key
@@ -142,11 +143,9 @@ def _service(
     channels: RelayChannels,
     tracker_key: TrackerKey,
 ) -> GatewayService:
-    from gateway.api_keys import KeyFileError as ApiKeyFileError
-
     try:
         return GatewayService(config, tracker, key, channels, tracker_key=tracker_key)
-    except (ApiKeyFileError, UnicodeDecodeError) as err:
+    except (KeyFileError, UnicodeDecodeError) as err:
         raise ConfigError(f"api keys file {config.resolved_api_keys_file()}: {err}") from err
 
 

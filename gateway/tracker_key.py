@@ -27,8 +27,9 @@ from typing import Any, Protocol
 import trio
 
 from common import files
+from common.config import ConfigError
 from common.logs import event
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.errors import UpstreamFailed
 
 log = logging.getLogger("swarm.gateway")

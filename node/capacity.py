@@ -31,7 +31,6 @@ instead of the budget above (see :meth:`Sizing.split_gpu`).
 
 from __future__ import annotations
 
-import os
 import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -274,9 +273,3 @@ def memory_limits(configured_bytes: int = 0) -> list[MemoryLimit]:
     if configured_bytes > 0:
         found.append(MemoryLimit(configured_bytes, f"memory_limit_mb ({configured_bytes // 2**20} MiB)"))
     return sorted(found, key=lambda m: -m.bytes)
-
-
-def process_rss_bytes(pid: int | None = None) -> int:
-    import psutil
-
-    return int(psutil.Process(pid or os.getpid()).memory_info().rss)

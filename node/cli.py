@@ -10,7 +10,9 @@ from typing import Any
 
 import click
 
-from node.config import LOAD_MODE_NAMES, ConfigError
+from common.cli import tracker_http_tls, tracker_tls_options
+from common.config import ConfigError
+from node.config import LOAD_MODE_NAMES
 from node.errors import NodeError
 
 PROG = "swarm-node"
@@ -26,28 +28,6 @@ def default_cache_dir() -> Path:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Serve a shard of a language model to a swarm."""
-
-
-def _tracker_tls_options(command: Any) -> Any:
-    """``--tracker-tls-fingerprint`` and ``--tracker-ca-file`` of a one-shot command that asks a tracker."""
-    command = click.option(
-        "--tracker-ca-file", default="", help="With an https:// tracker: CA bundle to verify it."
-    )(command)
-    return click.option(
-        "--tracker-tls-fingerprint",
-        default="",
-        help="With an https:// tracker: pin its certificate's sha256 (`swarm-tracker tls-fingerprint`).",
-    )(command)
-
-
-def _tracker_tls(tracker_url: str, fingerprint: str, ca_file: str) -> Any:
-    """The :class:`common.tls.HttpTls` of those options, or a usage error."""
-    from common.tls import HttpTls, pin_settings_problem
-
-    problem = pin_settings_problem("tracker", tracker_url, fingerprint, ca_file)
-    if problem:
-        raise click.UsageError(problem)
-    return HttpTls.from_settings(fingerprint, ca_file)
 
 
 @main.group()
@@ -70,7 +50,7 @@ def shard() -> None:
     "--peer", "peers", multiple=True, help="A node (HOST:PORT) to fetch span bytes from (repeatable)."
 )
 @click.option("--stall-timeout-s", type=float, default=60.0, show_default=True, help="Give up a read after.")
-@_tracker_tls_options
+@tracker_tls_options
 def shard_extract(
     model_spec: str,
     layers: str,
@@ -98,7 +78,7 @@ def shard_extract(
     else:
         from common.cli import run_once
 
-        tls = _tracker_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+        tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
         run = functools.partial(
             _extract_remote, model_spec, layers, cache, manifest_arg, tracker_url, peers, stall_timeout_s, tls
         )
@@ -553,12 +533,13 @@ def _first_clear_error(group: BaseExceptionGroup[BaseException]) -> Exception | 
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def keygen(data_dir: str | None) -> None:
     """Create the node key if it does not exist yet; print the node id."""
+    from common.keyfile import KeyFileError
     from node.identity import load_or_create_key, node_id
 
     config = _load(None, {"data_dir": data_dir})
     try:
         key, created = load_or_create_key(config.resolved_data_dir())
-    except NodeError as err:
+    except KeyFileError as err:
         raise click.ClickException(str(err)) from err
     click.echo(node_id(key))
     click.echo(f"{'created' if created else 'exists '} {config.resolved_data_dir() / 'node.key'}", err=True)
@@ -568,15 +549,16 @@ def keygen(data_dir: str | None) -> None:
 @click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
 def show_id(data_dir: str | None) -> None:
     """Print the node id (hex ed25519 public key); fails if there is no key yet."""
-    from node.identity import key_path, load_key, node_id
+    from common.keyfile import KeyFileError, load_key_file
+    from node.identity import key_path, node_id
 
     config = _load(None, {"data_dir": data_dir})
     path = key_path(config.resolved_data_dir())
     if not path.exists():
         raise click.ClickException(f"no node key at {path}; run 'swarm-node keygen' or 'swarm-node start'")
     try:
-        click.echo(node_id(load_key(path)))
-    except NodeError as err:
+        click.echo(node_id(load_key_file(path)))
+    except KeyFileError as err:
         raise click.ClickException(str(err)) from err
 
 
@@ -584,7 +566,7 @@ def show_id(data_dir: str | None) -> None:
 @click.option("--admin-url", default=None, help="Admin HTTP base URL (default http://127.0.0.1:7471).")
 @click.option("--address", default=None, help="Ask a node's gRPC Info at HOST:PORT instead.")
 @click.option("--timeout-s", type=float, default=5.0, show_default=True)
-@_tracker_tls_options
+@tracker_tls_options
 def status(
     admin_url: str | None,
     address: str | None,
@@ -629,7 +611,7 @@ def status(
         pin = tracker_tls_fingerprint or (
             "" if tracker_ca_file else str(body.get("tracker_tls_fingerprint") or "")
         )
-        tls = _tracker_tls(str(body["tracker"]), pin, tracker_ca_file)
+        tls = tracker_http_tls(str(body["tracker"]), pin, tracker_ca_file)
         body["contribution"] = _contribution(str(body["tracker"]), str(body["node_id"]), timeout_s, tls)
     click.echo(json.dumps(body, indent=2))
     if isinstance(body.get("contribution"), dict) and "all_time" in body["contribution"]:
@@ -655,7 +637,7 @@ def status(
 )
 @click.option("--since", type=float, default=0.0, show_default=True, help="Rows from this UNIX time on.")
 @click.option("--timeout-s", type=float, default=10.0, show_default=True)
-@_tracker_tls_options
+@tracker_tls_options
 def ledger(
     tracker_url: str,
     data_dir: str,
@@ -677,13 +659,14 @@ def ledger(
     import trio
 
     from common.cli import run_once
-    from node.identity import key_path, load_key
+    from common.keyfile import load_key_file
+    from node.identity import key_path
     from node.identity import node_id as id_of
     from proto.ledger import LedgerError, verify_ledger_entry
     from tracker.client import TrackerClient, TrackerClientError
 
-    tls = _tracker_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
-    node = node_id or id_of(load_key(key_path(Path(data_dir).expanduser())))
+    tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+    node = node_id or id_of(load_key_file(key_path(Path(data_dir).expanduser())))
 
     async def fetch() -> tuple[str, list[dict[str, Any]]]:
         # Reads only: a throw-away key satisfies the client.

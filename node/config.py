@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import load_layered
+from common.config import ConfigError, load_layered
 from common.tls import (
     HttpTls,
     ServerCert,
@@ -30,11 +30,6 @@ from common.tls import (
 from proto.codec import ISOLATED_SLICE_TOKENS
 
 ENV_PREFIX = "SWARM_NODE_"
-CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # How the shard's weights are loaded (common.llama.LOAD_MODES maps each to llama.cpp's load_mode).
@@ -415,6 +410,4 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
 ) -> NodeConfig:
     """Merge the layers; a flag whose value is None was not given."""
-    return load_layered(
-        NodeConfig, section="node", env_prefix=ENV_PREFIX, error=ConfigError, file=file, env=env, flags=flags
-    )
+    return load_layered(NodeConfig, section="node", env_prefix=ENV_PREFIX, file=file, env=env, flags=flags)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from node.config import ConfigError
+from common.config import ConfigError
 from node.session_machine import SampledOut, StepOutcome
 
 ENV = "SWARM_TEST_NODE_FAILPOINTS"

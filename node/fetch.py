@@ -97,7 +97,6 @@ Sink = Callable[[bytes], Awaitable[None]]
 
 class ByteSource(Protocol):
     name: str
-    bytes_received: int
 
     async def read(self, offset: int, length: int, sink: Sink) -> None:
         """Hand bytes ``[offset, offset + length)`` of the model file to ``sink``, in order (any chunking)."""
@@ -115,7 +114,6 @@ class HttpSource:
         self.name = url
         self.client = client
         self.file_size = file_size
-        self.bytes_received = 0
 
     def _check_size(self, total: int) -> None:
         if self.file_size is not None and total != self.file_size:
@@ -162,35 +160,11 @@ class HttpSource:
                     if len(chunk) > left:
                         raise FetchError(f"{self.url}: the server sent more than the range asked for")
                     left -= len(chunk)
-                    self.bytes_received += len(chunk)
                     await sink(chunk)
                 if left:
                     raise Transient(f"{self.url}: the answer ended {left} bytes short")
         except (httpx.TransportError, httpx.StreamError) as err:
             raise Transient(f"{self.url}: {type(err).__name__}: {err}") from err
-
-    async def probe_size(self) -> int:
-        """The file's size from a one-byte range request (refusing servers without Range)."""
-        headers = {"Range": "bytes=0-0", "Accept-Encoding": "identity"}
-        try:
-            async with self.client.stream("GET", self.url, headers=headers) as response:
-                if response.status_code == 200:
-                    raise RangeNotSupported(
-                        f"{self.url}: the server ignores Range requests (it answered 200 with the whole "
-                        "file); a node fetches only its shard's bytes and needs a server that honours Range"
-                    )
-                if response.status_code == 404:
-                    raise FetchError(f"{self.url}: not found (HTTP 404)")
-                if response.status_code != 206:
-                    raise FetchError(f"{self.url}: HTTP {response.status_code} for a range request")
-                got = _CONTENT_RANGE.match(response.headers.get("content-range", ""))
-                if got is None or got.group(3) == "*":
-                    raise RangeNotSupported(
-                        f"{self.url}: a 206 answer without the file's size in Content-Range"
-                    )
-                return int(got.group(3))
-        except (httpx.TransportError, httpx.StreamError) as err:
-            raise FetchError(f"{self.url}: cannot reach the server: {type(err).__name__}: {err}") from err
 
 
 # ----------------------------------------------------------------------------------------- peers
@@ -205,7 +179,6 @@ class PeerSource:
         self.name = f"peer {address}"
         self.grpc = grpc_rt
         self.fingerprint = fingerprint
-        self.bytes_received = 0
 
     async def read(self, offset: int, length: int, sink: Sink) -> None:
         from common.grpc_adapter import UNPINNED, RpcError
@@ -238,7 +211,6 @@ class PeerSource:
                 if chunk.offset != pos or not chunk.data or pos + len(chunk.data) > end:
                     raise FetchError(f"{self.name} sent bytes out of order or outside the range asked for")
                 pos += len(chunk.data)
-                self.bytes_received += len(chunk.data)
                 await sink(chunk.data)
             if not replies:
                 raise Transient(f"{self.name} answered with no bytes")

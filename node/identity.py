@@ -13,16 +13,10 @@ from pathlib import Path
 
 import nacl.signing
 
-from common import keyfile
-from common.keyfile import load_key_file, load_or_create_key_file
-from node.errors import NodeError
+from common.keyfile import load_or_create_key_file
 from proto.signing import public_key_hex
 
 KEY_FILE = "node.key"
-
-
-class KeyFileError(NodeError):
-    status = "INTERNAL"
 
 
 def key_path(data_dir: Path) -> Path:
@@ -30,18 +24,8 @@ def key_path(data_dir: Path) -> Path:
 
 
 def load_or_create_key(data_dir: Path) -> tuple[nacl.signing.SigningKey, bool]:
-    """The node's key, and whether it was created now."""
-    try:
-        return load_or_create_key_file(key_path(data_dir))
-    except keyfile.KeyFileError as err:
-        raise KeyFileError(str(err)) from err
-
-
-def load_key(path: Path) -> nacl.signing.SigningKey:
-    try:
-        return load_key_file(path)
-    except keyfile.KeyFileError as err:
-        raise KeyFileError(str(err)) from err
+    """The node's key, and whether it was created now (:class:`common.keyfile.KeyFileError` if unusable)."""
+    return load_or_create_key_file(key_path(data_dir))
 
 
 def node_id(key: nacl.signing.SigningKey) -> str:

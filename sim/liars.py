@@ -53,10 +53,10 @@ class LiarSwarm:
         return f"http://127.0.0.1:{self.swarm.gateway.port}"
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.swarm.base_url, api_key="test", max_retries=0, timeout=300)
+        return openai.OpenAI(base_url=self.swarm.base_url, api_key="test", max_retries=0, timeout=120)
 
     def start_liar(
-        self, kind: str, *, honest_steps: int = 1, claim_speed: bool = False, timeout_s: float = 300.0
+        self, kind: str, *, honest_steps: int = 1, claim_speed: bool = False, timeout_s: float = 120.0
     ) -> Service:
         """A node telling lie ``kind`` (a fresh identity each time), live at the tracker.
 
@@ -76,7 +76,7 @@ class LiarSwarm:
         return node
 
     def start_node_only(
-        self, kind: str, *, honest_steps: int, claim_speed: bool = False, timeout_s: float = 300.0
+        self, kind: str, *, honest_steps: int, claim_speed: bool = False, timeout_s: float = 120.0
     ) -> Service:
         """Start the liar and wait for its ports and id; not for the tracker to let it in."""
         name = f"liar-{kind}-{len(self.liars) + 1}"

@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
-from common.cli import EXIT_FAILED, EXIT_USAGE, fail
-from tracker.config import ConfigError, TrackerConfig, load_config
+from common.cli import EXIT_FAILED, EXIT_USAGE, fail, tracker_http_tls, tracker_tls_options
+from common.config import ConfigError
+from tracker.config import TrackerConfig, load_config
 
 PROG = "swarm-tracker"
 
@@ -154,6 +155,7 @@ def serve(
 
     from common import logs
     from common.cli import run_service
+    from common.keyfile import KeyFileError
     from tracker.errors import TrackerError
     from tracker.server import SHUTDOWN_GRACE_S, serve_tracker
 
@@ -166,13 +168,12 @@ def serve(
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 
-    # Start-up failures (port taken, unreadable key, database unreachable) are operator errors
-    # (tracker.keys.KeyFileError is an OSError).
+    # Start-up failures (port taken, unreadable key, database unreachable) are operator errors.
     run_service(
         PROG,
         functools.partial(serve_tracker, config),
         grace_s=SHUTDOWN_GRACE_S,
-        clear_errors=(OSError, SQLAlchemyError, TrackerError),
+        clear_errors=(OSError, KeyFileError, SQLAlchemyError, TrackerError),
         usage_errors=(ConfigError,),
         listening=f"{'HTTPS' if config.tls else 'HTTP'} on {config.host}:{config.port}",
     )
@@ -243,10 +244,14 @@ def current(ctx: click.Context, url: str | None) -> None:
 @click.pass_context
 def keygen(ctx: click.Context, data_dir: str | None) -> None:
     """Create the tracker key (if absent) and print its id (hex public key)."""
+    from common.keyfile import KeyFileError
     from tracker.keys import load_or_create_key
 
     config = _config(ctx, data_dir=data_dir)
-    key = load_or_create_key(config.resolved_data_dir())
+    try:
+        key = load_or_create_key(config.resolved_data_dir())
+    except KeyFileError as err:
+        raise click.ClickException(str(err)) from err
     click.echo(bytes(key.verify_key).hex())
 
 
@@ -255,7 +260,8 @@ def keygen(ctx: click.Context, data_dir: str | None) -> None:
 @click.pass_context
 def show_id(ctx: click.Context, data_dir: str | None) -> None:
     """Print the tracker id (hex public key); fails if no key exists yet."""
-    from tracker.keys import KEY_FILE, KeyFileError, load_key
+    from common.keyfile import KeyFileError, load_key_file
+    from tracker.keys import KEY_FILE
 
     config = _config(ctx, data_dir=data_dir)
     path = config.resolved_data_dir() / KEY_FILE
@@ -263,7 +269,7 @@ def show_id(ctx: click.Context, data_dir: str | None) -> None:
         click.echo(f"no key at {path}; run `swarm-tracker keygen`", err=True)
         sys.exit(1)
     try:
-        key = load_key(path)
+        key = load_key_file(path)
     except KeyFileError as err:
         raise click.ClickException(str(err)) from err
     click.echo(bytes(key.verify_key).hex())
@@ -294,7 +300,7 @@ def model() -> None:
 
 
 def _signing_key(ctx: click.Context, data_dir: str | None, key_file: str | None) -> Any:
-    from tracker.keys import KeyFileError, load_key
+    from common.keyfile import KeyFileError, load_key_file
 
     config = _config(ctx, data_dir=data_dir, key_file=key_file)
     path = config.resolved_key_file()
@@ -304,30 +310,9 @@ def _signing_key(ctx: click.Context, data_dir: str | None, key_file: str | None)
             "its registry_keys); give --key-file or --data-dir"
         )
     try:
-        return load_key(path)
+        return load_key_file(path)
     except KeyFileError as err:
         raise click.ClickException(str(err)) from err
-
-
-def _tracker_tls_options(command: Any) -> Any:
-    """``--tracker-tls-fingerprint`` and ``--tracker-ca-file`` of a command that calls a tracker."""
-    command = click.option(
-        "--tracker-ca-file", default="", help="CA bundle (PEM) to verify an https:// tracker with."
-    )(command)
-    return click.option(
-        "--tracker-tls-fingerprint",
-        default="",
-        help="Pin an https:// tracker's certificate: its sha256 (`swarm-tracker tls-fingerprint`).",
-    )(command)
-
-
-def _tls(tracker_url: str, fingerprint: str, ca_file: str) -> Any:
-    from common.tls import HttpTls, pin_settings_problem
-
-    problem = pin_settings_problem("tracker", tracker_url, fingerprint, ca_file)
-    if problem:
-        fail(PROG, problem, EXIT_USAGE)
-    return HttpTls.from_settings(fingerprint, ca_file)
 
 
 def _tracker_call(url: str, tls: Any, key: Any, call: str, *args: Any, timeout_s: float = 60.0) -> Any:
@@ -358,7 +343,7 @@ def _tracker_call(url: str, tls: Any, key: Any, call: str, *args: Any, timeout_s
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
 @click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
 @click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
-@_tracker_tls_options
+@tracker_tls_options
 @click.pass_context
 def model_add(
     ctx: click.Context,
@@ -382,7 +367,7 @@ def model_add(
 
     from tracker.model_add import ModelAddError, describe_file, describe_url, is_url, registration_payload
 
-    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+    tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     key = _signing_key(ctx, data_dir, key_file)
     urls = list(dict.fromkeys([*([source] if is_url(source) else []), *sources]))
     try:
@@ -422,14 +407,14 @@ def model_add(
 
 @model.command("list")
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
-@_tracker_tls_options
+@tracker_tls_options
 def model_list(tracker_url: str, tracker_tls_fingerprint: str, tracker_ca_file: str) -> None:
     """Print the registered models (JSON)."""
     import json
 
     import nacl.signing
 
-    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+    tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     models = _tracker_call(tracker_url, tls, nacl.signing.SigningKey.generate(), "registry_models")
     click.echo(json.dumps(models, indent=2))
 
@@ -439,7 +424,7 @@ def model_list(tracker_url: str, tracker_tls_fingerprint: str, tracker_ca_file: 
 @click.option("--tracker", "tracker_url", default="http://127.0.0.1:7460", show_default=True)
 @click.option("--data-dir", default=None, help="The tracker's data directory (for its key).")
 @click.option("--key-file", default=None, help="The signing key (default <data-dir>/tracker.key).")
-@_tracker_tls_options
+@tracker_tls_options
 @click.pass_context
 def model_remove(
     ctx: click.Context,
@@ -451,7 +436,7 @@ def model_remove(
     tracker_ca_file: str,
 ) -> None:
     """Drop the registration of MODEL_NAME (a name or fingerprint); nodes already serving it go on."""
-    tls = _tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
+    tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     key = _signing_key(ctx, data_dir, key_file)
     answer = _tracker_call(tracker_url, tls, key, "unregister_model", model_name)
     click.echo(f"removed {answer['fingerprint']}")

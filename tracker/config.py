@@ -15,16 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import load_layered
+from common.config import ConfigError, load_layered
 
 ENV_PREFIX = "SWARM_TRACKER_"
-CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 TLS_CERT_FILE = "tracker-tls.crt"  # the self-signed certificate's files in data_dir (tls_self_signed)
 TLS_KEY_FILE = "tracker-tls.key"
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _f(default: Any, doc: str) -> Any:
@@ -310,7 +305,6 @@ def load_config(
         TrackerConfig,
         section="tracker",
         env_prefix=ENV_PREFIX,
-        error=ConfigError,
         file=file,
         env=env,
         flags=flags,

@@ -29,12 +29,13 @@ import nacl.signing
 import trio
 
 from common import files
+from common.config import ConfigError
 from common.grpc_adapter import Grpc, open_grpc
 from common.logs import event
 from common.tls import ServerCert, TlsError, load_or_create_server_cert, load_server_cert
 from tracker.app import create_app
 from tracker.challenger import Challenger
-from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, ConfigError, TrackerConfig
+from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, TrackerConfig
 from tracker.dashboard import DashboardFeed
 from tracker.discovery import advertise
 from tracker.keys import load_or_create_key_at

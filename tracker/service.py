@@ -427,7 +427,7 @@ class Registry:
         await self._rechallenge(g.gateway_id, g.unreachable)
         rtt = await self._record_rtt(g.gateway_id, g.rtt_samples)
         if rtt is not None and rtt.coordinate is not None:
-            self._snapshot_stale = True  # routes for this gateway are priced from its new position
+            self.invalidate_snapshot()  # routes for this gateway are priced from its new position
         # Random live nodes for the gateway to measure too (nodes cannot measure a gateway back).
         return {
             "recorded": True,
@@ -559,8 +559,6 @@ class Registry:
                 await self.periodic_once()
             except StorageUnavailable:
                 pass  # logged by _db; the next round retries, and routing filters on last_seen anyway
-
-    run_expiry = run_periodic  # the name tests and older callers use
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -842,7 +840,7 @@ class Registry:
         created = await self._signed_write(
             REGISTRATION_KIND, self.store.register_model, entry, reg.replace, self.clock(), nonce
         )
-        self._snapshot_stale = True
+        self.invalidate_snapshot()
         event(
             log,
             "model_registered",
@@ -866,7 +864,7 @@ class Registry:
         )
         if removed is None:
             raise UnknownModel(f"no registered model {model!r}")
-        self._snapshot_stale = True
+        self.invalidate_snapshot()
         event(log, "model_unregistered", fingerprint=removed, model=model)
         return {"fingerprint": removed, "removed": True}
 

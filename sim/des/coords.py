@@ -60,12 +60,10 @@ class SimCoordinates:
         self.noise = noise
         self.claim_ttl_s = claim_ttl_s
         self._where: dict[str, Endpoint] = {gateway_key(i): e for i, e in enumerate(gateways)}
-        self._gateways = [gateway_key(i) for i in range(len(gateways))]
         self._claims: dict[str, dict[str, tuple[float, float]]] = {}  # reporter -> peer -> (rtt, at)
         self._about: dict[str, dict[str, tuple[float, float]]] = {}  # peer -> reporter -> (rtt, at)
         self.coords: dict[str, NetCoord | None] = {}
         self.rounds = 0
-        self.measurements = 0
         self.refits = 0
         self.wall_s = 0.0  # time spent here (machine-dependent)
 
@@ -151,7 +149,6 @@ class SimCoordinates:
         self.wall_s += time.perf_counter() - t0
 
     def _measure(self, a: str, b: str) -> float:
-        self.measurements += 1
         true = 2.0 * self.geo.one_way_ms(self._where[a], self._where[b])
         r = self.rng.random
         return true * (1.0 + self.noise * min(r(), r(), r()))

@@ -325,7 +325,6 @@ class Gateways:
             if s.prefill_tokens_done >= s.prompt_tokens:
                 s.tokens_out = 1  # the last stage samples the first token at the end of prefill
                 self.metrics.token()
-                s.first_token_s = now
                 s.last_token_s = now
                 self.metrics.ttft_s.append(now - s.arrival_s)
                 if s.tokens_out >= s.output_tokens:
@@ -354,7 +353,6 @@ class Gateways:
 
     def _fail(self, s: Session, reason: str) -> None:
         s.phase = FAILED
-        s.fail_reason = reason
         s.end_s = self.loop.now
         self.metrics.fail(reason)
         self._end(s)

@@ -101,7 +101,6 @@ class SimNode:
         self.sessions: dict[int, Session] = {}
         self._uplink_free_at = 0.0
         # statistics
-        self.joined_s = loop.now
         self.serving_s = 0.0  # when it started serving
         self.left_s: float | None = None
         self.busy_s = 0.0

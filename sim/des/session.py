@@ -42,14 +42,10 @@ class Session:
         "phase",
         "epoch",
         "route",
-        "chunks_sent",
-        "chunks_done",
         "prefill_tokens_done",
         "tokens_out",
-        "first_token_s",
         "last_token_s",
         "end_s",
-        "fail_reason",
         "failure_s",
         "resume_phase",
         "recoveries",
@@ -78,14 +74,10 @@ class Session:
         self.phase = QUEUED
         self.epoch = 0
         self.route: list[SimNode] = []
-        self.chunks_sent = 0
-        self.chunks_done = 0
         self.prefill_tokens_done = 0  # prompt tokens that went through every stage
         self.tokens_out = 0
-        self.first_token_s: float | None = None
         self.last_token_s = 0.0
         self.end_s: float | None = None
-        self.fail_reason = ""
         self.failure_s: float | None = None  # when the current outage began
         self.resume_phase = ""
         self.recoveries = 0

@@ -129,7 +129,6 @@ class Simulation:
         self.swarm.on_stage_lost = self.gateways.stage_lost
         self.swarm.on_capacity = self.gateways.drain_queues
         self._requests = self._workload(_rng(seed, "workload"))
-        self._rng_clients = _rng(seed, "clients")
         self._next_sid = 0
 
     def _demand(self) -> dict[str, float]:

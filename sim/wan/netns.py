@@ -26,7 +26,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -128,13 +127,6 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name (field 2) may contain spaces; it is the text between the first '(' and last ')'.
     return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    pid: int
-    seq: int
-    start_time: int | None
 
 
 def write_run_record(pid: int, seq: int) -> Path:

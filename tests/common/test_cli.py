@@ -34,7 +34,7 @@ def run_cli(prog: str, *args: str, env: dict[str, str] | None = None) -> subproc
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=120,
         check=False,
     )
 

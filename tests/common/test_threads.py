@@ -252,7 +252,7 @@ def test_a_real_swarm_starts_threads_only_where_allowed(
             for name, layers in (("a", "0:15"), ("b", "15:30"))
         ]
         for node in nodes:
-            node.ready(180)
+            node.ready(120)
         gateway = sup.start_gateway(tracker_url=tracker.url, env=env).ready(60)
         listed = wait_http(gateway, f"{gateway.url}/v1/models", 120, ok=lambda r: bool(r.json()["data"]))
         model = listed.json()["data"][0]["id"]

@@ -336,8 +336,8 @@ def _start_liar(
         extra_args=["--no-benchmark", *extra],
         env={ENV: f"{lies},fake_speed", CONSENT_ENV: CONSENT},
     )
-    node.wait_port(300)
-    _wait_announced(swarm.tracker_url, node, 300)
+    node.wait_port(120)
+    _wait_announced(swarm.tracker_url, node, 120)
     return node
 
 

@@ -92,7 +92,7 @@ class Hostile:
         return ticket_bytes(route["ticket"])
 
     def chat(self) -> str:
-        client = openai.OpenAI(base_url=self.swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
+        client = openai.OpenAI(base_url=self.swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model=self.swarm.model_name,
             messages=[{"role": "user", "content": QUESTION}],

@@ -114,7 +114,7 @@ def swarm(
 
 @pytest.fixture(scope="module")
 def client(swarm: LocalSwarm) -> openai.OpenAI:
-    return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=120)
 
 
 def run_chat(client: openai.OpenAI, model: str, content: str, on_chunk=None) -> str:  # type: ignore[no-untyped-def]
@@ -208,7 +208,7 @@ def start_and_announce(
         cache_dir=node_cache,
         extra_args=["--no-benchmark"],
     )
-    node.wait_port(180)
+    node.wait_port(120)
     node_id = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=5).json()["node_id"]
     deadline = time.monotonic() + 120
     while not any(

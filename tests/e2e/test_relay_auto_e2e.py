@@ -54,8 +54,8 @@ def procs(
                     host,
                 ],
             )
-            node.wait_port(180)
-            wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", 180)
+            node.wait_port(120)
+            wait_http(node, f"http://127.0.0.1:{node.admin_port}/healthz", 120)
             nodes.append(node)
         yield tracker, gateway, nodes
     finally:

@@ -69,7 +69,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             tracker_url=tracker_url,
             cache_dir=node_cache,
             extra_args=["--no-benchmark"],
-        ).wait_port(180)
+        ).wait_port(120)
         node = sup.start_node(
             "relayed",
             model=model_path,
@@ -78,10 +78,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             cache_dir=node_cache,
             extra_args=["--no-benchmark", "--relay", base, "--relay-tls-fingerprint", cert.fingerprint],
         )
-        node.wait_port(180)
+        node.wait_port(120)
         models = wait_until(
             lambda: _ok(http, f"{base}/v1/models") and http.get(f"{base}/v1/models").json()["data"],
-            180,
+            120,
             "the relayed node is routable",
         )
         yield {
@@ -146,7 +146,7 @@ def test_a_node_pinning_another_certificate_refuses_the_gateway(
         cache_dir=node_cache,
         extra_args=["--no-benchmark", "--relay", swarm["base"], "--relay-tls-fingerprint", wrong],
     )
-    node.wait_port(180)
+    node.wait_port(120)
     wait_until(lambda: "not the pinned" in node.log_text(), 60, "the node refuses the gateway's certificate")
     relay = status(node)["relay"]
     assert not relay["connected"] and relay["connects"] == 0

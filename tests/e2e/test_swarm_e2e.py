@@ -78,7 +78,7 @@ def test_text_equals_the_whole_models_greedy_output(
 
 
 def test_concurrent_clients_all_correct_and_no_kv_left(swarm: LocalSwarm, reference: Reference) -> None:
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
     want = {q: reference.chat(q, N_NEW) for q in QUESTIONS}
     with ThreadPoolExecutor(6) as pool:
         jobs = [
@@ -110,7 +110,7 @@ def test_a_node_joining_late_is_picked_up_by_routing(
         120,
         ok=lambda r: any(str(late.port) in " ".join(n["addresses"]) for n in r.json()["nodes"]),
     )
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
     # Two data-parallel routes now exist (the split pair, and the late whole-model node); concurrent
     # requests spread over both. Keep asking until the late node has served a session.
     deadline = time.monotonic() + 120
@@ -125,7 +125,7 @@ def test_a_node_joining_late_is_picked_up_by_routing(
 
 
 def test_tracker_restart_keeps_ledger_and_routing_resumes(swarm: LocalSwarm, reference: Reference) -> None:
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
     assert chat(client, swarm.model_name, QUESTIONS[0], False) == reference.chat(QUESTIONS[0], N_NEW)
     db = swarm.supervisor.workdir / "tracker" / "tracker.db"
     deadline = time.monotonic() + 30

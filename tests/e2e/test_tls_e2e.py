@@ -247,7 +247,7 @@ def test_a_node_showing_another_certificate_than_announced_is_refused(
         cache_dir=node_cache,
         extra_args=["--no-benchmark"],
     )
-    other.wait_port(180)
+    other.wait_port(120)
     assert other.tls_fingerprint() and other.tls_fingerprint() != last.tls_fingerprint()
     gateway_log = len(swarm.gateway.log_text())
     try:
@@ -285,7 +285,7 @@ def test_the_same_observer_reads_a_plaintext_node(
         cache_dir=node_cache,
         extra_args=["--no-benchmark"],
     )
-    plain.wait_port(180)
+    plain.wait_port(120)
     assert plain.tls_fingerprint() == ""
     observer = Observer(plain.port)
     try:

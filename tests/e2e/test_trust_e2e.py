@@ -111,7 +111,7 @@ def _hostile_model(model_path: Path, out: Path) -> Path:
         ],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=120,
     )
     return out
 
@@ -139,7 +139,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             # One at a time: nodes sharing a cache must not write the same shard file at once.
             nodes[name] = sup.start_node(
                 name, model=path, layers="0:30", tracker_url=tracker.url, cache_dir=node_cache
-            ).ready(180)
+            ).ready(120)
         gateway = sup.start_gateway(
             tracker_url=tracker.url, extra_args=["--route-ttl-s", "1", "--stats-interval-s", "1"]
         ).ready(60)
@@ -316,7 +316,7 @@ def test_a_node_convicted_by_evidence_is_banned_and_its_announce_refused(swarm: 
     restarted = swarm.sup.start_node(
         "b", model=swarm.model_path, layers="0:30", tracker_url=swarm.tracker_url, cache_dir=swarm.node_cache
     )
-    restarted.ready(180)
+    restarted.ready(120)
     refused = wait_until(
         lambda: [
             e
@@ -397,7 +397,7 @@ def registered(
         + [str(model_path), str(hijack)],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=120,
     )
     with Vocabulary(model_path) as vocab:
         name = vocab.metadata("general.name") or ""
@@ -408,7 +408,7 @@ def registered(
             + ["--tracker", tracker.url, "--data-dir", str(work / "tracker")],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=120,
         )
         assert added.returncode == 0, added.stdout + added.stderr
         registry = httpx.get(f"{tracker.url}/v1/registry/models", timeout=10).json()["models"]
@@ -416,7 +416,7 @@ def registered(
         honest = sup.start_node(
             "honest", model=model_path, layers="0:15", tracker_url=tracker.url, cache_dir=node_cache
         )
-        honest.ready(180)
+        honest.ready(120)
         tampered = extract_vocab(hijack, work / "hijack-cache").read_bytes()
         nodes = scripted_nodes(
             model_path, node_cache, " The registry vouches for this.", fingerprint, [(0, 30)], first_seed=200
@@ -450,7 +450,7 @@ def test_a_hijacked_name_is_refused(registered: Registered, node_cache: Path) ->
         tracker_url=registered.tracker.url,
         cache_dir=node_cache,
     )
-    hijacker.ready(180)
+    hijacker.ready(120)
     refused = wait_until(
         lambda: [
             e

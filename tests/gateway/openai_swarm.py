@@ -31,7 +31,7 @@ class Swarm:
         return url(self.gateway)
 
     def client(self, api_key: str = "test-key", **kw: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=300, **kw)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
 
 
 @contextmanager
@@ -63,7 +63,7 @@ def two_stage_swarm(
                     extra_args=["--batch-tokens", str(BATCH), "--no-benchmark"],
                 )
             )
-        nodes = [n.ready(240) for n in nodes]
+        nodes = [n.ready(120) for n in nodes]
 
         def routable() -> dict | None:
             models = httpx.get(url(tracker) + "/v1/models", timeout=10).json()["models"]

@@ -336,7 +336,7 @@ def test_responses_structured_output_and_errors(client: openai.OpenAI, swarm: Sw
 
 @pytest.fixture(scope="module")
 def olla(swarm: Swarm) -> ollama.Client:
-    return ollama.Client(host=swarm.base, timeout=300)
+    return ollama.Client(host=swarm.base, timeout=120)
 
 
 def test_ollama_chat_and_generate_equal_the_openai_paths(

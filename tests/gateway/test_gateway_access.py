@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from session_sim import Fault, SimSwarm, make_nodes, run_request
 from test_route_session_properties import MAX_NEW, PROMPT, REFERENCE, SPANS
 
+from common.keyfile import KeyFileError
 from gateway import protocol
 from gateway.api_keys import (
     AuthPolicy,
-    KeyFileError,
     KeyTable,
     Limits,
     find,

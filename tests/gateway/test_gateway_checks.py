@@ -23,6 +23,8 @@ from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 from proto.announce import ModelSpec
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 SCRIPT_TEXT = "Two routes compute the same words; a third decides when they do not agree."
 
 

@@ -65,12 +65,12 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
     try:
         tracker = sup.start_tracker().ready(60)
         # The first node writes the shard files into the shared cache; the others start in parallel.
-        nodes = [start_node(sup, "a1", model_path, "0:15", tracker, node_cache).ready(180)]
+        nodes = [start_node(sup, "a1", model_path, "0:15", tracker, node_cache).ready(120)]
         more = [
             start_node(sup, name, model_path, layers, tracker, node_cache)
             for name, layers in (("b1", "15:30"), ("a2", "0:15"), ("b2", "15:30"))
         ]
-        nodes += [node.ready(180) for node in more]
+        nodes += [node.ready(120) for node in more]
 
         def two_routes() -> bool:
             body = httpx.post(
@@ -231,7 +231,7 @@ def test_eight_concurrent_clients_on_two_routes(client: openai.OpenAI, swarm: di
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=240)
+        t.join(timeout=120)
     elapsed = time.monotonic() - started
     assert not failures, failures
     assert {i: results[i] for i in range(8)} == {i: wants[QUESTIONS[i % 4]] for i in range(8)}

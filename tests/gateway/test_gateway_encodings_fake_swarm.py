@@ -18,6 +18,8 @@ from proto.announce import ModelSpec
 from proto.swarm.v1 import frame_pb2
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 FINGERPRINT = "fb" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-model", architecture="llama", n_layers=30, n_embd=576)
 TEXT = "One slow hop, half the bytes: the text is the same."

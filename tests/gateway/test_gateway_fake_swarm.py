@@ -24,6 +24,8 @@ from common.vocab import Vocabulary
 from proto.announce import ModelSpec
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 FINGERPRINT = "fa" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-model", architecture="llama", n_layers=30, n_embd=576)
 SCRIPT_TEXT = "Hello world! Streaming through a fake swarm: é€😀 done."

@@ -14,6 +14,8 @@ from gateway.protocol import model_id, model_list
 from proto.announce import ModelSpec
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 MODEL = ModelSpec(
     fingerprint="ef" * 32, name="Half Built Model 1B", architecture="llama", n_layers=30, n_embd=576
 )

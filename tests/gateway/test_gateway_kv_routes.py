@@ -21,6 +21,8 @@ from common.vocab import Vocabulary
 from proto.announce import ModelSpec
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 FINGERPRINT = "fb" * 32
 MODEL = ModelSpec(
     fingerprint=FINGERPRINT, name="fake-kv-model", architecture="llama", n_layers=30, n_embd=576

@@ -1,4 +1,5 @@
-"""Span recovery through the real gateway and tracker processes, with scripted nodes (no model): fast tier.
+"""Span recovery through the real gateway and tracker processes, with scripted nodes (no model loaded;
+slow tier all the same: it starts processes).
 
 Three ``FakeNode`` servers: [0,15), and [15,30) twice. A streaming request
 runs; the [15,30) node that carries it is stopped (its gRPC server goes away
@@ -23,6 +24,8 @@ from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 
 from proto.announce import ModelSpec
 from sim.procs import NO_SPOT_CHECKS, Supervisor
+
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
 
 FINGERPRINT = "fb" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-span", architecture="llama", n_layers=30, n_embd=576)

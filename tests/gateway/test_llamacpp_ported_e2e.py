@@ -39,7 +39,7 @@ def client(swarm: Swarm) -> openai.OpenAI:
 
 
 def post(swarm: Swarm, path: str, body: dict) -> httpx.Response:
-    return httpx.post(swarm.base + path, json=body, timeout=300, headers={"Authorization": "Bearer ported"})
+    return httpx.post(swarm.base + path, json=body, timeout=120, headers={"Authorization": "Bearer ported"})
 
 
 # --------------------------------------------------------------------------- test_chat_completion.py

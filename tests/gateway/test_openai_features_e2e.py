@@ -403,7 +403,7 @@ def test_default_gateway_reuses_every_matching_position(swarm: Swarm) -> None:
     prefills only what is new."""
     gateway = swarm.supervisor.start_gateway(tracker_url=url(swarm.tracker), name="gw-default").ready(60)
     base = url(gateway)
-    client = openai.OpenAI(base_url=base + "/v1", api_key="default-gateway", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="default-gateway", max_retries=0, timeout=120)
     messages: list[dict] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "What is rain?"},

@@ -31,6 +31,8 @@ from swarm_fixtures import announce, metric_lines, scripted_nodes, url
 from proto.announce import ModelSpec
 from sim.procs import Supervisor
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 FINGERPRINT = "fb" * 32
 MODEL = ModelSpec(fingerprint=FINGERPRINT, name="fake-model", architecture="llama", n_layers=30, n_embd=576)
 SCRIPT_TEXT = "Served only where the tracker's signature says."

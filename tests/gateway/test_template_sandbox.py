@@ -13,6 +13,8 @@ import trio
 from gateway.chat_template import FALLBACK_TEMPLATE, ChatTemplate, TemplateError, TemplateSource
 from gateway.template_sandbox import TemplateSandbox
 
+pytestmark = pytest.mark.slow  # renders in worker processes
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo ✓"}]
 LOOP = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x"
 OUTPUT_BOMB = "{% for i in range(99999) %}{{ 'y' * 1000 }}{% endfor %}"

@@ -3,7 +3,7 @@
 For tests, benchmarks (``sim/bench_hop.py``) and operators poking at a node.
 :class:`StageStream` is one bidirectional ``Session`` stream (frames out, reply
 frames in); :class:`RouteSession` opens one per stage, relays each stage's
-hidden states to the next unchanged (``codec.relay_frame``) and returns the
+hidden states to the next unchanged (:func:`relay_frame`) and returns the
 last stage's sampled tokens. Not a gateway: no recovery, no retries.
 """
 
@@ -13,7 +13,7 @@ import queue
 import secrets
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +25,37 @@ from proto.signing import route_ticket_bytes, sign_open_proof
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
 
 _END = object()
+
+
+def relay_frame(
+    result: frame_pb2.Frame,
+    next_header: codec.SessionHeader,
+    *,
+    step_id: int,
+    token_ids: Sequence[int] = (),
+    sample: bool = False,
+) -> frame_pb2.Frame:
+    """One result chunk of a stage as the matching activation chunk of the next stage.
+
+    The tensors move over untouched (checksums included): this client relays
+    without decoding. ``token_ids`` are the tokens of this chunk's positions
+    (sent to the last stage for its penalties); ``sample`` is only honoured on
+    the last chunk. (Moved here from ``proto.codec``: the product never relays
+    this way, only this client does.)
+    """
+    frame = next_header.frame(
+        result.phase,
+        step_id=step_id,
+        expected_kv_len=result.expected_kv_len,
+        positions=(result.positions.start, result.positions.end),
+    )
+    if result.HasField("chunk"):
+        frame.chunk.CopyFrom(result.chunk)
+    frame.activation.tensors.extend(result.result.tensors)
+    frame.activation.token_ids.extend(int(t) for t in token_ids)
+    last_chunk = not result.HasField("chunk") or result.chunk.index == result.chunk.count - 1
+    frame.activation.sample = sample and last_chunk
+    return frame
 
 
 class StageStream:
@@ -207,7 +238,7 @@ class RouteSession:
             if k + 1 < len(self.streams):
                 last_next = k + 1 == len(self.streams) - 1
                 frames = [
-                    codec.relay_frame(
+                    relay_frame(
                         r,
                         self.headers[k + 1],
                         step_id=self.step_id,

@@ -125,6 +125,7 @@ def close_route(route: Route) -> None:
         e.close()
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 @pytest.mark.parametrize("key", PARITY_KEYS)
 def test_splits_are_bit_exact_with_the_whole_model(
     key: str, tiny, prompt: list[int], node_cache: Path
@@ -143,6 +144,7 @@ def test_splits_are_bit_exact_with_the_whole_model(
         assert tokens == want_tokens, f"{key} {name}"
 
 
+@pytest.mark.slow  # cuts shards of tiny models
 def test_sliding_window_layers_follow_absolute_indices(tiny, node_cache: Path) -> None:
     """A Gemma 3 shard from layer 3 marks its layer 2 (absolute 5) global, as the whole model does."""
     files = extract_shard(tiny("gemma3"), 3, 9, node_cache)
@@ -156,6 +158,7 @@ def test_sliding_window_layers_follow_absolute_indices(tiny, node_cache: Path) -
 # -- mixture of experts ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_moe_cut_between_layers_routing_different_expert_counts(
     tiny, prompt: list[int], node_cache: Path
 ) -> None:
@@ -176,6 +179,7 @@ def test_moe_cut_between_layers_routing_different_expert_counts(
             extract_shard(path, start, end, node_cache)
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 @pytest.mark.parametrize("key", ["qwen3moe", "gemma3"])
 def test_four_sessions_batched_together_match_each_alone(
     key: str, tiny, vocab: Vocabulary, node_cache: Path
@@ -216,6 +220,7 @@ def test_four_sessions_batched_together_match_each_alone(
 # -- stage 0's embedding lookup ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 @pytest.mark.parametrize("key", PARITY_KEYS)
 def test_stage0_lookup_equals_llama_cpp_get_rows(key: str, tiny, node_cache: Path) -> None:
     """The rows stage 0 feeds equal the graph's own token-input rows (after Gemma 3's scaling)."""

@@ -36,6 +36,8 @@ from node.shard import extract_shard
 from node.testmodel import gemma3_model_path
 from proto.codec import output_digest
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 SPAN = (0, 7)
 CHECKED = "checked"
 STORY = (
@@ -127,7 +129,7 @@ async def _serve(
                     scheduler.submit(Compute(job))
                     want = len(outcomes) + 1
                     done = trio.Event()
-                    with trio.fail_after(300):
+                    with trio.fail_after(120):
                         await done.wait()
                 assert await scheduler.run_control(FreeKv("earlier")) is None
             assert await scheduler.run_control(OpenKv(sid, 512, SamplingSpec())) is None
@@ -151,7 +153,7 @@ async def _serve(
                 scheduler.submit(Compute(job))
             want = len(outcomes) + len(scripts)
             done = trio.Event()
-            with trio.fail_after(300):
+            with trio.fail_after(120):
                 await done.wait()
             out = outcomes[checked_job]
             assert out.error_status is None and out.hidden is not None, out.error_message

@@ -19,6 +19,7 @@ from node.shard import extract_shard, read_model_meta
 from proto.recipe import Recipe
 
 
+@pytest.mark.slow  # reads the real model file
 def test_sizing_of_the_test_model(model_path: Path) -> None:
     cfg = NodeConfig(max_sessions=2, session_kv_tokens=512, batch_tokens=256)
     meta = read_model_meta(model_path, None)

@@ -13,9 +13,10 @@ import nacl.signing
 import pytest
 import trio
 
+from common.keyfile import KeyFileError, load_key_file
 from node.admin import AdminServer
 from node.config import ConfigError, NodeConfig, load_config
-from node.identity import KeyFileError, load_key, load_or_create_key, node_id
+from node.identity import load_or_create_key, node_id
 from node.session_machine import OpenClaim
 from node.tickets import TicketVerifier
 from proto.errors import TicketInvalidError
@@ -98,9 +99,10 @@ def test_key_created_once_with_mode_0600(tmp_path: Path) -> None:
     assert not created2 and node_id(again) == node_id(key) == public_key_hex(key)
     os.chmod(path, 0o644)
     with pytest.raises(KeyFileError, match="chmod 600"):
-        load_key(path)
+        load_key_file(path)
 
 
+@pytest.mark.slow  # runs the swarm-node CLI
 def test_keygen_and_id_cli(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -109,13 +109,6 @@ class Swarm:
     def ticket(self) -> bytes:
         return ticket_bytes(self.route["ticket"])
 
-    def fresh_ticket(self) -> bytes:
-        status, body = http_json(
-            f"{self.tracker_url}/v1/routes", {"model": self.stages[0].info.model.fingerprint, "k": 1}
-        )
-        assert status == 200, body
-        return ticket_bytes(body["routes"][0]["ticket"])
-
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path) -> Iterator[Swarm]:
@@ -130,8 +123,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         extract_vocab(model_path, node_cache)
         a = start_node(sup, "node-a", model_path, "0:15", url, node_cache)
         b = start_node(sup, "node-b", model_path, "15:30", url, node_cache)
-        a.ready(180)
-        b.ready(180)
+        a.ready(120)
+        b.ready(120)
         stages = [Stage(f"127.0.0.1:{p.port}", node_info(f"127.0.0.1:{p.port}")) for p in (a, b)]
         route = wait_for_route(url, stages[0].info.model.fingerprint)["routes"][0]
         assert [h["node_id"] for h in route["hops"]] == [s.info.node_id for s in stages]
@@ -534,7 +527,7 @@ def test_layers_auto_takes_the_span_the_tracker_recommends(
         "--capacity-layers",
         "15",
         "--no-benchmark",
-    ).ready(180)
+    ).ready(120)
     try:
         info = node_info(f"127.0.0.1:{c.port}")
         start, end = info.shard.start, info.shard.end

@@ -22,6 +22,8 @@ from node.errors import (
 from node.reference import ReferenceModel
 from node.shard import extract_shard
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",

@@ -35,6 +35,7 @@ def first_hidden(engine: ShardEngine) -> np.ndarray:
         engine.release("s")
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_read_maps_nothing_mmap_maps_the_shard_and_both_compute_the_same(
     model_path: Path, node_cache: Path, engine_config: EngineConfig
 ) -> None:

@@ -16,6 +16,8 @@ from node.engine import EngineConfig, ShardEngine, Work
 from node.sampling import SamplingParams, sample
 from node.shard import extract_shard, read_model_meta
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 
 @pytest.fixture(scope="module")
 def whole(model_path: Path, node_cache: Path, engine_config: EngineConfig) -> Iterator[ShardEngine]:

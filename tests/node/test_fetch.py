@@ -23,6 +23,8 @@ from node.manifest import Manifest
 from node.shard import extract_shard
 from sim.range_server import RangeServer
 
+pytestmark = pytest.mark.slow  # fetches shards of the real model file over HTTP
+
 MODEL = "/models/smollm2.gguf"
 
 

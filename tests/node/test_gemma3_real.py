@@ -22,6 +22,8 @@ from node.reference import ReferenceModel
 from node.shard import extract_shard, read_model_meta
 from node.testmodel import gemma3_model_path
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 CONFIG = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=768, n_batch_tokens=256)
 N_NEW = 32
 WINDOW = 512

@@ -58,7 +58,7 @@ def test_register_then_join_by_name_from_url_and_from_a_peer(
         add = subprocess.run(
             [*console_script("swarm-tracker"), "model", "add", str(model_path), "--name", NAME,
              "--source", server.url(MODEL), "--tracker", tracker.url, "--data-dir", str(tracker.data_dir)],
-            capture_output=True, text=True, timeout=300, check=False,
+            capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         assert add.returncode == 0, add.stderr + add.stdout
         fingerprint = local_manifest(model_path, node_cache).fingerprint()
@@ -70,9 +70,9 @@ def test_register_then_join_by_name_from_url_and_from_a_peer(
         first = start_node(sup, "first", model_path, "0:10", tracker.url, node_cache, "--no-benchmark")
         t0 = time.monotonic()
         a = start_node(sup, "a", NAME, "10:20", tracker.url, workdir / "cache-a", "--no-benchmark")
-        a.ready(180)
+        a.ready(120)
         url_join_s = time.monotonic() - t0
-        first.ready(180)
+        first.ready(120)
         sa = status(a)["join"]
         assert sa["fetched"] and list(sa["fetched_bytes_by_source"]) == [server.url(MODEL)]
         sent_by_url = server.sent[MODEL]
@@ -82,7 +82,7 @@ def test_register_then_join_by_name_from_url_and_from_a_peer(
         t0 = time.monotonic()
         b = start_node(sup, "b", NAME, "10:20", tracker.url, workdir / "cache-b", "--no-benchmark",
                        "--fetch-stall-timeout-s", "5")  # fmt: skip
-        b.ready(180)
+        b.ready(120)
         peer_join_s = time.monotonic() - t0
         sb = status(b)["join"]
         assert sb["fetched"] and all(k.startswith("peer ") for k in sb["fetched_bytes_by_source"]), sb
@@ -98,7 +98,7 @@ def test_register_then_join_by_name_from_url_and_from_a_peer(
         # The route: the first stage (cut locally), the peer-fetched node b, a last stage cut locally.
         assert a.stop() == 0  # so b is the only middle stage
         last = start_node(sup, "last", model_path, "20:30", tracker.url, node_cache, "--no-benchmark")
-        last.ready(180)
+        last.ready(120)
         stages = [
             Stage(f"127.0.0.1:{svc.port}", node_info(f"127.0.0.1:{svc.port}")) for svc in (first, b, last)
         ]
@@ -158,7 +158,7 @@ def test_memory_limited_nodes_take_what_fits_and_cover_the_model(
                 session_kv_tokens=512, cache_dir=node_cache,
                 extra_args=[*settings, "--heartbeat-interval-s", "1", "--no-benchmark",
                             "--memory-limit-mb", str(limit_mb)],
-            ).ready(180)  # fmt: skip
+            ).ready(120)  # fmt: skip
             info = node_info(f"127.0.0.1:{node.port}")
             spans.append((info.shard.start, info.shard.end))
             join = status(node)["join"]

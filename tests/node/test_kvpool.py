@@ -96,6 +96,7 @@ def _prefill(engine: ShardEngine, sid: str, toks: np.ndarray, start: int = 0) ->
     return logits
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_sessions_open_without_reserving_and_the_pool_empties(pooled: ShardEngine) -> None:
     sids = [f"open-{i}" for i in range(16)]
     for sid in sids:
@@ -110,6 +111,7 @@ def test_sessions_open_without_reserving_and_the_pool_empties(pooled: ShardEngin
     assert stats.used_blocks == 0 and stats.sessions == 0
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_growth_past_the_pool_is_refused_whole_and_fits_after_a_release(
     pooled: ShardEngine, solo_reference: ReferenceModel
 ) -> None:
@@ -140,6 +142,7 @@ def test_growth_past_the_pool_is_refused_whole_and_fits_after_a_release(
     assert pooled.statistics().kv_pool.used_blocks == 0
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_a_session_asking_past_its_cap_is_refused(pooled: ShardEngine) -> None:
     with pytest.raises(KVBudgetError):
         pooled.open_session("too-big", kv_budget=1025)
@@ -153,6 +156,7 @@ TEXTS = [
 ]
 
 
+@pytest.mark.slow  # loads model weights into llama.cpp
 def test_sessions_keep_their_text_through_a_fragmented_and_compacted_pool(
     unified: ShardEngine, solo_reference: ReferenceModel, vocab
 ) -> None:

@@ -6,10 +6,13 @@ import ctypes
 
 import llama_cpp
 import numpy as np
+import pytest
 
 from node import kvsparse
 from node.llama_runtime import BatchBuffer, ContextSettings, free_model, load_model, new_context
 from node.testmodel import test_model_path
+
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
 
 
 def _logits(ctx: ctypes.c_void_p, batch: BatchBuffer, seq: int, tokens: list[int], n_vocab: int) -> bytes:

@@ -14,6 +14,7 @@ from node.manifest import Manifest, NeedMoreBytes, build_manifest, read_header_b
 from node.shard import extract_shard
 
 
+@pytest.mark.slow  # reads the real model file
 def test_scan_header_agrees_with_gguf_reader(model_path: Path) -> None:
     header = read_header_bytes(model_path)
     layout = scan_header(header)
@@ -68,6 +69,7 @@ def test_manifest_parsing_is_strict(model_path: Path, mutate, message: str) -> N
         Manifest.from_bytes(json.dumps(obj).encode())
 
 
+@pytest.mark.slow  # writes shard files of the real model
 @pytest.mark.parametrize(("start", "end"), [(0, 10), (10, 20), (20, 30)])
 def test_planned_files_are_what_gguf_writer_writes(
     model_path: Path, node_cache: Path, start: int, end: int

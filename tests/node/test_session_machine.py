@@ -652,6 +652,7 @@ def test_errors_on_one_session_leave_others_alone() -> None:
 # --------------------------------------------------------------------------- boundary
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_pure_modules_import_no_io_runtime() -> None:
     code = (
         "import sys; import node.session_machine, node.batching, node.tickets, node.config, common.logs; "

@@ -14,6 +14,8 @@ from node.fingerprint import model_fingerprint, sha256_file, store_manifest
 from node.manifest import Manifest, build_manifest
 from node.shard import extract_shard, extract_vocab, parse_layers, read_model_meta
 
+pytestmark = pytest.mark.slow  # cuts shards out of the real model file (about 100 MB of copies)
+
 
 def _fields(path: Path) -> dict:
     r = GGUFReader(path)

@@ -15,6 +15,7 @@ from proto import codec, errors
 from proto.codec import FrameLimits, SessionHeader
 from proto.swarm.v1 import frame_pb2, status_pb2
 from proto.tensor_codec import encode_tensor
+from tests.node.loopback_client import relay_frame
 
 F32, F16, INT8 = frame_pb2.ENCODING_F32, frame_pb2.ENCODING_F16, frame_pb2.ENCODING_INT8_BLOCK
 PREFILL, DECODE = frame_pb2.PHASE_PREFILL, frame_pb2.PHASE_DECODE
@@ -105,7 +106,7 @@ def test_result_chunks_relay_to_the_next_stage(x: npt.NDArray[np.float32], max_f
     assert reply.kind == "result" and reply.kv_len == 7 + rows and reply.compute_us == 12
     assert reply.tensors[codec.HIDDEN].tobytes() == x.tobytes()
     relayed = [
-        codec.relay_frame(
+        relay_frame(
             r, NEXT, step_id=11, token_ids=range(r.positions.start - 7, r.positions.end - 7), sample=True
         )
         for r in replies

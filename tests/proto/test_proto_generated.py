@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from proto import generate
 
 
+@pytest.mark.slow  # runs the protobuf compiler
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     fresh = generate.generate(out_dir=tmp_path)
     committed = generate.generated_files(generate.REPO_ROOT)
@@ -21,6 +24,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     assert not stale, f"stale generated code, run `python -m proto.generate`: {stale}"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_generated_modules_import_from_repo_root_without_warnings() -> None:
     code = (
         "from proto.swarm.v1 import frame_pb2, status_pb2, shard_service_pb2, shard_service_pb2_grpc\n"
@@ -38,6 +42,7 @@ def test_generated_modules_import_from_repo_root_without_warnings() -> None:
     assert completed.returncode == 0, completed.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_pure_modules_import_no_event_loop_or_grpc() -> None:
     code = (
         "import sys\n"

@@ -13,6 +13,8 @@ import pytest
 
 from sim.procs import parent_death_prefix, wait_until
 
+pytestmark = pytest.mark.slow  # starts supervisor processes
+
 ROOT = Path(__file__).resolve().parents[2]
 # A supervising process: starts `sleep` through the Supervisor (main thread, or a worker thread with
 # "thread"), prints its pid and waits to be killed.

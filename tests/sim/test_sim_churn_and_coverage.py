@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from simcases import churn, small_scenario
 
 from sim.des.simulator import Simulation, run
 
 
+@pytest.mark.slow  # a long simulation
 def test_spare_coverage_restores_success() -> None:
     # 3 nodes of 10 layers tile 30 layers exactly once: every leave opens a gap.
     no_spare = run(churn(3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from simcases import small_scenario
 
@@ -15,6 +16,7 @@ from sim.des.simulator import run
 LAN = str(Path(__file__).resolve().parents[2] / "sim" / "scenarios" / "lan_small.toml")
 
 
+@pytest.mark.slow  # a whole simulation and its plots
 def test_run_writes_json_and_plots(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["run", LAN, "--duration-s", "40", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
@@ -34,6 +36,7 @@ def compare(out: Path, policy_b: str, *extra: str) -> tuple[str, dict]:
     return res.output, json.loads((out / "compare.json").read_text())
 
 
+@pytest.mark.slow  # two whole simulations and their plots
 def test_compare_writes_both_sides(tmp_path: Path) -> None:
     _, data = compare(tmp_path, "nearest-routing")
     assert set(data["key_figures"]) == {"ours", "nearest-routing"}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from simcases import churn, small_scenario
 
 from sim.des.simulator import run
@@ -28,6 +29,7 @@ def test_different_seed_different_json() -> None:
     assert _deterministic_part(run(churn(9, seed=1))) != _deterministic_part(run(churn(9, seed=2)))
 
 
+@pytest.mark.slow  # runs the simulator in processes
 def test_deterministic_across_processes_and_hash_seeds(tmp_path: Path) -> None:
     outs = []
     for hash_seed in ("1", "2"):

@@ -8,6 +8,7 @@ import json
 import random
 import statistics
 
+import pytest
 from simcases import small_scenario
 
 from sim.des.coords import SimCoordinates, gateway_key
@@ -104,6 +105,7 @@ def test_push_beats_relay_on_a_wide_area_swarm() -> None:
     assert push["metrics"]["per_token_latency_ms"]["p50"] < relay["metrics"]["per_token_latency_ms"]["p50"]
 
 
+@pytest.mark.slow  # a long simulation
 def test_coordinates_make_routes_regional_and_tokens_faster() -> None:
     """World-wide volunteers, gateways in Europe and US-East, direct push: the tracker's routing
     with the coordinates the simulation measured gives a lower median time per token than the

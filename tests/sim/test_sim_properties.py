@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simcases import small_scenario
@@ -72,6 +73,7 @@ def test_any_swarm_conserves_requests(
             assert all(a.end == b.start for a, b in zip(s.route, s.route[1:], strict=False))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_simulator_imports_no_service_runtime() -> None:
     """The simulator is a functional core: no event loop, RPC, database or engine."""
     # sim.cli also registers other tools' commands; check the simulator's own modules only.

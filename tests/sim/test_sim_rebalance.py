@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from sim.des.config import Burst, load_scenario
 from sim.des.simulator import run
 
@@ -32,6 +34,7 @@ def _min_cover(result: dict, model: str, t_s: float) -> int:  # type: ignore[typ
     return min(ts["coverage_by_model"][model][i])
 
 
+@pytest.mark.slow  # a long simulation
 def test_nodes_follow_the_demand_without_losing_requests() -> None:
     on = small(20.0)
     off = small(0.0)

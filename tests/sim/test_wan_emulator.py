@@ -31,7 +31,10 @@ from sim.wan.profile import ProfileError, parse_profile
 from sim.wan.support import check_support, unavailable_reason
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
+pytestmark = [
+    pytest.mark.slow,  # network namespaces, ip/tc/iptables commands and the delayer process
+    pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 EARLY_MS = 0.1  # per hop: the delayer's early-release allowance (50 us) with margin

@@ -113,7 +113,7 @@ def _chat(client: openai.OpenAI, model: str, on_chunk=None) -> str:  # type: ign
 def test_direct_push_across_the_wan_gives_the_whole_models_text_and_nothing_passes_the_gateway(
     swarm: LocalSwarm, want: str
 ) -> None:
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-wan", max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-wan", max_retries=0, timeout=120)
     before = _gateway_metric(swarm, "swarm_gateway_hidden_relays_total")
     full = client.chat.completions.create(
         model=swarm.model_name,
@@ -130,7 +130,7 @@ def test_direct_push_across_the_wan_gives_the_whole_models_text_and_nothing_pass
 def test_a_stage_killed_mid_stream_is_replaced_and_the_text_is_unchanged(
     swarm: LocalSwarm, want: str
 ) -> None:
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-wan", max_retries=0, timeout=180)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-wan", max_retries=0, timeout=120)
     before = _gateway_metric(swarm, "swarm_gateway_recoveries_total", kind="span", outcome="ok")
     killed: list[Service] = []
 

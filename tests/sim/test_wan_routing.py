@@ -126,7 +126,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
                     "1",
                 ],
             )
-            node.wait_port(300)
+            node.wait_port(120)
             health = wan.call(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", 300)
             s.nodes[name] = node
             s.node_ids[name] = health.json()["node_id"]
@@ -137,7 +137,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
         s.gateway_id = public_key_hex(load_key_file(workdir / "gateway" / "gateway.key"))
         # Every node is challenged before it is routable (one prefill dialled from the tracker in eu:
         # the asia pair takes longest). Blind routing must see all six.
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 120
         while (states := {n["node_id"]: n["state"] for n in s.get("/v1/swarm")["nodes"]}) and any(
             states.get(i) != "live" for i in s.node_ids.values()
         ):

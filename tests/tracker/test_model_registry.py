@@ -109,7 +109,6 @@ async def test_register_look_up_and_join_placement(env: Env) -> None:
         "/v1/announce", signed(k, "announce", announce_for(k, 0, 10, model=spec).to_json(), env.clock())
     )
     assert status == 200
-    env.registry._snapshot_stale = True
     status, entry = await env.get("/v1/registry/models/smollm2-135m")
     assert entry["peers"] == [
         {"node_id": public_key_hex(k), "address": "127.0.0.1:9000", "start": 0, "end": 10}

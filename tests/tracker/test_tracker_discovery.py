@@ -14,6 +14,8 @@ import trio
 
 from tracker.discovery import advertise, discover_tracker_async
 
+pytestmark = pytest.mark.slow  # zeroconf: ifaddr runs ldconfig to find libc
+
 
 @pytest.mark.parametrize("loop", ["trio", "trio-asyncio"])
 async def test_advertise_then_discover(loop: str) -> None:

@@ -102,6 +102,7 @@ async def test_announce_heartbeat_routes_expiry_over_http(tmp_path: Path, db_url
             shutdown.set()
 
 
+@pytest.mark.slow  # runs swarm-tracker serve
 def test_cli_serve_port_zero_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_TRACKER_")}

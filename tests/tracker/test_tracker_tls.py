@@ -114,6 +114,7 @@ async def test_replicas_with_their_own_certificates_fail_over_on_a_wrong_pin(tmp
             assert _pin_error(info.value).pins == (other,)
 
 
+@pytest.mark.slow  # runs the swarm-tracker CLI
 def test_tls_fingerprint_command(tmp_path: Path) -> None:
     """`swarm-tracker tls-fingerprint` prints the pin of the certificate the tracker serves."""
     data = tmp_path / "data"
