@@ -1,8 +1,8 @@
 """Challenge results keep the runtime recipe's fingerprint (what the stages of one route must share)
 beside the check fingerprint, so routing can chain only shards of one recipe.
 
-Revision ID: 0007_route_recipe
-Revises: 0006_node_tls
+Revision ID: 0008_route_recipe
+Revises: 0007_kv_pool
 Create Date: 2026-12-04
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007_route_recipe"
-down_revision = "0006_node_tls"
+revision = "0008_route_recipe"
+down_revision = "0007_kv_pool"
 branch_labels = None
 depends_on = None
 
