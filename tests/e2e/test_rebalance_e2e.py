@@ -27,6 +27,7 @@ client against the gateway, with no retries.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -79,8 +80,8 @@ def advice_events(node: Service) -> list[dict]:
 
 class Clients:
     """Two client threads (official openai client, no retries): one asks for the model with the
-    demand as fast as answers come (6 tokens), the other for the other model (32 tokens) a
-    second after each answer."""
+    demand as fast as answers come (6 tokens), the other for the other model (120 tokens)
+    0.2 s after each answer."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
@@ -89,6 +90,7 @@ class Clients:
         self.done: dict[str, int] = {SMOL: 0, GEMMA: 0}
         self.failures: list[str] = []
         self.lock = threading.Lock()
+        self.counter = itertools.count()
         self.threads = [
             threading.Thread(target=self._run, args=(True,), daemon=True),
             threading.Thread(target=self._run, args=(False,), daemon=True),
@@ -101,8 +103,10 @@ class Clients:
             try:
                 # The other model's answers are longer, so a node that moves away from it is likely to
                 # hold one of its sessions when it drains (handed back: the gateway replays it).
-                n = 6 if hot else 32
-                r = client.completions.create(model=model, prompt="The sea is", max_tokens=n, temperature=0)
+                n = 6 if hot else 120
+                # A new prompt each time: a kept prefix would draw every request to one node.
+                prompt = f"Note {next(self.counter)}: the sea is"
+                r = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0)
                 assert r.choices[0].text, "empty answer"
                 with self.lock:
                     self.done[model] += 1
@@ -110,7 +114,7 @@ class Clients:
                 with self.lock:
                     self.failures.append(f"{model}: {err!r}"[:300])
             if not hot:
-                self.stop.wait(1.0)
+                self.stop.wait(0.2)
 
     def __enter__(self) -> Clients:
         for t in self.threads:
