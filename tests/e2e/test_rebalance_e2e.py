@@ -16,15 +16,18 @@ client against the gateway, with no retries.
 
 1. Demand on SmolLM2 (and a trickle on Gemma 3): nobody moves -- ``g1`` is Gemma's only
    holder, and SmolLM2 is where the demand is.
-2. Demand shifts to Gemma 3 (SmolLM2 keeps a trickle): ``s2`` is told to move, twice in a
-   row (its confirmations), drains, fetches Gemma 3's tensors from the registry's sources
-   and rejoins as Gemma 3 [0, 18) on the same ports; requests of both models go on.
+2. Demand shifts to Gemma 3 (SmolLM2 keeps a trickle of longer answers): ``s2`` is told to
+   move, twice in a row (its confirmations), drains (1 s for its sessions to finish; what is
+   still open is handed back and the gateway replays it on ``s1``), fetches Gemma 3's
+   tensors from the registry's sources and rejoins as Gemma 3 [0, 18) on the same ports;
+   requests of both models go on.
 3. After the move it serves Gemma 3 requests; ``g1`` stayed (no thrash: the tracker's
    advice to everyone after the move is "stay"); not one request failed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -56,7 +59,7 @@ NODE_TOML = """
 [node]
 rebalance_cooldown_s = 4.0
 rebalance_confirmations = 2
-rebalance_drain_s = 20.0
+rebalance_drain_s = 1.0
 """
 
 
@@ -77,7 +80,8 @@ def advice_events(node: Service) -> list[dict]:
 
 class Clients:
     """Two client threads (official openai client, no retries): one asks for the model with the
-    demand as fast as answers come, the other asks for the other model every few seconds."""
+    demand as fast as answers come (6 tokens), the other for the other model (120 tokens)
+    0.2 s after each answer."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
@@ -86,6 +90,7 @@ class Clients:
         self.done: dict[str, int] = {SMOL: 0, GEMMA: 0}
         self.failures: list[str] = []
         self.lock = threading.Lock()
+        self.counter = itertools.count()
         self.threads = [
             threading.Thread(target=self._run, args=(True,), daemon=True),
             threading.Thread(target=self._run, args=(False,), daemon=True),
@@ -96,7 +101,12 @@ class Clients:
         while not self.stop.is_set():
             model = self.hot if hot else (GEMMA if self.hot == SMOL else SMOL)
             try:
-                r = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0)
+                # The other model's answers are longer, so a node that moves away from it is likely to
+                # hold one of its sessions when it drains (handed back: the gateway replays it).
+                n = 6 if hot else 120
+                # A new prompt each time: a kept prefix would draw every request to one node.
+                prompt = f"Note {next(self.counter)}: the sea is"
+                r = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0)
                 assert r.choices[0].text, "empty answer"
                 with self.lock:
                     self.done[model] += 1
@@ -104,7 +114,7 @@ class Clients:
                 with self.lock:
                     self.failures.append(f"{model}: {err!r}"[:300])
             if not hot:
-                self.stop.wait(3.0)
+                self.stop.wait(0.2)
 
     def __enter__(self) -> Clients:
         for t in self.threads:
