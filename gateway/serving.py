@@ -64,6 +64,7 @@ from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
+    ContextLengthExceeded,
     GatewayError,
     InternalFailure,
     InvalidRequest,
@@ -272,12 +273,16 @@ class _WaitForKv(Exception):
         self.error = error
 
 
-class _TooLongHere(Exception):
-    """The prompt (plus max_tokens) passes one route's context ``limit``; internal: the service tries
-    the other routes and answers :class:`PromptTooLong` (413) when none holds it."""
+class _TooLongHere(ContextLengthExceeded):
+    """The prompt (plus max_tokens) passes one route's context ``limit``: the service tries the other
+    routes and answers :class:`PromptTooLong` (413) when none holds it. A ContextLengthExceeded, so
+    whoever asks :meth:`GatewayService._prepare` whether a prompt fits one route reads it as such."""
 
     def __init__(self, limit: int, prompt: int, wanted: int, where: str, max_tokens: int | None) -> None:
-        super().__init__(f"{wanted} positions past a route's context of {limit}")
+        super().__init__(
+            f"This model's context limit on this route is {limit} tokens, but {wanted} were requested",
+            param=where,
+        )
         self.limit, self.prompt, self.wanted = limit, prompt, wanted
         self.where, self.max_tokens = where, max_tokens
 

@@ -82,6 +82,9 @@ def swarm(
             *("--client-stall-s", str(STALL_S), "--client-send-buffer-bytes", "16384"),
             *("--max-sessions", "16", "--route-ttl-s", "2"),
             *("--check-fraction", "0", "--probation-checks", "0", "--kv-keep-s", "0"),
+            # With every slot taken the nodes announce no free KV: a request waits for KV at most 1 s,
+            # then 503 kv_exhausted (the refusal the non-reader test expects, not a wait for them).
+            *("--kv-wait-s", "1"),
         ],
         node_args=["--no-benchmark"],
     )
