@@ -62,12 +62,13 @@ FAST_TIER_RULE = (
 )
 
 
-class ChildProcessInFastTier(RuntimeError):
-    """Raised by the spawning functions while a test outside the ``slow`` tier runs."""
+class NotInFastTier(RuntimeError):
+    """Raised by the functions that start processes or load weights while a test outside the ``slow``
+    tier runs."""
 
 
 _fast_item: list[pytest.Item] = []  # the fast-tier test now running (at most one)
-_spawned: dict[str, list[str]] = {}  # nodeid -> what it tried to start
+_refused: dict[str, list[str]] = {}  # nodeid -> what it tried to do
 
 
 def _refuse(what: str, wrapped: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,8 +76,8 @@ def _refuse(what: str, wrapped: Callable[..., Any]) -> Callable[..., Any]:
     def guard(*args: Any, **kwargs: Any) -> Any:
         if _fast_item:
             detail = f"{what}{_describe(args)}"
-            _spawned.setdefault(_fast_item[0].nodeid, []).append(detail)
-            raise ChildProcessInFastTier(f"{detail}: {FAST_TIER_RULE}")
+            _refused.setdefault(_fast_item[0].nodeid, []).append(detail)
+            raise NotInFastTier(f"{detail}: {FAST_TIER_RULE}")
         return wrapped(*args, **kwargs)
 
     return guard
@@ -102,7 +103,7 @@ def _install_spawn_guards() -> None:
         setattr(os, name, _refuse(f"os.{name}", getattr(os, name)))
     # Every model load (common.llama, llama_cpp.Llama) goes through this one function.
     load = llama_cpp.llama_model_load_from_file
-    refused = _refuse("llama_model_load_from_file", load)
+    refused = _refuse("loading model weights:", load)
 
     @functools.wraps(load)
     def load_model(path: bytes, params: Any) -> Any:
@@ -129,11 +130,11 @@ def _checked_phase(item: pytest.Item) -> Generator[None, Any, Any]:
     try:
         result = yield
     except BaseException:
-        _spawned.pop(item.nodeid, None)  # the phase failed already (with the guard's error, if it was that)
+        _refused.pop(item.nodeid, None)  # the phase failed already (with the guard's error, if it was that)
         raise
-    tried = _spawned.pop(item.nodeid, None)
+    tried = _refused.pop(item.nodeid, None)
     if tried:  # refused, but the test caught the error: it fails all the same
-        pytest.fail(f"started a child process ({'; '.join(tried)}): {FAST_TIER_RULE}", pytrace=False)
+        pytest.fail(f"{'; '.join(tried)}: {FAST_TIER_RULE}", pytrace=False)
     return result
 
 

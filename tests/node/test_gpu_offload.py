@@ -22,9 +22,13 @@ from tests.node.test_architectures import Route
 from tests.node.tiny_models import SPECS, build
 
 DEVICES = offload_devices()
-pytestmark = pytest.mark.skipif(
-    not DEVICES, reason="this llama.cpp build has no GPU to offload to (a CPU build): see README, CMAKE_ARGS"
-)
+pytestmark = [
+    pytest.mark.slow,  # loads model weights onto a GPU
+    pytest.mark.skipif(
+        not DEVICES,
+        reason="this llama.cpp build has no GPU to offload to (a CPU build): see README, CMAKE_ARGS",
+    ),
+]
 CPU = EngineConfig(n_threads_count=1, max_sessions=2, session_kv_tokens=256, n_batch_tokens=64)
 N_NEW = 12
 

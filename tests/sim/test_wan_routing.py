@@ -127,7 +127,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
                 ],
             )
             node.wait_port(120)
-            health = wan.call(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", 300)
+            health = wan.call(name, wait_http, node, f"http://127.0.0.1:{node.admin_port}/healthz", 120)
             s.nodes[name] = node
             s.node_ids[name] = health.json()["node_id"]
         gateway.wait_port(120)
