@@ -95,14 +95,15 @@ def shared_round(
 def conversation_round(
     swarm: str, model: str, system: str, tag: str, turns: int, max_tokens: int
 ) -> dict[str, Any]:
-    c = client(swarm, f"conv-{tag}")
+    name = "".join(ch for ch in tag if ch.isalnum())  # conversation ids: letters, digits and . _ : -
+    c = client(swarm, f"conv-{name}")
     history: list[dict[str, Any]] = [{"role": "system", "content": tag + system}]
     per_turn = []
     for i in range(turns):
         new = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         if i == 0:
             new = [history[0], *new]
-        t, text = ttft(c, model, new, {"conversation_id": f"bench-{tag}"}, max_tokens)
+        t, text = ttft(c, model, new, {"conversation_id": f"bench-{name}"}, max_tokens)
         per_turn.append(t)
         history += [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         history.append({"role": "assistant", "content": text})

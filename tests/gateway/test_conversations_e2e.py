@@ -96,7 +96,7 @@ def test_turns_send_only_new_messages_and_equal_the_whole_history(swarm: Swarm) 
 def long_conversation(swarm: Swarm, base: str, api_key: str, policy: str) -> int:
     """Three long turns on a 1,024-position context, each checked against a plain request given what the
     model saw; the first turn that was compacted."""
-    client = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)
     filler = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]}." for i in range(45))
     history = [ChatMessage("system", SYSTEM)]
     compactions_before = counter(base, "swarm_gateway_conversation_compactions_total")
