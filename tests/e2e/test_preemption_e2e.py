@@ -68,9 +68,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
                 extra_args=["--no-benchmark"],
                 env=env,
             )
-            node.wait_port(300)
+            node.wait_port(120)
             nodes.append(node)
-        wait_until(lambda: len(live_nodes(tracker_url)) == 2, 300, "both nodes announced")
+        wait_until(lambda: len(live_nodes(tracker_url)) == 2, 120, "both nodes announced")
         gateway = sup.start_gateway(
             tracker_url=tracker_url,
             tracker_id=str(tracker.extra["tracker_id"]),
@@ -97,7 +97,7 @@ def _resumed(base: str) -> float:
 
 
 def test_preempted_requests_resume_with_exactly_the_undisturbed_text(swarm: dict) -> None:
-    client = openai.OpenAI(base_url=swarm["base"] + "/v1", api_key="sk-e2e", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=swarm["base"] + "/v1", api_key="sk-e2e", max_retries=0, timeout=120)
     greedy: dict[str, Any] = dict(
         model=swarm["model"],
         messages=[{"role": "user", "content": QUESTION}],
@@ -178,7 +178,7 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_text_stays_exact(
         60,
         "heartbeats announcing the pools",
     )
-    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
 
     def ask(prompt: str) -> str:
         reply = client.completions.create(

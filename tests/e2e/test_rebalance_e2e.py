@@ -124,7 +124,7 @@ class Clients:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(timeout=150)
+            t.join(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def _register(tracker: Service, path: Path, name: str, url: str) -> str:
     add = subprocess.run(
         [*console_script("swarm-tracker"), "model", "add", str(path), "--name", name, "--source", url,
          "--tracker", tracker.url, "--data-dir", str(tracker.data_dir)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert add.returncode == 0, add.stderr + add.stdout
     return str(httpx.get(f"{tracker.url}/v1/registry/models/{name}", timeout=10).json()["fingerprint"])
@@ -176,7 +176,7 @@ def test_demand_shift_moves_a_node_and_loses_no_request(
             extra_args=[*common, *moving, "--rebalance-models", SMOL],
         )  # fmt: skip
         for node in (s1, s2, g1):
-            node.ready(240)
+            node.ready(120)
         ids = {svc.name: status(svc)["node_id"] for svc in (s1, s2, g1)}
         wait_until(lambda: len(swarm_models(tracker.url)) == 3, 120, "three live nodes")
         gateway = sup.start_gateway(

@@ -37,6 +37,8 @@ from proto.signing import public_key_hex
 from sim.procs import Supervisor
 from tracker.client import TrackerClient
 
+pytestmark = pytest.mark.slow  # real tracker and gateway processes
+
 FINGERPRINT = "fc" * 32
 MODEL = ModelSpec(
     fingerprint=FINGERPRINT, name="fake-preempt-model", architecture="llama", n_layers=30, n_embd=576
