@@ -40,6 +40,7 @@ from common.logs import event
 from common.metrics import CONTENT_TYPE
 from gateway import client_apis, ollama_api, openai_http, protocol
 from gateway.api_keys import Principal
+from gateway.conversation_turns import ConversationTurns
 from gateway.errors import (
     GatewayError,
     InternalFailure,
@@ -51,7 +52,7 @@ from gateway.errors import (
 )
 from gateway.openai_http import Streamed, json_response, public_error, streamed_response
 from gateway.protocol import GenerationRequest
-from gateway.serving import GatewayService, Job
+from gateway.serving import GatewayService, Job, Reply
 
 log = logging.getLogger("swarm.gateway")
 DRAIN_FACTOR = 4
@@ -246,7 +247,13 @@ def create_app(service: GatewayService) -> QuartTrio:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         who = await principal()  # 401 before the body is even parsed
-        return await _generate(protocol.parse_chat_request(await read_json()), who)
+        req = protocol.parse_chat_request(await read_json())
+        if req.conversation_id is None and request.headers.get("X-Conversation-Id"):
+            cid = protocol.conversation_id(request.headers["X-Conversation-Id"])
+            req = dataclasses.replace(req, conversation_id=cid)
+        if req.conversation_id is not None:
+            return await conversations.respond(req, who, client_key(), start, where())
+        return await _generate(req, who)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -256,16 +263,24 @@ def create_app(service: GatewayService) -> QuartTrio:
             return await client_apis.completion_batch(ctx, batch, who)
         return await _generate(batch[0], who)
 
-    async def start(req: GenerationRequest, who: Principal, client: str | None = None) -> Job:
+    async def start(
+        req: GenerationRequest,
+        who: Principal,
+        client: str | None = None,
+        *,
+        kv_key: str = "",
+        reply: Reply | None = None,
+    ) -> Job:
         """Admit and start one generation for ``who`` (the same for every client API); ``client``
-        given: outside the request's context (a later prompt of a streamed batch)."""
+        given: outside the request's context (a later prompt of a streamed batch); ``kv_key`` and
+        ``reply``: a conversation's turn (gateway.conversation_turns)."""
         if req.ignored:
             event(log, "fields_ignored", level=logging.DEBUG, fields=list(req.ignored))
         access.cap(who, req.max_tokens)  # 400 above the principal's cap
         if req.max_tokens is None and who.limits.max_tokens:
             # No max_tokens: up to what the prompt leaves on the route, and at most the cap.
             req = dataclasses.replace(req, max_tokens_cap=who.limits.max_tokens)
-        job = await service.start_job(req, client or client_key(), who)
+        job = await service.start_job(req, client or client_key(), who, kv_key=kv_key, reply=reply)
         if client is None:
             request.job = job  # type: ignore[attr-defined]
         return job
@@ -283,6 +298,7 @@ def create_app(service: GatewayService) -> QuartTrio:
             job.cancel()
             job.events.close()
 
+    conversations = ConversationTurns(service)
     ctx = client_apis.Context(service, read_json, principal, start, where, client_key)
     client_apis.register(app, ctx)
     return app

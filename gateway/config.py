@@ -233,7 +233,31 @@ class GatewayConfig:
     responses_store_max_chars: int = _f(
         64_000_000, "the kept responses' conversations together, in JSON characters (least recent go first)"
     )
+    conversation_ttl_s: float = _f(
+        3600.0,
+        "a conversation (conversation_id) idle this long is forgotten; its next turn must resend the history",
+    )
+    conversations_per_key: int = _f(
+        64,
+        "conversations one client (API key, else address) keeps; a new one evicts its least recently used",
+    )
+    conversations_max: int = _f(10_000, "conversations this gateway keeps in all")
+    conversation_max_chars: int = _f(
+        4_000_000, "characters of messages one conversation's history may hold (then conversation_full)"
+    )
+    conversation_compaction: str = _f(
+        "drop_oldest",
+        "when a conversation outgrows the context: drop_oldest (leave out the oldest exchanges after the "
+        "system messages) or summary (the model summarizes them first; costs one extra generation)",
+    )
+    conversation_summary_tokens: int = _f(256, "most tokens of a compaction summary (policy summary)")
     prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
+    prefix_share_min_tokens: int = _f(
+        256,
+        "a request may start from another client's kept KV when their prompts agree on at least this many "
+        "tokens (a chat app's system prompt); the nodes copy it. Another client can tell from timing that "
+        "such a prefix was sent recently; 0 = never share across clients",
+    )
     prefix_exact: bool = _f(
         False,
         "reuse only kept positions computed in whole prefill steps, so a warm request's output is "
@@ -373,6 +397,21 @@ class GatewayConfig:
             raise ConfigError(
                 "responses_store_max, responses_store_ttl_s and responses_store_max_chars must be >= 0"
             )
+        if self.conversation_ttl_s <= 0 or self.conversations_per_key < 1 or self.conversations_max < 1:
+            raise ConfigError(
+                "conversation_ttl_s must be > 0, conversations_per_key and conversations_max >= 1"
+            )
+        if self.conversation_max_chars < 1 or not 16 <= self.conversation_summary_tokens <= 4096:
+            raise ConfigError(
+                "conversation_max_chars must be >= 1, conversation_summary_tokens in [16, 4096]"
+            )
+        if self.conversation_compaction not in ("drop_oldest", "summary"):
+            raise ConfigError(
+                "conversation_compaction must be drop_oldest or summary, "
+                f"got {self.conversation_compaction!r}"
+            )
+        if self.prefix_share_min_tokens < 0:
+            raise ConfigError("prefix_share_min_tokens must be >= 0")
         if self.prefix_min_tokens < 1 or self.prefix_route_slack < 0:
             raise ConfigError("prefix_min_tokens must be >= 1 and prefix_route_slack >= 0")
         try:

@@ -44,14 +44,12 @@ client's address).
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.protocol import ChatMessage
+from gateway.protocol import CONVERSATION_ID, ChatMessage
 
-CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 POLICIES = ("drop_oldest", "summary")
 SUMMARY_PREFIX = "Summary of the earlier part of this conversation: "
 

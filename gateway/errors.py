@@ -10,6 +10,7 @@ Exception tree::
     ├── NotFound                     404 invalid_request_error   unknown path
     ├── MethodNotAllowed             405 invalid_request_error
     ├── ClientStalled                408 invalid_request_error   stream reader idle for client_stall_s
+    ├── ConversationConflict         409 invalid_request_error   conversation_full / conversation_gone
     ├── PayloadTooLarge              413 invalid_request_error   request body over max_request_bytes
     ├── RateLimited                  429 rate_limit_error        per-client or per-key quota
     ├── Overloaded                   503 server_error            no slot or queue room, or the wait timed out
@@ -100,6 +101,13 @@ class ClientStalled(GatewayError):
         super().__init__(
             f"The stream was stopped: the client read nothing for {stall_s:g} s and its session was ended."
         )
+
+
+class ConversationConflict(GatewayError):
+    """A conversation turn nothing can recover: the history is gone, or it cannot fit even compacted."""
+
+    status = 409
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(GatewayError):

@@ -90,6 +90,18 @@ SPECS: dict[str, m.Spec] = {
     "swarm_gateway_prefix_reused_tokens_total": m.counter(
         "prompt positions taken from KV kept on the route instead of prefilled"
     ),
+    "swarm_gateway_conversation_turns_total": m.counter(
+        "conversation turns answered (requests naming a conversation_id)"
+    ),
+    "swarm_gateway_conversation_compactions_total": m.counter(
+        "conversation turns that had to leave more of the history out to fit the context"
+    ),
+    "swarm_gateway_conversation_summaries_total": m.counter(
+        "summaries the model wrote of left-out history (conversation_compaction = summary)"
+    ),
+    "swarm_gateway_conversation_refusals_total": m.counter(
+        "conversation turns refused, by reason (conversation_full, conversation_gone)", "reason"
+    ),
     "swarm_gateway_hidden_relays_total": m.counter(
         "hidden-state frames this gateway relayed from one stage to the next"
     ),
@@ -124,6 +136,7 @@ SPECS: dict[str, m.Spec] = {
         "sessions running now on each cached route", "route", max_series=MAX_ROUTE_LABELS + 1
     ),
     "swarm_gateway_routes_cached": m.gauge("data-parallel routes in the route cache, by model", "model"),
+    "swarm_gateway_conversations_live": m.gauge("conversations this gateway keeps now (conversation_id)"),
 }
 
 

@@ -163,9 +163,12 @@ class Batch:
     failed: bool = False
 
 
-async def sse(job: Job, where: Where | None = None, batch: Batch | None = None) -> AsyncIterator[bytes]:
+async def sse(
+    job: Job, where: Where | None = None, batch: Batch | None = None, extra: dict[str, Any] | None = None
+) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's streaming format, ending with ``data: [DONE]`` (with ``batch``:
-    only after the last prompt, or after a failure, which ends the batch)."""
+    only after the last prompt, or after a failure, which ends the batch). ``extra``: fields added to
+    each choice's first chunk (a conversation's state)."""
     req = job.request
     base = (batch.request_id if batch else job.request_id, job.created, req.model, job.system_fingerprint)
     usage_kw: dict[str, Any] = {"include_usage": req.include_usage}
@@ -183,9 +186,8 @@ async def sse(job: Job, where: Where | None = None, batch: Batch | None = None) 
     try:
         if chat:
             for i in range(req.n):
-                yield indexed(
-                    protocol.chat_chunk(*base, delta={"role": "assistant", "content": ""}, **usage_kw), i
-                )
+                first = protocol.chat_chunk(*base, delta={"role": "assistant", "content": ""}, **usage_kw)
+                yield indexed({**first, **(extra or {})}, i)
         async for item in job.events:
             if isinstance(item, Delta):
                 lp = item.logprobs if req.logprobs else None

@@ -8,10 +8,17 @@ tokens. A new request looks up the entry of the same client and model whose
 tokens share the longest prefix with its prompt; the request then opens on that
 route with ``KvSource(session id, positions)`` and prefills only the rest.
 
-Isolation: an entry is found only by the client key it was stored under (a hash
+Isolation: an entry is found by the client key it was stored under (a hash
 of the API key, else the client's address) and only for a prompt whose first
-``positions`` tokens are exactly the entry's: no client can reach another's KV,
-and the session ids nodes know them by are 128-bit secrets of this gateway.
+``positions`` tokens are exactly the entry's; the session ids nodes know them by
+are 128-bit secrets of this gateway. Shared prefixes: with ``share_min_tokens``
+> 0, a request may also start from another client's entry when their prompts
+agree on at least that many positions (the same long system prompt and tools of
+one chat app): the nodes then *copy* those positions (``KvSource.copy``) and the
+entry stays its owner's. Nothing of the other client's beyond the shared tokens
+is reachable (a copy is cut at the agreeing positions); what a client can learn
+is timing: that some client sent the same first ``share_min_tokens`` or more
+tokens recently (docs/gateway.md says so; 0 turns sharing off).
 
 Exactness: llama.cpp's low-order bits depend on how a prompt is cut into
 batches, so with ``exact`` (the default) a request reuses only positions that
@@ -50,6 +57,7 @@ class Kept:
 class Hit:
     entry: Kept
     positions: int  # prompt positions the route can reuse
+    shared: bool = False  # another client's entry: copied, and left in the index
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,8 +77,10 @@ class PrefixCache:
         max_per_node: int = 8,
         min_tokens: int = 16,
         exact: bool = True,
+        share_min_tokens: int = 0,
     ) -> None:
         self.exact = exact
+        self.share_min_tokens = share_min_tokens
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.max_per_node = max_per_node
@@ -78,6 +88,7 @@ class PrefixCache:
         self._entries: OrderedDict[str, Kept] = OrderedDict()  # by session id, oldest first
         self.hits = 0
         self.misses = 0
+        self.shared_hits = 0
         self.reused_tokens = 0
 
     def __len__(self) -> int:
@@ -124,21 +135,27 @@ class PrefixCache:
             if entry.expires_at <= now:
                 del self._entries[sid]
                 continue
-            if entry.client != client or entry.model != model:
+            shared = entry.client != client
+            if entry.model != model or (shared and not self.share_min_tokens):
                 continue
             n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
             if self.exact:
                 n = (min(n, entry.exact) // entry.step) * entry.step
-            if n >= self.min_tokens and (best is None or n > best.positions):
-                best = Hit(entry, n)
+            least = max(self.min_tokens, self.share_min_tokens) if shared else self.min_tokens
+            # The longest; on a tie the client's own entry (taken over, not copied).
+            if n >= least and (best is None or n > best.positions or (n == best.positions and not shared)):
+                best = Hit(entry, n, shared)
         return best
 
     def take(self, hit: Hit | None) -> None:
-        """The hit is being used (or was found useless): it leaves the index."""
+        """The hit is being used (or was found useless): it leaves the index, unless it is another
+        client's shared prefix (copied: its owner still holds it)."""
         if hit is None:
             self.misses += 1
             return
-        self._entries.pop(hit.entry.session_id, None)
+        if not hit.shared:
+            self._entries.pop(hit.entry.session_id, None)
+        self.shared_hits += hit.shared
         self.hits += 1
         self.reused_tokens += hit.positions
 

@@ -9,8 +9,8 @@ logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``cache_prompt``, ``speculation`` (true/false: speculative
-decoding for this request, overriding the gateway's default) and llama.cpp's
-``grammar`` (GBNF or Lark) and ``json_schema``.
+decoding for this request, overriding the gateway's default), llama.cpp's ``grammar`` (GBNF or
+Lark) and ``json_schema``, and (chat) ``conversation_id`` (:mod:`gateway.conversations`).
 
 Fields this module does not know are ignored (their names are returned in
 :attr:`GenerationRequest.ignored` for a debug log), like vLLM, llama.cpp and
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,7 @@ class GenerationRequest:
     tool_name: str = ""  # tool_choice "function": the function's name
     parallel_tool_calls: bool = True
     cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
+    conversation_id: str | None = None  # extension (chat): the gateway keeps the history (conversations)
     speculation: bool | None = None  # extension: speculative decoding on/off; None: the gateway decides
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
 
@@ -475,6 +477,18 @@ _EXTENSIONS = (
     "grammar",
     "json_schema",
 )
+CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def conversation_id(value: Any) -> str | None:
+    """A conversation id from a body field or header (None: none given); 400 if malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not CONVERSATION_ID.fullmatch(value):
+        raise _bad(
+            "'conversation_id' must be 1-128 letters, digits and . _ : -", "conversation_id", "invalid_value"
+        )
+    return value
 
 
 def _seed(value: int | None) -> int | None:
@@ -584,6 +598,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             "top_p",
             "top_logprobs",
             *_EXTENSIONS,
+            "conversation_id",
         }
     )
     ignored = _check_fields(body, known)
@@ -612,6 +627,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         tool_choice=choice,
         tool_name=tool_name,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        conversation_id=conversation_id(body.get("conversation_id")),
         ignored=ignored,
         **{**common, "seed": _seed(common["seed"])},
     )

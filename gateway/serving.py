@@ -51,6 +51,7 @@ from gateway.api_keys import AuthPolicy, Principal
 from gateway.checked import CheckedSession
 from gateway.checks import CheckPolicy, Divergence, Verdict, divergence_stage, evidence
 from gateway.config import GatewayConfig
+from gateway.conversations import ConversationLimits, ConversationStore
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
     ContextLengthExceeded,
@@ -101,6 +102,7 @@ OPEN_ATTEMPTS = 3
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
 MAX_UNREACHABLE_REPORTED = 64  # node ids waiting for the next statistics report (proto.announce)
 MAX_RECOVERIES = 2
+FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,27 @@ Event = Delta | ChoiceEnd | Finished | Failed
 
 
 @dataclass
+class Reply:
+    """Choice 0's answer as it went to the client (a conversation keeps it as its next message)."""
+
+    parts: list[str] = field(default_factory=list)
+    tool_calls: tuple[ToolCall, ...] = ()
+    finished: bool = False  # Finished went out (not Failed, not cut)
+
+    def take(self, item: Event) -> None:
+        if isinstance(item, Delta) and item.index == 0:
+            self.parts.append(item.text)
+        elif isinstance(item, ChoiceEnd) and item.index == 0:
+            self.tool_calls = item.tool_calls
+        elif isinstance(item, Finished):
+            self.finished = True
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@dataclass
 class Job:
     request: GenerationRequest
     client: str
@@ -158,6 +181,8 @@ class Job:
     principal: Principal | None = None  # who it is for quotas (None: not counted, e.g. in-process tests)
     stall_s: float = 30.0  # a stream whose reader takes nothing for this long loses its session
     stalled: bool = False  # that happened
+    kv_key: str = ""  # whose kept KV the request may reuse and leaves behind ("": the client's)
+    reply: Reply | None = None  # given: choice 0's answer is recorded as it goes out
 
     def cancel(self) -> None:
         """The client is gone: stop the job (a no-op once its final event went out: the Route
@@ -286,6 +311,15 @@ class GatewayService:
             ttl_s=max(0.0, config.kv_keep_s - 1.0),
             min_tokens=config.prefix_min_tokens,
             exact=config.prefix_exact,
+            share_min_tokens=config.prefix_share_min_tokens,
+        )
+        self.conversations = ConversationStore(
+            ConversationLimits(
+                max_per_owner=config.conversations_per_key,
+                max_total=config.conversations_max,
+                idle_ttl_s=config.conversation_ttl_s,
+                max_chars=config.conversation_max_chars,
+            )
         )
         self._aliases = config.aliases()
         self._models: list[dict[str, Any]] = []
@@ -347,6 +381,7 @@ class GatewayService:
             "swarm_gateway_requests_queued": {(): float(stats.queued)},
             "swarm_gateway_route_inflight_sessions": inflight,
             "swarm_gateway_routes_cached": cached,
+            "swarm_gateway_conversations_live": {(): float(len(self.conversations))},
         }
 
     # ------------------------------------------------------------------ models
@@ -428,12 +463,20 @@ class GatewayService:
     # ------------------------------------------------------------------ jobs
 
     async def start_job(
-        self, request: GenerationRequest, client: str, principal: Principal | None = None
+        self,
+        request: GenerationRequest,
+        client: str,
+        principal: Principal | None = None,
+        *,
+        kv_key: str = "",
+        reply: Reply | None = None,
     ) -> Job:
         """Admit and open the request's Route Session; raises GatewayError if it cannot start.
 
         ``principal`` (from :class:`gateway.access.Access`) is held to its quotas: 429 at its
-        limit of sessions or tokens per minute; the tokens the request used count when it ends."""
+        limit of sessions or tokens per minute; the tokens the request used count when it ends.
+        ``kv_key``: whose kept KV the request reuses (a conversation's), else the client's;
+        ``reply``: records choice 0's answer as it goes out."""
         if self._nursery is None:
             raise Overloaded("the gateway is shutting down", retry_after_s=5)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
@@ -453,6 +496,8 @@ class GatewayService:
             grammar=grammar,
             principal=principal,
             stall_s=self.config.client_stall_s,
+            kv_key=kv_key,
+            reply=reply,
         )
         try:
             await self._nursery.start(self._run_job, job, send)
@@ -460,6 +505,19 @@ class GatewayService:
             receive.close()
             raise
         return job
+
+    async def prompt_fits(self, request: GenerationRequest) -> bool:
+        """Whether the request's prompt plus max_tokens fits a route of its model now: the prompt is
+        rendered and tokenized as for a request, nothing is opened (a conversation's compaction asks
+        this before a turn). No route known: True, and the request itself reports what is wrong."""
+        routes = (await self.routes.routes(await self.resolve_model(request.model))).routes
+        for route in routes[:FIT_PROBES]:
+            try:
+                await self._prepare(request, route)
+                return True
+            except ContextLengthExceeded:
+                continue
+        return not routes
 
     async def _prepare(self, request: GenerationRequest, route: Route) -> _Prepared:
         infos: dict[int, StageInfo] = {}
@@ -545,7 +603,9 @@ class GatewayService:
         route, prepared = await self._kv_fit(request, route, prepared, candidates)
         if not self._warm(request):
             return route, prepared, None
-        hit = self.prefix.lookup(job.client, route.model_fingerprint, prepared.prompt, trio.current_time())
+        hit = self.prefix.lookup(
+            job.kv_key or job.client, route.model_fingerprint, prepared.prompt, trio.current_time()
+        )
         if hit is None:
             self.prefix.take(None)
             return route, prepared, None
@@ -719,6 +779,7 @@ class GatewayService:
                         isolated=self.config.isolates(checked, prepared.vocab.architecture),
                         session_id=session_id,
                         kv_source=kv_source,
+                        kv_copy=hit is not None and hit.shared,
                         keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
                     ) as session,
                     AsyncExitStack() as stack,
@@ -758,7 +819,7 @@ class GatewayService:
                         if warm and session.finished and session.recoveries == 0:
                             m = session.machine
                             self.prefix.put(
-                                job.client,
+                                job.kv_key or job.client,
                                 route.model_fingerprint,
                                 [h.node_id for h in route.hops],
                                 session_id,
@@ -822,6 +883,7 @@ class GatewayService:
         stages: Sequence[StageInfo] | None = None,
         session_id: str | None = None,
         kv_source: tuple[str, int] | None = None,
+        kv_copy: bool = False,
         keep_ms: int = 0,
         encodings: Sequence[frame_pb2.Encoding] | None = None,
     ) -> AbstractAsyncContextManager[RouteSession]:
@@ -851,6 +913,7 @@ class GatewayService:
             report_steps=report_steps,
             isolated=isolated,
             kv_source=kv_source,
+            kv_copy=kv_copy,
             keep_ms=keep_ms,
             prove_open=self._prove_open,
             on_timing=self._on_timing,
@@ -1511,6 +1574,8 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
     """
     if isinstance(item, Finished | Failed):  # the access log reads them when the response is built
         job.prompt_tokens, job.completion_tokens = item.prompt_tokens, item.completion_tokens
+    if job.reply is not None:
+        job.reply.take(item)
     try:
         try:
             send.send_nowait(item)

@@ -146,6 +146,7 @@ class RouteConfig:
     # earlier request (warm conversations) or the live session of choice 0 (n > 1). Nodes that cannot
     # honour it start empty; a route whose stages disagree is re-opened empty.
     kv_source: tuple[str, int] | None = None
+    kv_copy: bool = False  # copy a kept source, leaving it kept (a prefix shared across clients)
     keep_ms: int = 0  # RELEASE asks every stage to keep the KV (its committed prefix) this long
     report_steps: bool = False  # emit every stage's step report (spot checks compare them)
     # Every stage computes this session's steps in batches of their own (OpenSession.isolated): the
@@ -613,6 +614,7 @@ class RouteMachine:
                 history_bytes=0 if last else self.config.history_bytes,
                 kv_source=source,
                 isolated=self.config.isolated,
+                kv_copy=self.config.kv_copy,
                 max_drafts=self.config.max_drafts if last and n > 1 else 0,
             )
             if source is not None:  # the frame's expected_kv_len stays 0: the session is new

@@ -611,7 +611,7 @@ class FrameServer:
         if not move:
             # Kept sessions are given up first (oldest first) when a new session needs their slot.
             over = len(self._sessions) + len(self._kept) - (self.spec.max_sessions - 1) - len(victims)
-            others = [k for k in self._kept if k != sid]
+            others = [k for k in self._kept if k not in (sid, source)]  # never the source being copied
             if over > len(others):
                 raise ResourceExhaustedError(
                     f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
@@ -643,7 +643,8 @@ class FrameServer:
                     sess.history = kept.history
                     self._histories[sid] = None
             else:
-                sess.history_tokens = self._sessions[source].history_tokens[:positions]
+                origin = self._sessions.get(source) or self._kept[source]
+                sess.history_tokens = origin.history_tokens[:positions]
             self._reused += positions
         self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)
@@ -674,7 +675,11 @@ class FrameServer:
             return "", 0, False
         kept = self._kept.get(source)
         if kept is not None:
-            return (source, positions, True) if kept.kv_len >= positions else ("", 0, False)
+            # A kept source is taken over, or (KvSource.copy: a prefix another request shares) copied
+            # and left kept for its owner.
+            return (
+                (source, positions, not body.kv_source.copy) if kept.kv_len >= positions else ("", 0, False)
+            )
         live = self._sessions.get(source)
         if live is not None and live.kv_len >= positions:
             return source, positions, False

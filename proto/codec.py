@@ -526,6 +526,7 @@ def open_frame(
     history_bytes: int = 0,
     kv_source: tuple[str, int] | None = None,
     isolated: bool = False,
+    kv_copy: bool = False,
     max_drafts: int = 0,
 ) -> frame_pb2.Frame:
     """OPEN; ``keep_kv_len`` is the KV prefix to keep when re-attaching (0 for a new session).
@@ -533,7 +534,8 @@ def open_frame(
     ``isolated`` asks the node to compute the session's steps in batches of their own (batch
     isolation, docs/protocol.md).
 
-    ``kv_source`` (session id, positions) starts a new session from another session's KV.
+    ``kv_source`` (session id, positions) starts a new session from another session's KV; ``kv_copy``
+    copies a kept source instead of taking it over (a prefix shared with another client's request).
 
     ``max_drafts`` > 0 (the last stage of a ring) turns speculative decoding on: the stage drafts up
     to that many tokens per decode window (docs/protocol.md, Speculation).
@@ -558,6 +560,7 @@ def open_frame(
     if kv_source is not None:
         frame.open.kv_source.session_id = kv_source[0]
         frame.open.kv_source.positions = kv_source[1]
+        frame.open.kv_source.copy = kv_copy
     frame.open.isolated = isolated
     if max_drafts:
         frame.open.speculation.max_drafts = max_drafts

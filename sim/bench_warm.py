@@ -46,7 +46,9 @@ TURNS = ("What is rain?", "And snow?", "And hail?")
 SENTENCE = "You are a patient teacher who answers every question briefly and clearly. "
 
 
-def start_swarm(model: Path, workdir: Path, n_layers: int, split: int) -> tuple[Supervisor, str, str, str]:
+def start_swarm(
+    model: Path, workdir: Path, n_layers: int, split: int, session_kv_tokens: int = 2048
+) -> tuple[Supervisor, str, str, str]:
     sup = Supervisor(workdir)
     tracker = sup.start_tracker().ready(60)
     turl = f"http://127.0.0.1:{tracker.port}"
@@ -57,7 +59,7 @@ def start_swarm(model: Path, workdir: Path, n_layers: int, split: int) -> tuple[
             layers=layers,
             tracker_url=turl,
             max_sessions=8,
-            session_kv_tokens=2048,
+            session_kv_tokens=session_kv_tokens,
             cache_dir=workdir / "cache",
             admin=False,
             extra_args=["--batch-tokens", "256", "--no-benchmark"],

@@ -59,7 +59,7 @@ def two_stage_swarm(
                     max_sessions=max_sessions,
                     session_kv_tokens=SESSION_KV,
                     cache_dir=cache,
-                    admin=False,
+                    admin=True,  # /metrics: tests read what each stage computed
                     extra_args=["--batch-tokens", str(BATCH), "--no-benchmark"],
                 )
             )

@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai_swarm import Swarm
 from pydantic import BaseModel
-from swarm_fixtures import metric_lines
+from swarm_fixtures import metric_lines, url
 
 from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
@@ -358,21 +358,49 @@ def test_warm_turns_reuse_the_kept_kv_and_give_the_cold_text(swarm: Swarm) -> No
     assert reused >= 2 * 256, reused  # turns 2 and 3 each reused whole prefill steps of the system prompt
     cold = chat_turns(swarm.client(api_key="conversation-b"), swarm, cache=False)
     assert warm == cold
-    # Another client never reuses what conversation a kept.
-    before = reused_tokens(swarm)
-    swarm.client(api_key="conversation-c").chat.completions.create(
-        model=swarm.model,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is rain?"}],
-        max_tokens=2,
-    )
-    assert reused_tokens(swarm) == before
+
+
+def prefill_positions(swarm: Swarm) -> list[float]:
+    """Positions each node has prefilled so far (swarm_node_tokens_processed_total{phase="prefill"})."""
+    out = []
+    for node in swarm.nodes:
+        lines = metric_lines(f"http://127.0.0.1:{node.admin_port}", "swarm_node_tokens_processed_total")
+        out.append(sum(float(x.split()[-1]) for x in lines if 'phase="prefill"' in x))
+    return out
+
+
+def test_another_client_copies_a_shared_system_prompt_and_prefills_only_its_own_part(swarm: Swarm) -> None:
+    """Two API keys, one long system prompt: the second request starts from a copy of the first one's
+    kept KV on every stage (whole prefill steps of the shared prefix: this gateway runs --prefix-exact),
+    and both texts equal a cold request's."""
+    system = "You are the assistant of a weather app; answer in one sentence. " * 30
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Is it raining?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "Will it snow?"}]
+
+    def ask(key: str, messages: list[dict], cache: bool = True) -> tuple[str, int]:
+        r = swarm.client(api_key=key).chat.completions.create(
+            model=swarm.model,
+            messages=messages,
+            temperature=0,
+            max_tokens=8,
+            extra_body={"cache_prompt": cache},
+        )
+        return r.choices[0].message.content or "", r.usage.prompt_tokens if r.usage else 0
+
+    text_a, _ = ask("weather-app-user-1", first)
+    before_reused, before_prefill = reused_tokens(swarm), prefill_positions(swarm)
+    text_b, prompt_b = ask("weather-app-user-2", second)
+    shared = reused_tokens(swarm) - before_reused
+    assert shared >= 256 and shared % 256 == 0, shared  # whole steps of the system prompt
+    computed = [after - b for after, b in zip(prefill_positions(swarm), before_prefill, strict=True)]
+    assert all(c == prompt_b - shared for c in computed), (computed, prompt_b, shared)
+    assert text_a == ask("weather-cold", first, cache=False)[0]
+    assert text_b == ask("weather-cold", second, cache=False)[0]
 
 
 def test_default_gateway_reuses_every_matching_position(swarm: Swarm) -> None:
     """A gateway with the defaults (``prefix_exact`` off, like llama.cpp's cache_prompt): the second turn
     prefills only what is new."""
-    from swarm_fixtures import url
-
     gateway = swarm.supervisor.start_gateway(tracker_url=url(swarm.tracker), name="gw-default").ready(60)
     base = url(gateway)
     client = openai.OpenAI(base_url=base + "/v1", api_key="default-gateway", max_retries=0, timeout=300)

@@ -26,6 +26,27 @@ def test_longest_prefix_of_the_same_client_and_model_only() -> None:
     assert hit is not None and hit.positions == 299
 
 
+def test_a_long_shared_prefix_of_another_client_is_copied_and_stays_its_owners() -> None:
+    cache = PrefixCache(ttl_s=30, min_tokens=16, exact=False, share_min_tokens=256)
+    cache.put("alice", "m", NODES, "s-alice", TOKENS[:400], now=0)
+    hit = cache.lookup("bob", "m", [*TOKENS[:300], 9, 9], now=1)
+    assert hit is not None and hit.shared and hit.positions == 300
+    cache.take(hit)
+    assert cache.shared_hits == 1
+    # Still there for its owner, who takes it over (not a copy).
+    own = cache.lookup("alice", "m", [*TOKENS[:400], 1], now=2)
+    assert own is not None and not own.shared and own.positions == 400
+    # Under share_min_tokens another client gets nothing; sharing off: never.
+    assert cache.lookup("bob", "m", [*TOKENS[:200], 9], now=1) is None
+    off = PrefixCache(ttl_s=30, min_tokens=16, exact=False)
+    off.put("alice", "m", NODES, "s", TOKENS[:400], now=0)
+    assert off.lookup("bob", "m", TOKENS[:400], now=1) is None
+    # A tie goes to the client's own entry.
+    cache.put("bob", "m", NODES, "s-bob", TOKENS[:400], now=0)
+    tie = cache.lookup("bob", "m", [*TOKENS[:400], 1], now=2)
+    assert tie is not None and tie.entry.session_id == "s-bob" and not tie.shared
+
+
 def test_exact_mode_reuses_whole_prefill_steps_only() -> None:
     cache = PrefixCache(ttl_s=30, min_tokens=16, exact=True)
     cache.put("a", "m", NODES, "s", TOKENS[:590], now=0, exact=512, step=256)

@@ -10,7 +10,9 @@ from tests.node.test_session_machine import Harness, status_of
 S = status_pb2
 
 
-def open_from(h: Harness, sid: str, source: str, positions: int, budget: int = 32, step_id: int = 1) -> list:
+def open_from(
+    h: Harness, sid: str, source: str, positions: int, budget: int = 32, step_id: int = 1, copy: bool = False
+) -> list:
     return h.feed(
         codec.open_frame(
             h.header(sid),
@@ -18,6 +20,7 @@ def open_from(h: Harness, sid: str, source: str, positions: int, budget: int = 3
             route_ticket=b"good",
             kv_budget_tokens=budget,
             kv_source=(source, positions),
+            kv_copy=copy,
         )
     )
 
@@ -54,6 +57,22 @@ def test_released_session_is_kept_and_taken_over_by_a_prefix_open() -> None:
     assert h.m.statistics().kept_sessions == 0
     # Steps continue from the reused prefix.
     assert h.run_step("s2", 8, 6, 3).kv_len == 9
+
+
+def test_a_kept_prefix_shared_with_another_client_is_copied_and_stays_kept() -> None:
+    h = Harness(max_sessions=3)
+    prefilled(h, "owner", 10)
+    release(h, "owner", 99, keep_ms=5000, keep_positions=10)
+    actions = open_from(h, "other", "owner", 8, copy=True)
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    assert (opened.source, opened.source_positions, opened.move) == ("owner", 8, False)
+    assert ack_kv(actions) == 8 and h.m.kv_len("other") == 8
+    assert h.m.statistics().kept_sessions == 1  # still the owner's
+    # Slots run out: other kept sessions may go, never the source being copied; the owner takes it over.
+    actions = open_from(h, "owner2", "owner", 10)
+    (opened,) = [a for a in actions if isinstance(a, OpenKv)]
+    assert opened.move and ack_kv(actions) == 10
+    assert h.m.statistics().kept_sessions == 0
 
 
 def test_a_live_session_is_copied_for_another_choice() -> None:

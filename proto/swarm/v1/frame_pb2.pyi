@@ -150,12 +150,14 @@ class TokenBias(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., bias: _Optional[float] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("session_id", "positions")
+    __slots__ = ("session_id", "positions", "copy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     positions: int
-    def __init__(self, session_id: _Optional[str] = ..., positions: _Optional[int] = ...) -> None: ...
+    copy: bool
+    def __init__(self, session_id: _Optional[str] = ..., positions: _Optional[int] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class PushTarget(_message.Message):
     __slots__ = ("node_id", "address", "hop_token", "shard", "recipe_fingerprint", "tls_fingerprint")
