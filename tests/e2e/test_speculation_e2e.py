@@ -79,7 +79,7 @@ def swarm(
 
 @pytest.fixture(scope="module")
 def client(swarm: LocalSwarm) -> openai.OpenAI:
-    return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=120)
 
 
 def chat(  # type: ignore[no-untyped-def]
