@@ -12,7 +12,8 @@ is laid out in one of three ways (docs/engine.md, "The KV pool"):
     as fast as it. Needs Linux, the KV in host memory (no GPU offload), one KV
     buffer (no sliding-window cache beside the full one), a KV geometry we can
     compute, and room for the virtual size (``RLIMIT_AS``, the kernel's
-    overcommit policy).
+    overcommit policy): where the address space is short the streams are
+    shortened to fit, as long as they stay longer than resident ones.
 ``resident`` (the fallback)
     The same per-sequence streams, all resident: the pool divided evenly, so
     a session may grow to ``pool_tokens / max_sessions`` positions at most.
@@ -88,14 +89,28 @@ def sparse_obstacle(facts: LayoutFacts) -> str | None:
         return "the KV geometry of this model is not known (per-layer KV heads?)"
     if facts.strict_overcommit:
         return "vm.overcommit_memory = 2 commits the whole virtual buffer"
-    cells = _pad(_session_cells(facts))
-    virtual = facts.max_sessions * cells * facts.bytes_per_position
-    if facts.virtual_room_bytes is not None and virtual > facts.virtual_room_bytes * VIRTUAL_SHARE:
+    if _fitting_cells(facts) <= _resident_cells(facts):
+        virtual = facts.max_sessions * _pad(_session_cells(facts)) * facts.bytes_per_position
         return (
-            f"the virtual KV buffer ({virtual / 2**20:.0f} MiB for {facts.max_sessions} streams of {cells} "
-            f"cells) does not fit the address space left ({facts.virtual_room_bytes / 2**20:.0f} MiB)"
+            f"the virtual KV buffer ({virtual / 2**20:.0f} MiB for {facts.max_sessions} streams) does not "
+            f"fit the address space left ({(facts.virtual_room_bytes or 0) / 2**20:.0f} MiB), not even with "
+            "streams shortened to the length of resident ones"
         )
     return None
+
+
+def _resident_cells(facts: LayoutFacts) -> int:
+    return max(PAD, facts.pool_tokens // facts.max_sessions // PAD * PAD)
+
+
+def _fitting_cells(facts: LayoutFacts) -> int:
+    """Cells of a sparse stream: as long as a session may grow, shortened (to a multiple of 256) until
+    ``max_sessions`` of them fit the address space left."""
+    cells = _pad(_session_cells(facts))
+    if facts.virtual_room_bytes is None or facts.bytes_per_position <= 0:
+        return cells
+    fit = int(facts.virtual_room_bytes * VIRTUAL_SHARE) // (facts.max_sessions * facts.bytes_per_position)
+    return min(cells, fit // PAD * PAD)
 
 
 def _session_cells(facts: LayoutFacts) -> int:
@@ -123,14 +138,17 @@ def choose_layout(requested: str, facts: LayoutFacts) -> LayoutChoice:
     if requested in ("auto", "sparse"):
         obstacle = sparse_obstacle(facts)
         if obstacle is None:
-            limit = _session_cells(facts)
+            cells = _fitting_cells(facts)
+            limit = min(_session_cells(facts), cells)
             reason = "asked for" if requested == "sparse" else "sparse streams apply here"
-            return LayoutChoice("sparse", facts.max_sessions, _pad(limit), limit, reason)
+            if limit < _session_cells(facts):
+                reason += f"; streams shortened to {cells} cells to fit the address space left"
+            return LayoutChoice("sparse", facts.max_sessions, cells, limit, reason)
         if requested == "sparse":
             raise LayoutError(f"kv_pool_layout = sparse cannot be used here: {obstacle}")
         reason = f"fallback: {obstacle}"
     else:
         reason = "asked for (kv_pool_layout = resident)"
-    cells = max(PAD, facts.pool_tokens // facts.max_sessions // PAD * PAD)
+    cells = _resident_cells(facts)
     limit = min(_session_cells(facts), cells)
     return LayoutChoice("resident", facts.max_sessions, cells, limit, reason)

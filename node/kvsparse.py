@@ -15,7 +15,8 @@ V tensor, each ``[row, kv_size, n_stream]`` contiguous, so stream ``s`` of a
 tensor is one slice of ``kv_size * row`` bytes. Ranges are page-aligned inward
 (a page shared by two streams stays resident: at most two pages per tensor and
 stream). The buffer is found as the new anonymous mapping of the expected size
-in ``/proc/self/maps`` across context creation; if none matches (another build,
+in ``/proc/self/maps`` across context creation (a range that was not mapped before, also
+where the kernel merged it with an adjacent older mapping); if none matches (another build,
 an SWA model with two caches, GPU offload), :func:`create_sparse` returns None for the
 buffer (nothing is dropped) and the caller falls back.
 """
@@ -97,6 +98,28 @@ def _matches(length: int, want: int) -> bool:
     return want <= length <= want + 2 * PAGE
 
 
+def new_ranges(before: dict[int, int], now: dict[int, int]) -> list[tuple[int, int]]:
+    """Address ranges mapped in ``now`` that were not mapped in ``before`` (start, length).
+
+    The kernel merges a new anonymous mapping with an adjacent one of the same flags, so a new buffer
+    may show up as part of a longer mapping that existed before: the old part is subtracted."""
+    old = sorted((lo, lo + n) for lo, n in before.items())
+    out = []
+    for lo, n in now.items():
+        if before.get(lo) == n:
+            continue  # unchanged
+        hi, cur = lo + n, lo
+        for blo, bhi in old:
+            if bhi <= cur or blo >= hi:
+                continue
+            if blo > cur:
+                out.append((cur, blo - cur))
+            cur = max(cur, bhi)
+        if cur < hi:
+            out.append((cur, hi - cur))
+    return out
+
+
 def madvise(addr: int, length: int, advice: int) -> None:
     if length <= 0:
         return
@@ -152,9 +175,10 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
     def dropper() -> None:
         while not done.is_set():
             if not found:
-                for lo, n in anon_mappings().items():
-                    if _matches(n, want) and before.get(lo) != n:
+                for lo, n in new_ranges(before, anon_mappings()):
+                    if _matches(n, want):
                         found.append((lo, n))
+                        # Other flags than its neighbours': the kernel no longer merges it with them.
                         madvise(lo, n, MADV_NOHUGEPAGE)
                         break
             if found:
@@ -170,7 +194,9 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
     finally:
         done.set()
         thread.join()
-    new = [(lo, n) for lo, n in anon_mappings().items() if _matches(n, want) and before.get(lo) != n]
+    new = [(lo, n) for lo, n in new_ranges(before, anon_mappings()) if _matches(n, want)]
+    if found and found[0] in new:
+        new = found[:1]  # seen alone as it was mapped (a later allocation cannot have merged with it)
     if len(new) != 1:
         return result, None
     buf = SparseKvBuffer(new[0][0], new[0][1], geometry)

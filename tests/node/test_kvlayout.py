@@ -35,7 +35,7 @@ def test_sparse_streams_as_long_as_the_model_allows_where_they_apply() -> None:
         ({"bytes_per_position": 0}, "geometry"),
         ({"linux": False}, "Linux"),
         ({"strict_overcommit": True}, "overcommit"),
-        ({"virtual_room_bytes": 4 << 30}, "address space"),
+        ({"virtual_room_bytes": 64 << 20}, "address space"),
     ],
 )
 def test_where_sparse_streams_cannot_apply_the_fallback_is_resident_and_says_why(
@@ -52,9 +52,13 @@ def test_where_sparse_streams_cannot_apply_the_fallback_is_resident_and_says_why
         choose_layout("sparse", facts)
 
 
-def test_enough_address_space_keeps_sparse_streams() -> None:
+def test_enough_address_space_keeps_sparse_streams_and_too_little_shortens_them() -> None:
     roomy = dataclasses.replace(FACTS, virtual_room_bytes=64 << 30)  # 5.6 GiB virtual fits
-    assert choose_layout("auto", roomy).layout == "sparse"
+    assert choose_layout("auto", roomy).stream_cells == 8192
+    # 4 GiB of address space: 80 % of it holds 32 streams of 4,608 cells (still more than 512 resident).
+    short = choose_layout("auto", dataclasses.replace(FACTS, virtual_room_bytes=4 << 30))
+    assert short.layout == "sparse" and short.stream_cells == short.session_limit == 4608
+    assert "shortened to 4608" in short.reason
 
 
 def test_explicit_layouts_and_nonsense() -> None:

@@ -181,20 +181,24 @@ with ShardEngine(files, config, Path(sys.argv[2])) as engine:
 """
 
 
-def test_without_address_space_for_sparse_streams_the_pool_runs_resident_and_says_so(
+def test_short_of_address_space_the_streams_are_shortened_and_the_engine_says_so(
     model_path: Path, node_cache: Path
 ) -> None:
+    """Under RLIMIT_AS (2 GiB more than the process maps) 32 streams of 8,192 positions (5.6 GiB) do not
+    fit: the streams are shortened to what does (node.kvlayout), still longer than the 256 positions
+    resident streams would give each session; with even less room the layout is resident (tested
+    purely in tests/node/test_kvlayout.py)."""
     run = subprocess.run(
         [sys.executable, "-c", FALLBACK, str(model_path), str(node_cache)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a few seconds alone; minutes on a loaded machine
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     layout, reason, limit = json.loads(run.stdout.strip().splitlines()[-1])
-    assert layout == "resident" and "address space" in reason and reason.startswith("fallback: ")
-    assert limit == 256  # 8,192 positions over 32 resident streams
+    assert layout == "sparse" and "shortened" in reason and "address space" in reason
+    assert 256 < limit < 8192
 
 
 def test_an_explicit_layout_is_honoured(model_path: Path, node_cache: Path) -> None:

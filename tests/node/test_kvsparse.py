@@ -65,3 +65,11 @@ def test_sparse_streams_are_exact_and_release_their_pages() -> None:
                 assert again == ref
     finally:
         free_model(model)
+
+
+def test_a_new_mapping_merged_with_an_older_neighbour_is_still_found() -> None:
+    """The kernel merges adjacent anonymous mappings of the same flags: only the new part counts."""
+    before = {100: 50, 300: 100, 1000: 20}
+    now = {100: 50, 250: 150, 500: 10, 990: 30}  # [250, 300) grew onto [300, 400); [990, 1000) onto 1000
+    assert sorted(kvsparse.new_ranges(before, now)) == [(250, 50), (500, 10), (990, 10)]
+    assert kvsparse.new_ranges(before, before) == []
