@@ -19,6 +19,8 @@ from node.engine import EngineConfig, ShardEngine, Work
 from node.sampling import SamplingParams
 from node.shard import extract_shard
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 PROMPT = "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\nRewrite with type hints:\n"
 N_NEW = 16
 

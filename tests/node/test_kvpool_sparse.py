@@ -26,6 +26,8 @@ from node.llama_runtime import ContextSettings
 from node.reference import ReferenceModel
 from node.shard import extract_shard
 
+pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
+
 # 4 sessions; the pool holds 4,096 positions, the memory of today's 4 x 1,024.
 POOL = EngineConfig(
     n_threads_count=1, max_sessions=4, session_kv_tokens=1 << 30, n_batch_tokens=256, kv_pool_tokens=4096
