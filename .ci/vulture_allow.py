@@ -17,6 +17,7 @@ _.admitted_total, _.rejected_total  # gateway.admission.AdmissionStats
 _.tensors_resumed  # node.fetch.FetchStatistics
 _.frames_pushed, _.link_failures  # node.push.PushStats
 _.queued_controls, _.last_batch_tokens, _.batch_size_counts  # node.scheduler.SchedulerStats
+_.kv_layout_reason  # node.engine.EngineStats
 _.unmatched, _.held_now, _.held_max, _.released_early  # sim.wan.delayer statistics
 _.nonce_cache_entries, _.snapshot_age_s, _.snapshot_shards, _.db_threads_busy  # tracker RegistryStatistics
 
