@@ -213,9 +213,11 @@ def analyse(
     safety: float,
     compute_s: float,
     seed: int = 0,
+    calibration_count: int | None = None,
 ) -> dict[str, Any]:
-    """The figures from the two workers' rows (``sides``: "reference" and "alt")."""
-    half = len(PROMPTS)
+    """The figures from the two workers' rows (``sides``: "reference" and "alt"); the first
+    ``calibration_count`` sequences (default: the calibration prompts) calibrate the margin."""
+    half = len(PROMPTS) if calibration_count is None else calibration_count
 
     def rows(side: str, path: str, i: int) -> tuple[np.ndarray, np.ndarray]:
         return sides[side][f"{path}_ids_{i}"], sides[side][f"{path}_lps_{i}"]
@@ -377,7 +379,16 @@ def main() -> None:
         model = _model(args.model)
         n_vocab = int(job["n_vocab"]) if "n_vocab" in job else _n_vocab(model)
         sides = {"reference": dict(np.load(ref_file)), "alt": dict(np.load(alt_file))}
-        r = analyse(model.name, sides, job["sequences"], n_vocab, args.top, args.safety, 0.0)
+        r = analyse(
+            model.name,
+            sides,
+            job["sequences"],
+            n_vocab,
+            args.top,
+            args.safety,
+            0.0,
+            calibration_count=job.get("calibration_count"),
+        )
     else:
         r = measure(_model(args.model), args.alt, args.new, args.top, args.safety)
     print(
