@@ -9,7 +9,8 @@ other is the same release built with AVX2, FMA and BMI2 off, loaded by a child
 process through ``LLAMA_CPP_LIB_PATH``. For each prompt the reference's greedy
 continuation is evaluated by both builds in one batch (the prefill path a node
 runs); reported: positions whose argmax differs (the cross-recipe tolerance's
-false positives, gateway/checks.py ``agree(exact=False)``), requests with any,
+false positives of the old same-token rule; sim/bench_cross_recipe.py calibrates today's
+``gateway.checks.Tolerance``), requests with any,
 and the largest logit difference. One thread, deterministic.
 """
 

@@ -78,6 +78,16 @@ HELD_OUT_PROMPTS = [
 KEEP = 64  # candidates saved per row (a node reports at most node.sampling.MAX_TOP_LOGPROBS = 20)
 
 
+def _n_vocab(model: Path) -> int:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
+    try:
+        return int(llm.n_vocab())
+    finally:
+        llm.close()
+
+
 def _chat_tokens(llm: Any, prompt: str) -> list[int]:
     """The prompt as the gateway sends it: the model's chat template, one user message."""
     meta = llm.metadata
@@ -97,7 +107,9 @@ def _rows(llm: Any, tokens: list[int], start: int) -> tuple[np.ndarray, np.ndarr
     llm.eval(tokens)
     logits = np.array(llm.scores[start : len(tokens)], dtype=np.float64)
     lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
-    ids = np.argsort(-logits, axis=1, kind="stable")[:, :KEEP]
+    part = np.argpartition(-logits, KEEP - 1, axis=1)[:, :KEEP]  # the KEEP best, unordered
+    order = np.argsort(-np.take_along_axis(logits, part, axis=1), axis=1, kind="stable")
+    ids = np.take_along_axis(part, order, axis=1)
     lps = np.take_along_axis(logits, ids, axis=1) - lse[:, None]
     return ids.astype(np.int64), lps.astype(np.float32)
 
@@ -148,16 +160,15 @@ def _needed_margin(a: Sampled, b: Sampled) -> float:
     return hi
 
 
-def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, seed: int = 0) -> dict[str, Any]:
-    if not (alt_lib / "libllama.so").is_file():
-        raise SystemExit(f"no alt build at {alt_lib}: run scripts/build-alt-llama first")
-    prompts = PROMPTS + HELD_OUT_PROMPTS
+def _sequences(model: Path, n_new: int) -> tuple[list[list[int]], list[int], int]:
+    """Every prompt in the chat template plus the reference's greedy continuation; the row each
+    generated token is chosen at starts at ``starts[i]``; and the vocabulary's size."""
     ref = _llm(model, 512)
     sequences: list[list[int]] = []
     starts: list[int] = []
     n_vocab = ref.n_vocab()
     try:
-        for prompt in prompts:
+        for prompt in PROMPTS + HELD_OUT_PROMPTS:
             prompt_tokens = _chat_tokens(ref, prompt)
             ref.reset()
             continuation: list[int] = []
@@ -169,11 +180,18 @@ def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, see
             starts.append(len(prompt_tokens) - 1)
     finally:
         ref.close()
+    return sequences, starts, n_vocab
+
+
+def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float) -> dict[str, Any]:
+    if not (alt_lib / "libllama.so").is_file():
+        raise SystemExit(f"no alt build at {alt_lib}: run scripts/build-alt-llama first")
+    sequences, starts, n_vocab = _sequences(model, n_new)
     t0 = time.perf_counter()
     sides: dict[str, dict[str, np.ndarray]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"sequences": sequences, "starts": starts}))
+        job.write_text(json.dumps({"sequences": sequences, "starts": starts, "n_vocab": n_vocab}))
         for name, lib in (("reference", None), ("alt", alt_lib)):
             env = dict(os.environ)
             env.pop("LLAMA_CPP_LIB_PATH", None)
@@ -183,8 +201,23 @@ def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, see
             cmd = [sys.executable, "-m", "sim.bench_cross_recipe", "--worker", str(model), str(job), str(out)]
             subprocess.run(cmd, env=env, check=True)
             sides[name] = dict(np.load(out))
-    compute_s = time.perf_counter() - t0
-    half = len(PROMPTS)
+    return analyse(model.name, sides, sequences, n_vocab, top, safety, time.perf_counter() - t0)
+
+
+def analyse(
+    model_name: str,
+    sides: dict[str, dict[str, np.ndarray]],
+    sequences: list[list[int]],
+    n_vocab: int,
+    top: int,
+    safety: float,
+    compute_s: float,
+    seed: int = 0,
+    calibration_count: int | None = None,
+) -> dict[str, Any]:
+    """The figures from the two workers' rows (``sides``: "reference" and "alt"); the first
+    ``calibration_count`` sequences (default: the calibration prompts) calibrate the margin."""
+    half = len(PROMPTS) if calibration_count is None else calibration_count
 
     def rows(side: str, path: str, i: int) -> tuple[np.ndarray, np.ndarray]:
         return sides[side][f"{path}_ids_{i}"], sides[side][f"{path}_lps_{i}"]
@@ -301,12 +334,12 @@ def measure(model: Path, alt_lib: Path, n_new: int, top: int, safety: float, see
         "check fingerprint see it",
     }
     return {
-        "model": model.name,
+        "model": model_name,
         "reference_build": bytes(sides["reference"]["system_info"]).decode(errors="replace").strip(),
         "alt_build": bytes(sides["alt"]["system_info"]).decode(errors="replace").strip(),
         "prompts": len(sequences),
         "calibration_prompts": half,
-        "new_tokens": n_new,
+        "tokens_per_sequence_max": max((len(s) for s in sequences), default=0),
         "top_logprobs_reported": top,
         "largest_honest_margin_needed_on_calibration_half": calibration,
         "safety_factor": safety,
@@ -332,8 +365,32 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=CHECK_TOP_LOGPROBS)
     parser.add_argument("--safety", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--reuse",
+        nargs=3,
+        type=Path,
+        metavar=("JOB", "REF", "ALT"),
+        help="analyse earlier workers' outputs (job.json, reference.npz, alt.npz) instead of running them",
+    )
     args = parser.parse_args()
-    r = measure(_model(args.model), args.alt, args.new, args.top, args.safety)
+    if args.reuse:
+        job_file, ref_file, alt_file = args.reuse
+        job = json.loads(job_file.read_text())
+        model = _model(args.model)
+        n_vocab = int(job["n_vocab"]) if "n_vocab" in job else _n_vocab(model)
+        sides = {"reference": dict(np.load(ref_file)), "alt": dict(np.load(alt_file))}
+        r = analyse(
+            model.name,
+            sides,
+            job["sequences"],
+            n_vocab,
+            args.top,
+            args.safety,
+            0.0,
+            calibration_count=job.get("calibration_count"),
+        )
+    else:
+        r = measure(_model(args.model), args.alt, args.new, args.top, args.safety)
     print(
         f"{r['model']}: margin {r['margin_nats']:.3f} nats "
         f"(largest honest need on the calibration half "

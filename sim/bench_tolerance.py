@@ -4,10 +4,11 @@
 
 Two honest nodes on different llama.cpp builds or CPU feature levels run other
 kernels for the same arithmetic and may differ in low-order bits. Across
-recipes the gateway's checks therefore compare only the sampled token (and its
-end-of-generation flag), not digests or logprobs (gateway/checks.py,
-``agree(exact=False)``). Its false-positive rate is how often two honest
-computations pick another greedy token.
+recipes the gateway's checks once compared only the sampled token (and its
+end-of-generation flag); this measures that rule's false-positive rate: how
+often two honest computations pick another greedy token. (The gateway now
+compares with the calibrated ``gateway.checks.Tolerance``; sim/bench_cross_recipe.py
+calibrates it on two real builds.)
 
 This measures it on real outputs with the one second kernel path this machine
 has without a second build: the same token sequence evaluated in one batch of
