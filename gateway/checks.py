@@ -215,12 +215,6 @@ def _parted(a: StepReport, b: StepReport) -> bool:
     return a.sampled is not None and b.sampled is not None and a.sampled.token_id != b.sampled.token_id
 
 
-def same_token_tolerant(a: Sampled | None, b: Sampled | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.token_id == b.token_id and a.end_of_generation == b.end_of_generation
-
-
 @dataclass(frozen=True)
 class Divergence:
     key: Key

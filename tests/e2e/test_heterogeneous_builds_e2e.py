@@ -89,8 +89,8 @@ def mixed_swarm(
                 extra_args=["--no-benchmark"],
                 env={"LLAMA_CPP_LIB_PATH": str(ALT_LIB)},
             )
-            node.wait_port(300)
-            _wait_announced(swarm.tracker_url, node, 300)
+            node.wait_port(120)
+            _wait_announced(swarm.tracker_url, node, 120)
             alt.append(node)
         yield swarm
     finally:
@@ -104,7 +104,7 @@ def test_two_builds_check_each_other_and_nobody_is_accused(mixed_swarm: LocalSwa
     finally:
         ref.close()
     base = f"http://127.0.0.1:{mixed_swarm.gateway.port}"
-    client = openai.OpenAI(base_url=mixed_swarm.base_url, api_key="test", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=mixed_swarm.base_url, api_key="test", max_retries=0, timeout=120)
     same = 0
     for _ in range(ROUNDS):
         for q in QUESTIONS:
