@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import openai
 
 from node.testmodel import test_model_path
 from sim.bench_swarm import start_server
-from sim.bench_warm import start_swarm
+from sim.bench_warm import start_swarm, ttft
 
 SENTENCE = "You are the assistant of a team's code review tool; cite file names and keep answers short. "
 QUESTIONS = (
@@ -51,28 +50,6 @@ QUESTIONS = (
     "What is technical debt?",
     "Why use type hints?",
 )
-
-
-def ttft(
-    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], extra: dict[str, Any], max_tokens: int
-) -> tuple[float, str]:
-    started = time.perf_counter()
-    first = None
-    text = ""
-    stream: Any = client.chat.completions.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        temperature=0,
-        max_tokens=max_tokens,
-        stream=True,
-        extra_body=extra,
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter() - started
-            text += chunk.choices[0].delta.content
-    return (first if first is not None else time.perf_counter() - started), text
 
 
 def client(base: str, key: str) -> openai.OpenAI:

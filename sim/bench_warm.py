@@ -89,25 +89,33 @@ def conversation(
     for question in TURNS:
         messages.append({"role": "user", "content": question})
         extra = {} if cache is None else {"cache_prompt": cache}
-        started = time.perf_counter()
-        first = None
-        text = ""
-        stream: Any = client.chat.completions.create(
-            model=model,
-            messages=messages,  # type: ignore[arg-type]
-            temperature=0,
-            max_tokens=max_tokens,
-            stream=True,
-            extra_body=extra,
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.perf_counter() - started
-                text += chunk.choices[0].delta.content
-        ttfts.append(first if first is not None else time.perf_counter() - started)
+        first, text = ttft(client, model, messages, extra, max_tokens)
+        ttfts.append(first)
         messages.append({"role": "assistant", "content": text})
     return ttfts
+
+
+def ttft(
+    client: openai.OpenAI, model: str, messages: list[dict[str, Any]], extra: dict[str, Any], max_tokens: int
+) -> tuple[float, str]:
+    """One greedy streamed chat request: seconds to its first generated text, and the whole text."""
+    started = time.perf_counter()
+    first = None
+    text = ""
+    stream: Any = client.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body=extra,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - started
+            text += chunk.choices[0].delta.content
+    return (first if first is not None else time.perf_counter() - started), text
 
 
 def main(argv: list[str] | None = None) -> int:
