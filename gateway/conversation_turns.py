@@ -44,7 +44,7 @@ from gateway.serving import GatewayService, Job, Reply
 
 log = logging.getLogger("swarm.gateway")
 
-TURN_WAIT_S = 600.0  # a turn waits at most this long for the one before it
+TURN_WAIT_S = 300.0  # a turn waits at most this long for the one before it (then 429 conversation_busy)
 SUMMARY_INSTRUCTIONS = (
     "Summarize the conversation below for the assistant who continues it: keep names, facts, decisions, "
     "code identifiers and open questions; be brief; write the summary only."
@@ -99,9 +99,15 @@ class ConversationTurns:
 
         handed_off = False
         try:
-            with trio.fail_after(TURN_WAIT_S):
+            with trio.move_on_after(TURN_WAIT_S):
                 await lock.acquire()
-            held = True
+                held = True
+            if not held:
+                raise RateLimited(
+                    f"the previous turn of this conversation is still running after {TURN_WAIT_S:g} s",
+                    code="conversation_busy",
+                    retry_after_s=5,
+                )
             try:
                 turn = self.store.begin(conv, req.messages)
                 dropped, summary, note = await self._fit(req, turn)
