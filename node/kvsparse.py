@@ -16,14 +16,23 @@ tensor is one slice of ``kv_size * row`` bytes. Ranges are page-aligned inward
 (a page shared by two streams stays resident: at most two pages per tensor and
 stream). The buffer is found as the new anonymous mapping of the expected size
 in ``/proc/self/maps`` across context creation (a range that was not mapped before, also
-where the kernel merged it with an adjacent older mapping); if none matches (another build,
-an SWA model with two caches, GPU offload), :func:`create_sparse` returns None for the
-buffer (nothing is dropped) and the caller falls back.
+where the kernel merged it with an adjacent older mapping). Where the kernel merged it with
+another *new* mapping (an allocation made during creation just before or after it, before the
+dropper thread saw it alone: a race a loaded machine loses), the new range is longer than the
+buffer; the buffer is then found inside it by glibc's header of an mmapped chunk (the
+mapping's length with ``IS_MMAPPED`` in the second word of its first page), read through
+``/proc/self/mem`` so that a range unmapped meanwhile is an error, never a crash. If nothing
+matches (another build or C library, an SWA model with two caches, GPU offload),
+:func:`create_sparse` returns None for the buffer (nothing is dropped) and the caller falls
+back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +41,14 @@ PAGE = 4096
 MADV_DONTNEED = 4
 MADV_NOHUGEPAGE = 15
 TENSOR_ALIGN = 32  # ggml's CPU buffer alignment
+IS_MMAPPED = 0x2  # glibc's chunk flag (PREV_INUSE 0x1, NON_MAIN_ARENA 0x4: the size word's other low bits)
+# At most this many pages of a merged range are read looking for the buffer's chunk header.
+SCAN_PAGES = 1 << 16
 # The user pointer of an mmapped malloc chunk, and ggml's own alignment of it, sit within the
 # mapping's first page: the slices' absolute offsets are known to within that page.
 BASE_SLACK = PAGE
 
+log = logging.getLogger("swarm.engine")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
@@ -96,6 +109,58 @@ def anon_mappings() -> dict[int, int]:
 
 def _matches(length: int, want: int) -> bool:
     return want <= length <= want + 2 * PAGE
+
+
+def mmapped_chunk_length(read: Callable[[int, int], bytes], page: int) -> int | None:
+    """The length of the mmapped malloc chunk whose mapping starts at ``page`` (glibc keeps it, with
+    IS_MMAPPED, in the chunk header's size word), or None when ``page`` does not start one."""
+    try:
+        head = read(page + 8, 8)
+    except OSError:
+        return None  # unmapped meanwhile
+    if len(head) != 8:
+        return None
+    (size,) = struct.unpack("<Q", head)
+    length = size & ~0x7
+    return length if size & 0x7 == IS_MMAPPED and length > 0 and length % PAGE == 0 else None
+
+
+def locate(lo: int, length: int, want: int, read: Callable[[int, int], bytes]) -> tuple[int, int] | None:
+    """Where a buffer of ``want`` bytes lies in the new range ``lo..lo+length``: the whole range when
+    its length matches, else the one page (of at most SCAN_PAGES) that starts an mmapped chunk of a
+    matching length lying inside the range; None when there is no such page or several."""
+    if _matches(length, want):
+        return lo, length
+    if length < want:
+        return None
+    hi = lo + length
+    hits = []
+    for page in range(lo, min(hi - want, lo + SCAN_PAGES * PAGE) + 1, PAGE):
+        n = mmapped_chunk_length(read, page)
+        if n is not None and _matches(n, want) and page + n <= hi:
+            hits.append((page, n))
+    return hits[0] if len(hits) == 1 else None
+
+
+class OwnMemory:
+    """Reads this process's memory through ``/proc/self/mem``: OSError, not a crash, where nothing is
+    mapped (a range may be unmapped by another thread between /proc/self/maps and the read)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/self/mem", os.O_RDONLY)
+        except OSError:
+            self._fd = None  # no /proc: only a range of the buffer's own length is recognised
+
+    def read(self, addr: int, n: int) -> bytes:
+        if self._fd is None:
+            raise OSError("/proc/self/mem is not readable")
+        return os.pread(self._fd, n, addr)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def new_ranges(before: dict[int, int], now: dict[int, int]) -> list[tuple[int, int]]:
@@ -169,6 +234,7 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
     Returns what ``create`` returned and the buffer (None: not found, nothing was dropped)."""
     want = geometry.buffer_bytes
     before = anon_mappings()
+    memory = OwnMemory()
     done = threading.Event()
     found: list[tuple[int, int]] = []
 
@@ -176,10 +242,12 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
         while not done.is_set():
             if not found:
                 for lo, n in new_ranges(before, anon_mappings()):
-                    if _matches(n, want):
-                        found.append((lo, n))
-                        # Other flags than its neighbours': the kernel no longer merges it with them.
-                        madvise(lo, n, MADV_NOHUGEPAGE)
+                    hit = locate(lo, n, want, memory.read)
+                    if hit is not None:
+                        found.append(hit)
+                        # Other flags than its neighbours': the kernel splits it off a merged range
+                        # and no longer merges it with later ones.
+                        madvise(hit[0], hit[1], MADV_NOHUGEPAGE)
                         break
             if found:
                 lo, n = found[0]
@@ -194,10 +262,20 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
     finally:
         done.set()
         thread.join()
-    new = [(lo, n) for lo, n in new_ranges(before, anon_mappings()) if _matches(n, want)]
+    try:
+        located = [locate(lo, n, want, memory.read) for lo, n in new_ranges(before, anon_mappings())]
+    finally:
+        memory.close()
+    new = [hit for hit in located if hit is not None]
     if found and found[0] in new:
         new = found[:1]  # seen alone as it was mapped (a later allocation cannot have merged with it)
     if len(new) != 1:
+        log.warning(
+            "sparse kv: %d candidate buffers of %d bytes among the new mappings %s",
+            len(new),
+            want,
+            [(hex(lo), n) for lo, n in new_ranges(before, anon_mappings()) if n >= want // 2],
+        )
         return result, None
     buf = SparseKvBuffer(new[0][0], new[0][1], geometry)
     madvise(buf.start, buf.length, MADV_NOHUGEPAGE)
