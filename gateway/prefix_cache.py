@@ -21,12 +21,15 @@ is timing: that some client sent the same first ``share_min_tokens`` or more
 tokens recently (docs/gateway.md says so; 0 turns sharing off).
 
 Exactness: llama.cpp's low-order bits depend on how a prompt is cut into
-batches, so with ``exact`` (the default) a request reuses only positions that
-the kept session computed in whole prefill steps from position 0, cut at a
-multiple of the step: its prefill then runs in exactly the steps a cold run
-would use, and its output is bit-identical to a cold run's. Without it every
-matching position is reused (as llama.cpp's own ``cache_prompt`` does), which
-is faster and may change low-order bits.
+batches, so with ``exact`` a request reuses only positions that the kept
+session computed in whole prefill steps from position 0, cut at a multiple of
+the step: its prefill then runs in exactly the steps a cold run would use, and
+its output is bit-identical to a cold run's. Without it every matching position
+is reused (as llama.cpp's own ``cache_prompt`` does), which is faster and may
+change low-order bits (rarely a token). The class defaults to ``exact``; the
+gateway passes its ``prefix_exact`` setting, which is off by default (the
+speed of a warm turn is what most chat clients come for; docs/gateway.md,
+"Exactness", has the measured trade-off and says how to turn it on).
 
 An entry is taken (removed) when used: the nodes hand its sequence to the new
 session, which is kept again under its own id when it ends. Entries expire a
