@@ -17,7 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from node.batching import Slice
-from node.session_machine import SampledOut, SamplingSpec
+from node.sampling import SamplingParams
+from node.session_machine import SampledOut
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Backend(Protocol):
         self,
         session_id: str,
         budget: int,
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         source: str = "",
         positions: int = 0,
         move: bool = False,
@@ -63,31 +64,13 @@ class EngineBackend:
         self,
         session_id: str,
         budget: int,
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         source: str = "",
         positions: int = 0,
         move: bool = False,
     ) -> None:
-        from node.sampling import SamplingParams
-
-        params = SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            seed=sampling.seed,
-            repetition_penalty=sampling.repetition_penalty,
-            penalty_last_n=sampling.penalty_last_n,
-            top_logprobs=sampling.top_logprobs,
-            frequency_penalty=sampling.frequency_penalty,
-            presence_penalty=sampling.presence_penalty,
-            logit_bias=sampling.logit_bias,
-            grammar=sampling.grammar,
-            completion_start=sampling.completion_start,
-            choices=sampling.choices,
-        )
         self.engine.open_session(
-            session_id, sampling=params, kv_budget=budget, source=source, positions=positions, move=move
+            session_id, sampling=sampling, kv_budget=budget, source=source, positions=positions, move=move
         )
 
     def truncate(self, session_id: str, position: int) -> None:

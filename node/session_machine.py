@@ -90,6 +90,7 @@ from common.logs import event
 from node.drafting import SessionDrafter, verdict
 from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
+from node.sampling import SamplingParams
 from proto import codec
 from proto.errors import (
     BadFrameError,
@@ -167,33 +168,6 @@ class ServingSpec:
 
 
 @dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling settings of a session (last stage), already range-checked."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
-    repetition_penalty: float = 1.0
-    penalty_last_n: int = 64
-    top_logprobs: int = 0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str = ""
-    completion_start: int = 0
-    choices: int = 1
-
-    @property
-    def needs_history(self) -> bool:
-        """The draw looks at the token history (penalties, grammar)."""
-        return self.repetition_penalty != 1.0 or bool(
-            self.frequency_penalty or self.presence_penalty or self.grammar
-        )
-
-
-@dataclass(frozen=True)
 class StepJob:
     """One step for the engine: ``n`` positions of one session starting at ``start``."""
 
@@ -255,7 +229,7 @@ class Send:
 class OpenKv:
     session_id: str
     budget: int
-    sampling: SamplingSpec
+    sampling: SamplingParams
     source: str = ""  # start from this session's KV (KvSource): its first source_positions positions
     source_positions: int = 0
     move: bool = False  # the source is a kept session: take its sequence over instead of copying
@@ -319,7 +293,7 @@ class _Session:
     conn: int | None
     epoch: int
     budget: int
-    sampling: SamplingSpec
+    sampling: SamplingParams
     out_encoding: frame_pb2.Encoding
     out_block_size: int
     out_max_frame_bytes: int
@@ -837,10 +811,10 @@ class FrameServer:
         sess.last_reply = (reply,)
         return (reply,)
 
-    def _sampling(self, params: frame_pb2.SamplingParams) -> SamplingSpec:
+    def _sampling(self, params: frame_pb2.SamplingParams) -> SamplingParams:
         s = codec.sampling_settings(params)
         if not self.spec.is_last:
-            return SamplingSpec()
+            return SamplingParams()
         if s.temperature > 100:
             raise BadFrameError("sampling: temperature must be <= 100")
         if s.min_p >= 1:
@@ -849,7 +823,7 @@ class FrameServer:
             raise BadFrameError("sampling: seed must be < 2**63")
         if s.repetition_penalty > 10:
             raise BadFrameError("sampling: repetition_penalty must be <= 10")
-        return SamplingSpec(
+        return SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,

@@ -29,8 +29,9 @@ import trio
 
 from node.backend import EngineBackend
 from node.engine import EngineConfig, ShardEngine
+from node.sampling import SamplingParams
 from node.scheduler import Scheduler
-from node.session_machine import Compute, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome
+from node.session_machine import Compute, FreeKv, OpenKv, StepJob, StepOutcome
 from node.shard import extract_shard, read_model_meta
 from node.testmodel import gemma3_model_path, test_model_path
 
@@ -56,7 +57,7 @@ async def _round_trip(
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         for sid in sids:
-            await scheduler.run_control(OpenKv(sid, prompt + decode + 1, SamplingSpec()))
+            await scheduler.run_control(OpenKv(sid, prompt + decode + 1, SamplingParams()))
         for r in range(decode + 1):
             for k, sid in enumerate(sids):
                 start, n = (0, prompt) if r == 0 else (prompt + r - 1, 1)

@@ -31,8 +31,9 @@ from node.batching import Slice
 from node.grpc_server import GrpcSettings, ShardService
 from node.hub import Hub
 from node.push import PushLinks
+from node.sampling import SamplingParams
 from node.scheduler import Scheduler
-from node.session_machine import FrameServer, SampledOut, SamplingSpec, ServingSpec
+from node.session_machine import FrameServer, SampledOut, ServingSpec
 from proto import codec
 from proto.recipe import Recipe
 from proto.signing import public_key_hex
@@ -89,7 +90,7 @@ class ScriptedBackend:
         self,
         session_id: str,
         budget: int,
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         source: str = "",
         positions: int = 0,
         move: bool = False,

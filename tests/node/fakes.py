@@ -6,7 +6,8 @@ import numpy as np
 
 from node.backend import SliceResult
 from node.batching import Slice
-from node.session_machine import SampledOut, SamplingSpec
+from node.sampling import SamplingParams
+from node.session_machine import SampledOut
 
 N_EMBD = 8
 MODEL_FP = "a" * 64
@@ -31,7 +32,7 @@ class FakeBackend:
         self,
         session_id: str,
         budget: int,
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         source: str = "",
         positions: int = 0,
         move: bool = False,

@@ -30,8 +30,9 @@ import trio
 from common.vocab import Vocabulary
 from node.backend import EngineBackend
 from node.engine import EngineConfig, ShardEngine
+from node.sampling import SamplingParams
 from node.scheduler import Scheduler
-from node.session_machine import Compute, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome
+from node.session_machine import Compute, FreeKv, OpenKv, StepJob, StepOutcome
 from node.shard import extract_shard
 from node.testmodel import gemma3_model_path
 from proto.codec import output_digest
@@ -121,7 +122,7 @@ async def _serve(
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         if earlier is not None:
-            assert await scheduler.run_control(OpenKv("earlier", 512, SamplingSpec())) is None
+            assert await scheduler.run_control(OpenKv("earlier", 512, SamplingParams())) is None
         for sid in scripts:  # in this order: the lowest free sequence ids
             if sid == CHECKED and earlier is not None:
                 for start, tokens, is_decode in earlier:
@@ -132,7 +133,7 @@ async def _serve(
                     with trio.fail_after(120):
                         await done.wait()
                 assert await scheduler.run_control(FreeKv("earlier")) is None
-            assert await scheduler.run_control(OpenKv(sid, 512, SamplingSpec())) is None
+            assert await scheduler.run_control(OpenKv(sid, 512, SamplingParams())) is None
         for r in range(len(scripts[CHECKED])):
             checked_job = 0
             for sid, steps in scripts.items():

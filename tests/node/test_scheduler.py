@@ -7,8 +7,9 @@ import pytest
 import trio
 
 from node.batching import PendingJob, plan_batch
+from node.sampling import SamplingParams
 from node.scheduler import Scheduler
-from node.session_machine import Compute, Drop, FreeKv, OpenKv, SamplingSpec, StepJob, StepOutcome, TruncateKv
+from node.session_machine import Compute, Drop, FreeKv, OpenKv, StepJob, StepOutcome, TruncateKv
 from proto.codec import ISOLATED_SLICE_TOKENS
 from tests.node.fakes import N_EMBD, FakeBackend
 
@@ -143,8 +144,8 @@ async def test_scheduler_runs_controls_in_order_then_batches() -> None:
     sched = Scheduler(backend, got, max_batch_tokens=32, prefill_chunk_tokens=8)
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        sched.submit(OpenKv("a", 64, SamplingSpec()))
-        sched.submit(OpenKv("b", 64, SamplingSpec()))
+        sched.submit(OpenKv("a", 64, SamplingParams()))
+        sched.submit(OpenKv("b", 64, SamplingParams()))
         sched.submit(Compute(job(1, "a", 0, 20)))
         sched.submit(Compute(job(2, "b", 0, 1, decode=True)))
         await got.wait(2)
@@ -168,7 +169,7 @@ async def test_failed_slice_rolls_the_whole_step_back() -> None:
     sched = Scheduler(backend, got, max_batch_tokens=8, prefill_chunk_tokens=8)
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        await sched.run_control(OpenKv("a", 64, SamplingParams()))
         backend.fail_at_offset = ("a", 8)  # the second slice fails
         sched.submit(Compute(job(1, "a", 0, 20)))
         await got.wait(1)
@@ -182,7 +183,7 @@ async def test_drop_forgets_a_queued_job_and_free_releases() -> None:
     backend = FakeBackend()
     got = Collector()
     sched = Scheduler(backend, got, max_batch_tokens=8, prefill_chunk_tokens=8)
-    sched.submit(OpenKv("a", 64, SamplingSpec()))
+    sched.submit(OpenKv("a", 64, SamplingParams()))
     sched.submit(Compute(job(1, "a", 0, 4)))
     sched.submit(Drop(1))
     sched.submit(FreeKv("a"))
@@ -220,7 +221,7 @@ async def test_short_decode_rounds_run_inline_and_prefill_on_the_engine_thread()
     trio_thread = threading.get_ident()
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        await sched.run_control(OpenKv("a", 64, SamplingParams()))
         sched.submit(Compute(job(1, "a", 0, 4)))  # prefill: engine thread
         await got.wait(1)
         for k in range(5):  # decode steps; the first one's cost is unknown, so it goes to the thread too
@@ -245,7 +246,7 @@ async def test_inline_rounds_can_be_disabled_and_never_overlap_call_engine() -> 
     trio_thread = threading.get_ident()
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
+        await sched.run_control(OpenKv("a", 64, SamplingParams()))
         for k in range(4):
             sched.submit(Compute(job(1 + k, "a", k, 1, decode=True)))
             await got.wait(1 + k)
@@ -290,8 +291,8 @@ async def test_each_finished_step_reports_its_queue_wait_and_the_node_metrics_ob
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)
-        await sched.run_control(OpenKv("a", 64, SamplingSpec()))
-        await sched.run_control(OpenKv("b", 64, SamplingSpec()))
+        await sched.run_control(OpenKv("a", 64, SamplingParams()))
+        await sched.run_control(OpenKv("b", 64, SamplingParams()))
         # One round: a's 12 positions take three batches of 4; b's job is planned only after a's
         # (prefill in arrival order), so it waits while a runs.
         sched.submit(Compute(job(1, "a", 0, 12)))
