@@ -49,7 +49,8 @@ from gateway.checks import (
 )
 from gateway.errors import GatewayError, UpstreamFailed
 from gateway.route_session import RouteSession
-from gateway.session_machine import Sampled, StepReport
+from gateway.session_machine import StepReport
+from proto.codec import Sampled
 
 log = logging.getLogger("swarm.gateway.checks")
 

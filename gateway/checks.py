@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.session_machine import Sampled, StepReport
+from gateway.session_machine import StepReport
+from proto.codec import Sampled
 
 # (layer boundary, start, end): the layer a stage's output ends at and the step's positions. Runs
 # of one request on routes cut alike compare at every stage; runs on routes cut differently (a

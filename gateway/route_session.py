@@ -53,7 +53,6 @@ from gateway.session_machine import (
     Recovered,
     RouteConfig,
     RouteMachine,
-    Sampled,
     SendFrame,
     SessionFailed,
     StageSpec,
@@ -61,6 +60,7 @@ from gateway.session_machine import (
     StepTimed,
 )
 from proto import codec
+from proto.codec import Sampled
 from proto.errors import ProtocolError, RemoteError
 from proto.swarm.v1 import frame_pb2, status_pb2
 

@@ -85,7 +85,7 @@ from gateway.metrics import Labels, Metrics
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
-from gateway.route_session import DataPlane, RouteSession, Run, Sampled, open_route_session
+from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
 from gateway.routes import (
     TRACKER_RETRY_S,
     Hop,
@@ -105,6 +105,7 @@ from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import LoadedVocab, VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
+from proto.codec import Sampled
 from proto.signing import public_key_hex, sign_open_proof
 from proto.swarm.v1 import frame_pb2, status_pb2
 from tracker.client import TrackerClient, TrackerClientError

@@ -97,6 +97,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from proto import codec
+from proto.codec import Sampled
 from proto.errors import ProtocolError, error_from_body
 from proto.swarm.v1 import frame_pb2, status_pb2
 
@@ -171,15 +172,6 @@ class RouteConfig:
     # Speculative decoding (docs/protocol.md, Speculation): the last stage of a ring drafts up to this
     # many tokens per decode window and verifies them in one pass through the route. 0: off.
     max_drafts: int = 0
-
-
-@dataclass(frozen=True)
-class Sampled:
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]
-    end_of_generation: bool
-    choices: tuple[Sampled, ...] = ()  # n > 1: the other choices' first tokens (from the same logits)
 
 
 @dataclass(frozen=True)

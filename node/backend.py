@@ -9,6 +9,7 @@ same methods (see :class:`Backend`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,17 +19,17 @@ import numpy.typing as npt
 
 from node.batching import Slice
 from node.sampling import SamplingParams
-from node.session_machine import SampledOut
+from proto.codec import Sampled
 
 
 @dataclass(frozen=True)
 class SliceResult:
     kv_len: int
     hidden: npt.NDArray[np.float32] | None = None
-    sampled: SampledOut | None = None
+    sampled: Sampled | None = None
     error_status: str | None = None
     error_message: str = ""
-    window: tuple[SampledOut, ...] = ()  # a window job (StepJob.drafts): the draws after this slice's rows
+    window: tuple[Sampled, ...] = ()  # a window job (StepJob.drafts): the draws after this slice's rows
 
 
 class Backend(Protocol):
@@ -113,23 +114,15 @@ class EngineBackend:
             sampled = None
             if r.sampled is not None:
                 first, *others = [self._out(t) for t in (r.sampled, *r.choices)]
-                sampled = SampledOut(
+                sampled = Sampled(
                     first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others)
                 )
             window = tuple(self._out(t) for t in r.window)
             out.append(SliceResult(r.kv_len, hidden=r.hidden, sampled=sampled, window=window))
         return out
 
-    def _out(self, t: object) -> SampledOut:
-        from node.sampling import SampledToken
-
-        assert isinstance(t, SampledToken)
-        return SampledOut(
-            token_id=int(t.token),
-            logprob=float(t.logprob),
-            top_logprobs=tuple((int(i), float(p)) for i, p in t.top_logprobs),
-            end_of_generation=self.engine.is_eog(int(t.token)),
-        )
+    def _out(self, t: Sampled) -> Sampled:
+        return dataclasses.replace(t, end_of_generation=self.engine.is_eog(t.token_id))
 
 
 def now_s() -> float:

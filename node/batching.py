@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from node.session_machine import SampledOut, StepJob
-from proto.codec import ISOLATED_SLICE_TOKENS
+from node.session_machine import StepJob
+from proto.codec import ISOLATED_SLICE_TOKENS, Sampled
 
 
 @dataclass(eq=False)  # identity: jobs hold numpy arrays
@@ -44,7 +44,7 @@ class PendingJob:
     job: StepJob
     done: int = 0  # positions already through the engine
     hidden_parts: list[npt.NDArray[np.float32]] = field(default_factory=list)
-    window_parts: list[SampledOut] = field(default_factory=list)  # a window job's draws, slice by slice
+    window_parts: list[Sampled] = field(default_factory=list)  # a window job's draws, slice by slice
     compute_s: float = 0.0
     dropped: bool = False
     submitted_s: float = 0.0  # the scheduler's clock when the job was queued

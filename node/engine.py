@@ -74,8 +74,9 @@ from node.llama_runtime import (
     new_context,
     ubatch_plan,
 )
-from node.sampling import SampledToken, SamplingParams, sample_choices
+from node.sampling import SamplingParams, sample_choices
 from node.shard import ShardFiles
+from proto.codec import Sampled
 from proto.recipe import Recipe, cpu_features_from_system_info
 
 log = logging.getLogger("swarm.engine")
@@ -232,11 +233,11 @@ class WorkResult:
     n_tokens: int
     kv_len: int  # the session's KV length after this step
     hidden: np.ndarray | None = None
-    sampled: SampledToken | None = None
+    sampled: Sampled | None = None
     logits: np.ndarray | None = None
     error: EngineError | None = None
-    choices: tuple[SampledToken, ...] = ()  # n > 1: the other choices' first tokens
-    window: tuple[SampledToken, ...] = ()  # Work.window_from: the draws after this piece's positions
+    choices: tuple[Sampled, ...] = ()  # n > 1: the other choices' first tokens
+    window: tuple[Sampled, ...] = ()  # Work.window_from: the draws after this piece's positions
 
     @property
     def ok(self) -> bool:
@@ -350,8 +351,8 @@ class ShardEngine:
         self._batch.use_embeddings(True)
         self._sessions: dict[str, _Session] = {}
         self._free_seqs = list(range(config.max_sessions))  # kept sorted: lowest id first
-        self._choices: dict[int, tuple[SampledToken, ...]] = {}
-        self._window: dict[int, list[SampledToken]] = {}  # work index -> window draws (Work.window_from)
+        self._choices: dict[int, tuple[Sampled, ...]] = {}
+        self._window: dict[int, list[Sampled]] = {}  # work index -> window draws (Work.window_from)
         # llguidance's view of the vocabulary, built once at load on the last stage: 0.4 s for SmolLM2's
         # 49k tokens, 2.1 s for Gemma 3's 262k. Built at the first grammar session's OPEN instead, it held
         # that OPEN past the gateway's open deadline (3 s) on a loaded machine.
@@ -705,7 +706,7 @@ class ShardEngine:
         if accepted and self._holes:
             self._compact()
         hidden_out: dict[int, np.ndarray] = {}
-        sampled: dict[int, SampledToken] = {}
+        sampled: dict[int, Sampled] = {}
         logits_out: dict[int, np.ndarray] = {}
         self._choices = {}
         self._window = {}
@@ -793,7 +794,7 @@ class ShardEngine:
         works: list[Work],
         accepted: list[int],
         hidden_out: dict[int, np.ndarray],
-        sampled: dict[int, SampledToken],
+        sampled: dict[int, Sampled],
         logits_out: dict[int, np.ndarray],
     ) -> None:
         # Sessions in ascending sequence id: llama.cpp puts consecutive sequence ids in one ubatch.
@@ -822,7 +823,7 @@ class ShardEngine:
         works: list[Work],
         segments: list[tuple[int, int, int]],
         hidden_out: dict[int, np.ndarray],
-        sampled: dict[int, SampledToken],
+        sampled: dict[int, Sampled],
         logits_out: dict[int, np.ndarray],
     ) -> None:
         b = self._batch

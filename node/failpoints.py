@@ -43,7 +43,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from common.config import ConfigError
-from node.session_machine import SampledOut, StepOutcome
+from node.session_machine import StepOutcome
+from proto.codec import Sampled
 
 ENV = "SWARM_TEST_NODE_FAILPOINTS"
 CONSENT_ENV = "SWARM_TEST_ONLY_FAILPOINTS"
@@ -86,7 +87,7 @@ class Failpoints:
                 token = rng.randrange(self.n_vocab)
             else:
                 token = (sampled.token_id + 1) % max(2, self.n_vocab)
-            sampled = SampledOut(token, sampled.logprob, sampled.top_logprobs, False)
+            sampled = Sampled(token, sampled.logprob, sampled.top_logprobs, False)
         return replace(outcome, hidden=hidden, sampled=sampled)
 
 

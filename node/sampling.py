@@ -39,6 +39,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from proto.codec import Sampled
+
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16
 SEED_MODULUS = 2**63
@@ -123,13 +125,6 @@ class Constraint(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    token: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64, copy=False)
     return x - logsumexp(logits)
@@ -180,7 +175,7 @@ def sample(
     history: np.ndarray | None = None,
     constraint: Constraint | None = None,
     remaining: int | None = None,
-) -> SampledToken:
+) -> Sampled:
     """Pick the next token (at ``position``) from one row of logits (float32, vocabulary-sized)."""
     return sample_choices(logits, params, position, history, constraint, remaining)[0]
 
@@ -192,7 +187,7 @@ def sample_choices(
     history: np.ndarray | None = None,
     constraint: Constraint | None = None,
     remaining: int | None = None,
-) -> list[SampledToken]:
+) -> list[Sampled]:
     """The session's token, then, at ``completion_start`` with ``choices`` > 1, one per other choice."""
     logits = np.asarray(logits, dtype=np.float32)
     lse = logsumexp(logits)
@@ -212,7 +207,7 @@ def sample_choices(
         idx = np.argpartition(-logits, k - 1)[:k]
         idx = idx[np.lexsort((idx, -logits[idx]))]
         tops = tuple((int(i), float(logits[i]) - lse) for i in idx)
-    return [SampledToken(token=t, logprob=float(logits[t]) - lse, top_logprobs=tops) for t in tokens]
+    return [Sampled(token_id=t, logprob=float(logits[t]) - lse, top_logprobs=tops) for t in tokens]
 
 
 def _draw(work: np.ndarray, params: SamplingParams, position: int, seed: int) -> int:

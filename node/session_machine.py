@@ -92,6 +92,7 @@ from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
 from node.sampling import SamplingParams
 from proto import codec
+from proto.codec import Sampled
 from proto.errors import (
     BadFrameError,
     ChunkSequenceError,
@@ -193,27 +194,18 @@ class StepJob:
 
 
 @dataclass(frozen=True)
-class SampledOut:
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    end_of_generation: bool = False
-    choices: tuple[SampledOut, ...] = ()  # n > 1: the other choices' first tokens (SamplingParams.choices)
-
-
-@dataclass(frozen=True)
 class StepOutcome:
     """What the engine made of a job. ``error_status`` is a wire status name (``"SHAPE"``...)."""
 
     job_id: int
     kv_len: int
     hidden: npt.NDArray[np.float32] | None = None
-    sampled: SampledOut | None = None
+    sampled: Sampled | None = None
     compute_us: int = 0
     error_status: str | None = None
     error_message: str = ""
     queue_us: int | None = None  # the job's wait in the scheduler before its first batch (metrics)
-    window: tuple[SampledOut, ...] = ()  # a window (StepJob.drafts), last stage: the draw after each position
+    window: tuple[Sampled, ...] = ()  # a window (StepJob.drafts), last stage: the draw after each position
 
 
 @dataclass(frozen=True)
@@ -1416,7 +1408,7 @@ class FrameServer:
         owner = sess.conn
         if self.spec.is_last:
             sampled = []
-            produced: tuple[SampledOut, ...] = ()
+            produced: tuple[Sampled, ...] = ()
             if step.drafts:
                 produced = self._verify_window(sess, step, outcome, actions)
             elif outcome.sampled is not None:
@@ -1525,7 +1517,7 @@ class FrameServer:
 
     def _verify_window(
         self, sess: _Session, step: codec.Step, outcome: StepOutcome, actions: list[Action]
-    ) -> tuple[SampledOut, ...]:
+    ) -> tuple[Sampled, ...]:
         """A window came back (last stage): keep the accepted drafts and the correction, drop the rest
         of the window from the KV (a ``TruncateKv`` appended to ``actions``)."""
         window = outcome.window

@@ -216,6 +216,20 @@ def expect_route(
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """A token a last stage drew (the wire's ``SampledToken``): its id, its logprob, the top
+    alternatives asked for, whether it ends the generation, and at ``completion_start`` with n > 1
+    the other choices' first tokens (drawn from the same logits). The one sampled-token type: the
+    node's sampler makes it, the session machines carry it, the gateway reads it."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    end_of_generation: bool = False
+    choices: tuple[Sampled, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """Sampling settings with the documented defaults applied."""
 

@@ -93,7 +93,7 @@ def decode(
     )
     assert r.sampled is not None
     steps: list[float] = []
-    token = r.sampled.token
+    token = r.sampled.token_id
     while len(steps) < n - 1 and not engine.is_eog(token):
         history.append(token)
         t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def decode(
         )
         steps.append(time.perf_counter() - t0)
         assert r.sampled is not None
-        token = r.sampled.token
+        token = r.sampled.token_id
     engine.release(sid)
     text_tokens = history[len(prompt) :]
     return {"step_s": steps, "mask_s": mask_s, "tokens": text_tokens}

@@ -54,7 +54,7 @@ import numpy as np
 
 from gateway.chat_template import ChatTemplate
 from gateway.checks import CHECK_TOP_LOGPROBS, Tolerance
-from gateway.session_machine import Sampled
+from proto.codec import Sampled
 from sim.bench_tolerance import PROMPTS, _llm, _model
 
 HELD_OUT_PROMPTS = [

@@ -113,7 +113,7 @@ def _through(stages: list[ShardEngine], works: list[Work]) -> list[int]:
                 w.sample = True
         results = stage.step(works)
         if last:
-            tokens = [r.sampled.token for r in results if r.sampled is not None]
+            tokens = [r.sampled.token_id for r in results if r.sampled is not None]
             if len(tokens) != len(results):
                 raise RuntimeError(f"a stage failed: {[str(r.error) for r in results if r.error]}")
             return tokens

@@ -103,7 +103,7 @@ class InProcess:
         if rb.sampled is None:
             raise RuntimeError(f"in-process step failed: {ra.error or rb.error}")
         self.pos += len(tokens)
-        return rb.sampled.token
+        return rb.sampled.token_id
 
     def close(self) -> None:
         self.a.close()

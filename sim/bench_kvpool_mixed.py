@@ -132,7 +132,7 @@ def _run(
                 if r.done_prefill < len(r.prompt):
                     continue
             assert res.sampled is not None
-            r.out.append(res.sampled.token)
+            r.out.append(res.sampled.token_id)
             if len(r.out) >= n_new:
                 engine.release(f"r{r.rid}")
                 reserved -= blocks_for(len(r.prompt) + n_new)

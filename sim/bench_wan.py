@@ -94,7 +94,7 @@ class InProcess:
                 hidden = out.hidden if transform is None else transform(out.hidden)
         self.pos += len(tokens)
         assert out is not None and out.sampled is not None
-        return int(out.sampled.token)
+        return int(out.sampled.token_id)
 
     def decode_ms(self, prompt: list[int], n_new: int) -> float:
         self.reset()

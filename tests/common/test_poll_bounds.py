@@ -54,6 +54,11 @@ EXEMPT = {
     "shards on first use",
     ("tests/e2e/test_qwen_conversation_e2e.py", "OpenAI(timeout=1800)"): "opt-in, as above: a turn "
     "of up to 2,048 positions prefilled cold on one thread of a 1.5B model",
+    ("tests/e2e/test_qwen_long_prompt_e2e.py", "start_local_swarm(timeout_s=900)"): "opt-in "
+    "(SWARM_QWEN_TESTS=1, never in CI): two nodes of Qwen2.5-Coder-1.5B cutting their shards on "
+    "first use",
+    ("tests/e2e/test_qwen_long_prompt_e2e.py", "OpenAI(timeout=3600)"): "opt-in, as above: a "
+    "16,000-token prompt prefilled cold on one thread per stage of a 1.5B model",
     ("tests/e2e/test_swarm_e2e.py", "run(timeout=600)"): "the README's `swarm-sim up --check` end to "
     "end (start, one completion, stop): killed at 120 s after serving its URL (load average 16)",
 }

@@ -33,8 +33,9 @@ from node.hub import Hub
 from node.push import PushLinks
 from node.sampling import SamplingParams
 from node.scheduler import Scheduler
-from node.session_machine import FrameServer, SampledOut, ServingSpec
+from node.session_machine import FrameServer, ServingSpec
 from proto import codec
+from proto.codec import Sampled
 from proto.recipe import Recipe
 from proto.signing import public_key_hex
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
@@ -173,12 +174,12 @@ class ScriptedBackend:
                 out.append(SliceResult(self.kv[sid], hidden=hidden))
                 continue
 
-            def draw(history: list[int]) -> SampledOut:
+            def draw(history: list[int]) -> Sampled:
                 k = node.generated(history)
                 token = node.script[k] if k < len(node.script) else node.eos
                 if node.lie == "swap":
                     token = (token + 1) % 49152
-                return SampledOut(
+                return Sampled(
                     token_id=token,
                     logprob=-0.25,
                     top_logprobs=((token, -0.25), (node.eos, -3.0)),

@@ -57,13 +57,13 @@ from node.session_machine import (
     FreeKv,
     OpenKv,
     Push,
-    SampledOut,
     Send,
     ServingSpec,
     StepOutcome,
     TruncateKv,
 )
 from proto import codec
+from proto.codec import Sampled
 from proto.errors import PreemptedError
 
 MODEL_FP = "a" * 64
@@ -142,12 +142,12 @@ class SimNode:
             model = _repetitive_token if self.repetitive else _token
             if job.drafts:  # a window: the draw after each of its positions
                 window = tuple(
-                    SampledOut(token_id=model(history[: job.start + i + 1]), logprob=-0.5) for i in range(n)
+                    Sampled(token_id=model(history[: job.start + i + 1]), logprob=-0.5) for i in range(n)
                 )
                 return StepOutcome(job.job_id, self.kv[sid], window=window)
             sampled = None
             if job.sample:
-                sampled = SampledOut(token_id=model(history), logprob=-0.5)
+                sampled = Sampled(token_id=model(history), logprob=-0.5)
             return StepOutcome(job.job_id, self.kv[sid], sampled=sampled)
         if job.tokens is not None:
             rows = np.repeat(job.tokens.astype(np.float32)[:, None], N_EMBD, axis=1)

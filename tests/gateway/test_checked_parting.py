@@ -16,7 +16,8 @@ import trio
 from gateway.checked import CheckedSession
 from gateway.checks import Tolerance
 from gateway.errors import NoRoute
-from gateway.session_machine import Sampled, StageSpec, StepReport
+from gateway.session_machine import StageSpec, StepReport
+from proto.codec import Sampled
 
 NEAR_A = ((7, -0.70), (9, -0.75), (3, -2.5), (4, -4.0))
 NEAR_B = ((9, -0.71), (7, -0.74), (3, -2.6), (4, -3.9))

@@ -5,7 +5,8 @@ probation that contradicts a trusted one is named."""
 from __future__ import annotations
 
 from gateway.checks import Comparator, trusted_verdict
-from gateway.session_machine import Sampled, StepReport
+from gateway.session_machine import StepReport
+from proto.codec import Sampled
 
 A, B, L = "a" * 64, "b" * 64, "c" * 64
 

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.checks import CROSS_RECIPE_MARGIN_NATS, Comparator, Tolerance, plain_greedy, verdict
-from gateway.session_machine import Sampled, StepReport
+from gateway.session_machine import StepReport
+from proto.codec import Sampled
 
 TOL = Tolerance(0.5)
 

@@ -7,7 +7,7 @@ import numpy as np
 from node.backend import SliceResult
 from node.batching import Slice
 from node.sampling import SamplingParams
-from node.session_machine import SampledOut
+from proto.codec import Sampled
 
 N_EMBD = 8
 MODEL_FP = "a" * 64
@@ -93,6 +93,6 @@ class FakeBackend:
             hidden = (base + pos).astype(np.float32)
             sampled = None
             if self.is_last and job.sample and s.last:
-                sampled = SampledOut(token_id=int(hidden[-1, 0]) % 100, logprob=-0.5)
+                sampled = Sampled(token_id=int(hidden[-1, 0]) % 100, logprob=-0.5)
             out.append(SliceResult(self.kv[sid], hidden=None if self.is_last else hidden, sampled=sampled))
         return out

@@ -98,11 +98,11 @@ class Route:
             e.open_session(sid)
         try:
             res = self.step([(sid, 0, prompt)])[0]
-            out, logits = [res.sampled.token], [res.logits.tobytes()]
+            out, logits = [res.sampled.token_id], [res.logits.tobytes()]
             pos = len(prompt)
             while len(out) < n_new:
                 res = self.step([(sid, pos, [out[-1]])])[0]
-                out.append(res.sampled.token)
+                out.append(res.sampled.token_id)
                 logits.append(res.logits.tobytes())
                 pos += 1
         finally:
@@ -202,12 +202,12 @@ def test_four_sessions_batched_together_match_each_alone(
         first = route.step(
             [(sid, 0, p) for sid, p in zip(sids, prompts, strict=True)]
         )  # four prefills in one batch
-        outs = [[r.sampled.token] for r in first]
+        outs = [[r.sampled.token_id] for r in first]
         pos = [len(p) for p in prompts]
         for _ in range(15):
             res = route.step([(sid, pos[i], [outs[i][-1]]) for i, sid in enumerate(sids)])
             for i, r in enumerate(res):
-                outs[i].append(r.sampled.token)
+                outs[i].append(r.sampled.token_id)
                 pos[i] += 1
         for sid in sids:
             for e in route.engines:

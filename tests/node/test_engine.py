@@ -66,10 +66,10 @@ class Route:
     def generate(self, sid: str, prompt: list[int], n_new: int) -> tuple[list[int], np.ndarray]:
         res = self.step([(sid, 0, prompt)], logits=True)[0]
         first_logits = res.logits
-        out = [res.sampled.token]
+        out = [res.sampled.token_id]
         pos = len(prompt)
         while len(out) < n_new:
-            out.append(self.step([(sid, pos, [out[-1]])])[0].sampled.token)
+            out.append(self.step([(sid, pos, [out[-1]])])[0].sampled.token_id)
             pos += 1
         return out, first_logits
 
@@ -140,7 +140,7 @@ def test_sessions_batched_together_match_each_alone(engines, expected, vocab: Vo
     for sid in sids[:4]:
         route.open(sid)
     first = route.step([(sid, 0, p) for sid, p in zip(sids[:4], prompts[:4], strict=False)])
-    outs = {sid: [r.sampled.token] for sid, r in zip(sids[:4], first, strict=False)}
+    outs = {sid: [r.sampled.token_id] for sid, r in zip(sids[:4], first, strict=False)}
     pos = {sid: len(p) for sid, p in zip(sids, prompts, strict=False)}
     released: set[str] = set()
     for step in range(N_NEW - 1):
@@ -158,9 +158,9 @@ def test_sessions_batched_together_match_each_alone(engines, expected, vocab: Vo
         results = route.step(items)
         for (sid, _, toks), r in zip(items, results, strict=False):
             if sid == sids[4] and sid not in outs:
-                outs[sid] = [r.sampled.token]
+                outs[sid] = [r.sampled.token_id]
             else:
-                outs[sid].append(r.sampled.token)
+                outs[sid].append(r.sampled.token_id)
             pos[sid] += len(toks)
     for sid, prompt in zip(sids, PROMPTS, strict=False):
         want = expected(prompt)[0]
@@ -182,12 +182,12 @@ def test_noncontiguous_sequence_ids_stay_isolated(engines, expected, vocab: Voca
     route.release("nc-1")
     prompts = {sid: vocab.tokenize(p) for sid, p in zip(["nc-0", "nc-2", "nc-3"], PROMPTS[2:5], strict=False)}
     res = route.step([(sid, 0, p) for sid, p in prompts.items()])
-    outs = {sid: [r.sampled.token] for sid, r in zip(prompts, res, strict=False)}
+    outs = {sid: [r.sampled.token_id] for sid, r in zip(prompts, res, strict=False)}
     pos = {sid: len(p) for sid, p in prompts.items()}
     for _ in range(15):
         items = [(sid, pos[sid], [outs[sid][-1]]) for sid in prompts]
         for (sid, _, _), r in zip(items, route.step(items), strict=False):
-            outs[sid].append(r.sampled.token)
+            outs[sid].append(r.sampled.token_id)
             pos[sid] += 1
     for sid, text in zip(prompts, PROMPTS[2:5], strict=False):
         assert tuple(outs[sid]) == expected(text)[0][:16]
@@ -206,7 +206,7 @@ def test_truncate_and_replay_reproduces_the_stream(engines, expected, vocab: Voc
     again = [out[0]]
     pos = len(prompt)
     while len(again) < 10:
-        again.append(route.step([("tr", pos, [again[-1]])])[0].sampled.token)
+        again.append(route.step([("tr", pos, [again[-1]])])[0].sampled.token_id)
         pos += 1
     route.release("tr")
     assert again == out == list(expected(PROMPTS[0])[0][:10])
@@ -222,7 +222,7 @@ def test_refusals_leave_other_sessions_untouched(engines, expected, vocab: Vocab
     prompt = vocab.tokenize(PROMPTS[0])
     route.open("good")
     stage0.open_session("bad")
-    first = route.step([("good", 0, prompt)])[0].sampled.token
+    first = route.step([("good", 0, prompt)])[0].sampled.token_id
     good_kv = stage0.kv_len("good")
     bad_works = [
         (
@@ -274,7 +274,7 @@ def test_refusals_leave_other_sessions_untouched(engines, expected, vocab: Vocab
     out = [first]
     pos = len(prompt)
     while len(out) < 12:
-        out.append(route.step([("good", pos, [out[-1]])])[0].sampled.token)
+        out.append(route.step([("good", pos, [out[-1]])])[0].sampled.token_id)
         pos += 1
     assert tuple(out) == expected(PROMPTS[0])[0][:12]
     route.release("good")

@@ -90,9 +90,12 @@ def test_choices_and_a_grammar_on_the_last_stage(whole: ShardEngine, model_path:
 
             alone = SamplingParams(temperature=0.9, seed=11 + i, grammar=grammar, completion_start=p)
             constraint = GrammarConstraint(whole._lltokenizer, grammar, whole.n_vocab)  # noqa: SLF001
-            assert sample(r.logits, alone, p, np.asarray(history, np.int32), constraint).token == choice.token
+            assert (
+                sample(r.logits, alone, p, np.asarray(history, np.int32), constraint).token_id
+                == choice.token_id
+            )
         out: list[int] = []
-        token = r.sampled.token
+        token = r.sampled.token_id
         while not whole.is_eog(token) and len(out) < 40:
             out.append(token)
             history.append(token)
@@ -108,7 +111,7 @@ def test_choices_and_a_grammar_on_the_last_stage(whole: ShardEngine, model_path:
                 ]
             )
             assert r.sampled is not None
-            token = r.sampled.token
+            token = r.sampled.token_id
         assert whole.is_eog(token)
         assert set(json.loads(vocab.detokenize(out))) == {"city"}
         whole.release("g")

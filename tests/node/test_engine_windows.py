@@ -53,10 +53,10 @@ def run(
 
 def plain(engines: list[ShardEngine], sid: str, prompt: list[int]) -> list[int]:
     r = run(engines, sid, 0, prompt, window=False, history=[])
-    out = [r.sampled.token]
+    out = [r.sampled.token_id]
     while len(out) < N_NEW:
         hist = prompt + out[:-1]
-        out.append(run(engines, sid, len(hist), [out[-1]], window=False, history=hist).sampled.token)
+        out.append(run(engines, sid, len(hist), [out[-1]], window=False, history=hist).sampled.token_id)
     return out
 
 
@@ -76,7 +76,7 @@ def test_window_draws_equal_one_position_draws(route: list[ShardEngine], vocab: 
         e.open_session("win", sampling=params, kv_budget=256)
     try:
         want = plain(route, "plain", prompt)
-        first = run(route, "win", 0, prompt, window=False, history=[]).sampled.token
+        first = run(route, "win", 0, prompt, window=False, history=[]).sampled.token_id
         assert first == want[0]
         got = [first]
         pos = len(prompt)
@@ -90,7 +90,7 @@ def test_window_draws_equal_one_position_draws(route: list[ShardEngine], vocab: 
             window = [got[-1], *drafts]
             history = prompt + got[:-1]
             r = run(route, "win", pos, window, window=True, history=history)
-            draws = [t.token for t in r.window]
+            draws = [t.token_id for t in r.window]
             assert len(draws) == len(window)
             # Every draw after a right prefix is the plain token at its position.
             agree = 0

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from node.failpoints import CONSENT, CONSENT_ENV, ENV, FailpointError, Failpoints, Liar, from_environment
-from node.session_machine import SampledOut, StepOutcome
+from node.session_machine import StepOutcome
+from proto.codec import Sampled
 
 
 def test_no_failpoints_no_lies() -> None:
@@ -31,7 +32,7 @@ def test_failpoints_without_consent_are_refused() -> None:
 def test_each_lie_changes_what_it_says_and_nothing_else() -> None:
     hidden = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
     outcome = StepOutcome(
-        7, kv_len=5, hidden=hidden.copy(), sampled=SampledOut(10, -0.5, ((10, -0.5), (11, -1.0)))
+        7, kv_len=5, hidden=hidden.copy(), sampled=Sampled(10, -0.5, ((10, -0.5), (11, -1.0)))
     )
     rng = random.Random(0)
 
@@ -60,7 +61,7 @@ def test_a_liar_may_answer_its_first_steps_honestly() -> None:
     fp = from_environment({ENV: "swap_sampler,honest_steps=2", CONSENT_ENV: CONSENT}, n_vocab=100)
     assert fp.kinds == {"swap_sampler"} and fp.honest_steps == 2
     liar = Liar(fp, random.Random(0))
-    outcome = StepOutcome(1, kv_len=1, sampled=SampledOut(5, -0.1))
+    outcome = StepOutcome(1, kv_len=1, sampled=Sampled(5, -0.1))
     tokens = [liar(outcome).sampled.token_id for _ in range(4)]  # type: ignore[union-attr]
     assert tokens == [5, 5, 6, 6]
     with pytest.raises(FailpointError, match="integer"):
@@ -73,7 +74,7 @@ def test_preempt_every_turns_every_nth_sampled_step_into_a_preemption_k_times() 
     liar = Liar(fp, random.Random(0))
     hidden_only = StepOutcome(1, kv_len=4, hidden=np.ones((1, 4), np.float32))
     assert liar(hidden_only) is hidden_only  # not a last stage's step: untouched
-    statuses = [liar(StepOutcome(i, kv_len=i, sampled=SampledOut(5, -0.1))).error_status for i in range(12)]
+    statuses = [liar(StepOutcome(i, kv_len=i, sampled=Sampled(5, -0.1))).error_status for i in range(12)]
     assert statuses == [None, None, "PREEMPTED", None, None, "PREEMPTED", *[None] * 6]
     with pytest.raises(FailpointError, match="preempt_every must be an integer"):
         from_environment({ENV: "preempt_every=often", CONSENT_ENV: CONSENT})

@@ -104,11 +104,11 @@ def test_gemma3_splits_are_bit_exact_past_the_window(
         for e in engines:
             e.open_session("g")
         res = _step(engines, [("g", 0, long_prompt)])[0]
-        tokens, logits = [res.sampled.token], [res.logits.tobytes()]
+        tokens, logits = [res.sampled.token_id], [res.logits.tobytes()]
         pos = len(long_prompt)
         while len(tokens) < N_NEW:
             res = _step(engines, [("g", pos, [tokens[-1]])])[0]
-            tokens.append(res.sampled.token)
+            tokens.append(res.sampled.token_id)
             logits.append(res.logits.tobytes())
             pos += 1
     finally:
@@ -167,12 +167,12 @@ def test_gemma3_four_sessions_batched_match_the_whole_model_batched(
             for e in engines:
                 e.open_session(sid)
         first = _step(engines, [(sid, 0, p) for sid, p in zip(sids, prompts, strict=True)])
-        outs = [[r.sampled.token] for r in first]
+        outs = [[r.sampled.token_id] for r in first]
         pos = [len(p) for p in prompts]
         for _ in range(11):
             res = _step(engines, [(sid, pos[i], [outs[i][-1]]) for i, sid in enumerate(sids)])
             for i, r in enumerate(res):
-                outs[i].append(r.sampled.token)
+                outs[i].append(r.sampled.token_id)
                 pos[i] += 1
     finally:
         for e in engines:

@@ -54,7 +54,7 @@ def test_penalties_and_bias_match_the_reference_formula(
     want = reference_adjust(LOGITS.tolist(), params, history)
     assert np.allclose(got, want, rtol=0, atol=1e-9)
     # Greedy picks the argmax of the adjusted logits (ties to the lowest id).
-    token = sample(LOGITS, params, position=len(history), history=np.asarray(history, np.int32)).token
+    token = sample(LOGITS, params, position=len(history), history=np.asarray(history, np.int32)).token_id
     assert token == int(np.argmax(np.asarray(want)))
 
 
@@ -62,26 +62,26 @@ def test_presence_penalty_changes_a_repetitive_greedy_choice() -> None:
     logits = np.array([3.0, 2.5, 0.0], np.float32)
     history = np.array([9, 9, 0], np.int32)  # prompt [9, 9], completion [0]
     plain = SamplingParams(completion_start=2)
-    assert sample(logits, plain, 3, history).token == 0
+    assert sample(logits, plain, 3, history).token_id == 0
     penalised = SamplingParams(presence_penalty=1.0, completion_start=2)
-    assert sample(logits, penalised, 3, history).token == 1
+    assert sample(logits, penalised, 3, history).token_id == 1
     # The prompt does not count: the same tokens before completion_start change nothing.
-    assert sample(logits, SamplingParams(presence_penalty=1.0, completion_start=3), 3, history).token == 0
+    assert sample(logits, SamplingParams(presence_penalty=1.0, completion_start=3), 3, history).token_id == 0
 
 
 def test_logit_bias_bans_and_forces_tokens() -> None:
     top = int(np.argmax(LOGITS))
     banned = SamplingParams(logit_bias=((top, -100.0),))
-    assert sample(LOGITS, banned, 0).token != top
+    assert sample(LOGITS, banned, 0).token_id != top
     forced = SamplingParams(temperature=1.5, seed=3, logit_bias=((17, 100.0),))
-    assert {sample(LOGITS, forced, p).token for p in range(50)} == {17}
+    assert {sample(LOGITS, forced, p).token_id for p in range(50)} == {17}
 
 
 def test_logprobs_stay_those_of_the_model() -> None:
     params = SamplingParams(logit_bias=((17, 100.0),), top_logprobs=3)
     out = sample(LOGITS, params, 0)
     lse = math.log(float(np.exp(LOGITS.astype(np.float64)).sum()))
-    assert out.token == 17
+    assert out.token_id == 17
     assert out.logprob == pytest.approx(float(LOGITS[17]) - lse, abs=1e-5)
     assert out.top_logprobs[0][0] == int(np.argmax(LOGITS))
 
@@ -92,7 +92,7 @@ def test_choices_equal_separate_draws_with_derived_seeds() -> None:
     assert len(drawn) == 4
     for i, token in enumerate(drawn):
         alone = SamplingParams(temperature=1.2, seed=(2**63 - 2 + i) % 2**63, completion_start=10)
-        assert token.token == sample(LOGITS, alone, 10).token
+        assert token.token_id == sample(LOGITS, alone, 10).token_id
     # Only the first completion token is drawn per choice.
     assert len(sample_choices(LOGITS, params, 11)) == 1
 
@@ -151,7 +151,7 @@ def test_grammar_masks_follow_the_history_and_rebuild_after_a_cut(lltokenizer: t
     params = SamplingParams(grammar=grammar)
     for _ in range(40):
         logits = rng.normal(0, 1, n).astype(np.float32)
-        token = sample(logits, params, len(completion), np.asarray(completion, np.int32), c).token
+        token = sample(logits, params, len(completion), np.asarray(completion, np.int32), c).token_id
         if vocab.is_eog(token):
             break
         completion.append(token)
@@ -204,7 +204,7 @@ def test_json_closes_before_the_budget_ends(lltokenizer: tuple) -> None:
         params = SamplingParams(temperature=1.0, seed=trial, grammar=grammar)
         for pos in range(budget):
             logits = rng.normal(0, 1, n).astype(np.float32)
-            token = sample(logits, params, pos, np.asarray(completion, np.int32), c, budget - pos).token
+            token = sample(logits, params, pos, np.asarray(completion, np.int32), c, budget - pos).token_id
             if vocab.is_eog(token):
                 break
             completion.append(token)

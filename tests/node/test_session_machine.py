@@ -14,13 +14,13 @@ from node.session_machine import (
     FrameServer,
     FreeKv,
     OpenKv,
-    SampledOut,
     Send,
     ServingSpec,
     StepOutcome,
     TruncateKv,
 )
 from proto import codec
+from proto.codec import Sampled
 from proto.errors import TicketInvalidError
 from proto.swarm.v1 import frame_pb2, status_pb2
 from tests.node.fakes import MODEL_FP, N_EMBD, RECIPE_FP
@@ -288,7 +288,7 @@ def test_last_stage_samples_and_keeps_history_for_penalties() -> None:
     frames[0].activation.token_ids.extend([5, 6, 7])
     (c,) = h.feed(frames[0])
     assert c.job.sample and list(c.job.history) == [5, 6, 7]
-    out = StepOutcome(c.job.job_id, kv_len=3, sampled=SampledOut(9, -0.25, ((9, -0.25), (3, -2.0)), True))
+    out = StepOutcome(c.job.job_id, kv_len=3, sampled=Sampled(9, -0.25, ((9, -0.25), (3, -2.0)), True))
     (reply,) = sends(h.m.complete(out, 0.0))
     (tok,) = reply.result.sampled
     assert tok.token_id == 9 and tok.end_of_generation and [t.token_id for t in tok.top_logprobs] == [9, 3]

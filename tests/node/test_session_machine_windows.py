@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from node.session_machine import Compute, Push, SampledOut, StepOutcome, TruncateKv
+from node.session_machine import Compute, Push, StepOutcome, TruncateKv
 from proto import codec
+from proto.codec import Sampled
 from proto.swarm.v1 import frame_pb2, status_pb2
 from tests.node.fakes import N_EMBD, RECIPE_FP
 from tests.node.test_session_machine import Harness, sends, status_of
@@ -58,7 +59,7 @@ def pushed(actions: list) -> frame_pb2.Frame:
 def test_the_last_stage_sends_a_window_verifies_it_and_drops_the_rejected_drafts() -> None:
     h = last_stage(max_drafts=4)
     (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
-    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0)
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0)
     window = pushed(out)
     # "2 3 1" occurred before, followed by 2 3 (1, the token itself): the token and 3 drafts.
     assert list(window.activation.token_ids) == [1, 2, 3, 1]
@@ -67,7 +68,7 @@ def test_the_last_stage_sends_a_window_verifies_it_and_drops_the_rejected_drafts
     # The window comes back through the route: the target agrees with 2 drafts, then says 9.
     (c,) = [a for a in feed_step(h, 6, [1, 2, 3, 1], drafts=3) if isinstance(a, Compute)]
     assert c.job.drafts == 3
-    draws = tuple(SampledOut(t, -0.2) for t in (2, 3, 9, 9))
+    draws = tuple(Sampled(t, -0.2) for t in (2, 3, 9, 9))
     out = h.m.complete(StepOutcome(c.job.job_id, kv_len=10, window=draws), 0)
     assert TruncateKv("s1", 9) in out
     (result,) = [f for f in sends(out) if codec.body_kind(f) == "result"]
@@ -81,9 +82,9 @@ def test_the_last_stage_sends_a_window_verifies_it_and_drops_the_rejected_drafts
 def test_an_end_of_generation_draw_ends_the_window_and_the_ring() -> None:
     h = last_stage(max_drafts=2)
     (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
-    h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0)
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0)
     (c,) = [a for a in feed_step(h, 6, [1, 2, 3], drafts=2) if isinstance(a, Compute)]
-    draws = (SampledOut(2, -0.1), SampledOut(7, -0.1, end_of_generation=True), SampledOut(5, -0.1))
+    draws = (Sampled(2, -0.1), Sampled(7, -0.1, end_of_generation=True), Sampled(5, -0.1))
     out = h.m.complete(StepOutcome(c.job.job_id, kv_len=9, window=draws), 0)
     (result,) = sends(out)
     assert [t.token_id for t in result.result.sampled] == [2, 7] and result.kv_len == 8
@@ -93,11 +94,11 @@ def test_an_end_of_generation_draw_ends_the_window_and_the_ring() -> None:
 def test_without_a_match_or_for_a_grammar_the_ring_step_is_plain() -> None:
     h = last_stage(max_drafts=4)
     (c,) = [a for a in feed_step(h, 0, [10, 11, 12, 13]) if isinstance(a, Compute)]
-    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=4, sampled=SampledOut(14, -0.1)), 0))
+    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=4, sampled=Sampled(14, -0.1)), 0))
     assert list(plain.activation.token_ids) == [14] and plain.activation.drafts == 0
     g = last_stage(max_drafts=4, grammar='start: "a"')
     (c,) = [a for a in feed_step(g, 0, PROMPT) if isinstance(a, Compute)]
-    plain = pushed(g.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0))
+    plain = pushed(g.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
     assert plain.activation.drafts == 0
     # A window sent to a grammar session anyway is refused and changes nothing.
     assert status_of(feed_step(g, 6, [1, 2], drafts=1)) == status_pb2.STATUS_BAD_FRAME
@@ -201,9 +202,9 @@ def test_no_drafts_while_more_sessions_than_speculate_max_sessions_are_open() ->
         )
         h.feed(frame)
     (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
-    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=SampledOut(1, -0.1)), 0))
+    plain = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
     assert plain.activation.drafts == 0  # two sessions open, speculation only up to one
     h.feed(codec.release_frame(h.header("s2"), step_id=42, expected_kv_len=0))
     (c,) = [a for a in feed_step(h, 6, [1]) if isinstance(a, Compute)]
-    window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=7, sampled=SampledOut(2, -0.1)), 0))
+    window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=7, sampled=Sampled(2, -0.1)), 0))
     assert window.activation.drafts > 0
