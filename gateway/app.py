@@ -206,7 +206,7 @@ def create_app(service: GatewayService) -> QuartTrio:
     async def health() -> Response:
         """200 only while some model has a complete route (load balancers, readiness probes)."""
         try:
-            models = await service.tracker_models(max_age_s=2.0)
+            models = await service.catalog.tracker_models(max_age_s=2.0)
         except GatewayError as err:
             return json_response({"status": "unavailable", "reason": err.message}, 503)
         ready = [protocol.model_id(str(m.get("name", ""))) for m in models if m.get("routable")]
@@ -234,12 +234,12 @@ def create_app(service: GatewayService) -> QuartTrio:
     @app.get("/v1/models")
     async def models() -> Response:
         await principal()
-        return json_response(await service.list_models())
+        return json_response(await service.catalog.list_models())
 
     @app.get("/v1/models/<path:model>")
     async def model(model: str) -> Response:
         await principal()
-        for entry in (await service.list_models())["data"]:
+        for entry in (await service.catalog.list_models())["data"]:
             if model in (entry["id"], entry.get("fingerprint"), entry.get("name")):
                 return json_response(entry)
         raise ModelNotFound(f"The model '{model}' does not exist or no node serves it", param="model")

@@ -207,8 +207,11 @@ def register(app: QuartTrio, ctx: Context) -> None:
 
     async def models() -> list[dict[str, Any]]:
         """``/v1/models`` entries, with the architecture the tracker knows."""
-        data = list((await service.list_models())["data"])
-        arch = {str(m.get("fingerprint")): m.get("architecture") for m in await service.tracker_models(10.0)}
+        data = list((await service.catalog.list_models())["data"])
+        arch = {
+            str(m.get("fingerprint")): m.get("architecture")
+            for m in await service.catalog.tracker_models(10.0)
+        }
         return [{**m, "architecture": arch.get(str(m.get("fingerprint")))} for m in data]
 
     async def generation(kind: str, parse: Callable[[Any], ollama_api.OllamaRequest]) -> Response:

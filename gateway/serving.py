@@ -38,17 +38,18 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import nacl.signing
 import trio
 
 from common.logs import event
-from gateway import protocol, structured, tools
+from gateway import structured, tools
 from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy, KvWaitPolicy, fits_kv, kv_room, kv_verdict
 from gateway.api_keys import AuthPolicy, Principal
+from gateway.catalog import ModelCatalog
 from gateway.checked import CheckedSession
 from gateway.checks import (
     CHECK_TOP_LOGPROBS,
@@ -76,7 +77,6 @@ from gateway.errors import (
     StageBusy,
     StageFailed,
     Unconfirmable,
-    UpstreamFailed,
 )
 from gateway.gate import Gate, KvGate, KvWaiter
 from gateway.groups import single_exception
@@ -85,9 +85,9 @@ from gateway.metrics import Labels, Metrics
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
+from gateway.route_plan import Ended, Next, RoutePlan
 from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
 from gateway.routes import (
-    TRACKER_RETRY_S,
     Hop,
     NodeInfoCache,
     Route,
@@ -115,7 +115,6 @@ EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
 MAX_UNREACHABLE_REPORTED = 64  # node ids waiting for the next statistics report (proto.announce)
-MAX_RECOVERIES = 2
 FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
 
 
@@ -232,11 +231,11 @@ class _Progress:
     tool_stream: tools.ToolStream | None = None
     generated: list[int] = field(default_factory=list)  # every sampled token, streamed or end-of-generation
     prompt_tokens: int = 0
-    recoveries: int = 0
-    last_failure: StageFailed | None = None
+    # What follows a failed Route Session (re-run, KV wait, give up): counters and avoided nodes.
+    plan: RoutePlan = field(default_factory=RoutePlan)
+    last_failure: StageFailed | None = None  # the failure that started the last re-run
     started: bool = False
     recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
-    preemptions: int = 0  # times a node preempted this choice (it was resumed each time)
     preempted_since: float | None = None  # waiting to resume after a preemption since (trio time)
     finish_reason: str = "stop"
 
@@ -264,6 +263,17 @@ def _recoverable(err: StageFailed) -> bool:
     if remote is None:
         return True
     return getattr(remote, "retry", status_pb2.RETRY_NONE) != status_pb2.RETRY_NONE
+
+
+def _ended(err: GatewayError, opened: bool) -> Ended:
+    """A failed Route Session as the route plan sees it."""
+    if isinstance(err, KvExhausted):
+        return Ended("kv_exhausted", opened)
+    if isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short):
+        return Ended("preempted", opened)
+    if isinstance(err, StageFailed):
+        return Ended("stage", opened, _recoverable(err), frozenset(err.failed_nodes))
+    return Ended("other", opened)
 
 
 class _WaitForKv(Exception):
@@ -381,11 +391,7 @@ class GatewayService:
                 max_chars=config.conversation_max_chars,
             )
         )
-        self._aliases = config.aliases()
-        self._models: list[dict[str, Any]] = []
-        self._models_at = -1e9
-        self._models_stale = False  # serving the last model list: the tracker did not answer
-        self._models_retry_at = -1e9
+        self.catalog = ModelCatalog(config, self.tracker, self.vocabs)
         self.checks = CheckPolicy(config.check_fraction)
         checks_on = config.check_fraction > 0 or config.probation_checks > 0
         self._check_top_logprobs = CHECK_TOP_LOGPROBS if checks_on else 0
@@ -447,82 +453,6 @@ class GatewayService:
             "swarm_gateway_conversations_live": {(): float(len(self.conversations))},
         }
 
-    # ------------------------------------------------------------------ models
-
-    async def tracker_models(self, max_age_s: float = 0.0) -> list[dict[str, Any]]:
-        """The tracker's models (cached for ``max_age_s``)."""
-        now = trio.current_time()
-        if now - self._models_at <= max_age_s and self._models:
-            return self._models
-        if self._models_stale and now < self._models_retry_at:
-            return self._models  # the tracker failed a moment ago: do not wait for it again yet
-        try:
-            with trio.fail_after(self.config.tracker_timeout_s):
-                models = await self.tracker.models()
-        except (TrackerClientError, httpx.HTTPError, trio.TooSlowError) as err:
-            if self._models:
-                # A tracker outage: the last list still names the models the cached routes serve.
-                self._models_retry_at = now + TRACKER_RETRY_S
-                if not self._models_stale:
-                    self._models_stale = True
-                    event(log, "tracker_unreachable", level=logging.WARNING, error=repr(err))
-                return self._models
-            raise UpstreamFailed(f"the tracker is unreachable: {err!r}", retry_after_s=5) from err
-        if self._models_stale:
-            self._models_stale = False
-            event(log, "tracker_reachable")
-        self._models, self._models_at = models, now
-        return models
-
-    async def list_models(self) -> dict[str, Any]:
-        """Every model the tracker knows: routable ones, and those still being assembled with their
-        coverage; under the stable id (see :func:`protocol.model_id`) and every alias."""
-        models = await self.tracker_models()
-        formats = {fp: tools.tool_format(v.template.source) for fp, v in self.vocabs.loaded().items()}
-        if any(not m.get("routable") for m in models):
-            models = await self._with_coverage(models)
-        return protocol.model_list(models, int(time.time()), self._aliases, formats)
-
-    async def _with_coverage(self, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Models still being assembled: the share of their layers some live node serves."""
-        try:
-            with trio.fail_after(self.config.tracker_timeout_s):
-                swarm = await self.tracker.swarm()
-        except (TrackerClientError, httpx.HTTPError, trio.TooSlowError):
-            return models
-        covered: dict[str, set[int]] = {}
-        for node in swarm.get("nodes", []):
-            shard = node.get("shard") if isinstance(node, dict) else None
-            if node.get("state") != "live" or not isinstance(shard, dict):
-                continue
-            layers = covered.setdefault(str(shard.get("model_fingerprint")), set())
-            layers.update(range(int(shard.get("start", 0)), int(shard.get("end", 0))))
-        out = []
-        for m in models:
-            n = int(m.get("n_layers") or 0)
-            share = len(covered.get(str(m.get("fingerprint")), ())) / n if n else 0.0
-            out.append({**m, "coverage": round(share, 4)})
-        return out
-
-    async def resolve_model(self, model: str) -> str:
-        """A model id, alias, name or fingerprint -> what the tracker knows the model by."""
-        target = self._aliases.get(model, model)
-        try:
-            models = await self.tracker_models(max_age_s=10.0)
-        except UpstreamFailed:
-            return target
-        for m in models:
-            if target == m.get("fingerprint"):
-                return target
-        for m in models:
-            # A name counts only where the tracker says it resolves to this model (tracker/names.py:
-            # registered, or served by trusted nodes); a tracker without the field: every name does.
-            if not m.get("name_resolves", True):
-                continue
-            if target in (m.get("name"), protocol.model_id(str(m.get("name", "")))):
-                return str(m.get("fingerprint") or m.get("name"))
-        return target
-
     # ------------------------------------------------------------------ jobs
 
     async def start_job(
@@ -546,7 +476,7 @@ class GatewayService:
         if request.tools_active:
             structured.check_tool_schemas(request.tools)
         grammar = structured.grammar_for(request)  # a schema it cannot enforce is a 400 here
-        model_key = await self.resolve_model(request.model)
+        model_key = await self.catalog.resolve(request.model)
         send, receive = trio.open_memory_channel[Event](EVENT_BUFFER * request.n)
         job = Job(
             request=request,
@@ -573,7 +503,7 @@ class GatewayService:
         """Whether the request's prompt plus max_tokens fits a route of its model now: the prompt is
         rendered and tokenized as for a request, nothing is opened (a conversation's compaction asks
         this before a turn). No route known: True, and the request itself reports what is wrong."""
-        routes = (await self.routes.routes(await self.resolve_model(request.model))).routes
+        routes = (await self.routes.routes(await self.catalog.resolve(request.model))).routes
         for route in routes[:FIT_PROBES]:
             try:
                 await self._prepare(request, route)
@@ -1441,10 +1371,10 @@ class GatewayService:
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
-    @staticmethod
-    def _progress(request: GenerationRequest, index: int) -> _Progress:
+    def _progress(self, request: GenerationRequest, index: int) -> _Progress:
         stream = tools.ToolStream(request.tools) if request.tools_active else None
-        return _Progress(TextStream(request.stop), index=index, tool_stream=stream)
+        plan = RoutePlan(max_preemptions=self.config.max_preemptions, wait_for_kv=self.config.kv_wait_s > 0)
+        return _Progress(TextStream(request.stop), index=index, tool_stream=stream, plan=plan)
 
     async def _run_choices(
         self,
@@ -1498,7 +1428,7 @@ class GatewayService:
         Recovery replays the token history (prompt and every token streamed so
         far) as prefill on a route without the failed node, then decoding
         continues where it stopped: the client's stream just pauses. At most
-        ``MAX_RECOVERIES`` times per request, and only for failures a new
+        ``MAX_ROUTE_RECOVERIES`` times per choice, and only for failures a new
         route can fix (a broken stream, a node error whose hint is not NONE).
 
         KV. A request that fits a route's context but no route's free KV now
@@ -1509,12 +1439,11 @@ class GatewayService:
         is resumed by the same replay as a recovery, on whichever route has
         room; at most ``max_preemptions`` times, and the node is not avoided.
         """
-        avoid: set[str] = set()
         waiter: KvWaiter | None = None
         try:
             while True:
                 try:
-                    await self._run_once(job, send, progress, arrived, task_status, fork, avoid, waiter)
+                    await self._run_once(job, send, progress, arrived, task_status, fork, waiter)
                     return
                 except _WaitForKv as wait:
                     waiter = await self._kv_turn(job, progress, waiter, wait.error)
@@ -1567,7 +1496,6 @@ class GatewayService:
         arrived: float,
         task_status: trio.TaskStatus[None],
         fork: _Fork | None,
-        avoid: set[str],
         waiter: KvWaiter | None,
     ) -> None:
         """The body of :meth:`_run_sessions` until it succeeds, fails for good or has to wait for KV
@@ -1578,7 +1506,9 @@ class GatewayService:
             in_body = False
             failed_before = progress.last_failure
             try:
-                async with self._open(job, request, frozenset(avoid), progress=progress, fork=fork) as (
+                async with self._open(
+                    job, request, frozenset(progress.plan.avoid), progress=progress, fork=fork
+                ) as (
                     session,
                     prepared,
                 ):
@@ -1628,28 +1558,24 @@ class GatewayService:
                             await fork.all_opened.wait()
                 return
             except GatewayError as err:
-                if not in_body and isinstance(err, KvExhausted) and self.config.kv_wait_s > 0:
-                    raise _WaitForKv(err) from err  # fits a context, not the free KV now: wait for room
-                if in_body and (isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short)):
-                    # Preempted, or a stage had no room for the next step: the session was released on
-                    # every stage; wait for room and resume it by re-prefill (counted, bounded).
-                    self._preempted(job, progress, err)
-                    raise _WaitForKv(err) from err
-                if not in_body and failed_before is not None:
+                step = progress.plan.after(_ended(err, in_body))
+                if step is Next.WAIT_FOR_KV:
+                    if in_body:
+                        # Preempted, or a stage had no room for the next step: the session was released
+                        # on every stage; wait for room and resume it by re-prefill (counted, bounded).
+                        self._preempted(job, progress, err)
+                    raise _WaitForKv(err) from err  # (else it fits a context, not the free KV now)
+                if step is Next.TOO_MANY_PREEMPTIONS:
+                    self._too_many_preemptions(progress, err)
+                if step is Next.GIVE_UP_EARLIER and failed_before is not None:
                     # No route to continue on: the client hears about the failure that stopped it.
                     raise failed_before from err
-                if (
-                    not isinstance(err, StageFailed)
-                    or not in_body
-                    or progress.recoveries >= MAX_RECOVERIES
-                    or not _recoverable(err)
-                ):
+                if step is not Next.RETRY or not isinstance(err, StageFailed):
                     raise
+                # the plan now avoids the failed node and any replacement that failed too
                 progress.last_failure = err
-                progress.recoveries += 1
                 progress.recovering_since = trio.current_time()
                 self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="started")
-                avoid.update(err.failed_nodes)  # the failed node and any replacement that failed too
                 self.routes.invalidate(job.model_key or request.model)
                 for node_id in err.failed_nodes:
                     self.prefix.forget_node(node_id)
@@ -1668,18 +1594,20 @@ class GatewayService:
                 if fork is not None and index == 0 and not fork.ready.is_set():
                     fork.ready.set()  # choice 0 failed before its first token: the others try alone
 
-    def _preempted(self, job: Job, progress: _Progress, err: StageFailed) -> None:
-        """A node preempted this choice's session mid-generation: count it (fail past the bound)."""
-        progress.preemptions += 1
-        if progress.preemptions > self.config.max_preemptions:
-            self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
-            raise Preempted(
-                f"the session was preempted {progress.preemptions} times (the limit is "
-                f"{self.config.max_preemptions}): the swarm's KV is under pressure; last: {err.message}",
-                node_id=err.node_id,
-                remote=err.remote,
-                retry_after_s=err.retry_after_s or self.kv_gate.policy.retry_after_s(),
-            ) from err
+    def _too_many_preemptions(self, progress: _Progress, err: GatewayError) -> NoReturn:
+        self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
+        assert isinstance(err, StageFailed)  # the plan counts preemptions of opened sessions only
+        raise Preempted(
+            f"the session was preempted {progress.plan.preemptions} times (the limit is "
+            f"{progress.plan.max_preemptions}): the swarm's KV is under pressure; last: {err.message}",
+            node_id=err.node_id,
+            remote=err.remote,
+            retry_after_s=err.retry_after_s or self.kv_gate.policy.retry_after_s(),
+        ) from err
+
+    def _preempted(self, job: Job, progress: _Progress, err: GatewayError) -> None:
+        """A node preempted this choice's session mid-generation (counted by the plan): log it."""
+        assert isinstance(err, StageFailed)
         progress.preempted_since = trio.current_time()
         self.routes.invalidate(job.model_key or job.request.model)  # its free KV is news
         event(
@@ -1688,7 +1616,7 @@ class GatewayService:
             request_id=job.request_id,
             choice=progress.index,
             node_id=err.node_id,
-            preemptions=progress.preemptions,
+            preemptions=progress.plan.preemptions,
             tokens_so_far=len(progress.generated),
         )
 

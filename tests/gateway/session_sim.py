@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.route_plan import Ended, EndKind, Next, RoutePlan
 from gateway.session_machine import (
     Closed,
     CloseStream,
@@ -479,13 +480,14 @@ def run_request(
     exact_resume: bool = True,
     max_drafts: int = 0,  # speculative decoding (RouteConfig.max_drafts)
 ) -> RequestResult:
-    """Generate ``max_new`` tokens, the way the gateway's service does (re-running on a fresh route
-    when the machine gives up), with ``faults`` injected."""
+    """Generate ``max_new`` tokens, the way the gateway's service does, with ``faults`` injected:
+    what follows a failed Route Session is the product's own route plan (gateway/route_plan.py).
+    The route choice stands in for the tracker's: the first node per span that the plan does not
+    avoid and that is alive (a dead or hung node stops heartbeating and leaves the registry)."""
     generated: list[int] = []
-    excluded: set[str] = set()
+    plan = RoutePlan(max_preemptions=max_preemptions)
     recoveries = 0
     runs = 0
-    preempted = 0
     spans = sorted(by_span)
     faults = list(faults)
     while True:
@@ -495,10 +497,10 @@ def run_request(
             live = [
                 n
                 for n in by_span[span]
-                if n not in excluded and not swarm.nodes[n].dead and not swarm.nodes[n].hung
+                if n not in plan.avoid and not swarm.nodes[n].dead and not swarm.nodes[n].hung
             ]
             if not live:
-                return RequestResult(generated, f"no node for {span}", recoveries, runs, preempted)
+                return RequestResult(generated, f"no node for {span}", recoveries, runs, plan.preemptions)
             route.append(live[0])
         history = prompt + generated
         budget = len(prompt) + max_new - 1
@@ -553,16 +555,12 @@ def run_request(
         recoveries += machine.recoveries
         del generated[max_new:]
         if swarm.failure is None or stopped:
-            return RequestResult(generated, None, recoveries, runs, preempted)
+            return RequestResult(generated, None, recoveries, runs, plan.preemptions)
         failure = swarm.failure.failure
-        if failure.kind == "preempted":
-            # Keep the tokens, resume by re-prefill on any route (no node is avoided for it), bounded.
-            preempted += 1
-            if preempted > max_preemptions:
-                return RequestResult(generated, failure.message, recoveries, runs, preempted)
-            continue
-        if not failure.replaceable or runs > 4 + preempted:
-            return RequestResult(generated, failure.message, recoveries, runs, preempted)
-        if failure.node_id:
-            excluded.add(failure.node_id)
-        excluded.update(n for n, node in swarm.nodes.items() if node.dead)
+        kind: EndKind = "preempted" if failure.kind == "preempted" else "other"
+        if failure.kind in ("stage", "busy"):
+            kind = "stage"
+        nodes = frozenset({failure.node_id}) if failure.node_id else frozenset()
+        # The session opened (the machine ran it); the tokens are kept for a re-run or a resumption.
+        if plan.after(Ended(kind, True, failure.replaceable, nodes)) not in (Next.RETRY, Next.WAIT_FOR_KV):
+            return RequestResult(generated, failure.message, recoveries, runs, plan.preemptions)
