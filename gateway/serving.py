@@ -38,7 +38,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import httpx
 import nacl.signing
@@ -82,6 +82,7 @@ from gateway.gate import Gate, KvGate, KvWaiter
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
+from gateway.node_standing import NodeStanding
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
@@ -114,7 +115,6 @@ log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
-MAX_UNREACHABLE_REPORTED = 64  # node ids waiting for the next statistics report (proto.announce)
 FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
 
 
@@ -396,14 +396,8 @@ class GatewayService:
         checks_on = config.check_fraction > 0 or config.probation_checks > 0
         self._check_top_logprobs = CHECK_TOP_LOGPROBS if checks_on else 0
         self._rng = random.Random()
-        self._excluded: dict[str, float] = {}  # node id -> monotonic time until which it is avoided
-        # Nodes that did not answer Info or OPEN in time: avoided for avoid_unreachable_s, and named
-        # to the tracker in the next statistics report (it challenges them again before routing).
-        self._unreachable: dict[str, float] = {}
-        self.unreachable_to_report: set[str] = set()
-        self.evidence: list[dict[str, Any]] = []  # verdicts waiting to go to the tracker
-        self.checks_passed: dict[str, int] = {}  # node id -> checks passed since the last report
-        self._passes: dict[str, int] = {}  # node id -> checks passed, as seen by this gateway
+        # Liars and silent nodes avoided, checks passed here, what waits to go to the tracker (bounded).
+        self.standing = NodeStanding()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1173,17 +1167,11 @@ class GatewayService:
     def _on_probation(self, hop: Hop) -> bool:
         """Always checked: the tracker says so, or this gateway has not seen it pass enough checks
         (``probation_checks`` 0: nothing is, a swarm whose operator trusts every node)."""
-        needed = self.config.probation_checks
-        return needed > 0 and (hop.probation or self._passes.get(hop.node_id, 0) < needed)
+        return self.standing.on_probation(hop.node_id, hop.probation, self.config.probation_checks)
 
     def _liars(self) -> frozenset[str]:
         """The nodes this gateway routes around: caught lying, or silent when last dialled."""
-        now = time.monotonic()
-        for avoided in (self._excluded, self._unreachable):
-            for node, until in list(avoided.items()):
-                if until <= now:
-                    del avoided[node]
-        return frozenset(self._excluded) | frozenset(self._unreachable)
+        return self.standing.avoided(time.monotonic())
 
     def _note_unreachable(self, job: Job, err: StageFailed) -> None:
         """A node failed before its session opened without answering an error of its own (dead,
@@ -1192,10 +1180,8 @@ class GatewayService:
         loses this request's route: it cost no time, and the node may announce its real one again."""
         if err.remote is not None or err.answered or isinstance(err, StageBusy) or not err.node_id:
             return
-        if self.config.avoid_unreachable_s > 0:
-            self._unreachable[err.node_id] = time.monotonic() + self.config.avoid_unreachable_s
-        if len(self.unreachable_to_report) < MAX_UNREACHABLE_REPORTED:
-            self.unreachable_to_report.add(err.node_id)
+        avoid_s = self.config.avoid_unreachable_s
+        self.standing.avoid_silent(err.node_id, time.monotonic() + avoid_s if avoid_s > 0 else None)
         self.metrics.inc("swarm_gateway_unreachable_nodes_total")
         event(
             log,
@@ -1214,7 +1200,7 @@ class GatewayService:
             self.metrics.inc("swarm_gateway_checks_total", outcome="liar_caught")
             # Across recipes a verdict may be an honest near-tie: avoided a while, not for a day.
             avoid_s = self.config.exclude_liars_s if result.exact else min(self.config.exclude_liars_s, 600.0)
-            self._excluded[result.node_id] = time.monotonic() + avoid_s
+            self.standing.avoid_liar(result.node_id, time.monotonic() + avoid_s)
             self.routes.invalidate(job.model_key or job.request.model)
         event(
             log,
@@ -1227,16 +1213,14 @@ class GatewayService:
             positions=[divergence.key[1], divergence.key[2]],
             detail=result.detail,
         )
-        self.evidence.append(evidence(self.gateway_id, job.request_id, result, divergence, judge))
+        self.standing.add_evidence(evidence(self.gateway_id, job.request_id, result, divergence, judge))
 
     def _checks_done(self, job: Job, run: CheckedSession) -> None:
         stats = run.stats
         passed = stats.divergences == 0 and stats.unchecked_since is None and stats.compared_steps > 0
         if passed:
             self.metrics.inc("swarm_gateway_checks_total", outcome="passed")
-            for node in run.checked_node_ids:  # not nodes both runs shared: nothing checked them
-                self.checks_passed[node] = self.checks_passed.get(node, 0) + 1
-                self._passes[node] = self._passes.get(node, 0) + 1
+            self.standing.passed(run.checked_node_ids)  # not nodes both runs shared: nothing checked them
         elif stats.parted_at is not None:
             # Two recipes parted at a near tie the tolerance accepts: nobody accused, nobody credited.
             self.metrics.inc("swarm_gateway_checks_total", outcome="parted")

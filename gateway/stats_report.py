@@ -90,20 +90,10 @@ def build_report(
         ttft_p95_s=None if math.isnan(p95) else min(p95, 86_400.0),
         routes=tuple(RouteStat(r[:400], int(n)) for r, n in inflight[:MAX_ROUTE_STATS] if n > 0),
         url=url[:255],
-        nodes=observed.drain() if (observed := getattr(service, "observed", None)) is not None else (),
+        nodes=service.observed.drain(),
         rtt_samples=rtt.take_samples() if rtt is not None else (),
-        unreachable=_take_unreachable(service),
+        unreachable=service.standing.take_unreachable(),
     )
-
-
-def _take_unreachable(service: Any) -> tuple[str, ...]:
-    """The nodes the service found silent since the last report (each named once)."""
-    waiting = getattr(service, "unreachable_to_report", None)
-    if not waiting:
-        return ()
-    out = tuple(sorted(waiting))
-    waiting.clear()
-    return out
 
 
 async def report_stats_loop(

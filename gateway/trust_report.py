@@ -1,16 +1,15 @@
 """What this gateway tells the tracker about trust: spot checks passed, verdicts, measured node speeds.
 
-* **Checks and evidence.** The service counts the spot checks each node
-  passed (``GatewayService.checks_passed``) and queues the verdicts of
-  disagreements (``GatewayService.evidence``, dicts of
-  ``gateway.checks.evidence``). :func:`report_trust_loop` drains both every
-  :data:`REPORT_INTERVAL_S` seconds into signed ``POST /v1/checks`` and
-  ``POST /v1/evidence`` calls. A report that fails in transit is kept for the
-  next round (at most :data:`MAX_PENDING_EVIDENCE` verdicts and
-  ``proto.announce.MAX_CHECK_ENTRIES`` nodes per report; the oldest verdicts
-  are dropped first, counted); one the tracker refuses (400: malformed, 403:
-  this gateway is not registered) is dropped and logged, since sending it
-  again cannot help.
+* **Checks and evidence.** The service's :class:`gateway.node_standing.NodeStanding`
+  counts the spot checks each node passed (``checks_passed``) and queues the
+  verdicts of disagreements (``evidence``, dicts of ``gateway.checks.evidence``).
+  :func:`report_trust_loop` drains both every :data:`REPORT_INTERVAL_S` seconds
+  into signed ``POST /v1/checks`` and ``POST /v1/evidence`` calls. A report
+  that fails in transit is kept for the next round (the queue is bounded where
+  verdicts are added: the oldest are dropped first, counted here as
+  ``outcome="dropped"``; at most ``proto.announce.MAX_CHECK_ENTRIES`` nodes per
+  checks report); one the tracker refuses (400: malformed, 403: this gateway
+  is not registered) is dropped and logged, since sending it again cannot help.
 * **Measured speed.** :class:`ObservedSpeed` turns a finished Route
   Session's per-token decode time (its machine's ``ewma_step_s``) into each
   stage's share, by the stages' layer counts, and averages them per node
@@ -48,7 +47,6 @@ from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway.trust")
 REPORT_INTERVAL_S = 2.0
-MAX_PENDING_EVIDENCE = 256
 MAX_OBSERVED_NODES = MAX_NODE_SPEEDS
 
 
@@ -99,7 +97,8 @@ def _evidence(raw: Any) -> Evidence | None:
 async def report_trust_once(service: Any, tracker: TrackerClient, *, timeout_s: float) -> dict[str, int]:
     """One round: the checks passed so far and every queued verdict; returns what was sent."""
     sent = {"checks": 0, "evidence": 0}
-    pending: list[Any] = getattr(service, "evidence", [])
+    standing = service.standing
+    pending: list[Any] = standing.evidence
     while pending:
         item = _evidence(pending[0])
         if item is None:
@@ -118,7 +117,7 @@ async def report_trust_once(service: Any, tracker: TrackerClient, *, timeout_s: 
         pending.pop(0)
         sent["evidence"] += 1
         service.metrics.inc("swarm_gateway_trust_reports_total", kind="evidence", outcome="ok")
-    passed: dict[str, int] = getattr(service, "checks_passed", {})
+    passed: dict[str, int] = standing.checks_passed
     while passed:
         batch = sorted(passed.items())[:MAX_CHECK_ENTRIES]
         results = CheckResults(
@@ -134,14 +133,14 @@ async def report_trust_once(service: Any, tracker: TrackerClient, *, timeout_s: 
         except TrackerClientError as err:
             if err.status >= 500:
                 for p in results.passed:  # back for the next round
-                    passed[p.node_id] = passed.get(p.node_id, 0) + p.checks
+                    standing.credit(p.node_id, p.checks)
                 raise
             service.metrics.inc("swarm_gateway_trust_reports_total", kind="checks", outcome="refused")
             event(log, "checks_refused", level=logging.ERROR, status=err.status, error=str(err))
             continue
         except BaseException:
             for p in results.passed:
-                passed[p.node_id] = passed.get(p.node_id, 0) + p.checks
+                standing.credit(p.node_id, p.checks)
             raise
         sent["checks"] += len(results.passed)
         service.metrics.inc("swarm_gateway_trust_reports_total", kind="checks", outcome="ok")
@@ -161,10 +160,8 @@ async def report_trust_loop(
     failing = False
     while True:
         await trio.sleep(interval_s)
-        pending: list[Any] = getattr(service, "evidence", [])
-        if len(pending) > MAX_PENDING_EVIDENCE:
-            dropped = len(pending) - MAX_PENDING_EVIDENCE
-            del pending[:dropped]
+        dropped = service.standing.take_evidence_dropped()
+        if dropped:
             service.metrics.inc(
                 "swarm_gateway_trust_reports_total", dropped, kind="evidence", outcome="dropped"
             )

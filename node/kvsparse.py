@@ -25,6 +25,12 @@ mapping's length with ``IS_MMAPPED`` in the second word of its first page), read
 matches (another build or C library, an SWA model with two caches, GPU offload),
 :func:`create_sparse` returns None for the buffer (nothing is dropped) and the caller falls
 back.
+
+A fresh mapping is made sure of first (:func:`mapped_allocations`): glibc maps new memory for a
+large request only when no free chunk of its heap is big enough, and a long-lived process (a test
+run, a node that made and freed contexts) can hold one -- the buffer then lands inside ``[heap]``,
+no new mapping shows up, and CI once saw exactly that. Such chunks are taken and held while the
+context is made, so that ggml's request finds none.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 PAGE = 4096
@@ -52,6 +59,17 @@ log = logging.getLogger("swarm.engine")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+_libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+_libc.posix_memalign.restype = ctypes.c_int
+_libc.free.argtypes = [ctypes.c_void_p]
+_libc.free.restype = None
+GGML_ALIGN = 64  # ggml_aligned_malloc's posix_memalign alignment
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): freeing a mapped
+# chunk no larger than this raises the threshold to its size (later requests of that size then go
+# to the heap); a larger one changes nothing.
+MMAP_THRESHOLD_MAX = 32 << 20
+# At most this many heap chunks are taken out of malloc's reach while a context is made.
+MAX_HELD_CHUNKS = 64
 
 
 def _pad(n: int, a: int) -> int:
@@ -140,6 +158,43 @@ def locate(lo: int, length: int, want: int, read: Callable[[int, int], bytes]) -
         if n is not None and _matches(n, want) and page + n <= hi:
             hits.append((page, n))
     return hits[0] if len(hits) == 1 else None
+
+
+def is_mapped_chunk(ptr: int) -> bool:
+    """Whether ``ptr``, a live pointer malloc returned, is an mmapped chunk (glibc's size word, just
+    below it, has IS_MMAPPED)."""
+    return bool(ctypes.c_uint64.from_address(ptr - 8).value & IS_MMAPPED)
+
+
+@contextmanager
+def mapped_allocations(size: int) -> Iterator[bool]:
+    """While inside, an allocation of ``size`` bytes made on this thread (ggml's ``posix_memalign``
+    of the KV buffer) is a fresh mapping of its own, not a piece of a free heap chunk.
+
+    glibc serves a large request from a free chunk big enough (or the heap top) before it maps new
+    memory. Probes of the same request are made until one comes back mapped: every heap chunk a
+    probe got is held (out of reach: it is free memory already, holding it costs nothing resident)
+    until the block exits. Yields False when no probe came back mapped (at most
+    :data:`MAX_HELD_CHUNKS`, or malloc failed): the caller may still try, and finds no new mapping."""
+    held: list[int] = []
+    mapped = False
+    try:
+        for _ in range(MAX_HELD_CHUNKS):
+            ptr = ctypes.c_void_p()
+            if _libc.posix_memalign(ctypes.byref(ptr), GGML_ALIGN, size) != 0 or not ptr.value:
+                break
+            if is_mapped_chunk(ptr.value):
+                mapped = True
+                if size > MMAP_THRESHOLD_MAX:
+                    _libc.free(ptr.value)  # no threshold change: no second mapping held meanwhile
+                else:
+                    held.append(ptr.value)
+                break
+            held.append(ptr.value)
+        yield mapped
+    finally:
+        for ptr_value in held:
+            _libc.free(ptr_value)
 
 
 class OwnMemory:
@@ -233,39 +288,43 @@ def create_sparse(create: Callable[[], object], geometry: KvGeometry) -> tuple[o
     KV buffer as llama.cpp clears it (zeros either way), so the buffer is never all resident.
     Returns what ``create`` returned and the buffer (None: not found, nothing was dropped)."""
     want = geometry.buffer_bytes
-    before = anon_mappings()
-    memory = OwnMemory()
-    done = threading.Event()
-    found: list[tuple[int, int]] = []
+    # Held (see mapped_allocations) until the buffer is located: a held chunk is in ``before``.
+    with mapped_allocations(want) as mapped:
+        if not mapped:
+            log.warning("sparse kv: no fresh mapping could be made sure of for %d bytes", want)
+        before = anon_mappings()
+        memory = OwnMemory()
+        done = threading.Event()
+        found: list[tuple[int, int]] = []
 
-    def dropper() -> None:
-        while not done.is_set():
-            if not found:
-                for lo, n in new_ranges(before, anon_mappings()):
-                    hit = locate(lo, n, want, memory.read)
-                    if hit is not None:
-                        found.append(hit)
-                        # Other flags than its neighbours': the kernel splits it off a merged range
-                        # and no longer merges it with later ones.
-                        madvise(hit[0], hit[1], MADV_NOHUGEPAGE)
-                        break
-            if found:
-                lo, n = found[0]
-                for off in range(PAGE, n, 64 << 20):  # not the first page: malloc's chunk header
-                    madvise(lo + off, min(64 << 20, n - off), MADV_DONTNEED)
-            done.wait(0.002)
+        def dropper() -> None:
+            while not done.is_set():
+                if not found:
+                    for lo, n in new_ranges(before, anon_mappings()):
+                        hit = locate(lo, n, want, memory.read)
+                        if hit is not None:
+                            found.append(hit)
+                            # Other flags than its neighbours': the kernel splits it off a merged range
+                            # and no longer merges it with later ones.
+                            madvise(hit[0], hit[1], MADV_NOHUGEPAGE)
+                            break
+                if found:
+                    lo, n = found[0]
+                    for off in range(PAGE, n, 64 << 20):  # not the first page: malloc's chunk header
+                        madvise(lo + off, min(64 << 20, n - off), MADV_DONTNEED)
+                done.wait(0.002)
 
-    thread = threading.Thread(target=dropper, name="kv-page-dropper", daemon=True)
-    thread.start()
-    try:
-        result = create()
-    finally:
-        done.set()
-        thread.join()
-    try:
-        located = [locate(lo, n, want, memory.read) for lo, n in new_ranges(before, anon_mappings())]
-    finally:
-        memory.close()
+        thread = threading.Thread(target=dropper, name="kv-page-dropper", daemon=True)
+        thread.start()
+        try:
+            result = create()
+        finally:
+            done.set()
+            thread.join()
+        try:
+            located = [locate(lo, n, want, memory.read) for lo, n in new_ranges(before, anon_mappings())]
+        finally:
+            memory.close()
     new = [hit for hit in located if hit is not None]
     if found and found[0] in new:
         new = found[:1]  # seen alone as it was mapped (a later allocation cannot have merged with it)

@@ -2,7 +2,8 @@
 verdicts filed (a conclusive one bans the liar), refusals dropped, outages retried; measured speeds.
 
 The service here is a stand-in holding exactly what the reporter reads from ``GatewayService``
-(``gateway_id``, ``metrics``, ``evidence``, ``checks_passed``): the reporter's whole input."""
+(``gateway_id``, ``metrics``, and ``standing``: a real ``NodeStanding`` holding the queued verdicts and
+checks passed): the reporter's whole input."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import trio
 
 from gateway.metrics import Metrics
+from gateway.node_standing import NodeStanding
 from gateway.trust_report import ObservedSpeed, report_trust_once
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
@@ -40,8 +42,16 @@ def nid(i: int) -> str:
 class Service:
     gateway_id: str
     metrics: Metrics = field(default_factory=Metrics)
-    evidence: list[dict[str, Any]] = field(default_factory=list)
-    checks_passed: dict[str, int] = field(default_factory=dict)
+    standing: NodeStanding = field(default_factory=NodeStanding)
+
+
+def service_with(checks_passed: dict[str, int], evidence: list[dict[str, Any]]) -> Service:
+    service = Service(public_key_hex(GW))
+    for node, checks in checks_passed.items():
+        service.standing.credit(node, checks)
+    for item in evidence:
+        service.standing.add_evidence(item)
+    return service
 
 
 def verdict(liar: int, honest: int, judge: int) -> dict[str, Any]:
@@ -102,13 +112,11 @@ async def test_checks_and_verdicts_reach_the_tracker(tmp_path: Path) -> None:
         tracker = await start_tracker(nursery, tmp_path, registered_gateways=public_key_hex(GW))
         for i in (1, 2, 3):
             await announce(tracker.url, i)
-        service = Service(
-            public_key_hex(GW), checks_passed={nid(2): 2, nid(3): 1}, evidence=[verdict(1, 2, 3)]
-        )
+        service = service_with({nid(2): 2, nid(3): 1}, [verdict(1, 2, 3)])
         async with TrackerClient(tracker.url, GW) as client:
             sent = await report_trust_once(service, client, timeout_s=10)
             assert sent == {"checks": 2, "evidence": 1}
-            assert service.evidence == [] and service.checks_passed == {}
+            assert service.standing.evidence == [] and service.standing.checks_passed == {}
             trust = {i: await client.node_trust(nid(i)) for i in (1, 2, 3)}
             assert trust[1]["state"] == "banned" and trust[1]["banned_until"] is not None
             assert (trust[2]["checks_passed"], trust[2]["probation"]) == (2, False)
@@ -126,19 +134,19 @@ async def test_refused_reports_are_dropped_and_an_outage_keeps_them(tmp_path: Pa
     async with trio.open_nursery() as nursery:
         tracker = await start_tracker(nursery, tmp_path, registered_gateways=public_key_hex(other))
         await announce(tracker.url, 1)
-        service = Service(public_key_hex(GW), checks_passed={nid(1): 3}, evidence=[verdict(1, 2, 3)])
+        service = service_with({nid(1): 3}, [verdict(1, 2, 3)])
         async with TrackerClient(tracker.url, GW) as client:  # not the registered gateway
             assert await report_trust_once(service, client, timeout_s=10) == {"checks": 0, "evidence": 0}
-        assert service.evidence == [] and service.checks_passed == {}
+        assert service.standing.evidence == [] and service.standing.checks_passed == {}
         refused = service.metrics.total("swarm_gateway_trust_reports_total", outcome="refused")
         assert refused == 2
         nursery.cancel_scope.cancel()
     # the tracker is gone: everything stays queued for the next round
-    service = Service(public_key_hex(GW), checks_passed={nid(1): 3}, evidence=[verdict(1, 2, 3)])
+    service = service_with({nid(1): 3}, [verdict(1, 2, 3)])
     async with TrackerClient(tracker.url, GW) as client:
         with pytest.raises(Exception):  # noqa: B017  (a transport error of httpx)
             await report_trust_once(service, client, timeout_s=5)
-    assert len(service.evidence) == 1 and service.checks_passed == {nid(1): 3}
+    assert len(service.standing.evidence) == 1 and service.standing.checks_passed == {nid(1): 3}
 
 
 @dataclass(frozen=True)

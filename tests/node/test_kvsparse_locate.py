@@ -10,8 +10,12 @@ here, read back through /proc/self/mem.
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,11 +46,14 @@ def test_glibc_marks_a_large_aligned_allocation_as_an_mmapped_chunk_of_its_mappi
     libc = ctypes.CDLL(None)
     libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    size = 64 << 20  # above glibc's largest mmap threshold: always a mapping of its own
-    before = kvsparse.anon_mappings()
+    size = 64 << 20  # above glibc's largest mmap threshold: a mapping of its own where no free chunk fits
     ptr = ctypes.c_void_p()
-    assert libc.posix_memalign(ctypes.byref(ptr), 64, size) == 0
+    with kvsparse.mapped_allocations(size) as made_sure:
+        assert made_sure
+        before = kvsparse.anon_mappings()
+        assert libc.posix_memalign(ctypes.byref(ptr), 64, size) == 0
     try:
+        assert kvsparse.is_mapped_chunk(ptr.value or 0)
         page = (ptr.value or 0) // PAGE * PAGE
         length = mmapped_chunk_length(memory.read, page)
         assert length is not None and size <= length <= size + 2 * PAGE
@@ -94,3 +101,46 @@ def test_a_range_unmapped_meanwhile_reads_as_no_chunk() -> None:
     assert mmapped_chunk_length(gone, 0x7F0000000000) is None
     assert locate(0x7F0000000000, WANT + 20 * PAGE, WANT, gone) is None
     assert locate(0x7F0000000000, WANT + PAGE, WANT, gone) == (0x7F0000000000, WANT + PAGE)  # its own length
+
+
+# A long-lived process's heap with a free chunk big enough for the request (CI's test process had
+# one: the KV buffer landed inside [heap] and no new mapping showed up). mallopt is process-wide, so
+# this runs in a child of its own.
+_FRAGMENTED_HEAP = """
+import ctypes, json
+from node import kvsparse
+libc = ctypes.CDLL(None)
+libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+M_MMAP_THRESHOLD = -3
+SIZE = 64 << 20
+def alloc(n):
+    p = ctypes.c_void_p()
+    assert libc.posix_memalign(ctypes.byref(p), 64, n) == 0
+    return p.value
+libc.mallopt(M_MMAP_THRESHOLD, 256 << 20)  # large requests from the heap for a moment
+big = alloc(2 * SIZE)
+guard = alloc(SIZE)  # cut from the heap top right above: freed, the big chunk stays in malloc's bins
+libc.free(big)
+libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # glibc's usual largest threshold again
+p = alloc(SIZE)
+plain = kvsparse.is_mapped_chunk(p)
+libc.free(p)
+with kvsparse.mapped_allocations(SIZE) as made_sure:
+    q = alloc(SIZE)
+    guarded = kvsparse.is_mapped_chunk(q)
+    libc.free(q)
+print(json.dumps({"plain": plain, "made_sure": made_sure, "guarded": guarded}))
+"""
+
+
+@pytest.mark.slow  # a child process (mallopt would change this one for good)
+def test_a_free_heap_chunk_big_enough_is_held_so_the_allocation_is_a_fresh_mapping() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _FRAGMENTED_HEAP], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    # without the guard the request is served from the free chunk; inside it, by a new mapping
+    assert json.loads(done.stdout) == {"plain": False, "made_sure": True, "guarded": True}
