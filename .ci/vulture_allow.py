@@ -42,6 +42,9 @@ _.unregister_model
 # protocol's third argument (node.progress, tracker.client).
 _.service_type, _.tb
 
+# httpx calls a transport's handle_async_request (tests/tracker/test_tracker_client_failover.py).
+_.handle_async_request
+
 # The architecture table's documentation column (node.architectures.ArchSpec.examples).
 _.examples
 

@@ -275,8 +275,17 @@ class RouteCache:
             raise UpstreamFailed("the tracker is unreachable (a recent look-up failed)", retry_after_s=5)
         try:
             fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens)
-        except UpstreamFailed:
+        except UpstreamFailed as err:
+            # Logged once per hold: the requests refused meanwhile name it only as "a recent look-up".
             self._tracker_down_until = self._clock() + TRACKER_RETRY_S
+            event(
+                log,
+                "tracker_lookup_failed",
+                level=logging.WARNING,
+                model=model,
+                error=err.message,
+                hold_s=TRACKER_RETRY_S,
+            )
             raise
         if self._outage:
             self._outage = False

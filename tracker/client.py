@@ -125,8 +125,11 @@ class TrackerClient:
         """One call, on the current replica and then on each other one until one answers."""
         last: httpx.TransportError | None = None
         failed: TrackerClientError | None = None
+        # Where this call starts: a concurrent call may fail over meanwhile, and reading _current per
+        # attempt would then send this one back to the replica it just found dead, never to the other.
+        first = self._current
         for attempt in range(len(self.urls)):
-            index = (self._current + attempt) % len(self.urls)
+            index = (first + attempt) % len(self.urls)
             try:
                 response = await self._http.request(
                     method,

@@ -12,10 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, imported only when a plot is drawn: a run with
+    ``--no-plots`` never loads it (a first import on a fresh machine builds the font cache with
+    ``fc-list``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
@@ -29,6 +36,7 @@ def plot_run(result: dict[str, Any], out_dir: Path) -> list[Path]:
     t = ts["t_s"]
     policy = result["policy"]
     title = f"{result['scenario']} ({policy['placement']} placement, {policy['routing']} routing)"
+    plt = _pyplot()
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     axes[0].plot(t, ts["tokens_per_s"], color="tab:blue")
     axes[0].set_ylabel("tokens/s served")
@@ -48,6 +56,7 @@ def plot_run(result: dict[str, Any], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     models = ts["coverage_by_model"]
+    plt = _pyplot()
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.5 * len(models)), squeeze=False)
     for row, (name, rows) in enumerate(models.items()):
         ax = axes[row][0]
@@ -112,6 +121,7 @@ def comparison(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str)
 
 def plot_compare(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for res, label in ((a, label_a), (b, label_b)):
         ts = res["timeseries"]
