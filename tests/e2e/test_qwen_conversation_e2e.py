@@ -11,7 +11,6 @@ the messages it left out once the conversation outgrew 2,048 positions. Between 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,18 +23,12 @@ from common.vocab import Vocabulary
 from gateway.chat_template import ChatTemplate
 from gateway.conversations import prompt_of
 from gateway.protocol import ChatMessage
-from node import testmodel
 from node.llama_runtime import ContextSettings
 from node.reference import ReferenceModel
 from sim.launcher import LocalSwarm, start_local_swarm
+from tests.e2e.conftest import QWEN_OPT_IN
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("SWARM_QWEN_TESTS") != "1",
-        reason="Qwen2.5-Coder (1.1 GB) is opt-in: SWARM_QWEN_TESTS=1",
-    ),
-]
+pytestmark = QWEN_OPT_IN
 
 N_NEW = 24
 STEP = 256  # the nodes' --batch-tokens and the gateway's prefill step: the reference cuts the same
@@ -63,14 +56,6 @@ QUESTIONS = [
     "Could merge be a generator instead? Show it.",
     "Summarize the changes we discussed.",
 ]
-
-
-@pytest.fixture(scope="module")
-def qwen() -> Path:
-    try:
-        return testmodel.qwen_coder_model_path()
-    except Exception as err:  # noqa: BLE001 - any reason the model is not there is a skip
-        pytest.skip(f"Qwen2.5-Coder not available: {err}")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ holds KV on either node.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,32 +23,18 @@ import openai
 import pytest
 
 from common.vocab import Vocabulary
-from node import testmodel
 from node.llama_runtime import ContextSettings
 from node.reference import ReferenceModel
 from sim.launcher import LocalSwarm, start_local_swarm
+from tests.e2e.conftest import QWEN_OPT_IN
 from tests.e2e.swarm_helpers import node_load
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("SWARM_QWEN_TESTS") != "1",
-        reason="Qwen2.5-Coder (1.1 GB) is opt-in: SWARM_QWEN_TESTS=1",
-    ),
-]
+pytestmark = QWEN_OPT_IN
 
 N_NEW = 16
 STEP = 512  # the nodes' --batch-tokens and the gateway's prefill step: the reference cuts the same
 LOW, HIGH = 15_900, 16_000  # prompt tokens
 N_CTX = 16_384 + 256
-
-
-@pytest.fixture(scope="module")
-def qwen() -> Path:
-    try:
-        return testmodel.qwen_coder_model_path()
-    except Exception as err:  # noqa: BLE001 - any reason the model is not there is a skip
-        pytest.skip(f"Qwen2.5-Coder not available: {err}")
 
 
 @pytest.fixture(scope="module")
