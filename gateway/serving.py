@@ -54,12 +54,6 @@ from gateway.checked import CheckedSession
 from gateway.checks import (
     CHECK_TOP_LOGPROBS,
     CheckPolicy,
-    Divergence,
-    Tolerance,
-    Verdict,
-    divergence_stage,
-    evidence,
-    plain_greedy,
 )
 from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
@@ -82,14 +76,12 @@ from gateway.gate import Gate, KvGate, KvWaiter
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
-from gateway.node_standing import NodeStanding
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_plan import Ended, Next, RoutePlan
 from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
 from gateway.routes import (
-    Hop,
     NodeInfoCache,
     Route,
     RouteCache,
@@ -98,8 +90,9 @@ from gateway.routes import (
     kv_limit,
     step_limit,
 )
-from gateway.session_machine import HopTimed, StepReport, StepTimed
+from gateway.session_machine import HopTimed, StepTimed
 from gateway.span_finder import span_finder
+from gateway.spot_checks import CheckedJob, SpotChecks
 from gateway.textstream import TextStream
 from gateway.tracker_key import TrackerKey
 from gateway.trust_report import ObservedSpeed
@@ -396,8 +389,8 @@ class GatewayService:
         checks_on = config.check_fraction > 0 or config.probation_checks > 0
         self._check_top_logprobs = CHECK_TOP_LOGPROBS if checks_on else 0
         self._rng = random.Random()
-        # Liars and silent nodes avoided, checks passed here, what waits to go to the tracker (bounded).
-        self.standing = NodeStanding()
+        self.spot = SpotChecks(config, self.metrics, self.routes, self.node_infos, self.gateway_id)
+        self.standing = self.spot.standing  # read by the trust and statistics reporters
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -587,7 +580,7 @@ class GatewayService:
             self.prefix.take(None)
             return route, prepared, None
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
-        suspects = {h.node_id for h in holder.hops if self._on_probation(h)} if holder is not None else set()
+        suspects = set() if holder is None else {h.node_id for h in holder.hops if self.spot.on_probation(h)}
         if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
             # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
             # from a cold request: through a node on probation that another route could check,
@@ -701,7 +694,7 @@ class GatewayService:
         streamed yet, so this is invisible to the client.
         """
         model_routes = await self.routes.routes(job.model_key or request.model)
-        excluded: set[str] = set(avoid) | self._liars()
+        excluded: set[str] = set(avoid) | self.spot.avoided()
         last_error: StageFailed | None = None
         index = progress.index if progress is not None else 0
         # Nodes on probation that no other route could check: routed around while another route
@@ -735,7 +728,7 @@ class GatewayService:
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
                 self.routes.invalidate(job.model_key or request.model)
                 self.prefix.forget_node(err.node_id)
-                self._note_unreachable(job, err)
+                self.spot.note_unreachable(job.request_id, err)
                 excluded.add(err.node_id)
                 last_error = err
                 continue
@@ -778,7 +771,7 @@ class GatewayService:
                 # the forked nor the kept KV (see docs/security.md).
                 checkable = request.n == 1 and kv_source is None
                 checked = checkable and self.checks.wants(
-                    self._rng, any(self._on_probation(h) for h in route.hops)
+                    self._rng, any(self.spot.on_probation(h) for h in route.hops)
                 )
                 async with (
                     self._session(
@@ -805,15 +798,36 @@ class GatewayService:
                         job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
                     run: Run = session
                     if checked:
-                        run = await self._checked(
+
+                        def open_check(
+                            other: Route,
+                            stages: Sequence[StageInfo],
+                            encodings: Sequence[frame_pb2.Encoding] | None,
+                            prepared: _Prepared = prepared,
+                            sampling: codec.SamplingSettings = sampling,
+                            step_tokens: int = step_tokens,
+                        ) -> AbstractAsyncContextManager[RouteSession]:
+                            return self._session(
+                                job,
+                                request,
+                                other,
+                                prepared,
+                                sampling,
+                                step_tokens,
+                                report_steps=True,
+                                isolated=self.config.isolates(True, prepared.vocab.architecture),
+                                stages=stages,
+                                encodings=encodings,
+                            )
+
+                        run = await self.spot.checked(
                             stack,
-                            job,
-                            request,
+                            CheckedJob(job.request_id, job.model_key or request.model),
                             route,
-                            prepared,
-                            sampling,
-                            step_tokens,
                             session,
+                            prepared.stages,
+                            sampling,
+                            open_check,
                             allow_unconfirmed=allow_unconfirmed,
                         )
                     try:
@@ -828,7 +842,7 @@ class GatewayService:
                         if run.relays:
                             self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
                         if isinstance(run, CheckedSession):
-                            self._checks_done(job, run)
+                            self.spot.done(run)
                         if warm and session.finished and session.recoveries == 0:
                             m = session.machine
                             self.prefix.put(
@@ -873,7 +887,7 @@ class GatewayService:
                 for hop in route.hops:
                     self.node_infos.forget(hop)
                     self.prefix.forget_node(hop.node_id)
-                self._note_unreachable(job, err)
+                self.spot.note_unreachable(job.request_id, err)
                 excluded.add(err.node_id)
                 last_error = err
             finally:
@@ -977,255 +991,6 @@ class GatewayService:
             self.metrics.observe("swarm_gateway_step_seconds", timing.seconds)
         else:
             self.metrics.observe("swarm_gateway_hop_latency_seconds", timing.seconds)
-
-    async def _other_route(
-        self,
-        model: str,
-        like: Route,
-        avoid: frozenset[str],
-        suspects: frozenset[str] | None = None,
-    ) -> tuple[Route, list[StageInfo]]:
-        """A route to check ``like`` against (a shadow or a judge), best first.
-
-        Without ``suspects`` (a judge): none of ``avoid``'s nodes. With them (a shadow): it must
-        replace at least one suspect (every node of ``like`` when there are none), and the more
-        suspects it replaces the better; nodes it shares with ``like`` saw the same inputs twice
-        and are not checked by it. Then one runtime recipe with ``like`` (bit-for-bit comparison;
-        across recipes the tolerance of :func:`gateway.checks.agree`). Among equals: the same layer
-        boundaries first (every stage compares), then no node of ``avoid`` at all; a route cut
-        otherwise -- nodes that together cover a span nobody else holds -- compares where the
-        boundaries meet (at least the sampled token)."""
-        spans = [(h.start, h.end) for h in like.hops]
-        liars = self._liars()
-        nodes = [h.node_id for h in like.hops]
-        strict = suspects is None
-        everyone = frozenset(nodes)
-        # What the route must replace: a judge none of avoid; a shadow the suspects, else (when no
-        # route replaces one: they hold spans nobody else does) any node it can.
-        wants = [avoid] if suspects is None else [w for w in (suspects, everyone) if w]
-
-        async def recipes(route: Route) -> list[StageInfo] | None:
-            try:
-                return [await self.node_infos.get(h, like.model_fingerprint) for h in route.hops]
-            except StageFailed:  # a node that does not answer cannot check anything
-                return None
-
-        mine = await recipes(like)
-        own = {st.check_fingerprint or st.recipe_fingerprint for st in mine or ()}
-
-        async def best_of(
-            pool: list[Route], wanted: frozenset[str]
-        ) -> tuple[tuple[int, ...], Route, list[StageInfo]] | None:
-            best: tuple[tuple[int, ...], Route, list[StageInfo]] | None = None
-            for candidate in pool:
-                ids = {h.node_id for h in candidate.hops}
-                if [h.node_id for h in candidate.hops] == nodes or ids & liars or (strict and ids & avoid):
-                    continue
-                replaced = len(wanted - ids)
-                if replaced == 0:
-                    continue
-                same = [(h.start, h.end) for h in candidate.hops] == spans
-                stages = await recipes(candidate)
-                if stages is None:
-                    continue
-                # One recipe on both runs: compared bit for bit; else with the tolerance of
-                # gateway.checks.agree (weaker), so a shadow of the primary's recipe comes first.
-                theirs = {st.check_fingerprint or st.recipe_fingerprint for st in stages}
-                one_recipe = int(len(own | theirs) == 1)
-                score = (int(replaced == len(wanted)), one_recipe, replaced, int(same), int(not ids & avoid))
-                if best is None or score > best[0]:
-                    best = (score, candidate, stages)
-            return best
-
-        pool = list((await self.routes.routes(model)).routes)
-        found = await best_of(pool, wants[0])
-        if found is None or found[0] != (1, 1, len(wants[0]), 1, 1):
-            try:  # a fresh look-up may know better routes than the cached ones
-                pool += (
-                    await self.routes.fetch_excluding(model, (avoid if strict else frozenset()) | liars)
-                ).routes
-            except NoRoute:
-                pass
-        for wanted in wants:
-            found = await best_of(pool, wanted)
-            if found is not None:
-                return found[1], found[2]
-        raise NoRoute(f"no other route covering the layers {spans} that could check this one")
-
-    async def _checked(
-        self,
-        stack: AsyncExitStack,
-        job: Job,
-        request: GenerationRequest,
-        route: Route,
-        prepared: _Prepared,
-        sampling: codec.SamplingSettings,
-        step_tokens: int,
-        primary: RouteSession,
-        *,
-        allow_unconfirmed: bool = True,
-    ) -> Run:
-        """The request also runs on a shadow route (spot check). Without one: unchecked when every
-        node of the route is trusted or ``allow_unconfirmed``; else :class:`Unconfirmable`, naming
-        the route's nodes on probation (the caller takes another route)."""
-        primary_nodes = frozenset(h.node_id for h in route.hops)
-        suspects = frozenset(h.node_id for h in route.hops if self._on_probation(h))
-        same_encodings = primary.machine.config.encodings
-
-        def encodings_for(other: Route) -> Sequence[frame_pb2.Encoding] | None:
-            # Honest nodes report the same digests only when fed alike: the primary's encodings
-            # where the routes are cut alike; a route cut otherwise sends at the data plane's choice.
-            same = [(h.start, h.end) for h in other.hops] == [(h.start, h.end) for h in route.hops]
-            return same_encodings if same else None
-
-        try:
-            shadow_route, stages = await self._other_route(
-                job.model_key or request.model, route, primary_nodes, suspects
-            )
-            shadow = await stack.enter_async_context(
-                self._session(
-                    job,
-                    request,
-                    shadow_route,
-                    prepared,
-                    sampling,
-                    step_tokens,
-                    report_steps=True,
-                    isolated=self.config.isolates(True, prepared.vocab.architecture),
-                    stages=stages,
-                    encodings=encodings_for(shadow_route),
-                )
-            )
-        except GatewayError as err:
-            if suspects and not allow_unconfirmed:
-                self.metrics.inc("swarm_gateway_checks_total", outcome="unconfirmable")
-                event(
-                    log,
-                    "route_unconfirmable",
-                    request_id=job.request_id,
-                    suspects=sorted(suspects),
-                    reason=err.message,
-                )
-                raise Unconfirmable(
-                    f"no route can check the node(s) on probation of this route: {err.message}",
-                    node_id=sorted(suspects)[0],
-                    failed_nodes=suspects,
-                ) from err
-            self.metrics.inc("swarm_gateway_checks_total", outcome="no_shadow")
-            event(log, "check_skipped", request_id=job.request_id, reason=err.message)
-            return primary
-        hops = {h.node_id: h for h in (*route.hops, *shadow_route.hops)}
-        trusted = frozenset(n for n, h in hops.items() if not self._on_probation(h))
-        # Node id -> Recipe.check_fingerprint: the runs compare bit for bit only where all share one.
-        numerics = {
-            st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in (*prepared.stages, *stages)
-        }
-
-        @asynccontextmanager
-        async def open_judge(avoid: frozenset[str]) -> AsyncIterator[RouteSession]:
-            judge_route, judge_stages = await self._other_route(job.model_key or request.model, route, avoid)
-            numerics.update(
-                {st.node_id: st.check_fingerprint or st.recipe_fingerprint for st in judge_stages}
-            )
-            async with self._session(
-                job,
-                request,
-                judge_route,
-                prepared,
-                sampling,
-                step_tokens,
-                report_steps=True,
-                isolated=self.config.isolates(True, prepared.vocab.architecture),
-                stages=judge_stages,
-                encodings=encodings_for(judge_route),
-            ) as judge:
-                yield judge
-
-        self.metrics.inc("swarm_gateway_checks_total", outcome="started")
-        if len(set(numerics.values())) > 1:
-            self.metrics.inc("swarm_gateway_cross_recipe_checks_total")
-        return CheckedSession(
-            primary,
-            shadow,
-            stack=stack,
-            open_judge=open_judge,
-            on_verdict=lambda v, d, r: self._on_verdict(job, v, d, r),
-            judge_timeout_s=self.config.check_judge_timeout_s,
-            trusted=trusted,
-            numerics=numerics,
-            tolerance=Tolerance(self.config.cross_recipe_margin_nats),
-            greedy=plain_greedy(
-                sampling.temperature,
-                repetition_penalty=sampling.repetition_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-                presence_penalty=sampling.presence_penalty,
-                logit_bias=bool(sampling.logit_bias),
-                grammar=bool(sampling.grammar),
-            ),
-        )
-
-    def _on_probation(self, hop: Hop) -> bool:
-        """Always checked: the tracker says so, or this gateway has not seen it pass enough checks
-        (``probation_checks`` 0: nothing is, a swarm whose operator trusts every node)."""
-        return self.standing.on_probation(hop.node_id, hop.probation, self.config.probation_checks)
-
-    def _liars(self) -> frozenset[str]:
-        """The nodes this gateway routes around: caught lying, or silent when last dialled."""
-        return self.standing.avoided(time.monotonic())
-
-    def _note_unreachable(self, job: Job, err: StageFailed) -> None:
-        """A node failed before its session opened without answering an error of its own (dead,
-        silent, not the node announced): route around it for a while and tell the tracker. An
-        address that answered at once with another certificate than announced (``answered``) only
-        loses this request's route: it cost no time, and the node may announce its real one again."""
-        if err.remote is not None or err.answered or isinstance(err, StageBusy) or not err.node_id:
-            return
-        avoid_s = self.config.avoid_unreachable_s
-        self.standing.avoid_silent(err.node_id, time.monotonic() + avoid_s if avoid_s > 0 else None)
-        self.metrics.inc("swarm_gateway_unreachable_nodes_total")
-        event(
-            log,
-            "node_unreachable",
-            level=logging.WARNING,
-            request_id=job.request_id,
-            node_id=err.node_id,
-            avoid_s=self.config.avoid_unreachable_s,
-            error=err.message[:300],
-        )
-
-    def _on_verdict(self, job: Job, result: Verdict, divergence: Divergence, judge: StepReport) -> None:
-        if result.liar is None:
-            self.metrics.inc("swarm_gateway_checks_total", outcome="inconclusive")
-        else:
-            self.metrics.inc("swarm_gateway_checks_total", outcome="liar_caught")
-            # Across recipes a verdict may be an honest near-tie: avoided a while, not for a day.
-            avoid_s = self.config.exclude_liars_s if result.exact else min(self.config.exclude_liars_s, 600.0)
-            self.standing.avoid_liar(result.node_id, time.monotonic() + avoid_s)
-            self.routes.invalidate(job.model_key or job.request.model)
-        event(
-            log,
-            "spot_check_verdict",
-            level=logging.WARNING,
-            request_id=job.request_id,
-            liar=result.node_id or None,
-            stage=divergence_stage(divergence, result.liar),
-            layer=divergence.key[0],
-            positions=[divergence.key[1], divergence.key[2]],
-            detail=result.detail,
-        )
-        self.standing.add_evidence(evidence(self.gateway_id, job.request_id, result, divergence, judge))
-
-    def _checks_done(self, job: Job, run: CheckedSession) -> None:
-        stats = run.stats
-        passed = stats.divergences == 0 and stats.unchecked_since is None and stats.compared_steps > 0
-        if passed:
-            self.metrics.inc("swarm_gateway_checks_total", outcome="passed")
-            self.standing.passed(run.checked_node_ids)  # not nodes both runs shared: nothing checked them
-        elif stats.parted_at is not None:
-            # Two recipes parted at a near tie the tolerance accepts: nobody accused, nobody credited.
-            self.metrics.inc("swarm_gateway_checks_total", outcome="parted")
-        elif stats.unchecked_since is not None:
-            self.metrics.inc("swarm_gateway_checks_total", outcome="abandoned")
 
     def _on_span_recovery(self, job: Job, report: RecoveryReport) -> None:
         outcome = "ok" if report.ok else "failed"
