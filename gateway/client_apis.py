@@ -32,6 +32,7 @@ from quart_trio import QuartTrio
 from gateway import ollama_api, responses_api
 from gateway.api_keys import Principal
 from gateway.errors import ClientStalled, GatewayError, InvalidRequest, ModelNotFound, NotFound
+from gateway.generation import ChoiceEnd, Delta, Failed, Finished
 from gateway.openai_http import (
     Batch,
     Where,
@@ -45,7 +46,7 @@ from gateway.openai_http import (
 )
 from gateway.protocol import GenerationRequest, ToolCall, merge_completions, sse_event
 from gateway.response_store import ResponseStore
-from gateway.serving import ChoiceEnd, Delta, Failed, Finished, GatewayService, Job
+from gateway.serving import GatewayService, Job
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from quart import Response
 from common.logs import event
 from gateway import protocol
 from gateway.errors import ClientStalled, GatewayError, InternalFailure, public_body
-from gateway.serving import ChoiceEnd, Delta, Failed, Finished, Job
+from gateway.generation import ChoiceEnd, Delta, Failed, Finished
+from gateway.serving import Job
 from gateway.tools import assistant_message
 
 log = logging.getLogger("swarm.gateway")

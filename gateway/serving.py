@@ -73,11 +73,12 @@ from gateway.errors import (
     Unconfirmable,
 )
 from gateway.gate import Gate, KvGate, KvWaiter
+from gateway.generation import Choice, ChoiceEnd, Delta, Event, Failed, Finished
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.prefix_cache import Hit, PrefixCache
-from gateway.protocol import GenerationRequest, TokenLogprob, ToolCall
+from gateway.protocol import GenerationRequest, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_plan import Ended, Next, RoutePlan
 from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
@@ -109,39 +110,6 @@ EVENT_BUFFER = 16
 OPEN_ATTEMPTS = 3
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
 FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    logprobs: tuple[TokenLogprob, ...]
-    index: int = 0  # the choice
-
-
-@dataclass(frozen=True)
-class ChoiceEnd:
-    """One choice is complete (before ``Finished``): why, and the tool calls it made."""
-
-    index: int
-    finish_reason: str  # "stop", "length" or "tool_calls"
-    tool_calls: tuple[ToolCall, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # choice 0's: "stop", "length" or "tool_calls"
-    prompt_tokens: int
-    completion_tokens: int  # all choices
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: GatewayError
-    prompt_tokens: int
-    completion_tokens: int
-
-
-Event = Delta | ChoiceEnd | Finished | Failed
 
 
 @dataclass
@@ -216,13 +184,10 @@ class _Fork:
 
 
 @dataclass
-class _Progress:
-    """What one choice of a request has produced so far; survives a move to another route."""
+class _Progress(Choice):
+    """What one choice of a request has produced so far (its text: :class:`Choice`) and how its
+    routes fared; survives a move to another route."""
 
-    text: TextStream[TokenLogprob | None]
-    index: int = 0
-    tool_stream: tools.ToolStream | None = None
-    generated: list[int] = field(default_factory=list)  # every sampled token, streamed or end-of-generation
     prompt_tokens: int = 0
     # What follows a failed Route Session (re-run, KV wait, give up): counters and avoided nodes.
     plan: RoutePlan = field(default_factory=RoutePlan)
@@ -1419,61 +1384,15 @@ class GatewayService:
             self.metrics.observe("swarm_gateway_recovery_seconds", now - progress.recovering_since)
             self.metrics.inc("swarm_gateway_recoveries_total", kind="route", outcome="ok")
             progress.recovering_since = None
-        text = progress.text
+        n_top = request.n_top_logprobs if request.logprobs else None
         while True:
-            token = sampled.token_id
-            progress.generated.append(token)
+            events, reason = progress.take(sampled, vocab, max_new=prepared.max_new, n_top=n_top)
             self.metrics.inc("swarm_gateway_completion_tokens_total")
-            if sampled.end_of_generation or token in vocab.eog:
-                tail = text.finish()
-                return await self._end(job, send, progress, tail.text, tail.tokens, "stop")
-            piece = vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
-            entry = _logprob_entry(vocab, sampled, request.n_top_logprobs) if request.logprobs else None
-            out = text.push(piece, entry)
-            await self._emit(job, send, out.text, out.tokens, progress)
-            if out.stopped:
-                return await self._end(job, send, progress, "", (), "stop")
-            if len(progress.generated) >= prepared.max_new:
-                tail = text.finish()
-                return await self._end(job, send, progress, tail.text, tail.tokens, "length")
+            for item in events:
+                await _deliver(job, send, item)
+            if reason is not None:
+                return reason
             sampled = await session.next_token()
-
-    async def _end(
-        self,
-        job: Job,
-        send: trio.MemorySendChannel[Event],
-        progress: _Progress,
-        text: str,
-        entries: tuple[TokenLogprob | None, ...],
-        reason: str,
-    ) -> str:
-        """The choice's last text, then its end (with the tool calls it made)."""
-        await self._emit(job, send, text, entries, progress)
-        calls: tuple[ToolCall, ...] = ()
-        if progress.tool_stream is not None:
-            rest, calls = progress.tool_stream.finish()
-            await self._emit(job, send, rest, (), progress, raw=True)
-        if calls:
-            reason = "tool_calls"
-        await _deliver(job, send, ChoiceEnd(progress.index, reason, calls))
-        return reason
-
-    @staticmethod
-    async def _emit(
-        job: Job,
-        send: trio.MemorySendChannel[Event],
-        text: str,
-        entries: tuple[TokenLogprob | None, ...],
-        progress: _Progress | None = None,
-        *,
-        raw: bool = False,
-    ) -> None:
-        logprobs = tuple(e for e in entries if e is not None)
-        index = progress.index if progress is not None else 0
-        if progress is not None and progress.tool_stream is not None and not raw:
-            text = progress.tool_stream.push(text)
-        if text or logprobs:
-            await _deliver(job, send, Delta(text, logprobs, index))
 
 
 async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -> None:
@@ -1505,12 +1424,3 @@ async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         job.cancel_scope.cancel()
         await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope
-
-
-def _logprob_entry(vocab: LoadedVocab, sampled: Sampled, n_top: int) -> TokenLogprob:
-    def piece(token: int) -> bytes:
-        return vocab.token_bytes[token] if 0 <= token < vocab.n_vocab else b""
-
-    raw = piece(sampled.token_id)
-    top = tuple((piece(t).decode("utf-8", "replace"), piece(t), lp) for t, lp in sampled.top_logprobs[:n_top])
-    return TokenLogprob(raw.decode("utf-8", "replace"), raw, sampled.logprob, top)

@@ -413,8 +413,9 @@ def test_a_job_whose_reader_takes_nothing_for_stall_s_is_cancelled_as_stalled() 
     import trio
     import trio.testing
 
+    from gateway.generation import Delta
     from gateway.protocol import GenerationRequest
-    from gateway.serving import Delta, Job, _deliver
+    from gateway.serving import Job, _deliver
 
     async def main() -> None:
         send, receive = trio.open_memory_channel[object](1)
