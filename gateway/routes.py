@@ -557,12 +557,6 @@ class NodeInfoCache:
         self._infos.pop((hop.node_id, hop.address), None)
 
 
-def kv_limit(stages: Sequence[StageInfo]) -> int:
-    """The most positions a session may hold on this route: the smallest grant any stage allows."""
-    values = [s.max_kv_tokens_per_session for s in stages]
-    return min(values) if values else 0
-
-
 def step_limit(stages: Sequence[StageInfo], wanted: int) -> int:
     return max(1, min([wanted, *(s.max_step_tokens for s in stages)]))
 

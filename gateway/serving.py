@@ -59,7 +59,6 @@ from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
 from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
-    ContextLengthExceeded,
     GatewayError,
     InternalFailure,
     InvalidRequest,
@@ -67,7 +66,6 @@ from gateway.errors import (
     NoRoute,
     Overloaded,
     Preempted,
-    PromptTooLong,
     StageBusy,
     StageFailed,
     Unconfirmable,
@@ -78,6 +76,7 @@ from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.prefix_cache import Hit, PrefixCache
+from gateway.prompt_plan import TooLongHere, budget, context_limit, sampling_settings
 from gateway.protocol import GenerationRequest, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
 from gateway.route_plan import Ended, Next, RoutePlan
@@ -88,7 +87,6 @@ from gateway.routes import (
     RouteCache,
     StageInfo,
     frame_limit,
-    kv_limit,
     step_limit,
 )
 from gateway.session_machine import HopTimed, StepTimed
@@ -240,36 +238,6 @@ class _WaitForKv(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-class _TooLongHere(ContextLengthExceeded):
-    """The prompt (plus max_tokens) passes one route's context ``limit``: the service tries the other
-    routes and answers :class:`PromptTooLong` (413) when none holds it. A ContextLengthExceeded, so
-    whoever asks :meth:`GatewayService._prepare` whether a prompt fits one route reads it as such."""
-
-    def __init__(self, limit: int, prompt: int, wanted: int, where: str, max_tokens: int | None) -> None:
-        super().__init__(
-            f"This model's context limit on this route is {limit} tokens, but {wanted} were requested",
-            param=where,
-        )
-        self.limit, self.prompt, self.wanted = limit, prompt, wanted
-        self.where, self.max_tokens = where, max_tokens
-
-    def refusal(self, largest: int) -> PromptTooLong:
-        where = self.where
-        if self.max_tokens is None:
-            verb = "have" if where == "messages" else "has"
-            text = (
-                f"The {where} {verb} {self.prompt} tokens, but the largest context this swarm can serve now "
-                f"is {largest} tokens (prompt plus completion). Shorten the {where}."
-            )
-        else:
-            text = (
-                f"The request needs {self.wanted} tokens of context ({self.prompt} in the {where} and "
-                f"{self.max_tokens} for the completion), but the largest context this swarm can serve now "
-                f"is {largest} tokens. Shorten the {where} or lower max_tokens."
-            )
-        return PromptTooLong(text, max_context_tokens=largest, param=where)
 
 
 @dataclass
@@ -460,7 +428,7 @@ class GatewayService:
             try:
                 await self._prepare(request, route)
                 return True
-            except _TooLongHere:
+            except TooLongHere:
                 continue
         return not routes
 
@@ -493,21 +461,8 @@ class GatewayService:
                 f"logit_bias names token {bad[0]}, outside the vocabulary (size {vocab.n_vocab})",
                 param="logit_bias",
             )
-        limit = min(kv_limit(stages), max((s.n_ctx_train for s in stages), default=0) or kv_limit(stages))
-        where = "messages" if request.kind == "chat" else "prompt"
-        if request.max_tokens is not None:
-            wanted = len(prompt) + request.max_tokens
-            if wanted > limit:
-                raise _TooLongHere(limit, len(prompt), wanted, where, request.max_tokens)
-            max_new = request.max_tokens
-        else:
-            max_new = limit - len(prompt)
-            if request.max_tokens_cap:
-                max_new = min(max_new, request.max_tokens_cap)
-            if max_new < 1:
-                raise _TooLongHere(limit, len(prompt), len(prompt) + 1, where, None)
-        # The last token sampled is never fed back: positions up to prompt + max_new - 2 go through.
-        return _Prepared(route, stages, vocab, prompt, max_new, len(prompt) + max_new - 1)
+        plan = budget(request, len(prompt), context_limit(stages))
+        return _Prepared(route, stages, vocab, prompt, plan.max_new, plan.kv_budget)
 
     def _warm(self, request: GenerationRequest) -> bool:
         return self.config.kv_keep_s > 0 and request.cache_prompt and request.n == 1
@@ -527,7 +482,7 @@ class GatewayService:
         route = self.routes.acquire(candidates)
         try:
             prepared = await self._prepare(request, route)
-        except _TooLongHere as too_long:
+        except TooLongHere as too_long:
             self.routes.release(route)
             route, prepared = await self._longer_route(
                 job, request, [r for r in candidates if r is not route], too_long
@@ -570,7 +525,7 @@ class GatewayService:
         return route, prepared, hit
 
     async def _longer_route(
-        self, job: Job, request: GenerationRequest, others: list[Route], too_long: _TooLongHere
+        self, job: Job, request: GenerationRequest, others: list[Route], too_long: TooLongHere
     ) -> tuple[Route, _Prepared]:
         """The prompt passes the picked route's context (its nodes' per-session KV): the first other
         candidate whose stages can hold it (nodes with a KV pool serve longer contexts). None does:
@@ -594,7 +549,7 @@ class GatewayService:
             route = self.routes.acquire([other])
             try:
                 return route, await self._prepare(request, route)
-            except _TooLongHere as shorter:
+            except TooLongHere as shorter:
                 largest = max(largest, shorter.limit)
                 self.routes.release(route)
             except StageFailed:
@@ -710,24 +665,13 @@ class GatewayService:
             ):
                 kv_source = (use_fork.session_id, len(prepared.prompt))
             try:
-                base_seed = job.seed
-                seed = (base_seed + index) % (1 << 63)
-                sampling = codec.SamplingSettings(
-                    temperature=request.temperature,
-                    top_p=request.top_p,
-                    top_k=request.top_k,
-                    min_p=request.min_p,
-                    seed=seed,
-                    repetition_penalty=request.repetition_penalty,
-                    frequency_penalty=request.frequency_penalty,
-                    presence_penalty=request.presence_penalty,
-                    # With checks on, every session asks for the candidates the cross-recipe
-                    # tolerance compares (checked or not: a node cannot tell); clients get theirs.
-                    n_top_logprobs=max(request.n_top_logprobs, self._check_top_logprobs),
-                    logit_bias=request.logit_bias,
+                sampling = sampling_settings(
+                    request,
+                    seed=job.seed,
+                    index=index,
                     grammar=job.grammar,
-                    completion_start=len(prepared.prompt),
-                    choices=request.n if index == 0 else 1,
+                    prompt_tokens=len(prepared.prompt),
+                    check_top_logprobs=self._check_top_logprobs,
                 )
                 session_id = secrets.token_hex(16)
                 warm = self._warm(request)
