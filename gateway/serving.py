@@ -35,8 +35,8 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -75,6 +75,7 @@ from gateway.generation import Choice, ChoiceEnd, Delta, Event, Failed, Finished
 from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
+from gateway.open_plan import AfterOpenFailure, OpenPlan
 from gateway.prefix_cache import Hit, PrefixCache
 from gateway.prompt_plan import TooLongHere, budget, context_limit, sampling_settings
 from gateway.protocol import GenerationRequest, ToolCall
@@ -105,7 +106,6 @@ from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
-OPEN_ATTEMPTS = 3
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
 FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
 
@@ -595,188 +595,68 @@ class GatewayService:
             self.routes.release(other)
             raise
 
-    @asynccontextmanager
     async def _open(
         self,
+        stack: AsyncExitStack,
         job: Job,
         request: GenerationRequest,
         avoid: frozenset[str] = frozenset(),
         *,
         progress: _Progress | None = None,
         fork: _Fork | None = None,
-    ) -> AsyncIterator[tuple[Run, _Prepared]]:
-        """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage.
+    ) -> tuple[Run, _Prepared]:
+        """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage; the run is entered on
+        ``stack`` (it closes the sessions, then does the run's bookkeeping and frees the route).
 
-        A node that fails before the session is open (unreachable, full, stale
-        Info, refused OPEN) is excluded and the request moves to another route:
-        first the other cached routes, then a fresh look-up without the
-        excluded nodes; at most ``OPEN_ATTEMPTS`` routes are tried. Nothing was
-        streamed yet, so this is invisible to the client.
+        Which routes are tried, and what a failure to open one means: :mod:`gateway.open_plan`.
+        Nothing was streamed yet, so this is invisible to the client.
         """
-        model_routes = await self.routes.routes(job.model_key or request.model)
-        excluded: set[str] = set(avoid) | self.spot.avoided()
-        last_error: StageFailed | None = None
+        model = job.model_key or request.model
+        model_routes = await self.routes.routes(model)
+        plan = OpenPlan(avoid, set(self.spot.avoided()))
         index = progress.index if progress is not None else 0
-        # Nodes on probation that no other route could check: routed around while another route
-        # exists; only when none is left does the request run on them unconfirmed (a swarm where
-        # nobody can check anybody yet, docs/security.md).
-        unconfirmable: set[str] = set()
-        allow_unconfirmed = False
-        attempt = 0
-        while attempt < OPEN_ATTEMPTS:
-            candidates = [r for r in model_routes.routes if not excluded & {h.node_id for h in r.hops}]
+        while plan.more():
+            candidates = [r for r in model_routes.routes if plan.admits(h.node_id for h in r.hops)]
             if not candidates:
                 try:
-                    model_routes = await self.routes.fetch_excluding(
-                        job.model_key or request.model, frozenset(excluded)
-                    )
+                    model_routes = await self.routes.fetch_excluding(model, frozenset(plan.excluded))
                 except NoRoute:
-                    if unconfirmable and not allow_unconfirmed:
-                        allow_unconfirmed = True
-                        excluded -= unconfirmable
+                    if plan.no_route():
                         continue
-                    if last_error is None:
+                    if plan.last_error is None:
                         raise
                     break
                 candidates = list(model_routes.routes)
-            attempt += 1
-            use_fork = fork if attempt == 1 and not avoid else None  # the first route tried
+            use_fork = fork if plan.start() else None
             try:
                 route, prepared, hit = await self._pick(job, request, candidates, use_fork)
                 if progress is not None and progress.generated and self.config.exact_resume:
                     prepared = dataclasses.replace(prepared, replay_from=len(prepared.prompt))
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
-                self.routes.invalidate(job.model_key or request.model)
+                self.routes.invalidate(model)
                 self.prefix.forget_node(err.node_id)
                 self.spot.note_unreachable(job.request_id, err)
-                excluded.add(err.node_id)
-                last_error = err
+                plan.unreachable(err)
                 continue
-            label = self.metrics.route_label(route.route_id)
-            entered = False
-            kv_source: tuple[str, int] | None = None
-            if hit is not None:
-                kv_source = (hit.entry.session_id, hit.positions)
-            elif (
-                use_fork is not None
-                and use_fork.route is not None
-                and route.hops == use_fork.route.hops
-                and len(use_fork.firsts) > index
-            ):
-                kv_source = (use_fork.session_id, len(prepared.prompt))
+            attempt = AsyncExitStack()
+            attempt.callback(self.routes.release, route)
             try:
-                sampling = sampling_settings(
-                    request,
-                    seed=job.seed,
-                    index=index,
-                    grammar=job.grammar,
-                    prompt_tokens=len(prepared.prompt),
-                    check_top_logprobs=self._check_top_logprobs,
-                )
-                session_id = secrets.token_hex(16)
-                warm = self._warm(request)
-                step_tokens = step_limit(prepared.stages, self.config.prefill_step_tokens)
-                # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither
-                # the forked nor the kept KV (see docs/security.md).
-                checkable = request.n == 1 and kv_source is None
-                checked = checkable and self.checks.wants(
-                    self._rng, any(self.spot.on_probation(h) for h in route.hops)
-                )
-                async with (
-                    self._session(
-                        job,
-                        request,
-                        route,
-                        prepared,
-                        sampling,
-                        step_tokens,
-                        report_steps=checked,
-                        isolated=self.config.isolates(checked, prepared.vocab.architecture),
-                        session_id=session_id,
-                        kv_source=kv_source,
-                        kv_copy=hit is not None and hit.shared,
-                        keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
-                    ) as session,
-                    AsyncExitStack() as stack,
-                ):
-                    entered = True
-                    if fork is not None and index == 0:
-                        fork.route, fork.prepared, fork.session_id = route, prepared, session_id
-                    if index == 0:
-                        job.route_label = label
-                        job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
-                    run: Run = session
-                    if checked:
-
-                        def open_check(
-                            other: Route,
-                            stages: Sequence[StageInfo],
-                            encodings: Sequence[frame_pb2.Encoding] | None,
-                            prepared: _Prepared = prepared,
-                            sampling: codec.SamplingSettings = sampling,
-                            step_tokens: int = step_tokens,
-                        ) -> AbstractAsyncContextManager[RouteSession]:
-                            return self._session(
-                                job,
-                                request,
-                                other,
-                                prepared,
-                                sampling,
-                                step_tokens,
-                                report_steps=True,
-                                isolated=self.config.isolates(True, prepared.vocab.architecture),
-                                stages=stages,
-                                encodings=encodings,
-                            )
-
-                        run = await self.spot.checked(
-                            stack,
-                            CheckedJob(job.request_id, job.model_key or request.model),
-                            route,
-                            session,
-                            prepared.stages,
-                            sampling,
-                            open_check,
-                            allow_unconfirmed=allow_unconfirmed,
-                        )
-                    try:
-                        yield run, prepared
-                    finally:
-                        self._report(job, run, route)
-                        spec = session.machine.statistics()
-                        if spec.windows:
-                            self.metrics.inc("swarm_gateway_spec_windows_total", spec.windows)
-                            self.metrics.inc("swarm_gateway_spec_window_tokens_total", spec.window_tokens)
-                            self.metrics.inc("swarm_gateway_spec_drafted_tokens_total", spec.drafted)
-                        if run.relays:
-                            self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
-                        if isinstance(run, CheckedSession):
-                            self.spot.done(run)
-                        if warm and session.finished and session.recoveries == 0:
-                            m = session.machine
-                            self.prefix.put(
-                                job.kv_key or job.client,
-                                route.model_fingerprint,
-                                [h.node_id for h in route.hops],
-                                session_id,
-                                m.tokens[: m.committed],
-                                trio.current_time(),
-                                exact=m.aligned_prefix,
-                                step=m.config.step_tokens,
-                            )
-                return
+                async with attempt:
+                    run = await self._enter(
+                        attempt, job, request, route, prepared, hit, index, use_fork, plan, fork
+                    )
+                    stack.push_async_exit(attempt.pop_all())
+                    return run, prepared
             except Unconfirmable as err:
-                if not entered or allow_unconfirmed:
+                if plan.allow_unconfirmed:
                     raise
-                # Nothing was generated yet: another route, without the nodes nobody can check.
-                attempt -= 1  # not a failure of the route
-                unconfirmable |= err.failed_nodes
-                excluded |= err.failed_nodes
-                last_error = err
+                plan.cannot_check(err)  # nothing was generated yet: another route, without them
             except StageFailed as err:
-                if entered:
-                    raise  # failed mid-generation: _run_sessions replays the history on another route
-                self.metrics.inc("swarm_gateway_route_sessions_total", route=label, outcome="open_failed")
+                self.metrics.inc(
+                    "swarm_gateway_route_sessions_total",
+                    route=self.metrics.route_label(route.route_id),
+                    outcome="open_failed",
+                )
                 event(
                     log,
                     "route_open_failed",
@@ -785,42 +665,146 @@ class GatewayService:
                     node_id=err.node_id,
                     error=err.message,
                 )
-                if use_fork is not None and isinstance(err, StageBusy):
-                    continue  # the fork's route is full: another route, with a prefill of its own
-                if isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short):
-                    # Short of KV, not broken: another route now, this one again after the wait.
-                    excluded.add(err.node_id)
-                    last_error = err
-                    continue
-                self.routes.invalidate(job.model_key or request.model)
-                for hop in route.hops:
-                    self.node_infos.forget(hop)
-                    self.prefix.forget_node(hop.node_id)
-                self.spot.note_unreachable(job.request_id, err)
-                excluded.add(err.node_id)
-                last_error = err
-            finally:
-                self.routes.release(route)
-                if entered:
-                    self.kv_gate.notify_freed()  # the session's stages freed (or keep) its KV
-        if last_error is None:
-            raise Overloaded("every route tried is full right now; retry later", retry_after_s=2)
-        if isinstance(last_error, StageBusy) and last_error.kv_short:
-            raise KvExhausted(
-                f"every route tried is short of KV right now ({last_error.message})",
-                retry_after_s=last_error.retry_after_s or 2,
+                if plan.open_failed(err, fork=use_fork is not None) is AfterOpenFailure.FORGET:
+                    self.routes.invalidate(model)
+                    for hop in route.hops:
+                        self.node_infos.forget(hop)
+                        self.prefix.forget_node(hop.node_id)
+                    self.spot.note_unreachable(job.request_id, err)
+        raise plan.give_up()
+
+    async def _enter(
+        self,
+        stack: AsyncExitStack,
+        job: Job,
+        request: GenerationRequest,
+        route: Route,
+        prepared: _Prepared,
+        hit: Hit | None,
+        index: int,
+        use_fork: _Fork | None,
+        plan: OpenPlan,
+        fork: _Fork | None,
+    ) -> Run:
+        """OPEN ``route``'s stages (and a spot check's shadow) on ``stack``, whose exit closes them and
+        then does the run's bookkeeping (:meth:`_after_run`)."""
+        kv_source: tuple[str, int] | None = None
+        if hit is not None:
+            kv_source = (hit.entry.session_id, hit.positions)
+        elif (
+            use_fork is not None
+            and use_fork.route is not None
+            and route.hops == use_fork.route.hops
+            and len(use_fork.firsts) > index
+        ):
+            kv_source = (use_fork.session_id, len(prepared.prompt))
+        sampling = sampling_settings(
+            request,
+            seed=job.seed,
+            index=index,
+            grammar=job.grammar,
+            prompt_tokens=len(prepared.prompt),
+            check_top_logprobs=self._check_top_logprobs,
+        )
+        session_id = secrets.token_hex(16)
+        warm = self._warm(request)
+        step_tokens = step_limit(prepared.stages, self.config.prefill_step_tokens)
+        # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither the
+        # forked nor the kept KV (see docs/security.md).
+        checkable = request.n == 1 and kv_source is None
+        checked = checkable and self.checks.wants(
+            self._rng, any(self.spot.on_probation(h) for h in route.hops)
+        )
+        entered = False
+
+        def freed() -> None:
+            if entered:
+                self.kv_gate.notify_freed()  # the stages freed (or kept) the session's KV
+
+        stack.callback(freed)
+        session = await stack.enter_async_context(
+            self._session(
+                job,
+                request,
+                route,
+                prepared,
+                sampling,
+                step_tokens,
+                report_steps=checked,
+                isolated=self.config.isolates(checked, prepared.vocab.architecture),
+                session_id=session_id,
+                kv_source=kv_source,
+                kv_copy=hit is not None and hit.shared,
+                keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
             )
-        if isinstance(last_error, Preempted):
-            raise KvExhausted(
-                f"a route preempted the session while it opened ({last_error.message})",
-                retry_after_s=last_error.retry_after_s or 2,
+        )
+        entered = True
+        if fork is not None and index == 0:
+            fork.route, fork.prepared, fork.session_id = route, prepared, session_id
+        if index == 0:
+            job.route_label = self.metrics.route_label(route.route_id)
+            job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
+        run: Run = session
+        if checked:
+
+            def open_check(
+                other: Route, stages: Sequence[StageInfo], encodings: Sequence[frame_pb2.Encoding] | None
+            ) -> AbstractAsyncContextManager[RouteSession]:
+                return self._session(
+                    job,
+                    request,
+                    other,
+                    prepared,
+                    sampling,
+                    step_tokens,
+                    report_steps=True,
+                    isolated=self.config.isolates(True, prepared.vocab.architecture),
+                    stages=stages,
+                    encodings=encodings,
+                )
+
+            checks = await stack.enter_async_context(AsyncExitStack())
+            run = await self.spot.checked(
+                checks,
+                CheckedJob(job.request_id, job.model_key or request.model),
+                route,
+                session,
+                prepared.stages,
+                sampling,
+                open_check,
+                allow_unconfirmed=plan.allow_unconfirmed,
             )
-        if isinstance(last_error, StageBusy):
-            raise Overloaded(
-                f"every route tried is full right now ({last_error.message}); retry later",
-                retry_after_s=last_error.retry_after_s or 2,
+        stack.callback(self._after_run, job, run, session, route, session_id if warm else None)
+        return run
+
+    def _after_run(
+        self, job: Job, run: Run, session: RouteSession, route: Route, keep_session_id: str | None
+    ) -> None:
+        """A run ended (before its sessions close): usage, speculation and check counters, and the
+        prefix it keeps (``keep_session_id``: a warm request's session, kept when it finished on its
+        first route)."""
+        self._report(job, run, route)
+        spec = session.machine.statistics()
+        if spec.windows:
+            self.metrics.inc("swarm_gateway_spec_windows_total", spec.windows)
+            self.metrics.inc("swarm_gateway_spec_window_tokens_total", spec.window_tokens)
+            self.metrics.inc("swarm_gateway_spec_drafted_tokens_total", spec.drafted)
+        if run.relays:
+            self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
+        if isinstance(run, CheckedSession):
+            self.spot.done(run)
+        if keep_session_id is not None and session.finished and session.recoveries == 0:
+            m = session.machine
+            self.prefix.put(
+                job.kv_key or job.client,
+                route.model_fingerprint,
+                [h.node_id for h in route.hops],
+                keep_session_id,
+                m.tokens[: m.committed],
+                trio.current_time(),
+                exact=m.aligned_prefix,
+                step=m.config.step_tokens,
             )
-        raise last_error
 
     def _session(
         self,
@@ -1164,12 +1148,10 @@ class GatewayService:
             in_body = False
             failed_before = progress.last_failure
             try:
-                async with self._open(
-                    job, request, frozenset(progress.plan.avoid), progress=progress, fork=fork
-                ) as (
-                    session,
-                    prepared,
-                ):
+                async with AsyncExitStack() as stack:
+                    session, prepared = await self._open(
+                        stack, job, request, frozenset(progress.plan.avoid), progress=progress, fork=fork
+                    )
                     in_body = True
                     if waiter is not None:
                         waiter.served = True
