@@ -47,7 +47,7 @@ import trio
 from common.logs import event
 from gateway import structured, tools
 from gateway.access import Access, anonymous_limits
-from gateway.admission import AdmissionPolicy, KvWaitPolicy, fits_kv, kv_room, kv_verdict
+from gateway.admission import AdmissionPolicy, KvWaitPolicy
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.catalog import ModelCatalog
 from gateway.checked import CheckedSession
@@ -61,7 +61,6 @@ from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
     GatewayError,
     InternalFailure,
-    InvalidRequest,
     KvExhausted,
     NoRoute,
     Overloaded,
@@ -72,14 +71,14 @@ from gateway.errors import (
 )
 from gateway.gate import Gate, KvGate, KvWaiter
 from gateway.generation import Choice, ChoiceEnd, Delta, Event, Failed, Finished
-from gateway.groups import single_exception
 from gateway.grpc_bridge import NodeChannels
 from gateway.metrics import Labels, Metrics
 from gateway.open_plan import AfterOpenFailure, OpenPlan
 from gateway.prefix_cache import Hit, PrefixCache
-from gateway.prompt_plan import TooLongHere, budget, context_limit, sampling_settings
+from gateway.prompt_plan import sampling_settings
 from gateway.protocol import GenerationRequest, ToolCall
 from gateway.recovery import RecoveryPolicy, RecoveryReport
+from gateway.route_choice import Prepared, RouteChoice
 from gateway.route_plan import Ended, Next, RoutePlan
 from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
 from gateway.routes import (
@@ -96,7 +95,7 @@ from gateway.spot_checks import CheckedJob, SpotChecks
 from gateway.textstream import TextStream
 from gateway.tracker_key import TrackerKey
 from gateway.trust_report import ObservedSpeed
-from gateway.vocab_store import LoadedVocab, VocabStore
+from gateway.vocab_store import VocabStore
 from proto import codec
 from proto.announce import UsageEntry, UsageReport
 from proto.codec import Sampled
@@ -107,7 +106,6 @@ from tracker.client import TrackerClient, TrackerClientError
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
-FIT_PROBES = 4  # routes prompt_fits tries (distinct routes of one model mostly share their limits)
 
 
 @dataclass
@@ -168,12 +166,16 @@ class _Fork:
     """n > 1: what choices 1..n-1 continue from (choice 0's session, once its first tokens exist)."""
 
     route: Route | None = None
-    prepared: _Prepared | None = None
+    prepared: Prepared | None = None
     session_id: str = ""
     firsts: tuple[Sampled, ...] = ()
     ready: trio.Event = field(default_factory=trio.Event)
     opened: set[int] = field(default_factory=set)  # choices that opened (or gave up opening)
     all_opened: trio.Event = field(default_factory=trio.Event)
+
+    def chosen(self) -> tuple[Route, Prepared] | None:
+        """Choice 0's route and prepared prompt, once it opened."""
+        return None if self.route is None or self.prepared is None else (self.route, self.prepared)
 
     def mark_opened(self, progress: _Progress, others: int) -> None:
         self.opened.add(progress.index)
@@ -238,20 +240,6 @@ class _WaitForKv(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-@dataclass
-class _Prepared:
-    route: Route
-    stages: list[StageInfo]
-    vocab: LoadedVocab
-    prompt: list[int]
-    max_new: int
-    kv_budget: int
-    grammar: str = ""
-    # A resume or route replay: positions from here on (the generated tokens) are prefilled one per step
-    # (RouteConfig.single_from; 0 = chunked). Shadows and judges of a spot check use the same.
-    replay_from: int = 0
 
 
 class GatewayService:
@@ -324,6 +312,16 @@ class GatewayService:
         self._rng = random.Random()
         self.spot = SpotChecks(config, self.metrics, self.routes, self.node_infos, self.gateway_id)
         self.standing = self.spot.standing  # read by the trust and statistics reporters
+        self.choice = RouteChoice(
+            config,
+            self.metrics,
+            self.routes,
+            self.node_infos,
+            self.vocabs,
+            self.prefix,
+            self.spot,
+            lambda: self.kv_gate.policy.retry_after_s(),
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -420,180 +418,9 @@ class GatewayService:
         return job
 
     async def prompt_fits(self, request: GenerationRequest) -> bool:
-        """Whether the request's prompt plus max_tokens fits a route of its model now: the prompt is
-        rendered and tokenized as for a request, nothing is opened (a conversation's compaction asks
-        this before a turn). No route known: True, and the request itself reports what is wrong."""
-        routes = (await self.routes.routes(await self.catalog.resolve(request.model))).routes
-        for route in routes[:FIT_PROBES]:
-            try:
-                await self._prepare(request, route)
-                return True
-            except TooLongHere:
-                continue
-        return not routes
-
-    async def _prepare(self, request: GenerationRequest, route: Route) -> _Prepared:
-        infos: dict[int, StageInfo] = {}
-
-        async def fetch(i: int) -> None:
-            infos[i] = await self.node_infos.get(route.hops[i], route.model_fingerprint)
-
-        with single_exception():
-            async with trio.open_nursery() as nursery:
-                for i in range(len(route.hops)):
-                    nursery.start_soon(fetch, i)
-        stages = [infos[i] for i in range(len(route.hops))]
-        vocab = await self.vocabs.get(route.model_fingerprint, stages)
-        if request.kind == "chat":
-            messages, extra = tools.template_messages(request, vocab.template.source)
-            text = await vocab.render_chat(messages, add_generation_prompt=True, **extra)
-            prompt = await vocab.tokenize(text, add_special=False)
-        elif request.prompt_tokens is not None:
-            vocab.check_ids(request.prompt_tokens)
-            prompt = list(request.prompt_tokens)
-        else:
-            prompt = await vocab.tokenize(request.prompt_text or "", add_special=True)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
-        bad = [t for t, _ in request.logit_bias if t >= vocab.n_vocab]
-        if bad:
-            raise InvalidRequest(
-                f"logit_bias names token {bad[0]}, outside the vocabulary (size {vocab.n_vocab})",
-                param="logit_bias",
-            )
-        plan = budget(request, len(prompt), context_limit(stages))
-        return _Prepared(route, stages, vocab, prompt, plan.max_new, plan.kv_budget)
-
-    def _warm(self, request: GenerationRequest) -> bool:
-        return self.config.kv_keep_s > 0 and request.cache_prompt and request.n == 1
-
-    async def _pick(
-        self, job: Job, request: GenerationRequest, candidates: list[Route], fork: _Fork | None
-    ) -> tuple[Route, _Prepared, Hit | None]:
-        """The route and the prepared prompt: n > 1 choices go to choice 0's route; a request whose
-        prompt extends a kept prefix of its client goes to the route keeping it when that route has
-        room (at most ``prefix_route_slack`` more sessions than the least loaded); else least loaded."""
-        if fork is not None and fork.route is not None and fork.prepared is not None:
-            same = [r for r in candidates if r.hops == fork.route.hops]
-            if same:
-                route = self.routes.acquire(same)
-                p = fork.prepared
-                return route, _Prepared(route, p.stages, p.vocab, p.prompt, p.max_new, p.kv_budget), None
-        route = self.routes.acquire(candidates)
-        try:
-            prepared = await self._prepare(request, route)
-        except TooLongHere as too_long:
-            self.routes.release(route)
-            route, prepared = await self._longer_route(
-                job, request, [r for r in candidates if r is not route], too_long
-            )
-        except BaseException:
-            self.routes.release(route)
-            raise
-        route, prepared = await self._kv_fit(request, route, prepared, candidates)
-        if not self._warm(request):
-            return route, prepared, None
-        hit = self.prefix.lookup(
-            job.kv_key or job.client, route.model_fingerprint, prepared.prompt, trio.current_time()
-        )
-        if hit is None:
-            self.prefix.take(None)
-            return route, prepared, None
-        holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
-        suspects = set() if holder is None else {h.node_id for h in holder.hops if self.spot.on_probation(h)}
-        if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
-            # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
-            # from a cold request: through a node on probation that another route could check,
-            # every request runs cold, and checked.
-            holder = None
-        if holder is None or (
-            holder is not route
-            and self.routes.route_load(holder)
-            > self.routes.route_load(route) + self.config.prefix_route_slack
-        ):
-            self.prefix.take(None)
-            return route, prepared, None
-        self.prefix.take(hit)
-        if holder is not route:
-            self.routes.release(route)
-            route = self.routes.acquire([holder])
-            try:
-                prepared = await self._prepare(request, route)
-            except BaseException:
-                self.routes.release(route)
-                raise
-        return route, prepared, hit
-
-    async def _longer_route(
-        self, job: Job, request: GenerationRequest, others: list[Route], too_long: TooLongHere
-    ) -> tuple[Route, _Prepared]:
-        """The prompt passes the picked route's context (its nodes' per-session KV): the first other
-        candidate whose stages can hold it (nodes with a KV pool serve longer contexts). None does:
-        when the tracker said some route of the swarm holds that many positions per session
-        (``kv.session_max_tokens`` of its answer), one look-up for routes with room for it, and
-        :class:`KvExhausted` (the KV wait) when none has room now; else 413 ``prompt_too_long``
-        naming the largest context of the routes tried and of the tracker's answer."""
-        largest = too_long.limit
-        model = job.model_key or request.model
-        swarm_max = (await self.routes.routes(model)).kv_session_max_tokens
-        if swarm_max is not None and swarm_max >= too_long.wanted:
-            try:
-                others = [*others, *(await self.routes.fetch_for_kv(model, too_long.wanted)).routes]
-            except NoRoute as err:
-                raise KvExhausted(
-                    f"a route of the swarm holds {too_long.wanted} positions per session, but none has "
-                    "them free now",
-                    retry_after_s=self.kv_gate.policy.retry_after_s(),
-                ) from err
-        for other in others:
-            route = self.routes.acquire([other])
-            try:
-                return route, await self._prepare(request, route)
-            except TooLongHere as shorter:
-                largest = max(largest, shorter.limit)
-                self.routes.release(route)
-            except StageFailed:
-                # Not answering now: the refusal stands unless another fits.
-                self.routes.release(route)
-            except BaseException:
-                self.routes.release(route)
-                raise
-        if swarm_max is not None and swarm_max < too_long.wanted:
-            largest = max(largest, swarm_max)
-        self.metrics.inc("swarm_gateway_prompt_too_long_total")
-        raise too_long.refusal(largest)
-
-    async def _kv_fit(
-        self, request: GenerationRequest, route: Route, prepared: _Prepared, candidates: list[Route]
-    ) -> tuple[Route, _Prepared]:
-        """The picked route, or another candidate when the picked one's nodes announced less free KV
-        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv).
-        When no candidate announced room: :class:`KvExhausted`, which the caller waits out in the
-        KV wait (gateway.gate.KvGate) -- the request fits a route's context (``_prepare`` checked),
-        not the free KV now."""
-        need = len(prepared.prompt) + (request.max_tokens or 1)  # a pool grows on demand: no max_tokens, no
-        if fits_kv([h.kv_free_tokens for h in route.hops], need):
-            return route, prepared
-        roomy = [
-            r for r in candidates if r is not route and fits_kv([h.kv_free_tokens for h in r.hops], need)
-        ]
-        if not roomy:
-            rooms = [kv_room([h.kv_free_tokens for h in r.hops]) for r in candidates]
-            if kv_verdict(need, None, rooms) == "wait":
-                self.routes.release(route)
-                raise KvExhausted(
-                    f"no route announced {need} free KV positions (the prompt's {len(prepared.prompt)} "
-                    f"plus max_tokens)",
-                    retry_after_s=self.kv_gate.policy.retry_after_s(),
-                )
-            return route, prepared
-        self.routes.release(route)
-        other = self.routes.acquire(roomy)
-        try:
-            return other, await self._prepare(request, other)
-        except BaseException:
-            self.routes.release(other)
-            raise
+        """Whether the request's prompt plus max_tokens fits a route of its model now (a
+        conversation's compaction asks this before a turn; see :meth:`RouteChoice.fits`)."""
+        return await self.choice.fits(request, await self.catalog.resolve(request.model))
 
     async def _open(
         self,
@@ -604,7 +431,7 @@ class GatewayService:
         *,
         progress: _Progress | None = None,
         fork: _Fork | None = None,
-    ) -> tuple[Run, _Prepared]:
+    ) -> tuple[Run, Prepared]:
         """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage; the run is entered on
         ``stack`` (it closes the sessions, then does the run's bookkeeping and frees the route).
 
@@ -629,7 +456,13 @@ class GatewayService:
                 candidates = list(model_routes.routes)
             use_fork = fork if plan.start() else None
             try:
-                route, prepared, hit = await self._pick(job, request, candidates, use_fork)
+                route, prepared, hit = await self.choice.pick(
+                    request,
+                    candidates,
+                    model=model,
+                    client=job.kv_key or job.client,
+                    fork=use_fork.chosen() if use_fork is not None else None,
+                )
                 if progress is not None and progress.generated and self.config.exact_resume:
                     prepared = dataclasses.replace(prepared, replay_from=len(prepared.prompt))
             except StageFailed as err:  # a node of the route picked did not answer Info: another route
@@ -679,7 +512,7 @@ class GatewayService:
         job: Job,
         request: GenerationRequest,
         route: Route,
-        prepared: _Prepared,
+        prepared: Prepared,
         hit: Hit | None,
         index: int,
         use_fork: _Fork | None,
@@ -707,7 +540,7 @@ class GatewayService:
             check_top_logprobs=self._check_top_logprobs,
         )
         session_id = secrets.token_hex(16)
-        warm = self._warm(request)
+        warm = self.choice.warm(request)
         step_tokens = step_limit(prepared.stages, self.config.prefill_step_tokens)
         # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither the
         # forked nor the kept KV (see docs/security.md).
@@ -811,7 +644,7 @@ class GatewayService:
         job: Job,
         request: GenerationRequest,
         route: Route,
-        prepared: _Prepared,
+        prepared: Prepared,
         sampling: codec.SamplingSettings,
         step_tokens: int,
         *,
@@ -1159,7 +992,7 @@ class GatewayService:
                         waiter = None
                     if index > 0 and fork is not None:
                         fork.mark_opened(progress, len(fork.firsts) - 1)
-                    if index == 0 and not progress.started and self._warm(request):
+                    if index == 0 and not progress.started and self.choice.warm(request):
                         job.reused_tokens = session.reused
                         outcome = "hit" if session.reused else "miss"
                         self.metrics.inc("swarm_gateway_prefix_reuse_total", outcome=outcome)
@@ -1264,7 +1097,7 @@ class GatewayService:
         self,
         job: Job,
         session: Run,
-        prepared: _Prepared,
+        prepared: Prepared,
         send: trio.MemorySendChannel[Event],
         arrived: float,
         progress: _Progress,

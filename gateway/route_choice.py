@@ -1,0 +1,254 @@
+"""Route choice: which route of the candidates a request runs on, and its prepared prompt there.
+
+* **Prepare** (:meth:`RouteChoice.prepare`): the route's stages' infos (concurrently), the
+  model's vocabulary, the prompt rendered (chat template, tools) and tokenized, the request's
+  budget on the route (:mod:`gateway.prompt_plan`).
+* **Pick** (:meth:`RouteChoice.pick`): choices 1..n-1 go to choice 0's route (its KV is their
+  source); else the least loaded candidate, then -- when the prompt passes that route's context --
+  another that holds it (:meth:`_longer_route`: nodes with a KV pool serve longer contexts; one
+  look-up for routes with room when the tracker says some route holds that many positions; else
+  413 ``prompt_too_long``), then -- when its nodes announced less free KV than the request needs --
+  one that announced room (:meth:`_kv_fit`; none: ``KvExhausted``, the KV wait), and last a warm
+  request's kept prefix: the route keeping it when it has room (at most ``prefix_route_slack``
+  more sessions than the one picked) and no node on probation another route could check.
+
+Every route returned is acquired (``RouteCache.acquire``): the caller releases it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from gateway import tools
+from gateway.admission import fits_kv, kv_room, kv_verdict
+from gateway.config import GatewayConfig
+from gateway.errors import InvalidRequest, KvExhausted, NoRoute, StageFailed
+from gateway.groups import single_exception
+from gateway.metrics import Metrics
+from gateway.prefix_cache import Hit, PrefixCache
+from gateway.prompt_plan import TooLongHere, budget, context_limit
+from gateway.protocol import GenerationRequest
+from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo
+from gateway.spot_checks import SpotChecks
+from gateway.vocab_store import LoadedVocab, VocabStore
+
+FIT_PROBES = 4  # routes fits() tries (distinct routes of one model mostly share their limits)
+
+
+@dataclass
+class Prepared:
+    route: Route
+    stages: list[StageInfo]
+    vocab: LoadedVocab
+    prompt: list[int]
+    max_new: int
+    kv_budget: int
+    grammar: str = ""
+    # A resume or route replay: positions from here on (the generated tokens) are prefilled one per step
+    # (RouteConfig.single_from; 0 = chunked). Shadows and judges of a spot check use the same.
+    replay_from: int = 0
+
+
+class RouteChoice:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        metrics: Metrics,
+        routes: RouteCache,
+        node_infos: NodeInfoCache,
+        vocabs: VocabStore,
+        prefix: PrefixCache,
+        spot: SpotChecks,
+        kv_retry_after_s: Callable[[], int],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.routes = routes
+        self.node_infos = node_infos
+        self.vocabs = vocabs
+        self.prefix = prefix
+        self.spot = spot
+        self._kv_retry_after_s = kv_retry_after_s
+
+    async def fits(self, request: GenerationRequest, model: str) -> bool:
+        """Whether the request's prompt plus max_tokens fits a route of ``model`` now: the prompt is
+        rendered and tokenized as for a request, nothing is opened (a conversation's compaction asks
+        this before a turn). No route known: True, and the request itself reports what is wrong."""
+        routes = (await self.routes.routes(model)).routes
+        for route in routes[:FIT_PROBES]:
+            try:
+                await self.prepare(request, route)
+                return True
+            except TooLongHere:
+                continue
+        return not routes
+
+    async def prepare(self, request: GenerationRequest, route: Route) -> Prepared:
+        infos: dict[int, StageInfo] = {}
+
+        async def fetch(i: int) -> None:
+            infos[i] = await self.node_infos.get(route.hops[i], route.model_fingerprint)
+
+        with single_exception():
+            async with trio.open_nursery() as nursery:
+                for i in range(len(route.hops)):
+                    nursery.start_soon(fetch, i)
+        stages = [infos[i] for i in range(len(route.hops))]
+        vocab = await self.vocabs.get(route.model_fingerprint, stages)
+        if request.kind == "chat":
+            messages, extra = tools.template_messages(request, vocab.template.source)
+            text = await vocab.render_chat(messages, add_generation_prompt=True, **extra)
+            prompt = await vocab.tokenize(text, add_special=False)
+        elif request.prompt_tokens is not None:
+            vocab.check_ids(request.prompt_tokens)
+            prompt = list(request.prompt_tokens)
+        else:
+            prompt = await vocab.tokenize(request.prompt_text or "", add_special=True)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        bad = [t for t, _ in request.logit_bias if t >= vocab.n_vocab]
+        if bad:
+            raise InvalidRequest(
+                f"logit_bias names token {bad[0]}, outside the vocabulary (size {vocab.n_vocab})",
+                param="logit_bias",
+            )
+        plan = budget(request, len(prompt), context_limit(stages))
+        return Prepared(route, stages, vocab, prompt, plan.max_new, plan.kv_budget)
+
+    def warm(self, request: GenerationRequest) -> bool:
+        """The request keeps its KV for a next turn, and may start from a kept prefix."""
+        return self.config.kv_keep_s > 0 and request.cache_prompt and request.n == 1
+
+    async def pick(
+        self,
+        request: GenerationRequest,
+        candidates: list[Route],
+        *,
+        model: str,
+        client: str,
+        fork: tuple[Route, Prepared] | None = None,
+    ) -> tuple[Route, Prepared, Hit | None]:
+        """The route and the prepared prompt: n > 1 choices go to choice 0's route; a request whose
+        prompt extends a kept prefix of its client goes to the route keeping it when that route has
+        room (at most ``prefix_route_slack`` more sessions than the least loaded); else least loaded."""
+        if fork is not None:
+            same = [r for r in candidates if r.hops == fork[0].hops]
+            if same:
+                route = self.routes.acquire(same)
+                p = fork[1]
+                return route, Prepared(route, p.stages, p.vocab, p.prompt, p.max_new, p.kv_budget), None
+        route = self.routes.acquire(candidates)
+        try:
+            prepared = await self.prepare(request, route)
+        except TooLongHere as too_long:
+            self.routes.release(route)
+            route, prepared = await self._longer_route(
+                model, request, [r for r in candidates if r is not route], too_long
+            )
+        except BaseException:
+            self.routes.release(route)
+            raise
+        route, prepared = await self._kv_fit(request, route, prepared, candidates)
+        if not self.warm(request):
+            return route, prepared, None
+        hit = self.prefix.lookup(client, route.model_fingerprint, prepared.prompt, trio.current_time())
+        if hit is None:
+            self.prefix.take(None)
+            return route, prepared, None
+        holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
+        suspects = set() if holder is None else {h.node_id for h in holder.hops if self.spot.on_probation(h)}
+        if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
+            # A warm turn cannot be checked (the shadow holds no kept KV) and a node can tell one
+            # from a cold request: through a node on probation that another route could check,
+            # every request runs cold, and checked.
+            holder = None
+        if holder is None or (
+            holder is not route
+            and self.routes.route_load(holder)
+            > self.routes.route_load(route) + self.config.prefix_route_slack
+        ):
+            self.prefix.take(None)
+            return route, prepared, None
+        self.prefix.take(hit)
+        if holder is not route:
+            self.routes.release(route)
+            route = self.routes.acquire([holder])
+            try:
+                prepared = await self.prepare(request, route)
+            except BaseException:
+                self.routes.release(route)
+                raise
+        return route, prepared, hit
+
+    async def _longer_route(
+        self, model: str, request: GenerationRequest, others: list[Route], too_long: TooLongHere
+    ) -> tuple[Route, Prepared]:
+        """The prompt passes the picked route's context (its nodes' per-session KV): the first other
+        candidate whose stages can hold it (nodes with a KV pool serve longer contexts). None does:
+        when the tracker said some route of the swarm holds that many positions per session
+        (``kv.session_max_tokens`` of its answer), one look-up for routes with room for it, and
+        :class:`KvExhausted` (the KV wait) when none has room now; else 413 ``prompt_too_long``
+        naming the largest context of the routes tried and of the tracker's answer."""
+        largest = too_long.limit
+        swarm_max = (await self.routes.routes(model)).kv_session_max_tokens
+        if swarm_max is not None and swarm_max >= too_long.wanted:
+            try:
+                others = [*others, *(await self.routes.fetch_for_kv(model, too_long.wanted)).routes]
+            except NoRoute as err:
+                raise KvExhausted(
+                    f"a route of the swarm holds {too_long.wanted} positions per session, but none has "
+                    "them free now",
+                    retry_after_s=self._kv_retry_after_s(),
+                ) from err
+        for other in others:
+            route = self.routes.acquire([other])
+            try:
+                return route, await self.prepare(request, route)
+            except TooLongHere as shorter:
+                largest = max(largest, shorter.limit)
+                self.routes.release(route)
+            except StageFailed:
+                # Not answering now: the refusal stands unless another fits.
+                self.routes.release(route)
+            except BaseException:
+                self.routes.release(route)
+                raise
+        if swarm_max is not None and swarm_max < too_long.wanted:
+            largest = max(largest, swarm_max)
+        self.metrics.inc("swarm_gateway_prompt_too_long_total")
+        raise too_long.refusal(largest)
+
+    async def _kv_fit(
+        self, request: GenerationRequest, route: Route, prepared: Prepared, candidates: list[Route]
+    ) -> tuple[Route, Prepared]:
+        """The picked route, or another candidate when the picked one's nodes announced less free KV
+        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv).
+        When no candidate announced room: :class:`KvExhausted`, which the caller waits out in the
+        KV wait (gateway.gate.KvGate) -- the request fits a route's context (``prepare`` checked),
+        not the free KV now."""
+        need = len(prepared.prompt) + (request.max_tokens or 1)  # a pool grows on demand: no max_tokens, no
+        if fits_kv([h.kv_free_tokens for h in route.hops], need):
+            return route, prepared
+        roomy = [
+            r for r in candidates if r is not route and fits_kv([h.kv_free_tokens for h in r.hops], need)
+        ]
+        if not roomy:
+            rooms = [kv_room([h.kv_free_tokens for h in r.hops]) for r in candidates]
+            if kv_verdict(need, None, rooms) == "wait":
+                self.routes.release(route)
+                raise KvExhausted(
+                    f"no route announced {need} free KV positions (the prompt's {len(prepared.prompt)} "
+                    f"plus max_tokens)",
+                    retry_after_s=self._kv_retry_after_s(),
+                )
+            return route, prepared
+        self.routes.release(route)
+        other = self.routes.acquire(roomy)
+        try:
+            return other, await self.prepare(request, other)
+        except BaseException:
+            self.routes.release(other)
+            raise
