@@ -50,9 +50,10 @@ from gateway.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from gateway.jobs import Job, Reply
 from gateway.openai_http import Streamed, json_response, public_error, streamed_response
 from gateway.protocol import GenerationRequest
-from gateway.serving import GatewayService, Job, Reply
+from gateway.serving import GatewayService
 
 log = logging.getLogger("swarm.gateway")
 DRAIN_FACTOR = 4

@@ -33,6 +33,7 @@ from gateway import ollama_api, responses_api
 from gateway.api_keys import Principal
 from gateway.errors import ClientStalled, GatewayError, InvalidRequest, ModelNotFound, NotFound
 from gateway.generation import ChoiceEnd, Delta, Failed, Finished
+from gateway.jobs import Job
 from gateway.openai_http import (
     Batch,
     Where,
@@ -46,7 +47,7 @@ from gateway.openai_http import (
 )
 from gateway.protocol import GenerationRequest, ToolCall, merge_completions, sse_event
 from gateway.response_store import ResponseStore
-from gateway.serving import GatewayService, Job
+from gateway.serving import GatewayService
 
 
 @dataclass(frozen=True)

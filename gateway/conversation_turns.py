@@ -39,8 +39,9 @@ from gateway.conversations import (
     prompt_of,
 )
 from gateway.errors import ConversationConflict, GatewayError, RateLimited
+from gateway.jobs import Job, Reply
 from gateway.protocol import ChatMessage, GenerationRequest
-from gateway.serving import GatewayService, Job, Reply
+from gateway.serving import GatewayService
 
 log = logging.getLogger("swarm.gateway")
 

@@ -23,7 +23,7 @@ from common.logs import event
 from gateway import protocol
 from gateway.errors import ClientStalled, GatewayError, InternalFailure, public_body
 from gateway.generation import ChoiceEnd, Delta, Failed, Finished
-from gateway.serving import Job
+from gateway.jobs import Job
 from gateway.tools import assistant_message
 
 log = logging.getLogger("swarm.gateway")

@@ -30,14 +30,9 @@ a KV source and prefills only the rest (docs/gateway.md, Warm conversations).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import random
 import secrets
-import time
-from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
 from typing import NoReturn
 
 import httpx
@@ -50,169 +45,49 @@ from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy, KvWaitPolicy
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.catalog import ModelCatalog
-from gateway.checked import CheckedSession
 from gateway.checks import (
     CHECK_TOP_LOGPROBS,
-    CheckPolicy,
 )
 from gateway.config import GatewayConfig
 from gateway.conversations import ConversationLimits, ConversationStore
-from gateway.encodings import FIXED as FIXED_ENCODINGS
 from gateway.errors import (
     GatewayError,
     InternalFailure,
     KvExhausted,
-    NoRoute,
     Overloaded,
     Preempted,
     StageBusy,
     StageFailed,
-    Unconfirmable,
 )
 from gateway.gate import Gate, KvGate, KvWaiter
-from gateway.generation import Choice, ChoiceEnd, Delta, Event, Failed, Finished
+from gateway.generation import Event, Failed, Finished
 from gateway.grpc_bridge import NodeChannels
+from gateway.jobs import Fork, Job, Progress, Reply, deliver
 from gateway.metrics import Labels, Metrics
-from gateway.open_plan import AfterOpenFailure, OpenPlan
-from gateway.prefix_cache import Hit, PrefixCache
-from gateway.prompt_plan import sampling_settings
-from gateway.protocol import GenerationRequest, ToolCall
-from gateway.recovery import RecoveryPolicy, RecoveryReport
+from gateway.prefix_cache import PrefixCache
+from gateway.protocol import GenerationRequest
 from gateway.route_choice import Prepared, RouteChoice
+from gateway.route_opener import RouteOpener
 from gateway.route_plan import Ended, Next, RoutePlan
-from gateway.route_session import DataPlane, RouteSession, Run, open_route_session
+from gateway.route_session import Run
 from gateway.routes import (
     NodeInfoCache,
-    Route,
     RouteCache,
-    StageInfo,
-    frame_limit,
-    step_limit,
 )
-from gateway.session_machine import HopTimed, StepTimed
-from gateway.span_finder import span_finder
-from gateway.spot_checks import CheckedJob, SpotChecks
+from gateway.spot_checks import SpotChecks
 from gateway.textstream import TextStream
 from gateway.tracker_key import TrackerKey
 from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import VocabStore
-from proto import codec
-from proto.announce import UsageEntry, UsageReport
+from proto.announce import UsageReport
 from proto.codec import Sampled
-from proto.signing import public_key_hex, sign_open_proof
-from proto.swarm.v1 import frame_pb2, status_pb2
+from proto.signing import public_key_hex
+from proto.swarm.v1 import status_pb2
 from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16
 VOCAB_TIMEOUT_S = 30.0  # one vocabulary download (megabytes), not a first answer: its own bound
-
-
-@dataclass
-class Reply:
-    """Choice 0's answer as it went to the client (a conversation keeps it as its next message)."""
-
-    parts: list[str] = field(default_factory=list)
-    tool_calls: tuple[ToolCall, ...] = ()
-    finished: bool = False  # Finished went out (not Failed, not cut)
-
-    def take(self, item: Event) -> None:
-        if isinstance(item, Delta) and item.index == 0:
-            self.parts.append(item.text)
-        elif isinstance(item, ChoiceEnd) and item.index == 0:
-            self.tool_calls = item.tool_calls
-        elif isinstance(item, Finished):
-            self.finished = True
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-@dataclass
-class Job:
-    request: GenerationRequest
-    client: str
-    request_id: str
-    events: trio.MemoryReceiveChannel[Event]
-    cancel_scope: trio.CancelScope
-    system_fingerprint: str = ""
-    route_label: str = "none"
-    created: int = field(default_factory=lambda: int(time.time()))
-    final_delivered: bool = False  # Finished or Failed went to the HTTP side
-    arrived_s: float = field(default_factory=time.monotonic)
-    ttft_s: float | None = None  # until choice 0's first token
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reused_tokens: int = 0  # prompt positions reused from a kept prefix
-    model_key: str = ""  # what the tracker knows the model by (alias and id resolved)
-    seed: int = 0  # choice i draws with seed + i
-    grammar: str = ""  # the constraint of every choice (gateway/structured.py)
-    principal: Principal | None = None  # who it is for quotas (None: not counted, e.g. in-process tests)
-    stall_s: float = 30.0  # a stream whose reader takes nothing for this long loses its session
-    stalled: bool = False  # that happened
-    kv_key: str = ""  # whose kept KV the request may reuse and leaves behind ("": the client's)
-    reply: Reply | None = None  # given: choice 0's answer is recorded as it goes out
-
-    def cancel(self) -> None:
-        """The client is gone: stop the job (a no-op once its final event went out: the Route
-        Session then finishes closing by itself)."""
-        if not self.final_delivered:
-            self.cancel_scope.cancel()
-
-
-@dataclass
-class _Fork:
-    """n > 1: what choices 1..n-1 continue from (choice 0's session, once its first tokens exist)."""
-
-    route: Route | None = None
-    prepared: Prepared | None = None
-    session_id: str = ""
-    firsts: tuple[Sampled, ...] = ()
-    ready: trio.Event = field(default_factory=trio.Event)
-    opened: set[int] = field(default_factory=set)  # choices that opened (or gave up opening)
-    all_opened: trio.Event = field(default_factory=trio.Event)
-
-    def chosen(self) -> tuple[Route, Prepared] | None:
-        """Choice 0's route and prepared prompt, once it opened."""
-        return None if self.route is None or self.prepared is None else (self.route, self.prepared)
-
-    def mark_opened(self, progress: _Progress, others: int) -> None:
-        self.opened.add(progress.index)
-        if len(self.opened) >= others:
-            self.all_opened.set()
-
-
-@dataclass
-class _Progress(Choice):
-    """What one choice of a request has produced so far (its text: :class:`Choice`) and how its
-    routes fared; survives a move to another route."""
-
-    prompt_tokens: int = 0
-    # What follows a failed Route Session (re-run, KV wait, give up): counters and avoided nodes.
-    plan: RoutePlan = field(default_factory=RoutePlan)
-    last_failure: StageFailed | None = None  # the failure that started the last re-run
-    started: bool = False
-    recovering_since: float | None = None  # whole-route recovery in progress since (trio time)
-    preempted_since: float | None = None  # waiting to resume after a preemption since (trio time)
-    finish_reason: str = "stop"
-
-
-def data_plane(config: GatewayConfig) -> DataPlane:
-    """The data-plane settings of every Route Session this gateway runs."""
-    return DataPlane(
-        push=config.data_plane == "push",
-        encoding=FIXED_ENCODINGS.get(config.activation_encoding, frame_pb2.ENCODING_F32),
-        encoding_mode=config.activation_encoding,
-        auto_f32_min_mbit_s=config.auto_f32_min_mbit_s,
-        auto_int8_below_mbit_s=config.auto_int8_below_mbit_s,
-        pipeline_steps=config.prefill_pipeline_steps,
-        history_bytes=config.recovery_history_bytes,
-        open_timeout_s=config.open_timeout_s,
-        prefill_timeout_s=config.prefill_step_timeout_s,
-        decode_timeout_s=config.decode_step_timeout_s,
-        close_timeout_s=config.close_timeout_s,
-    )
 
 
 def _recoverable(err: StageFailed) -> bool:
@@ -290,7 +165,6 @@ class GatewayService:
         self.observed = ObservedSpeed()
         self._nursery: trio.Nursery | None = None
         self._active = 0
-        self.plane = data_plane(config)
         self.prefix = PrefixCache(
             ttl_s=max(0.0, config.kv_keep_s - 1.0),
             min_tokens=config.prefix_min_tokens,
@@ -306,10 +180,6 @@ class GatewayService:
             )
         )
         self.catalog = ModelCatalog(config, self.tracker, self.vocabs)
-        self.checks = CheckPolicy(config.check_fraction)
-        checks_on = config.check_fraction > 0 or config.probation_checks > 0
-        self._check_top_logprobs = CHECK_TOP_LOGPROBS if checks_on else 0
-        self._rng = random.Random()
         self.spot = SpotChecks(config, self.metrics, self.routes, self.node_infos, self.gateway_id)
         self.standing = self.spot.standing  # read by the trust and statistics reporters
         self.choice = RouteChoice(
@@ -321,6 +191,22 @@ class GatewayService:
             self.prefix,
             self.spot,
             lambda: self.kv_gate.policy.retry_after_s(),
+        )
+        checks_on = config.check_fraction > 0 or config.probation_checks > 0
+        self.opener = RouteOpener(
+            config,
+            self.metrics,
+            key,
+            channels,
+            self.routes,
+            self.node_infos,
+            self.prefix,
+            self.spot,
+            self.choice,
+            self.kv_gate,
+            self._usage_send,
+            self.observed,
+            check_top_logprobs=CHECK_TOP_LOGPROBS if checks_on else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -422,335 +308,6 @@ class GatewayService:
         conversation's compaction asks this before a turn; see :meth:`RouteChoice.fits`)."""
         return await self.choice.fits(request, await self.catalog.resolve(request.model))
 
-    async def _open(
-        self,
-        stack: AsyncExitStack,
-        job: Job,
-        request: GenerationRequest,
-        avoid: frozenset[str] = frozenset(),
-        *,
-        progress: _Progress | None = None,
-        fork: _Fork | None = None,
-    ) -> tuple[Run, Prepared]:
-        """Pick a route (see :meth:`_pick`), prepare, OPEN on every stage; the run is entered on
-        ``stack`` (it closes the sessions, then does the run's bookkeeping and frees the route).
-
-        Which routes are tried, and what a failure to open one means: :mod:`gateway.open_plan`.
-        Nothing was streamed yet, so this is invisible to the client.
-        """
-        model = job.model_key or request.model
-        model_routes = await self.routes.routes(model)
-        plan = OpenPlan(avoid, set(self.spot.avoided()))
-        index = progress.index if progress is not None else 0
-        while plan.more():
-            candidates = [r for r in model_routes.routes if plan.admits(h.node_id for h in r.hops)]
-            if not candidates:
-                try:
-                    model_routes = await self.routes.fetch_excluding(model, frozenset(plan.excluded))
-                except NoRoute:
-                    if plan.no_route():
-                        continue
-                    if plan.last_error is None:
-                        raise
-                    break
-                candidates = list(model_routes.routes)
-            use_fork = fork if plan.start() else None
-            try:
-                route, prepared, hit = await self.choice.pick(
-                    request,
-                    candidates,
-                    model=model,
-                    client=job.kv_key or job.client,
-                    fork=use_fork.chosen() if use_fork is not None else None,
-                )
-                if progress is not None and progress.generated and self.config.exact_resume:
-                    prepared = dataclasses.replace(prepared, replay_from=len(prepared.prompt))
-            except StageFailed as err:  # a node of the route picked did not answer Info: another route
-                self.routes.invalidate(model)
-                self.prefix.forget_node(err.node_id)
-                self.spot.note_unreachable(job.request_id, err)
-                plan.unreachable(err)
-                continue
-            attempt = AsyncExitStack()
-            attempt.callback(self.routes.release, route)
-            try:
-                async with attempt:
-                    run = await self._enter(
-                        attempt, job, request, route, prepared, hit, index, use_fork, plan, fork
-                    )
-                    stack.push_async_exit(attempt.pop_all())
-                    return run, prepared
-            except Unconfirmable as err:
-                if plan.allow_unconfirmed:
-                    raise
-                plan.cannot_check(err)  # nothing was generated yet: another route, without them
-            except StageFailed as err:
-                self.metrics.inc(
-                    "swarm_gateway_route_sessions_total",
-                    route=self.metrics.route_label(route.route_id),
-                    outcome="open_failed",
-                )
-                event(
-                    log,
-                    "route_open_failed",
-                    request_id=job.request_id,
-                    route=route.route_id,
-                    node_id=err.node_id,
-                    error=err.message,
-                )
-                if plan.open_failed(err, fork=use_fork is not None) is AfterOpenFailure.FORGET:
-                    self.routes.invalidate(model)
-                    for hop in route.hops:
-                        self.node_infos.forget(hop)
-                        self.prefix.forget_node(hop.node_id)
-                    self.spot.note_unreachable(job.request_id, err)
-        raise plan.give_up()
-
-    async def _enter(
-        self,
-        stack: AsyncExitStack,
-        job: Job,
-        request: GenerationRequest,
-        route: Route,
-        prepared: Prepared,
-        hit: Hit | None,
-        index: int,
-        use_fork: _Fork | None,
-        plan: OpenPlan,
-        fork: _Fork | None,
-    ) -> Run:
-        """OPEN ``route``'s stages (and a spot check's shadow) on ``stack``, whose exit closes them and
-        then does the run's bookkeeping (:meth:`_after_run`)."""
-        kv_source: tuple[str, int] | None = None
-        if hit is not None:
-            kv_source = (hit.entry.session_id, hit.positions)
-        elif (
-            use_fork is not None
-            and use_fork.route is not None
-            and route.hops == use_fork.route.hops
-            and len(use_fork.firsts) > index
-        ):
-            kv_source = (use_fork.session_id, len(prepared.prompt))
-        sampling = sampling_settings(
-            request,
-            seed=job.seed,
-            index=index,
-            grammar=job.grammar,
-            prompt_tokens=len(prepared.prompt),
-            check_top_logprobs=self._check_top_logprobs,
-        )
-        session_id = secrets.token_hex(16)
-        warm = self.choice.warm(request)
-        step_tokens = step_limit(prepared.stages, self.config.prefill_step_tokens)
-        # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither the
-        # forked nor the kept KV (see docs/security.md).
-        checkable = request.n == 1 and kv_source is None
-        checked = checkable and self.checks.wants(
-            self._rng, any(self.spot.on_probation(h) for h in route.hops)
-        )
-        entered = False
-
-        def freed() -> None:
-            if entered:
-                self.kv_gate.notify_freed()  # the stages freed (or kept) the session's KV
-
-        stack.callback(freed)
-        session = await stack.enter_async_context(
-            self._session(
-                job,
-                request,
-                route,
-                prepared,
-                sampling,
-                step_tokens,
-                report_steps=checked,
-                isolated=self.config.isolates(checked, prepared.vocab.architecture),
-                session_id=session_id,
-                kv_source=kv_source,
-                kv_copy=hit is not None and hit.shared,
-                keep_ms=int(self.config.kv_keep_s * 1000) if warm else 0,
-            )
-        )
-        entered = True
-        if fork is not None and index == 0:
-            fork.route, fork.prepared, fork.session_id = route, prepared, session_id
-        if index == 0:
-            job.route_label = self.metrics.route_label(route.route_id)
-            job.system_fingerprint = "swarm-" + prepared.stages[0].recipe_fingerprint[:16]
-        run: Run = session
-        if checked:
-
-            def open_check(
-                other: Route, stages: Sequence[StageInfo], encodings: Sequence[frame_pb2.Encoding] | None
-            ) -> AbstractAsyncContextManager[RouteSession]:
-                return self._session(
-                    job,
-                    request,
-                    other,
-                    prepared,
-                    sampling,
-                    step_tokens,
-                    report_steps=True,
-                    isolated=self.config.isolates(True, prepared.vocab.architecture),
-                    stages=stages,
-                    encodings=encodings,
-                )
-
-            checks = await stack.enter_async_context(AsyncExitStack())
-            run = await self.spot.checked(
-                checks,
-                CheckedJob(job.request_id, job.model_key or request.model),
-                route,
-                session,
-                prepared.stages,
-                sampling,
-                open_check,
-                allow_unconfirmed=plan.allow_unconfirmed,
-            )
-        stack.callback(self._after_run, job, run, session, route, session_id if warm else None)
-        return run
-
-    def _after_run(
-        self, job: Job, run: Run, session: RouteSession, route: Route, keep_session_id: str | None
-    ) -> None:
-        """A run ended (before its sessions close): usage, speculation and check counters, and the
-        prefix it keeps (``keep_session_id``: a warm request's session, kept when it finished on its
-        first route)."""
-        self._report(job, run, route)
-        spec = session.machine.statistics()
-        if spec.windows:
-            self.metrics.inc("swarm_gateway_spec_windows_total", spec.windows)
-            self.metrics.inc("swarm_gateway_spec_window_tokens_total", spec.window_tokens)
-            self.metrics.inc("swarm_gateway_spec_drafted_tokens_total", spec.drafted)
-        if run.relays:
-            self.metrics.inc("swarm_gateway_hidden_relays_total", run.relays)
-        if isinstance(run, CheckedSession):
-            self.spot.done(run)
-        if keep_session_id is not None and session.finished and session.recoveries == 0:
-            m = session.machine
-            self.prefix.put(
-                job.kv_key or job.client,
-                route.model_fingerprint,
-                [h.node_id for h in route.hops],
-                keep_session_id,
-                m.tokens[: m.committed],
-                trio.current_time(),
-                exact=m.aligned_prefix,
-                step=m.config.step_tokens,
-            )
-
-    def _session(
-        self,
-        job: Job,
-        request: GenerationRequest,
-        route: Route,
-        prepared: Prepared,
-        sampling: codec.SamplingSettings,
-        step_tokens: int,
-        *,
-        report_steps: bool,
-        isolated: bool = False,
-        stages: Sequence[StageInfo] | None = None,
-        session_id: str | None = None,
-        kv_source: tuple[str, int] | None = None,
-        kv_copy: bool = False,
-        keep_ms: int = 0,
-        encodings: Sequence[frame_pb2.Encoding] | None = None,
-    ) -> AbstractAsyncContextManager[RouteSession]:
-        """One Route Session of this request on ``route`` (the primary, a shadow or a judge).
-
-        ``encodings``: what each stage sends on; by default the data plane's choice for ``route``. A
-        check's shadow and judge take the primary's, so honest nodes report the same digests.
-        """
-        stage_infos = list(stages if stages is not None else prepared.stages)
-        return open_route_session(
-            self.channels,
-            route,
-            stage_infos,
-            session_id=session_id or secrets.token_hex(16),
-            request_id=job.request_id,
-            sampling=sampling,
-            kv_budget_tokens=prepared.kv_budget,
-            step_tokens=step_tokens,
-            max_frame_bytes=frame_limit(stage_infos, self.config.max_frame_bytes),
-            plane=self.plane,
-            recovery=RecoveryPolicy(
-                span_finder(
-                    self.routes, self.node_infos, job.model_key or request.model, route.model_fingerprint
-                ),
-                on_report=lambda report: self._on_span_recovery(job, report),
-            ),
-            report_steps=report_steps,
-            isolated=isolated,
-            kv_source=kv_source,
-            kv_copy=kv_copy,
-            keep_ms=keep_ms,
-            prove_open=self._prove_open,
-            on_timing=self._on_timing,
-            encodings=encodings,
-            single_from=prepared.replay_from,
-            max_drafts=self.config.speculation_drafts(
-                sampling.temperature,
-                request.speculation,
-                grammar=bool(sampling.grammar),
-                checked=report_steps,
-            ),
-        )
-
-    def _prove_open(self, node_id: str, frame: frame_pb2.Frame) -> bytes:
-        """This gateway's signature over one OPEN to ``node_id`` (tickets name the gateway they were
-        issued to; the node opens the session only with this proof; docs/protocol.md)."""
-        return sign_open_proof(
-            self._key,
-            session_id=frame.session_id,
-            node_id=node_id,
-            route_epoch=int(frame.route_epoch),
-            step_id=int(frame.step_id),
-            ticket=bytes(frame.open.route_ticket),
-            now_s=time.time(),
-        )
-
-    def _on_timing(self, timing: StepTimed | HopTimed) -> None:
-        """A decode step's round and each stage's share of it, as the Route Session machine saw them
-        (every session: spot-check shadows and judges too; their steps are steps of this gateway)."""
-        if isinstance(timing, StepTimed):
-            self.metrics.observe("swarm_gateway_step_seconds", timing.seconds)
-        else:
-            self.metrics.observe("swarm_gateway_hop_latency_seconds", timing.seconds)
-
-    def _on_span_recovery(self, job: Job, report: RecoveryReport) -> None:
-        outcome = "ok" if report.ok else "failed"
-        self.metrics.inc("swarm_gateway_recoveries_total", kind="span", outcome=outcome)
-        self.metrics.observe("swarm_gateway_recovery_seconds", report.seconds)
-        event(
-            log,
-            "stage_replaced" if report.ok else "stage_replacement_failed",
-            level=logging.INFO if report.ok else logging.WARNING,
-            request_id=job.request_id,
-            failed_node=report.failed_node,
-            replacement_node=report.replacement_node,
-            span=list(report.span),
-            replayed_positions=report.replayed_positions,
-            route_epoch=report.epoch,
-            seconds=round(report.seconds, 4),
-            error=report.error or None,
-        )
-
-    def _report(self, job: Job, session: Run, route: Route) -> None:
-        self.observed.record(session, route.model_fingerprint)  # measured node speeds (trust_report)
-        if not self.config.report_usage:
-            return
-        entries = tuple(
-            UsageEntry(node_id, tokens, steps) for node_id, tokens, steps in session.usage() if tokens > 0
-        )
-        if not entries:
-            return
-        report = UsageReport(self.gateway_id, job.request_id, route.model_fingerprint, entries)
-        try:
-            self._usage_send.send_nowait(report)
-        except trio.WouldBlock:
-            self.metrics.inc("swarm_gateway_usage_reports_total", outcome="dropped")
-
     async def _run_job(
         self,
         job: Job,
@@ -795,7 +352,7 @@ class GatewayService:
                             await self._run_sessions(job, send, progresses[0], arrived, task_status)
                         else:
                             await self._run_choices(job, send, progresses, arrived, task_status)
-                            await _deliver(
+                            await deliver(
                                 job,
                                 send,
                                 Finished(
@@ -846,21 +403,21 @@ class GatewayService:
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
 
-    def _progress(self, request: GenerationRequest, index: int) -> _Progress:
+    def _progress(self, request: GenerationRequest, index: int) -> Progress:
         stream = tools.ToolStream(request.tools) if request.tools_active else None
         plan = RoutePlan(max_preemptions=self.config.max_preemptions, wait_for_kv=self.config.kv_wait_s > 0)
-        return _Progress(TextStream(request.stop), index=index, tool_stream=stream, plan=plan)
+        return Progress(TextStream(request.stop), index=index, tool_stream=stream, plan=plan)
 
     async def _run_choices(
         self,
         job: Job,
         send: trio.MemorySendChannel[Event],
-        progresses: list[_Progress],
+        progresses: list[Progress],
         arrived: float,
         task_status: trio.TaskStatus[None],
     ) -> None:
         """n > 1: choice 0 first; once its first tokens exist the other choices fork its KV."""
-        fork = _Fork()
+        fork = Fork()
         others = len(progresses) - 1
 
         async def choice(i: int) -> None:
@@ -893,10 +450,10 @@ class GatewayService:
         self,
         job: Job,
         send: trio.MemorySendChannel[Event],
-        progress: _Progress,
+        progress: Progress,
         arrived: float,
         task_status: trio.TaskStatus[None],
-        fork: _Fork | None = None,
+        fork: Fork | None = None,
     ) -> None:
         """Run one choice on a route; if a stage fails mid-generation, continue on another route.
 
@@ -927,7 +484,7 @@ class GatewayService:
                 self._kv_left(waiter)
 
     async def _kv_turn(
-        self, job: Job, progress: _Progress, waiter: KvWaiter | None, error: GatewayError
+        self, job: Job, progress: Progress, waiter: KvWaiter | None, error: GatewayError
     ) -> KvWaiter:
         """Enter the KV wait (or stay in it) and wait for this request's turn to try the routes again;
         KvExhausted when the wait is full or ``kv_wait_s`` passed."""
@@ -967,10 +524,10 @@ class GatewayService:
         self,
         job: Job,
         send: trio.MemorySendChannel[Event],
-        progress: _Progress,
+        progress: Progress,
         arrived: float,
         task_status: trio.TaskStatus[None],
-        fork: _Fork | None,
+        fork: Fork | None,
         waiter: KvWaiter | None,
     ) -> None:
         """The body of :meth:`_run_sessions` until it succeeds, fails for good or has to wait for KV
@@ -982,7 +539,7 @@ class GatewayService:
             failed_before = progress.last_failure
             try:
                 async with AsyncExitStack() as stack:
-                    session, prepared = await self._open(
+                    session, prepared = await self.opener.open(
                         stack, job, request, frozenset(progress.plan.avoid), progress=progress, fork=fork
                     )
                     in_body = True
@@ -1022,7 +579,7 @@ class GatewayService:
                             )
                     if fork is None:
                         # The client gets its last chunk now; RELEASE to the stages follows on the way out.
-                        await _deliver(
+                        await deliver(
                             job, send, Finished(reason, progress.prompt_tokens, len(progress.generated))
                         )
                     if fork is not None and index == 0 and len(fork.firsts) > 1:
@@ -1067,7 +624,7 @@ class GatewayService:
                 if fork is not None and index == 0 and not fork.ready.is_set():
                     fork.ready.set()  # choice 0 failed before its first token: the others try alone
 
-    def _too_many_preemptions(self, progress: _Progress, err: GatewayError) -> NoReturn:
+    def _too_many_preemptions(self, progress: Progress, err: GatewayError) -> NoReturn:
         self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
         assert isinstance(err, StageFailed)  # the plan counts preemptions of opened sessions only
         raise Preempted(
@@ -1078,7 +635,7 @@ class GatewayService:
             retry_after_s=err.retry_after_s or self.kv_gate.policy.retry_after_s(),
         ) from err
 
-    def _preempted(self, job: Job, progress: _Progress, err: GatewayError) -> None:
+    def _preempted(self, job: Job, progress: Progress, err: GatewayError) -> None:
         """A node preempted this choice's session mid-generation (counted by the plan): log it."""
         assert isinstance(err, StageFailed)
         progress.preempted_since = trio.current_time()
@@ -1100,8 +657,8 @@ class GatewayService:
         prepared: Prepared,
         send: trio.MemorySendChannel[Event],
         arrived: float,
-        progress: _Progress,
-        fork: _Fork | None = None,
+        progress: Progress,
+        fork: Fork | None = None,
     ) -> str:
         request = job.request
         vocab = prepared.vocab
@@ -1148,38 +705,7 @@ class GatewayService:
             events, reason = progress.take(sampled, vocab, max_new=prepared.max_new, n_top=n_top)
             self.metrics.inc("swarm_gateway_completion_tokens_total")
             for item in events:
-                await _deliver(job, send, item)
+                await deliver(job, send, item)
             if reason is not None:
                 return reason
             sampled = await session.next_token()
-
-
-async def _deliver(job: Job, send: trio.MemorySendChannel[Event], item: Event) -> None:
-    """Hand an event to the HTTP side; a client that went away, or took nothing for ``job.stall_s``
-    while the buffer was full (it stopped reading: its socket and our event buffer are full), ends
-    the job like a disconnect, so every stage frees the session's KV.
-
-    No checkpoint when there is room: the next step goes out to the route before the HTTP writer
-    formats this event (it runs while the step is computed). When the client is gone the job's
-    own scope is cancelled, so the way out is a plain cancellation (CANCEL to every stage, the
-    disconnect counted) and never a BrokenResourceError inside the Route Session's nurseries.
-    """
-    if isinstance(item, Finished | Failed):  # the access log reads them when the response is built
-        job.prompt_tokens, job.completion_tokens = item.prompt_tokens, item.completion_tokens
-    if job.reply is not None:
-        job.reply.take(item)
-    try:
-        try:
-            send.send_nowait(item)
-        except trio.WouldBlock:
-            with trio.move_on_after(job.stall_s) as waited:
-                await send.send(item)
-            if waited.cancelled_caught:
-                job.stalled = True
-                job.cancel_scope.cancel()
-                await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope
-        if isinstance(item, Finished | Failed):
-            job.final_delivered = True
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        job.cancel_scope.cancel()
-        await trio.lowlevel.checkpoint()  # raises Cancelled, caught by the job's scope

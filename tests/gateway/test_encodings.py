@@ -11,9 +11,9 @@ from session_sim import Fault, SimSwarm, make_nodes, run_request
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.encodings import hop_encoding, stage_encodings
+from gateway.route_opener import data_plane
 from gateway.route_session import DataPlane
 from gateway.routes import Hop, Route
-from gateway.serving import data_plane
 from proto.swarm.v1 import frame_pb2
 
 F32, F16, INT8 = frame_pb2.ENCODING_F32, frame_pb2.ENCODING_F16, frame_pb2.ENCODING_INT8_BLOCK

@@ -414,8 +414,8 @@ def test_a_job_whose_reader_takes_nothing_for_stall_s_is_cancelled_as_stalled() 
     import trio.testing
 
     from gateway.generation import Delta
+    from gateway.jobs import Job, deliver
     from gateway.protocol import GenerationRequest
-    from gateway.serving import Job, _deliver
 
     async def main() -> None:
         send, receive = trio.open_memory_channel[object](1)
@@ -429,7 +429,7 @@ def test_a_job_whose_reader_takes_nothing_for_stall_s_is_cancelled_as_stalled() 
         )
         start = trio.current_time()
         with job.cancel_scope:
-            await _deliver(job, send, Delta("a", ()))  # room: at once
+            await deliver(job, send, Delta("a", ()))  # room: at once
             async with trio.open_nursery() as nursery:
 
                 async def reader_takes_one_then_stops() -> None:
@@ -437,9 +437,9 @@ def test_a_job_whose_reader_takes_nothing_for_stall_s_is_cancelled_as_stalled() 
                     await receive.receive()
 
                 nursery.start_soon(reader_takes_one_then_stops)
-                await _deliver(job, send, Delta("b", ()))  # waits 10 s for the reader
+                await deliver(job, send, Delta("b", ()))  # waits 10 s for the reader
                 assert trio.current_time() - start == pytest.approx(10.0) and not job.stalled
-                await _deliver(job, send, Delta("c", ()))  # the reader is gone for good
+                await deliver(job, send, Delta("c", ()))  # the reader is gone for good
             raise AssertionError("not reached: the job is cancelled")
         assert job.cancel_scope.cancelled_caught and job.stalled
         assert trio.current_time() - start == pytest.approx(40.0)
