@@ -43,18 +43,15 @@ def prompt(qwen: Path) -> tuple[str, list[int]]:
     text = '"""Geometry helpers for the floor planner."""\n\nimport math\n\n'
     with Vocabulary(qwen) as v:
         i = 0
-        n = len(v.tokenize(text, add_special=False))
-        while True:
+        while True:  # the whole text tokenized each time: pieces merge across block boundaries
             block = (
                 f"def room_{i}_area(width: float, depth: float) -> float:\n"
                 f'    """Floor area of room {i} in square metres (walls {i % 7 + 2} cm thick)."""\n'
                 f"    return (width - {(i % 7 + 2) / 50:.2f}) * (depth - {(i % 7 + 2) / 50:.2f})\n\n\n"
             )
-            grown = n + len(v.tokenize(block, add_special=False)) + 2
-            if grown >= LOW:
+            if len(v.tokenize(text + block + f"def room_{i + 1}_area(", add_special=False)) > HIGH:
                 break
             text += block
-            n = grown
             i += 1
         text += f"def room_{i}_area("
         tokens = v.tokenize(text, add_special=False)
