@@ -4,7 +4,7 @@ A choice runs as one or more Route Sessions. Inside a session the session
 machine replaces a failed stage by a node of the same span (span recovery,
 ``gateway/recovery.py``, bounded by ``RouteConfig.max_recoveries``); when the
 session itself ends in failure, this plan decides what follows -- in one
-place for the service (``gateway/serving.py``) and for the property-tested
+place for the service (``gateway/choice_runner.py``) and for the property-tested
 in-memory swarm (``tests/gateway/session_sim.py``), so the tests exercise the
 product's policy and not a copy of it:
 

@@ -61,7 +61,7 @@ RETRY_RESUME, session closed on that node). Nothing is replaced in place: the
 machine ends the session at once (CANCEL to every other stage, which frees
 their KV; the preempting stage is not waited for) and reports a failure of
 kind "preempted". The service keeps the tokens and resumes the request by
-re-prefilling them when a route has room again (gateway/serving.py). A stage
+re-prefilling them when a route has room again (gateway/choice_runner.py). A stage
 that refuses a step mid-generation with RESOURCE_EXHAUSTED (no room in its
 pool and nobody it may preempt, or its queue of waiting steps full) is
 answered the same way: a "busy" failure with ``kv_short``, no in-place
