@@ -276,7 +276,8 @@ class RouteCache:
         try:
             fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens)
         except UpstreamFailed as err:
-            # Logged once per hold: the requests refused meanwhile name it only as "a recent look-up".
+            # Logged for the look-ups that failed; the requests refused during the hold that follows
+            # name it only as "a recent look-up failed".
             self._tracker_down_until = self._clock() + TRACKER_RETRY_S
             event(
                 log,
