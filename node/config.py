@@ -158,7 +158,7 @@ class NodeConfig:
         2048, "per-sequence layout (kv_pool_tokens = 0): KV positions one session may hold, reserved"
     )
     kv_pool_tokens: int = _f(
-        0,
+        -1,
         "KV positions of one pool shared by every session (16-position blocks taken as sessions grow, "
         "nothing reserved at OPEN); -1 = sized from the memory left after the shard's weights; "
         "0 = the per-sequence layout (max_sessions x session_kv_tokens)",
@@ -187,7 +187,11 @@ class NodeConfig:
     max_kept_sessions: int = _f(
         4, "released sessions kept warm for a conversation's next turn (Release.keep_ms); 0: never"
     )
-    max_kept_kv_tokens: int = _f(8192, "KV positions all kept sessions may hold together")
+    max_kept_kv_tokens: int = _f(
+        8192,
+        "per-sequence layout (kv_pool_tokens = 0): KV positions all kept sessions may hold together; "
+        "with a pool, kept sessions are its evictable cache (evicted before any live session waits)",
+    )
     max_keep_s: float = _f(120.0, "longest a released session is kept warm, whatever the gateway asks")
     lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
     stream_idle_timeout_s: float = _f(

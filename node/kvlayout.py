@@ -16,7 +16,9 @@ is laid out in one of three ways (docs/engine.md, "The KV pool"):
     shortened to fit, as long as they stay longer than resident ones.
 ``resident`` (the fallback)
     The same per-sequence streams, all resident: the pool divided evenly, so
-    a session may grow to ``pool_tokens / max_sessions`` positions at most.
+    a session may grow to ``pool_tokens / max_sessions`` positions at most
+    (and a stream is never longer than a session may grow: the pool is then
+    ``max_sessions`` such streams, not more).
     Exact and fast; only the longest sessions lose.
 ``unified`` (opt-in only)
     One unified stream of ``pool_tokens`` cells: any session may grow to the
@@ -89,7 +91,7 @@ def sparse_obstacle(facts: LayoutFacts) -> str | None:
         return "the KV geometry of this model is not known (per-layer KV heads?)"
     if facts.strict_overcommit:
         return "vm.overcommit_memory = 2 commits the whole virtual buffer"
-    if _fitting_cells(facts) <= _resident_cells(facts):
+    if _fitting_cells(facts) < _pad(_session_cells(facts)) and _fitting_cells(facts) <= _resident_cells(facts):
         virtual = facts.max_sessions * _pad(_session_cells(facts)) * facts.bytes_per_position
         return (
             f"the virtual KV buffer ({virtual / 2**20:.0f} MiB for {facts.max_sessions} streams) does not "
@@ -100,7 +102,10 @@ def sparse_obstacle(facts: LayoutFacts) -> str | None:
 
 
 def _resident_cells(facts: LayoutFacts) -> int:
-    return max(PAD, facts.pool_tokens // facts.max_sessions // PAD * PAD)
+    """Cells of a resident stream: the pool divided evenly, never longer than one session may grow
+    (a pool sized from a large memory budget would otherwise make every cell resident for nothing)."""
+    even = max(PAD, facts.pool_tokens // facts.max_sessions // PAD * PAD)
+    return min(even, _pad(_session_cells(facts)))
 
 
 def _fitting_cells(facts: LayoutFacts) -> int:

@@ -152,7 +152,9 @@ class ServingSpec:
     max_history_bytes: int = 64 * 1024 * 1024  # kept pushed outputs per session (OPEN may ask less)
     max_history_total_bytes: int = 512 * 1024 * 1024  # all sessions; the oldest histories go first
     max_kept_sessions: int = 4  # released sessions kept warm (Release.keep_ms); 0: never keep
-    max_kept_kv_tokens: int = 8192  # positions all kept sessions hold together
+    # Positions all kept sessions hold together, in the per-sequence layout. With a pool kept sessions
+    # are its evictable cache: bounded by the pool, evicted (oldest first) before a live session waits.
+    max_kept_kv_tokens: int = 8192
     max_keep_s: float = 120.0  # longest a released session is kept
     max_preemptions: int = 3  # with a pool: a session preempted this often here is never chosen again
     kv_retry_after_ms: int = 500  # retry hint of a step refused because the KV pool has no room
@@ -911,7 +913,7 @@ class FrameServer:
         freed = sess.kv_len
         keep = 0
         if reason == "released" and frame.release.keep_ms and self.spec.max_kept_sessions > 0:
-            keep = min(int(frame.release.keep_positions), sess.kv_len, self.spec.max_kept_kv_tokens)
+            keep = min(int(frame.release.keep_positions), sess.kv_len, self._kept_bound())
         if keep > 0:
             actions += self._keep(sess, keep, now + min(frame.release.keep_ms / 1000, self.spec.max_keep_s))
             freed -= keep
@@ -938,11 +940,16 @@ class FrameServer:
         actions: list[Action] = [TruncateKv(sid, positions)]
         while self._kept and (
             len(self._kept) > self.spec.max_kept_sessions
-            or sum(k.kv_len for k in self._kept.values()) > self.spec.max_kept_kv_tokens
+            or sum(k.kv_len for k in self._kept.values()) > self._kept_bound()
         ):
             actions += self._evict_kept(next(iter(self._kept)))
         event(log, "session_kept", session_id=sid, kept_kv_tokens=positions)
         return actions
+
+    def _kept_bound(self) -> int:
+        """Positions all kept sessions may hold: the pool's (kept sessions are the cache it evicts first,
+        :meth:`_make_room`), else the configured bound of the per-sequence layout."""
+        return self.spec.kv_pool_tokens or self.spec.max_kept_kv_tokens
 
     def _forget(self, sess: _Session) -> None:
         """Drop a session's state (its KV is freed by the caller's FreeKv)."""

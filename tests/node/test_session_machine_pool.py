@@ -175,3 +175,28 @@ def test_a_copy_that_does_not_fit_starts_empty_instead_of_preempting() -> None:
     assert opened.source == "" and opened.source_positions == 0
     (ack,) = sends(actions)
     assert ack.kv_len == 0 and h.m.statistics().preemptions == 0
+
+
+def test_kept_sessions_are_bounded_by_the_pool_not_the_per_sequence_bound() -> None:
+    # The per-sequence layout's bound (max_kept_kv_tokens) would cut a kept 48-position session to 8;
+    # with a pool the kept KV is the pool's evictable cache, so the whole of it stays.
+    h = Harness(**POOL, max_kept_kv_tokens=8)
+    h.open("turn1", budget=64)
+    h.run_step("turn1", 2, 0, 48)
+    actions = h.feed(codec.release_frame(h.header("turn1"), step_id=99, keep_ms=60_000, keep_positions=48))
+    assert not [a for a in actions if isinstance(a, FreeKv)]
+    assert h.m.statistics().kept_kv_tokens == 48 and h.m.statistics().kv_blocks_reserved == 3
+    # ... and it is still what goes first when a live session needs the room.
+    h.open("live", budget=64)
+    h.run_step("live", 2, 0, 16)  # the 4th block
+    actions = _decode(h, "live", 18, 16)  # needs a 5th: the kept session is evicted, nobody preempted
+    assert FreeKv("turn1") in actions and not _errors(actions)
+    assert h.m.statistics().preemptions == 0 and h.m.statistics().kept_sessions == 0
+
+
+def test_without_a_pool_kept_sessions_keep_the_configured_bound() -> None:
+    h = Harness(max_sessions=2, max_kept_kv_tokens=8)
+    h.open("turn1")
+    h.run_step("turn1", 2, 0, 20)
+    h.feed(codec.release_frame(h.header("turn1"), step_id=99, keep_ms=60_000, keep_positions=20))
+    assert h.m.statistics().kept_kv_tokens == 8
