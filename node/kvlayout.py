@@ -91,7 +91,8 @@ def sparse_obstacle(facts: LayoutFacts) -> str | None:
         return "the KV geometry of this model is not known (per-layer KV heads?)"
     if facts.strict_overcommit:
         return "vm.overcommit_memory = 2 commits the whole virtual buffer"
-    if _fitting_cells(facts) < _pad(_session_cells(facts)) and _fitting_cells(facts) <= _resident_cells(facts):
+    fitting = _fitting_cells(facts)
+    if fitting < _pad(_session_cells(facts)) and fitting <= _resident_cells(facts):
         virtual = facts.max_sessions * _pad(_session_cells(facts)) * facts.bytes_per_position
         return (
             f"the virtual KV buffer ({virtual / 2**20:.0f} MiB for {facts.max_sessions} streams) does not "
