@@ -96,3 +96,16 @@ def test_a_session_never_gets_more_positions_than_its_stream_holds(
     if choice.layout == "resident":
         assert choice.stream_cells >= 256 and choice.n_streams == sessions
         assert choice.n_ctx <= max(pool, 256 * sessions)  # the pool's memory (a small pool: 256 a stream)
+
+
+def test_an_automatic_pool_larger_than_the_streams_can_use_keeps_its_layout() -> None:
+    # The default pool (sized from memory) is far larger than max_sessions streams of the trained
+    # context: sparse streams still apply, and resident ones are no longer than one session may grow.
+    huge = dataclasses.replace(FACTS, pool_tokens=4_000_000, max_sessions=8)
+    sparse = choose_layout("auto", huge)
+    assert (sparse.layout, sparse.stream_cells, sparse.session_limit) == ("sparse", 8192, 8192)
+    resident = choose_layout("auto", dataclasses.replace(huge, sliding_window=True))
+    assert resident.layout == "resident" and resident.stream_cells == 8192 and resident.n_ctx == 8 * 8192
+    # A small pool is still divided evenly.
+    even = choose_layout("resident", dataclasses.replace(FACTS, pool_tokens=16384, max_sessions=8))
+    assert even.stream_cells == 2048 and even.session_limit == 2048
