@@ -134,6 +134,14 @@ class Sizing:
 POOL_MARGIN = 0.05  # of the budget, left free when a KV pool is sized automatically
 
 
+def span_budget_bytes(budget_bytes: int, *, auto_pool: bool) -> int:
+    """What a span, with the KV positions its sizing prices, may take of ``budget_bytes``: all of it,
+    or with an automatic KV pool the budget less :data:`POOL_MARGIN` (the share the pool leaves free),
+    so that the pool sized after the span (:func:`auto_pool_tokens`) holds about those positions rather
+    than nothing at a tight memory limit."""
+    return int(budget_bytes * (1 - POOL_MARGIN)) if auto_pool else budget_bytes
+
+
 def auto_pool_tokens(
     sizing: Sizing,
     start: int,

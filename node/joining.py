@@ -49,7 +49,15 @@ from node.assemble import (
     prepare_remote,
     resolve,
 )
-from node.capacity import MemoryLimit, ModelShape, Sizing, auto_pool_tokens, memory_limits, sizing_for
+from node.capacity import (
+    MemoryLimit,
+    ModelShape,
+    Sizing,
+    auto_pool_tokens,
+    memory_limits,
+    sizing_for,
+    span_budget_bytes,
+)
 from node.config import NodeConfig
 from node.errors import CapacityError, NotGGUFError
 from node.fetch import FetchStatistics
@@ -301,7 +309,7 @@ class _Joiner:
         limits = await run_sync(memory_limits, _memory_bytes(cfg))
         budget = limits[-1]
         device = await run_sync(_gpu_device, cfg) if cfg.gpu_layers == "auto" else None
-        ram_layers = sizing.max_layers(budget.bytes)
+        ram_layers = sizing.max_layers(span_budget_bytes(budget.bytes, auto_pool=cfg.kv_pool_tokens < 0))
         gpu_layers = 0
         if device is not None:
             gpu_layers = sizing.split_gpu(0, meta.n_layers, device.free_bytes)
@@ -345,7 +353,7 @@ class _Joiner:
         ram = sizing.span_bytes(a, b) - sum(
             sizing.layer_bytes[i] + sizing.kv_bytes_per_layer[i] for i in range(b - on_gpu, b)
         )
-        return ram <= budget.bytes
+        return ram <= span_budget_bytes(budget.bytes, auto_pool=self.cfg.kv_pool_tokens < 0)
 
     async def _recommend(
         self,

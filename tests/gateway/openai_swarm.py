@@ -60,7 +60,12 @@ def two_stage_swarm(
                     session_kv_tokens=SESSION_KV,
                     cache_dir=cache,
                     admin=True,  # /metrics: tests read what each stage computed
-                    extra_args=["--batch-tokens", str(BATCH), "--no-benchmark"],
+                    # Sessions grow in each node's KV pool up to SESSION_KV positions: the context
+                    # that the 413 and the conversations' compaction tests run into.
+                    extra_args=[
+                        *("--batch-tokens", str(BATCH), "--max-session-kv-tokens", str(SESSION_KV)),
+                        "--no-benchmark",
+                    ],
                 )
             )
         nodes = [n.ready(120) for n in nodes]

@@ -55,7 +55,14 @@ def start_node(
         session_kv_tokens=SESSION_KV,
         cache_dir=cache,
         admin=False,
-        extra_args=["--batch-tokens", str(BATCH), "--no-benchmark"],
+        # A session grows in the node's KV pool up to SESSION_KV positions: the context the 413 names.
+        extra_args=[
+            "--batch-tokens",
+            str(BATCH),
+            "--max-session-kv-tokens",
+            str(SESSION_KV),
+            "--no-benchmark",
+        ],
     )
 
 

@@ -92,7 +92,12 @@ def start_node(
         max_sessions=6,
         session_kv_tokens=512,
         cache_dir=cache,
-        extra_args=["--heartbeat-interval-s", "1", "--batch-tokens", "256", *extra],
+        # Sessions grow in the KV pool to at most 2,048 positions, below the model's 8k context: the
+        # admission test asks one past it ("per session"), not one past the model.
+        extra_args=[
+            *("--heartbeat-interval-s", "1", "--batch-tokens", "256", "--max-session-kv-tokens", "2048"),
+            *extra,
+        ],
     )
 
 
@@ -430,8 +435,9 @@ def test_admission_refuses_clearly_when_slots_or_budget_run_out(swarm: Swarm) ->
     raw = Raw(swarm.stages[1])
     ticket = swarm.ticket()
     try:
+        most = swarm.stages[1].info.limits.max_kv_tokens_per_session  # what one session may grow to
         too_big = raw.ask(
-            codec.open_frame(raw.header("big"), step_id=1, route_ticket=ticket, kv_budget_tokens=4096)
+            codec.open_frame(raw.header("big"), step_id=1, route_ticket=ticket, kv_budget_tokens=most + 16)
         )
         assert _status(too_big) == S.STATUS_RESOURCE_EXHAUSTED and "per session" in too_big.error.message
         opened = []

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from common.vocab import Vocabulary
+from node.capacity import POOL_MARGIN, span_budget_bytes
 from node.config import NodeConfig
 from node.fingerprint import local_manifest
 from node.joining import model_sizing
@@ -137,8 +138,13 @@ def _limit_for(model_path: Path, cfg: NodeConfig, layers: int) -> int:
     sizing = model_sizing(meta, local_manifest(model_path, None), model_path, cfg)
     worst = max(sizing.span_bytes(a, a + layers) for a in range(meta.n_layers - layers + 1))
     next_worst = max(sizing.span_bytes(a, a + layers + 1) for a in range(meta.n_layers - layers))
-    limit = math.ceil(worst / 2**20)
-    assert limit * 2**20 < next_worst, "the test needs 11 layers not to fit"
+    # The automatic KV pool (the default) leaves POOL_MARGIN of the budget free: spans fit in the rest.
+    share = 1 - POOL_MARGIN if cfg.kv_pool_tokens < 0 else 1
+    limit = math.ceil(worst / share / 2**20)
+    assert span_budget_bytes(limit * 2**20, auto_pool=cfg.kv_pool_tokens < 0) >= worst
+    assert span_budget_bytes(limit * 2**20, auto_pool=cfg.kv_pool_tokens < 0) < next_worst, (
+        "the test needs 11 layers not to fit"
+    )
     return limit
 
 
@@ -164,6 +170,7 @@ def test_memory_limited_nodes_take_what_fits_and_cover_the_model(
             join = status(node)["join"]
             assert join["capacity_layers"] == 10, join
             assert join["memory_budget_source"].startswith("memory_limit_mb"), join
+            assert '"event":"kv_pool_sized"' in node.log_text()  # the margin it left holds a pool
             # The tracker must know this node before the next one asks where to go.
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:

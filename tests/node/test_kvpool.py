@@ -4,6 +4,7 @@ layout (sparse per-sequence streams) and the opt-in unified stream (compaction).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -264,3 +265,29 @@ def test_an_automatic_pool_fills_what_the_span_leaves_of_the_memory_budget(tmp_p
         joiner._pool_tokens(sizing, MemoryLimit(400_000_000, "cgroup"), 0, 4)
     fixed = NodeConfig(kv_pool_tokens=4096, cache_dir=str(tmp_path)).validate()
     assert _Joiner(fixed, None, "")._pool_tokens(None, None, 0, 2) == 4096
+
+
+def test_layers_sized_for_an_automatic_pool_leave_it_room_at_a_tight_memory_limit() -> None:
+    """A memory limit that holds k layers with the KV the sizing prices, and no more: with an automatic
+    pool the node takes fewer layers (they fit the budget less the pool's margin), and the pool sized
+    after them is not empty; a fixed pool or none takes the whole budget for layers."""
+    from node.capacity import POOL_MARGIN, Sizing, auto_pool_tokens, span_budget_bytes
+
+    sizing = Sizing(
+        layer_bytes=(10_000_000,) * 30,
+        kv_bytes_per_layer=(800_000,) * 30,  # 1,024 positions priced: 781 bytes per position per layer
+        first_extra_bytes=30_000_000,
+        last_extra_bytes=30_000_000,
+        fixed_bytes=200_000_000,
+    )
+    worst_10 = max(sizing.span_bytes(a, a + 10) for a in range(21))
+    tight = worst_10  # exactly 10 layers with their priced KV, nothing to spare
+    assert sizing.max_layers(span_budget_bytes(tight, auto_pool=False)) == 10
+    # Taken whole, the tight budget leaves the automatic pool nothing (the failure this guards).
+    assert auto_pool_tokens(sizing, 0, 10, tight, 1024, 256) == 0
+    layers = sizing.max_layers(span_budget_bytes(tight, auto_pool=True))
+    assert 1 <= layers < 10
+    assert all(auto_pool_tokens(sizing, a, a + layers, tight, 1024, 256) >= 256 for a in range(31 - layers))
+    roomy = math.ceil(worst_10 / (1 - POOL_MARGIN)) + 1  # what holds 10 layers and their pool
+    assert sizing.max_layers(span_budget_bytes(roomy, auto_pool=True)) == 10
+    assert auto_pool_tokens(sizing, 0, 10, roomy, 1024, 256) >= 256
