@@ -465,7 +465,7 @@ class FrameServer:
         self._pending_bytes = 0
         self._history_bytes = 0
         self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # released sessions kept warm, oldest first
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # kept warm, least recently used first
         self._reused = 0
         self._open_order = itertools.count(1)
         # Sessions preempted here: (times, their opened_seq), so a resumed session keeps its age and its
@@ -618,7 +618,7 @@ class FrameServer:
                 source, positions, move = "", 0, False
         victims = [sid] if sid in self._kept else []  # a kept session's id opened afresh: its KV goes
         if not move:
-            # Kept sessions are given up first (oldest first) when a new session needs their slot.
+            # Kept sessions are given up first (least recently used first) when a new session needs a slot.
             over = len(self._sessions) + len(self._kept) - (self.spec.max_sessions - 1) - len(victims)
             others = [k for k in self._kept if k not in (sid, source)]  # never the source being copied
             if over > len(others):
@@ -656,6 +656,8 @@ class FrameServer:
             else:
                 origin = self._sessions.get(source) or self._kept[source]
                 sess.history_tokens = origin.history_tokens[:positions]
+                if source in self._kept:  # a shared prefix just used: the last kept session to go
+                    self._kept.move_to_end(source)
             self._reused += positions
         self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)

@@ -137,3 +137,20 @@ def test_a_cancelled_session_is_never_kept_and_drain_frees_kept_ones() -> None:
     release(h, "s2", 99, keep_ms=5000, keep_positions=4)
     assert FreeKv("s2") in h.m.drain()
     assert h.m.statistics().kept_sessions == 0
+
+
+def test_kept_sessions_go_least_recently_used_first() -> None:
+    h = Harness(max_sessions=4)
+    prefilled(h, "a", 10)
+    release(h, "a", 99, keep_ms=60_000, keep_positions=10)
+    prefilled(h, "b", 10)
+    release(h, "b", 99, keep_ms=60_000, keep_positions=10)
+    # "a" was kept first, but another client's request shares its prefix now: "b" is the colder one.
+    open_from(h, "c", "a", 8, copy=True)
+    h.open("d")
+    actions = h.open("e")  # the 4 slots: c, d, e and one kept session
+    freed = [a for a in actions if isinstance(a, FreeKv)]
+    assert freed == [FreeKv("b")], actions
+    assert h.m.statistics().kept_sessions == 1
+    h.feed(codec.release_frame(h.header("d"), step_id=2))  # a slot for the owner's next turn
+    assert ack_kv(open_from(h, "a2", "a", 10)) == 10  # "a" stayed, whole
