@@ -38,14 +38,14 @@ _.coord_updated_s
 # Called by name: `swarm-tracker model remove` (tracker.cli._tracker_call(..., "unregister_model")).
 _.unregister_model
 
-# zeroconf calls a browser's handlers with keyword arguments (tracker.discovery); the context-manager
-# protocol's third argument (node.progress, tracker.client).
+# zeroconf calls a browser's handlers with keyword arguments (common.discovery); the context-manager
+# protocol's third argument (node.progress, common.tracker_client).
 _.service_type, _.tb
 
 # httpx calls a transport's handle_async_request (tests/tracker/test_tracker_client_failover.py).
 _.handle_async_request
 
-# The architecture table's documentation column (node.architectures.ArchSpec.examples).
+# The architecture table's documentation column (common.architectures.ArchSpec.examples).
 _.examples
 
 # The packet delayer's bucket edges, written down beside its release_error_hist (sim.wan.delayer).

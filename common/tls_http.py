@@ -2,7 +2,7 @@
 HTTPS").
 
 Nodes, gateways and the command-line tools reach the tracker over HTTP(S)
-through ``tracker.client.TrackerClient``, which builds its httpx client
+through ``common.tracker_client.TrackerClient``, which builds its httpx client
 here. :class:`common.tls.HttpTls` says how a server's certificate is trusted:
 
 - ``pins`` given: every new connection's TLS handshake is finished, the

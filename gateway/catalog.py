@@ -22,12 +22,12 @@ import httpx
 import trio
 
 from common.logs import event
+from common.tracker_client import TrackerClient, TrackerClientError
 from gateway import protocol, tools
 from gateway.config import GatewayConfig
 from gateway.errors import UpstreamFailed
 from gateway.routes import TRACKER_RETRY_S
 from gateway.vocab_store import VocabStore
-from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
 

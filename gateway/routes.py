@@ -19,7 +19,7 @@ Routes whose node failed are marked stale rather than dropped, so they remain
 such a fallback (the failed node itself is excluded by the caller). The first
 successful look-up after the outage replaces them (``routes_refreshed``).
 Several tracker URLs (``tracker_url`` with commas) are tried in turn by
-``tracker.client.TrackerClient`` before a look-up counts as failed.
+``common.tracker_client.TrackerClient`` before a look-up counts as failed.
 
 :class:`NodeInfoCache` keeps each node's ``Info`` (recipe fingerprint, width,
 limits) for ``node_info_ttl_s``; a route's stages must agree on the recipe.
@@ -41,6 +41,7 @@ import trio
 from common.logs import event
 from common.tls import is_fingerprint
 from common.tls_http import pin_refusal
+from common.tracker_client import TrackerClient, TrackerClientError
 from gateway.admission import least_loaded
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import CertificateRefused, NodeChannels, StreamError
@@ -49,7 +50,6 @@ from gateway.route_tickets import TicketRefused, verify_route
 from gateway.tracker_key import TrackerKey
 from proto.recipe import Recipe
 from proto.signing import canonical_json
-from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
 

@@ -28,13 +28,13 @@ from common.grpc_adapter import open_grpc
 from common.keyfile import KeyFileError, load_or_create_key_file
 from common.logs import event
 from common.tls import TlsError, fingerprint_pem
+from common.tracker_client import TrackerClient
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.relay import RelayChannels, RelayHub, install_relay
 from gateway.serving import GatewayService
 from gateway.tracker_key import TrackerKey, resolve_tracker_key
 from proto.signing import public_key_hex
-from tracker.client import TrackerClient
 
 log = logging.getLogger("swarm.gateway")
 SHUTDOWN_GRACE_S = 5.0  # how long open HTTP responses may drain after SIGINT/SIGTERM
@@ -86,7 +86,7 @@ def load_or_create_key(data_dir: Path) -> nacl.signing.SigningKey:
 async def _tracker_url(config: GatewayConfig, tracker_id: str) -> str:
     if config.tracker_url:
         return config.tracker_url
-    from tracker.discovery import discover_tracker_async
+    from common.discovery import discover_tracker_async
 
     # With the key known, only the tracker that holds it counts (its tickets are all we accept).
     url = await discover_tracker_async(config.discovery_timeout_s, tracker_id or None)

@@ -31,6 +31,7 @@ import nacl.signing
 import trio
 
 from common.logs import event
+from common.tracker_client import TrackerClient, TrackerClientError
 from gateway import structured, tools
 from gateway.access import Access, anonymous_limits
 from gateway.admission import AdmissionPolicy, KvWaitPolicy
@@ -59,7 +60,6 @@ from gateway.trust_report import ObservedSpeed
 from gateway.vocab_store import VocabStore
 from proto.announce import UsageReport
 from proto.signing import public_key_hex
-from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway")
 EVENT_BUFFER = 16

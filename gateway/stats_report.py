@@ -30,8 +30,8 @@ import trio
 from common.logs import event
 from common.metrics import bucket_delta, quantile_from_buckets
 from common.rtt import RttSampler, parse_hints
+from common.tracker_client import TrackerClient, TrackerClientError
 from proto.announce import MAX_ROUTE_STATS, GatewayStats, RouteStat
-from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway.stats")
 TTFT = "swarm_gateway_time_to_first_token_seconds"

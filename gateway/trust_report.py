@@ -33,6 +33,7 @@ import httpx
 import trio
 
 from common.logs import event
+from common.tracker_client import TrackerClient, TrackerClientError
 from proto.announce import (
     MAX_CHECK_ENTRIES,
     MAX_CHECKS_PER_REPORT,
@@ -43,7 +44,6 @@ from proto.announce import (
     NodeSpeed,
     PayloadError,
 )
-from tracker.client import TrackerClient, TrackerClientError
 
 log = logging.getLogger("swarm.gateway.trust")
 REPORT_INTERVAL_S = 2.0

@@ -38,6 +38,8 @@ import trio
 
 from common import files
 from common.logs import event
+from common.tracker_client import TrackerClient as Registry
+from common.tracker_client import TrackerClientError
 from common.vocab import Vocabulary
 from gateway.chat_template import TemplateSource, template_source
 from gateway.errors import InvalidRequest, UpstreamFailed
@@ -47,8 +49,6 @@ from gateway.template_sandbox import TemplateSandbox
 from gateway.vocab_check import KV, VocabMismatch, check_vocab_against_header, read_kv
 from proto.errors import ProtocolError
 from proto.manifest import Manifest, ManifestInvalid
-from tracker.client import TrackerClient as Registry
-from tracker.client import TrackerClientError
 
 MAX_LOADED = 8
 MAX_VOCAB_BYTES = 64 * 1024 * 1024

@@ -143,7 +143,7 @@ async def registry_lookup(
     tracker: Any, model: str | None = None, url: str | None = None
 ) -> dict[str, Any] | None:
     """The tracker registry's entry for a model name/fingerprint or a source URL (None if unknown)."""
-    from tracker.client import TrackerClientError
+    from common.tracker_client import TrackerClientError
 
     try:
         if model is not None:

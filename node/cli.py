@@ -128,7 +128,7 @@ async def _extract_remote(
         grpc_rt = await stack.enter_async_context(open_grpc())
         tracker = None
         if tracker_url:
-            from tracker.client import TrackerClient
+            from common.tracker_client import TrackerClient
 
             # Registry reads are not signed: a throw-away key satisfies the client.
             tracker = await stack.enter_async_context(
@@ -660,10 +660,10 @@ def ledger(
 
     from common.cli import run_once
     from common.keyfile import load_key_file
+    from common.tracker_client import TrackerClient, TrackerClientError
     from node.identity import key_path
     from node.identity import node_id as id_of
     from proto.ledger import LedgerError, verify_ledger_entry
-    from tracker.client import TrackerClient, TrackerClientError
 
     tls = tracker_http_tls(tracker_url, tracker_tls_fingerprint, tracker_ca_file)
     node = node_id or id_of(load_key_file(key_path(Path(data_dir).expanduser())))
@@ -719,7 +719,7 @@ def _contribution(tracker: str, node: str, timeout_s: float, tls: Any) -> dict[s
     import nacl.signing
     import trio
 
-    from tracker.client import TrackerClient, TrackerClientError
+    from common.tracker_client import TrackerClient, TrackerClientError
 
     async def ask() -> dict[str, Any]:
         async with TrackerClient(tracker, nacl.signing.SigningKey.generate(), tls=tls) as client:

@@ -441,7 +441,7 @@ class NodeDaemon:
     async def _find_tracker(self) -> str:
         if self.config.tracker_url:
             return self.config.tracker_url.rstrip("/")
-        from tracker.discovery import discover_tracker_async
+        from common.discovery import discover_tracker_async
 
         while True:
             url = await discover_tracker_async(
@@ -461,7 +461,7 @@ class NodeDaemon:
 
     async def _leave(self) -> None:
         """Tell the tracker we are going (signed), so it stops routing to us now, not at expiry."""
-        from tracker.client import TrackerClient, TrackerClientError
+        from common.tracker_client import TrackerClient, TrackerClientError
 
         try:
             with trio.fail_after(LEAVE_TIMEOUT_S):
@@ -479,7 +479,7 @@ class NodeDaemon:
 
         No answer counts as unreachable: the relay works whenever the gateway does.
         """
-        from tracker.client import TrackerClient, TrackerClientError
+        from common.tracker_client import TrackerClient, TrackerClientError
 
         reachable = False
         if self.tracker_url:
@@ -573,7 +573,7 @@ class NodeDaemon:
             await self._tracker_calls()
 
     async def _tracker_calls(self) -> None:
-        from tracker.client import TrackerClient, TrackerClientError
+        from common.tracker_client import TrackerClient, TrackerClientError
 
         async with TrackerClient(self.tracker_url, self.key, tls=self.config.tracker_tls()) as client:
             self._tracker_client = client

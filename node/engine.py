@@ -49,7 +49,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from node import architectures, kvsparse
+from common import architectures
+from node import kvsparse
 from node.constraints import ConstraintError, GrammarConstraint, LLTokenizer, Pieces, tokenizer_for
 from node.errors import (
     DecodeError,

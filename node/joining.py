@@ -165,7 +165,7 @@ class _Joiner:
             grpc_rt = await stack.enter_async_context(open_grpc())
             tracker = None
             if self.tracker_url:
-                from tracker.client import TrackerClient
+                from common.tracker_client import TrackerClient
 
                 tracker = await stack.enter_async_context(
                     TrackerClient(self.tracker_url, self.key, tls=self.cfg.tracker_tls())
@@ -363,7 +363,7 @@ class _Joiner:
         budget: MemoryLimit | None,
         device: Device | None,
     ) -> tuple[int, int]:
-        from tracker.client import TrackerClient, TrackerClientError
+        from common.tracker_client import TrackerClient, TrackerClientError
 
         cap = capacity or meta.n_layers
         memory = None

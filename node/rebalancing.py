@@ -92,7 +92,7 @@ class _Mover:
         self.move: MoveAdvice | None = None
 
     async def ask(self, client: Any) -> MoveAdvice | None:
-        from tracker.client import TrackerClientError
+        from common.tracker_client import TrackerClientError
 
         d = self.daemon
         tracker_id = d.verifier.tracker_public_key
@@ -136,7 +136,7 @@ class _Mover:
 
     async def run(self, stop: trio.Event) -> None:
         """Ask every interval until a move is decided; then drain and set ``stop``."""
-        from tracker.client import TrackerClient
+        from common.tracker_client import TrackerClient
 
         d = self.daemon
         cfg = d.config

@@ -14,7 +14,7 @@ computes (see docs/engine.md).
   still quantized), and feeds every stage through ``llama_batch.embd``.
 * The last stage keeps the real vocabulary, ``output_norm`` and the LM head.
 * Whatever llama.cpp decides by *absolute* layer index travels with the cut
-  (``node.architectures``): per-layer metadata arrays are sliced to the range,
+  (``common.architectures``): per-layer metadata arrays are sliced to the range,
   and a sliding-window architecture's shard carries the explicit per-layer
   ``<arch>.attention.sliding_window_pattern`` of its absolute layers, so a
   shard starting at layer 7 treats each layer as the whole model does. A model
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from node import architectures
+from common import architectures
 from node.errors import (
     DiskSpaceError,
     LayerRangeError,
@@ -66,7 +66,7 @@ from node.errors import (
 from node.fingerprint import local_manifest
 
 # Architectures whose graphs have been checked to be split-exact (parity tests, see
-# node/architectures.py). Others are refused with the reason and this list.
+# common/architectures.py). Others are refused with the reason and this list.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(architectures.SUPPORTED)
 # 2: explicit per-layer sliding-window arrays, per-architecture metadata handling.
 # 3: the source is named by its manifest fingerprint (swarm.source.fingerprint).

@@ -222,8 +222,8 @@ async def _throughput(
     import nacl.signing
     import trio
 
+    from common.tracker_client import TrackerClient
     from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
-    from tracker.client import TrackerClient
 
     model = ModelSpec(FP, "bench", "llama", 30, 576)
     hw = Hardware(4, 8 << 30, (), ("cpu",), 10 << 30)
@@ -425,8 +425,8 @@ def _client_phase(args: tuple[str, list[str], int, int, int, float, float]) -> d
     kind, urls, first, count, tasks, start_at, duration_s = args
     import trio
 
+    from common.tracker_client import TrackerClient
     from proto.announce import Announce, Hardware, Heartbeat, ModelSpec
-    from tracker.client import TrackerClient
 
     model = ModelSpec(FP, "bench", "llama", 30, 576)
     hw = Hardware(4, 8 << 30, (), ("cpu",), 10 << 30)

@@ -320,7 +320,7 @@ def _tracker_call(url: str, tls: Any, key: Any, call: str, *args: Any, timeout_s
     import trio
 
     from common.cli import run_once
-    from tracker.client import TrackerClient, TrackerClientError
+    from common.tracker_client import TrackerClient, TrackerClientError
 
     async def go() -> Any:
         async with TrackerClient(url, key, tls=tls) as client:

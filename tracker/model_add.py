@@ -6,7 +6,7 @@ checked against the header it describes) or, without one, the whole file
 streamed once through :class:`proto.manifest.ManifestBuilder` (nothing is
 stored). The metadata (architecture, layers, width, name) comes from the
 header, and the split points are computed exactly as nodes compute them
-(``node.architectures``, pure), so the registry can tell placement where the
+(``common.architectures``, pure), so the registry can tell placement where the
 model may be cut. Unsupported architectures are refused here, before anything
 is sent.
 
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from gguf import GGUFReader
 
-from node import architectures
+from common import architectures
 from proto.manifest import Manifest, ManifestBuilder, ManifestInvalid, build_manifest
 
 MANIFEST_SUFFIX = ".manifest.json"

@@ -30,6 +30,7 @@ import trio
 
 from common import files
 from common.config import ConfigError
+from common.discovery import advertise
 from common.grpc_adapter import Grpc, open_grpc
 from common.logs import event
 from common.tls import ServerCert, TlsError, load_or_create_server_cert, load_server_cert
@@ -37,7 +38,6 @@ from tracker.app import create_app
 from tracker.challenger import Challenger
 from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, TrackerConfig
 from tracker.dashboard import DashboardFeed
-from tracker.discovery import advertise
 from tracker.keys import load_or_create_key_at
 from tracker.service import Registry
 from tracker.store import Store, make_engine

@@ -49,7 +49,7 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "tracker.service": {"trio.to_thread": "the database driver (SQLAlchemy is blocking)"},
     "tracker.server": {"trio.to_thread": "opening and closing the database"},
-    "tracker.discovery": {
+    "common.discovery": {
         "asyncio": "zeroconf speaks asyncio: a private loop",
         "threading": "zeroconf: the private loop's one thread",
         "trio.to_thread": "zeroconf: blocking calls into that loop",

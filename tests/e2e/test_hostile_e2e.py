@@ -34,6 +34,7 @@ import trio
 
 from common.keyfile import load_or_create_key_file
 from common.tls import TLS_SERVER_NAME, fingerprint_pem, is_fingerprint
+from common.tracker_client import TrackerClient
 from proto import codec
 from proto.signing import (
     make_payload,
@@ -54,7 +55,6 @@ from tests.node.loopback_client import (
     open_proof,
     ticket_bytes,
 )
-from tracker.client import TrackerClient
 
 pytestmark = pytest.mark.slow
 

@@ -32,12 +32,12 @@ import pytest
 import trio
 
 from common.keyfile import load_key_file
+from common.tracker_client import TrackerClient
 from node.shard import read_model_meta
 from proto.announce import Announce, Hardware, Leave, ModelSpec
 from sim.launcher import LocalSwarm, start_local_swarm
 from sim.procs import NO_SPOT_CHECKS, Service
 from tests.e2e.swarm_helpers import Reference
-from tracker.client import TrackerClient
 
 pytestmark = pytest.mark.slow
 

@@ -27,12 +27,12 @@ import pytest
 import trio
 
 from common.keyfile import load_or_create_key_file
+from common.tracker_client import TrackerClient, TrackerClientError
 from proto.announce import CheckPass, CheckResults, Evidence, UsageEntry, UsageReport
 from proto.ledger import verify_ledger_entry
 from proto.signing import make_payload, public_key_hex, sign_envelope
 from sim.procs import Service, Supervisor
 from tests.e2e.swarm_helpers import wait_until
-from tracker.client import TrackerClient, TrackerClientError
 
 pytestmark = pytest.mark.slow
 

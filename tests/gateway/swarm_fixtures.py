@@ -11,12 +11,12 @@ import nacl.signing
 import trio
 from fake_node import TLS_CERTS, FakeNode
 
+from common.tracker_client import TrackerClient
 from common.vocab import Vocabulary
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
 from sim import procs
 from sim.procs import Service
-from tracker.client import TrackerClient
 
 HARDWARE = Hardware(cpu_cores=2, ram_bytes=8 << 30, gpus=(), backends=("cpu",), free_disk_bytes=10 << 30)
 

@@ -32,10 +32,10 @@ import trio
 from fake_node import PREEMPTIONS
 from swarm_fixtures import announce, metric_lines, scripted_nodes, url, wait_until
 
+from common.tracker_client import TrackerClient
 from proto.announce import Heartbeat, ModelSpec
 from proto.signing import public_key_hex
 from sim.procs import Supervisor
-from tracker.client import TrackerClient
 
 pytestmark = pytest.mark.slow  # real tracker and gateway processes
 

@@ -16,12 +16,12 @@ import nacl.signing
 import pytest
 import trio
 
+from common.tracker_client import TrackerClient
 from gateway.metrics import Metrics
 from gateway.node_standing import NodeStanding
 from gateway.trust_report import ObservedSpeed, report_trust_once
 from proto.announce import Announce, Hardware, ModelSpec
 from proto.signing import public_key_hex
-from tracker.client import TrackerClient
 from tracker.config import TrackerConfig
 from tracker.server import RunningTracker, serve_tracker
 

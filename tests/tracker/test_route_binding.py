@@ -18,8 +18,8 @@ import pytest
 import trio
 from tracker_helpers import MODEL, announce_for, key, test_config
 
+from common.tracker_client import TrackerClient, TrackerClientError
 from proto.signing import make_payload, public_key_hex, sign_envelope, verify_route_ticket
-from tracker.client import TrackerClient, TrackerClientError
 from tracker.server import RunningTracker, serve_tracker
 
 GATEWAY = key(40)

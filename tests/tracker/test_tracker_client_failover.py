@@ -1,4 +1,4 @@
-"""tracker/client.py: one call tries every replica once, even while concurrent calls fail over.
+"""common/tracker_client.py: one call tries every replica once, even while concurrent calls fail over.
 
 The transport is scripted (in-process): replica B refuses connections, and the first call's refusal
 is held until a second call has failed over to A. The first call must then go on to A, not back
@@ -10,7 +10,7 @@ import httpx
 import nacl.signing
 import trio
 
-from tracker.client import TrackerClient
+from common.tracker_client import TrackerClient
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.2:1"
 

@@ -1,4 +1,4 @@
-"""Real hypercorn on loopback, port 0, driven by tracker.client over real HTTP."""
+"""Real hypercorn on loopback, port 0, driven by common.tracker_client over real HTTP."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 import trio
 from tracker_helpers import MODEL, announce_for, heartbeat_for, key, test_config
 
+from common.tracker_client import TrackerClient, TrackerClientError
 from proto.announce import UsageEntry, UsageReport
 from proto.signing import public_key_hex, verify_route_ticket
-from tracker.client import TrackerClient, TrackerClientError
 from tracker.server import RunningTracker, serve_tracker
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,10 +19,10 @@ import trio
 from quart.typing import TestClientProtocol as QuartClient
 from tracker_helpers import MODEL, FakeClock, announce_for, heartbeat_for, key, signed, test_config
 
+from common.tracker_client import TrackerClient
 from proto.announce import ModelSpec
 from proto.signing import make_payload, public_key_hex
 from tracker.app import address_identity, create_app
-from tracker.client import TrackerClient
 from tracker.errors import BadRequest
 from tracker.json_input import check_json, parse_json
 from tracker.ratelimit import NonceShare, TokenBuckets

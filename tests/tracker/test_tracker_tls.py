@@ -1,5 +1,5 @@
 """The tracker over HTTPS (real hypercorn on loopback): a self-signed certificate made on first start,
-clients that pin it (common.tls_http through tracker.client), and what they refuse."""
+clients that pin it (common.tls_http through common.tracker_client), and what they refuse."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tracker_helpers import announce_for, key, test_config
 
 from common.tls import HttpTls, fingerprint_pem, generate_self_signed
 from common.tls_http import CertificatePinError
-from tracker.client import TrackerClient
+from common.tracker_client import TrackerClient
 from tracker.config import TLS_CERT_FILE, TLS_KEY_FILE, ConfigError, TrackerConfig, load_config
 from tracker.server import RunningTracker, load_tls, serve_tracker
 

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import trio
 
-from tracker.discovery import advertise, discover_tracker_async
+from common.discovery import advertise, discover_tracker_async
 
 pytestmark = pytest.mark.slow  # zeroconf: ifaddr runs ldconfig to find libc
 

@@ -161,17 +161,32 @@ class TrackerClient:
         assert last is not None
         raise last
 
+    async def _object(
+        self,
+        method: str,
+        path: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        body: Callable[[], Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """``_call`` for the endpoints that answer a JSON object: anything else is the tracker's error."""
+        answer = await self._call(method, path, ok=ok, body=body, params=params)
+        if not isinstance(answer, dict):
+            raise TrackerClientError(200, {"error": {"code": "not_an_object", "message": repr(answer)[:200]}})
+        return answer
+
     async def announce(self, announce: Announce) -> dict[str, Any]:
         payload = announce.to_json()
-        return await self._call("POST", "/v1/announce", body=lambda: self.signed("announce", payload))
+        return await self._object("POST", "/v1/announce", body=lambda: self.signed("announce", payload))
 
     async def heartbeat(self, heartbeat: Heartbeat) -> dict[str, Any]:
         payload = heartbeat.to_json()
-        return await self._call("POST", "/v1/heartbeat", body=lambda: self.signed("heartbeat", payload))
+        return await self._object("POST", "/v1/heartbeat", body=lambda: self.signed("heartbeat", payload))
 
     async def leave(self, leave: Leave) -> dict[str, Any]:
         payload = leave.to_json()
-        return await self._call("POST", "/v1/leave", body=lambda: self.signed("leave", payload))
+        return await self._object("POST", "/v1/leave", body=lambda: self.signed("leave", payload))
 
     async def rebalance(self, request: RebalanceRequest) -> tuple[dict[str, Any], str]:
         """Ask whether to move (``POST /v1/rebalance``): the tracker's signed advice envelope and
@@ -183,13 +198,13 @@ class TrackerClient:
 
     async def report_usage(self, report: UsageReport) -> dict[str, Any]:
         payload = report.to_json()
-        return await self._call(
+        return await self._object(
             "POST", "/v1/usage", body=lambda: self.signed("usage", payload, signer_field="gateway_id")
         )
 
     async def report_stats(self, stats: GatewayStats) -> dict[str, Any]:
         payload = stats.to_json()
-        return await self._call(
+        return await self._object(
             "POST",
             "/v1/gateway-stats",
             body=lambda: self.signed("gateway_stats", payload, signer_field="gateway_id"),
@@ -198,7 +213,7 @@ class TrackerClient:
     async def report_checks(self, results: CheckResults) -> dict[str, Any]:
         """Nodes that passed spot checks here (``POST /v1/checks``; registered gateways only)."""
         payload = results.to_json()
-        return await self._call(
+        return await self._object(
             "POST",
             "/v1/checks",
             body=lambda: self.signed("check_results", payload, signer_field="gateway_id"),
@@ -207,7 +222,7 @@ class TrackerClient:
     async def report_evidence(self, evidence: Evidence) -> dict[str, Any]:
         """A spot check's verdict (``POST /v1/evidence``): a conclusive one bans the liar."""
         payload = evidence.to_json()
-        return await self._call(
+        return await self._object(
             "POST", "/v1/evidence", body=lambda: self.signed("evidence", payload, signer_field="gateway_id")
         )
 
@@ -250,7 +265,7 @@ class TrackerClient:
             request["kv_tokens"] = kv_tokens
         if sign:
             # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
-            return await self._call(
+            return await self._object(
                 "POST",
                 "/v1/routes",
                 ok=(200, 503),
@@ -258,7 +273,7 @@ class TrackerClient:
             )
         if gateway_id:
             request["gateway_id"] = gateway_id
-        return await self._call("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
+        return await self._object("POST", "/v1/routes", ok=(200, 503), body=lambda: request)
 
     async def recommend(
         self,

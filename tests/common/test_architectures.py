@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
+from common import architectures
 from common.vocab import Vocabulary
-from node import architectures
 from node.engine import EngineConfig, ShardEngine, TokenEmbeddings, Work
 from node.errors import LayerRangeError, UnsupportedArchitecture
 from node.llama_runtime import BatchBuffer, TensorCapture, free_model, load_model, new_context
