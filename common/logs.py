@@ -26,6 +26,43 @@ def event(logger: logging.Logger, name: str, *, level: int = logging.INFO, **fie
         logger.log(level, name, extra={_FIELDS: fields})
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, at every depth; an exception alone is its own leaf."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for sub in inner for leaf in _leaves(sub)]
+
+
+class SocketTeardownRace(logging.Filter):
+    """hypercorn's one known teardown race, as one warning line instead of a traceback.
+
+    When a client (or a relay node) goes away while the app is sending its last message, hypercorn's
+    connection task shuts the socket's write side (``send_eof``) as the app's final send (quart's
+    WebSocket close frame) reaches the same stream: trio refuses the second sender with
+    ``BusyResourceError``, and hypercorn logs "Error in ASGI Framework" with a traceback. Nothing is
+    lost (the peer is gone; the connection was closing anyway), so the record becomes the warning
+    event ``socket_closed_while_sending``. Any other exception keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or record.getMessage() != "Error in ASGI Framework":
+            return True
+        leaves = _leaves(exc)
+        if not all(
+            type(e).__name__ == "BusyResourceError" and type(e).__module__.startswith("trio") for e in leaves
+        ):
+            return True
+        record.msg, record.args = "socket_closed_while_sending", ()
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+        setattr(record, _FIELDS, {"error": str(leaves[0]) or type(leaves[0]).__name__})
+        return True
+
+
+_TEARDOWN_RACE = SocketTeardownRace()
+
+
 class JsonLines(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -49,3 +86,4 @@ def configure(level: str = "info") -> None:
     root.setLevel(level.upper())
     for name in _CHATTY:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("hypercorn.error").addFilter(_TEARDOWN_RACE)  # once: the same filter object
