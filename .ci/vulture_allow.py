@@ -65,3 +65,9 @@ _.grpc_port, _.left_tracker  # node.daemon: NodeReady.grpc_port and a flag nothi
 _.last_used_s, _.session_ids, _.set_sampling  # node.engine
 _.busy_conn, _.history_limit, _._reused  # node.session_machine
 _.start_of, _.end_of  # tracker.routing
+
+# click.Command.format_help calls it: common.cli.TopicCommand's --help by topic.
+_.format_options
+
+# logging.LogRecord attributes read by the logging handlers and formatters (common.logs rewrites a record).
+_.levelno, _.exc_text

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 import trio
 
+from common.config import Setting, settings
 from common.logs import event
 
 if TYPE_CHECKING:
@@ -265,3 +266,100 @@ def tracker_http_tls(tracker_url: str, fingerprint: str, ca_file: str) -> HttpTl
     if problem:
         raise click.UsageError(problem)
     return HttpTls.from_settings(fingerprint, ca_file)
+
+
+# -- Options generated from a config schema (common.config.settings) --------------------------------
+
+GENERAL_TOPIC = "Options"
+
+
+class KnobOption(click.Option):
+    """A command-line option made from a config field: listed under its topic by :class:`TopicCommand`,
+    and showing only its own spelling (the older ones it accepts are named in its help)."""
+
+    def __init__(self, *args: Any, topic: str, hide: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.topic = topic
+        self.hide = hide
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None:
+            return None
+        names, text = record
+        for alias in self.hide:
+            names = names.replace(f", {alias}", "")
+        return names, text
+
+
+class TopicCommand(click.Command):
+    """A command whose ``--help`` lists its options under headings: its own options first (``Options``),
+    then each topic of its config schema in the order of the schema."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {GENERAL_TOPIC: []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(getattr(param, "topic", GENERAL_TOPIC), []).append(record)
+        for topic, rows in groups.items():
+            if rows:
+                with formatter.section(topic):
+                    formatter.write_dl(rows)
+
+
+def _join_repeated(ctx: click.Context, param: click.Parameter, value: Any) -> str | None:
+    return ",".join(value) if value else None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def knob_option(setting: Setting) -> Callable[[F], F]:
+    """The option of one config knob: ``--name`` (a bool: ``--name/--no-name``; one named ``no_*``:
+    just ``--name``), its older spellings, ``default=None`` so an option not given leaves the file,
+    the environment and the default in force; its help names the file key and the variable."""
+    spec = setting.knob
+    decls = list(spec.aliases)
+    kwargs: dict[str, Any] = {"default": None}
+    if setting.kind is bool:
+        if setting.name.startswith("no_"):
+            decls.insert(0, setting.option)
+            kwargs["is_flag"] = True
+        else:
+            decls.insert(0, f"{setting.option}/--no-{setting.option[2:]}")
+        decls += [f" /{alias}" for alias in spec.off_aliases]
+    else:
+        decls.insert(0, setting.option)
+        kwargs["type"] = click.Choice(spec.choices) if spec.choices else setting.kind
+        if spec.repeatable:
+            kwargs.update(multiple=True, callback=_join_repeated)
+    also = f"also {', '.join(spec.aliases + spec.off_aliases)}; " if spec.aliases or spec.off_aliases else ""
+    help_text = (
+        f"{spec.help} [{also}file key {setting.name}; env {setting.env}; default {_shown(setting.default)}]"
+    )
+    return click.option(
+        *decls,
+        setting.name,
+        cls=KnobOption,
+        topic=spec.topic,
+        hide=spec.aliases + spec.off_aliases,
+        help=help_text,
+        **kwargs,
+    )
+
+
+def config_options(config_class: type, env_prefix: str) -> Callable[[F], F]:
+    """Decorate a command with one option per field of ``config_class`` (in the schema's order); the
+    command gets each as a keyword argument named like the field, None when not given: the ``flags``
+    of ``common.config.load_layered``. Use it with ``cls=TopicCommand`` for ``--help`` by topic."""
+
+    def decorate(command: F) -> F:
+        for setting in reversed(settings(config_class, env_prefix)):
+            command = knob_option(setting)(command)
+        return command
+
+    return decorate

@@ -5,6 +5,12 @@ one ``[section]`` table), then environment variables ``<PREFIX><FIELD>``, then
 command-line flags (a flag whose value is None was not given). Unknown keys in
 any layer are an error; values are coerced to the type of the field's default
 and the result goes through the config class's own ``validate()``.
+
+The schema: every field of a config dataclass is a knob made by :func:`knobs` (or carries
+:func:`knob` metadata): its help text and its topic, and the command-line spellings it had before
+the schema (``aliases``, ``off_aliases``). One name per knob everywhere: the field ``max_sessions``
+is the file key ``max_sessions``, the variable ``<PREFIX>MAX_SESSIONS`` and the option
+``--max-sessions`` (:func:`settings` lists them; ``common.cli.config_options`` makes the options).
 """
 
 from __future__ import annotations
@@ -12,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -30,6 +37,70 @@ class _Validated(Protocol):
 
 
 C = TypeVar("C", bound=_Validated)
+
+KNOB = "knob"  # the metadata key of a field's Knob ("doc" holds its help text too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """What a config field says about itself beyond its name, type and default."""
+
+    help: str
+    topic: str  # the heading it is listed under in ``--help`` and in the docs
+    aliases: tuple[str, ...] = ()  # older option spellings that still set it ("--tracker")
+    off_aliases: tuple[str, ...] = ()  # of a bool: older spellings that set it false ("--no-usage-reports")
+    choices: tuple[str, ...] = ()  # of a str: the values it takes (the option refuses others)
+    repeatable: bool = False  # of a str list (commas): the option may be given several times
+
+
+def knob(help: str, *, topic: str, **more: Any) -> dict[str, Any]:
+    """The metadata of a config field: ``dataclasses.field(default=..., metadata=knob(...))``."""
+    return {"doc": help, KNOB: Knob(help, topic, **more)}
+
+
+def knobs(topic: str) -> Callable[..., Any]:
+    """A field maker for one topic: ``_kv = knobs("KV and memory")`` then
+    ``max_sessions: int = _kv(8, "most sessions", aliases=(...))``."""
+
+    def make(default: Any, help: str, **more: Any) -> Any:
+        return dataclasses.field(default=default, metadata=knob(help, topic=topic, **more))
+
+    return make
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One knob of a service with every name it goes by (:func:`settings`)."""
+
+    name: str  # the field, and the key in the config file
+    kind: type  # bool, int, float or str: the type of its default
+    default: Any
+    env: str  # the environment variable
+    option: str  # the command-line option: --name-with-dashes
+    knob: Knob
+
+
+def option_name(name: str) -> str:
+    """``max_sessions`` -> ``--max-sessions``."""
+    return "--" + name.replace("_", "-")
+
+
+def settings(cls: type, env_prefix: str) -> tuple[Setting, ...]:
+    """Every field of the config dataclass ``cls``, in declaration order; :class:`ConfigError` for a
+    field without a :class:`Knob` (help and topic) or whose default is not a bool, int, float or str."""
+    out = []
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(KNOB)
+        if not isinstance(spec, Knob) or not spec.help or not spec.topic:
+            raise ConfigError(f"{cls.__name__}.{f.name} has no knob(help, topic=...)")
+        if type(f.default) not in (bool, int, float, str):
+            raise ConfigError(f"{cls.__name__}.{f.name}: a default of type {type(f.default).__name__}")
+        out.append(
+            Setting(
+                f.name, type(f.default), f.default, env_prefix + f.name.upper(), option_name(f.name), spec
+            )
+        )
+    return tuple(out)
 
 
 def coerce(kind: type, name: str, value: Any, source: str) -> Any:

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from common.cli import EXIT_USAGE, fail
+from common.cli import EXIT_USAGE, TopicCommand, config_options, fail
 from common.config import ConfigError
-from gateway.config import FIELDS, GatewayConfig, load_config
+from gateway.config import ENV_PREFIX, FIELDS, GatewayConfig, load_config
 
 PROG = "swarm-gateway"
 
@@ -32,101 +32,26 @@ def _help(name: str) -> str:
     return str(FIELDS[name].metadata["doc"])
 
 
-@main.command()
+@main.command(cls=TopicCommand)
 @click.option(
     "--config",
     "config_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="TOML file with gateway settings (also SWARM_GATEWAY_CONFIG).",
+    help="TOML file with gateway settings (top-level keys or a [gateway] table; also SWARM_GATEWAY_CONFIG).",
 )
-@click.option("--tracker", "tracker_url", default=None, help=_help("tracker_url"))
-@click.option("--tracker-id", default=None, help=_help("tracker_id"))
-@click.option("--tracker-tls-fingerprint", default=None, help=_help("tracker_tls_fingerprint"))
-@click.option("--tracker-ca-file", default=None, help=_help("tracker_ca_file"))
-@click.option(
-    "--trust-tracker-on-first-use",
-    is_flag=True,
-    default=None,
-    help=_help("trust_tracker_on_first_use"),
-)
-@click.option("--host", default=None, help=_help("host"))
-@click.option("--port", type=int, default=None, help=_help("port"))
-@click.option("--port-file", default=None, help=_help("port_file"))
-@click.option("--data-dir", default=None, help=_help("data_dir"))
-@click.option("--max-sessions", type=int, default=None, help=_help("max_sessions"))
-@click.option("--max-queue", type=int, default=None, help=_help("max_queue"))
-@click.option("--max-sessions-per-client", type=int, default=None, help=_help("max_sessions_per_client"))
-@click.option("--queue-timeout-s", type=float, default=None, help=_help("queue_timeout_s"))
-@click.option("--kv-wait-s", type=float, default=None, help=_help("kv_wait_s"))
-@click.option("--max-kv-waiters", type=int, default=None, help=_help("max_kv_waiters"))
-@click.option("--max-preemptions", type=int, default=None, help=_help("max_preemptions"))
-@click.option("--api-keys-file", default=None, help=_help("api_keys_file"))
-@click.option(
-    "--allow-anonymous/--no-anonymous", "allow_anonymous", default=None, help=_help("allow_anonymous")
-)
-@click.option("--anonymous-max-tokens", type=int, default=None, help=_help("anonymous_max_tokens"))
-@click.option(
-    "--anonymous-tokens-per-minute", type=int, default=None, help=_help("anonymous_tokens_per_minute")
-)
-@click.option("--client-stall-s", type=float, default=None, help=_help("client_stall_s"))
-@click.option("--client-send-buffer-bytes", type=int, default=None, help=_help("client_send_buffer_bytes"))
-@click.option("--routes-k", type=int, default=None, help=_help("routes_k"))
-@click.option("--route-ttl-s", type=float, default=None, help=_help("route_ttl_s"))
-@click.option("--prefill-step-tokens", type=int, default=None, help=_help("prefill_step_tokens"))
-@click.option("--max-frame-bytes", type=int, default=None, help=_help("max_frame_bytes"))
-@click.option("--data-plane", type=click.Choice(["push", "relay"]), default=None, help=_help("data_plane"))
-@click.option("--allow-plaintext-nodes", is_flag=True, default=None, help=_help("allow_plaintext_nodes"))
-@click.option("--tls-cert-file", default=None, help=_help("tls_cert_file"))
-@click.option("--tls-key-file", default=None, help=_help("tls_key_file"))
-@click.option("--tls-port", type=int, default=None, help=_help("tls_port"))
-@click.option("--tls-port-file", default=None, help=_help("tls_port_file"))
-@click.option(
-    "--activation-encoding",
-    type=click.Choice(["f32", "f16", "int8", "auto"]),
-    default=None,
-    help=_help("activation_encoding"),
-)
-@click.option("--auto-f32-min-mbit-s", type=float, default=None, help=_help("auto_f32_min_mbit_s"))
-@click.option("--auto-int8-below-mbit-s", type=float, default=None, help=_help("auto_int8_below_mbit_s"))
-@click.option("--prefill-pipeline-steps", type=int, default=None, help=_help("prefill_pipeline_steps"))
-@click.option("--check-fraction", type=float, default=None, help=_help("check_fraction"))
-@click.option("--probation-checks", type=int, default=None, help=_help("probation_checks"))
-@click.option(
-    "--batch-isolation",
-    type=click.Choice(["auto", "off", "checked", "all"]),
-    default=None,
-    help=_help("batch_isolation"),
-)
-@click.option("--open-timeout-s", type=float, default=None, help=_help("open_timeout_s"))
-@click.option("--dial-timeout-s", type=float, default=None, help=_help("dial_timeout_s"))
-@click.option("--avoid-unreachable-s", type=float, default=None, help=_help("avoid_unreachable_s"))
-@click.option("--prefill-step-timeout-s", type=float, default=None, help=_help("prefill_step_timeout_s"))
-@click.option("--decode-step-timeout-s", type=float, default=None, help=_help("decode_step_timeout_s"))
-@click.option(
-    "--no-usage-reports", "no_usage", is_flag=True, default=False, help="Do not report usage to the tracker."
-)
-@click.option("--stats-interval-s", type=float, default=None, help=_help("stats_interval_s"))
-@click.option("--public-url", default=None, help=_help("public_url"))
-@click.option("--rtt-probe-interval-s", type=float, default=None, help=_help("rtt_probe_interval_s"))
-@click.option("--kv-keep-s", type=float, default=None, help=_help("kv_keep_s"))
-@click.option("--prefix-min-tokens", type=int, default=None, help=_help("prefix_min_tokens"))
-@click.option("--prefix-exact/--prefix-inexact", "prefix_exact", default=None, help=_help("prefix_exact"))
-@click.option("--responses-store-max", type=int, default=None, help=_help("responses_store_max"))
-@click.option("--responses-store-ttl-s", type=float, default=None, help=_help("responses_store_ttl_s"))
-@click.option("--responses-store-max-chars", type=int, default=None, help=_help("responses_store_max_chars"))
-@click.option("--model-alias", default=None, help=_help("model_alias"))
-@click.option("--cors-origins", default=None, help=_help("cors_origins"))
-@click.option("--log-level", default=None, help=_help("log_level"))
-def serve(config_file: str | None, no_usage: bool, **flags: Any) -> None:
-    """Run the gateway until SIGINT or SIGTERM."""
+@config_options(GatewayConfig, ENV_PREFIX)
+def serve(config_file: str | None, **flags: Any) -> None:
+    """Run the gateway until SIGINT or SIGTERM.
+
+    Every setting is an option below, a key of the config file and a SWARM_GATEWAY_<KEY> variable (one
+    name each: --max-sessions, max_sessions, SWARM_GATEWAY_MAX_SESSIONS); an option beats the
+    variable, which beats the file, which beats the default."""
     from common import logs
     from common.cli import run_service
     from common.keyfile import KeyFileError
     from gateway.server import SHUTDOWN_GRACE_S, serve_gateway
 
-    if no_usage:
-        flags["report_usage"] = False
     config = _config(config_file, **flags)
     logs.configure(config.log_level)
 

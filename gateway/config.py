@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, load_layered
+from common.config import LOG_LEVELS, ConfigError, knobs, load_layered
 from common.tls import HttpTls, pin_settings_problem
 from gateway.checks import CROSS_RECIPE_MARGIN_NATS
 
@@ -23,6 +23,9 @@ ENV_PREFIX = "SWARM_GATEWAY_"
 
 
 BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
+DATA_PLANES = ("push", "relay")
+ACTIVATION_ENCODINGS = ("f32", "f16", "int8", "auto")
+COMPACTION_POLICIES = ("drop_oldest", "summary")
 SPECULATION_MODES = ("greedy", "all", "off")
 # Architectures whose numbers for a row depend on what else shares its batch on llama.cpp's CPU
 # kernels (tests/node/test_gemma3_real.py): with batch_isolation = auto every session of such a
@@ -30,278 +33,305 @@ SPECULATION_MODES = ("greedy", "all", "off")
 BATCH_VARIANT_ARCHITECTURES = frozenset({"gemma3"})
 
 
-def _f(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+_tracker = knobs("Tracker")
+_http = knobs("HTTP API")
+_admission = knobs("Admission and limits")
+_keys = knobs("API keys")
+_routing = knobs("Routes and nodes")
+_plane = knobs("Data plane")
+_checks = knobs("Spot checks")
+_reuse = knobs("KV reuse and prefixes")
+_history = knobs("Conversations and stored responses")
+_process = knobs("Process")
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    tracker_url: str = _f(
+    tracker_url: str = _tracker(
         "",
         "tracker base URL, e.g. http://10.0.0.2:7460, or several replicas separated by commas (the gateway"
         " fails over between them); empty = discover on the LAN",
+        aliases=("--tracker",),
     )
-    tracker_id: str = _f(
+    tracker_id: str = _tracker(
         "",
         "the tracker's public key (64 hex: `swarm-tracker id`, or tracker_id in its /healthz); every route"
         " ticket must be signed with it and the gateway dials only the hops and certificate pins a valid"
         " ticket lists; empty = the key learned on a first use before (<data_dir>/tracker.id), else see"
         " trust_tracker_on_first_use, else the gateway does not start",
     )
-    tracker_tls_fingerprint: str = _f(
+    tracker_tls_fingerprint: str = _tracker(
         "",
         "with an https:// tracker: sha256 (64 hex; several: commas) of its TLS certificate to pin, "
         "checked on every connection before anything is sent (`swarm-tracker tls-fingerprint`); "
         "empty = verify it against tracker_ca_file or the system CAs",
     )
-    tracker_ca_file: str = _f("", "with an https:// tracker: CA bundle (PEM) to verify it with")
-    trust_tracker_on_first_use: bool = _f(
+    tracker_ca_file: str = _tracker("", "with an https:// tracker: CA bundle (PEM) to verify it with")
+    trust_tracker_on_first_use: bool = _tracker(
         False,
         "with no tracker_id and none learned before: take the key the tracker's /healthz names at the first"
         " route look-up and keep it in <data_dir>/tracker.id (whoever is between gateway and tracker at that"
         " moment could name their own)",
     )
-    host: str = _f("127.0.0.1", "interface the OpenAI API listens on")
-    port: int = _f(8000, "TCP port of the OpenAI API; 0 picks a free one (see port_file)")
-    port_file: str = _f("", "if set, the bound port is written here once the server listens")
-    data_dir: str = _f("~/.swarm/gateway", "directory for the gateway key and the vocabulary cache")
-    max_sessions: int = _f(16, "Route Sessions running at once; more requests wait in the queue")
-    max_queue: int = _f(32, "requests waiting for a session slot; more get 503")
-    max_sessions_per_client: int = _f(
+    host: str = _http("127.0.0.1", "interface the OpenAI API listens on")
+    port: int = _http(8000, "TCP port of the OpenAI API; 0 picks a free one (see port_file)")
+    port_file: str = _http("", "if set, the bound port is written here once the server listens")
+    max_sessions: int = _admission(16, "Route Sessions running at once; more requests wait in the queue")
+    max_queue: int = _admission(32, "requests waiting for a session slot; more get 503")
+    max_sessions_per_client: int = _admission(
         0, "running plus queued requests per client (API key, else address); 0 = no limit; more get 429"
     )
-    queue_timeout_s: float = _f(30.0, "longest wait for a session slot before 503")
-    kv_wait_s: float = _f(
+    queue_timeout_s: float = _admission(30.0, "longest wait for a session slot before 503")
+    kv_wait_s: float = _admission(
         60.0,
         "longest wait for KV room: a request that fits the swarm's contexts but not its free KV now, or a"
         " preempted session waiting to resume; then 503 kv_exhausted",
     )
-    max_kv_waiters: int = _f(32, "requests and preempted sessions waiting for KV room at once; more get 503")
-    kv_retry_s: float = _f(
+    max_kv_waiters: int = _admission(
+        32, "requests and preempted sessions waiting for KV room at once; more get 503"
+    )
+    kv_retry_s: float = _admission(
         1.0,
         "while waiting for KV room, the first in line tries again this often (at once when a session of"
         " this gateway ends)",
     )
-    exact_resume: bool = _f(
+    exact_resume: bool = _plane(
         True,
         "a session resumed after a preemption or moved to another route re-prefills its generated tokens one"
         " position per step, as their decode steps computed them, so the text stays bit-exact (llama.cpp's"
         " results may depend on how positions are batched); false: in prefill chunks (faster, may differ at"
         " a near-tie)",
     )
-    max_preemptions: int = _f(
+    max_preemptions: int = _admission(
         4, "times one request may be preempted by a node (its KV freed for an older session) and resumed"
     )
-    api_keys_file: str = _f(
+    api_keys_file: str = _keys(
         "",
         "API keys (SHA-256 of each, one JSON object per line; swarm-gateway keys add/list/revoke); "
         "empty = <data_dir>/api-keys.jsonl; no file or no key = every request is anonymous",
     )
-    allow_anonymous: bool = _f(
-        True, "with keys in the key file: whether requests without a key are served (as anonymous)"
+    allow_anonymous: bool = _keys(
+        True,
+        "with keys in the key file: whether requests without a key are served (as anonymous)",
+        off_aliases=("--no-anonymous",),
     )
-    anonymous_max_tokens: int = _f(
+    anonymous_max_tokens: int = _keys(
         1024, "completion tokens per anonymous request (also its default max_tokens); 0 = no cap"
     )
-    anonymous_tokens_per_minute: int = _f(
+    anonymous_tokens_per_minute: int = _keys(
         0, "prompt + completion tokens per minute per anonymous client address; 0 = no limit"
     )
-    client_stall_s: float = _f(
+    client_stall_s: float = _admission(
         30.0,
         "a streaming client that takes nothing of its response for this long loses its session (every "
         "stage frees its KV); also each connection's TCP_USER_TIMEOUT (Linux: unacknowledged data that "
         "long closes it)",
     )
-    client_send_buffer_bytes: int = _f(
+    client_send_buffer_bytes: int = _admission(
         64 * 1024,
         "kernel send buffer per client connection (SO_SNDBUF), so a client that stops reading is noticed "
         "after a bounded amount of output; 0 = the system's autotuning",
     )
-    routes_k: int = _f(2, "data-parallel routes asked of the tracker per model")
-    route_ttl_s: float = _f(10.0, "how long cached routes are used before asking the tracker again")
-    node_info_ttl_s: float = _f(30.0, "how long a node's Info (recipe, limits) is cached")
-    prefill_step_tokens: int = _f(
+    routes_k: int = _routing(2, "data-parallel routes asked of the tracker per model")
+    route_ttl_s: float = _routing(10.0, "how long cached routes are used before asking the tracker again")
+    node_info_ttl_s: float = _routing(30.0, "how long a node's Info (recipe, limits) is cached")
+    prefill_step_tokens: int = _plane(
         256, "prompt positions per prefill step (capped by each node's max_step_tokens)"
     )
-    max_request_bytes: int = _f(1024 * 1024, "largest request body; larger gets 413")
-    max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted from a node")
-    data_plane: str = _f(
+    max_request_bytes: int = _http(1024 * 1024, "largest request body; larger gets 413")
+    max_frame_bytes: int = _plane(4 * 1024 * 1024, "largest frame accepted from a node")
+    data_plane: str = _plane(
         "push",
         "push: stages send hidden states to the next stage directly and the last one sends the next "
         "decode step to the first; relay: every hop goes through this gateway",
+        choices=DATA_PLANES,
     )
-    allow_plaintext_nodes: bool = _f(
+    allow_plaintext_nodes: bool = _routing(
         False,
         "dial nodes that announce no TLS certificate in plaintext (loopback tests, nodes older than TLS); "
         "off: such nodes are refused and routed around. Nodes that announce one are always pinned to it",
     )
-    tls_cert_file: str = _f(
+    tls_cert_file: str = _http(
         "",
         "PEM certificate (chain) to serve HTTPS with: the OpenAI API and the relay (wss://) for nodes "
         "behind NAT; empty = plain HTTP (put a TLS proxy in front on a network)",
     )
-    tls_key_file: str = _f("", "PEM private key of tls_cert_file")
-    tls_port: int = _f(
+    tls_key_file: str = _http("", "PEM private key of tls_cert_file")
+    tls_port: int = _http(
         -1,
         "with tls_cert_file: -1 = port serves HTTPS only; else HTTPS on this port (0 picks a free one, "
         "see tls_port_file) while port stays plain HTTP (loopback clients beside nodes dialling wss://)",
     )
-    tls_port_file: str = _f("", "if set, the bound HTTPS port (tls_port) is written here once listening")
-    activation_encoding: str = _f(
+    tls_port_file: str = _http("", "if set, the bound HTTPS port (tls_port) is written here once listening")
+    activation_encoding: str = _plane(
         "f32",
         "hidden states between stages: f32 (bit-exact), f16, int8 (int8 blocks), or auto (per hop, by the"
         " sending node's announced uplink; f16 and int8 are not bit-exact with the whole model)",
+        choices=ACTIVATION_ENCODINGS,
     )
-    auto_f32_min_mbit_s: float = _f(
+    auto_f32_min_mbit_s: float = _plane(
         400.0,
         "with activation_encoding=auto: hops at least this fast (or of unknown speed) use f32, slower ones"
         " f16 (or int8, below auto_int8_below_mbit_s)",
     )
-    auto_int8_below_mbit_s: float = _f(
+    auto_int8_below_mbit_s: float = _plane(
         0.0, "with activation_encoding=auto: hops slower than this use int8 blocks instead of f16; 0 = never"
     )
-    prefill_pipeline_steps: int = _f(
+    prefill_pipeline_steps: int = _plane(
         4, "prefill steps in flight at once, so stages work on different chunks (1: one after the other)"
     )
-    recovery_history_bytes: int = _f(
+    recovery_history_bytes: int = _plane(
         64 * 1024 * 1024, "outputs each stage keeps per session so a replacement of the next can be replayed"
     )
-    check_fraction: float = _f(
+    check_fraction: float = _checks(
         0.05,
         "share of requests also run on a second route and compared step by step (spot checks; "
         "requests touching a node on probation are always checked)",
     )
-    check_judge_timeout_s: float = _f(120.0, "longest wait for a third route to judge a disagreement")
-    probation_checks: int = _f(
+    check_judge_timeout_s: float = _checks(120.0, "longest wait for a third route to judge a disagreement")
+    probation_checks: int = _checks(
         3,
         "spot checks a node must pass (seen by this gateway or the tracker) before its requests are "
         "sampled; 0: no probation here (the tracker's probation flag is ignored too)",
     )
-    exclude_liars_s: float = _f(86400.0, "how long this gateway avoids a node caught lying")
-    cross_recipe_margin_nats: float = _f(
+    exclude_liars_s: float = _checks(86400.0, "how long this gateway avoids a node caught lying")
+    cross_recipe_margin_nats: float = _checks(
         CROSS_RECIPE_MARGIN_NATS,
         "how far (natural log) two honest nodes of other recipes may put a token's logprob, and a "
         "differing greedy token from the top, before a check calls it a lie (calibrated: "
         "docs/security.md, Heterogeneity)",
     )
-    batch_isolation: str = _f(
+    batch_isolation: str = _checks(
         "auto",
         "which sessions every stage computes in batches of their own, so the same request gives the "
         "same numbers under any load and spot checks compare batch-invariant numbers: auto (every "
         "session of a model whose numbers depend on the batch, e.g. Gemma 3; none of the others) | "
         "off | checked (the runs of a check; nodes can then tell a check from other traffic) | all "
         "(every session; no batching across sessions)",
+        choices=BATCH_ISOLATION_MODES,
     )
-    speculation: str = _f(
+    speculation: str = _plane(
         "greedy",
         "speculative decoding (the last stage drafts by n-gram lookup and one pass through the route "
         "verifies a window of drafts; the text is unchanged): greedy (requests at temperature 0) | all "
         "(sampled requests too: each draw is seeded per position, so the text equals a plain run's "
         "with the same seed) | off. A request's extra_body 'speculation': true/false overrides it; "
         "grammar-constrained requests, spot-checked sessions and single-stage routes never speculate",
+        choices=SPECULATION_MODES,
     )
-    speculation_max_drafts: int = _f(
+    speculation_max_drafts: int = _plane(
         8, "most drafted tokens per window (1..15); each node caps it where its model stays exact"
     )
-    open_timeout_s: float = _f(
+    open_timeout_s: float = _routing(
         3.0,
         "longest wait for every stage to acknowledge OPEN (a node answers it in milliseconds: a stopped "
         "or silent node costs a request no more than this before the route is replaced)",
     )
-    dial_timeout_s: float = _f(
+    dial_timeout_s: float = _routing(
         2.0,
         "longest wait for a node's first answer (Info) before its route is replaced: a dead address or "
         "one that accepts connections and never answers costs a request no more than this",
     )
-    avoid_unreachable_s: float = _f(
+    avoid_unreachable_s: float = _routing(
         60.0,
         "how long this gateway routes around a node that did not answer Info or OPEN in time (it also "
         "tells the tracker, which challenges the node again before routing to it)",
     )
-    prefill_step_timeout_s: float = _f(
+    prefill_step_timeout_s: float = _plane(
         120.0,
         "ceiling of the deadline of one prefill step through every stage (it adapts to the measured "
         "prefill steps or the tracker's estimate, at least 15 s)",
     )
-    decode_step_timeout_s: float = _f(
+    decode_step_timeout_s: float = _plane(
         30.0,
         "ceiling of the decode deadline (it adapts to the measured step time, or before the first step "
         "to the tracker's estimate for the route; at least 3 s)",
     )
-    tracker_timeout_s: float = _f(10.0, "longest wait for one tracker call")
-    close_timeout_s: float = _f(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
-    report_usage: bool = _f(True, "report per-node token counts of each request to the tracker")
-    usage_queue_max: int = _f(1024, "usage reports waiting to be sent; more are dropped (counted in metrics)")
-    discovery_timeout_s: float = _f(
+    tracker_timeout_s: float = _tracker(10.0, "longest wait for one tracker call")
+    close_timeout_s: float = _plane(5.0, "longest wait for RELEASE/CANCEL replies when a session ends")
+    report_usage: bool = _tracker(
+        True,
+        "report per-node token counts of each request to the tracker",
+        off_aliases=("--no-usage-reports",),
+    )
+    usage_queue_max: int = _tracker(
+        1024, "usage reports waiting to be sent; more are dropped (counted in metrics)"
+    )
+    discovery_timeout_s: float = _tracker(
         5.0, "how long to look for a tracker on the LAN when tracker_url is empty"
     )
-    stats_interval_s: float = _f(
+    stats_interval_s: float = _tracker(
         5.0, "how often statistics (sessions, tokens, TTFT) go to the tracker's dashboard; 0 = never"
     )
-    public_url: str = _f("", "this gateway's URL as clients reach it, shown on the swarm dashboard")
-    rtt_probe_interval_s: float = _f(
+    public_url: str = _tracker("", "this gateway's URL as clients reach it, shown on the swarm dashboard")
+    rtt_probe_interval_s: float = _tracker(
         15.0, "how often the nodes of cached routes are pinged (reported with the statistics); 0 = never"
     )
-    kv_keep_s: float = _f(
+    kv_keep_s: float = _reuse(
         30.0,
         "after a request its KV stays on the route this long, so the next turn of the conversation (or a "
         "request sharing its prefix, from the same client) prefills only what is new; 0 = off",
     )
-    responses_store_max: int = _f(
+    responses_store_max: int = _history(
         1000,
         "responses the Responses API keeps for previous_response_id and GET /v1/responses/{id} (all API"
         " keys together; the least recently used go first); 0 = keep none",
     )
-    responses_store_ttl_s: float = _f(3600.0, "how long a kept response can be continued or read")
-    responses_store_max_chars: int = _f(
+    responses_store_ttl_s: float = _history(3600.0, "how long a kept response can be continued or read")
+    responses_store_max_chars: int = _history(
         64_000_000, "the kept responses' conversations together, in JSON characters (least recent go first)"
     )
-    conversation_ttl_s: float = _f(
+    conversation_ttl_s: float = _history(
         3600.0,
         "a conversation (conversation_id) idle this long is forgotten; its next turn must resend the history",
     )
-    conversations_per_key: int = _f(
+    conversations_per_key: int = _history(
         64,
         "conversations one client (API key, else address) keeps; a new one evicts its least recently used",
     )
-    conversations_max: int = _f(10_000, "conversations this gateway keeps in all")
-    conversation_max_chars: int = _f(
+    conversations_max: int = _history(10_000, "conversations this gateway keeps in all")
+    conversation_max_chars: int = _history(
         4_000_000, "characters of messages one conversation's history may hold (then conversation_full)"
     )
-    conversation_compaction: str = _f(
+    conversation_compaction: str = _history(
         "drop_oldest",
         "when a conversation outgrows the context: drop_oldest (leave out the oldest exchanges after the "
         "system messages) or summary (the model summarizes them first; costs one extra generation)",
+        choices=COMPACTION_POLICIES,
     )
-    conversation_summary_tokens: int = _f(256, "most tokens of a compaction summary (policy summary)")
-    prefix_min_tokens: int = _f(32, "shortest kept prefix worth reusing (tokens)")
-    prefix_share_min_tokens: int = _f(
+    conversation_summary_tokens: int = _history(256, "most tokens of a compaction summary (policy summary)")
+    prefix_min_tokens: int = _reuse(32, "shortest kept prefix worth reusing (tokens)")
+    prefix_share_min_tokens: int = _reuse(
         256,
         "a request may start from another client's kept KV when their prompts agree on at least this many "
         "tokens (a chat app's system prompt); the nodes copy it. Another client can tell from timing that "
         "such a prefix was sent recently; 0 = never share across clients",
     )
-    prefix_exact: bool = _f(
+    prefix_exact: bool = _reuse(
         False,
         "reuse only kept positions computed in whole prefill steps, so a warm request's output is "
         "bit-identical to a cold one's; false reuses every matching position (faster; low-order bits may "
         "differ, as with llama.cpp's cache_prompt)",
+        off_aliases=("--prefix-inexact",),
     )
-    prefix_route_slack: int = _f(
+    prefix_route_slack: int = _reuse(
         2,
         "a request goes to the route that keeps its prefix unless that route carries this many more of "
         "this gateway's sessions than the least loaded one",
     )
-    model_alias: str = _f(
+    model_alias: str = _http(
         "",
         "extra model ids: ALIAS=MODEL[,ALIAS=MODEL...] (MODEL: a model's name, id or fingerprint); every "
         "model is also served under an id made from its name (lowercase, dashes)",
     )
-    cors_origins: str = _f(
+    cors_origins: str = _http(
         "", "browser origins allowed to call the API (comma-separated, or *); empty = no CORS headers"
     )
-    access_log: bool = _f(True, "one log line per request: status, tokens, time to first token, total time")
-    log_level: str = _f("info", "debug, info, warning or error")
+    access_log: bool = _http(
+        True, "one log line per request: status, tokens, time to first token, total time"
+    )
+    data_dir: str = _process("~/.swarm/gateway", "directory for the gateway key and the vocabulary cache")
+    log_level: str = _process("info", "debug, info, warning or error", choices=LOG_LEVELS)
 
     def aliases(self) -> dict[str, str]:
         """``model_alias`` as {alias: model}."""
@@ -432,7 +462,7 @@ class GatewayConfig:
             raise ConfigError(
                 "conversation_max_chars must be >= 1, conversation_summary_tokens in [16, 4096]"
             )
-        if self.conversation_compaction not in ("drop_oldest", "summary"):
+        if self.conversation_compaction not in COMPACTION_POLICIES:
             raise ConfigError(
                 "conversation_compaction must be drop_oldest or summary, "
                 f"got {self.conversation_compaction!r}"
@@ -449,9 +479,9 @@ class GatewayConfig:
             raise ConfigError("stats_interval_s must be >= 0")
         if self.rtt_probe_interval_s < 0:
             raise ConfigError("rtt_probe_interval_s must be >= 0")
-        if self.data_plane not in ("push", "relay"):
+        if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data_plane must be push or relay, got {self.data_plane!r}")
-        if self.activation_encoding not in ("f32", "f16", "int8", "auto"):
+        if self.activation_encoding not in ACTIVATION_ENCODINGS:
             raise ConfigError(
                 f"activation_encoding must be f32, f16, int8 or auto, got {self.activation_encoding!r}"
             )
@@ -482,7 +512,7 @@ class GatewayConfig:
             raise ConfigError("check_judge_timeout_s must be > 0 and exclude_liars_s >= 0")
         if self.recovery_history_bytes < 0:
             raise ConfigError("recovery_history_bytes must be >= 0")
-        if self.log_level not in ("debug", "info", "warning", "error"):
+        if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self
 

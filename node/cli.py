@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from common.cli import tracker_http_tls, tracker_tls_options
+from common.cli import TopicCommand, config_options, tracker_http_tls, tracker_tls_options
 from common.config import ConfigError
-from node.config import LOAD_MODE_NAMES
+from node.config import ENV_PREFIX, NodeConfig
 from node.errors import NodeError
 
 PROG = "swarm-node"
@@ -220,206 +220,21 @@ def _load(config_file: str | None, flags: dict[str, Any]) -> Any:
         fail(PROG, str(err), EXIT_USAGE)
 
 
-@main.command()
+@main.command(cls=TopicCommand)
 @click.option(
     "--config",
     "config_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="TOML file with node settings (also SWARM_NODE_CONFIG).",
+    help="TOML file with node settings (top-level keys or a [node] table; also SWARM_NODE_CONFIG).",
 )
-@click.option(
-    "--model",
-    default=None,
-    help="The model: a GGUF file, an http(s) URL of one (only the shard's bytes are fetched), or a model "
-    "name/fingerprint the tracker's registry knows.",
-)
-@click.option("--manifest", default=None, help="With a URL model: its manifest (FILE or URL).")
-@click.option(
-    "--peer", "peer_list", multiple=True, help="A node (HOST:PORT) to fetch span bytes from (repeatable)."
-)
-@click.option(
-    "--layers",
-    default=None,
-    help="START:END to serve, or 'auto' (as many as memory holds; the tracker picks).",
-)
-@click.option(
-    "--capacity-layers", type=int, default=None, help="With --layers auto: most layers to take (an override)."
-)
-@click.option(
-    "--memory-limit-mb", type=int, default=None, help="Most memory (MiB) the node uses; default: what it has."
-)
-@click.option(
-    "--memory-overhead-mb", type=int, default=None, help="Fixed overhead counted (default 200 MiB)."
-)
-@click.option("--gpu-layers", default=None, help="Layers to offload to the GPU: N, all or auto (default 0).")
-@click.option(
-    "--load-mode",
-    type=click.Choice(LOAD_MODE_NAMES),
-    default=None,
-    help="Load the weights by reading them (default), mapping the file, or direct I/O.",
-)
-@click.option(
-    "--serve-span-bytes-per-s",
-    type=int,
-    default=None,
-    help="Upload limit for nodes fetching this span (default 32 MiB/s; 0 = none; -1 = do not serve).",
-)
-@click.option("--fetch-stall-timeout-s", type=float, default=None, help="Retry a source silent this long.")
-@click.option("--fetch-slow-bytes-per-s", type=int, default=None, help="Prefer peers over a slower URL.")
-@click.option(
-    "--tracker",
-    "tracker_url",
-    default=None,
-    help="Tracker URL, or several replicas separated by commas; default: discover it with zeroconf.",
-)
-@click.option("--region", default=None, help="Locality shown on the swarm dashboard (e.g. eu-west).")
-@click.option(
-    "--uplink-mbit-s", type=float, default=None, help="This machine's upload rate, announced for routing."
-)
-@click.option(
-    "--rtt-probe-interval-s",
-    type=float,
-    default=None,
-    help="Seconds between pings of peers for network coordinates (default 15; 0 = never).",
-)
-@click.option("--tracker-id", default=None, help="Pin the tracker's public key (64 hex).")
-@click.option(
-    "--tracker-tls-fingerprint",
-    default=None,
-    help="With an https:// tracker: pin its certificate's sha256 (`swarm-tracker tls-fingerprint`).",
-)
-@click.option("--tracker-ca-file", default=None, help="With an https:// tracker: CA bundle to verify it.")
-@click.option("--no-tracker", is_flag=True, default=None, help="Serve without a tracker (tests, benchmarks).")
-@click.option(
-    "--insecure-no-tickets",
-    is_flag=True,
-    default=None,
-    help="Accept OPEN without a valid route ticket. Local tests only.",
-)
-@click.option(
-    "--insecure-plaintext",
-    is_flag=True,
-    default=None,
-    help="Serve gRPC without TLS and announce no certificate (loopback tests and benchmarks only).",
-)
-@click.option("--tls-cert-file", default=None, help="PEM certificate to serve gRPC with (default: made).")
-@click.option("--tls-key-file", default=None, help="PEM key of --tls-cert-file (mode 0600).")
-@click.option(
-    "--relay",
-    "relay_url",
-    default=None,
-    help="Serve through this gateway's WebSocket relay (http://host:port): for nodes behind NAT.",
-)
-@click.option(
-    "--relay-tls-fingerprint",
-    default=None,
-    help="With an https:// relay: sha256 of the gateway's certificate to pin (the gateway logs it).",
-)
-@click.option(
-    "--relay-ca-file", default=None, help="With an https:// relay: CA bundle to verify the gateway."
-)
-@click.option(
-    "--relay-auto",
-    is_flag=True,
-    default=None,
-    help="With --relay: relay only if the tracker cannot reach this node's gRPC port.",
-)
-@click.option("--host", default=None, help="gRPC listen interface (default 0.0.0.0).")
-@click.option("--port", type=int, default=None, help="gRPC port; 0 picks a free one (default 7470).")
-@click.option("--advertise-host", default=None, help="Host/IP announced to the tracker.")
-@click.option("--port-file", default=None, help="Write the bound gRPC port here once serving.")
-@click.option("--admin-host", default=None, help="Admin HTTP interface (default 127.0.0.1).")
-@click.option("--admin-port", type=int, default=None, help="Admin HTTP port; 0 = any free one; -1 = off.")
-@click.option("--admin-port-file", default=None, help="Write the bound admin port here.")
-@click.option(
-    "--threads", type=int, default=None, help="llama.cpp compute threads (default: physical cores)."
-)
-@click.option("--max-sessions", type=int, default=None, help="Most concurrent Route Sessions.")
-@click.option("--session-kv-tokens", type=int, default=None, help="KV positions per session.")
-@click.option(
-    "--kv-pool-tokens",
-    type=int,
-    default=None,
-    help="KV positions of one pool shared by all sessions (16-position blocks); 0 = per-session slots.",
-)
-@click.option(
-    "--max-session-kv-tokens",
-    type=int,
-    default=None,
-    help="With a pool: most positions one session may grow to (0 = the model's trained context).",
-)
-@click.option(
-    "--kv-pool-layout",
-    type=click.Choice(["auto", "sparse", "resident", "unified"]),
-    default=None,
-    help="With a pool: how llama.cpp lays it out (auto: sparse streams where they apply, else resident).",
-)
-@click.option(
-    "--max-preemptions",
-    type=int,
-    default=None,
-    help="With a pool: a session preempted this many times here is never preempted again.",
-)
-@click.option("--batch-tokens", type=int, default=None, help="Most positions per engine batch.")
-@click.option(
-    "--prefill-chunk-tokens", type=int, default=None, help="Most prefill positions of one step per batch."
-)
-@click.option("--max-queued-steps", type=int, default=None, help="Most steps waiting for the engine.")
-@click.option("--idle-lease-s", type=float, default=None, help="Evict sessions idle this long.")
-@click.option("--reattach-window-s", type=float, default=None, help="Keep orphaned sessions this long.")
-@click.option(
-    "--max-kept-sessions", type=int, default=None, help="Released sessions kept warm (0: never keep)."
-)
-@click.option("--max-kept-kv-tokens", type=int, default=None, help="KV positions kept sessions hold.")
-@click.option("--max-keep-s", type=float, default=None, help="Longest a released session is kept warm.")
-@click.option(
-    "--stream-idle-timeout-s",
-    type=float,
-    default=None,
-    help="Close a Session stream that opened no session and pushed no step after this long (default 10).",
-)
-@click.option(
-    "--max-idle-streams-per-address",
-    type=int,
-    default=None,
-    help="Most such unproven streams from one source address (default 16).",
-)
-@click.option("--reply-buffer-bytes", type=int, default=None, help="Most unread reply bytes per stream.")
-@click.option(
-    "--heartbeat-interval-s",
-    type=float,
-    default=None,
-    help="Seconds between heartbeats; default: what the tracker asks for.",
-)
-@click.option(
-    "--rebalance-interval-s",
-    type=float,
-    default=None,
-    help="Ask the tracker this often whether to move to another span, and move; 0 = never (default).",
-)
-@click.option(
-    "--rebalance-models",
-    default=None,
-    help="Models (names or fingerprints, commas) besides its own this node may move to.",
-)
-@click.option(
-    "--pin-span", "pin_span", is_flag=True, default=None, help="Never move this node's span (rebalancing)."
-)
-@click.option(
-    "--no-benchmark", "no_benchmark", is_flag=True, default=False, help="Skip the start-up benchmark."
-)
-@click.option(
-    "--unmeasured-decode-ms",
-    type=float,
-    default=None,
-    help="With --no-benchmark: the per-token time to announce (default 10; tests).",
-)
-@click.option("--data-dir", default=None, help="Directory of the node key (default ~/.swarm/node).")
-@click.option("--cache-dir", default=None, help="Shard cache (default $XDG_CACHE_HOME/swarm-node).")
-@click.option("--log-level", default=None, help="debug, info, warning or error.")
-def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
-    """Serve a shard: gRPC ShardService, admin HTTP, announce and heartbeats; until SIGINT/SIGTERM."""
+@config_options(NodeConfig, ENV_PREFIX)
+def start(config_file: str | None, **flags: Any) -> None:
+    """Serve a shard: gRPC ShardService, admin HTTP, announce and heartbeats; until SIGINT/SIGTERM.
+
+    Every setting is an option below, a key of the config file and a SWARM_NODE_<KEY> variable (one
+    name each: --max-sessions, max_sessions, SWARM_NODE_MAX_SESSIONS); an option beats the
+    variable, which beats the file, which beats the default."""
 
     from common import logs
     from common.cli import run_service
@@ -427,11 +242,6 @@ def start(config_file: str | None, no_benchmark: bool, **flags: Any) -> None:
     from common.llama import LlamaError
     from node.daemon import run_node
 
-    if no_benchmark:
-        flags["benchmark"] = False
-    peer_list = flags.pop("peer_list", ())
-    if peer_list:
-        flags["peers"] = ",".join(peer_list)
     config = _load(config_file, flags)
     logs.configure(config.log_level)
     pid_file = _claim_pid_file(config.resolved_data_dir())

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, load_layered
+from common.config import LOG_LEVELS, ConfigError, knobs, load_layered
 from common.tls import (
     HttpTls,
     ServerCert,
@@ -34,10 +34,18 @@ ENV_PREFIX = "SWARM_NODE_"
 
 # How the shard's weights are loaded (common.llama.LOAD_MODES maps each to llama.cpp's load_mode).
 LOAD_MODE_NAMES = ("read", "mmap", "direct")
+KV_POOL_LAYOUTS = ("auto", "sparse", "resident", "unified")
 
 
-def _f(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+_model = knobs("Model and shard")
+_memory = knobs("Memory and KV")
+_engine = knobs("Engine and batching")
+_sessions = knobs("Sessions and streams")
+_tracker = knobs("Tracker")
+_listen = knobs("Listening and security")
+_relay = knobs("Relay (behind NAT)")
+_rebalance = knobs("Rebalancing")
+_process = knobs("Process")
 
 
 def _xdg(var: str, fallback: str, leaf: str) -> str:
@@ -46,195 +54,218 @@ def _xdg(var: str, fallback: str, leaf: str) -> str:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    model: str = _f(
+    model: str = _model(
         "",
         "the model (required for start): a whole-model GGUF path, an http(s) URL of one (only the shard's "
         "bytes are fetched), or a model name or fingerprint the tracker's registry knows",
     )
-    manifest: str = _f(
+    manifest: str = _model(
         "", "with a URL model: its manifest (FILE or URL); empty = the registry or <url>.manifest.json"
     )
-    peers: str = _f(
-        "", "nodes (HOST:PORT, commas) to fetch the span's bytes from, besides the registry's peers"
+    peers: str = _model(
+        "",
+        "nodes (HOST:PORT, commas) to fetch the span's bytes from, besides the registry's peers",
+        aliases=("--peer",),
+        repeatable=True,
     )
-    layers: str = _f(
+    layers: str = _model(
         "auto", "layer range START:END to serve, or 'auto' (ask the tracker's recommend endpoint)"
     )
-    capacity_layers: int = _f(
+    capacity_layers: int = _model(
         0, "with layers=auto: most layers this node takes; 0 = as many as its memory holds (memory_limit_mb)"
     )
-    memory_limit_mb: int = _f(
+    memory_limit_mb: int = _memory(
         0,
         "most memory (MiB) this node uses in all; 0 = what the machine allows (available RAM, the cgroup's "
         "limit, RLIMIT_AS)",
     )
-    memory_overhead_mb: int = _f(
+    memory_overhead_mb: int = _memory(
         200, "fixed memory (MiB) counted for the process itself besides weights, KV and compute buffers"
     )
-    gpu_layers: str = _f(
+    gpu_layers: str = _memory(
         "0",
         "layers of the shard to offload to the GPU: a number, 'all', or 'auto' (as many as fit in free "
         "device memory); 0 = none",
     )
-    load_mode: str = _f(
+    load_mode: str = _model(
         "read",
         "how the shard's weights are loaded: 'read' (into llama.cpp's buffers), 'mmap' (mapped: pages "
         "shared with other processes mapping the same file, but left resident beside the copy a CPU build "
         "repacks Q4_0/IQ4_NL weights into) or 'direct' (read past the page cache)",
+        choices=LOAD_MODE_NAMES,
     )
-    serve_span_bytes_per_s: int = _f(
+    serve_span_bytes_per_s: int = _model(
         32 * 1024 * 1024,
         "most bytes per second this node sends to joining nodes fetching its span (0 = no limit, -1 = do not "
         "serve them)",
     )
-    serve_span_streams: int = _f(4, "most span fetches served at once")
-    fetch_stall_timeout_s: float = _f(60.0, "a model source that sends nothing this long is retried")
-    fetch_slow_bytes_per_s: int = _f(
+    serve_span_streams: int = _model(4, "most span fetches served at once")
+    fetch_stall_timeout_s: float = _model(60.0, "a model source that sends nothing this long is retried")
+    fetch_slow_bytes_per_s: int = _model(
         1_000_000, "a source measured slower than this gives way to the others (peers); 0 = keep the order"
     )
-    tracker_url: str = _f(
+    tracker_url: str = _tracker(
         "",
         "tracker base URL, or several replicas separated by commas (calls fail over between them);"
         " empty = discover it on the LAN with zeroconf",
+        aliases=("--tracker",),
     )
-    region: str = _f("", "free-form locality shown on the swarm dashboard, e.g. eu-west or home-lab")
-    uplink_mbit_s: float = _f(
+    region: str = _tracker("", "free-form locality shown on the swarm dashboard, e.g. eu-west or home-lab")
+    uplink_mbit_s: float = _tracker(
         0.0, "this machine's upload rate, announced so routes can price sending activations; 0 = unsaid"
     )
-    rtt_probe_interval_s: float = _f(
+    rtt_probe_interval_s: float = _tracker(
         15.0, "how often peers are pinged for the tracker's network coordinates; 0 = never"
     )
-    tracker_id: str = _f("", "pinned tracker public key (64 hex); empty = learn it from the announce answer")
-    tracker_tls_fingerprint: str = _f(
+    tracker_id: str = _tracker(
+        "", "pinned tracker public key (64 hex); empty = learn it from the announce answer"
+    )
+    tracker_tls_fingerprint: str = _tracker(
         "",
         "with an https:// tracker: sha256 (64 hex; several: commas) of its TLS certificate to pin, "
         "checked on every connection (`swarm-tracker tls-fingerprint`); empty = verify it against "
         "tracker_ca_file or the system CAs",
     )
-    tracker_ca_file: str = _f("", "with an https:// tracker: CA bundle (PEM) to verify it with")
-    no_tracker: bool = _f(
+    tracker_ca_file: str = _tracker("", "with an https:// tracker: CA bundle (PEM) to verify it with")
+    no_tracker: bool = _tracker(
         False, "serve without a tracker (tests, benchmarks); needs a pinned tracker_id or insecure_no_tickets"
     )
-    insecure_no_tickets: bool = _f(False, "accept OPEN without verifying the route ticket (local tests only)")
-    relay_url: str = _f(
+    insecure_no_tickets: bool = _listen(
+        False, "accept OPEN without verifying the route ticket (local tests only)"
+    )
+    relay_url: str = _relay(
         "",
         "gateway to serve through when this node cannot accept connections (NAT): its http://host:port "
         "or ws://host:port/v1/relay; empty = direct gRPC only",
+        aliases=("--relay",),
     )
-    relay_tls_fingerprint: str = _f(
+    relay_tls_fingerprint: str = _relay(
         "",
         "with an https:// or wss:// relay_url: sha256 (64 hex) of the gateway's certificate to pin (the "
         "gateway logs it as gateway_tls); empty = verify the gateway against relay_ca_file or the system CAs",
     )
-    relay_ca_file: str = _f(
+    relay_ca_file: str = _relay(
         "", "with an https:// or wss:// relay_url: CA bundle (PEM) to verify the gateway with"
     )
-    relay_auto: bool = _f(
+    relay_auto: bool = _relay(
         False, "with relay_url: use the relay only if the tracker cannot reach this node's gRPC port"
     )
-    insecure_plaintext: bool = _f(
+    insecure_plaintext: bool = _listen(
         False,
         "serve gRPC without TLS and announce no certificate; also push to peers that announce none "
         "(loopback tests and benchmarks only: activations and tickets travel readable)",
     )
-    tls_cert_file: str = _f(
+    tls_cert_file: str = _listen(
         "",
         "PEM certificate gRPC is served with (its sha256 is announced and pinned by every dialler); "
         "empty = node-tls.crt in data_dir, made on first start",
     )
-    tls_key_file: str = _f(
+    tls_key_file: str = _listen(
         "", "PEM private key of tls_cert_file (mode 0600); empty = node-tls.key in data_dir"
     )
-    host: str = _f("0.0.0.0", "interface the gRPC ShardService listens on")
-    port: int = _f(7470, "gRPC port; 0 picks a free one (see port_file)")
-    advertise_host: str = _f("", "host name/IP announced to the tracker; empty = a local non-loopback IP")
-    port_file: str = _f("", "write the bound gRPC port here once serving (for launchers)")
-    admin_host: str = _f("127.0.0.1", "interface of the admin HTTP server (/healthz, /metrics, /status)")
-    admin_port: int = _f(7471, "admin HTTP port; 0 picks a free one; -1 disables the admin server")
-    admin_port_file: str = _f("", "write the bound admin port here once serving")
-    threads: int = _f(0, "llama.cpp compute threads; 0 = the machine's physical cores")
-    max_sessions: int = _f(8, "most Route Sessions held at once (KV sequences)")
-    session_kv_tokens: int = _f(
+    host: str = _listen("0.0.0.0", "interface the gRPC ShardService listens on")
+    port: int = _listen(7470, "gRPC port; 0 picks a free one (see port_file)")
+    advertise_host: str = _listen(
+        "", "host name/IP announced to the tracker; empty = a local non-loopback IP"
+    )
+    port_file: str = _listen("", "write the bound gRPC port here once serving (for launchers)")
+    admin_host: str = _listen("127.0.0.1", "interface of the admin HTTP server (/healthz, /metrics, /status)")
+    admin_port: int = _listen(7471, "admin HTTP port; 0 picks a free one; -1 disables the admin server")
+    admin_port_file: str = _listen("", "write the bound admin port here once serving")
+    threads: int = _engine(0, "llama.cpp compute threads; 0 = the machine's physical cores")
+    max_sessions: int = _memory(8, "most Route Sessions held at once (KV sequences)")
+    session_kv_tokens: int = _memory(
         2048, "per-sequence layout (kv_pool_tokens = 0): KV positions one session may hold, reserved"
     )
-    kv_pool_tokens: int = _f(
+    kv_pool_tokens: int = _memory(
         -1,
         "KV positions of one pool shared by every session (16-position blocks taken as sessions grow, "
         "nothing reserved at OPEN); -1 = sized from the memory left after the shard's weights; "
         "0 = the per-sequence layout (max_sessions x session_kv_tokens)",
     )
-    max_session_kv_tokens: int = _f(
+    max_session_kv_tokens: int = _memory(
         0, "with a pool: the most positions one session may grow to; 0 = the model's trained context"
     )
-    kv_pool_layout: str = _f(
+    kv_pool_layout: str = _memory(
         "auto",
         "with a pool: auto (sparse per-sequence streams where they apply, else resident streams of "
         "pool / max_sessions positions), sparse, resident, or unified (one shared stream: slower)",
+        choices=KV_POOL_LAYOUTS,
     )
-    max_preemptions: int = _f(
+    max_preemptions: int = _memory(
         3, "with a pool: a session preempted this many times on this node is never preempted again"
     )
-    batch_tokens: int = _f(512, "most positions one engine batch takes (llama.cpp n_batch)")
-    prefill_chunk_tokens: int = _f(
+    batch_tokens: int = _engine(512, "most positions one engine batch takes (llama.cpp n_batch)")
+    prefill_chunk_tokens: int = _engine(
         256, "most positions of one prefill step per batch, so decodes keep moving"
     )
-    max_queued_steps: int = _f(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
-    max_frame_bytes: int = _f(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
-    idle_lease_s: float = _f(300.0, "a session without any frame this long is evicted and its KV freed")
-    reattach_window_s: float = _f(
+    max_queued_steps: int = _engine(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
+    max_frame_bytes: int = _engine(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
+    idle_lease_s: float = _sessions(
+        300.0, "a session without any frame this long is evicted and its KV freed"
+    )
+    reattach_window_s: float = _sessions(
         30.0, "a session whose stream ended without RELEASE waits this long for re-OPEN"
     )
-    max_kept_sessions: int = _f(
+    max_kept_sessions: int = _memory(
         4, "released sessions kept warm for a conversation's next turn (Release.keep_ms); 0: never"
     )
-    max_kept_kv_tokens: int = _f(
+    max_kept_kv_tokens: int = _memory(
         8192,
         "per-sequence layout (kv_pool_tokens = 0): KV positions all kept sessions may hold together; "
         "with a pool, kept sessions are its evictable cache (evicted before any live session waits)",
     )
-    max_keep_s: float = _f(120.0, "longest a released session is kept warm, whatever the gateway asks")
-    lease_check_interval_s: float = _f(1.0, "how often expired leases are looked for")
-    stream_idle_timeout_s: float = _f(
+    max_keep_s: float = _memory(120.0, "longest a released session is kept warm, whatever the gateway asks")
+    lease_check_interval_s: float = _sessions(1.0, "how often expired leases are looked for")
+    stream_idle_timeout_s: float = _sessions(
         10.0, "a Session stream that opened no session and pushed no step is closed after this long"
     )
-    max_idle_streams_per_address: int = _f(
+    max_idle_streams_per_address: int = _sessions(
         16, "most such unproven Session streams from one source address; one more closes the oldest"
     )
-    reply_buffer_bytes: int = _f(
+    reply_buffer_bytes: int = _sessions(
         32 * 1024 * 1024, "most bytes of replies a stream's peer may leave unread before it loses the stream"
     )
-    heartbeat_interval_s: float = _f(0.0, "0 = the interval the tracker asks for in its announce answer")
-    tracker_retry_s: float = _f(5.0, "wait between attempts when the tracker cannot be reached")
-    rebalance_interval_s: float = _f(
+    heartbeat_interval_s: float = _tracker(
+        0.0, "0 = the interval the tracker asks for in its announce answer"
+    )
+    tracker_retry_s: float = _tracker(5.0, "wait between attempts when the tracker cannot be reached")
+    rebalance_interval_s: float = _rebalance(
         0.0,
         "how often the node asks the tracker whether another span would serve the swarm better, and "
         "moves (drain, fetch, rejoin) when told to; 0 = never (the span chosen at start stays)",
     )
-    pin_span: bool = _f(False, "never move this node's span (it still answers the tracker's question)")
-    rebalance_models: str = _f(
+    pin_span: bool = _rebalance(
+        False, "never move this node's span (it still answers the tracker's question)"
+    )
+    rebalance_models: str = _rebalance(
         "", "models (names or fingerprints, commas) besides its own this node may move to; empty = none"
     )
-    rebalance_confirmations: int = _f(2, "a move is made after the same advice this many times in a row")
-    rebalance_cooldown_s: float = _f(
+    rebalance_confirmations: int = _rebalance(
+        2, "a move is made after the same advice this many times in a row"
+    )
+    rebalance_cooldown_s: float = _rebalance(
         600.0, "no move within this long of the node's start or its last move (hysteresis)"
     )
-    rebalance_drain_s: float = _f(
+    rebalance_drain_s: float = _rebalance(
         60.0,
         "before a move, how long sessions may finish; the rest are handed back (the gateway replays "
         "them on another node)",
     )
-    discovery_timeout_s: float = _f(3.0, "how long zeroconf discovery of the tracker may take")
-    benchmark: bool = _f(True, "measure prefill and decode speed of the shard at start-up")
-    unmeasured_decode_ms: float = _f(
+    discovery_timeout_s: float = _tracker(3.0, "how long zeroconf discovery of the tracker may take")
+    benchmark: bool = _engine(True, "measure prefill and decode speed of the shard at start-up")
+    unmeasured_decode_ms: float = _engine(
         10.0, "with benchmark off: the per-token time announced instead of a measurement (tests)"
     )
-    shutdown_grace_s: float = _f(5.0, "how long streams may drain on SIGINT/SIGTERM")
-    data_dir: str = _f(
+    shutdown_grace_s: float = _process(5.0, "how long streams may drain on SIGINT/SIGTERM")
+    data_dir: str = _process(
         "~/.swarm/node",
         "directory of the node key (node.key, mode 0600) and its TLS certificate (node-tls.*)",
     )
-    cache_dir: str = _f("", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node")
-    log_level: str = _f("info", "debug, info, warning or error")
+    cache_dir: str = _model(
+        "", "shard files, fingerprints, compiled capture; empty = $XDG_CACHE_HOME/swarm-node"
+    )
+    log_level: str = _process("info", "debug, info, warning or error", choices=LOG_LEVELS)
 
     def resolved_model_path(self) -> Path:
         return Path(self.model).expanduser()
@@ -313,7 +344,7 @@ class NodeConfig:
             )
         if self.max_session_kv_tokens and self.max_session_kv_tokens < 16:
             raise ConfigError("max_session_kv_tokens must be 0 (the model's context) or >= 16")
-        if self.kv_pool_layout not in ("auto", "sparse", "resident", "unified"):
+        if self.kv_pool_layout not in KV_POOL_LAYOUTS:
             raise ConfigError(
                 f"kv_pool_layout must be auto, sparse, resident or unified, got {self.kv_pool_layout!r}"
             )
@@ -393,7 +424,7 @@ class NodeConfig:
             raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.insecure_plaintext and self.tls_cert_file:
             raise ConfigError("insecure_plaintext serves no TLS: drop tls_cert_file/tls_key_file or it")
-        if self.log_level not in ("debug", "info", "warning", "error"):
+        if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         return self
 

@@ -9,9 +9,17 @@ from typing import Any
 
 import click
 
-from common.cli import EXIT_FAILED, EXIT_USAGE, fail, tracker_http_tls, tracker_tls_options
+from common.cli import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    TopicCommand,
+    config_options,
+    fail,
+    tracker_http_tls,
+    tracker_tls_options,
+)
 from common.config import ConfigError
-from tracker.config import TrackerConfig, load_config
+from tracker.config import ENV_PREFIX, TrackerConfig, load_config
 
 PROG = "swarm-tracker"
 
@@ -38,119 +46,16 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     ctx.obj["config_file"] = config_file
 
 
-@main.command()
-@click.option("--host", default=None, help="Interface to listen on (default 0.0.0.0).")
-@click.option("--port", type=int, default=None, help="TCP port; 0 picks a free one (default 7460).")
-@click.option("--db-url", default=None, help="SQLAlchemy URL (default: SQLite file in the data dir).")
-@click.option("--data-dir", default=None, help="Directory for the key and the SQLite database.")
-@click.option("--port-file", default=None, help="Write the bound port to this file once listening.")
-@click.option(
-    "--key-file", default=None, help="Signing key (replicas share one); default <data-dir>/tracker.key."
-)
-@click.option(
-    "--public-url", default=None, help="This replica's URL as others reach it (dashboard, replicas)."
-)
-@click.option(
-    "--tls-cert-file", default=None, help="PEM certificate to serve HTTPS with (with --tls-key-file)."
-)
-@click.option("--tls-key-file", default=None, help="PEM private key of --tls-cert-file (mode 0600).")
-@click.option(
-    "--tls-self-signed",
-    is_flag=True,
-    default=None,
-    help="Serve HTTPS with a self-signed certificate made on first start in the data dir (its "
-    "fingerprint is printed; nodes and gateways pin it with --tracker-tls-fingerprint).",
-)
-@click.option(
-    "--heartbeat-interval-s", type=float, default=None, help="How often nodes are told to heartbeat."
-)
-@click.option("--heartbeat-timeout-s", type=float, default=None, help="Expire nodes silent this long.")
-@click.option(
-    "--no-dashboard", "no_dashboard", is_flag=True, default=False, help="Do not serve the dashboard."
-)
-@click.option(
-    "--no-zeroconf", "no_zeroconf", is_flag=True, default=False, help="Do not advertise on the LAN."
-)
-@click.option(
-    "--registered-gateways",
-    default=None,
-    help="Hex public keys (comma separated) of the gateways whose usage, statistics, spot checks and "
-    "evidence are accepted; empty: any gateway (private swarms only).",
-)
-@click.option(
-    "--probation-checks", type=int, default=None, help="Spot checks a node must pass to leave probation."
-)
-@click.option(
-    "--probation-penalty-ms",
-    type=float,
-    default=None,
-    help="Routing cost added to a node on probation (0: it competes with trusted nodes on its merits).",
-)
-@click.option("--ban-node-s", type=float, default=None, help="How long a node caught lying is banned.")
-@click.option(
-    "--ban-host-s", type=float, default=None, help="How long new keys from a liar's hosts are refused."
-)
-@click.option(
-    "--no-challenges",
-    "no_challenges",
-    is_flag=True,
-    default=False,
-    help="Route to announced nodes without challenging them first (trusted, private swarms).",
-)
-@click.option(
-    "--address-reads-per-s",
-    type=float,
-    default=None,
-    help="Unauthenticated requests per second per source address (0: no limit).",
-)
-@click.option(
-    "--address-writes-per-s",
-    type=float,
-    default=None,
-    help="Signed messages per second per source address (0: no limit).",
-)
-@click.option(
-    "--key-messages-per-s",
-    type=float,
-    default=None,
-    help="Signed messages per second per signing key; registered gateways exempt (0: no limit).",
-)
-@click.option(
-    "--prune-after-s",
-    type=float,
-    default=None,
-    help="Delete expired, departed or failed nodes silent this long, and models left unused.",
-)
-@click.option(
-    "--challenge-timeout-s", type=float, default=None, help="Longest one challenge attempt may take."
-)
-@click.option(
-    "--unregistered-names",
-    type=click.Choice(["trusted", "any"]),
-    default=None,
-    help="What an unregistered model name resolves to: the model trusted nodes serve, or any (private).",
-)
-@click.option(
-    "--challenge-info-timeout-s",
-    type=float,
-    default=None,
-    help="Longest a challenged node may take to answer Info (dead or tarpit addresses fail fast).",
-)
-@click.option(
-    "--challenge-attempts", type=int, default=None, help="Attempts before a silent node counts as failed."
-)
-@click.option(
-    "--allow-plaintext-nodes",
-    is_flag=True,
-    default=None,
-    help="Challenge nodes announcing no TLS certificate over plaintext gRPC (loopback tests, old nodes).",
-)
-@click.option("--log-level", default=None, help="debug, info, warning or error.")
+@main.command(cls=TopicCommand)
+@config_options(TrackerConfig, ENV_PREFIX)
 @click.pass_context
-def serve(
-    ctx: click.Context, no_zeroconf: bool, no_dashboard: bool, no_challenges: bool, **flags: Any
-) -> None:
-    """Run the tracker (a replica, when several share one PostgreSQL database) until SIGINT or SIGTERM."""
+def serve(ctx: click.Context, **flags: Any) -> None:
+    """Run the tracker (a replica, when several share one PostgreSQL database) until SIGINT or SIGTERM.
+
+    Every setting is an option below, a key of the config file (swarm-tracker --config FILE serve) and
+    a SWARM_TRACKER_<KEY> variable (one name each: --heartbeat-timeout-s, heartbeat_timeout_s,
+    SWARM_TRACKER_HEARTBEAT_TIMEOUT_S); an option beats the variable, which beats the file, which
+    beats the default."""
     from sqlalchemy.exc import SQLAlchemyError
 
     from common import logs
@@ -159,12 +64,6 @@ def serve(
     from tracker.errors import TrackerError
     from tracker.server import SHUTDOWN_GRACE_S, serve_tracker
 
-    if no_zeroconf:
-        flags["zeroconf"] = False
-    if no_dashboard:
-        flags["dashboard"] = False
-    if no_challenges:
-        flags["challenge_nodes"] = False
     config = _config(ctx, **flags)
     logs.configure(config.log_level)
 
