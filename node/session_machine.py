@@ -88,6 +88,7 @@ import numpy.typing as npt
 
 from common.logs import event
 from node.drafting import SessionDrafter, verdict
+from node.kept_sessions import KeptSessions
 from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
 from node.sampling import SamplingParams
@@ -465,7 +466,10 @@ class FrameServer:
         self._pending_bytes = 0
         self._history_bytes = 0
         self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # kept warm, least recently used first
+        # Released sessions kept warm (node.kept_sessions): bounded by the pool when there is one.
+        self._kept: KeptSessions[_Kept] = KeptSessions(
+            spec.max_kept_sessions, spec.kv_pool_tokens or spec.max_kept_kv_tokens
+        )
         self._reused = 0
         self._open_order = itertools.count(1)
         # Sessions preempted here: (times, their opened_seq), so a resumed session keeps its age and its
@@ -620,7 +624,7 @@ class FrameServer:
         if not move:
             # Kept sessions are given up first (least recently used first) when a new session needs a slot.
             over = len(self._sessions) + len(self._kept) - (self.spec.max_sessions - 1) - len(victims)
-            others = [k for k in self._kept if k not in (sid, source)]  # never the source being copied
+            others = self._kept.evictable(spare=(sid, source))  # never the source being copied
             if over > len(others):
                 raise ResourceExhaustedError(
                     f"all {self.spec.max_sessions} session slots are in use", retry_after_ms=1000
@@ -648,16 +652,17 @@ class FrameServer:
             sess.kv_len = positions
             if move:
                 kept = self._kept.pop(source)
+                assert kept is not None  # _kv_source found it
                 sess.history_tokens = kept.history_tokens[:positions]
                 if kept.history is not None:
                     self._histories.pop(source, None)
                     sess.history = kept.history
                     self._histories[sid] = None
             else:
-                origin = self._sessions.get(source) or self._kept[source]
+                origin = self._sessions.get(source) or self._kept.get(source)
+                assert origin is not None  # _kv_source found it
                 sess.history_tokens = origin.history_tokens[:positions]
-                if source in self._kept:  # a shared prefix just used: the last kept session to go
-                    self._kept.move_to_end(source)
+                self._kept.used(source)  # a shared prefix just used: the last kept session to go
             self._reused += positions
         self._configure_push(sess, frame)
         reply = self._ack(frame, sess, reattached=False)
@@ -699,7 +704,7 @@ class FrameServer:
         return "", 0, False
 
     def _evict_kept(self, sid: str) -> list[Action]:
-        kept = self._kept.pop(sid, None)
+        kept = self._kept.pop(sid)
         if kept is None:
             return []
         if kept.history is not None:
@@ -915,7 +920,7 @@ class FrameServer:
         freed = sess.kv_len
         keep = 0
         if reason == "released" and frame.release.keep_ms and self.spec.max_kept_sessions > 0:
-            keep = min(int(frame.release.keep_positions), sess.kv_len, self._kept_bound())
+            keep = min(int(frame.release.keep_positions), sess.kv_len, self._kept.max_positions)
         if keep > 0:
             actions += self._keep(sess, keep, now + min(frame.release.keep_ms / 1000, self.spec.max_keep_s))
             freed -= keep
@@ -938,20 +943,12 @@ class FrameServer:
             history.truncate(positions)
             self._history_bytes += history.nbytes - before
         self._sessions.pop(sid, None)
-        self._kept[sid] = _Kept(sid, positions, sess.history_tokens[:positions], history, until)
+        over = self._kept.keep(sid, _Kept(sid, positions, sess.history_tokens[:positions], history, until))
         actions: list[Action] = [TruncateKv(sid, positions)]
-        while self._kept and (
-            len(self._kept) > self.spec.max_kept_sessions
-            or sum(k.kv_len for k in self._kept.values()) > self._kept_bound()
-        ):
-            actions += self._evict_kept(next(iter(self._kept)))
+        for victim in over:
+            actions += self._evict_kept(victim)
         event(log, "session_kept", session_id=sid, kept_kv_tokens=positions)
         return actions
-
-    def _kept_bound(self) -> int:
-        """Positions all kept sessions may hold: the pool's (kept sessions are the cache it evicts first,
-        :meth:`_make_room`), else the configured bound of the per-sequence layout."""
-        return self.spec.kv_pool_tokens or self.spec.max_kept_kv_tokens
 
     def _forget(self, sess: _Session) -> None:
         """Drop a session's state (its KV is freed by the caller's FreeKv)."""
@@ -1193,7 +1190,7 @@ class FrameServer:
         """Blocks the pool must hold: every session's KV once its accepted steps ran, and kept sessions.
         Never less than the engine's own count (node.kvpool), which grows only as steps run."""
         live = sum(blocks_for(s.accepted_end) for s in self._sessions.values())
-        return live + sum(blocks_for(k.kv_len) for k in self._kept.values())
+        return live + self._kept.blocks()
 
     def _preemption_count(self, sid: str) -> int:
         remembered = self._preempted.get(sid)
@@ -1214,7 +1211,7 @@ class FrameServer:
         free = self.spec.kv_pool_tokens // BLOCK_TOKENS - self._reserved_blocks()
         if need <= free:
             return [], True
-        kept = sum(blocks_for(k.kv_len) for k in self._kept.values())
+        kept = self._kept.blocks()
         holders = [
             Holder(
                 s.session_id, s.opened_seq, blocks_for(s.accepted_end), self._preemption_count(s.session_id)
@@ -1241,9 +1238,12 @@ class FrameServer:
             event(log, "kv_pool_refused", session_id=sess.session_id, need_blocks=need, free_blocks=free)
             return ([] if sess.conn is None else [self._error(sess.conn, refusal, frame, sess.kv_len)]), False
         actions: list[Action] = []
-        while need > free and self._kept and sess.session_id not in plan.victims:
-            oldest = next(iter(self._kept))
-            free += blocks_for(self._kept[oldest].kv_len)
+        while need > free and sess.session_id not in plan.victims:
+            oldest = self._kept.oldest()
+            if oldest is None:
+                break
+            entry = self._kept.get(oldest)
+            free += blocks_for(entry.kv_len) if entry is not None else 0
             actions += self._evict_kept(oldest)
         if need <= free:
             return actions, True
@@ -1586,9 +1586,8 @@ class FrameServer:
                 self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
                 event(log, "session_evicted", session_id=sid, freed_kv_tokens=sess.kv_len)
                 actions.append(FreeKv(sid))
-        for sid, kept in list(self._kept.items()):
-            if now >= kept.expires_at:
-                actions += self._evict_kept(sid)
+        for sid in self._kept.expired(now):
+            actions += self._evict_kept(sid)
         return actions
 
     def drain(self) -> list[Action]:
@@ -1612,7 +1611,7 @@ class FrameServer:
             self._forget(sess)
             self._remember_closed(sid, _Closed("evicted", sess.last_step_id, ()))
             actions.append(FreeKv(sid))
-        for sid in list(self._kept):
+        for sid in self._kept:
             actions += self._evict_kept(sid)
         return actions
 
@@ -1642,7 +1641,7 @@ class FrameServer:
             kv_tokens_capacity=self.spec.kv_pool_tokens
             or self.spec.max_sessions * self.spec.session_kv_tokens,
             kept_sessions=len(self._kept),
-            kept_kv_tokens=sum(k.kv_len for k in self._kept.values()),
+            kept_kv_tokens=self._kept.positions(),
             connections=len(self._conns),
             frames_in=self._frames_in,
             frames_out=self._frames_out,
