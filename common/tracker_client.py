@@ -196,35 +196,25 @@ class TrackerClient:
         answer = await self._call("POST", "/v1/rebalance", body=lambda: envelope)
         return answer, str(payload["nonce"])
 
-    async def report_usage(self, report: UsageReport) -> dict[str, Any]:
-        payload = report.to_json()
+    async def _gateway_report(self, path: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST a report this gateway signs (its key is the signer, ``gateway_id``)."""
         return await self._object(
-            "POST", "/v1/usage", body=lambda: self.signed("usage", payload, signer_field="gateway_id")
+            "POST", path, body=lambda: self.signed(kind, payload, signer_field="gateway_id")
         )
 
+    async def report_usage(self, report: UsageReport) -> dict[str, Any]:
+        return await self._gateway_report("/v1/usage", "usage", report.to_json())
+
     async def report_stats(self, stats: GatewayStats) -> dict[str, Any]:
-        payload = stats.to_json()
-        return await self._object(
-            "POST",
-            "/v1/gateway-stats",
-            body=lambda: self.signed("gateway_stats", payload, signer_field="gateway_id"),
-        )
+        return await self._gateway_report("/v1/gateway-stats", "gateway_stats", stats.to_json())
 
     async def report_checks(self, results: CheckResults) -> dict[str, Any]:
         """Nodes that passed spot checks here (``POST /v1/checks``; registered gateways only)."""
-        payload = results.to_json()
-        return await self._object(
-            "POST",
-            "/v1/checks",
-            body=lambda: self.signed("check_results", payload, signer_field="gateway_id"),
-        )
+        return await self._gateway_report("/v1/checks", "check_results", results.to_json())
 
     async def report_evidence(self, evidence: Evidence) -> dict[str, Any]:
         """A spot check's verdict (``POST /v1/evidence``): a conclusive one bans the liar."""
-        payload = evidence.to_json()
-        return await self._object(
-            "POST", "/v1/evidence", body=lambda: self.signed("evidence", payload, signer_field="gateway_id")
-        )
+        return await self._gateway_report("/v1/evidence", "evidence", evidence.to_json())
 
     async def node_trust(self, node_id: str) -> dict[str, Any]:
         """Checks passed and failed, probation, ban, challenges and evidence of one node."""
