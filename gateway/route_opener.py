@@ -64,11 +64,11 @@ def data_plane(config: GatewayConfig) -> DataPlane:
         encoding_mode=config.activation_encoding,
         auto_f32_min_mbit_s=config.auto_f32_min_mbit_s,
         auto_int8_below_mbit_s=config.auto_int8_below_mbit_s,
-        pipeline_steps=config.prefill_pipeline_steps,
-        history_bytes=config.recovery_history_bytes,
+        prefill_pipeline_steps=config.prefill_pipeline_steps,
+        recovery_history_bytes=config.recovery_history_bytes,
         open_timeout_s=config.open_timeout_s,
-        prefill_timeout_s=config.prefill_step_timeout_s,
-        decode_timeout_s=config.decode_step_timeout_s,
+        prefill_step_timeout_s=config.prefill_step_timeout_s,
+        decode_step_timeout_s=config.decode_step_timeout_s,
         close_timeout_s=config.close_timeout_s,
     )
 

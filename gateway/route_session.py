@@ -89,11 +89,11 @@ class DataPlane:
     encoding_mode: str = ""  # "auto": per hop by the sender's uplink (gateway.encodings)
     auto_f32_min_mbit_s: float = 400.0
     auto_int8_below_mbit_s: float = 0.0
-    pipeline_steps: int = 4
-    history_bytes: int = 64 * 1024 * 1024
+    prefill_pipeline_steps: int = 4
+    recovery_history_bytes: int = 64 * 1024 * 1024
     open_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0
-    decode_timeout_s: float = 30.0
+    prefill_step_timeout_s: float = 120.0
+    decode_step_timeout_s: float = 30.0
     decode_timeout_floor_s: float = 3.0
     close_timeout_s: float = 5.0
 
@@ -510,12 +510,12 @@ async def open_route_session(
         push=plane.push,
         encoding=plane.encoding,
         encodings=tuple(encodings) if encodings is not None else plane.encodings(route),
-        history_bytes=plane.history_bytes if recovery is not None else 0,
-        pipeline_steps=plane.pipeline_steps,
+        recovery_history_bytes=plane.recovery_history_bytes if recovery is not None else 0,
+        prefill_pipeline_steps=plane.prefill_pipeline_steps,
         max_recoveries=recovery.max_recoveries if recovery is not None else 0,
         open_timeout_s=plane.open_timeout_s,
-        prefill_timeout_s=plane.prefill_timeout_s,
-        decode_timeout_s=plane.decode_timeout_s,
+        prefill_step_timeout_s=plane.prefill_step_timeout_s,
+        decode_step_timeout_s=plane.decode_step_timeout_s,
         decode_timeout_floor_s=plane.decode_timeout_floor_s,
         close_timeout_s=plane.close_timeout_s,
         expected_step_s=route.expected_ms_per_token / 1000 if route.expected_ms_per_token > 0 else math.nan,

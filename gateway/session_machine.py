@@ -28,7 +28,7 @@ stream and this machine forwards the bytes. The last stage of a route of two
 or more pushes the next decode step (the token it sampled) to the first stage
 itself, so decode runs as a ring and the gateway only receives tokens. Prefill
 goes to the first stage in steps of ``step_tokens``, at most
-``pipeline_steps`` of them in flight, so stage k+1 works on chunk c while stage
+``prefill_pipeline_steps`` of them in flight, so stage k+1 works on chunk c while stage
 k works on chunk c+1.
 
 Step ids: in an epoch whose OPEN had step id B, the data step starting at
@@ -41,11 +41,11 @@ misses its deadline. Deadlines follow the route's speed, so a stage that
 hangs (a stopped process, a tarpit) is noticed in seconds: decode waits
 ``20 x`` the measured step time ``+ 1 s`` (EWMA; before the first measurement
 ``20 x`` the tracker's estimate ``+ 1 s``, at least twice the floor), between
-``decode_timeout_floor_s`` and ``decode_timeout_s``; a prefill step, which
+``decode_timeout_floor_s`` and ``decode_step_timeout_s``; a prefill step, which
 carries up to ``step_tokens`` positions, gets ``10 x`` the measured prefill
 step ``+ 2 s`` (before one was measured: ``20 x`` the decode estimate for every
 8 positions ``+ 2 s``), between ``prefill_timeout_floor_s`` and
-``prefill_timeout_s``. Without any estimate the ceilings apply. Then: CANCEL to the failed
+``prefill_step_timeout_s``. Without any estimate the ceilings apply. Then: CANCEL to the failed
 stage, a replacement with the same layers from the tracker, the next epoch
 OPENed on every stage (survivors keep the ``committed`` positions, the ones the
 last stage reported), the replacement's inputs replayed (stage 0: the token
@@ -143,12 +143,12 @@ class RouteConfig:
     # Per stage position, the encoding of the hidden states it sends on (gateway.encodings); positions
     # past its end use ``encoding``. A replacement takes over its position's encoding.
     encodings: tuple[frame_pb2.Encoding, ...] = ()
-    history_bytes: int = 64 * 1024 * 1024  # outputs each stage keeps for a replacement's replay
-    pipeline_steps: int = 4  # prefill steps in flight at once (1: one stage after the other)
+    recovery_history_bytes: int = 64 * 1024 * 1024  # outputs each stage keeps for a replacement's replay
+    prefill_pipeline_steps: int = 4  # prefill steps in flight at once (1: one stage after the other)
     max_recoveries: int = 3
     open_timeout_s: float = 30.0
-    prefill_timeout_s: float = 120.0  # ceiling of the adaptive deadline of one prefill step
-    decode_timeout_s: float = 30.0  # ceiling of the adaptive decode deadline
+    prefill_step_timeout_s: float = 120.0  # ceiling of the adaptive deadline of one prefill step
+    decode_step_timeout_s: float = 30.0  # ceiling of the adaptive decode deadline
     decode_timeout_floor_s: float = 3.0
     prefill_timeout_floor_s: float = 15.0
     # The tracker's estimate of one decode step through the route (its expected_ms_per_token), the
@@ -623,7 +623,7 @@ class RouteMachine:
                 downstream=None if last else self._target(k, k + 1, hop[k]),
                 upstream_token=hop[k - 1] if k > 0 else (hop[n - 1] if n > 1 else b""),
                 ring=self._target(k, 0, hop[k]) if last and n > 1 else None,
-                history_bytes=0 if last else self.config.history_bytes,
+                history_bytes=0 if last else self.config.recovery_history_bytes,
                 kv_source=source,
                 isolated=self.config.isolated,
                 kv_copy=self.config.kv_copy,
@@ -733,7 +733,7 @@ class RouteMachine:
             return out
         first = self._stages[0]
         single = self.config.single_from
-        while self._sent_end < self.prompt_len and len(self._inflight) < self.config.pipeline_steps:
+        while self._sent_end < self.prompt_len and len(self._inflight) < self.config.prefill_pipeline_steps:
             start = self._sent_end
             if single and start >= single:
                 end = start + 1  # a generated token, as its decode step computed it
@@ -809,10 +809,10 @@ class RouteMachine:
         cfg = self.config
         if math.isnan(self._ewma_step_s):
             if math.isnan(cfg.expected_step_s):
-                return cfg.decode_timeout_s
+                return cfg.decode_step_timeout_s
             prior = max(2 * cfg.decode_timeout_floor_s, 20 * cfg.expected_step_s + 1.0)
-            return min(cfg.decode_timeout_s, prior)
-        return min(cfg.decode_timeout_s, max(cfg.decode_timeout_floor_s, 20 * self._ewma_step_s + 1.0))
+            return min(cfg.decode_step_timeout_s, prior)
+        return min(cfg.decode_step_timeout_s, max(cfg.decode_timeout_floor_s, 20 * self._ewma_step_s + 1.0))
 
     def _prefill_timeout(self) -> float:
         cfg = self.config
@@ -821,8 +821,8 @@ class RouteMachine:
         elif not math.isnan(cfg.expected_step_s):
             wanted = 20 * cfg.expected_step_s * max(1.0, cfg.step_tokens / 8) + 2.0
         else:
-            return cfg.prefill_timeout_s
-        return min(cfg.prefill_timeout_s, max(cfg.prefill_timeout_floor_s, wanted))
+            return cfg.prefill_step_timeout_s
+        return min(cfg.prefill_step_timeout_s, max(cfg.prefill_timeout_floor_s, wanted))
 
     # -- frames in ------------------------------------------------------------------------------------
 
@@ -1257,7 +1257,7 @@ class RouteMachine:
                 )
             )
         steps = math.ceil(c / self.config.step_tokens)
-        self._deadline = now + self.config.prefill_timeout_s * max(1, steps)
+        self._deadline = now + self.config.prefill_step_timeout_s * max(1, steps)
         return out
 
     def _resume(self, now: float) -> list[Command]:

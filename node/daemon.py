@@ -202,14 +202,14 @@ class NodeDaemon:
         )
         vocab = await self._vocab(joined.header_file, cache, meta.fingerprint)
         engine_config = EngineConfig(
-            n_threads_count=cfg.resolved_threads(),
+            threads=cfg.resolved_threads(),
             max_sessions=cfg.max_sessions,
             session_kv_tokens=(
                 (cfg.max_session_kv_tokens or 1 << 30) if cfg.kv_pool_tokens else cfg.session_kv_tokens
             ),
             kv_pool_tokens=joined.kv_pool_tokens,
             kv_pool_layout=cfg.kv_pool_layout,
-            n_batch_tokens=cfg.batch_tokens,
+            batch_tokens=cfg.batch_tokens,
             n_gpu_layers=joined.gpu_layers,
             load_mode=cfg.load_mode,
         )
@@ -288,8 +288,8 @@ class NodeDaemon:
             self.hub = Hub(
                 self.machine,
                 reply_buffer_bytes=cfg.reply_buffer_bytes,
-                idle_stream_timeout_s=cfg.stream_idle_timeout_s,
-                max_idle_per_address=cfg.max_idle_streams_per_address,
+                stream_idle_timeout_s=cfg.stream_idle_timeout_s,
+                max_idle_streams_per_address=cfg.max_idle_streams_per_address,
             )
             on_outcome = self.hub.on_outcome
             if self.failpoints.active:

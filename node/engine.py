@@ -85,7 +85,7 @@ log = logging.getLogger("swarm.engine")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    n_threads_count: int = 1
+    threads: int = 1
     max_sessions: int = 8
     # Per-sequence layout: the KV of one session (llama.cpp rounds up to 256). With a pool: the most
     # positions one session may hold (the operator's cap; the model's trained context bounds it too).
@@ -97,7 +97,7 @@ class EngineConfig:
     # they apply, else resident per-sequence streams sized from the pool; "sparse", "resident" or
     # "unified" (one shared stream: slower, exact only alone; kept for comparison).
     kv_pool_layout: str = "auto"
-    n_batch_tokens: int = 512  # most tokens one llama_decode takes
+    batch_tokens: int = 512  # most tokens one llama_decode takes
     flash_attn: bool = True
     kv_type: str = "f16"
     kv_unified: bool = False
@@ -132,11 +132,11 @@ class EngineConfig:
                     f"unknown kv_pool_layout {self.kv_pool_layout!r}; choose one of {', '.join(LAYOUTS)}"
                 )
         return ContextSettings(
-            n_threads=self.n_threads_count,
+            n_threads=self.threads,
             n_seq_max=self.max_sessions,
             n_ctx=self.max_sessions * self.session_kv_tokens,
-            n_batch=self.n_batch_tokens,
-            n_ubatch=self.n_batch_tokens,
+            n_batch=self.batch_tokens,
+            n_ubatch=self.batch_tokens,
             flash_attn=self.flash_attn,
             kv_type=self.kv_type,
             kv_unified=self.kv_unified,

@@ -29,7 +29,7 @@ Connections):
 * **Unproven streams.** A connection becomes *proven* once the machine accepts
   an OPEN from it (ticket and, for bound tickets, the gateway's proof) or a
   step pushed with a hop token. Until then it is closed after
-  ``idle_stream_timeout_s``, at most ``max_idle_per_address`` of them are held
+  ``stream_idle_timeout_s``, at most ``max_idle_streams_per_address`` of them are held
   per source address (one more closes that address's oldest), and when the
   node holds ``max_connections`` a new connection closes the oldest unproven
   one instead of being refused: idle streams cannot take a node's slots.
@@ -191,16 +191,16 @@ class Hub:
         *,
         max_connections: int = 0,
         reply_buffer_bytes: int = REPLY_BUFFER_BYTES,
-        idle_stream_timeout_s: float = IDLE_STREAM_TIMEOUT_S,
-        max_idle_per_address: int = MAX_IDLE_PER_ADDRESS,
+        stream_idle_timeout_s: float = IDLE_STREAM_TIMEOUT_S,
+        max_idle_streams_per_address: int = MAX_IDLE_PER_ADDRESS,
     ) -> None:
         self.server = server
         self.clock = clock
         # Streams cost memory before any OPEN: bound them too (default: 4 per session slot, plus room).
         self.max_connections = max_connections or 4 * server.spec.max_sessions + 64
         self.reply_buffer_bytes = reply_buffer_bytes
-        self.idle_stream_timeout_s = idle_stream_timeout_s
-        self.max_idle_per_address = max_idle_per_address
+        self.stream_idle_timeout_s = stream_idle_timeout_s
+        self.max_idle_streams_per_address = max_idle_streams_per_address
         self.scheduler: Scheduler | None = None
         self.pushes: PushLinks | None = None
         self._conns: dict[int, Connection] = {}
@@ -223,12 +223,12 @@ class Hub:
         """A new connection from source address ``peer``; ``trusted``: one this node opened itself.
 
         Makes room by closing the oldest unproven connection (of ``peer``, past
-        ``max_idle_per_address``; of anyone, at ``max_connections``); raises
+        ``max_idle_streams_per_address``; of anyone, at ``max_connections``); raises
         :class:`TooManyConnections` only when every connection held is proven.
         """
         if not trusted:
             mine = [c for c in self._unproven() if c.peer == peer]
-            if len(mine) >= self.max_idle_per_address:
+            if len(mine) >= self.max_idle_streams_per_address:
                 self._close_idle(mine[0], "too many unproven streams from this address")
         if len(self._conns) >= self.max_connections:
             unproven = self._unproven()
@@ -434,11 +434,11 @@ class Hub:
             self.close_idle_streams(now)
 
     def close_idle_streams(self, now: float) -> None:
-        """Close unproven connections older than ``idle_stream_timeout_s``, and proven ones that own
+        """Close unproven connections older than ``stream_idle_timeout_s``, and proven ones that own
         no session and were silent for the machine's ``idle_lease_s``."""
         for conn in self._unproven():
-            if now - conn.opened_s >= self.idle_stream_timeout_s:
-                self._close_idle(conn, f"no session opened within {self.idle_stream_timeout_s:g} s")
+            if now - conn.opened_s >= self.stream_idle_timeout_s:
+                self._close_idle(conn, f"no session opened within {self.stream_idle_timeout_s:g} s")
         silent_s = self.server.spec.idle_lease_s
         for conn in [c for c in self._conns.values() if c.trusted and not c.own]:
             if now - conn.last_frame_s >= silent_s and not self.server.owns_sessions(conn.conn_id):

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as cache:
         meta = read_model_meta(path, Path(cache))
         files = extract_shard(path, 0, meta.n_layers, Path(cache))
-        config = EngineConfig(n_threads_count=1, max_sessions=2, session_kv_tokens=1024, n_batch_tokens=256)
+        config = EngineConfig(threads=1, max_sessions=2, session_kv_tokens=1024, batch_tokens=256)
         with ShardEngine(files, config, Path(cache)) as engine, Vocabulary(path) as vocab:
             t0 = time.perf_counter()
             engine.open_session("setup", sampling=SamplingParams(grammar=grammar))

@@ -132,7 +132,7 @@ def bench_split(
 ) -> dict:
     """Whole model vs 2-stage split (C capture) vs 2-stage split (Python capture), token by token
     in lock-step, so load from elsewhere on the machine falls on all three alike."""
-    cfg = EngineConfig(n_threads_count=threads, max_sessions=1, session_kv_tokens=512, n_batch_tokens=512)
+    cfg = EngineConfig(threads=threads, max_sessions=1, session_kv_tokens=512, batch_tokens=512)
     cfg_py = EngineConfig(**{**cfg.__dict__, "capture": "python"})
     prompt = vocab.tokenize(PROMPT)
     ref = ReferenceModel(model, cfg.context_settings())
@@ -260,10 +260,10 @@ def bench_batching(
     rows = []
     max_n = max(counts)
     cfg = EngineConfig(
-        n_threads_count=threads,
+        threads=threads,
         max_sessions=max_n,
         session_kv_tokens=ctx_tokens + steps * reps + 64,
-        n_batch_tokens=512,
+        batch_tokens=512,
     )
     a, h, n_layers = bounds
     whole = [ShardEngine(extract_shard(model, a, n_layers, cache), cfg, cache)]

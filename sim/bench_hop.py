@@ -70,7 +70,7 @@ class InProcess:
         from node.shard import extract_shard
 
         config = EngineConfig(
-            n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, n_batch_tokens=BATCH
+            threads=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, batch_tokens=BATCH
         )
         self.a = ShardEngine(extract_shard(model, 0, 15, cache), config, cache)
         self.b = ShardEngine(extract_shard(model, 15, 30, cache), config, cache)

@@ -110,10 +110,10 @@ def main() -> None:
         span = (0, meta.n_layers // 2)
         files = extract_shard(path, *span, cache)
         config = EngineConfig(
-            n_threads_count=1,
+            threads=1,
             max_sessions=args.sessions,
             session_kv_tokens=max(256, args.prompt + args.decode + 1),
-            n_batch_tokens=512,
+            batch_tokens=512,
         )
         runs: dict[int, list[tuple[float, float]]] = {k: [] for k in settings}
         with ShardEngine(files, config, cache) as engine:

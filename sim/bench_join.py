@@ -387,7 +387,7 @@ def reference_tokens(model: Path, max_tokens: int) -> tuple[list[str], list[floa
     from node.engine import EngineConfig
     from node.reference import ReferenceModel
 
-    settings = EngineConfig(n_threads_count=1, max_sessions=1, session_kv_tokens=512, n_batch_tokens=64)
+    settings = EngineConfig(threads=1, max_sessions=1, session_kv_tokens=512, batch_tokens=64)
     with Vocabulary(model) as vocab:
         prompt = vocab.tokenize(PROMPT, add_special=True)
         pieces: list[str] = []

@@ -177,13 +177,13 @@ def main() -> None:
         prompts = _requests(vocab, args.requests, args.seed, args.scale)
     layouts = {
         "per_seq": EngineConfig(
-            n_threads_count=1, max_sessions=8, session_kv_tokens=2048 // args.scale, n_batch_tokens=512
+            threads=1, max_sessions=8, session_kv_tokens=2048 // args.scale, batch_tokens=512
         ),
         "pool": EngineConfig(
-            n_threads_count=1,
+            threads=1,
             max_sessions=args.sessions,
             session_kv_tokens=1 << 30,
-            n_batch_tokens=512,
+            batch_tokens=512,
             kv_pool_tokens=16384 // args.scale,
             kv_pool_layout=args.layout,
         ),

@@ -64,9 +64,7 @@ class InProcess:
         from node.engine import EngineConfig, ShardEngine
         from node.shard import extract_shard
 
-        config = EngineConfig(
-            n_threads_count=1, max_sessions=2, session_kv_tokens=SESSION_KV, n_batch_tokens=256
-        )
+        config = EngineConfig(threads=1, max_sessions=2, session_kv_tokens=SESSION_KV, batch_tokens=256)
         self.engines = [ShardEngine(extract_shard(model, a, b, cache), config, cache) for a, b in SPANS]
         self.pos = 0
 
@@ -335,8 +333,8 @@ def part_prefill(model: Path, cache: Path, prompt: list[int], rounds: int, profi
             async def body(channels: Any) -> dict[str, list[float]]:
                 route, stages = await route_on(channels, addresses)
                 planes = {
-                    "pipelined": DataPlane(push=True, pipeline_steps=4),
-                    "one_after_the_other": DataPlane(push=True, pipeline_steps=1),
+                    "pipelined": DataPlane(push=True, prefill_pipeline_steps=4),
+                    "one_after_the_other": DataPlane(push=True, prefill_pipeline_steps=1),
                 }
                 await generate(channels, route, stages, prompt[:300], 2, plane=planes["pipelined"])
                 got: dict[str, list[float]] = {n: [] for n in planes}

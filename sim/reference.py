@@ -14,7 +14,7 @@ from node.reference import ReferenceModel
 
 # What sim.launcher gives each node unless told otherwise; the reference must use the same
 # attention and KV settings (flash attention on, f16 KV) -- the session count does not change numbers.
-NODE_ENGINE = EngineConfig(n_threads_count=1, max_sessions=8, session_kv_tokens=2048)
+NODE_ENGINE = EngineConfig(threads=1, max_sessions=8, session_kv_tokens=2048)
 
 
 class Reference:

@@ -472,7 +472,7 @@ def run_request(
     faults: list[Fault] = (),  # type: ignore[assignment]
     push: bool = True,
     step_tokens: int = 5,
-    pipeline_steps: int = 3,
+    prefill_pipeline_steps: int = 3,
     max_events: int = 200_000,
     encodings: tuple[int, ...] = (),
     timeouts: dict[str, float] | None = None,  # RouteConfig deadline fields to override
@@ -513,11 +513,11 @@ def run_request(
             step_tokens=step_tokens,
             node_frame_bytes=1 << 20,
             push=push,
-            pipeline_steps=pipeline_steps,
+            prefill_pipeline_steps=prefill_pipeline_steps,
             max_recoveries=3,
             open_timeout_s=5,
-            prefill_timeout_s=5,
-            decode_timeout_s=5,
+            prefill_step_timeout_s=5,
+            decode_step_timeout_s=5,
             decode_timeout_floor_s=1,
             close_timeout_s=2,
             encodings=encodings,  # type: ignore[arg-type]

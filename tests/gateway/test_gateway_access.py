@@ -251,8 +251,8 @@ def test_a_hung_stage_is_noticed_in_seconds_not_at_the_ceiling(hang_at: int, bou
     nodes, by_span = make_nodes(SPANS, spares=1)
     swarm = SimSwarm(nodes, random.Random(5))
     timeouts = {
-        "prefill_timeout_s": 120.0,
-        "decode_timeout_s": 30.0,
+        "prefill_step_timeout_s": 120.0,
+        "decode_step_timeout_s": 30.0,
         "decode_timeout_floor_s": 3.0,
         "prefill_timeout_floor_s": 15.0,
         "expected_step_s": 0.002,

@@ -31,9 +31,7 @@ pytestmark = pytest.mark.slow
 
 # The nodes' engine settings; the reference must use the same context settings (flash attention, f16 KV).
 MAX_SESSIONS, SESSION_KV, BATCH = 6, 512, 256
-ENGINE = EngineConfig(
-    n_threads_count=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, n_batch_tokens=BATCH
-)
+ENGINE = EngineConfig(threads=1, max_sessions=MAX_SESSIONS, session_kv_tokens=SESSION_KV, batch_tokens=BATCH)
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",

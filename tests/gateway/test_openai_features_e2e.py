@@ -258,7 +258,7 @@ def test_n_choices_equal_separate_requests_with_seed_plus_i(
 
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> Iterator[tuple[ReferenceModel, Vocabulary]]:
-    settings = EngineConfig(n_threads_count=1, max_sessions=6, session_kv_tokens=1024, n_batch_tokens=256)
+    settings = EngineConfig(threads=1, max_sessions=6, session_kv_tokens=1024, batch_tokens=256)
     with ReferenceModel(model_path, settings.context_settings()) as ref, Vocabulary(model_path) as vocab:
         yield ref, vocab
 

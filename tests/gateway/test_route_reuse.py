@@ -33,7 +33,7 @@ def run(
         kv_budget=len(prompt) + max_new - 1,
         step_tokens=4,
         node_frame_bytes=1 << 20,
-        pipeline_steps=2,
+        prefill_pipeline_steps=2,
         max_recoveries=0,
         kv_source=kv_source,
         keep_ms=keep_ms,

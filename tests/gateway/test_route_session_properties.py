@@ -85,7 +85,7 @@ def test_undisturbed_push_and_relay_give_the_same_tokens() -> None:
 def test_interleavings_alone_change_nothing(seed: int) -> None:
     nodes, by_span = make_nodes(SPANS, spares=1)
     swarm = SimSwarm(nodes, random.Random(seed))
-    result = run_request(swarm, by_span, PROMPT, MAX_NEW, pipeline_steps=1 + seed % 3)
+    result = run_request(swarm, by_span, PROMPT, MAX_NEW, prefill_pipeline_steps=1 + seed % 3)
     assert result.tokens == REFERENCE and result.failed is None and result.recoveries == 0
     # A finished request frees every stage at once (RELEASE), with no lease needed.
     assert all(not n.kv and n.machine.statistics().sessions == 0 for n in nodes.values())
@@ -208,7 +208,7 @@ def test_a_resume_prefills_the_prompt_in_chunks_and_each_generated_token_alone()
         kv_budget=40,
         step_tokens=5,
         node_frame_bytes=1 << 20,
-        pipeline_steps=16,
+        prefill_pipeline_steps=16,
         single_from=prompt_len,
     )
     machine = RouteMachine(config, [StageSpec("n", "n", 0, 12, "b" * 64, b"t")], new_token=lambda: b"x" * 8)

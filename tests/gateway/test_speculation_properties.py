@@ -61,7 +61,9 @@ def test_windows_give_the_plain_text_with_fewer_passes(max_drafts: int, seed: in
     nodes, by_span = make_nodes(SPANS, spares=0, repetitive=True)
     swarm = SimSwarm(nodes, random.Random(seed))
     counter = WindowCounter(swarm)
-    result = run_request(swarm, by_span, PROMPT, MAX_NEW, max_drafts=max_drafts, pipeline_steps=1 + seed)
+    result = run_request(
+        swarm, by_span, PROMPT, MAX_NEW, max_drafts=max_drafts, prefill_pipeline_steps=1 + seed
+    )
     assert result.failed is None and result.recoveries == 0
     assert result.tokens == REFERENCE
     assert counter.windows > 0 and counter.drafts <= counter.windows * max_drafts

@@ -9,7 +9,7 @@ from node.engine import EngineConfig
 from node.reference import ReferenceModel
 
 # Small contexts keep the KV allocation (and the test) cheap; one thread each.
-ENGINE_CONFIG = EngineConfig(n_threads_count=1, max_sessions=6, session_kv_tokens=512, n_batch_tokens=256)
+ENGINE_CONFIG = EngineConfig(threads=1, max_sessions=6, session_kv_tokens=512, batch_tokens=256)
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from node.reference import ReferenceModel
 from node.shard import extract_shard, read_model_meta
 from tests.node.tiny_models import SPECS, build
 
-CONFIG = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=256, n_batch_tokens=64)
+CONFIG = EngineConfig(threads=1, max_sessions=4, session_kv_tokens=256, batch_tokens=64)
 N_NEW = 32
 TEXT = (
     "The old lighthouse keeper counted the ships that passed each night, writing their names in a "

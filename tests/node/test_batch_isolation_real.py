@@ -59,10 +59,10 @@ class NodeSettings:
 
 # Node A: the defaults. Node B: other batch settings (node-local, free to differ between honest nodes).
 NODE_A = NodeSettings(
-    EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=512, n_batch_tokens=256), 256, 256
+    EngineConfig(threads=1, max_sessions=4, session_kv_tokens=512, batch_tokens=256), 256, 256
 )
 NODE_B = NodeSettings(
-    EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=512, n_batch_tokens=128), 128, 48
+    EngineConfig(threads=1, max_sessions=4, session_kv_tokens=512, batch_tokens=128), 128, 48
 )
 
 Script = list[tuple[int, np.ndarray, bool]]  # (start, token ids, is decode) per step

@@ -119,8 +119,8 @@ async def test_unproven_streams_are_bounded_per_address_and_time_out() -> None:
         FrameServer(_spec(), lambda *_: None),
         lambda: now[0],
         max_connections=100,
-        idle_stream_timeout_s=10.0,
-        max_idle_per_address=3,
+        stream_idle_timeout_s=10.0,
+        max_idle_streams_per_address=3,
     )
     idle = [hub.open_connection("10.0.0.9") for _ in range(5)]
     assert [c.closed for c in idle] == [True, True, False, False, False]  # the oldest made room
@@ -135,7 +135,7 @@ async def test_unproven_streams_are_bounded_per_address_and_time_out() -> None:
 
 async def test_a_connection_that_opened_a_session_is_proven_and_never_timed_out() -> None:
     now = [0.0]
-    hub = Hub(FrameServer(_spec(), lambda *_: None), lambda: now[0], idle_stream_timeout_s=1.0)
+    hub = Hub(FrameServer(_spec(), lambda *_: None), lambda: now[0], stream_idle_timeout_s=1.0)
     backend = FakeBackend()
     scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=32)
     hub.attach(scheduler)
@@ -155,7 +155,7 @@ async def test_a_connection_that_opened_a_session_is_proven_and_never_timed_out(
 async def test_a_proven_stream_owning_no_session_is_closed_once_silent_for_the_lease() -> None:
     now = [0.0]
     spec = _spec()  # idle_lease_s 300
-    hub = Hub(FrameServer(spec, lambda *_: None), lambda: now[0], idle_stream_timeout_s=1.0)
+    hub = Hub(FrameServer(spec, lambda *_: None), lambda: now[0], stream_idle_timeout_s=1.0)
     backend = FakeBackend()
     scheduler = Scheduler(backend, hub.on_outcome, max_batch_tokens=64, prefill_chunk_tokens=32)
     hub.attach(scheduler)
@@ -186,7 +186,7 @@ def _refuse_ticket(ticket: bytes, sid: str, claim: object) -> None:
 
 
 async def test_a_refused_open_does_not_prove_a_connection() -> None:
-    hub = Hub(FrameServer(_spec(), _refuse_ticket), idle_stream_timeout_s=1.0)
+    hub = Hub(FrameServer(_spec(), _refuse_ticket), stream_idle_timeout_s=1.0)
     conn = hub.open_connection("10.0.0.1")
     await hub.feed(conn, _open("s"))
     assert codec.parse_frame(conn.outbound.receive_nowait()).error.status == status_pb2.STATUS_TICKET_INVALID

@@ -24,7 +24,7 @@ from node.testmodel import gemma3_model_path
 
 pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
 
-CONFIG = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=768, n_batch_tokens=256)
+CONFIG = EngineConfig(threads=1, max_sessions=4, session_kv_tokens=768, batch_tokens=256)
 N_NEW = 32
 WINDOW = 512
 STORY = (

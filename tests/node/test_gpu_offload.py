@@ -29,7 +29,7 @@ pytestmark = [
         reason="this llama.cpp build has no GPU to offload to (a CPU build): see README, CMAKE_ARGS",
     ),
 ]
-CPU = EngineConfig(n_threads_count=1, max_sessions=2, session_kv_tokens=256, n_batch_tokens=64)
+CPU = EngineConfig(threads=1, max_sessions=2, session_kv_tokens=256, batch_tokens=64)
 N_NEW = 12
 
 

@@ -50,9 +50,7 @@ def test_pool_refuses_nonsense() -> None:
 
 # --------------------------------------------------------------------------- the engine on a pool
 
-POOL = EngineConfig(
-    n_threads_count=1, max_sessions=16, session_kv_tokens=8192, n_batch_tokens=256, kv_pool_tokens=1024
-)
+POOL = EngineConfig(threads=1, max_sessions=16, session_kv_tokens=8192, batch_tokens=256, kv_pool_tokens=1024)
 
 
 def _tokens(n: int, seed: int) -> np.ndarray:

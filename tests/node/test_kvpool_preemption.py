@@ -32,7 +32,7 @@ from proto.swarm.v1 import frame_pb2, status_pb2
 pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
 
 CONFIG = EngineConfig(
-    n_threads_count=1, max_sessions=4, session_kv_tokens=1 << 30, n_batch_tokens=256, kv_pool_tokens=512
+    threads=1, max_sessions=4, session_kv_tokens=1 << 30, batch_tokens=256, kv_pool_tokens=512
 )
 
 

@@ -30,9 +30,9 @@ pytestmark = pytest.mark.slow  # loads model weights into llama.cpp
 
 # 4 sessions; the pool holds 4,096 positions, the memory of today's 4 x 1,024.
 POOL = EngineConfig(
-    n_threads_count=1, max_sessions=4, session_kv_tokens=1 << 30, n_batch_tokens=256, kv_pool_tokens=4096
+    threads=1, max_sessions=4, session_kv_tokens=1 << 30, batch_tokens=256, kv_pool_tokens=4096
 )
-TODAY = EngineConfig(n_threads_count=1, max_sessions=4, session_kv_tokens=1024, n_batch_tokens=256)
+TODAY = EngineConfig(threads=1, max_sessions=4, session_kv_tokens=1024, batch_tokens=256)
 BYTES_PER_POSITION = 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, K and V, 3 KV heads of 64, f16
 
 
@@ -176,7 +176,7 @@ from node.shard import extract_shard
 files = extract_shard(Path(sys.argv[1]), 0, 30, Path(sys.argv[2]))
 room = 2 << 30  # far less address space than 32 streams of 8,192 positions (5.6 GiB virtual)
 resource.setrlimit(resource.RLIMIT_AS, (_status_kib("VmSize") * 1024 + room, resource.RLIM_INFINITY))
-config = EngineConfig(max_sessions=32, session_kv_tokens=1 << 30, n_batch_tokens=256, kv_pool_tokens=8192)
+config = EngineConfig(max_sessions=32, session_kv_tokens=1 << 30, batch_tokens=256, kv_pool_tokens=8192)
 with ShardEngine(files, config, Path(sys.argv[2])) as engine:
     stats = engine.statistics()
     print(json.dumps([stats.kv_layout, stats.kv_layout_reason, engine.session_kv_limit]))

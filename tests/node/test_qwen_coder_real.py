@@ -33,7 +33,7 @@ pytestmark = [
 ]
 
 POOL = EngineConfig(
-    n_threads_count=1, max_sessions=4, session_kv_tokens=1 << 30, n_batch_tokens=256, kv_pool_tokens=4096
+    threads=1, max_sessions=4, session_kv_tokens=1 << 30, batch_tokens=256, kv_pool_tokens=4096
 )
 N_NEW = 8
 CODE = (
