@@ -143,7 +143,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise _bad("each message must be an object", param)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise _bad(f"invalid role {role!r}: expected one of {sorted(ROLES)}", param + ".role")
         if message.get("images"):
             raise _bad("images are not supported by this server (text models only)", param + ".images")

@@ -530,7 +530,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if not isinstance(message, dict):
             raise _bad("each message must be an object", f"messages[{i}]", "invalid_type")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise _bad(f"invalid role {role!r}: expected one of {sorted(CHAT_ROLES)}", f"messages[{i}].role")
         if message.get("function_call"):
             raise _bad("'function_call' in messages is not supported; use 'tool_calls'", f"messages[{i}]")
@@ -849,24 +849,45 @@ def chat_chunk(
     usage_only: bool = False,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``usage_only`` is the final chunk with empty choices."""
+    choice = {
+        "index": 0,
+        "delta": delta or {},
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+    }
+    return _stream_chunk(
+        "chat.completion.chunk",
+        rid,
+        created,
+        model,
+        fingerprint,
+        None if usage_only else choice,
+        include_usage=include_usage,
+        usage_block=usage_block,
+    )
+
+
+def _stream_chunk(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    choice: dict[str, Any] | None,
+    *,
+    include_usage: bool,
+    usage_block: dict[str, int] | None,
+) -> dict[str, Any]:
+    """The envelope every streamed chunk shares: one choice, or none (the final usage-only chunk), and
+    the ``usage`` key only when the client asked for usage (``stream_options.include_usage``)."""
     chunk: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": kind,
         "created": created,
         "model": model,
         "system_fingerprint": fingerprint,
+        "choices": [] if choice is None else [choice],
     }
-    if usage_only:
-        chunk["choices"] = []
-    else:
-        chunk["choices"] = [
-            {
-                "index": 0,
-                "delta": delta or {},
-                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                "finish_reason": finish_reason,
-            }
-        ]
     if include_usage:
         chunk["usage"] = usage_block
     return chunk
@@ -915,27 +936,22 @@ def completion_chunk(
     include_usage: bool = False,
     usage_only: bool = False,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": fingerprint,
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
+        "finish_reason": finish_reason,
     }
-    if usage_only:
-        chunk["choices"] = []
-    else:
-        chunk["choices"] = [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
-                "finish_reason": finish_reason,
-            }
-        ]
-    if include_usage:
-        chunk["usage"] = usage_block
-    return chunk
+    return _stream_chunk(
+        "text_completion",
+        rid,
+        created,
+        model,
+        fingerprint,
+        None if usage_only else choice,
+        include_usage=include_usage,
+        usage_block=usage_block,
+    )
 
 
 def model_id(name: str) -> str:

@@ -118,7 +118,7 @@ def _text(content: Any, param: str) -> str:
     out = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+        if isinstance(kind, str) and kind in TEXT_PARTS and isinstance(part.get("text"), str):
             out.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             out.append(part["refusal"])
@@ -148,7 +148,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise _bad(f"invalid role {role!r}: expected one of {sorted(ROLES)}", param + ".role")
             out.append({"role": role, "content": _text(item.get("content"), param + ".content")})
         elif kind == "function_call":

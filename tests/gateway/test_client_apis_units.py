@@ -478,3 +478,27 @@ def test_batch_parse_never_crashes(prompt: list[Any], n: int) -> None:
     except InvalidRequest:
         return
     assert 1 <= len(batch) <= 16 and len(batch) * n <= 64
+
+
+@pytest.mark.parametrize("role", [[], {}, ["user"]])
+def test_a_role_that_is_not_a_string_is_a_clear_400_in_every_client_api(role: Any) -> None:
+    """Found by test_responses_parse_never_crashes: a list as the role was looked up in a frozenset
+    (TypeError: unhashable, a 500) in the Responses, Ollama and chat-completions parsers alike."""
+    from gateway.protocol import parse_chat_request
+
+    parsers = [
+        lambda: responses_api.parse_request({"model": "m", "input": [{"role": role, "content": "hi"}]}),
+        lambda: ollama_api.parse_chat({"model": "m", "messages": [{"role": role, "content": "hi"}]}),
+        lambda: parse_chat_request({"model": "m", "messages": [{"role": role, "content": "hi"}]}),
+    ]
+    for parse in parsers:
+        with pytest.raises(InvalidRequest) as err:
+            parse()
+        assert err.value.param.endswith(".role")
+
+
+def test_a_content_part_whose_type_is_not_a_string_is_refused_not_a_crash() -> None:
+    with pytest.raises(InvalidRequest):
+        responses_api.parse_request(
+            {"model": "m", "input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]}
+        )
