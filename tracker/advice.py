@@ -63,7 +63,7 @@ class RebalanceService:
 
     async def answer(self, envelope: Any) -> dict[str, Any]:
         reg = self.registry
-        payload, _nonce = reg._open(envelope, REQUEST_KIND)
+        payload, _nonce = reg.gate.open_envelope(envelope, REQUEST_KIND)
         try:
             req = RebalanceRequest.from_json(payload)
         except PayloadError as err:

@@ -155,11 +155,11 @@ class Challenger:
         """Attempt ``attempt`` (from 0) at challenging ``node_id``; None when the node did not answer
         and its next attempt is queued (see :meth:`_retry_later`)."""
         reg = self.registry
-        target = await reg._db(reg.store.challenge_target, node_id)
+        target = await reg.gate.run_db(reg.store.trust.challenge_target, node_id)
         if target is None:
             return Outcome(node_id, "gone", False, "the node is not waiting for a challenge")
         if not target.address:
-            await reg._db(reg.store.skip_challenge, node_id)
+            await reg.gate.run_db(reg.store.trust.skip_challenge, node_id)
             reg.invalidate_snapshot()
             result = Outcome(node_id, "skipped", True, "relayed node: cannot be dialled, on probation")
             self._log(target, result)
@@ -175,14 +175,14 @@ class Challenger:
             return await self._finish(target, "failed", False, detail, "", "", "")
         except ChallengeFailed as err:
             return await self._finish(target, "failed", False, str(err), "", "", "")
-        refs = await reg._db(self._references, target, recipe, spec.input_id)
+        refs = await reg.gate.run_db(self._references, target, recipe, spec.input_id)
         v = verdict(digest, refs)
         return await self._finish(
             target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id, route_recipe=route_recipe
         )
 
     def _references(self, target: ChallengeTarget, recipe: str, input_id: str) -> set[str]:
-        return self.registry.store.challenge_references(
+        return self.registry.store.trust.challenge_references(
             target, recipe, input_id, self.clock(), probation_checks=self.config.probation_checks
         )
 
@@ -199,9 +199,9 @@ class Challenger:
         route_recipe: str = "",
     ) -> Outcome:
         reg = self.registry
-        moved = await reg._db(
+        moved = await reg.gate.run_db(
             functools.partial(
-                reg.store.finish_challenge,
+                reg.store.trust.finish_challenge,
                 target,
                 recipe=recipe,
                 input_id=input_id,

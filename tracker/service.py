@@ -1,10 +1,24 @@
 """The tracker's logic between HTTP and storage: verify, validate, store, route.
 
-Trio side of the SQLAlchemy adapter: every database call goes through
-``trio.to_thread.run_sync`` with one :class:`trio.CapacityLimiter`. Signed
-messages are verified and validated *before* any database call, so a refused
-request writes nothing. The clock is injected (wall-clock seconds, because
-signed timestamps come from other machines).
+The registry is one room among collaborators, each with a public interface and
+none reaching into another's underscored members:
+
+* :class:`tracker.gatekeeper.Gatekeeper` (``Registry.gate``): opens signed
+  envelopes (signature, clock, per-key quotas, this replica's nonce cache),
+  runs signed writes and every blocking store call in a worker thread behind
+  one :class:`trio.CapacityLimiter`; shared by every room below.
+* :class:`tracker.store.Store` (``Registry.store``): the SQLAlchemy adapter;
+  its trust tables are ``Store.trust`` (:class:`tracker.trust_store.TrustStore`),
+  on the same :class:`tracker.database.Database`.
+* :class:`tracker.trust.TrustService` (``Registry.trust``): registered
+  gateways, spot checks, evidence and bans, usage receipts, the ledger.
+* :class:`tracker.advice.RebalanceService` (``Registry.rebalance``) and
+  :class:`tracker.challenger.Challenger` (``Registry.challenger``, set by the
+  server): they read the registry's snapshot and call the gate and the store.
+
+Signed messages are verified and validated *before* any database call, so a
+refused request writes nothing. The clock is injected (wall-clock seconds,
+because signed timestamps come from other machines).
 
 Replicas: several processes may serve one database. Replay protection is
 shared: a message's nonce is refused at once if this replica saw it (memory,
@@ -36,11 +50,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import nacl.signing
 import trio
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
 from common.logs import event
 from proto.announce import Announce, GatewayStats, Heartbeat, Leave, PayloadError, RttSample, UsageReport
-from proto.signing import NonceCache, RouteTicket, SignatureError, TicketHop, open_envelope, sign_route_ticket
+from proto.signing import RouteTicket, SignatureError, TicketHop, sign_route_ticket
 from tracker import overview
 from tracker.advice import RebalanceService
 from tracker.config import TrackerConfig
@@ -48,22 +62,20 @@ from tracker.errors import (
     BadRequest,
     Conflict,
     GatewaySignatureRequired,
-    RateLimited,
     StorageUnavailable,
     UnknownModel,
 )
+from tracker.gatekeeper import Gatekeeper
 from tracker.handouts import HandoutLedger
-from tracker.json_input import check_json
 from tracker.metrics import MAX_KV_NODES, Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.names import resolve_names
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
-from tracker.ratelimit import NonceShare, TokenBuckets
 from tracker.registry import KIND as REGISTRATION_KIND
 from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
 from tracker.routing import RouteSelection, kv_contexts, select_routes
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
-from tracker.store import NonceRecord, RttResult, Store, UsageGroup
+from tracker.store import RttResult, Store, UsageGroup
 from tracker.trust import TrustService
 
 if TYPE_CHECKING:
@@ -72,38 +84,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarm.tracker")
 T = TypeVar("T")
 MAX_REGISTRY_PEERS = 32
-
-
-class _NonceGrab:
-    """The nonce sink handed to ``open_envelope`` (called once the signature checked out): charges
-    the signing key's quota, refuses what this replica already saw (memory, bounded in all and per
-    key) and keeps the nonce so the write records it in the shared table."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self.record: NonceRecord | None = None
-
-    def check_and_add(self, public_key: str, nonce: str, expires_at_s: float, now_s: float) -> None:
-        reg = self.registry
-        if public_key not in reg.exempt_keys:
-            decision = reg.key_limits.take(public_key, now_s)
-            if not decision.allowed:
-                reg.metrics.inc("swarm_tracker_rate_limited_total", scope="key")
-                raise RateLimited(
-                    f"more than {reg.config.key_messages_per_s:g} signed messages per second from this key; "
-                    "slow down",
-                    decision.retry_after_s,
-                )
-        if reg.nonce_share.full(public_key, now_s):
-            reg.metrics.inc("swarm_tracker_rate_limited_total", scope="key_nonces")
-            raise RateLimited(
-                f"this key has {reg.config.nonces_per_key_max} signed messages in the replay window; "
-                "retry later",
-                max(1.0, expires_at_s - now_s),
-            )
-        reg.nonces.check_and_add(public_key, nonce, expires_at_s, now_s)
-        reg.nonce_share.add(public_key, expires_at_s)
-        self.record = NonceRecord(public_key, nonce, expires_at_s, reg.config.nonces_per_key_max)
 
 
 @dataclass(frozen=True)
@@ -132,14 +112,8 @@ class Registry:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.rng = rng or random.Random()
-        self.nonces = NonceCache(config.nonce_cache_max_entries)
-        # Quotas per signing key (tracker/ratelimit.py); the operator's registered gateways are exempt
-        # from the rate (their usage reports follow client traffic), not from the nonce share.
-        self.nonce_share = NonceShare(config.nonces_per_key_max)
-        self.key_limits = TokenBuckets(
-            config.key_messages_per_s, config.key_messages_burst, config.rate_limit_max_identities
-        )
-        self.exempt_keys = config.gateway_keys()
+        # Signed messages and database calls, for this room and the others (tracker/gatekeeper.py).
+        self.gate = Gatekeeper(config, self.metrics, clock)
         # GET /v1/models is computed once per snapshot, in a worker thread (route search per model).
         self._models_cache: tuple[SwarmSnapshot, list[dict[str, Any]]] | None = None
         self._models_lock = trio.Lock()
@@ -147,7 +121,6 @@ class Registry:
         self._route_cpu = trio.CapacityLimiter(1)  # route searches and placement, in a worker thread
         # Sessions handed out since each node's last heartbeat: routing counts them as load.
         self.handouts = HandoutLedger(max_age_s=2.0 * config.heartbeat_interval_s)
-        self.limiter = trio.CapacityLimiter(config.resolved_db_threads())
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
         # Structural changes (announce, restore, leave, expiry) bump the generation: a snapshot
@@ -157,7 +130,10 @@ class Registry:
         self._snapshot_lock = trio.Lock()
         self.replica_id = uuid.uuid4().hex
         self.url = ""  # set by the server once it listens
-        self.trust = TrustService(self)
+        # Who may report, what a report earns, what it costs a liar (tracker/trust.py).
+        self.trust = TrustService(
+            self.gate, store.trust, config, self.metrics, key, on_change=self.invalidate_snapshot
+        )
         # Rebalancing advice (POST /v1/rebalance) and the demand per model it weighs.
         self.rebalance = RebalanceService(self)
         # Set by the server when challenges are on (tracker/challenger.py); without one, announced
@@ -166,64 +142,6 @@ class Registry:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _db(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
-        """``fn(*args)`` in a database thread. ``bounded``: the caller waits at most ``db_timeout_s``
-        (queue included), then gets :class:`StorageUnavailable`; the abandoned call still holds its
-        thread until it returns, so the limiter keeps the number of threads bounded. A write abandoned
-        this way may still commit: its signed message cannot be replayed (the nonce), a node re-signs."""
-        call = functools.partial(fn, *args)
-        try:
-            if not bounded:
-                return await trio.to_thread.run_sync(call, limiter=self.limiter)
-            with trio.fail_after(self.config.db_timeout_s):
-                return await trio.to_thread.run_sync(call, limiter=self.limiter, abandon_on_cancel=True)
-        except (OperationalError, InterfaceError) as err:  # connection-level: the database is away
-            event(log, "storage_unavailable", level=logging.ERROR, error=str(err).splitlines()[0][:300])
-            raise StorageUnavailable("the tracker's database is unavailable; retry later") from err
-        except trio.TooSlowError as err:
-            event(log, "storage_slow", level=logging.WARNING, call=getattr(fn, "__name__", "?"))
-            raise StorageUnavailable("the tracker's database did not answer in time; retry later") from err
-
-    def _refused(self, kind: str, err: SignatureError) -> None:
-        self.metrics.inc("swarm_tracker_refusals_total", reason=err.reason)
-        event(
-            log,
-            "signed_message_refused",
-            level=logging.WARNING,
-            kind=kind,
-            reason=err.reason,
-            detail=err.message,
-        )
-
-    def _open(
-        self, envelope: Any, kind: str, signer_field: str = "node_id"
-    ) -> tuple[dict[str, Any], NonceRecord | None]:
-        grab = _NonceGrab(self)
-        try:
-            payload = open_envelope(
-                envelope,
-                kind=kind,
-                now_s=self.clock(),
-                skew_s=self.config.signature_skew_s,
-                nonces=grab,
-                signer_field=signer_field,
-                max_payload_bytes=self.config.max_body_bytes,
-            )
-        except SignatureError as err:
-            self._refused(kind, err)
-            raise
-        check_json(payload, what=f"the signed {kind} payload")  # a lone surrogate would fail in storage
-        return payload, grab.record
-
-    async def _signed_write(self, kind: str, fn: Callable[..., T], *args: Any) -> T:
-        """A store write that also records the message's nonce; a replay another replica saw is
-        refused here (SignatureError from the store), counted and logged like any refusal."""
-        try:
-            return await self._db(fn, *args)
-        except SignatureError as err:
-            self._refused(kind, err)
-            raise
-
     async def on_route_cpu(self, fn: Callable[[], T]) -> T:
         """``fn()`` in a worker thread, one at a time with route searches and placement (CPU-bound
         decisions over a large snapshot must not hold the event loop)."""
@@ -231,15 +149,15 @@ class Registry:
 
     def statistics(self) -> RegistryStatistics:
         return RegistryStatistics(
-            nonce_cache_entries=len(self.nonces),
+            nonce_cache_entries=len(self.gate.nonces),
             snapshot_age_s=None if self._snapshot is None else max(0.0, self.clock() - self._snapshot_at),
             snapshot_shards=0 if self._snapshot is None else len(self._snapshot.shards),
-            db_threads_busy=self.limiter.borrowed_tokens,
+            db_threads_busy=self.gate.limiter.borrowed_tokens,
         )
 
     async def start(self) -> None:
         """Bring the schema to head (runs alembic in a worker thread)."""
-        before, after = await self._db(self.store.upgrade, bounded=False)  # a migration may take long
+        before, after = await self.gate.run_db(self.store.upgrade, bounded=False)  # a migration may take long
         event(log, "db_ready", dialect=self.store.dialect, revision_before=before, revision=after)
         self.trust.warn_if_open()
 
@@ -247,22 +165,22 @@ class Registry:
         """Record this replica; refuse to serve next to a live replica that signs with another key."""
         self.url = url
         now = self.clock()
-        live = await self._db(self.store.replicas, now, self._replica_live_s())
+        live = await self.gate.run_db(self.store.replicas, now, self._replica_live_s())
         others = {r["tracker_id"] for r in live if r["replica_id"] != self.replica_id}
         if others and self.tracker_id not in others:
             raise Conflict(
                 f"another tracker replica on this database signs with key {sorted(others)[0]}, this one with "
                 f"{self.tracker_id}: replicas must share one key (copy its tracker.key, or set key_file)"
             )
-        await self._db(self.store.touch_replica, self.replica_id, self.tracker_id, url, now)
+        await self.gate.run_db(self.store.touch_replica, self.replica_id, self.tracker_id, url, now)
         event(log, "replica_joined", replica_id=self.replica_id, url=url, other_replicas=len(live))
 
     async def replicas(self) -> list[dict[str, Any]]:
         """The replicas heard from recently (this one included once it joined)."""
-        return await self._db(self.store.replicas, self.clock(), self._replica_live_s())
+        return await self.gate.run_db(self.store.replicas, self.clock(), self._replica_live_s())
 
     async def leave_cluster(self) -> None:
-        await self._db(self.store.drop_replica, self.replica_id)
+        await self.gate.run_db(self.store.drop_replica, self.replica_id)
 
     def _replica_live_s(self) -> float:
         return 3 * self.config.replica_heartbeat_interval_s
@@ -275,13 +193,13 @@ class Registry:
         return self.config.challenge_nodes and self.challenger is not None and not relayed
 
     async def announce(self, envelope: Any, *, remote: str = "") -> dict[str, Any]:
-        payload, nonce = self._open(envelope, "announce")
+        payload, nonce = self.gate.open_envelope(envelope, "announce")
         try:
             a = Announce.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         challenge = self._challenges(a.relay)
-        result = await self._signed_write(
+        result = await self.gate.signed_write(
             "announce",
             functools.partial(
                 self.store.announce, a, self.clock(), nonce, remote=remote, challenge=challenge
@@ -315,13 +233,13 @@ class Registry:
         }
 
     async def heartbeat(self, envelope: Any) -> dict[str, Any]:
-        payload, nonce = self._open(envelope, "heartbeat")
+        payload, nonce = self.gate.open_envelope(envelope, "heartbeat")
         try:
             h = Heartbeat.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         challenge = self._challenges(False)
-        restored = await self._signed_write(
+        restored = await self.gate.signed_write(
             "heartbeat", functools.partial(self.store.heartbeat, h, self.clock(), nonce, challenge=challenge)
         )
         self.metrics.inc("swarm_tracker_heartbeats_total")
@@ -346,7 +264,7 @@ class Registry:
         next clients do not pay the dial deadline for them (a node that answers is back in seconds)."""
         if not node_ids or not self._challenges(False) or self.challenger is None:
             return
-        moved = await self._db(self.store.rechallenge, node_ids)
+        moved = await self.gate.run_db(self.store.trust.rechallenge, node_ids)
         if not moved:
             return
         self.invalidate_snapshot()
@@ -360,7 +278,7 @@ class Registry:
         write: a lost refit only delays a coordinate by one report)."""
         if not samples:
             return None
-        result = await self._db(
+        result = await self.gate.run_db(
             functools.partial(
                 self.store.record_rtt,
                 reporter_id,
@@ -395,25 +313,25 @@ class Registry:
         return [{"node_id": n, "address": a} for n, a in sorted(hints.items())]
 
     async def leave(self, envelope: Any) -> dict[str, Any]:
-        payload, nonce = self._open(envelope, "leave")
+        payload, nonce = self.gate.open_envelope(envelope, "leave")
         try:
             msg = Leave.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
-        result = await self._signed_write("leave", self.store.leave, msg, self.clock(), nonce)
+        result = await self.gate.signed_write("leave", self.store.leave, msg, self.clock(), nonce)
         self.invalidate_snapshot()
         self.metrics.inc("swarm_tracker_leaves_total")
         event(log, "node_left", node_id=msg.node_id, reason=msg.reason, was_live=result.was_live)
         return {"node_id": msg.node_id, "state": "left"}
 
     async def report_gateway_stats(self, envelope: Any) -> dict[str, Any]:
-        payload, nonce = self._open(envelope, "gateway_stats", signer_field="gateway_id")
+        payload, nonce = self.gate.open_envelope(envelope, "gateway_stats", signer_field="gateway_id")
         try:
             g = GatewayStats.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         self.trust.require_gateway(g.gateway_id, "gateway_stats")  # its node speeds steer routing
-        observed = await self._signed_write(
+        observed = await self.gate.signed_write(
             "gateway_stats",
             functools.partial(
                 self.store.record_gateway_stats,
@@ -436,14 +354,14 @@ class Registry:
         }
 
     async def report_usage(self, envelope: Any) -> dict[str, Any]:
-        payload, nonce = self._open(envelope, "usage", signer_field="gateway_id")
+        payload, nonce = self.gate.open_envelope(envelope, "usage", signer_field="gateway_id")
         try:
             r = UsageReport.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         self.trust.require_gateway(r.gateway_id, "usage")
         now = self.clock()
-        result = await self._signed_write(
+        result = await self.gate.signed_write(
             "usage",
             functools.partial(
                 self.store.record_usage,
@@ -470,7 +388,7 @@ class Registry:
         return {"recorded": result.recorded, "duplicates": result.duplicates}
 
     async def expire_once(self) -> list[str]:
-        expired = await self._db(self.store.expire, self.clock(), self.config.heartbeat_timeout_s)
+        expired = await self.gate.run_db(self.store.expire, self.clock(), self.config.heartbeat_timeout_s)
         if expired:
             self.invalidate_snapshot()
             self.metrics.inc("swarm_tracker_expirations_total", len(expired))
@@ -481,7 +399,7 @@ class Registry:
     async def prune_once(self) -> dict[str, int]:
         """Delete one bounded batch of long-dead nodes and unused models (see Store.prune)."""
         try:
-            pruned = await self._db(
+            pruned = await self.gate.run_db(
                 functools.partial(
                     self.store.prune,
                     self.clock(),
@@ -500,7 +418,9 @@ class Registry:
         return pruned
 
     async def _claim(self, task: str, interval_s: float) -> bool:
-        claimed = await self._db(self.store.claim_task, task, self.replica_id, self.clock(), interval_s)
+        claimed = await self.gate.run_db(
+            self.store.claim_task, task, self.replica_id, self.clock(), interval_s
+        )
         self.metrics.inc("swarm_tracker_periodic_runs_total", outcome="ran" if claimed else "skipped")
         return claimed
 
@@ -510,7 +430,7 @@ class Registry:
         if await self._claim("expire", self.config.expiry_check_interval_s):
             done["expired"] = await self.expire_once()
         if await self._claim("purge", self.config.purge_interval_s):
-            done["purged"] = await self._db(
+            done["purged"] = await self.gate.run_db(
                 functools.partial(
                     self.store.purge,
                     self.clock(),
@@ -520,9 +440,9 @@ class Registry:
                 )
             )
             done["purged"].update(
-                await self._db(
+                await self.gate.run_db(
                     functools.partial(
-                        self.store.purge_trust, self.clock(), keep_s=self.config.evidence_keep_s
+                        self.store.trust.purge_trust, self.clock(), keep_s=self.config.evidence_keep_s
                     )
                 )
             )
@@ -532,9 +452,9 @@ class Registry:
         if self.challenger is not None and await self._claim(
             "challenge_sweep", self.config.challenge_timeout_s
         ):
-            waiting = await self._db(
+            waiting = await self.gate.run_db(
                 functools.partial(
-                    self.store.challenging_nodes,
+                    self.store.trust.challenging_nodes,
                     self.clock(),
                     live_within_s=self.config.heartbeat_timeout_s,
                     limit=self.config.challenge_queue_max,
@@ -552,13 +472,13 @@ class Registry:
             await trio.sleep(self.config.expiry_check_interval_s)
             try:
                 if trio.current_time() >= next_touch and self.url:
-                    await self._db(
+                    await self.gate.run_db(
                         self.store.touch_replica, self.replica_id, self.tracker_id, self.url, self.clock()
                     )
                     next_touch = trio.current_time() + self.config.replica_heartbeat_interval_s
                 await self.periodic_once()
             except StorageUnavailable:
-                pass  # logged by _db; the next round retries, and routing filters on last_seen anyway
+                pass  # logged by the gate; the next round retries, and routing filters on last_seen anyway
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -588,7 +508,7 @@ class Registry:
     async def _refresh_snapshot(self, now: float) -> SwarmSnapshot:
         generation = self._generation
         try:
-            snap = await self._db(
+            snap = await self.gate.run_db(
                 functools.partial(
                     self.store.snapshot,
                     now,
@@ -635,7 +555,7 @@ class Registry:
         Refuses (401) a bad signature, a stale timestamp or a replayed nonce, and (403) a gateway the
         operator did not register when any is registered. The tickets of the answer name the signer.
         """
-        payload, _nonce = self._open(envelope, "route_request", signer_field="gateway_id")
+        payload, _nonce = self.gate.open_envelope(envelope, "route_request", signer_field="gateway_id")
         self.trust.require_gateway(str(payload["gateway_id"]), "route_request")
         return payload
 
@@ -792,7 +712,7 @@ class Registry:
                 "untrusted_key",
                 "only the tracker's key or one of its registry_keys may change the model registry",
             )
-            self._refused(kind, err)
+            self.gate.refused(kind, err)
             raise err
         return signer
 
@@ -802,7 +722,9 @@ class Registry:
 
         if not isinstance(body, dict) or set(body) != {"registration", "manifest"}:
             raise BadRequest("body must be an object with exactly registration and manifest")
-        payload, nonce = self._open(body["registration"], REGISTRATION_KIND, signer_field=SIGNER_FIELD)
+        payload, nonce = self.gate.open_envelope(
+            body["registration"], REGISTRATION_KIND, signer_field=SIGNER_FIELD
+        )
         signer = self._check_registry_signer(payload, REGISTRATION_KIND)
         try:
             reg = ModelRegistration.from_json(payload)
@@ -837,7 +759,7 @@ class Registry:
             "registration": json.dumps(body["registration"], separators=(",", ":")),
             "signer_id": signer,
         }
-        created = await self._signed_write(
+        created = await self.gate.signed_write(
             REGISTRATION_KIND, self.store.register_model, entry, reg.replace, self.clock(), nonce
         )
         self.invalidate_snapshot()
@@ -854,12 +776,12 @@ class Registry:
 
     async def remove_registration(self, envelope: Any) -> dict[str, Any]:
         """``POST /v1/registry/remove``: a signed ``{"model": name or fingerprint}``."""
-        payload, nonce = self._open(envelope, REMOVAL_KIND, signer_field=SIGNER_FIELD)
+        payload, nonce = self.gate.open_envelope(envelope, REMOVAL_KIND, signer_field=SIGNER_FIELD)
         self._check_registry_signer(payload, REMOVAL_KIND)
         model = payload.get("model")
         if set(payload) - {"model", SIGNER_FIELD, "kind", "timestamp", "nonce"} or not isinstance(model, str):
             raise BadRequest("a removal carries exactly model (a name or fingerprint)")
-        removed = await self._signed_write(
+        removed = await self.gate.signed_write(
             REMOVAL_KIND, self.store.remove_registration, model, self.clock(), nonce
         )
         if removed is None:
@@ -869,7 +791,7 @@ class Registry:
         return {"fingerprint": removed, "removed": True}
 
     async def registry_models(self, source: str | None) -> dict[str, Any]:
-        return {"models": await self._db(self.store.registered_models, source)}
+        return {"models": await self.gate.run_db(self.store.registered_models, source)}
 
     async def registry_model(self, model: str) -> dict[str, Any]:
         """A registered model with its manifest, source URLs and live peers (nodes serving spans of it)."""
@@ -880,7 +802,7 @@ class Registry:
                 check_name(model, "model")
             except PayloadError as err:
                 raise BadRequest(str(err)) from err
-        entry = await self._db(self.store.registered_model, model)
+        entry = await self.gate.run_db(self.store.registered_model, model)
         if entry is None:
             raise UnknownModel(f"no registered model with name or fingerprint {model!r}")
         snap = await self.snapshot()
@@ -936,8 +858,8 @@ class Registry:
         """``GET /v1/swarm``: the models (first page), node counts and a page of the nodes (by id)."""
         limit = self._page(limit, offset)
         models = await self.list_models()
-        nodes = await self._db(functools.partial(self.store.node_rows, limit=limit, offset=offset))
-        counts = await self._db(self.store.node_state_counts)
+        nodes = await self.gate.run_db(functools.partial(self.store.node_rows, limit=limit, offset=offset))
+        counts = await self.gate.run_db(self.store.node_state_counts)
         total = sum(counts.values())
         return {
             "tracker_id": self.tracker_id,
@@ -951,9 +873,9 @@ class Registry:
         }
 
     async def gauges(self) -> dict[str, dict[Labels, float]]:
-        counts = await self._db(self.store.node_state_counts)
+        counts = await self.gate.run_db(self.store.node_state_counts)
         snap = await self.snapshot()
-        replicas = await self._db(self.store.replicas, self.clock(), self._replica_live_s())
+        replicas = await self.gate.run_db(self.store.replicas, self.clock(), self._replica_live_s())
         coverage: dict[Labels, float] = {}
         by_model = shards_by_model(snap)
         for m in snap.models:
@@ -995,7 +917,7 @@ class Registry:
             },
             "swarm_tracker_models": {(): float(len(snap.models))},
             "swarm_tracker_layer_coverage_min": coverage,
-            "swarm_tracker_nonce_cache_entries": {(): float(len(self.nonces))},
+            "swarm_tracker_nonce_cache_entries": {(): float(len(self.gate.nonces))},
             "swarm_tracker_replicas": {(): float(len(replicas))},
         }
 
@@ -1025,7 +947,7 @@ class Registry:
         if not since <= until:
             raise BadRequest("since must not be after until")
         group: UsageGroup = by  # type: ignore[assignment]  # checked above
-        result = await self._db(
+        result = await self.gate.run_db(
             functools.partial(
                 self.store.usage_summary,
                 group,
@@ -1051,7 +973,7 @@ class Registry:
 
     async def node_usage(self, node_id: str) -> dict[str, Any]:
         windows = {"last_hour": 3600.0, "last_24h": 86_400.0, "last_30d": 30 * 86_400.0}
-        result = await self._db(self.store.node_contribution, node_id, self.clock(), windows)
+        result = await self.gate.run_db(self.store.node_contribution, node_id, self.clock(), windows)
         by_model = await self.usage_summary("model", 0.0, self.clock() + 1.0, node_id=node_id, limit=20)
         return {"node_id": node_id, **result, "by_model": by_model["rows"], "time": self.clock()}
 
@@ -1062,12 +984,14 @@ class Registry:
         now = self.clock()
         snap = await self.snapshot()
         window = self.config.dashboard_series_window_s
-        nodes = await self._db(functools.partial(self.store.node_rows, limit=overview.MAX_NODE_ROWS + 1))
-        counts = await self._db(self.store.node_state_counts)
-        reports = await self._db(self.store.gateway_reports, now - window)
-        recent = await self._db(self.store.recent_usage, now - overview.ROUTE_WINDOW_S)
-        replicas = await self._db(self.store.replicas, now, self._replica_live_s())
-        top = await self._db(
+        nodes = await self.gate.run_db(
+            functools.partial(self.store.node_rows, limit=overview.MAX_NODE_ROWS + 1)
+        )
+        counts = await self.gate.run_db(self.store.node_state_counts)
+        reports = await self.gate.run_db(self.store.gateway_reports, now - window)
+        recent = await self.gate.run_db(self.store.recent_usage, now - overview.ROUTE_WINDOW_S)
+        replicas = await self.gate.run_db(self.store.replicas, now, self._replica_live_s())
+        top = await self.gate.run_db(
             functools.partial(self.store.usage_summary, "node", now - 86_400.0, now + 1.0, limit=10)
         )
         build = functools.partial(

@@ -13,17 +13,16 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, create_engine, delete, event, func, select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Engine, delete, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from proto.announce import Announce, GatewayStats, Heartbeat, Leave, RttSample, UsageReport
-from proto.signing import SignatureError
 from tracker import coordinates
 from tracker.coordinates import NetCoord
+from tracker.database import Database, NonceRecord
+from tracker.database import make_engine as make_engine  # re-exported: the CLI and sim build engines here
 from tracker.errors import Banned, Conflict, NameBound, UnknownNode
-from tracker.migrate import upgrade_if_needed
 from tracker.models import (
     NODE_BANNED,
     NODE_CHALLENGE_FAILED,
@@ -54,23 +53,6 @@ from tracker.trust_store import TrustStore
 UsageGroup = Literal["node", "model", "gateway"]
 
 
-def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA foreign_keys=ON")
-            if ":memory:" not in url and url not in ("sqlite://", "sqlite:///"):
-                cur.execute("PRAGMA journal_mode=WAL")
-                cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        return engine
-    return create_engine(url, pool_pre_ping=True)
-
-
 def _route_address(relay: bool, addresses: list[str], relay_via: str | None) -> str:
     """Where a gateway reaches the node: ``relay:<gateway id>`` for relayed nodes (they accept no
     inbound connections, whatever addresses they list), else the first announced gRPC address."""
@@ -89,16 +71,6 @@ class AnnounceResult:
 class UsageResult:
     recorded: int
     duplicates: int
-
-
-@dataclass(frozen=True)
-class NonceRecord:
-    """A signed message's nonce, to be recorded in the shared table with the write it authorises."""
-
-    key_id: str
-    nonce: str
-    expires_at_s: float
-    max_live_per_key: int = 1000  # refuse (503) when the key already has this many unexpired nonces
 
 
 @dataclass(frozen=True)
@@ -149,50 +121,31 @@ def _set_coord(row: Node | Gateway, c: NetCoord, now_s: float) -> None:
     row.coord_updated_s = now_s
 
 
-class Store(TrustStore):
+class Store:
+    """Nodes, models, shards, usage, the model registry, replicas and periodic-task claims.
+
+    Holds the shared :class:`tracker.database.Database` and the trust tables' half of the adapter
+    (``trust``, a :class:`tracker.trust_store.TrustStore` on the same database): a write that
+    touches both (an announce's ban check, a statistics report's observed speeds) hands its own
+    session to ``trust``, so it stays one transaction."""
+
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self.db = Database(engine)
+        self.trust = TrustStore(self.db)
 
-    # --- shared replay protection ----------------------------------------------------------------
-
-    def _insert_ignore(self, table: Any) -> Any:
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
-        return dialect.insert(table)
-
-    def _consume_nonce(self, conn: Connection | Session, rec: NonceRecord | None, now_s: float) -> None:
-        """Record the nonce in this transaction; a replay (seen by any replica) or a key over its
-        bound raises :class:`SignatureError` and the transaction rolls back with nothing written."""
-        if rec is None:
-            return
-        live = conn.execute(
-            select(func.count())
-            .select_from(Nonce)
-            .where(Nonce.key_id == rec.key_id, Nonce.expires_at_s >= now_s)
-        ).scalar_one()
-        if live >= rec.max_live_per_key:
-            raise SignatureError(
-                "nonce_cache_full",
-                f"more than {rec.max_live_per_key} signed messages from this key in the window; retry later",
-            )
-        # RETURNING, not rowcount: drivers report -1 for INSERT ... ON CONFLICT DO NOTHING.
-        stmt = (
-            self._insert_ignore(Nonce)
-            .values(key_id=rec.key_id, nonce=rec.nonce, expires_at_s=rec.expires_at_s)
-            .on_conflict_do_nothing(index_elements=["key_id", "nonce"])
-            .returning(Nonce.nonce)
-        )
-        if conn.execute(stmt).first() is None:
-            raise SignatureError("replayed_nonce", "nonce already used by this key")
+    @property
+    def engine(self) -> Engine:
+        return self.db.engine
 
     @property
     def dialect(self) -> str:
-        return self.engine.dialect.name
+        return self.db.dialect
 
     def upgrade(self) -> tuple[str | None, str | None]:
-        return upgrade_if_needed(self.engine)
+        return self.db.upgrade()
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.db.close()
 
     # --- writes ---------------------------------------------------------------------------------
 
@@ -218,7 +171,7 @@ class Store(TrustStore):
         self, a: Announce, now_s: float, nonce: NonceRecord | None, remote: str, challenge: bool
     ) -> AnnounceResult:
         with Session(self.engine) as s, s.begin():
-            self.check_announce(s, a, remote, now_s)
+            self.trust.check_announce(s, a, remote, now_s)
             bound = s.scalars(
                 select(RegisteredModel.fingerprint).where(RegisteredModel.name == a.model.name)
             ).first()
@@ -227,7 +180,7 @@ class Store(TrustStore):
                     f"the model name {a.model.name!r} is registered to fingerprint {bound[:16]}; this node "
                     f"serves {a.model.fingerprint[:16]} (announce it under another name)"
                 )
-            self._consume_nonce(s, nonce, now_s)
+            self.db.consume_nonce(s, nonce, now_s)
             model = s.get(Model, a.model.fingerprint)
             if model is None:
                 s.add(
@@ -337,11 +290,11 @@ class Store(TrustStore):
             if state == NODE_LEFT:
                 raise UnknownNode(f"node {h.node_id} left the swarm: announce to rejoin")
             if state == NODE_BANNED:
-                ban = self.ban_of(conn, h.node_id, now_s)
+                ban = self.trust.ban_of(conn, h.node_id, now_s)
                 if ban is not None:
                     raise Banned(f"node {h.node_id[:16]} is banned for {ban[0] - now_s:.0f} s more: {ban[1]}")
                 raise UnknownNode(f"node {h.node_id} was banned and the ban ran out: announce to rejoin")
-            self._consume_nonce(conn, nonce, now_s)
+            self.db.consume_nonce(conn, nonce, now_s)
             new_state = state
             if state == NODE_EXPIRED:
                 new_state = NODE_CHALLENGING if challenge else NODE_LIVE
@@ -403,7 +356,7 @@ class Store(TrustStore):
             for peer_id, (rtt, at_s) in table.items():
                 if at_s == now_s:
                     s.execute(
-                        self._insert_ignore(RttClaim)
+                        self.db.insert_ignore(RttClaim)
                         .values(reporter_id=reporter_id, peer_id=peer_id, rtt_ms=rtt, at_s=now_s)
                         .on_conflict_do_update(
                             index_elements=["reporter_id", "peer_id"], set_={"rtt_ms": rtt, "at_s": now_s}
@@ -463,7 +416,7 @@ class Store(TrustStore):
             state = conn.execute(select(Node.state).where(Node.id == msg.node_id)).scalar_one_or_none()
             if state is None:
                 raise UnknownNode(f"node {msg.node_id} is not registered")
-            self._consume_nonce(conn, nonce, now_s)
+            self.db.consume_nonce(conn, nonce, now_s)
             # A banned node stays banned: leaving must not wipe the state its ban put it in.
             new_state = NODE_BANNED if state == NODE_BANNED else NODE_LEFT
             conn.execute(
@@ -510,9 +463,9 @@ class Store(TrustStore):
         self, g: GatewayStats, now_s: float, nonce: NonceRecord | None, speed_alpha: float
     ) -> int:
         with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+            self.db.consume_nonce(s, nonce, now_s)
             self._touch_gateway(s, g.gateway_id, now_s)
-            observed = self.record_observed(s, g, now_s, speed_alpha)
+            observed = self.trust.record_observed(s, g, now_s, speed_alpha)
             s.add(
                 GatewayReport(
                     gateway_id=g.gateway_id,
@@ -559,7 +512,7 @@ class Store(TrustStore):
         receipt: dict[str, Any] | None,
     ) -> UsageResult:
         with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+            self.db.consume_nonce(s, nonce, now_s)
             gw = s.get(Gateway, r.gateway_id)
             if gw is None:
                 s.add(Gateway(id=r.gateway_id, first_seen_s=now_s, last_seen_s=now_s))
@@ -613,7 +566,7 @@ class Store(TrustStore):
         """Insert or update a registered model; returns True if it is new. A name bound to another
         fingerprint is a :class:`Conflict` unless ``replace`` (then that binding is dropped)."""
         with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+            self.db.consume_nonce(s, nonce, now_s)
             other = s.scalars(
                 select(RegisteredModel).where(
                     RegisteredModel.name == entry["name"], RegisteredModel.fingerprint != entry["fingerprint"]
@@ -640,7 +593,7 @@ class Store(TrustStore):
     def remove_registration(self, model: str, now_s: float, nonce: NonceRecord | None) -> str | None:
         """Drop the registration of a name or fingerprint; returns the fingerprint removed (None if none)."""
         with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+            self.db.consume_nonce(s, nonce, now_s)
             row = (
                 s.get(RegisteredModel, model)
                 or s.scalars(select(RegisteredModel).where(RegisteredModel.name == model)).first()
@@ -971,7 +924,7 @@ class Store(TrustStore):
         database: of two concurrent claims one matches, the other sees the new time).
         SQLite serialises writers, so the conditional update alone is enough there."""
         with self.engine.begin() as conn:
-            if self.dialect == "postgresql":
+            if self.db.dialect == "postgresql":
                 key = zlib.crc32(f"swarm-tracker:{name}".encode()) & 0x7FFFFFFF
                 if not conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}).scalar():
                     return False
@@ -984,7 +937,7 @@ class Store(TrustStore):
             if claimed:
                 return True
             inserted = conn.execute(
-                self._insert_ignore(PeriodicTask)
+                self.db.insert_ignore(PeriodicTask)
                 .values(name=name, last_run_s=now_s, holder=holder)
                 .on_conflict_do_nothing(index_elements=["name"])
                 .returning(PeriodicTask.name)

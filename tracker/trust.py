@@ -22,6 +22,12 @@
 
 Each call verifies the envelope before anything else and writes in one
 transaction; a refused message writes nothing.
+
+The trust room's collaborators come in by its constructor: the registry's
+:class:`tracker.gatekeeper.Gatekeeper` (envelopes, signed writes, database
+calls), the trust tables (:class:`tracker.trust_store.TrustStore`, the
+registry store's ``trust``), the tracker's key (receipts) and ``on_change``,
+called when routing must see a change (a node banned or out of probation).
 """
 
 from __future__ import annotations
@@ -30,25 +36,43 @@ import base64
 import functools
 import hashlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
+
+import nacl.signing
 
 from common.logs import event
 from proto.announce import CheckResults, Evidence, PayloadError
 from proto.signing import make_payload, sign_envelope
+from tracker.config import TrackerConfig
 from tracker.errors import BadRequest, UnregisteredGateway
-
-if TYPE_CHECKING:
-    from tracker.service import Registry
+from tracker.gatekeeper import Gatekeeper
+from tracker.metrics import Metrics
+from tracker.trust_store import TrustStore
 
 log = logging.getLogger("swarm.tracker")
 LEDGER_MAX_ROWS = 1000
 
 
 class TrustService:
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self.config = registry.config
-        self.gateways = registry.config.gateway_keys()
+    def __init__(
+        self,
+        gate: Gatekeeper,
+        store: TrustStore,
+        config: TrackerConfig,
+        metrics: Metrics,
+        key: nacl.signing.SigningKey,
+        *,
+        on_change: Callable[[], None],
+    ) -> None:
+        self.gate = gate
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.key = key
+        self.tracker_id = bytes(key.verify_key).hex()
+        self.on_change = on_change
+        self.gateways = config.gateway_keys()
 
     def warn_if_open(self) -> None:
         if not self.gateways:
@@ -65,36 +89,40 @@ class TrustService:
     def require_gateway(self, gateway_id: str, kind: str) -> None:
         """Refuse (403) a report from a gateway the operator did not register."""
         if self.gateways and gateway_id not in self.gateways:
-            self.registry.metrics.inc("swarm_tracker_refusals_total", reason="unregistered_gateway")
+            self.metrics.inc("swarm_tracker_refusals_total", reason="unregistered_gateway")
             event(log, "gateway_refused", level=logging.WARNING, kind=kind, gateway_id=gateway_id)
             raise UnregisteredGateway(f"gateway {gateway_id[:16]} is not registered with this tracker")
 
     # --- spot checks ------------------------------------------------------------------------------
 
     async def report_checks(self, envelope: Any) -> dict[str, Any]:
-        reg = self.registry
-        payload, nonce = reg._open(envelope, "check_results", signer_field="gateway_id")
+        gate = self.gate
+        payload, nonce = gate.open_envelope(envelope, "check_results", signer_field="gateway_id")
         try:
             r = CheckResults.from_json(payload)
         except PayloadError as err:
             raise BadRequest(str(err)) from err
         self.require_gateway(r.gateway_id, "check_results")
-        result = await reg._signed_write(
+        result = await gate.signed_write(
             "check_results",
             functools.partial(
-                reg.store.record_checks, r, reg.clock(), nonce, probation_checks=self.config.probation_checks
+                self.store.record_checks,
+                r,
+                gate.clock(),
+                nonce,
+                probation_checks=self.config.probation_checks,
             ),
         )
-        reg.metrics.inc("swarm_tracker_checks_credited_total", sum(p.checks for p in r.passed))
+        self.metrics.inc("swarm_tracker_checks_credited_total", sum(p.checks for p in r.passed))
         if result.graduated:
-            reg.invalidate_snapshot()  # probation flags changed
+            self.on_change()  # probation flags changed
             for node in result.graduated:
                 event(log, "node_trusted", node_id=node, checks=self.config.probation_checks)
         return {"credited": result.credited, "unknown": result.unknown, "graduated": list(result.graduated)}
 
     async def report_evidence(self, envelope: Any) -> dict[str, Any]:
-        reg = self.registry
-        payload, nonce = reg._open(envelope, "evidence", signer_field="gateway_id")
+        gate = self.gate
+        payload, nonce = gate.open_envelope(envelope, "evidence", signer_field="gateway_id")
         try:
             e = Evidence.from_json(payload)
         except PayloadError as err:
@@ -103,23 +131,23 @@ class TrustService:
         why = e.inconsistency()
         if why is not None:
             raise BadRequest(f"evidence does not support the verdict: {why}")
-        result = await reg._signed_write(
+        result = await gate.signed_write(
             "evidence",
             functools.partial(
-                reg.store.record_evidence,
+                self.store.record_evidence,
                 e,
                 dict(envelope),
-                reg.clock(),
+                gate.clock(),
                 nonce,
                 ban_node_s=self.config.ban_node_s,
                 ban_host_s=self.config.ban_host_s,
                 keep_per_node=self.config.evidence_per_node_max,
             ),
         )
-        reg.metrics.inc("swarm_tracker_evidence_total", conclusive=str(e.conclusive).lower())
+        self.metrics.inc("swarm_tracker_evidence_total", conclusive=str(e.conclusive).lower())
         if result.banned:
-            reg.metrics.inc("swarm_tracker_bans_total")
-            reg.invalidate_snapshot()
+            self.metrics.inc("swarm_tracker_bans_total")
+            self.on_change()
         event(
             log,
             "node_banned" if result.banned else "evidence_recorded",
@@ -143,26 +171,26 @@ class TrustService:
     # --- reads ------------------------------------------------------------------------------------
 
     async def node_trust(self, node_id: str) -> dict[str, Any]:
-        reg = self.registry
-        return await reg._db(
+        gate = self.gate
+        return await gate.run_db(
             functools.partial(
-                reg.store.node_trust, node_id, reg.clock(), probation_checks=self.config.probation_checks
+                self.store.node_trust, node_id, gate.clock(), probation_checks=self.config.probation_checks
             )
         )
 
     async def bans(self) -> dict[str, Any]:
-        reg = self.registry
-        return {"time": reg.clock(), **await reg._db(reg.store.bans, reg.clock())}
+        gate = self.gate
+        return {"time": gate.clock(), **await gate.run_db(self.store.bans, gate.clock())}
 
     async def ledger(self, node_id: str, since_s: float, limit: int) -> dict[str, Any]:
-        reg = self.registry
+        gate = self.gate
         if not 1 <= limit <= LEDGER_MAX_ROWS:
             raise BadRequest(f"limit must be in 1..{LEDGER_MAX_ROWS}")
-        rows = await reg._db(functools.partial(reg.store.ledger, node_id, since_s, limit=limit))
+        rows = await gate.run_db(functools.partial(self.store.ledger, node_id, since_s, limit=limit))
         more = len(rows) == limit
         return {
             "node_id": node_id,
-            "tracker_id": reg.tracker_id,
+            "tracker_id": self.tracker_id,
             "entries": rows,
             "next_since": rows[-1]["at_s"] if more else None,
         }
@@ -171,11 +199,10 @@ class TrustService:
 
     def usage_receipt(self, envelope: dict[str, Any], now_s: float) -> dict[str, str]:
         """The tracker's countersignature of a usage report: it names the report's exact bytes."""
-        reg = self.registry
         body = base64.b64decode(str(envelope["payload"]).encode("ascii"))
         receipt = {
             "report_sha256": hashlib.sha256(body).hexdigest(),
             "gateway_id": str(envelope["public_key"]),
             "recorded_at": now_s,
         }
-        return sign_envelope(reg.key, make_payload("usage_receipt", "tracker_id", reg.key, now_s, receipt))
+        return sign_envelope(self.key, make_payload("usage_receipt", "tracker_id", self.key, now_s, receipt))

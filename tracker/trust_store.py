@@ -1,12 +1,17 @@
 """The trust tables' side of the SQLAlchemy adapter: reputation, bans, evidence, challenges, observed
 speed, signed usage reports.
 
-:class:`tracker.store.Store` inherits these methods, so the registry keeps one
-adapter object and one transaction per operation: a ban check runs inside the
-announce's own transaction, observed speeds inside the statistics report's, a
-usage report's envelope and receipt inside the ledger write. Synchronous, like
-the rest of the adapter (called through ``trio.to_thread`` behind the
-registry's limiter).
+:class:`TrustStore` holds the :class:`tracker.database.Database` that
+:class:`tracker.store.Store` holds too (``Store.trust`` is this object), so the
+registry keeps one transaction per operation: a ban check runs inside the
+announce's own transaction and observed speeds inside the statistics report's
+(the store hands its session to :meth:`TrustStore.check_announce`,
+:meth:`TrustStore.ban_of`, :meth:`TrustStore.record_observed`); a trust write a
+signed message authorises records the message's nonce in its own transaction
+(:meth:`tracker.database.Database.consume_nonce`); a usage report's envelope and
+receipt are kept inside the ledger write (:meth:`tracker.store.Store.record_usage`).
+Synchronous, like the rest of the adapter (called through the registry's
+:class:`tracker.gatekeeper.Gatekeeper`, a worker thread behind its limiter).
 
 Bounds: evidence per node (``keep_per_node``, the oldest deleted in the same
 transaction), evidence and receipts by age (:meth:`TrustStore.purge_trust`),
@@ -19,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, or_, select, update
+from sqlalchemy import Connection, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from proto.announce import Announce, CheckResults, Evidence, GatewayStats
+from tracker.database import Database, NonceRecord
 from tracker.errors import Banned
 from tracker.models import (
     NODE_BANNED,
@@ -86,12 +92,10 @@ class ChallengeTarget:
 
 
 class TrustStore:
-    """Mixed into :class:`tracker.store.Store` (which provides ``engine`` and the nonce helper)."""
+    """The trust tables on the shared :class:`Database`; its gates take the caller's session."""
 
-    engine: Engine
-
-    def _consume_nonce(self, conn: Connection | Session, rec: Any, now_s: float) -> None:
-        raise NotImplementedError  # tracker.store.Store
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     # --- gates inside other writes ----------------------------------------------------------------
 
@@ -158,10 +162,10 @@ class TrustStore:
         return rep
 
     def record_checks(
-        self, r: CheckResults, now_s: float, nonce: Any, *, probation_checks: int
+        self, r: CheckResults, now_s: float, nonce: NonceRecord | None, *, probation_checks: int
     ) -> ChecksRecorded:
-        with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+        with Session(self.db.engine) as s, s.begin():
+            self.db.consume_nonce(s, nonce, now_s)
             known = set(s.scalars(select(Node.id).where(Node.id.in_([p.node_id for p in r.passed]))))
             graduated: list[str] = []
             credited = 0
@@ -182,7 +186,7 @@ class TrustStore:
         e: Evidence,
         envelope: dict[str, Any],
         now_s: float,
-        nonce: Any,
+        nonce: NonceRecord | None,
         *,
         ban_node_s: float,
         ban_host_s: float,
@@ -190,8 +194,8 @@ class TrustStore:
     ) -> EvidenceRecorded:
         """Keep the signed verdict; a conclusive one bans the node's key and (new keys from) its hosts."""
         node_id = e.liar if e.liar else _first_node(e)
-        with Session(self.engine) as s, s.begin():
-            self._consume_nonce(s, nonce, now_s)
+        with Session(self.db.engine) as s, s.begin():
+            self.db.consume_nonce(s, nonce, now_s)
             s.add(
                 TrustEvidence(
                     node_id=node_id,
@@ -248,7 +252,7 @@ class TrustStore:
     def node_trust(
         self, node_id: str, now_s: float, *, probation_checks: int, evidence_limit: int = 20
     ) -> dict[str, Any]:
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             rep = s.get(Reputation, node_id)
             node = s.get(Node, node_id)
             challenges = s.scalars(select(ChallengeResult).where(ChallengeResult.node_id == node_id)).all()
@@ -294,7 +298,7 @@ class TrustStore:
             }
 
     def bans(self, now_s: float, *, limit: int = 1000) -> dict[str, Any]:
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             nodes = s.execute(
                 select(Reputation.node_id, Reputation.banned_until_s, Reputation.ban_reason)
                 .where(Reputation.banned_until_s > now_s)
@@ -325,7 +329,7 @@ class TrustStore:
 
     def challenge_target(self, node_id: str) -> ChallengeTarget | None:
         """What to challenge for a node in state ``challenging`` (None: nothing to do)."""
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             row = s.execute(
                 select(Node, Shard, Model)
                 .join(Shard, Shard.node_id == Node.id)
@@ -353,7 +357,7 @@ class TrustStore:
         self, target: ChallengeTarget, recipe: str, input_id: str, now_s: float, *, probation_checks: int
     ) -> set[str]:
         """Digests trusted nodes (off probation, not banned, not the target) gave for the same input."""
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             rows = s.execute(
                 select(ChallengeResult.digest)
                 .join(Reputation, Reputation.node_id == ChallengeResult.node_id)
@@ -387,7 +391,7 @@ class TrustStore:
     ) -> bool:
         """Record the result and move the node out of ``challenging`` (to live, or to
         challenge_failed); False when the node is no longer waiting for this challenge."""
-        with Session(self.engine) as s, s.begin():
+        with Session(self.db.engine) as s, s.begin():
             row = s.get(ChallengeResult, (target.node_id, target.model_fingerprint))
             if row is None:
                 row = ChallengeResult(node_id=target.node_id, model_fingerprint=target.model_fingerprint)
@@ -414,7 +418,7 @@ class TrustStore:
 
     def skip_challenge(self, node_id: str) -> bool:
         """A node the tracker cannot challenge (relayed): routable, on probation like any newcomer."""
-        with self.engine.begin() as conn:
+        with self.db.engine.begin() as conn:
             return bool(
                 conn.execute(
                     update(Node)
@@ -428,7 +432,7 @@ class TrustStore:
         they answer the tracker's challenge again); the ids moved."""
         if not node_ids:
             return []
-        with self.engine.begin() as conn:
+        with self.db.engine.begin() as conn:
             moved = list(
                 conn.execute(
                     select(Node.id).where(
@@ -446,7 +450,7 @@ class TrustStore:
 
     def challenging_nodes(self, now_s: float, *, live_within_s: float, limit: int) -> list[str]:
         """Nodes waiting for a challenge and heard from recently (the periodic sweep's work list)."""
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             return list(
                 s.scalars(
                     select(Node.id)
@@ -461,7 +465,7 @@ class TrustStore:
     def ledger(self, node_id: str, since_s: float, *, limit: int) -> list[dict[str, Any]]:
         """The node's ledger rows from ``since_s`` (oldest first), each with the gateway's signed
         report and the tracker's receipt when they were kept."""
-        with Session(self.engine) as s:
+        with Session(self.db.engine) as s:
             rows = s.execute(
                 select(Usage, UsageReportRow)
                 .outerjoin(UsageReportRow, UsageReportRow.id == Usage.report_id)
@@ -485,7 +489,7 @@ class TrustStore:
 
     def purge_trust(self, now_s: float, *, keep_s: float) -> dict[str, int]:
         """Old evidence and usage receipts, expired host bans."""
-        with self.engine.begin() as conn:
+        with self.db.engine.begin() as conn:
             evidence = conn.execute(delete(TrustEvidence).where(TrustEvidence.at_s < now_s - keep_s)).rowcount
             hosts = conn.execute(delete(BannedHost).where(BannedHost.until_s < now_s)).rowcount
             old = select(UsageReportRow.id).where(UsageReportRow.at_s < now_s - keep_s)

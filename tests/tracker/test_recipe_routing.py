@@ -155,7 +155,7 @@ async def test_the_tracker_never_hands_out_a_route_mixing_recipes(tracker: Any) 
         target = ChallengeTarget(
             ids[seed], MODEL.fingerprint, f"127.0.0.1:{9000 + seed}", start, end, 30, 576
         )
-        registry.store.finish_challenge(
+        registry.store.trust.finish_challenge(
             target,
             recipe=recipe,
             route_recipe=recipe,

@@ -189,7 +189,7 @@ async def test_one_key_flooding_gets_429_and_honest_heartbeats_all_pass(tmp_path
         # (its announce holds one), a few more as its oldest expire; everything else is refused for
         # it alone, and the cache every node shares never fills.
         assert statuses[429] >= 140 and statuses[200] + statuses[429] == 200
-        assert len(e.registry.nonces) <= 4 * 13 + 20
+        assert len(e.registry.gate.nonces) <= 4 * 13 + 20
     finally:
         store.close()
 
