@@ -47,7 +47,8 @@ ALLOWED: dict[str, dict[str, str]] = {
         "threading": "sparse KV streams: one short-lived thread drops the KV buffer's pages while "
         "llama.cpp clears it at context creation (no trio, no llama.cpp call in it)"
     },
-    "tracker.service": {"trio.to_thread": "the database driver (SQLAlchemy is blocking)"},
+    "tracker.gatekeeper": {"trio.to_thread": "the database driver (SQLAlchemy is blocking)"},
+    "tracker.service": {"trio.to_thread": "route search and snapshot builds (CPU work off the event loop)"},
     "tracker.server": {"trio.to_thread": "opening and closing the database"},
     "common.discovery": {
         "asyncio": "zeroconf speaks asyncio: a private loop",
@@ -282,4 +283,4 @@ def test_a_real_swarm_starts_threads_only_where_allowed(
         (r["name"], r["stack"][:8]) for r in calls if classify(r["stack"])[1] in not_allowed
     ]
     # The hook sees the allowed users at work: compute, tokenizing, the database, port files.
-    assert {"node.scheduler", "gateway.vocab_store", "tracker.service", "common.files"} <= callers, callers
+    assert {"node.scheduler", "gateway.vocab_store", "tracker.gatekeeper", "common.files"} <= callers, callers
