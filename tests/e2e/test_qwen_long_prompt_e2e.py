@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -66,7 +67,12 @@ def want(qwen: Path, prompt: tuple[str, list[int]]) -> str:
         n_threads=1, n_seq_max=1, n_ctx=N_CTX, n_batch=STEP, n_ubatch=STEP, flash_attn=True, kv_type="f16"
     )
     with Vocabulary(qwen) as vocab, ReferenceModel(qwen, settings) as ref:
+        t0 = time.monotonic()
         tokens, _ = ref.greedy(prompt[1], N_NEW)
+        print(
+            f"\nqwen whole model, one context, 1 thread: {len(prompt[1])} + {N_NEW} tokens "
+            f"in {time.monotonic() - t0:.1f} s"
+        )
         end = next((i for i, t in enumerate(tokens) if vocab.is_eog(t)), len(tokens))
         text = vocab.detokenize(tokens[:end])
     assert text.strip()  # the reference says something
@@ -92,6 +98,13 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, qwen: Path) -> Iterator[Loca
     s.stop()
 
 
+def _gateway_metric(swarm: LocalSwarm, name: str) -> float:
+    text = httpx.get(swarm.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name
+    )
+
+
 def test_a_16000_token_prompt_streamed_then_not_equals_the_whole_model(
     prompt: tuple[str, list[int]], want: str, swarm: LocalSwarm
 ) -> None:  # the reference first: its context is gone before the swarm starts
@@ -112,10 +125,16 @@ def test_a_16000_token_prompt_streamed_then_not_equals_the_whole_model(
     )
     assert "".join(parts) == want
 
+    reused_before = _gateway_metric(swarm, "swarm_gateway_prefix_reused_tokens_total")
     t1 = time.monotonic()
     whole = client.completions.create(**kwargs)
     print(f"qwen same prompt again (kept KV, exact steps): {time.monotonic() - t1:.1f} s")
     assert whole.choices[0].text == want
+    # It started from the first request's kept KV (all of it but the last, partial prefill step): the
+    # nodes kept 16,000 positions, bounded by their pools (max_kept_kv_tokens, 8,192, cut it before).
+    reused = _gateway_metric(swarm, "swarm_gateway_prefix_reused_tokens_total") - reused_before
+    print(f"qwen reused {reused:.0f} of {len(prompt[1])} prompt positions")
+    assert reused >= len(prompt[1]) - 2 * STEP
     assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt[1])
     for node in swarm.nodes:
         load = node_load(node.port)
