@@ -539,6 +539,10 @@ class NodeDaemon:
             rtt_samples=self.rtt.take_samples() if self.rtt is not None else (),
             kv_pool_tokens=kv.pool_tokens,
             kv_session_max_tokens=kv.session_max_tokens,
+            # Since start, as the node's /metrics counts them (swarm_node_kv_preemptions_total,
+            # swarm_node_kv_pool_refusals_total: the machine's refusals and the engine's).
+            kv_preemptions=stats.preemptions,
+            kv_refusals=stats.kv_refusals + self.engine.pool_refusals,
         )
 
     def _pool_metrics(

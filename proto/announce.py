@@ -349,6 +349,8 @@ _HEARTBEAT_KEYS = (
             "kv_pool_tokens",
             "kv_session_max_tokens",
             "rtt_samples",
+            "kv_preemptions",
+            "kv_refusals",
         }
     )
     | ENVELOPE_FIELDS
@@ -366,6 +368,10 @@ class Heartbeat:
     rtt_samples: tuple[RttSample, ...] = ()  # round trips measured since the last report
     kv_pool_tokens: int | None = None  # the KV pool's size in positions (None = not reported)
     kv_session_max_tokens: int | None = None  # most positions one session may hold here (None = not reported)
+    # Since the node started (cumulative; None = not reported): sessions preempted to make room in its
+    # KV pool, and steps refused because the pool had no room (each one makes a gateway wait for KV).
+    kv_preemptions: int | None = None
+    kv_refusals: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -388,6 +394,8 @@ class Heartbeat:
                 if o.get("kv_session_max_tokens") is not None
                 else None
             ),
+            _int(o, "kv_preemptions", 0, big, w) if o.get("kv_preemptions") is not None else None,
+            _int(o, "kv_refusals", 0, big, w) if o.get("kv_refusals") is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -406,6 +414,10 @@ class Heartbeat:
             body["kv_pool_tokens"] = self.kv_pool_tokens
         if self.kv_session_max_tokens is not None:
             body["kv_session_max_tokens"] = self.kv_session_max_tokens
+        if self.kv_preemptions is not None:
+            body["kv_preemptions"] = self.kv_preemptions
+        if self.kv_refusals is not None:
+            body["kv_refusals"] = self.kv_refusals
         return body
 
 

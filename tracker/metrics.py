@@ -71,6 +71,17 @@ SPECS: dict[str, m.Spec] = {
     "swarm_tracker_node_kv_free_tokens": m.gauge(
         "KV positions free on a live node, from its heartbeat", "node", max_series=MAX_KV_NODES
     ),
+    "swarm_tracker_node_kv_preemptions": m.gauge(
+        "sessions a live node preempted to make room in its KV pool since it started, from its heartbeat",
+        "node",
+        max_series=MAX_KV_NODES,
+    ),
+    "swarm_tracker_node_kv_refusals": m.gauge(
+        "steps a live node refused since it started because its KV pool had no room (a gateway waited"
+        " for KV), from its heartbeat",
+        "node",
+        max_series=MAX_KV_NODES,
+    ),
     "swarm_tracker_kv_context_max_tokens": m.gauge(
         "per model, the largest context one session can hold on some complete route: kind=session (the"
         " nodes' per-session limits and pool sizes) or kind=free (what some route has free now)",

@@ -146,6 +146,10 @@ class Shard(Base):
     # heartbeat (None: not reported, e.g. an older node).
     kv_pool_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     kv_session_max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Since the node started, from its last heartbeat: sessions preempted to make room in its KV pool,
+    # and steps refused because the pool had no room (None: not reported).
+    kv_preemptions: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    kv_refusals: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Positions per second between the last two heartbeats (None until two have arrived).
     tokens_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     # Decode time registered gateways measured (EWMA of their reports) and when it was last

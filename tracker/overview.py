@@ -218,6 +218,9 @@ def _node_row(n: Mapping[str, Any], now_s: float, late_after_s: float) -> dict[s
         "kv_free_tokens": shard.get("kv_free_tokens"),
         "kv_pool_tokens": shard.get("kv_pool_tokens"),  # null: the node does not report a pool
         "kv_session_max_tokens": shard.get("kv_session_max_tokens"),
+        # Since the node started (null: not reported): sessions preempted, steps refused for want of KV.
+        "kv_preemptions": shard.get("kv_preemptions"),
+        "kv_refusals": shard.get("kv_refusals"),
         "tokens_served_total": shard.get("tokens_served_total"),
         "version": n.get("software_version"),
         "last_seen_age_s": round(age, 1),

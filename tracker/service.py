@@ -889,13 +889,21 @@ class Registry:
         pool: dict[Labels, float] = {}
         used: dict[Labels, float] = {}
         free: dict[Labels, float] = {}
+        preempted: dict[Labels, float] = {}
+        refused: dict[Labels, float] = {}
         reporting = sorted(
             (s for s in snap.shards if s.kv_pool_tokens is not None or s.kv_free_tokens is not None),
             key=lambda s: s.node_id,
         )[:MAX_KV_NODES]
         for s in reporting:
             label: Labels = (("node", s.node_id[:16]),)
-            for into, value in ((pool, s.kv_pool_tokens), (used, s.kv_used_tokens), (free, s.kv_free_tokens)):
+            for into, value in (
+                (pool, s.kv_pool_tokens),
+                (used, s.kv_used_tokens),
+                (free, s.kv_free_tokens),
+                (preempted, s.kv_preemptions),
+                (refused, s.kv_refusals),
+            ):
                 if value is not None:
                     into[label] = float(value)
         contexts: dict[Labels, float] = {}
@@ -911,6 +919,8 @@ class Registry:
             "swarm_tracker_node_kv_pool_tokens": pool,
             "swarm_tracker_node_kv_used_tokens": used,
             "swarm_tracker_node_kv_free_tokens": free,
+            "swarm_tracker_node_kv_preemptions": preempted,
+            "swarm_tracker_node_kv_refusals": refused,
             "swarm_tracker_kv_context_max_tokens": contexts,
             "swarm_tracker_nodes": {
                 (("state", state),): float(counts.get(state, 0)) for state in NODE_STATES

@@ -71,6 +71,10 @@ class ShardView:
     kv_pool_tokens: int | None = None
     kv_used_tokens: int | None = None
     kv_session_max_tokens: int | None = None
+    # Since the node started, from the last heartbeat (None = not reported): sessions preempted to make
+    # room in its KV pool, and steps refused because the pool had no room (a gateway waits for KV).
+    kv_preemptions: int | None = None
+    kv_refusals: int | None = None
     # The node's network coordinate (tracker/coordinates.py); None = not measured yet.
     coord: NetCoord | None = None
     # The node's uplink (what it sends activations with), as announced; None = unknown.

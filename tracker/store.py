@@ -261,6 +261,8 @@ class Store:
             shard.kv_used_tokens = None
             shard.kv_pool_tokens = None
             shard.kv_session_max_tokens = None
+            shard.kv_preemptions = None
+            shard.kv_refusals = None
             shard.tokens_per_s = None
             shard.capacity_layers = a.capacity_layers or None
             shard.updated_s = now_s
@@ -312,6 +314,8 @@ class Store:
                     kv_used_tokens=h.kv_used_tokens,
                     kv_pool_tokens=h.kv_pool_tokens,
                     kv_session_max_tokens=h.kv_session_max_tokens,
+                    kv_preemptions=h.kv_preemptions,
+                    kv_refusals=h.kv_refusals,
                     tokens_per_s=rate,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
                     updated_s=now_s,
@@ -723,6 +727,8 @@ class Store:
                     Shard.kv_session_max_tokens,
                     Shard.kv_used_tokens,
                     ChallengeResult.route_recipe,
+                    Shard.kv_preemptions,
+                    Shard.kv_refusals,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -776,6 +782,8 @@ class Store:
                 kv_session_max_tokens=r[26],
                 kv_used_tokens=r[27],
                 recipe_fingerprint=r[28] or "",
+                kv_preemptions=r[29],
+                kv_refusals=r[30],
             )
             for r in rows
         )
@@ -839,6 +847,8 @@ class Store:
                             "kv_used_tokens": shard.kv_used_tokens,
                             "kv_pool_tokens": shard.kv_pool_tokens,
                             "kv_session_max_tokens": shard.kv_session_max_tokens,
+                            "kv_preemptions": shard.kv_preemptions,
+                            "kv_refusals": shard.kv_refusals,
                             "tokens_per_s": shard.tokens_per_s,
                             "tokens_served_total": shard.tokens_served_total,
                             "updated_s": shard.updated_s,

@@ -117,6 +117,10 @@ def test_every_service_metrics_parse_and_histograms_have_buckets(swarm3: LocalSw
     tracker = _families(f"{swarm3.tracker_url}/metrics")
     assert _histogram_count(tracker["swarm_tracker_route_selection_seconds"]) > 0
     assert [s.value for s in tracker["swarm_tracker_layer_coverage_min"].samples] == [1]  # type: ignore[attr-defined]
+    # Every node's heartbeat says how many sessions it preempted and steps it refused for want of KV
+    # since it started: none under this light load.
+    for name in ("swarm_tracker_node_kv_preemptions", "swarm_tracker_node_kv_refusals"):
+        assert [s.value for s in tracker[name].samples] == [0, 0, 0], name  # type: ignore[attr-defined]
     # the gateway links the dashboard
     page = httpx.get(swarm3.base_url.removesuffix("/v1") + "/", timeout=10).text
     assert f'href="{swarm3.tracker_url}/"' in page
@@ -171,6 +175,18 @@ async def test_dashboard_in_chromium_shows_spans_coverage_and_a_killed_node_live
         )
         assert sorted(rows) == [["live", "[0, 10)"], ["live", "[10, 20)"], ["live", "[20, 30)"]]
         assert "test-lab" in await page.eval("document.querySelector('#nodes').textContent")
+        # The KV column: used / pool (free); its tooltip names the preemptions and KV refusals since
+        # the node started (none here, so the cell itself names neither).
+        await page.wait_for(
+            "[...document.querySelectorAll('tr[data-node]')].every(r =>"
+            " r.cells[9].title.includes('since start: 0 sessions preempted, 0 steps refused'))",
+            15,
+            "each node's KV preemptions and refusals",
+        )
+        kv_cells = await page.eval(
+            "[...document.querySelectorAll('tr[data-node]')].map(r => r.cells[9].textContent)"
+        )
+        assert all(" / " in c and "preempted" not in c and "refused" not in c for c in kv_cells), kv_cells
         await page.wait_for("document.querySelectorAll('.route').length > 0", 20, "a route in use")
         await page.wait_for(
             "document.querySelector('#chart-tokens path[data-series=generated]')"

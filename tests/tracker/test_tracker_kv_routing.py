@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from tracker_helpers import MODEL, FakeClock, announce_for, key, signed, test_config
 
-from proto.announce import Heartbeat
+from proto.announce import Heartbeat, PayloadError
 from proto.signing import public_key_hex
 from tracker.app import create_app
 from tracker.routing import largest_context, select_routes
@@ -87,7 +87,17 @@ async def test_a_long_prompt_goes_to_the_route_with_room_for_it(swarm) -> None:
 
 
 async def _pool_node(
-    client: Any, clock: FakeClock, seed: int, start: int, end: int, *, pool: int, session_max: int, free: int
+    client: Any,
+    clock: FakeClock,
+    seed: int,
+    start: int,
+    end: int,
+    *,
+    pool: int,
+    session_max: int,
+    free: int,
+    preemptions: int | None = None,
+    refusals: int | None = None,
 ) -> str:
     k = key(seed)
     announce = announce_for(k, start, end, ms=5.0, port=9000 + seed)
@@ -101,6 +111,8 @@ async def _pool_node(
         kv_used_tokens=pool - free,
         kv_pool_tokens=pool,
         kv_session_max_tokens=session_max,
+        kv_preemptions=preemptions,
+        kv_refusals=refusals,
     )
     assert (await _post(client, "/v1/heartbeat", signed(k, "heartbeat", beat.to_json(), clock())))[0] == 200
     return public_key_hex(k)
@@ -110,8 +122,12 @@ async def test_pool_sizes_are_kept_shown_and_name_the_largest_context(swarm) -> 
     client, clock, registry = swarm
     # Route A: [0,15) one session up to 4096 (1000 free now) + [15,30) up to 8192; route B: one node
     # [0,30) whose sessions may hold 2048 each, with 12000 free.
-    a0 = await _pool_node(client, clock, 11, 0, 15, pool=8192, session_max=4096, free=1000)
-    a1 = await _pool_node(client, clock, 12, 15, 30, pool=16384, session_max=8192, free=8000)
+    a0 = await _pool_node(
+        client, clock, 11, 0, 15, pool=8192, session_max=4096, free=1000, preemptions=3, refusals=12
+    )
+    a1 = await _pool_node(
+        client, clock, 12, 15, 30, pool=16384, session_max=8192, free=8000, preemptions=0, refusals=0
+    )
     b = await _pool_node(client, clock, 13, 0, 30, pool=16384, session_max=2048, free=12000)
     status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 2})
     assert status == 200
@@ -137,10 +153,18 @@ async def test_pool_sizes_are_kept_shown_and_name_the_largest_context(swarm) -> 
     state = await registry.dashboard_state()  # what /v1/dashboard/state serves
     row = next(n for n in state["nodes"] if n["node_id"] == a0)
     assert (row["kv_pool_tokens"], row["kv_used_tokens"], row["kv_free_tokens"]) == (8192, 7192, 1000)
+    # Preemptions and KV refusals since each node started: shown where reported, null where not (b).
+    pressure = {n["node_id"]: (n["kv_preemptions"], n["kv_refusals"]) for n in state["nodes"]}
+    assert (pressure[a0], pressure[a1], pressure[b]) == ((3, 12), (0, 0), (None, None))
+    assert (shard["kv_preemptions"], shard["kv_refusals"]) == (0, 0)
     # /metrics: per node, and the largest context per model.
     text = (await (await client.get("/metrics")).get_data()).decode()
     assert f'swarm_tracker_node_kv_pool_tokens{{node="{b[:16]}"}} 16384' in text
     assert f'swarm_tracker_node_kv_free_tokens{{node="{a0[:16]}"}} 1000' in text
+    assert f'swarm_tracker_node_kv_preemptions{{node="{a0[:16]}"}} 3' in text
+    assert f'swarm_tracker_node_kv_refusals{{node="{a0[:16]}"}} 12' in text
+    assert f'swarm_tracker_node_kv_refusals{{node="{a1[:16]}"}} 0' in text
+    assert f'swarm_tracker_node_kv_preemptions{{node="{b[:16]}"}}' not in text  # not reported
     context = [line for line in text.splitlines() if line.startswith("swarm_tracker_kv_context_max_tokens")]
     by_kind = {
         kind: float(line.split()[-1])
@@ -149,6 +173,40 @@ async def test_pool_sizes_are_kept_shown_and_name_the_largest_context(swarm) -> 
         if f'"{kind}"' in line
     }
     assert by_kind == {"session": 4096.0, "free": 2048.0}, context
+    # A later heartbeat's counts replace the earlier ones; announcing again clears them.
+    clock.advance(0.5)
+    later = Heartbeat(a0, 1, 0, 1000, 0, kv_preemptions=4, kv_refusals=20)
+    status, _ = await _post(client, "/v1/heartbeat", signed(key(11), "heartbeat", later.to_json(), clock()))
+    assert status == 200
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    assert f'swarm_tracker_node_kv_preemptions{{node="{a0[:16]}"}} 4' in text
+    assert f'swarm_tracker_node_kv_refusals{{node="{a0[:16]}"}} 20' in text
+    again = announce_for(key(11), 0, 15, ms=5.0, port=9011)
+    status, _ = await _post(client, "/v1/announce", signed(key(11), "announce", again.to_json(), clock()))
+    assert status == 200
+    swarm_body = json.loads(await (await client.get("/v1/swarm")).get_data())
+    shard = next(n["shard"] for n in swarm_body["nodes"] if n["node_id"] == a0)
+    assert (shard["kv_preemptions"], shard["kv_refusals"]) == (None, None)
+
+
+def test_heartbeat_kv_pressure_round_trips_and_is_validated() -> None:
+    node = public_key_hex(key(1))
+    beat = Heartbeat(node, 0, 0, 10, 0, kv_preemptions=3, kv_refusals=12)
+    body = beat.to_json()
+    assert (body["kv_preemptions"], body["kv_refusals"]) == (3, 12)
+    assert Heartbeat.from_json(body) == beat
+    zero = Heartbeat(node, 0, 0, 10, 0, kv_preemptions=0, kv_refusals=0)
+    assert Heartbeat.from_json(zero.to_json()) == zero and zero.to_json()["kv_refusals"] == 0
+    # Not reported: absent from the JSON; a heartbeat without them (an older node) still parses.
+    old = Heartbeat(node, 0, 0, 10, 0)
+    assert "kv_preemptions" not in old.to_json() and "kv_refusals" not in old.to_json()
+    parsed = Heartbeat.from_json(old.to_json())
+    assert (parsed.kv_preemptions, parsed.kv_refusals) == (None, None)
+    assert Heartbeat.from_json({**old.to_json(), "kv_refusals": None}).kv_refusals is None
+    for field in ("kv_preemptions", "kv_refusals"):
+        for bad in (-1, 1.5, "3", True, 1 << 41):
+            with pytest.raises(PayloadError, match=field):
+                Heartbeat.from_json({**body, field: bad})
 
 
 def _shard(node: str, start: int, end: int, **kv: int | None) -> ShardView:

@@ -308,7 +308,16 @@ function renderNodes(state) {
       : known(n.kv_used_tokens)
         ? `${fmt(n.kv_used_tokens, 0)} / ${fmt(n.kv_used_tokens + (n.kv_free_tokens || 0), 0)}`
         : known(n.kv_free_tokens) ? `${fmt(n.kv_free_tokens, 0)} free` : "–";
-    const kvTitle = known(n.kv_session_max_tokens) ? `one session: at most ${n.kv_session_max_tokens} positions` : "";
+    // Since the node started: sessions it preempted for room, steps it refused for want of KV.
+    const pressure = (n.kv_preemptions ? ` · ${fmt(n.kv_preemptions, 0)} preempted` : "") +
+      (n.kv_refusals ? ` · ${fmt(n.kv_refusals, 0)} refused` : "");
+    const kvTitle = [
+      known(n.kv_session_max_tokens) ? `one session: at most ${n.kv_session_max_tokens} positions` : "",
+      known(n.kv_preemptions) || known(n.kv_refusals)
+        ? `since start: ${n.kv_preemptions ?? "?"} sessions preempted, ` +
+          `${n.kv_refusals ?? "?"} steps refused for want of KV`
+        : "",
+    ].filter(Boolean).join("; ");
     const dim = n.state === "expired" || n.state === "left";
     return el("tr", { class: dim ? "dim" : "", "data-node": n.node_id, "data-state": n.state },
       el("td", {}, el("span", { class: "state" }, el("span", { class: "dot " + n.state }), n.state)),
@@ -321,7 +330,7 @@ function renderNodes(state) {
       el("td", { class: "num", text: fmt(n.tokens_per_s) }),
       el("td", {}, loadBar(n.active_sessions, n.max_sessions)),
       el("td", { class: "num", text: n.queue_depth ?? "–" }),
-      el("td", { class: "num", text: kv, title: kvTitle }),
+      el("td", { class: "num", text: kv + pressure, title: kvTitle }),
       el("td", { class: "muted", text: n.version || "–" }),
       el("td", { class: "num", text: ago(n.last_seen_age_s) }));
   }));
