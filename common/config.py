@@ -38,7 +38,7 @@ class _Validated(Protocol):
 
 C = TypeVar("C", bound=_Validated)
 
-KNOB = "knob"  # the metadata key of a field's Knob ("doc" holds its help text too)
+KNOB = "knob"  # the metadata key of a field's Knob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,13 @@ class Knob:
 
 def knob(help: str, *, topic: str, **more: Any) -> dict[str, Any]:
     """The metadata of a config field: ``dataclasses.field(default=..., metadata=knob(...))``."""
-    return {"doc": help, KNOB: Knob(help, topic, **more)}
+    return {KNOB: Knob(help, topic, **more)}
+
+
+def help_of(f: dataclasses.Field[Any]) -> str:
+    """A config field's help text ("" for a field without a :class:`Knob`)."""
+    spec = f.metadata.get(KNOB)
+    return spec.help if isinstance(spec, Knob) else ""
 
 
 def knobs(topic: str) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from common.cli import EXIT_USAGE, TopicCommand, config_options, fail
-from common.config import ConfigError
+from common.config import ConfigError, help_of
 from gateway.config import ENV_PREFIX, FIELDS, GatewayConfig, load_config
 
 PROG = "swarm-gateway"
@@ -29,7 +29,7 @@ def main() -> None:
 
 
 def _help(name: str) -> str:
-    return str(FIELDS[name].metadata["doc"])
+    return help_of(FIELDS[name])
 
 
 @main.command(cls=TopicCommand)

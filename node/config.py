@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import LOG_LEVELS, ConfigError, knobs, load_layered
+from common.config import LOG_LEVELS, ConfigError, help_of, knobs, load_layered
 from common.tls import (
     HttpTls,
     ServerCert,
@@ -430,7 +430,7 @@ class NodeConfig:
 
     @staticmethod
     def describe() -> dict[str, str]:
-        return {f.name: f.metadata["doc"] for f in dataclasses.fields(NodeConfig)}
+        return {f.name: help_of(f) for f in dataclasses.fields(NodeConfig)}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(NodeConfig)}

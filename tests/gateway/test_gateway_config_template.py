@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from common.config import help_of
 from gateway.chat_template import ChatTemplate, TemplateError
 from gateway.config import ConfigError, GatewayConfig, load_config
 
@@ -45,7 +46,7 @@ def test_every_field_documented_with_unit() -> None:
     import dataclasses
 
     for f in dataclasses.fields(GatewayConfig):
-        assert f.metadata.get("doc"), f.name
+        assert help_of(f), f.name
         if "timeout" in f.name or "ttl" in f.name:
             assert f.name.endswith("_s"), f.name
 
