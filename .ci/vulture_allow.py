@@ -71,3 +71,6 @@ _.format_options
 
 # logging.LogRecord attributes read by the logging handlers and formatters (common.logs rewrites a record).
 _.levelno, _.exc_text
+
+# llama_model_quantize_params fields set for llama.cpp's quantizer (node.draft_model.quantize).
+_.ftype, _.nthread, _.allow_requantize

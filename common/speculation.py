@@ -41,8 +41,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # --------------------------------------------------------------------------- proposer
+
+
+class Proposer(Protocol):
+    """What drafts for one session: it follows the session's history and proposes what comes next.
+
+    :class:`NgramProposer` (draft-free lookup) and the node's draft model
+    (``node.draft_model.DraftModelProposer``) are the two kinds.
+    """
+
+    @property
+    def length(self) -> int:
+        """Tokens of history seen in all."""
+        ...
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append accepted tokens to the history."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Forget the history from ``length`` on (a rollback)."""
+        ...
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        """Up to ``k`` tokens guessed to follow the history (none: no guess)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,13 @@ class NodeConfig:
     prefill_chunk_tokens: int = _engine(
         256, "most positions of one prefill step per batch, so decodes keep moving"
     )
+    draft_model: str = _engine(
+        "",
+        "a GGUF path: as the last stage of a speculating session, draft with this model (its vocabulary "
+        "must be the target's, checked at start; e.g. a lower-bit quantization of the target) instead "
+        "of n-gram lookup; one llama.cpp thread, at most speculate_max_sessions sessions, 2048 positions "
+        "each (longer histories draft by n-gram); empty = n-gram lookup only",
+    )
     max_queued_steps: int = _engine(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
     max_frame_bytes: int = _engine(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
     idle_lease_s: float = _sessions(
@@ -313,6 +320,8 @@ class NodeConfig:
     def validate(self) -> NodeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.draft_model and not Path(self.draft_model).expanduser().is_file():
+            raise ConfigError(f"draft_model: no such file {self.draft_model}")
         if self.tracker_url:
             from common.config import parse_urls
 

@@ -10,18 +10,24 @@ one-position step would have drawn there -- and :func:`verdict` keeps the longes
 plus the correction. Greedy and seeded sampling are therefore exact alike; grammar-constrained
 sessions do not speculate (the grammar's state would have to roll back with rejected drafts).
 
-Bounds: one :class:`SessionDrafter` per speculating session on the last stage; its proposer keeps
-at most ``HISTORY_TOKENS`` tokens and ``2 x HISTORY_TOKENS`` n-grams (n = 2 and 3).
+A node started with a draft model (``draft_model``, :mod:`node.draft_model`) drafts with it instead:
+the machine's ``ProposerFactory`` wraps each session's n-gram proposer in the draft model's, which
+drafts greedily with the small model and falls back on n-gram lookup past its bounds.
+
+Bounds: one :class:`SessionDrafter` per speculating session on the last stage; its n-gram proposer
+keeps at most ``HISTORY_TOKENS`` tokens and ``2 x HISTORY_TOKENS`` n-grams (n = 2 and 3); the draft
+model's own bounds are in :mod:`node.draft_model`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from common.speculation import (
     DraftPolicy,
     NgramConfig,
     NgramProposer,
+    Proposer,
     Verdict,
     accept_greedy,
     draft_budget,
@@ -47,13 +53,19 @@ def max_drafts_for(architecture: str) -> int:
 NGRAM = NgramConfig(min_ngram=2, max_ngram=3, capacity=HISTORY_TOKENS)
 
 
+# Makes a session's proposer around its n-gram proposer (the node's draft model, --draft-model:
+# node.draft_model.DraftModel.proposer, which falls back on the n-gram one past its bounds).
+ProposerFactory = Callable[[NgramProposer], Proposer]
+
+
 class SessionDrafter:
     """One session's proposer and adaptive k."""
 
-    def __init__(self, max_drafts: int) -> None:
+    def __init__(self, max_drafts: int, factory: ProposerFactory | None = None) -> None:
         self.policy = DraftPolicy(max_k=max_drafts, start_k=min(4, max_drafts))
         self.state = initial_state(self.policy)
-        self.proposer = NgramProposer(NGRAM)
+        ngram = NgramProposer(NGRAM)
+        self.proposer: Proposer = ngram if factory is None else factory(ngram)
 
     def drafts(
         self, history: Sequence[int], applied: Sequence[int], token: int, room: int
