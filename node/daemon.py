@@ -543,6 +543,9 @@ class NodeDaemon:
             # swarm_node_kv_pool_refusals_total: the machine's refusals and the engine's).
             kv_preemptions=stats.preemptions,
             kv_refusals=stats.kv_refusals + self.engine.pool_refusals,
+            # Heads of the KV block chains its kept sessions hold (node.prefix_blocks): prefix-aware
+            # route choice matches a prompt's heads against them.
+            prefix_heads=tuple(self.machine.prefix_heads()),
         )
 
     def _pool_metrics(

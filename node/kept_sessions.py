@@ -10,9 +10,12 @@ Order is recency of use, least recently used first: keeping a session, or copyin
 one, makes it the most recent. Everything that must give kept KV up takes the least recently used
 first -- a new session needing a slot (:meth:`evictable`), the pool needing blocks for a live
 session (:meth:`oldest`), the bounds after a keep (:meth:`over_bounds`) -- so a hot shared prefix
-is the last to go. Bounds: at most ``max_sessions`` entries holding at most ``max_positions``
-positions together (with a KV pool, the pool itself: kept sessions are what it evicts before any
-live session is preempted; without one, the configured bound of the per-sequence layout).
+is the last to go. The table also keeps the index of what its sessions hold by chained block hashes
+(:class:`node.prefix_blocks.PrefixBlocks`: a session's tokens go in when it is kept, out when it
+leaves, and it is marked used with it), so the index's order and bounds are the table's. Bounds: at
+most ``max_sessions`` entries holding at most ``max_positions`` positions together (with a KV pool,
+the pool itself: kept sessions are what it evicts before any live session is preempted; without
+one, the configured bound of the per-sequence layout).
 
 No trio, no grpc, no llama.cpp: the ``pure`` import contract holds it.
 """
@@ -20,10 +23,11 @@ No trio, no grpc, no llama.cpp: the ``pure`` import contract holds it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from node.kvpool import blocks_for
+from node.prefix_blocks import PrefixBlocks
 
 
 class Entry(Protocol):
@@ -42,12 +46,13 @@ K = TypeVar("K", bound=Entry)
 class KeptSessions(Generic[K]):
     """Session id -> kept entry, least recently used first; see the module docstring."""
 
-    def __init__(self, max_sessions: int, max_positions: int) -> None:
+    def __init__(self, max_sessions: int, max_positions: int, fingerprint: str = "") -> None:
         if max_sessions < 0 or max_positions < 0:
             raise ValueError(f"bounds must be >= 0, got {max_sessions} sessions, {max_positions} positions")
         self.max_sessions = max_sessions
         self.max_positions = max_positions
         self._entries: OrderedDict[str, K] = OrderedDict()
+        self.index = PrefixBlocks(fingerprint)  # the kept tokens by chained block hashes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,11 +75,13 @@ class KeptSessions(Generic[K]):
         """Pool blocks all kept sessions hold."""
         return sum(blocks_for(e.kv_len) for e in self._entries.values())
 
-    def keep(self, session_id: str, entry: K) -> list[str]:
+    def keep(self, session_id: str, entry: K, tokens: Sequence[int] = ()) -> list[str]:
         """Add (or replace) ``session_id`` as the most recently used; returns the ids that must now go
-        to stay within the bounds, least recently used first (the caller evicts them)."""
+        to stay within the bounds, least recently used first (the caller evicts them). ``tokens``: the
+        token ids of its KV (from position 0; what is known of them), indexed up to ``entry.kv_len``."""
         self._entries[session_id] = entry
         self._entries.move_to_end(session_id)
+        self.index.add(session_id, tokens[: entry.kv_len])
         return self.over_bounds()
 
     def over_bounds(self) -> list[str]:
@@ -93,9 +100,11 @@ class KeptSessions(Generic[K]):
         """A prefix was copied out of ``session_id``: it becomes the most recently used."""
         if session_id in self._entries:
             self._entries.move_to_end(session_id)
+            self.index.touch(session_id)
 
     def pop(self, session_id: str) -> K | None:
         """Remove an entry (taken over by a new session, or evicted by the caller)."""
+        self.index.remove(session_id)
         return self._entries.pop(session_id, None)
 
     def oldest(self) -> str | None:

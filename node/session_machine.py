@@ -87,10 +87,12 @@ import numpy as np
 import numpy.typing as npt
 
 from common.logs import event
+from common.prefix_chain import parse_source_id
 from node.drafting import SessionDrafter, verdict
 from node.kept_sessions import KeptSessions
 from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
+from node.prefix_blocks import MAX_HEADS
 from node.sampling import SamplingParams
 from proto import codec
 from proto.codec import Sampled
@@ -295,7 +297,9 @@ class _Session:
     kv_len: int = 0
     last_step_id: int = 0
     last_reply: tuple[frame_pb2.Frame, ...] = ()
-    history_tokens: list[int] = field(default_factory=list)  # last stage: applied token ids, = its KV
+    # Applied token ids, = its KV (every stage, while steps carry them; a step without them ends the
+    # record there: what is known is a correct prefix).
+    history_tokens: list[int] = field(default_factory=list)
     busy_job: int | None = None
     busy_conn: int | None = None
     busy_step: codec.Step | None = None
@@ -318,6 +322,10 @@ class _Session:
     opened_seq: int = 0  # the order sessions opened here (higher = younger; kept across a preemption)
     drafter: SessionDrafter | None = None  # last stage of a speculating session (OpenSession.speculation)
     window_slack: int = 0  # drafts of the last accepted DECODE window: positions the next step may drop
+    # Computed in whole steps of first_step positions from position 0 up to aligned_end: a copy of at
+    # most that many positions, cut at a multiple of the step, is bit-exact with a cold prefill.
+    first_step: int = 0
+    aligned_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -387,6 +395,8 @@ class _Kept:
     history_tokens: list[int]
     history: _History | None
     expires_at: float
+    first_step: int = 0  # as _Session: its first aligned_end positions were computed in steps of first_step
+    aligned_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -421,6 +431,10 @@ class MachineStats:
     kv_blocks_reserved: int = 0  # blocks sessions hold or have steps accepted for (kept sessions too)
     preemptions: int = 0  # sessions preempted to make room in the pool
     kv_refusals: int = 0  # steps refused because the pool had no room and nobody could be preempted
+    prefix_cached_blocks: int = 0  # distinct 16-token blocks the kept sessions hold (node.prefix_blocks)
+    prefix_lookups_hit: int = 0  # OPENs naming a prefix by its chain hash that found it here
+    prefix_lookups_miss: int = 0  # ... that did not (or could not use it): the session started empty
+    reused_positions: int = 0  # positions sessions started with from another session's KV
 
 
 @dataclass(frozen=True)
@@ -468,9 +482,11 @@ class FrameServer:
         self._histories: OrderedDict[str, None] = OrderedDict()  # sessions with kept outputs, oldest first
         # Released sessions kept warm (node.kept_sessions): bounded by the pool when there is one.
         self._kept: KeptSessions[_Kept] = KeptSessions(
-            spec.max_kept_sessions, spec.kv_pool_tokens or spec.max_kept_kv_tokens
+            spec.max_kept_sessions, spec.kv_pool_tokens or spec.max_kept_kv_tokens, spec.recipe_fingerprint
         )
         self._reused = 0
+        self._prefix_hits = 0
+        self._prefix_misses = 0
         self._open_order = itertools.count(1)
         # Sessions preempted here: (times, their opened_seq), so a resumed session keeps its age and its
         # count (the bound of node.preemption); bounded like the closed sessions.
@@ -654,6 +670,7 @@ class FrameServer:
                 kept = self._kept.pop(source)
                 assert kept is not None  # _kv_source found it
                 sess.history_tokens = kept.history_tokens[:positions]
+                sess.first_step, sess.aligned_end = kept.first_step, min(kept.aligned_end, positions)
                 if kept.history is not None:
                     self._histories.pop(source, None)
                     sess.history = kept.history
@@ -662,6 +679,7 @@ class FrameServer:
                 origin = self._sessions.get(source) or self._kept.get(source)
                 assert origin is not None  # _kv_source found it
                 sess.history_tokens = origin.history_tokens[:positions]
+                sess.first_step, sess.aligned_end = origin.first_step, min(origin.aligned_end, positions)
                 self._kept.used(source)  # a shared prefix just used: the last kept session to go
             self._reused += positions
         self._configure_push(sess, frame)
@@ -691,6 +709,9 @@ class FrameServer:
         source, positions = body.kv_source.session_id, int(body.kv_source.positions)
         if positions < 1 or positions > budget:
             return "", 0, False
+        named = parse_source_id(source)
+        if named is not None:
+            return self._kv_prefix(named[0], named[1], positions)
         kept = self._kept.get(source)
         if kept is not None:
             # A kept source is taken over, or (KvSource.copy: a prefix another request shares) copied
@@ -702,6 +723,29 @@ class FrameServer:
         if live is not None and live.kv_len >= positions:
             return source, positions, False
         return "", 0, False
+
+    def _kv_prefix(self, chain_hash: bytes, step: int, positions: int) -> tuple[str, int, bool]:
+        """A KvSource naming a prefix by its chain hash (common.prefix_chain.source_id): a copy of the
+        kept session holding it, when it holds exactly ``positions`` up to that block and (``step`` >
+        0) computed them in whole prefill steps of ``step`` from 0; else nothing (the session starts
+        empty and the gateway prefills it whole)."""
+        found = self._kept.index.find(chain_hash)
+        kept = None if found is None else self._kept.get(found[0])
+        usable = (
+            found is not None
+            and kept is not None
+            and found[1] * BLOCK_TOKENS == positions
+            and kept.kv_len >= positions
+            and (
+                step <= 0
+                or (kept.first_step == step and positions % step == 0 and positions <= kept.aligned_end)
+            )
+        )
+        if not usable or found is None:
+            self._prefix_misses += 1
+            return "", 0, False
+        self._prefix_hits += 1
+        return found[0], positions, False
 
     def _evict_kept(self, sid: str) -> list[Action]:
         kept = self._kept.pop(sid)
@@ -773,6 +817,7 @@ class FrameServer:
             actions.append(TruncateKv(sess.session_id, keep))
             sess.kv_len = keep
             del sess.history_tokens[keep:]
+            sess.aligned_end = min(sess.aligned_end, keep)
         sess.conn = conn
         self._proven.add(conn)
         sess.epoch = int(frame.route_epoch)
@@ -943,7 +988,16 @@ class FrameServer:
             history.truncate(positions)
             self._history_bytes += history.nbytes - before
         self._sessions.pop(sid, None)
-        over = self._kept.keep(sid, _Kept(sid, positions, sess.history_tokens[:positions], history, until))
+        entry = _Kept(
+            sid,
+            positions,
+            sess.history_tokens[:positions],
+            history,
+            until,
+            sess.first_step,
+            min(sess.aligned_end, positions),
+        )
+        over = self._kept.keep(sid, entry, entry.history_tokens)
         actions: list[Action] = [TruncateKv(sid, positions)]
         for victim in over:
             actions += self._evict_kept(victim)
@@ -1149,6 +1203,7 @@ class FrameServer:
             rollback.append(TruncateKv(sess.session_id, step.start))
             sess.kv_len = sess.accepted_end = step.start
             del sess.history_tokens[step.start :]
+            sess.aligned_end = min(sess.aligned_end, step.start)
         if sess.busy_job is None:
             job = self._job(step, sess, check_queue=True)
         else:
@@ -1390,9 +1445,14 @@ class FrameServer:
             err = InternalError(f"cannot encode the step's output: {exc.message}", session_closed=False)
             return [] if sess.conn is None else [self._error(sess.conn, err, frame, sess.kv_len)]
         sess.last_step_id = step.step_id
-        if self.spec.is_last and len(step.token_ids):
+        applied = sess.kv_len - step.start
+        if len(step.token_ids) and (self.spec.is_last or len(sess.history_tokens) == step.start):
             # A window keeps only its accepted positions (_outputs truncated the KV to them).
-            sess.history_tokens.extend(step.token_ids[: sess.kv_len - step.start].tolist())
+            sess.history_tokens.extend(step.token_ids[:applied].tolist())
+        if step.start == 0 and applied > 0:
+            sess.first_step = sess.aligned_end = applied
+        elif applied == sess.first_step and step.start == sess.aligned_end and sess.first_step > 0:
+            sess.aligned_end += applied
         return actions + self._start_next(sess)
 
     def _failed_step(
@@ -1623,6 +1683,10 @@ class FrameServer:
             1 + len(s.pending) for s in self._sessions.values() if s.conn == conn and s.busy_job is not None
         )
 
+    def prefix_heads(self, limit: int = MAX_HEADS) -> list[str]:
+        """What the heartbeat reports of the kept KV: heads of its block chains (node.prefix_blocks)."""
+        return self._kept.index.heads(limit)
+
     def kv_len(self, session_id: str) -> int | None:
         sess = self._sessions.get(session_id)
         return None if sess is None else sess.kv_len
@@ -1652,6 +1716,10 @@ class FrameServer:
             draining=self.draining,
             kv_pool_blocks=self.spec.kv_pool_tokens // BLOCK_TOKENS,
             kv_blocks_reserved=self._reserved_blocks() if self.spec.kv_pool_tokens else 0,
+            prefix_cached_blocks=self._kept.index.blocks(),
+            prefix_lookups_hit=self._prefix_hits,
+            prefix_lookups_miss=self._prefix_misses,
+            reused_positions=self._reused,
             preemptions=self._preemptions,
             kv_refusals=self._kv_refusals,
         )

@@ -146,6 +146,24 @@ def _rtt_samples(o: Mapping[str, Any], where: str, sender: str) -> tuple[RttSamp
     return samples
 
 
+MAX_PREFIX_HEADS = 32  # heads of cached KV block chains one heartbeat may carry
+_HEAD32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _prefix_heads(o: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    """The optional ``prefix_heads`` list: at most ``MAX_PREFIX_HEADS`` distinct heads of the node's
+    cached KV block chains, each 32 lowercase hex digits (common/prefix_chain.py)."""
+    raw = o.get("prefix_heads", [])
+    if not isinstance(raw, list) or len(raw) > MAX_PREFIX_HEADS:
+        raise PayloadError(f"{where}.prefix_heads must be a list of at most {MAX_PREFIX_HEADS} heads")
+    for x in raw:
+        if not isinstance(x, str) or _HEAD32.match(x) is None:
+            raise PayloadError(f"{where}.prefix_heads[] must be 32 lowercase hex digits, got {str(x)[:40]!r}")
+    if len(set(raw)) != len(raw):
+        raise PayloadError(f"{where}.prefix_heads must name each head once")
+    return tuple(raw)
+
+
 # --- announce ----------------------------------------------------------------------------------
 
 
@@ -351,6 +369,7 @@ _HEARTBEAT_KEYS = (
             "rtt_samples",
             "kv_preemptions",
             "kv_refusals",
+            "prefix_heads",
         }
     )
     | ENVELOPE_FIELDS
@@ -372,6 +391,9 @@ class Heartbeat:
     # KV pool, and steps refused because the pool had no room (each one makes a gateway wait for KV).
     kv_preemptions: int | None = None
     kv_refusals: int | None = None
+    # Heads of the KV block chains the node keeps (common/prefix_chain.py; most recently used first,
+    # at most MAX_PREFIX_HEADS): what prefix-aware route choice matches a prompt against.
+    prefix_heads: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any) -> Heartbeat:
@@ -396,6 +418,7 @@ class Heartbeat:
             ),
             _int(o, "kv_preemptions", 0, big, w) if o.get("kv_preemptions") is not None else None,
             _int(o, "kv_refusals", 0, big, w) if o.get("kv_refusals") is not None else None,
+            _prefix_heads(o, w),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -418,6 +441,8 @@ class Heartbeat:
             body["kv_preemptions"] = self.kv_preemptions
         if self.kv_refusals is not None:
             body["kv_refusals"] = self.kv_refusals
+        if self.prefix_heads:
+            body["prefix_heads"] = list(self.prefix_heads)
         return body
 
 

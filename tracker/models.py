@@ -150,6 +150,9 @@ class Shard(Base):
     # and steps refused because the pool had no room (None: not reported).
     kv_preemptions: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     kv_refusals: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Heads of the KV block chains the node keeps (common/prefix_chain.py), space-separated, from its
+    # last heartbeat (None: none reported); gateways match a prompt's heads against them.
+    prefix_heads: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Positions per second between the last two heartbeats (None until two have arrived).
     tokens_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     # Decode time registered gateways measured (EWMA of their reports) and when it was last

@@ -655,6 +655,14 @@ class Registry:
                             "kv_free_tokens": shard_of[h.node_id].kv_free_tokens,
                             "kv_pool_tokens": shard_of[h.node_id].kv_pool_tokens,
                             "kv_session_max_tokens": shard_of[h.node_id].kv_session_max_tokens,
+                            # What the gateway re-prices the route's load with (common/route_cost.py):
+                            # the stage's single-token time, session limit, reported load and queue,
+                            # and the load this route was priced at (reported plus recent hand-outs).
+                            "decode_ms_per_token": round(h.decode_ms_per_token, 3),
+                            "max_sessions": h.max_sessions,
+                            "active_sessions": h.active_sessions,
+                            "queue_depth": h.queue_depth,
+                            "priced_sessions": round(h.active_sessions + extra.get(h.node_id, 0.0), 3),
                         }
                         for i, h in enumerate(route.hops)
                     ],

@@ -75,6 +75,8 @@ class ShardView:
     # room in its KV pool, and steps refused because the pool had no room (a gateway waits for KV).
     kv_preemptions: int | None = None
     kv_refusals: int | None = None
+    # Heads of the KV block chains the node keeps, from its last heartbeat (common/prefix_chain.py).
+    prefix_heads: tuple[str, ...] = ()
     # The node's network coordinate (tracker/coordinates.py); None = not measured yet.
     coord: NetCoord | None = None
     # The node's uplink (what it sends activations with), as announced; None = unknown.

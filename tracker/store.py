@@ -263,6 +263,7 @@ class Store:
             shard.kv_session_max_tokens = None
             shard.kv_preemptions = None
             shard.kv_refusals = None
+            shard.prefix_heads = None
             shard.tokens_per_s = None
             shard.capacity_layers = a.capacity_layers or None
             shard.updated_s = now_s
@@ -316,6 +317,7 @@ class Store:
                     kv_session_max_tokens=h.kv_session_max_tokens,
                     kv_preemptions=h.kv_preemptions,
                     kv_refusals=h.kv_refusals,
+                    prefix_heads=" ".join(h.prefix_heads) or None,
                     tokens_per_s=rate,
                     tokens_served_total=Shard.tokens_served_total + h.tokens_served,
                     updated_s=now_s,
@@ -729,6 +731,7 @@ class Store:
                     ChallengeResult.route_recipe,
                     Shard.kv_preemptions,
                     Shard.kv_refusals,
+                    Shard.prefix_heads,
                 )
                 .join(Node, Node.id == Shard.node_id)
                 .outerjoin(Reputation, Reputation.node_id == Shard.node_id)
@@ -784,6 +787,7 @@ class Store:
                 recipe_fingerprint=r[28] or "",
                 kv_preemptions=r[29],
                 kv_refusals=r[30],
+                prefix_heads=tuple((r[31] or "").split()),
             )
             for r in rows
         )

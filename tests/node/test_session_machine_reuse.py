@@ -154,3 +154,78 @@ def test_kept_sessions_go_least_recently_used_first() -> None:
     assert h.m.statistics().kept_sessions == 1
     h.feed(codec.release_frame(h.header("d"), step_id=2))  # a slot for the owner's next turn
     assert ack_kv(open_from(h, "a2", "a", 10)) == 10  # "a" stayed, whole
+
+
+# --------------------------------------------------------------------------- prefixes named by chain hash
+
+
+def _steps_with_tokens(h: Harness, sid: str, tokens: list[int], step: int) -> None:
+    """Prefill ``tokens`` on a middle stage in steps of ``step``, each carrying its token ids."""
+    import numpy as np
+
+    from node.session_machine import Compute
+    from tests.node.test_session_machine import N_EMBD
+
+    start = 0
+    while start < len(tokens):
+        n = min(step, len(tokens) - start)
+        frames = codec.step_frames(
+            h.header(sid),
+            codec.frame_pb2.PHASE_PREFILL,
+            step_id=2 + start,
+            start=start,
+            token_ids=tokens[start : start + n],
+            hidden=np.ones((n, N_EMBD), np.float32),
+        )
+        actions = [a for f in frames for a in h.feed(f)]
+        (compute,) = [a for a in actions if isinstance(a, Compute)]
+        h.complete(compute.job.job_id, start + n, n)
+        start += n
+
+
+def test_a_prefix_named_by_its_chain_hash_is_copied_from_the_kept_session_holding_it() -> None:
+    from common.prefix_chain import BLOCK_TOKENS, chain, source_id
+
+    h = Harness(max_sessions=8, session_kv_tokens=128, n_ctx_train=256)
+    system = [7 + i % 50 for i in range(48)]  # 3 blocks
+    a = system + [1] * 20
+    h.open("a", budget=128)
+    _steps_with_tokens(h, "a", a, 16)
+    release(h, "a", 999, keep_ms=60_000, keep_positions=len(a))
+    fp = h.m.spec.recipe_fingerprint
+    hashes = chain(fp, system + [2] * 20)
+    assert h.m.statistics().prefix_cached_blocks == len(a) // BLOCK_TOKENS == 4
+    # Another client's prompt sharing the system prompt: its third block's hash names 48 positions.
+    actions = open_from(h, "b", source_id(hashes[2]), 48, budget=128)
+    (opened,) = [x for x in actions if isinstance(x, OpenKv)]
+    assert (opened.source, opened.source_positions, opened.move) == ("a", 48, False)
+    assert ack_kv(actions) == 48 and h.m.statistics().kept_sessions == 1  # copied: a stays kept
+    stats = h.m.statistics()
+    assert (stats.prefix_lookups_hit, stats.prefix_lookups_miss) == (1, 0)
+    # A hash the node does not hold, or positions that do not match the block: empty.
+    for sid, name, positions in (
+        ("c", source_id(hashes[3]), 64),  # block 4 differs from a's
+        ("d", source_id(hashes[2]), 32),  # the hash is block 3's, not block 2's
+        ("e", source_id(hashes[2], 32), 48),  # exact with step 32: a was computed in steps of 16
+    ):
+        actions = open_from(h, sid, name, positions, budget=128)
+        (opened,) = [x for x in actions if isinstance(x, OpenKv)]
+        assert opened.source == "" and ack_kv(actions) == 0, sid
+    # Exact with the step a was computed in (whole steps of 16 from 0 up to 64).
+    actions = open_from(h, "f", source_id(hashes[2], 16), 48, budget=128)
+    assert ack_kv(actions) == 48
+    assert h.m.statistics().prefix_lookups_miss == 3
+    # Its tokens came with it: f is indexed under the same chain once kept.
+    release(h, "f", 999, keep_ms=60_000, keep_positions=48)
+    assert h.m.statistics().kept_sessions == 2 and h.m.statistics().prefix_cached_blocks == 4
+
+
+def test_a_kept_session_that_leaves_takes_its_blocks_out_of_the_heads() -> None:
+    h = Harness(max_sessions=4, session_kv_tokens=128, n_ctx_train=256)
+    h.open("a", budget=128)
+    _steps_with_tokens(h, "a", list(range(40)), 16)
+    release(h, "a", 999, keep_ms=1000, keep_positions=40)
+    assert len(h.m.prefix_heads()) >= 1
+    h.now += 2.0
+    h.m.tick(h.now)
+    assert h.m.prefix_heads() == [] and h.m.statistics().prefix_cached_blocks == 0

@@ -239,3 +239,48 @@ def test_largest_context_is_the_widest_complete_route(
     shards: list[ShardView], free: bool, expected: int | None
 ) -> None:
     assert largest_context(shards, 30, free=free) == expected
+
+
+def test_heartbeat_prefix_heads_round_trip_and_bad_ones_are_refused() -> None:
+    node = public_key_hex(key(7))
+    heads = tuple(f"{i:032x}" for i in range(3))
+    beat = Heartbeat(node, 0, 0, 10, 0, prefix_heads=heads)
+    assert beat.to_json()["prefix_heads"] == list(heads) and Heartbeat.from_json(beat.to_json()) == beat
+    assert "prefix_heads" not in Heartbeat(node, 0, 0, 10, 0).to_json()  # none: not sent (older trackers)
+    base = Heartbeat(node, 0, 0, 10, 0).to_json()
+    for bad, why in (
+        (["ab" * 15], "32 lowercase hex"),  # too short
+        (["ab" * 17], "32 lowercase hex"),  # too long
+        (["AB" * 16], "32 lowercase hex"),
+        ([7], "32 lowercase hex"),
+        ("ab" * 16, "list of at most 32"),
+        ([f"{i:032x}" for i in range(33)], "list of at most 32"),  # too many
+        (["ab" * 16, "ab" * 16], "each head once"),
+    ):
+        with pytest.raises(PayloadError, match=why):
+            Heartbeat.from_json({**base, "prefix_heads": bad})
+
+
+async def test_prefix_heads_reach_the_route_answer_and_a_heartbeat_without_them_clears_them(swarm) -> None:
+    client, clock, registry = swarm
+    k = key(21)
+    node = public_key_hex(k)
+    announce = announce_for(k, 0, 30, ms=5.0, port=9021)
+    assert (await _post(client, "/v1/announce", signed(k, "announce", announce.to_json(), clock())))[0] == 200
+    heads = ("0f" * 16, "1e" * 16)
+    beat = Heartbeat(node, 0, 0, 1000, 0, prefix_heads=heads)
+    assert (await _post(client, "/v1/heartbeat", signed(k, "heartbeat", beat.to_json(), clock())))[0] == 200
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
+    assert status == 200 and body["routes"][0]["hops"][0]["prefix_heads"] == list(heads)
+    # A malformed list is refused with a reason, and the stored heads stay as they were.
+    clock.advance(0.5)
+    bad = {**beat.to_json(), "prefix_heads": ["zz" * 16]}
+    status, err = await _post(client, "/v1/heartbeat", signed(k, "heartbeat", bad, clock()))
+    assert status == 400 and "prefix_heads" in json.dumps(err)
+    # A heartbeat without heads (nothing kept any more) clears them.
+    clock.advance(0.5)
+    empty = Heartbeat(node, 0, 0, 1000, 0)
+    assert (await _post(client, "/v1/heartbeat", signed(k, "heartbeat", empty.to_json(), clock())))[0] == 200
+    clock.advance(2.0)  # past the routing snapshot's age
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
+    assert body["routes"][0]["hops"][0]["prefix_heads"] == []
