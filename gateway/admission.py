@@ -254,6 +254,25 @@ def least_loaded(routes: Sequence[R], load: Callable[[R], int], cost: Callable[[
     return routes[best]
 
 
+def cheapest_now(
+    routes: Sequence[R],
+    cost_now: Callable[[R], float | None],
+    load: Callable[[R], int],
+    cost: Callable[[R], float],
+) -> R:
+    """The route cheapest at its stages' load now (``cost_now``: its expected time per token
+    re-priced, ``common.route_cost.repriced_ms``), ties to the less loaded, then the first listed.
+    Unless every route can be re-priced (``cost_now`` None: the tracker sent no load figures): then
+    :func:`least_loaded` (``load``, ties to the lower ``cost``, the tracker's price)."""
+    if not routes:
+        raise ValueError("no routes to choose from")
+    priced = [cost_now(r) for r in routes]
+    if any(p is None for p in priced):
+        return least_loaded(routes, load, cost)
+    best = min(range(len(routes)), key=lambda i: (priced[i], load(routes[i]), i))
+    return routes[best]
+
+
 def route_context(session_max_per_stage: Sequence[int | None]) -> int | None:
     """The most positions one session may hold on a route: its tightest stage's, None if no stage said."""
     known = [m for m in session_max_per_stage if m is not None]

@@ -4,9 +4,17 @@
 model and keeps them for ``route_ttl_s`` (or until their tickets come within
 :data:`TICKET_MARGIN_S` of expiry, or a session on them failed); one look-up
 per model at a time, concurrent requests wait for it. :meth:`RouteCache.acquire`
-hands out the route whose nodes carry the fewest of this gateway's sessions
-(``gateway.admission.least_loaded``); counting per node rather than per route
-keeps the balance when a refresh pairs the same nodes differently.
+hands out the route that is cheapest at its stages' load now, the policy the
+simulator's gateway follows (docs/simulation.md): the tracker's expected time per
+token re-priced (``common.route_cost.repriced_ms``: batch growth, the wait for a
+slot as a stage fills, the uplink's queue) with each stage's load taken as the
+sessions the tracker reported there when it answered plus the sessions this
+gateway runs there now (counted per node, so a refresh that pairs the same nodes
+differently keeps the count; a session of this gateway the report already held is
+counted twice, erring towards spreading). So a near, idle route takes sessions
+until its load costs more than the distance to the next, and not past it. Where
+the tracker sent no load figures (an older tracker), the route whose nodes carry
+the fewest of this gateway's sessions (``gateway.admission.least_loaded``).
 
 Tracker outages. Routes carry tracker-signed tickets with an expiry (the
 tracker's ``route_ticket_ttl_s``, 300 s by default). When a look-up fails
@@ -39,15 +47,18 @@ import httpx
 import trio
 
 from common.logs import event
+from common.prefix_chain import is_head
+from common.route_cost import DEFAULT_LOAD_COSTS, LoadCosts, StageLoad, repriced_ms
 from common.tls import is_fingerprint
 from common.tls_http import pin_refusal
 from common.tracker_client import TrackerClient, TrackerClientError
-from gateway.admission import least_loaded
+from gateway.admission import cheapest_now
 from gateway.errors import ModelNotFound, NoRoute, StageFailed, UpstreamFailed
 from gateway.grpc_bridge import CertificateRefused, NodeChannels, StreamError
 from gateway.metrics import Metrics
 from gateway.route_tickets import TicketRefused, verify_route
 from gateway.tracker_key import TrackerKey
+from proto.announce import MAX_PREFIX_HEADS
 from proto.recipe import Recipe
 from proto.signing import canonical_json
 
@@ -77,6 +88,10 @@ class Hop:
     # Free KV positions the node's last heartbeat announced (its KV pool's free blocks x 16), as the
     # tracker saw it when it answered; None = not known.
     kv_free_tokens: int | None = None
+    # The stage's load figures as the tracker priced the route (None: an older tracker said nothing).
+    load: StageLoad | None = None
+    # Heads of the KV block chains the node keeps (its last heartbeat; common/prefix_chain.py).
+    prefix_heads: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,13 @@ class Route:
     expected_ms_per_token: float
     ring_rtt_ms: float | None = None  # estimated round trip last stage <-> first stage (the decode ring)
     exit_rtt_ms: float | None = None  # estimated round trip last stage <-> this gateway
+    n_embd: int = 0  # the model's width (what a stage sends the next per token); 0 = not said
+
+    @property
+    def stage_loads(self) -> tuple[StageLoad, ...] | None:
+        """Every stage's load figures, None unless the tracker sent them for all."""
+        loads = tuple(h.load for h in self.hops if h.load is not None)
+        return loads if loads and len(loads) == len(self.hops) else None
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,8 @@ class ModelRoutes:
     # can hold on some complete route, and what some route has free for one now; None = not known.
     kv_session_max_tokens: int | None = None
     kv_free_max_tokens: int | None = None
+    # Node id -> the sessions it reported (its last heartbeat before the tracker answered).
+    reported_sessions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def route_id(hops: Sequence[Hop]) -> str:
@@ -133,11 +157,48 @@ def _tls_fingerprint(value: Any) -> str:
     return value
 
 
+def _stage_load(h: dict[str, Any]) -> StageLoad | None:
+    """A hop's load figures (tracker.service: decode_ms_per_token, max_sessions, priced_sessions,
+    queue_depth), None when any is absent or nonsense; the uplink is filled in by the caller."""
+    decode = _opt_float(h.get("decode_ms_per_token"))
+    limit = _opt_count(h.get("max_sessions"))
+    priced = _opt_float(h.get("priced_sessions"))
+    if decode is None or limit is None or priced is None:
+        return None
+    return StageLoad(
+        decode, limit, priced, _opt_count(h.get("queue_depth")) or 0, _opt_count(h.get("kv_free_tokens"))
+    )
+
+
+def _with_uplinks(hops: tuple[Hop, ...]) -> tuple[Hop, ...]:
+    """Each stage's uplink is what the tracker named as the sender's for the next stage's input."""
+    out = []
+    for i, hop in enumerate(hops):
+        if hop.load is not None and i + 1 < len(hops):
+            hop = dataclasses.replace(
+                hop, load=dataclasses.replace(hop.load, uplink_mbit_s=hops[i + 1].bandwidth_mbit_s)
+            )
+        out.append(hop)
+    return tuple(out)
+
+
+def _prefix_heads(value: Any) -> frozenset[str]:
+    """A hop's reported prefix heads: the well-formed ones (a hint: nonsense is ignored, not fatal)."""
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(x for x in value[:MAX_PREFIX_HEADS] if is_head(x))
+
+
+def _reported_sessions(h: dict[str, Any]) -> int:
+    return _opt_count(h.get("active_sessions")) or 0
+
+
 def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
     """A ``/v1/routes`` answer (docs/tracker.md) -> :class:`ModelRoutes` (UpstreamFailed if malformed)."""
     try:
         model = body["model"]
         routes: list[Route] = []
+        reported: dict[str, int] = {}
         for r in body["routes"]:
             hops = tuple(
                 Hop(
@@ -151,9 +212,14 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     bool(h.get("probation", False)),
                     _tls_fingerprint(h.get("tls_fingerprint")),
                     _opt_count(h.get("kv_free_tokens")),
+                    _stage_load(h),
+                    prefix_heads=_prefix_heads(h.get("prefix_heads")),
                 )
                 for h in r["hops"]
             )
+            hops = _with_uplinks(hops)
+            for h in r["hops"]:
+                reported[str(h["node_id"])] = _reported_sessions(h)
             routes.append(
                 Route(
                     route_id(hops),
@@ -166,6 +232,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     float(r["expected_ms_per_token"]),
                     _opt_float(r.get("ring_rtt_ms")),
                     _opt_float(r.get("exit_rtt_ms")),
+                    _opt_count(model.get("n_embd")) or 0,
                 )
             )
         raw_kv = body.get("kv")
@@ -177,6 +244,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
             now_s,
             _opt_count(kv.get("session_max_tokens")),
             _opt_count(kv.get("free_max_tokens")),
+            reported,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise UpstreamFailed(f"the tracker's route answer is malformed: {err!r}") from err
@@ -205,6 +273,8 @@ class RouteCache:
         self._locks: dict[str, trio.Lock] = {}
         self._inflight: dict[str, int] = {}  # by route id (for metrics)
         self._node_inflight: dict[str, int] = {}  # by node id (for balancing)
+        self._reported: dict[str, int] = {}  # node id -> sessions it reported, as of the last look-up
+        self.costs: LoadCosts = DEFAULT_LOAD_COSTS  # the tracker's defaults (tracker.routing.DEFAULT_COSTS)
         self._tracker_down_until = -math.inf  # clock time before which the tracker is not asked again
         self._outage = False  # serving stale routes since the last failed look-up
 
@@ -344,6 +414,7 @@ class RouteCache:
                 retry_after_s=5,
             )
         parsed = self._verified(parsed, tracker_id)
+        self.note_reported(parsed)
         if not parsed.routes:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome="refused")
             raise NoRoute(
@@ -410,8 +481,28 @@ class RouteCache:
         """Sessions this gateway runs on the route's nodes (a refresh may pair the same nodes differently)."""
         return sum(self._node_inflight.get(h.node_id, 0) for h in route.hops)
 
+    def note_reported(self, answer: ModelRoutes) -> None:
+        """Keep the load the nodes of a fresh answer reported (what :meth:`sessions_now` adds to)."""
+        self._reported.update(answer.reported_sessions)
+
+    def sessions_now(self, route: Route) -> list[float]:
+        """Each stage's load now as this gateway knows it: what its node reported to the tracker
+        (when the routes were fetched) plus this gateway's sessions there."""
+        reported = self._reported
+        return [float(reported.get(h.node_id, 0) + self._node_inflight.get(h.node_id, 0)) for h in route.hops]
+
+    def route_cost(self, route: Route) -> float | None:
+        """The route's expected time per token at its stages' load now (module docstring); None
+        when the tracker sent no load figures for it."""
+        loads = route.stage_loads
+        if loads is None:
+            return None
+        return repriced_ms(
+            route.expected_ms_per_token, loads, self.sessions_now(route), route.n_embd, self.costs
+        )
+
     def acquire(self, routes: Sequence[Route]) -> Route:
-        route = least_loaded(routes, self.route_load, lambda r: r.expected_ms_per_token)
+        route = cheapest_now(routes, self.route_cost, self.route_load, lambda r: r.expected_ms_per_token)
         self._inflight[route.route_id] = self._inflight.get(route.route_id, 0) + 1
         for hop in route.hops:
             self._node_inflight[hop.node_id] = self._node_inflight.get(hop.node_id, 0) + 1

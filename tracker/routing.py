@@ -105,6 +105,8 @@ from operator import attrgetter
 import numpy as np
 import numpy.typing as npt
 
+from common.route_cost import LoadCosts, compute_ms
+from common.route_cost import transfer_ms as common_transfer_ms
 from tracker.coordinates import UNTRUSTED_ERROR, NetCoord
 from tracker.errors import UnknownModel
 from tracker.recipes import recipe_exclusions
@@ -138,40 +140,20 @@ class RouteSelection:
 
 
 @dataclass(frozen=True)
-class RoutingCosts:
-    """Tunable weights of the cost model (milliseconds per token unless the name says otherwise)."""
+class RoutingCosts(LoadCosts):
+    """Tunable weights of the cost model (milliseconds per token unless the name says otherwise):
+    the load terms of :class:`common.route_cost.LoadCosts` and the search's own."""
 
-    saturated_penalty_ms: float = 1000.0  # shard at max sessions or with no free KV
     reuse_penalty_ms: float = 10_000.0  # per earlier route that already uses the shard
-    min_decode_ms_per_token: float = 0.001  # floor for nonsensical measurements (<= 0)
-    # One token's hidden state on the wire: n_embd values of this many bytes (4: f32, the exact mode).
-    activation_bytes_per_value: float = 4.0
-    default_uplink_mbit_s: float = 50.0  # a node that announced no uplink
     gateway_leg_weight: float = 1.0  # how much the gateway -> first and last -> gateway legs count
     ring_weight: float = 1.0  # how much the last -> first stage link counts (0: price open chains only)
-    # Queueing (see the module docstring): a batch step grows by this share of the single-token
-    # time per session in it (memory-bound GPUs ~0.15, CPUs ~0.6; nodes report only the single);
-    # 0.3 also covers what the model leaves out (attention over each session's context, the
-    # step's scheduling) and is what met the tail goals in the simulator (docs/simulation.md).
-    batch_growth_per_session: float = 0.3
-    # Expected wait for a slot, in single-token times, is this times u / (1 - u) at occupancy u.
-    queue_wait_weight: float = 1.0
-    # A term linear in the occupancy u, in single-token times (the cost model before queueing was
-    # priced: occupancy_weight=1, batch growth, queue wait and uplink queue 0).
-    occupancy_weight: float = 0.0
-    # u is capped here (a full shard also pays saturated_penalty_ms); must be < 1 with a queue wait.
-    max_occupancy: float = 0.95
-    # The uplink sends a step's frames one after another: a session's frame waits on average
-    # behind this share of the others'.
-    uplink_queue_share: float = 0.5
     # Above this many shards of one span [a, b), only the most promising (cheapest lower bound)
     # ``prune_floor + prune_per_route * k`` are searched (see "Complexity").
     prune_floor: int = 4
     prune_per_route: int = 1
 
     def __post_init__(self) -> None:
-        if self.queue_wait_weight and not 0.0 <= self.max_occupancy < 1.0:
-            raise ValueError("max_occupancy must be in [0, 1) when queue_wait_weight is set")
+        super().__post_init__()
         if self.prune_floor < 1 or self.prune_per_route < 0:
             raise ValueError("prune_floor must be >= 1 and prune_per_route >= 0")
 
@@ -199,20 +181,9 @@ def shard_cost_ms(
 
 def _loaded_compute_ms(shard: ShardView, load: float, costs: RoutingCosts) -> float:
     """The load-dependent part of :func:`shard_cost_ms` with ``load`` sessions on the shard."""
-    decode = shard.decode_ms_per_token
-    if decode < costs.min_decode_ms_per_token:
-        decode = costs.min_decode_ms_per_token
-    capacity = shard.max_sessions if shard.max_sessions > 1 else 1
-    load = load if load > 0 else 0.0
-    queued = shard.queue_depth if shard.queue_depth > 0 else 0
-    occupancy = min((load + queued) / capacity, costs.max_occupancy)
-    factor = 1.0 + costs.batch_growth_per_session * load + costs.occupancy_weight * occupancy
-    if costs.queue_wait_weight:
-        factor += costs.queue_wait_weight * occupancy / (1.0 - occupancy)
-    cost = decode * factor
-    if load >= capacity or shard.kv_free_tokens == 0:
-        cost += costs.saturated_penalty_ms
-    return cost
+    return compute_ms(
+        shard.decode_ms_per_token, shard.max_sessions, load, shard.queue_depth, shard.kv_free_tokens, costs
+    )
 
 
 def transfer_ms(
@@ -225,13 +196,7 @@ def transfer_ms(
 
 
 def _loaded_transfer_ms(shard: ShardView, n_embd: int, load: float, costs: RoutingCosts) -> float:
-    mbit = (
-        shard.uplink_mbit_s
-        if shard.uplink_mbit_s and shard.uplink_mbit_s > 0
-        else costs.default_uplink_mbit_s
-    )
-    one = n_embd * costs.activation_bytes_per_value * 8.0 / (mbit * 1000.0)
-    return one * (1.0 + costs.uplink_queue_share * (load if load > 0 else 0.0))
+    return common_transfer_ms(shard.uplink_mbit_s, n_embd, load, costs)
 
 
 def repriced_ms(

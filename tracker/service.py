@@ -655,6 +655,9 @@ class Registry:
                             "kv_free_tokens": shard_of[h.node_id].kv_free_tokens,
                             "kv_pool_tokens": shard_of[h.node_id].kv_pool_tokens,
                             "kv_session_max_tokens": shard_of[h.node_id].kv_session_max_tokens,
+                            # Heads of the KV prefixes it keeps (its last heartbeat; common/prefix_chain.py):
+                            # the gateway prefers the route holding the longest prefix of its prompt.
+                            "prefix_heads": list(shard_of[h.node_id].prefix_heads),
                             # What the gateway re-prices the route's load with (common/route_cost.py):
                             # the stage's single-token time, session limit, reported load and queue,
                             # and the load this route was priced at (reported plus recent hand-outs).

@@ -284,3 +284,22 @@ async def test_prefix_heads_reach_the_route_answer_and_a_heartbeat_without_them_
     clock.advance(2.0)  # past the routing snapshot's age
     status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
     assert body["routes"][0]["hops"][0]["prefix_heads"] == []
+
+
+async def test_hops_carry_the_load_the_route_was_priced_with(swarm) -> None:
+    """The figures a gateway re-prices its pooled routes with (common/route_cost.py): the second
+    look-up's route is priced with the first's hand-outs (priced_sessions above the reported load)."""
+    from gateway.routes import parse_routes
+
+    client, clock, registry = swarm
+    await _node(client, clock, 1, 0, 30, 5.0, kv_free=4096)
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
+    assert status == 200
+    (hop,) = body["routes"][0]["hops"]
+    assert (hop["decode_ms_per_token"], hop["active_sessions"], hop["queue_depth"]) == (5.0, 0, 0)
+    assert hop["max_sessions"] >= 1 and hop["priced_sessions"] == 0
+    status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
+    (hop,) = body["routes"][0]["hops"]
+    assert hop["active_sessions"] == 0 and hop["priced_sessions"] == 1.0  # the first hand-out
+    (route,) = parse_routes(body, 0.0).routes
+    assert route.stage_loads is not None and route.stage_loads[0].priced_sessions == 1.0
