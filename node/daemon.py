@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import trio
@@ -62,6 +62,9 @@ from node.tickets import TicketVerifier
 from proto import codec
 from proto.announce import Announce, Heartbeat, Leave, ModelSpec
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
+
+if TYPE_CHECKING:
+    from node.draft_model import DraftModel
 
 log = logging.getLogger("swarm.node")
 TRACKER_CALL_TIMEOUT_S = 15.0
@@ -135,6 +138,7 @@ class NodeDaemon:
         self._tracker_client: Any = None  # the heartbeat loop's TrackerClient, for /status
         self.tensors: Any = None  # node.peer_serve.TensorServer once the span's bytes can be served
         self.rtt: RttSampler | None = None  # round trips to peers, for the tracker's coordinates
+        self.draft: DraftModel | None = None  # the draft model (draft_model), the last stage's proposer
 
     # -- start-up ----------------------------------------------------------------------------------
 
@@ -284,7 +288,8 @@ class NodeDaemon:
                     level=logging.WARNING,
                     message="insecure_no_tickets: any OPEN is accepted; never use this on a network",
                 )
-            self.machine = FrameServer(self.spec, self.verifier)
+            draft = await self._draft_model(cfg, cache, meta.fingerprint)
+            self.machine = FrameServer(self.spec, self.verifier, None if draft is None else draft.proposer)
             self.hub = Hub(
                 self.machine,
                 reply_buffer_bytes=cfg.reply_buffer_bytes,
@@ -402,7 +407,23 @@ class NodeDaemon:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(engine.close)
+                if self.draft is not None:
+                    self.draft.close()
             event(log, "node_stopped", node_id=self.node_id)
+
+    async def _draft_model(self, cfg: NodeConfig, cache: Path, fingerprint: str) -> DraftModel | None:
+        """The draft model (``draft_model``), its vocabulary checked against the target's, or None."""
+        if not cfg.draft_model:
+            return None
+        from node.draft_model import DraftModel
+        from node.shard import shard_dir
+
+        vocab = shard_dir(cache, fingerprint) / "vocab.gguf"
+        self.draft = await trio.to_thread.run_sync(
+            functools.partial(DraftModel, cfg.draft_model, vocab, slots=self.spec.speculate_max_sessions)
+        )
+        event(log, "draft_model_ready", path=str(self.draft.path), n_vocab=self.draft.n_vocab)
+        return self.draft
 
     async def _vocab(self, header_file: Path, cache: Path, fingerprint: str) -> bytes:
         """The vocabulary file gateways tokenize with; written on the first start.
