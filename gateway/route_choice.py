@@ -10,28 +10,36 @@
   413 ``prompt_too_long``), then -- when its nodes announced less free KV than the request needs --
   one that announced room (:meth:`_kv_fit`; none: ``KvExhausted``, the KV wait), and last a warm
   request's kept prefix: the route keeping it when it has room (at most ``prefix_route_slack``
-  more sessions than the one picked) and no node on probation another route could check.
+  more sessions than the one picked) and no node on probation another route could check. A prompt
+  this gateway keeps nothing for may still start with a prefix some route's nodes keep (another
+  gateway's request, or one this gateway forgot): each node reports heads of its kept block chains
+  (common/prefix_chain.py) through the tracker, and :meth:`_reported_prefix` prefers the route whose
+  every stage holds the longest prefix of the prompt, within the same slack, opening it with a copy
+  named by the prefix's chain hash (``KvSource "blocks:<hex>"``; shared across clients, so only with
+  ``prefix_share_min_tokens`` > 0 and at least that many positions).
 
 Every route returned is acquired (``RouteCache.acquire``): the caller releases it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
+from common.prefix_chain import BLOCK_TOKENS, chain, head, held_blocks, source_id
 from gateway import tools
 from gateway.admission import fits_kv, kv_room, kv_verdict
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidRequest, KvExhausted, NoRoute, StageFailed
 from gateway.groups import single_exception
 from gateway.metrics import Metrics
-from gateway.prefix_cache import Hit, PrefixCache
+from gateway.prefix_cache import Hit, Kept, PrefixCache
 from gateway.prompt_plan import TooLongHere, budget, context_limit
 from gateway.protocol import GenerationRequest
-from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo
+from gateway.routes import NodeInfoCache, Route, RouteCache, StageInfo, step_limit
 from gateway.spot_checks import SpotChecks
 from gateway.vocab_store import LoadedVocab, VocabStore
 
@@ -157,7 +165,7 @@ class RouteChoice:
         hit = self.prefix.lookup(client, route.model_fingerprint, prepared.prompt, trio.current_time())
         if hit is None:
             self.prefix.take(None)
-            return route, prepared, None
+            return await self._reported_prefix(request, route, prepared, candidates)
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
         suspects = set() if holder is None else {h.node_id for h in holder.hops if self.spot.on_probation(h)}
         if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
@@ -181,6 +189,56 @@ class RouteChoice:
             except BaseException:
                 self.routes.release(route)
                 raise
+        return route, prepared, hit
+
+    async def _reported_prefix(
+        self, request: GenerationRequest, route: Route, prepared: Prepared, candidates: list[Route]
+    ) -> tuple[Route, Prepared, Hit | None]:
+        """The candidate whose every stage reported (heartbeat heads) the longest prefix of the prompt,
+        when it carries at most ``prefix_route_slack`` more sessions than ``route`` (the one picked);
+        the hit names the prefix by its chain hash and is copied on every stage. None found: ``route``
+        as it was, cold."""
+        share = self.config.prefix_share_min_tokens
+        if share <= 0 or not any(h.prefix_heads for r in candidates for h in r.hops):
+            return route, prepared, None
+        step = step_limit(prepared.stages, self.config.prefill_step_tokens) if self.prefix.exact else 0
+        found = reported_prefix(
+            prepared.prompt,
+            prepared.stages[0].recipe_fingerprint,
+            candidates,
+            route,
+            self.routes.route_load,
+            slack=self.config.prefix_route_slack,
+            least=max(self.config.prefix_min_tokens, share),
+            step=step,
+            suspect=lambda r: any(self.spot.on_probation(h) for h in r.hops),
+        )
+        if found is None:
+            return route, prepared, None
+        holder, positions, chain_hash = found
+        if holder is not route:
+            self.routes.release(route)
+            route = self.routes.acquire([holder])
+            try:
+                other = await self.prepare(request, route)
+            except BaseException:
+                self.routes.release(route)
+                raise
+            if other.stages[0].recipe_fingerprint != prepared.stages[0].recipe_fingerprint:
+                return route, other, None  # another recipe: its chains differ (a head collision)
+            prepared = other
+        entry = Kept(
+            "",
+            route.model_fingerprint,
+            tuple(h.node_id for h in route.hops),
+            source_id(chain_hash, step),
+            tuple(prepared.prompt[:positions]),
+            math.inf,
+            positions,
+            max(1, step),
+        )
+        hit = Hit(entry, positions, shared=True)
+        self.prefix.take(hit)
         return route, prepared, hit
 
     async def _longer_route(
@@ -252,3 +310,48 @@ class RouteChoice:
         except BaseException:
             self.routes.release(other)
             raise
+
+
+def reported_prefix(
+    prompt: Sequence[int],
+    fingerprint: str,
+    candidates: Sequence[Route],
+    picked: Route,
+    load: Callable[[Route], int],
+    *,
+    slack: int,
+    least: int,
+    step: int = 0,
+    suspect: Callable[[Route], bool] = lambda r: False,
+) -> tuple[Route, int, bytes] | None:
+    """Prefix-aware choice (pure): (route, positions, chain hash of the prefix's last block) of the
+    candidate whose every stage reported the longest prefix of ``prompt`` among its heads, or None.
+
+    A route's reusable positions: the blocks every stage holds (as far as its heads tell), at least one
+    prompt token left to prefill, cut at a multiple of ``step`` (> 0: exact reuse, whole prefill
+    steps) and of the 16-position block; at least ``least``. Load: only routes carrying at most
+    ``slack`` more sessions than ``picked`` (the least loaded) qualify, so one hot prefix does not pile
+    every request on one route -- past the slack its requests go elsewhere and start another copy
+    there. Ties: the lighter route, then ``picked``. Routes with a node ``suspect`` (on probation,
+    when another route could check it: a warm request is not checked) are left out."""
+    hashes = chain(fingerprint, prompt[: len(prompt) - 1])
+    if not hashes:
+        return None
+    heads = [head(h) for h in hashes]
+    unit = math.lcm(BLOCK_TOKENS, step) if step > 0 else BLOCK_TOKENS
+    limit = load(picked) + slack
+    best: tuple[int, int, int] | None = None  # (positions, -load, picked?)
+    chosen: Route | None = None
+    for r in candidates:
+        if load(r) > limit or suspect(r) or not all(h.prefix_heads for h in r.hops):
+            continue
+        blocks = min(held_blocks(tuple(h.prefix_heads), heads) for h in r.hops)
+        positions = (blocks * BLOCK_TOKENS) // unit * unit
+        if positions < max(least, 1):
+            continue
+        key = (positions, -load(r), int(r is picked))
+        if best is None or key > best:
+            best, chosen = key, r
+    if best is None or chosen is None:
+        return None
+    return chosen, best[0], hashes[best[0] // BLOCK_TOKENS - 1]

@@ -826,6 +826,15 @@ class NodeDaemon:
             "swarm_node_kv_tokens_granted": one(stats.kv_tokens_granted),
             "swarm_node_kept_sessions": one(stats.kept_sessions),
             "swarm_node_kept_kv_tokens": one(stats.kept_kv_tokens),
+            "swarm_node_prefix_cached_blocks": one(stats.prefix_cached_blocks),
+            "swarm_node_prefix_lookups_total": {
+                (("outcome", "hit"),): float(stats.prefix_lookups_hit),
+                (("outcome", "miss"),): float(stats.prefix_lookups_miss),
+            },
+            "swarm_node_prefix_reused_tokens_total": one(stats.reused_positions),
+            "swarm_node_prefix_hit_ratio": one(
+                stats.reused_positions / max(1, stats.reused_positions + sched.prefill_tokens)
+            ),
             "swarm_node_kv_tokens_capacity": one(stats.kv_tokens_capacity),
             **self._pool_metrics(one),
             "swarm_node_tokens_per_second": one(tps),

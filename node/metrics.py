@@ -41,6 +41,20 @@ SPECS: dict[str, m.Spec] = {
     "swarm_node_kv_tokens_granted": m.gauge("KV positions granted to sessions"),
     "swarm_node_kept_sessions": m.gauge("released sessions kept warm for a next turn (Release.keep_ms)"),
     "swarm_node_kept_kv_tokens": m.gauge("KV positions held by kept sessions"),
+    "swarm_node_prefix_cached_blocks": m.gauge(
+        "distinct 16-token blocks the kept sessions hold, indexed by chained hash (node.prefix_blocks)"
+    ),
+    "swarm_node_prefix_lookups_total": m.counter(
+        "OPENs naming a prefix by its chain hash: found here (hit) or not (miss: started empty)",
+        "outcome",
+        scraped=True,
+    ),
+    "swarm_node_prefix_reused_tokens_total": m.counter(
+        "positions sessions started with from another session's KV instead of computing them", scraped=True
+    ),
+    "swarm_node_prefix_hit_ratio": m.gauge(
+        "prefix hit rate since start: positions reused / (reused + prefilled), i.e. blocks reused / needed"
+    ),
     "swarm_node_kv_tokens_capacity": m.gauge("KV positions of all slots (or of the KV pool)"),
     "swarm_node_kv_pool_blocks": m.gauge("16-position blocks of the KV pool (0: per-sequence layout)"),
     "swarm_node_kv_pool_used_blocks": m.gauge(
