@@ -1,12 +1,15 @@
 """Speculative decoding on the route, side by side with plain decoding in one run (issue 24).
 
 ``python -m sim.bench_spec [--model smol|qwen] [--nodes 3] [--rounds 3] [--max-tokens 96]
-[--out docs/perf/spec.json]``
+[--proposers ngram,draft] [--draft-model FILE.gguf] [--out docs/perf/spec.json]``
 
 Starts a swarm on loopback (swarm-tracker, ``--nodes`` swarm-node processes splitting the model
 evenly, one llama.cpp thread each, swarm-gateway with ``--kv-keep-s 0`` and no spot checks) and
 sends streamed greedy chat requests of two prompt classes, speculation on and off taking turns
-(the request's extra_body ``speculation``):
+(the request's extra_body ``speculation``). With ``draft`` among ``--proposers`` a second swarm,
+the same but with every node started with ``--draft-model`` (default: a Q4_0 copy of the target
+made with llama.cpp's quantizer), runs beside it, and its speculating requests take their turn
+too: no speculation, n-gram drafts and draft-model drafts side by side, in an order that rotates.
 
 * ``edit``: editing code or text given in the prompt (the answer repeats most of it);
 * ``chat``: open questions (novel text: n-gram drafts rarely match).
@@ -34,6 +37,8 @@ import httpx
 
 from node.testmodel import qwen_coder_model_path, test_model_path
 from sim.launcher import LocalSwarm, start_local_swarm
+
+COUNTERS = ("windows", "window_tokens", "drafted_tokens")
 
 EDIT = [
     "Repeat this code exactly, adding type hints to every function:\n\n"
@@ -98,37 +103,39 @@ def stream_chat(base: str, model: str, prompt: str, max_tokens: int, spec: bool)
     }
 
 
-def run(swarm: LocalSwarm, rounds: int, max_tokens: int) -> dict[str, Any]:
-    base = swarm.base_url.removesuffix("/v1")
-    model = swarm.model_name
+def run(swarms: dict[str, LocalSwarm], rounds: int, max_tokens: int) -> dict[str, Any]:
+    """``swarms``: mode -> the swarm its requests go to; mode ``off`` runs without speculation."""
     out: dict[str, Any] = {}
+    modes = list(swarms)
     for cls, prompts in (("edit", EDIT), ("chat", CHAT)):
-        rows: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-        counters = {"windows": 0.0, "window_tokens": 0.0, "drafted": 0.0, "decode_tokens": 0}
-        identical = True
-        stream_chat(base, model, prompts[0], 8, False)  # warm-up (caches, first connections)
-        for r in range(rounds):
+        rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        counters = {
+            m: dict.fromkeys(("windows", "window_tokens", "drafted", "decode_tokens"), 0.0) for m in modes
+        }
+        identical = {m: True for m in modes if m != "off"}
+        for swarm in {id(s): s for s in swarms.values()}.values():  # warm-up (caches, first connections)
+            stream_chat(swarm.base_url.removesuffix("/v1"), swarm.model_name, prompts[0], 8, False)
+        turn = 0
+        for _ in range(rounds):
             for p in prompts:
-                order = ("off", "on") if r % 2 == 0 else ("on", "off")
+                order = modes[turn % len(modes) :] + modes[: turn % len(modes)]
+                turn += 1
                 texts = {}
                 for mode in order:
-                    before = [
-                        metric(base, f"swarm_gateway_spec_{n}_total")
-                        for n in ("windows", "window_tokens", "drafted_tokens")
-                    ]
-                    res = stream_chat(base, model, p, max_tokens, mode == "on")
+                    base = swarms[mode].base_url.removesuffix("/v1")
+                    before = [metric(base, f"swarm_gateway_spec_{n}_total") for n in COUNTERS]
+                    res = stream_chat(base, swarms[mode].model_name, p, max_tokens, mode != "off")
                     texts[mode] = res.pop("text")
                     rows[mode].append(res)
-                    if mode == "on":
-                        after = [
-                            metric(base, f"swarm_gateway_spec_{n}_total")
-                            for n in ("windows", "window_tokens", "drafted_tokens")
-                        ]
-                        counters["windows"] += after[0] - before[0]
-                        counters["window_tokens"] += after[1] - before[1]
-                        counters["drafted"] += after[2] - before[2]
-                        counters["decode_tokens"] += res["tokens"] - 1
-                identical &= texts["on"] == texts["off"]
+                    if mode != "off":
+                        after = [metric(base, f"swarm_gateway_spec_{n}_total") for n in COUNTERS]
+                        c = counters[mode]
+                        c["windows"] += after[0] - before[0]
+                        c["window_tokens"] += after[1] - before[1]
+                        c["drafted"] += after[2] - before[2]
+                        c["decode_tokens"] += res["tokens"] - 1
+                for mode in identical:
+                    identical[mode] &= texts[mode] == texts["off"]
         summary: dict[str, Any] = {"identical_text": identical}
         for mode, items in rows.items():
             summary[mode] = {
@@ -138,22 +145,36 @@ def run(swarm: LocalSwarm, rounds: int, max_tokens: int) -> dict[str, Any]:
                 "per_token_ms_mean": statistics.fmean(i["per_token_ms"] for i in items),
                 "ttft_ms_median": statistics.median(i["ttft_s"] * 1000 for i in items),
             }
-        # Decode passes with speculation: a window is one pass; the other decode tokens took one each.
-        plain_passes = counters["decode_tokens"] - counters["window_tokens"]
-        passes = counters["windows"] + max(0.0, plain_passes)
-        summary["spec"] = {
-            "windows": counters["windows"],
-            "window_tokens": counters["window_tokens"],
-            "drafted": counters["drafted"],
-            "tokens_per_window": counters["window_tokens"] / max(1.0, counters["windows"]),
-            "acceptance": (counters["window_tokens"] - counters["windows"]) / max(1.0, counters["drafted"]),
-            "decode_tokens_per_pass": counters["decode_tokens"] / max(1.0, passes),
-        }
-        summary["ratio_on_over_off"] = (
-            summary["on"]["per_token_ms_mean"] / summary["off"]["per_token_ms_mean"]
-        )
+            if mode == "off":
+                continue
+            c = counters[mode]
+            # Decode passes with speculation: a window is one pass; the other decode tokens took one each.
+            passes = c["windows"] + max(0.0, c["decode_tokens"] - c["window_tokens"])
+            summary[mode]["spec"] = {
+                "windows": c["windows"],
+                "window_tokens": c["window_tokens"],
+                "drafted": c["drafted"],
+                "tokens_per_window": c["window_tokens"] / max(1.0, c["windows"]),
+                "acceptance": (c["window_tokens"] - c["windows"]) / max(1.0, c["drafted"]),
+                "decode_tokens_per_pass": c["decode_tokens"] / max(1.0, passes),
+            }
+            summary[mode]["over_off"] = (
+                summary[mode]["per_token_ms_mean"] / summary["off"]["per_token_ms_mean"]
+            )
         out[cls] = summary
     return out
+
+
+def _start(tmp: Path, name: str, path: Path, nodes: int, layers: list[str], extra: list[str]) -> LocalSwarm:
+    return start_local_swarm(
+        tmp / name,
+        model=path,
+        n_nodes=nodes,
+        layers=layers,
+        node_cache=Path(os.environ.get("SWARM_BENCH_CACHE", tmp / "cache")),
+        gateway_args=["--check-fraction", "0", "--probation-checks", "0", "--kv-keep-s", "0"],
+        node_args=["--no-benchmark", *extra],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,39 +183,61 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--proposers", default="ngram", help="ngram, draft or both (commas)")
+    ap.add_argument("--draft-model", type=Path, default=None, help="default: a Q4_0 copy of the target")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    proposers = [p for p in args.proposers.split(",") if p]
+    if not proposers or set(proposers) - {"ngram", "draft"}:
+        ap.error("--proposers: ngram, draft or both")
     path = test_model_path() if args.model == "smol" else qwen_coder_model_path()
     n = N_LAYERS[args.model]
     cuts = [round(i * n / args.nodes) for i in range(args.nodes + 1)]
     layers = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
-    with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
-        swarm = start_local_swarm(
-            Path(tmp),
-            model=path,
-            n_nodes=args.nodes,
-            layers=layers,
-            node_cache=Path(os.environ.get("SWARM_BENCH_CACHE", Path(tmp) / "cache")),
-            gateway_args=["--check-fraction", "0", "--probation-checks", "0", "--kv-keep-s", "0"],
-            node_args=["--no-benchmark"],
-        )
+    with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        draft_path = args.draft_model
+        if "draft" in proposers and draft_path is None:
+            from node.draft_model import quantize
+
+            draft_path = quantize(path, tmp / "draft-q4_0.gguf", "q4_0")
+        started_swarms: list[LocalSwarm] = []
         try:
+            plain = _start(tmp, "ngram", path, args.nodes, layers, [])
+            started_swarms.append(plain)
+            swarms = {"off": plain}
+            if "ngram" in proposers:
+                swarms["ngram"] = plain
+            if "draft" in proposers:
+                drafting = _start(tmp, "draft", path, args.nodes, layers, ["--draft-model", str(draft_path)])
+                started_swarms.append(drafting)
+                swarms["draft"] = drafting
             started = time.time()
-            results = run(swarm, args.rounds, args.max_tokens)
+            results = run(swarms, args.rounds, args.max_tokens)
         finally:
-            swarm.stop()
+            for swarm in started_swarms:
+                swarm.stop()
     print(
         f"\nspeculative decoding, {args.model}, {args.nodes} nodes on loopback, {args.rounds} rounds, greedy"
     )
-    head = ("class", "off ms/tok", "on ms/tok", "on/off", "tok/window", "accept", "tok/pass", "same")
-    print("{:6} {:>11} {:>10} {:>7} {:>11} {:>7} {:>9} {:>5}".format(*head))
-    for cls, s in results.items():
-        print(
-            f"{cls:6} {s['off']['per_token_ms_mean']:11.1f} {s['on']['per_token_ms_mean']:10.1f} "
-            f"{s['ratio_on_over_off']:7.2f} {s['spec']['tokens_per_window']:11.2f} "
-            f"{s['spec']['acceptance']:7.2f} {s['spec']['decode_tokens_per_pass']:9.2f} "
-            f"{str(s['identical_text']):>5}"
+    print(
+        "{:6} {:7} {:>9} {:>7} {:>11} {:>7} {:>9} {:>5}".format(
+            "class", "mode", "ms/tok", "/off", "tok/window", "accept", "tok/pass", "same"
         )
+    )
+    for cls, res in results.items():
+        for mode in ("off", *proposers):
+            m = res[mode]
+            if mode == "off":
+                print(f"{cls:6} {mode:7} {m['per_token_ms_mean']:9.1f} {1.0:7.2f}")
+                continue
+            sp = m["spec"]
+            print(
+                f"{cls:6} {mode:7} {m['per_token_ms_mean']:9.1f} {m['over_off']:7.2f} "
+                f"{sp['tokens_per_window']:11.2f} {sp['acceptance']:7.2f} "
+                f"{sp['decode_tokens_per_pass']:9.2f} "
+                f"{str(res['identical_text'][mode]):>5}"
+            )
     if args.out:
         doc = {
             "command": "python -m sim.bench_spec " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -203,13 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             "layers": layers,
             "rounds": args.rounds,
             "max_tokens": args.max_tokens,
+            "proposers": proposers,
+            "draft_model": None if draft_path is None else draft_path.name,
             "started_unix": started,
             "load_avg_1m": os.getloadavg()[0],
             "results": results,
         }
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.out}")
-    ok = all(s["identical_text"] for s in results.values())
+    ok = all(all(s["identical_text"].values()) for s in results.values())
     return 0 if ok else 1
 
 

@@ -29,6 +29,10 @@ side in one run, in rounds whose order rotates.
   prompt classes: ``edit`` (the continuation copies text given in the
   prompt) and ``chat`` (novel text); time per token against the ring bound
   (in-process compute + three one-way delays), tokens per pass, same tokens.
+  With ``--proposers ngram,draft`` a second route of three nodes, started with
+  ``--draft-model`` (a Q4_0 copy of the test model made with llama.cpp's
+  quantizer), runs in the same WAN, and its speculating requests take their
+  turn beside plain decoding and n-gram drafts.
 
 Needs root (network namespaces); says why and exits 2 without.
 """
@@ -140,20 +144,25 @@ def agreement(model: Path, cache: Path, prompt: list[int], n: int) -> dict[str, 
         inproc.close()
 
 
-def _swarm(profile_name: str, workdir: Path, model: Path, cache: Path) -> tuple[Any, Any, list[str]]:
+def _swarm(
+    profile_name: str, workdir: Path, model: Path, cache: Path, draft: Path | None = None
+) -> tuple[Any, Any, list[str]]:
+    """Three nodes in the WAN (and with ``draft``, three more started with it as --draft-model)."""
     from sim.procs import Supervisor
     from sim.wan import WanEmulator, load_profile
 
     profile = load_profile(profile_name)
     region = next(iter(profile.regions))
-    hosts = {"client": region, **{f"node{i + 1}": region for i in range(len(SPANS))}}
+    spans = list(SPANS) * (1 if draft is None else 2)
+    hosts = {"client": region, **{f"node{i + 1}": region for i in range(len(spans))}}
     wan = WanEmulator(profile, hosts)
     wan.start()
     sup = Supervisor(workdir, place=wan.argv)
     addresses = []
     try:
-        for i, (a, b) in enumerate(SPANS):
+        for i, (a, b) in enumerate(spans):
             name = f"node{i + 1}"
+            drafting = ["--draft-model", str(draft)] if draft is not None and i >= len(SPANS) else []
             node = sup.start_node(
                 name,
                 model=model,
@@ -163,7 +172,7 @@ def _swarm(profile_name: str, workdir: Path, model: Path, cache: Path) -> tuple[
                 session_kv_tokens=SESSION_KV,
                 max_sessions=4,
                 cache_dir=cache,
-                extra_args=["--no-benchmark", "--batch-tokens", "256", "--log-level", "warning"],
+                extra_args=["--no-benchmark", "--batch-tokens", "256", "--log-level", "warning", *drafting],
             )
             node.wait_port(300)
             addresses.append(f"{wan.address(name)}:{node.port}")
@@ -250,8 +259,16 @@ def part_decode(
 
 
 def part_spec(
-    model: Path, cache: Path, prompts: dict[str, list[int]], n_new: int, rounds: int, profiles: list[str]
+    model: Path,
+    cache: Path,
+    prompts: dict[str, list[int]],
+    n_new: int,
+    rounds: int,
+    profiles: list[str],
+    draft: Path | None = None,
 ) -> dict[str, Any]:
+    """Plain decoding, n-gram drafts ("spec") and, with ``draft``, draft-model drafts ("draft": a
+    second route whose nodes draft with it), in turns whose order rotates."""
     from gateway.route_session import DataPlane
     from sim.route_client import generate, route_on
     from sim.wan import load_profile
@@ -261,22 +278,28 @@ def part_spec(
     for profile_name in profiles:
         one_way_ms = max(p.delay_ms for p in load_profile(profile_name).paths.values())
         with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
-            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache)
+            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache, draft)
             try:
                 inproc = InProcess(model, cache)
 
                 async def body(
                     channels: Any, addresses: list[str] = addresses, inproc: InProcess = inproc
                 ) -> dict[str, Any]:
-                    route, stages = await route_on(channels, addresses)
-                    await generate(channels, route, stages, prompts["chat"], 4, plane=plane)
+                    routes = {"plain": await route_on(channels, addresses[: len(SPANS)])}
+                    routes["spec"] = routes["plain"]
+                    if len(addresses) > len(SPANS):
+                        routes["draft"] = await route_on(channels, addresses[len(SPANS) :])
+                    for route, stages in {id(r): r for r in routes.values()}.values():
+                        await generate(channels, route, stages, prompts["chat"], 4, plane=plane)
+                    modes = list(routes)
                     got: dict[str, Any] = {}
                     for cls, prompt in prompts.items():
-                        per: dict[str, list[float]] = {"in-process": [], "plain": [], "spec": []}
+                        per: dict[str, list[float]] = {"in-process": [], **{m: [] for m in modes}}
                         tokens: dict[str, list[int]] = {}
                         for r in range(rounds):
                             per["in-process"].append(inproc.decode_ms(prompt, n_new))
-                            for name in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+                            for name in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                                route, stages = routes[name]
                                 gen = await generate(
                                     channels,
                                     route,
@@ -284,20 +307,22 @@ def part_spec(
                                     prompt,
                                     n_new,
                                     plane=plane,
-                                    max_drafts=8 if name == "spec" else 0,
+                                    max_drafts=0 if name == "plain" else 8,
                                 )
                                 tokens.setdefault(name, gen.tokens)
                                 span = gen.arrivals_s[-1] - gen.arrivals_s[0]
                                 per[name].append(span * 1e3 / (len(gen.tokens) - 1))
-                                if name == "spec":
+                                if name != "plain":
                                     # Tokens arriving together came from one window: passes = bursts.
                                     bursts = 1 + sum(
                                         1
                                         for a, b in zip(gen.arrivals_s, gen.arrivals_s[1:], strict=False)
                                         if b - a > 1e-3
                                     )
-                                    per.setdefault("tokens_per_pass", []).append(len(gen.tokens) / bursts)
-                        got[cls] = {"samples": per, "same_tokens": tokens["plain"] == tokens["spec"]}
+                                    key = "tokens_per_pass" if name == "spec" else f"{name}_tokens_per_pass"
+                                    per.setdefault(key, []).append(len(gen.tokens) / bursts)
+                        same = all(tokens[m] == tokens["plain"] for m in modes)
+                        got[cls] = {"samples": per, "same_tokens": same}
                     return got
 
                 measured = _in_client(wan, body)
@@ -315,6 +340,14 @@ def part_spec(
                 "plain_over_bound": med["plain"] / bound,
                 "spec_over_bound": med["spec"] / bound,
                 "spec_over_plain": med["spec"] / med["plain"],
+                **(
+                    {
+                        "draft_over_bound": med["draft"] / bound,
+                        "draft_over_plain": med["draft"] / med["plain"],
+                    }
+                    if "draft" in med
+                    else {}
+                ),
                 "same_tokens": m["same_tokens"],
                 "samples": m["samples"],
             }
@@ -410,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--agreement-tokens", type=int, default=512)
+    parser.add_argument("--proposers", default="ngram", help="spec part: ngram, or ngram,draft")
     parser.add_argument("--out", type=Path, default=Path("bench-results/wan-data-plane.json"))
     args = parser.parse_args(argv)
 
@@ -449,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"same tokens {d['same_tokens']}"
                 )
         if "spec" in parts:
+            draft = None
+            if "draft" in args.proposers.split(","):
+                from node.draft_model import quantize
+
+                draft = quantize(model, cache / "draft-q4_0.gguf", "q4_0")
             spec = part_spec(
                 model,
                 cache,
@@ -456,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.tokens,
                 args.rounds,
                 args.profiles.split(","),
+                draft,
             )
             result["parts"]["spec"] = spec
             print("speculative decoding, 3 stages, greedy, median ms per token:")
@@ -469,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{c['bound_ms']:.1f} -> spec/bound {c['spec_over_bound']:.2f}, spec/plain "
                         f"{c['spec_over_plain']:.2f}, same tokens {c['same_tokens']}"
                     )
+                    if "draft" in m:
+                        print(
+                            f"  {name} {cls}: draft model {m['draft']:.1f} "
+                            f"({m['draft_tokens_per_pass']:.2f} tokens per pass) -> draft/bound "
+                            f"{c['draft_over_bound']:.2f}, draft/plain {c['draft_over_plain']:.2f}"
+                        )
         if "prefill" in parts:
             prefill = part_prefill(model, cache, long_prompt, args.rounds, "link-10ms")
             result["parts"]["prefill"] = prefill

@@ -3,9 +3,11 @@ a stage before it drops the previous window's rejected drafts when the next wind
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from node.session_machine import Compute, Push, StepOutcome, TruncateKv
+from node.session_machine import Compute, FrameServer, Push, StepOutcome, TruncateKv
 from proto import codec
 from proto.codec import Sampled
 from proto.swarm.v1 import frame_pb2, status_pb2
@@ -208,3 +210,59 @@ def test_no_drafts_while_more_sessions_than_speculate_max_sessions_are_open() ->
     (c,) = [a for a in feed_step(h, 6, [1]) if isinstance(a, Compute)]
     window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=7, sampled=Sampled(2, -0.1)), 0))
     assert window.activation.drafts > 0
+
+
+class ListProposer:
+    """A proposer that records the history it is given and always proposes the same drafts."""
+
+    def __init__(self, drafts: tuple[int, ...]) -> None:
+        self.tokens: list[int] = []
+        self.drafts = drafts
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        return self.drafts[:k]
+
+
+def test_a_proposer_factory_drafts_instead_of_ngram_lookup_and_follows_the_accepted_history() -> None:
+    """The node's draft model plugs in here (FrameServer(..., proposers)): the machine hands each
+    speculating session's proposer exactly the accepted tokens, whatever the windows rejected."""
+    made: list[ListProposer] = []
+
+    def factory(ngram: object) -> ListProposer:
+        made.append(ListProposer((7, 8)))
+        return made[-1]
+
+    h = Harness(is_last=True, shard_start=4, shard_end=8)
+    h.m = FrameServer(h.spec, lambda ticket, sid, claim: None, factory)
+    h.conn = h.m.connect()
+    frame = codec.open_frame(
+        h.header(),
+        step_id=1,
+        route_ticket=b"good",
+        kv_budget_tokens=40,
+        sampling=codec.SamplingSettings(temperature=0.0),
+        ring=RING,
+        max_drafts=4,
+    )
+    assert codec.body_kind(sends(h.feed(frame))[0]) == "open_ack"
+    (c,) = [a for a in feed_step(h, 0, [10, 11, 12]) if isinstance(a, Compute)]
+    window = pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=3, sampled=Sampled(13, -0.1)), 0))
+    assert list(window.activation.token_ids) == [13, 7, 8]  # no n-gram matches: these are the proposer's
+    (proposer,) = made
+    assert proposer.tokens == [10, 11, 12, 13]
+    (c,) = [a for a in feed_step(h, 3, [13, 7, 8], drafts=2) if isinstance(a, Compute)]
+    draws = (Sampled(7, -0.1), Sampled(5, -0.1), Sampled(6, -0.1))  # 7 accepted, 5 corrects 8
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=6, window=draws), 0)
+    assert TruncateKv("s1", 5) in out
+    assert list(pushed(out).activation.token_ids) == [5, 7, 8]
+    assert proposer.tokens == [10, 11, 12, 13, 7, 5]
