@@ -216,6 +216,15 @@ class TrackerClient:
         """A spot check's verdict (``POST /v1/evidence``): a conclusive one bans the liar."""
         return await self._gateway_report("/v1/evidence", "evidence", evidence.to_json())
 
+    async def relay_challenges(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The join challenges this gateway is to carry to the nodes it relays
+        (``POST /v1/relay/challenges``, tracker/relay_challenges.py)."""
+        return await self._gateway_report("/v1/relay/challenges", "relay_challenge_poll", payload)
+
+    async def relay_challenge_result(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """What a relayed node answered to a challenge this gateway carried."""
+        return await self._gateway_report("/v1/relay/challenge-results", "relay_challenge_result", payload)
+
     async def node_trust(self, node_id: str) -> dict[str, Any]:
         """Checks passed and failed, probation, ban, challenges and evidence of one node."""
         return dict(await self._call("GET", f"/v1/trust/nodes/{node_id}"))

@@ -22,6 +22,13 @@ not read), message size ``max_frame_bytes`` plus framing.
 
 If a socket drops, every session using it gets ``StreamError`` on its next
 ``receive`` -- the step fails cleanly and span recovery takes over.
+
+Join challenges: the tracker cannot dial a relayed node, so this gateway carries
+its challenge (:func:`carry_challenges_loop`): it names its connected nodes to
+the tracker (``POST /v1/relay/challenges``), sends the frames the tracker wrote
+for those waiting for their challenge, and brings every frame they answer back
+(``POST /v1/relay/challenge-results``). The tracker judges; this gateway only
+carries bytes (tracker/relay_challenges.py).
 """
 
 from __future__ import annotations
@@ -30,18 +37,22 @@ import base64
 import binascii
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import httpx
 import trio
 from quart import websocket
 from quart_trio import QuartTrio
 
 from common.grpc_adapter import Grpc
 from common.logs import event
+from common.tracker_client import TrackerClient, TrackerClientError
 from gateway.grpc_bridge import NodeChannels, StreamError
 from gateway.routes import Hop
 from proto.signing import NonceCache, SignatureError, open_envelope
@@ -110,6 +121,7 @@ class RelayLink:
     closed: bool = False
     frames_in: int = 0
     frames_out: int = 0
+    connected_at: float = 0.0  # trio.current_time() at the handshake
 
     def fail_all(self, reason: str) -> None:
         self.closed = True
@@ -163,6 +175,16 @@ class RelayHub:
             raise StreamError(f"relayed node {hop.node_id[:8]} is not connected to this gateway")
         return link
 
+    def connected(self, node_id: str) -> RelayLink | None:
+        link = self._links.get(node_id)
+        return None if link is None or link.closed else link
+
+    def links(self) -> list[RelayLink]:
+        """The connected nodes, newest first."""
+        return sorted(
+            (link for link in self._links.values() if not link.closed), key=lambda link: -link.connected_at
+        )
+
     def check_hello(self, envelope: object, challenge: str) -> tuple[str, shard_service_pb2.NodeInfo]:
         """Verify the node's signed answer to ``challenge``; return its node id and Info."""
         payload = open_envelope(
@@ -212,7 +234,7 @@ class RelayHub:
             await ws.send(json.dumps({"type": "refused", "reason": reason}))
             return
         send, receive = trio.open_memory_channel[bytes](OUTBOUND_FRAMES)
-        link = RelayLink(node_id, info, send)
+        link = RelayLink(node_id, info, send, connected_at=trio.current_time())
         old = self._links.get(node_id)
         if old is not None:
             old.fail_all("the node reconnected its relay socket")
@@ -292,6 +314,115 @@ class RelayChannels(NodeChannels):
         if address.startswith(ADDRESS_PREFIX):
             raise StreamError("vocabularies are not fetched over the relay")
         return await super().get_vocab(address, model_fingerprint, max_bytes)
+
+
+# -- join challenges carried for the tracker -------------------------------------------------------
+
+CHALLENGE_POLL_NEW_S = 1.0  # how often the tracker is asked while a node connected recently
+CHALLENGE_POLL_S = 10.0  # ... and otherwise, while any node is connected
+CHALLENGE_NEW_LINK_S = 60.0  # "recently"
+CHALLENGE_POLL_NODES = 16  # nodes named per poll (tracker/relay_challenges.py: MAX_POLL_NODES)
+
+
+async def carry_challenge(hub: RelayHub, order: dict[str, Any]) -> dict[str, Any]:
+    """Carry one of the tracker's challenge sessions to a relayed node: send the tracker's frames as
+    they are, bring back every frame the node answers (the tracker judges them, not this gateway)."""
+    node_id = str(order["node_id"])
+    link = hub.connected(node_id)
+    out: dict[str, Any] = {
+        "gateway_id": hub.gateway_id,
+        "node_id": node_id,
+        "info": base64.b64encode(link.info.SerializeToString()).decode("ascii") if link else "",
+        "input_id": str(order.get("input_id", "")),
+        "replies": [],
+        "error": "",
+    }
+    if link is None or link.closed:
+        out["error"] = "the node is not connected to this gateway's relay"
+        return out
+    frames = [base64.b64decode(f) for f in order["frames"]]
+    max_replies = int(order.get("max_replies", 1))
+    replies: list[bytes] = []
+    stream = RelayStageStream(link, node_id)
+    try:
+        with trio.fail_after(float(order.get("timeout_s", 30.0))):
+            await stream.send(frames[0])
+            replies.append(await stream.receive())
+            if frame_pb2.Frame.FromString(replies[0]).WhichOneof("body") == "open_ack":
+                for frame in frames[1:]:
+                    await stream.send(frame)
+                while len(replies) <= max_replies:
+                    data = await stream.receive()
+                    replies.append(data)
+                    reply = frame_pb2.Frame.FromString(data)
+                    if not reply.HasField("chunk") or reply.chunk.index >= reply.chunk.count - 1:
+                        break
+                with trio.move_on_after(2.0):
+                    await stream.send(base64.b64decode(order["release"]))
+    except (StreamError, trio.TooSlowError) as err:
+        out["error"] = str(err) or "no answer in time"
+    except Exception as err:  # unreadable bytes from the node: the tracker judges what came
+        out["error"] = f"unreadable answer: {err!r}"[:200]
+    finally:
+        stream.close()
+    out["replies"] = [base64.b64encode(r).decode("ascii") for r in replies]
+    return out
+
+
+async def carry_challenges_once(
+    hub: RelayHub, tracker: TrackerClient, links: list[RelayLink], *, timeout_s: float
+) -> int:
+    """One round: name ``links`` to the tracker, carry the challenges it orders; the number carried."""
+    payload = {
+        "gateway_id": hub.gateway_id,
+        "nodes": [
+            {"node_id": link.node_id, "info": base64.b64encode(link.info.SerializeToString()).decode("ascii")}
+            for link in links[:CHALLENGE_POLL_NODES]
+        ],
+    }
+    with trio.fail_after(timeout_s):
+        answer = await tracker.relay_challenges(payload)
+    carried = 0
+    for order in answer.get("orders") or []:
+        result = await carry_challenge(hub, order)
+        with trio.fail_after(timeout_s):
+            verdict = await tracker.relay_challenge_result(result)
+        carried += 1
+        event(
+            log,
+            "relay_challenge_carried",
+            node_id=result["node_id"],
+            outcome=verdict.get("outcome"),
+            routable=verdict.get("routable"),
+            error=result["error"],
+        )
+    return carried
+
+
+async def carry_challenges_loop(hub: RelayHub, tracker: TrackerClient, *, timeout_s: float) -> None:
+    """Ask the tracker which nodes relayed here wait for their join challenge, and carry it to them:
+    every second while a node connected in the last minute (it announces after its handshake), every
+    ten seconds otherwise (a node that expired and came back is challenged again)."""
+    last_full = -math.inf
+    while True:
+        now = trio.current_time()
+        links = hub.links()
+        recent = [link for link in links if now - link.connected_at < CHALLENGE_NEW_LINK_S]
+        if links and now - last_full >= CHALLENGE_POLL_S:
+            ask, last_full = links, now
+        else:
+            ask = recent
+        if ask:
+            try:
+                await carry_challenges_once(hub, tracker, ask, timeout_s=timeout_s)
+            except TrackerClientError as err:
+                if err.status != 404:  # 404: the tracker challenges nobody (challenge_nodes off)
+                    event(log, "relay_challenge_poll_failed", level=logging.WARNING, error=str(err)[:300])
+                await trio.sleep(CHALLENGE_POLL_S)
+            except (httpx.HTTPError, trio.TooSlowError, OSError) as err:
+                event(log, "relay_challenge_poll_failed", level=logging.WARNING, error=str(err)[:300])
+                await trio.sleep(CHALLENGE_POLL_S)
+        await trio.sleep(CHALLENGE_POLL_NEW_S)
 
 
 def install_relay(app: QuartTrio, hub: RelayHub) -> None:

@@ -31,7 +31,7 @@ from common.tls import TlsError, fingerprint_pem
 from common.tracker_client import TrackerClient
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.relay import RelayChannels, RelayHub, install_relay
+from gateway.relay import RelayChannels, RelayHub, carry_challenges_loop, install_relay
 from gateway.serving import GatewayService
 from gateway.tracker_key import TrackerKey, resolve_tracker_key
 from proto.signing import public_key_hex
@@ -212,6 +212,10 @@ async def _serve(
 
         nursery.start_soon(
             functools.partial(report_trust_loop, service, tracker, timeout_s=config.tracker_timeout_s)
+        )
+        # Join challenges of the nodes relayed here, carried for the tracker (gateway/relay.py).
+        nursery.start_soon(
+            functools.partial(carry_challenges_loop, relay, tracker, timeout_s=config.tracker_timeout_s)
         )
         trigger = shutdown.wait if shutdown is not None else None
         async with trio.open_nursery() as http:

@@ -35,6 +35,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from common.logs import event
 from common.metrics import CONTENT_TYPE
 from proto.signing import SignatureError
+from tracker import relay_challenges
 from tracker.dashboard import STATIC_FILES, DashboardFeed
 from tracker.errors import BadRequest, NotFound, PayloadTooLarge, RateLimited, TrackerError
 from tracker.json_input import parse_json
@@ -224,6 +225,15 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
     @app.post("/v1/evidence")
     async def evidence() -> Response:
         return _json(await registry.trust.report_evidence(await read_json()))
+
+    @app.post("/v1/relay/challenges")
+    async def relay_challenge_poll() -> Response:
+        return _json(await relay_challenges.poll(registry, await read_json()))
+
+    @app.post("/v1/relay/challenge-results")
+    async def relay_challenge_result() -> Response:
+        body = await read_json(registry.config.registry_max_body_bytes)
+        return _json(await relay_challenges.result(registry, body))
 
     @app.get("/v1/trust/nodes/<node_id>")
     async def node_trust(node_id: str) -> Response:

@@ -16,7 +16,9 @@ A mismatch, a wrong identity or an answer inconsistent with itself keeps the
 node out (``challenge_failed``); no trusted reference yet lets it in on
 probation; a node that does not answer (refused connection, timeout, busy, a
 ticket it does not accept yet) is tried ``challenge_attempts`` times, then
-counts as failed. Relayed nodes cannot be dialled and are let in on probation.
+counts as failed. Relayed nodes cannot be dialled: the gateway relaying one carries the same
+session's frames to it and brings back the answer, which is judged here alike
+(:meth:`Challenger.relay_orders`, :meth:`Challenger.relay_result`, tracker/relay_challenges.py).
 
 Bounds: ``challenge_concurrency`` challenges at once, at most
 ``challenge_queue_max`` waiting (more are picked up by the periodic sweep of
@@ -29,6 +31,7 @@ the pause before a retry holds no slot (the node waits outside the queue, at mos
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import logging
@@ -36,7 +39,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -49,6 +52,8 @@ from proto.signing import RouteTicket, TicketHop, route_ticket_bytes, sign_route
 from proto.swarm.v1 import frame_pb2, shard_service_pb2, status_pb2
 from tracker.challenge import TOP_LOGPROBS, ChallengeInput, challenge_input, sampled_digest, verdict
 from tracker.trust_store import ChallengeTarget
+
+RELAY_ADDRESS_PREFIX = "relay:"  # a relayed node's route address: relay:<gateway id>
 
 if TYPE_CHECKING:
     from tracker.service import Registry
@@ -159,11 +164,11 @@ class Challenger:
         if target is None:
             return Outcome(node_id, "gone", False, "the node is not waiting for a challenge")
         if not target.address:
-            await reg.gate.run_db(reg.store.trust.skip_challenge, node_id)
-            reg.invalidate_snapshot()
-            result = Outcome(node_id, "skipped", True, "relayed node: cannot be dialled, on probation")
-            self._log(target, result)
-            return result
+            # A relayed node cannot be dialled: the gateway relaying it carries this challenge's
+            # frames when it asks for its relayed nodes' orders (:meth:`relay_orders`).
+            return Outcome(
+                node_id, "relayed", False, "waiting for the relaying gateway to carry the challenge"
+            )
         try:
             with trio.fail_after(self.config.challenge_timeout_s):
                 recipe, route_recipe, spec, digest = await self._attempt(target)
@@ -179,6 +184,91 @@ class Challenger:
         v = verdict(digest, refs)
         return await self._finish(
             target, v.outcome, v.routable, v.detail, digest, recipe, spec.input_id, route_recipe=route_recipe
+        )
+
+    # -- relayed nodes: the challenge carried by the relaying gateway ---------------------------
+
+    async def relay_orders(self, gateway_id: str, infos: dict[str, bytes]) -> list[dict[str, Any]]:
+        """The challenges the gateway ``gateway_id`` is to carry to the nodes it relays: for each node
+        of ``infos`` (node id: the ``NodeInfo`` it gave the gateway in its signed relay hello) waiting
+        for its challenge and announced as relayed through that gateway, the session's frames.
+
+        The tracker writes every frame (the ticket, the secret input) and judges the replies the
+        gateway brings back (:meth:`relay_result`): the gateway only carries bytes, and the node
+        cannot tell this challenge from one the tracker dials."""
+        reg = self.registry
+        targets = await reg.gate.run_db(
+            functools.partial(
+                reg.store.trust.relayed_challenges,
+                gateway_id,
+                sorted(infos),
+                self.clock(),
+                live_within_s=self.config.heartbeat_timeout_s,
+            )
+        )
+        limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
+        orders = []
+        for target in targets:
+            try:
+                _check, recipe, spec = self.check_info(target, infos[target.node_id])
+            except ChallengeFailed as err:
+                await self._finish(target, "failed", False, str(err), "", "", "")
+                continue
+            frames, release = self.session_frames(target, recipe, spec, RELAY_ADDRESS_PREFIX + gateway_id)
+            orders.append(
+                {
+                    "node_id": target.node_id,
+                    "input_id": spec.input_id,
+                    "frames": [_b64(codec.serialize_frame(f, limits)) for f in frames],
+                    "release": _b64(codec.serialize_frame(release, limits)),
+                    "max_replies": self.config.challenge_tokens + 1,
+                    "timeout_s": self.config.challenge_timeout_s,
+                }
+            )
+        return orders
+
+    async def relay_result(
+        self, gateway_id: str, node_id: str, info: bytes, input_id: str, replies: list[bytes], error: str
+    ) -> Outcome:
+        """Judge the replies a relaying gateway brought back from a challenge it carried (see
+        :meth:`relay_orders`), exactly as the tracker judges a challenge it dials itself. ``error``:
+        the node did not answer (disconnected, too slow): it stays ``challenging``, out of routing,
+        and the gateway carries a new challenge on a later round."""
+        reg = self.registry
+        targets = await reg.gate.run_db(
+            functools.partial(
+                reg.store.trust.relayed_challenges,
+                gateway_id,
+                [node_id],
+                self.clock(),
+                live_within_s=self.config.heartbeat_timeout_s,
+            )
+        )
+        if not targets:
+            return Outcome(
+                node_id, "gone", False, "the node is not waiting for a challenge carried by this gateway"
+            )
+        (target,) = targets
+        try:
+            check, recipe, spec = self.check_info(target, info)
+        except ChallengeFailed as err:
+            return await self._finish(target, "failed", False, str(err), "", "", "")
+        if spec.input_id != input_id:
+            return Outcome(node_id, "unanswered", False, "the replies answer another challenge input")
+        if error:
+            return Outcome(node_id, "unanswered", False, f"the relayed node did not answer: {error[:200]}")
+        try:
+            digest = self.digest_of_replies(target, spec, replies)
+        except ChallengeFailed as err:
+            return await self._finish(target, "failed", False, str(err), "", "", "")
+        except ProtocolError as err:
+            if isinstance(err, _Refused) and err.status in _RETRYABLE:
+                return Outcome(node_id, "unanswered", False, f"refused: {err}")
+            return await self._finish(target, "failed", False, f"protocol: {err}", "", "", "")
+        refs = await reg.gate.run_db(self._references, target, check, spec.input_id)
+        v = verdict(digest, refs)
+        return await self._finish(
+            target, v.outcome, v.routable, v.detail, digest, check, spec.input_id, route_recipe=recipe
         )
 
     def _references(self, target: ChallengeTarget, recipe: str, input_id: str) -> set[str]:
@@ -260,14 +350,21 @@ class Challenger:
             raise Unanswered(f"Info failed: {err}") from err
         except trio.TooSlowError as err:
             raise Unanswered(f"no Info answer within {self.config.challenge_info_timeout_s:g} s") from err
+        check, recipe, spec = self.check_info(target, raw)
+        digest = await self._session(target, recipe, spec)
+        return check, recipe, spec, digest
+
+    def check_info(self, target: ChallengeTarget, raw: bytes) -> tuple[str, str, ChallengeInput]:
+        """The node's ``Info`` must name the announced key, model, span and width, with a recipe that
+        hashes to its fingerprint; returns (the recipe's check fingerprint, the recipe's fingerprint,
+        the span's challenge input). Raises :class:`ChallengeFailed`."""
         try:
             info = shard_service_pb2.NodeInfo.FromString(raw)
         except Exception as err:  # protobuf's DecodeError: the peer is not a node
             raise ChallengeFailed(f"Info answer is not a NodeInfo: {err}") from err
         if info.node_id != target.node_id:
-            raise ChallengeFailed(
-                f"the node at {target.address} is {info.node_id[:16]!r}, not the announced key"
-            )
+            where = target.address or f"relay:{target.relay_via}"
+            raise ChallengeFailed(f"the node at {where} is {info.node_id[:16]!r}, not the announced key")
         if (info.model.fingerprint, info.shard.start, info.shard.end) != (
             target.model_fingerprint,
             target.start,
@@ -295,19 +392,20 @@ class Challenger:
             n_vocab=int(info.model.n_vocab),
             n_tokens=self.config.challenge_tokens,
         )
-        digest = await self._session(target, recipe, spec)
-        return check, recipe, spec, digest
+        return check, recipe, spec
 
-    async def _session(self, target: ChallengeTarget, recipe: str, spec: ChallengeInput) -> str:
+    def session_frames(
+        self, target: ChallengeTarget, recipe: str, spec: ChallengeInput, address: str
+    ) -> tuple[list[frame_pb2.Frame], frame_pb2.Frame]:
+        """The challenge session's frames: (OPEN and the PREFILL's chunks, the RELEASE), under a
+        tracker-signed ticket for a one-hop route to ``address``."""
         reg = self.registry
         now = self.clock()
         ticket = RouteTicket(
             tracker_id=reg.tracker_id,
             session_id=secrets.token_hex(16),
             model_fingerprint=target.model_fingerprint,
-            hops=(
-                TicketHop(target.node_id, target.start, target.end, target.address, target.tls_fingerprint),
-            ),
+            hops=(TicketHop(target.node_id, target.start, target.end, address, target.tls_fingerprint),),
             issued_at_s=now,
             expires_at_s=now + self.config.challenge_timeout_s,
         )
@@ -322,7 +420,50 @@ class Challenger:
             request_id="tracker-challenge",
         )
         n = self.config.challenge_tokens
+        opening = codec.open_frame(
+            header,
+            step_id=1,
+            route_ticket=route_ticket_bytes(envelope),
+            kv_budget_tokens=n + 1,
+            sampling=codec.SamplingSettings(temperature=0.0, n_top_logprobs=TOP_LOGPROBS),
+            max_frame_bytes=MAX_MESSAGE_BYTES,
+            # Batch-invariant answers (docs/security.md, Limits): a busy honest node
+            # answers like an idle one. The challenge is one recognisable step anyway.
+            isolated=True,
+        )
+        steps = codec.step_frames(
+            header,
+            frame_pb2.PHASE_PREFILL,
+            step_id=2,
+            start=0,
+            token_ids=spec.token_ids,
+            hidden=spec.hidden,
+            sample=spec.sample,
+            max_frame_bytes=MAX_MESSAGE_BYTES,
+        )
+        return [opening, *steps], codec.release_frame(header, step_id=n + 3, expected_kv_len=n)
+
+    def digest_of_replies(self, target: ChallengeTarget, spec: ChallengeInput, replies: list[bytes]) -> str:
+        """The digest of a session's replies (the OPEN's acknowledgement, then the PREFILL's result
+        chunks), refusing answers that are wrong in themselves (:class:`ChallengeFailed`, or
+        :class:`_Refused` for a node that refused the session)."""
+        n = self.config.challenge_tokens
         limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
+        if len(replies) < 2:
+            raise ChallengeFailed("the answer has no result")
+        _expect(codec.parse_frame(replies[0], limits), "open_ack")
+        frames = [_expect(codec.parse_frame(raw, limits), "result") for raw in replies[1:]]
+        if len(frames) > n:
+            raise ChallengeFailed("the answer has more chunks than positions")
+        last = frames[-1]
+        if last.HasField("chunk") and last.chunk.index < last.chunk.count - 1:
+            raise ChallengeFailed("the answer ends before its last chunk")
+        return _digest(frames, spec, n, target.n_embd, limits)
+
+    async def _session(self, target: ChallengeTarget, recipe: str, spec: ChallengeInput) -> str:
+        n = self.config.challenge_tokens
+        limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
+        frames, release = self.session_frames(target, recipe, spec, target.address)
         try:
             async with self.grpc.open_stream(
                 target.address,
@@ -330,33 +471,9 @@ class Challenger:
                 max_message_bytes=MAX_MESSAGE_BYTES,
                 pin=self._pin(target),
             ) as stream:
-                await stream.send(
-                    codec.serialize_frame(
-                        codec.open_frame(
-                            header,
-                            step_id=1,
-                            route_ticket=route_ticket_bytes(envelope),
-                            kv_budget_tokens=n + 1,
-                            sampling=codec.SamplingSettings(temperature=0.0, n_top_logprobs=TOP_LOGPROBS),
-                            max_frame_bytes=MAX_MESSAGE_BYTES,
-                            # Batch-invariant answers (docs/security.md, Limits): a busy honest node
-                            # answers like an idle one. The challenge is one recognisable step anyway.
-                            isolated=True,
-                        ),
-                        limits,
-                    )
-                )
+                await stream.send(codec.serialize_frame(frames[0], limits))
                 _expect(codec.parse_frame(await stream.receive(), limits), "open_ack")
-                for frame in codec.step_frames(
-                    header,
-                    frame_pb2.PHASE_PREFILL,
-                    step_id=2,
-                    start=0,
-                    token_ids=spec.token_ids,
-                    hidden=spec.hidden,
-                    sample=spec.sample,
-                    max_frame_bytes=MAX_MESSAGE_BYTES,
-                ):
+                for frame in frames[1:]:
                     await stream.send(codec.serialize_frame(frame, limits))
                 replies = [_expect(codec.parse_frame(await stream.receive(), limits), "result")]
                 while replies[-1].HasField("chunk") and replies[-1].chunk.index < replies[-1].chunk.count - 1:
@@ -364,11 +481,7 @@ class Challenger:
                         raise ChallengeFailed("the answer has more chunks than positions")
                     replies.append(_expect(codec.parse_frame(await stream.receive(), limits), "result"))
                 digest = _digest(replies, spec, n, target.n_embd, limits)
-                await stream.send(
-                    codec.serialize_frame(
-                        codec.release_frame(header, step_id=n + 3, expected_kv_len=n), limits
-                    )
-                )
+                await stream.send(codec.serialize_frame(release, limits))
                 with trio.move_on_after(2.0):
                     await stream.receive()  # closed (best effort: the session times out on the node anyway)
                 return digest
@@ -384,6 +497,10 @@ class _Refused(ProtocolError):
     def __init__(self, status: int, message: str) -> None:
         self.status = status  # type: ignore[assignment]
         super().__init__(message)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 def _expect(frame: frame_pb2.Frame, kind: str) -> frame_pb2.Frame:

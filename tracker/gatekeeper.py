@@ -61,7 +61,7 @@ class Gatekeeper:
     # --- signed messages --------------------------------------------------------------------------
 
     def open_envelope(
-        self, envelope: Any, kind: str, signer_field: str = "node_id"
+        self, envelope: Any, kind: str, signer_field: str = "node_id", *, max_payload_bytes: int = 0
     ) -> tuple[dict[str, Any], NonceRecord | None]:
         """The verified payload of a signed ``kind`` message and its nonce (for :meth:`signed_write`).
         Raises :class:`SignatureError` (401; counted and logged) or :class:`RateLimited` (429)."""
@@ -74,7 +74,7 @@ class Gatekeeper:
                 skew_s=self.config.signature_skew_s,
                 nonces=grab,
                 signer_field=signer_field,
-                max_payload_bytes=self.config.max_body_bytes,
+                max_payload_bytes=max_payload_bytes or self.config.max_body_bytes,
             )
         except SignatureError as err:
             self.refused(kind, err)

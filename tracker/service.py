@@ -188,9 +188,9 @@ class Registry:
     # --- writes ---------------------------------------------------------------------------------
 
     def _challenges(self, relayed: bool) -> bool:
-        """Whether a node must answer a challenge before it is routable (relayed nodes cannot be
-        dialled: they go live on probation)."""
-        return self.config.challenge_nodes and self.challenger is not None and not relayed
+        """Whether a node must answer a challenge before it is routable (a relayed node's is carried
+        by the gateway relaying it: tracker/relay_challenges.py)."""
+        return self.config.challenge_nodes and self.challenger is not None
 
     async def announce(self, envelope: Any, *, remote: str = "") -> dict[str, Any]:
         payload, nonce = self.gate.open_envelope(envelope, "announce")
@@ -249,7 +249,7 @@ class Registry:
             self.metrics.inc("swarm_tracker_restorations_total")
             event(log, "node_restored", node_id=h.node_id, challenge=challenge)
             if challenge and self.challenger is not None:
-                self.challenger.enqueue(h.node_id)  # a relayed node is skipped by the challenger
+                self.challenger.enqueue(h.node_id)  # a relayed node's challenge waits for its gateway
         rtt = await self._record_rtt(h.node_id, h.rtt_samples)
         return {
             "node_id": h.node_id,

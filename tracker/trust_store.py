@@ -89,6 +89,22 @@ class ChallengeTarget:
     n_layers: int
     n_embd: int
     tls_fingerprint: str = ""  # as announced; "" = the node serves plaintext
+    relay_via: str = ""  # a relayed node (address ""): the gateway that relays it
+
+
+def _target(node: Node, shard: Shard, model: Model) -> ChallengeTarget:
+    address = "" if node.relay or not node.addresses else node.addresses[0]
+    return ChallengeTarget(
+        node.id,
+        shard.model_fingerprint,
+        address,
+        shard.layer_start,
+        shard.layer_end,
+        model.n_layers,
+        model.n_embd,
+        node.tls_fingerprint,
+        relay_via=(node.relay_via or "") if node.relay else "",
+    )
 
 
 class TrustStore:
@@ -341,17 +357,33 @@ class TrustStore:
             if row is None:
                 return None
             node, shard, model = row
-            address = "" if node.relay or not node.addresses else node.addresses[0]
-            return ChallengeTarget(
-                node.id,
-                shard.model_fingerprint,
-                address,
-                shard.layer_start,
-                shard.layer_end,
-                model.n_layers,
-                model.n_embd,
-                node.tls_fingerprint,
-            )
+            return _target(node, shard, model)
+
+    def relayed_challenges(
+        self, gateway_id: str, node_ids: list[str], now_s: float, *, live_within_s: float
+    ) -> list[ChallengeTarget]:
+        """Of ``node_ids``, those waiting for a challenge, announced as relayed through the gateway
+        ``gateway_id`` and heard from within ``live_within_s``."""
+        if not node_ids:
+            return []
+        with Session(self.db.engine) as s:
+            rows = s.execute(
+                select(Node, Shard, Model)
+                .join(Shard, Shard.node_id == Node.id)
+                .join(Model, Model.fingerprint == Shard.model_fingerprint)
+                .where(
+                    Node.id.in_(node_ids),
+                    Node.state == NODE_CHALLENGING,
+                    Node.relay.is_(True),
+                    Node.relay_via == gateway_id,
+                    Node.last_seen_s >= now_s - live_within_s,
+                )
+                .order_by(Node.id, Shard.updated_s.desc())
+            ).all()
+            out: dict[str, ChallengeTarget] = {}
+            for node, shard, model in rows:
+                out.setdefault(node.id, _target(node, shard, model))  # a node's latest shard
+            return list(out.values())
 
     def challenge_references(
         self, target: ChallengeTarget, recipe: str, input_id: str, now_s: float, *, probation_checks: int
@@ -415,17 +447,6 @@ class TrustStore:
                 .rowcount
             )
         return bool(moved)
-
-    def skip_challenge(self, node_id: str) -> bool:
-        """A node the tracker cannot challenge (relayed): routable, on probation like any newcomer."""
-        with self.db.engine.begin() as conn:
-            return bool(
-                conn.execute(
-                    update(Node)
-                    .where(Node.id == node_id, Node.state == NODE_CHALLENGING)
-                    .values(state=NODE_LIVE)
-                ).rowcount
-            )
 
     def rechallenge(self, node_ids: tuple[str, ...]) -> list[str]:
         """Live direct nodes a gateway found silent go back to ``challenging`` (out of routing until

@@ -8,14 +8,18 @@ with keys made on the spot (tests/e2e/attackers.py).
   after its dial or OPEN deadline, routes around it and names it to the tracker, which sends it back
   to its challenge (out of routing); the fresh keys never leave theirs.
 - A name taken by fresh keys: with no model registered, four fresh keys announce another
-  fingerprint under the real model's name (relayed: the tracker cannot challenge them, they go live
-  on probation). The name keeps resolving to the model trusted nodes serve; every request by name is
-  served by the real model; the tracker's model list and dashboard say which fingerprint the name
-  resolves to and why.
-- A liar on a span nobody else holds: a relayed fresh key (no join challenge can dial it) computing
-  nothing and claiming the whole model ``[0, 30)``, announcing the fastest decode there is. Its
+  fingerprint under the real model's name and go live on probation (the tracker challenges
+  nobody here, so nothing keeps them out before they count). The name keeps resolving to the model
+  trusted nodes serve; every request by name is served by the real model; the tracker's model list
+  and dashboard say which fingerprint the name resolves to and why.
+- A liar on a span nobody else holds: a relayed fresh key computing nothing and claiming the whole
+  model ``[0, 30)``, announcing the fastest decode there is. Its join challenge, carried by the
+  gateway relaying it, has no trusted answer to compare with: it goes live on probation. Its
   requests are checked against nodes that together cover the span (compared at the sampled token),
   judged by a third route, and it is named on its first request: no client sees its output.
+- Relayed newcomers are challenged: the gateway relaying a node carries the tracker's challenge
+  frames and brings the answers back for the tracker to judge. An honest relayed node passes and
+  serves; a relayed liar on a span trusted nodes hold fails its challenge and is never routed.
 - A liar without a disjoint twin: one node on ``[0, 15)``, two on ``[15, 30)``, one of those a
   newcomer that replaces every token after answering its challenge honestly. Its runs are checked
   against the other ``[15, 30)`` node with the first stage shared; with no third node to judge, the
@@ -196,6 +200,9 @@ def name_swarm(
             "1",
             "--unregistered-names",
             "trusted",  # the tracker's default (the harness's is any)
+            # Fresh keys live on probation at once, the strongest form of the attack: a relayed key
+            # no gateway carries a challenge to waits in `challenging` on a tracker that challenges.
+            "--no-challenges",
         ],
     )
     yield s
@@ -381,6 +388,62 @@ def covering_swarm(
     s.stop()
 
 
+def _challenges(swarm: LocalSwarm, node_id: str) -> list[dict[str, Any]]:
+    trust = httpx.get(f"{swarm.tracker_url}/v1/trust/nodes/{node_id}", timeout=30).json()
+    return list(trust["challenges"])
+
+
+# Runs before the covering test below: the liar banned there bans new keys from its host (loopback).
+def test_relayed_newcomers_are_challenged_through_their_gateway(
+    covering_swarm: LocalSwarm, reference: Reference, model_path: Path, node_cache: Path
+) -> None:
+    swarm = covering_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    honest = {_node_id(n) for n in swarm.nodes}
+    relayed_id = _node_id(swarm.nodes[3])
+    # The honest relayed node answered its challenge through the gateway (no trusted node of its
+    # span had answered yet: on probation), then served and earned trust like the others.
+    (mine,) = _challenges(swarm, relayed_id)
+    assert mine["outcome"] in {"no_reference", "passed"}, mine
+    carried = _events(swarm.gateway.log_text(), "relay_challenge_carried")
+    assert any(e["node_id"] == relayed_id and e["routable"] for e in carried), carried
+    _earn_trust(swarm, want, model.fingerprint, honest)
+    # A relayed liar on [15, 30), a span trusted nodes hold: its challenge answer is compared with
+    # theirs, it fails and is never routed.
+    liar = swarm.supervisor.start_node(
+        "liar-relayed-15",
+        model=model_path,
+        layers="15:30",
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra_args=["--no-benchmark", *swarm.relay_args],
+        env={ENV: "no_model,fake_speed", CONSENT_ENV: CONSENT},
+    )
+    liar.wait_port(120)
+    liar_id = _node_id(liar)
+    wait_until(
+        lambda: _states(swarm).get(liar_id) == "challenge_failed",
+        90,
+        "the relayed liar to fail its challenge",
+    )
+    (theirs,) = _challenges(swarm, liar_id)
+    assert theirs["outcome"] == "mismatch", theirs
+    c = openai.OpenAI(base_url=swarm.base_url, api_key="sk-e2e", max_retries=0, timeout=120)
+    for _ in range(4):
+        reply = c.chat.completions.create(
+            model=model.fingerprint,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=N_NEW,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == want
+    assert _states(swarm).get(liar_id) == "challenge_failed"
+    gw = swarm.gateway.log_text()
+    assert liar_id not in {e.get("liar") for e in _events(gw, "spot_check_verdict")}  # never in a run
+    print(f"\nrelayed newcomers: honest one {mine['outcome']}, liar {theirs['outcome']} ({theirs['detail']})")
+
+
 def test_a_relayed_liar_on_a_span_nobody_holds_is_checked_by_covering_nodes(
     covering_swarm: LocalSwarm, reference: Reference, model_path: Path, node_cache: Path
 ) -> None:
@@ -392,7 +455,7 @@ def test_a_relayed_liar_on_a_span_nobody_holds_is_checked_by_covering_nodes(
     liar = _start_liar(swarm, model_path, node_cache, "0:30", "no_model", list(swarm.relay_args))
     liar_id = _node_id(liar)
     assert wait_until(
-        lambda: _states(swarm).get(liar_id) == "live", 60, "the relayed liar live (no challenge)"
+        lambda: _states(swarm).get(liar_id) == "live", 60, "the relayed liar live (no reference to compare)"
     )
     named_after, answers = _attack(swarm, want, model.fingerprint, liar_id, 8)
     print(f"\nrelayed liar on [0, 30): named after {named_after} request(s); {len(answers)} answers exact")
