@@ -262,6 +262,72 @@ def _replace(state: DraftState, **changes: int) -> DraftState:
     return DraftState(**values)
 
 
+# --------------------------------------------------------------------------- choosing a proposer
+
+
+@dataclass(frozen=True)
+class ChoicePolicy:
+    """How :class:`ProposerChoice` compares a costly proposer (a draft model) with a free one (n-gram)."""
+
+    probe_passes: int = 4  # passes each proposer drafts while they are compared
+    hold_passes: int = 32  # passes the faster one then drafts before they are compared again
+    decay: float = 0.75  # weight of the older measurements at each new one (per proposer)
+
+    def __post_init__(self) -> None:
+        if self.probe_passes < 1 or self.hold_passes < 1 or not 0.0 <= self.decay < 1.0:
+            raise ValueError("need probe_passes >= 1, hold_passes >= 1 and 0 <= decay < 1")
+
+
+class ProposerChoice:
+    """Which of two proposers drafts the next window, by the tokens per second each one yields.
+
+    A draft model proposes better than n-gram lookup but its time is part of every pass: where a
+    pass is cheap (a compute-bound route on loopback) that time can cost more than its extra tokens
+    save, where a pass is dear (a WAN) it is small. So the session measures rather than guesses:
+    ``probe_passes`` passes with each, then ``hold_passes`` with the one that produced more tokens
+    per second (the time from one proposal to the next, drafting included), then both again.
+    Pure: the caller measures and reports with :meth:`record`. ``fixed``: always that arm.
+    """
+
+    ARMS = ("model", "ngram")
+
+    def __init__(self, policy: ChoicePolicy | None = None, fixed: str | None = None) -> None:
+        if fixed is not None and fixed not in self.ARMS:
+            raise ValueError(f"fixed must be one of {self.ARMS}")
+        self.policy = policy or ChoicePolicy()
+        self.fixed = fixed
+        self._tokens = dict.fromkeys(self.ARMS, 0.0)
+        self._seconds = dict.fromkeys(self.ARMS, 0.0)
+        self._plan: list[str] = []
+        self.passes = dict.fromkeys(self.ARMS, 0)  # passes each drafted
+
+    def rate(self, arm: str) -> float:
+        """Tokens per second measured for ``arm`` (decayed), 0 before any measurement."""
+        return self._tokens[arm] / self._seconds[arm] if self._seconds[arm] > 0 else 0.0
+
+    def choose(self) -> str:
+        if self.fixed is not None:
+            self.passes[self.fixed] += 1
+            return self.fixed
+        if not self._plan:
+            p = self.policy
+            measured = all(self._seconds[a] > 0 for a in self.ARMS)
+            best = max(self.ARMS, key=self.rate) if measured else self.ARMS[0]
+            probe = [a for a in self.ARMS for _ in range(p.probe_passes)]
+            self._plan = (probe if not measured else [best] * p.hold_passes + probe)[::-1]
+        arm = self._plan.pop()
+        self.passes[arm] += 1
+        return arm
+
+    def record(self, arm: str, tokens: int, seconds: float) -> None:
+        """A pass drafted by ``arm`` produced ``tokens`` tokens in ``seconds`` (drafting included)."""
+        if seconds <= 0 or tokens < 0:
+            return
+        d = self.policy.decay
+        self._tokens[arm] = self._tokens[arm] * d + tokens
+        self._seconds[arm] = self._seconds[arm] * d + seconds
+
+
 # --------------------------------------------------------------------------- verification
 
 

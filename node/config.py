@@ -206,6 +206,13 @@ class NodeConfig:
         "of n-gram lookup; one llama.cpp thread, at most speculate_max_sessions sessions, 2048 positions "
         "each (longer histories draft by n-gram); empty = n-gram lookup only",
     )
+    draft_model_choice: str = _engine(
+        "auto",
+        "with draft_model: 'auto' = each session measures the tokens per second the draft model and "
+        "n-gram lookup yield (a few passes each, then the faster for 32, then both again), since the "
+        "model's time is part of every pass; 'always' = the draft model drafts every window",
+        choices=("auto", "always"),
+    )
     max_queued_steps: int = _engine(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
     max_frame_bytes: int = _engine(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
     idle_lease_s: float = _sessions(

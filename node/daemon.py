@@ -420,7 +420,13 @@ class NodeDaemon:
 
         vocab = shard_dir(cache, fingerprint) / "vocab.gguf"
         self.draft = await trio.to_thread.run_sync(
-            functools.partial(DraftModel, cfg.draft_model, vocab, slots=self.spec.speculate_max_sessions)
+            functools.partial(
+                DraftModel,
+                cfg.draft_model,
+                vocab,
+                slots=self.spec.speculate_max_sessions,
+                choice=cfg.draft_model_choice,
+            )
         )
         event(log, "draft_model_ready", path=str(self.draft.path), n_vocab=self.draft.n_vocab)
         return self.draft

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.speculation import (
+    ChoicePolicy,
     DraftPolicy,
     DraftState,
     NgramConfig,
     NgramProposer,
+    ProposerChoice,
     accept_greedy,
     draft_budget,
     initial_state,
@@ -255,3 +257,49 @@ def test_speculative_greedy_decoding_equals_plain_decoding(
         passes += 1
     assert history == plain
     assert passes <= n_new
+
+
+def run_choice(choice: ProposerChoice, passes: int, rates: dict[str, tuple[int, float]]) -> list[str]:
+    """``passes`` passes, each arm's pass yielding ``rates[arm]`` = (tokens, seconds)."""
+    arms = []
+    for _ in range(passes):
+        arm = choice.choose()
+        arms.append(arm)
+        choice.record(arm, *rates[arm])
+    return arms
+
+
+def test_the_choice_probes_both_proposers_then_holds_the_faster() -> None:
+    policy = ChoicePolicy(probe_passes=2, hold_passes=5)
+    # The model yields 3 tokens a pass but its drafting makes a pass take 0.3 s: 10 tokens/s; n-gram
+    # lookup 1.5 tokens in 0.1 s: 15 tokens/s. n-gram wins.
+    slow_model = {"model": (3, 0.3), "ngram": (3, 0.2)}
+    arms = run_choice(ProposerChoice(policy), 4 + 5 + 4 + 5, slow_model)
+    probe = ["model", "model", "ngram", "ngram"]
+    assert arms == probe + ["ngram"] * 5 + probe + ["ngram"] * 5
+    # Where passes are dear (a WAN), the model's tokens per pass win.
+    dear_passes = {"model": (3, 1.05), "ngram": (1, 1.0)}
+    arms = run_choice(ProposerChoice(policy), 4 + 5, dear_passes)
+    assert arms == probe + ["model"] * 5
+
+
+def test_the_choice_follows_a_change_at_the_next_probe() -> None:
+    choice = ProposerChoice(ChoicePolicy(probe_passes=2, hold_passes=4, decay=0.0))
+    run_choice(choice, 4, {"model": (4, 0.1), "ngram": (1, 0.1)})
+    assert run_choice(choice, 4, {"model": (1, 1.0), "ngram": (1, 0.1)}) == ["model"] * 4
+    # The next probe measures the model slow now: n-gram is held.
+    assert run_choice(choice, 4 + 4, {"model": (1, 1.0), "ngram": (1, 0.1)})[4:] == ["ngram"] * 4
+    assert choice.rate("ngram") == pytest.approx(10.0)
+
+
+def test_a_fixed_choice_never_probes_and_bad_measurements_are_ignored() -> None:
+    choice = ProposerChoice(fixed="model")
+    assert run_choice(choice, 50, {"model": (1, 10.0), "ngram": (9, 0.1)}) == ["model"] * 50
+    choice = ProposerChoice()
+    choice.record("model", 3, 0.0)
+    choice.record("model", -1, 1.0)
+    assert choice.rate("model") == 0.0
+    with pytest.raises(ValueError):
+        ProposerChoice(fixed="oracle")
+    with pytest.raises(ValueError):
+        ChoicePolicy(decay=1.0)

@@ -16,10 +16,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from common.speculation import NgramProposer
+from common.speculation import ChoicePolicy, NgramProposer, ProposerChoice
 from common.vocab import Vocabulary
 from node.config import ConfigError, NodeConfig
-from node.draft_model import DraftModel, DraftModelError, quantize, vocab_digest
+from node.draft_model import DraftModel, DraftModelError, DraftModelProposer, quantize, vocab_digest
 from node.drafting import SessionDrafter
 from node.llama_runtime import ContextSettings, free_model, load_model, new_context
 from node.testmodel import gemma3_model_path
@@ -141,3 +141,27 @@ def test_a_draft_with_another_vocabulary_is_refused(model_path: Path, draft_path
 def test_the_config_refuses_a_missing_draft_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="draft_model: no such file"):
         NodeConfig(model="m.gguf", draft_model=str(tmp_path / "none.gguf")).validate()
+
+
+def test_where_the_draft_model_costs_more_than_it_saves_sessions_draft_by_ngram(
+    draft: DraftModel, prompt: list[int]
+) -> None:
+    """Auto choice, with a clock the test moves: passes drafted by the model yield 2 tokens in 1 s,
+    n-gram passes 1 token in 0.1 s; after the probe the session drafts by n-gram lookup."""
+    now = [0.0]
+    choice = ProposerChoice(ChoicePolicy(probe_passes=2, hold_passes=6))
+    p = DraftModelProposer(draft, NgramProposer(), choice, clock=lambda: now[0])
+    p.extend(prompt)
+    proposals = draft.proposals
+    arms = []
+    for _ in range(2 + 2 + 6):
+        before = draft.proposals
+        p.propose(2)
+        arms.append("model" if draft.proposals > before else "ngram")
+        tokens, seconds = (2, 1.0) if arms[-1] == "model" else (1, 0.1)
+        p.extend([5] * tokens)
+        now[0] += seconds
+    assert arms == ["model"] * 2 + ["ngram"] * (2 + 6)
+    assert draft.proposals == proposals + 2  # the two probe passes only
+    assert choice.passes == {"model": 2, "ngram": 2 + 6}
+    assert choice.rate("ngram") > choice.rate("model")
