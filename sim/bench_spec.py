@@ -1,15 +1,18 @@
 """Speculative decoding on the route, side by side with plain decoding in one run (issue 24).
 
 ``python -m sim.bench_spec [--model smol|qwen] [--nodes 3] [--rounds 3] [--max-tokens 96]
-[--proposers ngram,draft] [--draft-model FILE.gguf] [--out docs/perf/spec.json]``
+[--proposers ngram,draft,draft-always] [--draft-model FILE.gguf] [--out docs/perf/spec.json]``
 
 Starts a swarm on loopback (swarm-tracker, ``--nodes`` swarm-node processes splitting the model
 evenly, one llama.cpp thread each, swarm-gateway with ``--kv-keep-s 0`` and no spot checks) and
 sends streamed greedy chat requests of two prompt classes, speculation on and off taking turns
 (the request's extra_body ``speculation``). With ``draft`` among ``--proposers`` a second swarm,
 the same but with every node started with ``--draft-model`` (default: a Q4_0 copy of the target
-made with llama.cpp's quantizer), runs beside it, and its speculating requests take their turn
-too: no speculation, n-gram drafts and draft-model drafts side by side, in an order that rotates.
+made with llama.cpp's quantizer; ``draft_model_choice`` auto: each session measures whether the
+model or n-gram lookup yields more), runs beside it, and its speculating requests take their turn
+too; ``draft-always`` one more whose nodes always draft with the model (``--draft-model-choice
+always``). No speculation, n-gram drafts and draft-model drafts side by side, in an order that
+rotates.
 
 * ``edit``: editing code or text given in the prompt (the answer repeats most of it);
 * ``chat``: open questions (novel text: n-gram drafts rarely match).
@@ -183,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--proposers", default="ngram", help="ngram, draft or both (commas)")
+    ap.add_argument("--proposers", default="ngram", help="ngram, draft, draft-always (commas)")
     ap.add_argument("--draft-model", type=Path, default=None, help="default: a Q4_0 copy of the target")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     proposers = [p for p in args.proposers.split(",") if p]
-    if not proposers or set(proposers) - {"ngram", "draft"}:
-        ap.error("--proposers: ngram, draft or both")
+    if not proposers or set(proposers) - {"ngram", "draft", "draft-always"}:
+        ap.error("--proposers: ngram, draft, draft-always (commas)")
     path = test_model_path() if args.model == "smol" else qwen_coder_model_path()
     n = N_LAYERS[args.model]
     cuts = [round(i * n / args.nodes) for i in range(args.nodes + 1)]
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp_dir:
         tmp = Path(tmp_dir)
         draft_path = args.draft_model
-        if "draft" in proposers and draft_path is None:
+        if {"draft", "draft-always"} & set(proposers) and draft_path is None:
             from node.draft_model import quantize
 
             draft_path = quantize(path, tmp / "draft-q4_0.gguf", "q4_0")
@@ -208,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
             swarms = {"off": plain}
             if "ngram" in proposers:
                 swarms["ngram"] = plain
-            if "draft" in proposers:
-                drafting = _start(tmp, "draft", path, args.nodes, layers, ["--draft-model", str(draft_path)])
-                started_swarms.append(drafting)
-                swarms["draft"] = drafting
+            for mode, choice in (("draft", "auto"), ("draft-always", "always")):
+                if mode in proposers:
+                    extra = ["--draft-model", str(draft_path), "--draft-model-choice", choice]
+                    drafting = _start(tmp, mode, path, args.nodes, layers, extra)
+                    started_swarms.append(drafting)
+                    swarms[mode] = drafting
             started = time.time()
             results = run(swarms, args.rounds, args.max_tokens)
         finally:
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nspeculative decoding, {args.model}, {args.nodes} nodes on loopback, {args.rounds} rounds, greedy"
     )
     print(
-        "{:6} {:7} {:>9} {:>7} {:>11} {:>7} {:>9} {:>5}".format(
+        "{:6} {:12} {:>9} {:>7} {:>11} {:>7} {:>9} {:>5}".format(
             "class", "mode", "ms/tok", "/off", "tok/window", "accept", "tok/pass", "same"
         )
     )
@@ -229,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("off", *proposers):
             m = res[mode]
             if mode == "off":
-                print(f"{cls:6} {mode:7} {m['per_token_ms_mean']:9.1f} {1.0:7.2f}")
+                print(f"{cls:6} {mode:12} {m['per_token_ms_mean']:9.1f} {1.0:7.2f}")
                 continue
             sp = m["spec"]
             print(
-                f"{cls:6} {mode:7} {m['per_token_ms_mean']:9.1f} {m['over_off']:7.2f} "
+                f"{cls:6} {mode:12} {m['per_token_ms_mean']:9.1f} {m['over_off']:7.2f} "
                 f"{sp['tokens_per_window']:11.2f} {sp['acceptance']:7.2f} "
                 f"{sp['decode_tokens_per_pass']:9.2f} "
                 f"{str(res['identical_text'][mode]):>5}"

@@ -29,9 +29,10 @@ side in one run, in rounds whose order rotates.
   prompt classes: ``edit`` (the continuation copies text given in the
   prompt) and ``chat`` (novel text); time per token against the ring bound
   (in-process compute + three one-way delays), tokens per pass, same tokens.
-  With ``--proposers ngram,draft`` a second route of three nodes, started with
-  ``--draft-model`` (a Q4_0 copy of the test model made with llama.cpp's
-  quantizer), runs in the same WAN, and its speculating requests take their
+  With ``--proposers ngram,draft,draft-always`` another route of three nodes
+  per draft mode, started with ``--draft-model`` (a Q4_0 copy of the test
+  model made with llama.cpp's quantizer) and ``--draft-model-choice auto`` /
+  ``always``, runs in the same WAN, and its speculating requests take their
   turn beside plain decoding and n-gram drafts.
 
 Needs root (network namespaces); says why and exits 2 without.
@@ -145,15 +146,21 @@ def agreement(model: Path, cache: Path, prompt: list[int], n: int) -> dict[str, 
 
 
 def _swarm(
-    profile_name: str, workdir: Path, model: Path, cache: Path, draft: Path | None = None
+    profile_name: str,
+    workdir: Path,
+    model: Path,
+    cache: Path,
+    draft: Path | None = None,
+    choices: tuple[str, ...] = (),
 ) -> tuple[Any, Any, list[str]]:
-    """Three nodes in the WAN (and with ``draft``, three more started with it as --draft-model)."""
+    """Three nodes in the WAN; with ``draft``, three more per ``choices`` entry, started with
+    ``--draft-model draft --draft-model-choice <entry>``."""
     from sim.procs import Supervisor
     from sim.wan import WanEmulator, load_profile
 
     profile = load_profile(profile_name)
     region = next(iter(profile.regions))
-    spans = list(SPANS) * (1 if draft is None else 2)
+    spans = list(SPANS) * (1 + (len(choices) if draft is not None else 0))
     hosts = {"client": region, **{f"node{i + 1}": region for i in range(len(spans))}}
     wan = WanEmulator(profile, hosts)
     wan.start()
@@ -162,7 +169,10 @@ def _swarm(
     try:
         for i, (a, b) in enumerate(spans):
             name = f"node{i + 1}"
-            drafting = ["--draft-model", str(draft)] if draft is not None and i >= len(SPANS) else []
+            drafting = []
+            if draft is not None and i >= len(SPANS):
+                choice = choices[i // len(SPANS) - 1]
+                drafting = ["--draft-model", str(draft), "--draft-model-choice", choice]
             node = sup.start_node(
                 name,
                 model=model,
@@ -266,9 +276,12 @@ def part_spec(
     rounds: int,
     profiles: list[str],
     draft: Path | None = None,
+    draft_modes: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Plain decoding, n-gram drafts ("spec") and, with ``draft``, draft-model drafts ("draft": a
-    second route whose nodes draft with it), in turns whose order rotates."""
+    """Plain decoding, n-gram drafts ("spec") and, with ``draft``, draft-model drafts ("draft":
+    a route whose nodes choose per session, "draft-always": one whose nodes always draft with
+    it), in turns whose order rotates."""
+    choices = tuple({"draft": "auto", "draft-always": "always"}[m] for m in draft_modes)
     from gateway.route_session import DataPlane
     from sim.route_client import generate, route_on
     from sim.wan import load_profile
@@ -278,7 +291,7 @@ def part_spec(
     for profile_name in profiles:
         one_way_ms = max(p.delay_ms for p in load_profile(profile_name).paths.values())
         with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
-            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache, draft)
+            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache, draft, choices)
             try:
                 inproc = InProcess(model, cache)
 
@@ -287,8 +300,9 @@ def part_spec(
                 ) -> dict[str, Any]:
                     routes = {"plain": await route_on(channels, addresses[: len(SPANS)])}
                     routes["spec"] = routes["plain"]
-                    if len(addresses) > len(SPANS):
-                        routes["draft"] = await route_on(channels, addresses[len(SPANS) :])
+                    for j, mode in enumerate(draft_modes if draft is not None else ()):
+                        at = (j + 1) * len(SPANS)
+                        routes[mode] = await route_on(channels, addresses[at : at + len(SPANS)])
                     for route, stages in {id(r): r for r in routes.values()}.values():
                         await generate(channels, route, stages, prompts["chat"], 4, plane=plane)
                     modes = list(routes)
@@ -340,14 +354,11 @@ def part_spec(
                 "plain_over_bound": med["plain"] / bound,
                 "spec_over_bound": med["spec"] / bound,
                 "spec_over_plain": med["spec"] / med["plain"],
-                **(
-                    {
-                        "draft_over_bound": med["draft"] / bound,
-                        "draft_over_plain": med["draft"] / med["plain"],
-                    }
-                    if "draft" in med
-                    else {}
-                ),
+                **{
+                    f"{mode}_over_{what}": med[mode] / ref
+                    for mode in draft_modes
+                    for what, ref in (("bound", bound), ("plain", med["plain"]))
+                },
                 "same_tokens": m["same_tokens"],
                 "samples": m["samples"],
             }
@@ -443,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--agreement-tokens", type=int, default=512)
-    parser.add_argument("--proposers", default="ngram", help="spec part: ngram, or ngram,draft")
+    parser.add_argument(
+        "--proposers", default="ngram", help="spec part: ngram, and draft and/or draft-always (commas)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/wan-data-plane.json"))
     args = parser.parse_args(argv)
 
@@ -484,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if "spec" in parts:
             draft = None
-            if "draft" in args.proposers.split(","):
+            draft_modes = tuple(m for m in ("draft", "draft-always") if m in args.proposers.split(","))
+            if draft_modes:
                 from node.draft_model import quantize
 
                 draft = quantize(model, cache / "draft-q4_0.gguf", "q4_0")
@@ -496,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.rounds,
                 args.profiles.split(","),
                 draft,
+                draft_modes,
             )
             result["parts"]["spec"] = spec
             print("speculative decoding, 3 stages, greedy, median ms per token:")
@@ -509,11 +524,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"{c['bound_ms']:.1f} -> spec/bound {c['spec_over_bound']:.2f}, spec/plain "
                         f"{c['spec_over_plain']:.2f}, same tokens {c['same_tokens']}"
                     )
-                    if "draft" in m:
+                    for mode in draft_modes:
                         print(
-                            f"  {name} {cls}: draft model {m['draft']:.1f} "
-                            f"({m['draft_tokens_per_pass']:.2f} tokens per pass) -> draft/bound "
-                            f"{c['draft_over_bound']:.2f}, draft/plain {c['draft_over_plain']:.2f}"
+                            f"  {name} {cls}: {mode} {m[mode]:.1f} "
+                            f"({m[mode + '_tokens_per_pass']:.2f} tokens per pass) -> {mode}/bound "
+                            f"{c[mode + '_over_bound']:.2f}, {mode}/plain {c[mode + '_over_plain']:.2f}"
                         )
         if "prefill" in parts:
             prefill = part_prefill(model, cache, long_prompt, args.rounds, "link-10ms")
