@@ -202,6 +202,12 @@ class RouteChoice:
         if share <= 0 or not any(h.prefix_heads for r in candidates for h in r.hops):
             return route, prepared, None
         step = step_limit(prepared.stages, self.config.prefill_step_tokens) if self.prefix.exact else 0
+
+        def suspect(r: Route) -> bool:
+            # As for a kept prefix: not through a node on probation that another route could check.
+            on = {h.node_id for h in r.hops if self.spot.on_probation(h)}
+            return bool(on) and any(not on <= {h.node_id for h in o.hops} for o in candidates)
+
         found = reported_prefix(
             prepared.prompt,
             prepared.stages[0].recipe_fingerprint,
@@ -211,7 +217,7 @@ class RouteChoice:
             slack=self.config.prefix_route_slack,
             least=max(self.config.prefix_min_tokens, share),
             step=step,
-            suspect=lambda r: any(self.spot.on_probation(h) for h in r.hops),
+            suspect=suspect,
         )
         if found is None:
             return route, prepared, None

@@ -853,6 +853,8 @@ class Store:
                             "kv_session_max_tokens": shard.kv_session_max_tokens,
                             "kv_preemptions": shard.kv_preemptions,
                             "kv_refusals": shard.kv_refusals,
+                            # Heads of the KV prefixes it keeps, as its last heartbeat reported them.
+                            "prefix_heads": (shard.prefix_heads or "").split(),
                             "tokens_per_s": shard.tokens_per_s,
                             "tokens_served_total": shard.tokens_served_total,
                             "updated_s": shard.updated_s,

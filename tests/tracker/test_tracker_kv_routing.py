@@ -272,7 +272,10 @@ async def test_prefix_heads_reach_the_route_answer_and_a_heartbeat_without_them_
     assert (await _post(client, "/v1/heartbeat", signed(k, "heartbeat", beat.to_json(), clock())))[0] == 200
     status, body = await _post(client, "/v1/routes", {"model": MODEL.fingerprint, "k": 1})
     assert status == 200 and body["routes"][0]["hops"][0]["prefix_heads"] == list(heads)
-    # A malformed list is refused with a reason, and the stored heads stay as they were.
+    swarm_body = json.loads(await (await client.get("/v1/swarm")).get_data())
+    shard = next(n["shard"] for n in swarm_body["nodes"] if n["node_id"] == node)
+    assert shard["prefix_heads"] == list(heads)
+    # A malformed list is refused with a reason.
     clock.advance(0.5)
     bad = {**beat.to_json(), "prefix_heads": ["zz" * 16]}
     status, err = await _post(client, "/v1/heartbeat", signed(k, "heartbeat", bad, clock()))
