@@ -223,12 +223,12 @@ class GatewayConfig:
         8, "most drafted tokens per window (1..15); each node caps it where its model stays exact"
     )
     open_timeout_s: float = _routing(
-        3.0,
+        2.0,
         "longest wait for every stage to acknowledge OPEN (a node answers it in milliseconds: a stopped "
         "or silent node costs a request no more than this before the route is replaced)",
     )
     dial_timeout_s: float = _routing(
-        2.0,
+        1.5,
         "longest wait for a node's first answer (Info) before its route is replaced: a dead address or "
         "one that accepts connections and never answers costs a request no more than this",
     )

@@ -160,15 +160,17 @@ def test_tarpits_cost_a_legit_request_seconds_and_leave_routing(
         )
         print(
             f"\ntarpit attack: {LEGIT_REQUESTS} legit requests, longest {max(latencies):.2f} s, "
-            f"median {statistics.median(latencies):.2f} s; silent node now {states[silent_id]}"
+            f"median {statistics.median(latencies):.2f} s; silent node now {states[silent_id]}; "
+            f"all: {', '.join(f'{t:.2f}' for t in latencies)}"
         )
         gw = swarm.gateway.log_text()
         assert silent_id in {e["node_id"] for e in _events(gw, "node_unreachable")}
         assert sybils.isdisjoint(e.get("node_id") for e in _events(gw, "node_unreachable"))  # never routed
         assert silent_id in {e["node_id"] for e in _events(swarm.tracker.log_text(), "node_rechallenged")}
-        # A silent node costs a request at most the dial and OPEN deadlines (2 s, 3 s) on top of its
-        # work; the bound here leaves room for a loaded 2-core machine.
-        assert max(latencies) < 15.0, latencies
+        # A silent node costs a request one deadline (Info 1.5 s or OPEN 2 s) on top of its work on
+        # another route (measured: longest 1.7-3.3 s on a loaded 2-core machine, the retry landing on
+        # a node that had not served yet). The goal, kept as the bound.
+        assert max(latencies) < 5.0, latencies
     finally:
         if stopped:
             os.kill(silent.pid, signal.SIGCONT)
