@@ -9,11 +9,11 @@ Usage::
 One ``swarm-tracker serve`` (SQLite, port 0) in a child process; this process is every client, each
 phase from its own loopback source address (127.0.0.x), as attackers on other hosts would be:
 
-1. **honest**: ``--honest-nodes`` nodes announce (relayed nodes of one 30-layer model, so they are
-   live at once without a challenge) from 127.0.0.1 and heartbeat every ``--heartbeat-s`` for the
-   whole run; every heartbeat's status is recorded.
-2. **junk**: ``--junk`` announcements, each from a fresh key with a fake model of its own (relayed,
-   so live at once on probation: the worst case for route search), spread over ten source
+1. **honest**: ``--honest-nodes`` nodes announce (relayed nodes of one 30-layer model; the tracker
+   runs with ``--no-challenges``, so they are live at once) from 127.0.0.1 and heartbeat every
+   ``--heartbeat-s`` for the whole run; every heartbeat's status is recorded.
+2. **junk**: ``--junk`` announcements, each from a fresh key with a fake model of its own (live at
+   once on probation: the worst case for route search), spread over ten source
    addresses 127.0.1.x; accepted, refused and the time taken are recorded.
 3. **read flood**: four concurrent loops of ``GET /v1/models`` from 127.0.2.1 for
    ``--read-flood-s``, while a probe from 127.0.0.1 times ``/healthz`` and ``POST /v1/routes`` for
@@ -269,7 +269,9 @@ def _start_tracker(
         env["PYTHONPATH"] = source
     argv = [sys.executable, "-m", "tracker.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
     argv += ["--port-file", str(port_file), "--data-dir", str(work), "--no-zeroconf"]
-    argv += ["--db-url", f"sqlite:///{work / 'tracker.db'}", *extra]
+    # The nodes here are relayed keys with no gateway to carry their join challenge: without this
+    # they would wait in `challenging` (docs/security.md), never live, never routed.
+    argv += ["--db-url", f"sqlite:///{work / 'tracker.db'}", "--no-challenges", *extra]
     log = (work / "tracker.log").open("wb")
     proc = subprocess.Popen(argv, env=env, cwd=source or ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
