@@ -23,6 +23,7 @@ ENV_PREFIX = "SWARM_GATEWAY_"
 
 
 BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
+UNCONFIRMED_ROUTES = ("serve", "refuse")
 DATA_PLANES = ("push", "relay")
 ACTIVATION_ENCODINGS = ("f32", "f16", "int8", "auto")
 COMPACTION_POLICIES = ("drop_oldest", "summary")
@@ -200,6 +201,13 @@ class GatewayConfig:
         "how far (natural log) two honest nodes of other recipes may put a token's logprob, and a "
         "differing greedy token from the top, before a check calls it a lie (calibrated: "
         "docs/security.md, Heterogeneity)",
+    )
+    unconfirmed_routes: str = _checks(
+        "serve",
+        "what a request gets where every route holds a node on probation that no other route can "
+        "check: serve (run it unchecked, as in a swarm where nobody can check anybody yet) | refuse "
+        "(503 unconfirmable with Retry-After: no output that was not confirmed)",
+        choices=UNCONFIRMED_ROUTES,
     )
     batch_isolation: str = _checks(
         "auto",

@@ -7,8 +7,10 @@ replaced by another, at most ``attempts`` times:
   nodes a failed run named; the nodes this gateway avoids; the nodes that failed here). None left:
   a fresh look-up without them. None there either: when some nodes were left out only because no
   route could check them (on probation, :class:`gateway.errors.Unconfirmable`), they are let back
-  in once and run unconfirmed (a swarm where nobody can check anybody yet, docs/security.md);
-  else the look-up's refusal stands, or the last failure does.
+  in once and run unconfirmed (a swarm where nobody can check anybody yet, docs/security.md) --
+  unless ``serve_unconfirmed`` is off (``unconfirmed_routes = refuse``): then the client gets the
+  503 ``unconfirmable`` (with Retry-After); else the look-up's refusal stands, or the last failure
+  does.
 * **A failure to open** (:meth:`OpenPlan.open_failed`): the choice fork's route full -- another
   route, nobody excluded; a node short of KV (busy, or preempted while opening) -- excluded, the
   route is not broken; anything else -- the node excluded and the shell forgets what it knew of
@@ -51,6 +53,7 @@ class OpenPlan:
     attempt: int = 0
     unconfirmable: set[str] = field(default_factory=set)  # left out: no route could check them
     allow_unconfirmed: bool = False
+    serve_unconfirmed: bool = True  # False: a route nobody can check is refused, never run unchecked
     last_error: StageFailed | None = None
 
     def __post_init__(self) -> None:
@@ -67,7 +70,7 @@ class OpenPlan:
         """The look-up found no route without the excluded nodes: True to look again (the nodes
         nobody could check let back in, unconfirmed), False to stop (:meth:`give_up`, or the
         look-up's refusal when nothing failed here)."""
-        if self.unconfirmable and not self.allow_unconfirmed:
+        if self.unconfirmable and not self.allow_unconfirmed and self.serve_unconfirmed:
             self.allow_unconfirmed = True
             self.excluded -= self.unconfirmable
             return True

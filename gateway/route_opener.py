@@ -129,7 +129,9 @@ class RouteOpener:
         """
         model = job.model_key or request.model
         model_routes = await self.routes.routes(model)
-        plan = OpenPlan(avoid, set(self.spot.avoided()))
+        plan = OpenPlan(
+            avoid, set(self.spot.avoided()), serve_unconfirmed=self.config.unconfirmed_routes == "serve"
+        )
         index = progress.index if progress is not None else 0
         while plan.more():
             candidates = [r for r in model_routes.routes if plan.admits(h.node_id for h in r.hops)]

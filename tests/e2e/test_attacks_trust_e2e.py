@@ -506,3 +506,54 @@ def test_a_liar_without_a_disjoint_twin_is_checked_with_the_rest_of_the_route_sh
     ]
     assert "trusted" in verdict["detail"], verdict
     wait_until(lambda: _states(swarm).get(liar_id) == "banned", 30, "the tracker to ban the liar")
+
+
+@pytest.fixture(scope="module")
+def unconfirmable_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    # Two fresh nodes, one per half: on probation, and nobody can check anybody.
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("unconfirmable"),
+        model=model_path,
+        n_nodes=2,
+        layers=["0:15", "15:30"],
+        node_cache=node_cache,
+        gateway_args=["--route-ttl-s", "1", "--unconfirmed-routes", "refuse", "--kv-keep-s", "0"],
+        node_args=["--no-benchmark"],
+        tracker_args=["--heartbeat-interval-s", "1"],
+    )
+    yield s
+    s.stop()
+
+
+def test_a_gateway_refusing_unconfirmed_routes_answers_unconfirmable_never_unchecked_text(
+    unconfirmable_swarm: LocalSwarm, reference: Reference
+) -> None:
+    swarm = unconfirmable_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    body = {
+        "model": model.fingerprint,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": N_NEW,
+        "temperature": 0,
+    }
+    r = httpx.post(swarm.base_url + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "unconfirmable", r.text
+    assert int(r.headers["retry-after"]) >= 1
+    gw = swarm.gateway.log_text()
+    assert _events(gw, "route_unconfirmable")  # the routes were left out because nobody could check them
+    # The same swarm through a gateway that serves unconfirmed routes (the default): the text, unchecked.
+    other = swarm.supervisor.start_gateway(
+        name="gateway-serving",
+        tracker_url=swarm.tracker_url,
+        tracker_id=str(swarm.tracker.extra["tracker_id"]),
+        extra_args=["--route-ttl-s", "1", "--kv-keep-s", "0"],
+    )
+    other.wait_port(120)
+    served = httpx.post(f"http://127.0.0.1:{other.port}/v1/chat/completions", json=body, timeout=120)
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["message"]["content"] == want
+    print(f"\nunconfirmable: refused with {r.status_code} {r.json()['error']['code']}; the other served")

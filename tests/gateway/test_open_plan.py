@@ -42,6 +42,17 @@ def test_unconfirmable_nodes_are_left_out_then_let_back_in_once() -> None:
     assert plan.no_route() is False  # only once
 
 
+def test_with_unconfirmed_routes_refused_the_client_gets_unconfirmable_not_an_unchecked_run() -> None:
+    plan = OpenPlan(serve_unconfirmed=False)
+    plan.start()
+    err = Unconfirmable("no check", node_id="p", failed_nodes=frozenset({"p"}))
+    plan.cannot_check(err)
+    assert plan.no_route() is False and not plan.allow_unconfirmed and not plan.admits(["p"])
+    refused = plan.give_up()
+    assert refused is err and refused.status == 503 and refused.code == "unconfirmable"
+    assert refused.retry_after_s == 5
+
+
 def test_giving_up_says_what_the_client_should_do() -> None:
     assert isinstance(OpenPlan().give_up(), Overloaded)
     short = OpenPlan()
