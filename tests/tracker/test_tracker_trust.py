@@ -238,6 +238,14 @@ async def test_evidence_that_does_not_convict_is_refused_or_only_kept(tracker: T
     # an inconclusive verdict is kept as evidence but bans nobody
     status, body = await tracker.post("/v1/evidence", tracker.evidence(1, 2, 3, liar="", conclusive=False))
     assert status == 200 and body["banned"] is False
+    # ... even one that names a node (a check compared with the cross-recipe tolerance, or whose
+    # judge agreed with neither run): kept, and nobody is banned or loses routing
+    tracker.clock.advance(0.01)
+    status, body = await tracker.post("/v1/evidence", tracker.evidence(1, 2, 3, conclusive=False))
+    assert status == 200 and body["banned"] is False and body["node_id"] == hexkey(1)
+    _, trust = await tracker.get(f"/v1/trust/nodes/{hexkey(1)}")
+    assert trust["banned_until"] is None and trust["checks_failed"] == 0 and trust["state"] == "live"
+    assert trust["evidence"] and not any(e["conclusive"] for e in trust["evidence"])
     assert len(_hops(await tracker.routes(k=3))) == 3
 
 
