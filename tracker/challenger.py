@@ -449,9 +449,11 @@ class Challenger:
         :class:`_Refused` for a node that refused the session)."""
         n = self.config.challenge_tokens
         limits = codec.FrameLimits(max_frame_bytes=MAX_MESSAGE_BYTES)
+        if not replies:
+            raise ChallengeFailed("no answer")
+        _expect(codec.parse_frame(replies[0], limits), "open_ack")  # a refusal: _Refused
         if len(replies) < 2:
             raise ChallengeFailed("the answer has no result")
-        _expect(codec.parse_frame(replies[0], limits), "open_ack")
         frames = [_expect(codec.parse_frame(raw, limits), "result") for raw in replies[1:]]
         if len(frames) > n:
             raise ChallengeFailed("the answer has more chunks than positions")

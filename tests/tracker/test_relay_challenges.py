@@ -24,6 +24,7 @@ from tracker_helpers import MODEL, FakeClock, announce_for, key, signed, test_co
 
 from proto import codec
 from proto.announce import CheckPass, CheckResults
+from proto.errors import TicketInvalidError
 from proto.recipe import Recipe
 from proto.signing import public_key_hex, route_ticket_envelope, verify_route_ticket
 from proto.swarm.v1 import frame_pb2, shard_service_pb2
@@ -206,6 +207,11 @@ async def test_a_relayed_newcomer_is_routed_only_after_its_gateway_carried_its_c
     # No answer (the node dropped its socket): still challenging, not routed.
     missed = await env.result(order, [], error="the relay socket closed")
     assert missed["outcome"] == "unanswered" and await env.state(1) == "challenging"
+    # A refusal the node may get over (it has not learnt the tracker's key yet): asked again later.
+    opening_frame = frame_pb2.Frame.FromString(base64.b64decode(order["frames"][0]))
+    refused = codec.error_frame(TicketInvalidError("unknown tracker key"), opening_frame)
+    later = await env.result(order, [codec.serialize_frame(refused)])
+    assert later["outcome"] == "unanswered" and await env.state(1) == "challenging", later
     # An answer with no trusted answer to compare: in, on probation.
     honest = rows_of(order, 7)
     first = await env.result(order, answer(order, honest))
