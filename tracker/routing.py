@@ -151,6 +151,10 @@ class RoutingCosts(LoadCosts):
     # ``prune_floor + prune_per_route * k`` are searched (see "Complexity").
     prune_floor: int = 4
     prune_per_route: int = 1
+    # Spreading: a shard whose node was busy a share b (0..1) of the recent past (``recent_busy``)
+    # costs b times this much more, so work moves on to equally good nodes before the load terms
+    # alone would move it (0: off).
+    recent_busy_ms: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -242,6 +246,7 @@ def select_routes(
     extra_sessions: Mapping[str, float] | None = None,
     kv_tokens: int = 0,
     one_recipe: bool = True,
+    recent_busy: Mapping[str, float] | None = None,
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
     network coordinate; None = unknown); see the module docstring. ``extra_sessions``: node id ->
@@ -251,6 +256,9 @@ def select_routes(
     ``kv_tokens`` > 0: the KV positions the request needs on every stage (prompt plus max_tokens);
     a shard whose last heartbeat announced fewer free KV positions is skipped (one that announced
     nothing yet is kept), so a long prompt goes to a route that can hold it.
+
+    ``recent_busy``: node id -> the share of the recent past it spent computing (0..1); with
+    ``costs.recent_busy_ms`` it makes recently busy nodes dearer (the price includes it).
 
     ``one_recipe``: every route chains shards of one runtime recipe (tracker/recipes.py; shards
     whose recipe is not known join any); False searches all shards together.
@@ -277,6 +285,7 @@ def select_routes(
                 extra_sessions=extra_sessions,
                 kv_tokens=kv_tokens,
                 one_recipe=False,
+                recent_busy=recent_busy,
             )
             for other in others
         ]
@@ -309,12 +318,20 @@ def select_routes(
             for i in cols.indices(node):
                 extra[i] = max(float(count), 0.0)
     base_all = cols.compute_ms(extra, snapshot, costs)
+    bias = np.zeros(n_all)
+    if recent_busy and costs.recent_busy_ms:
+        for node, share in recent_busy.items():
+            for i in cols.indices(node):
+                bias[i] = costs.recent_busy_ms * min(max(float(share), 0.0), 1.0)
+        base_all = base_all + bias
     tx_all = cols.transfer_ms(extra, model.n_embd, costs)
     entry_all = cols.entry_ms(origin, snapshot.default_latency_ms, costs.gateway_leg_weight)
     # Pruning: within one span, rank shards by a lower bound of any route through them (their own
-    # cost and transfer, and the way there and back from the gateway); keep the best few per span.
+    # cost and transfer, and the way there and back from the gateway -- or, where the gateway legs
+    # weigh less than the node's own last mile, the hop into it and out of it, each at least half its
+    # height); keep the best few per span. With the legs at full weight the first term always wins.
     per_span = costs.prune_floor + costs.prune_per_route * k
-    lower = base_all + tx_all + 2.0 * entry_all
+    lower = base_all + tx_all + 2.0 * np.maximum(entry_all, np.where(cols.has, cols.half_h, 0.0))
     idx = np.flatnonzero(keep)
     order = idx[np.lexsort((ties_all[idx], lower[idx], cols.span[idx]))]
     if order.size:
@@ -329,6 +346,7 @@ def select_routes(
     graph = _Graph(
         cols, sub, ties_all[sub], base_all[sub], tx_all[sub], entry_all[sub], extra[sub], snapshot, costs
     )
+    graph.bias = bias[sub]
     graph.origin = trusted(origin)
     base = graph.base
 
@@ -587,6 +605,7 @@ class _Graph:
         self._sub = sub
         self._extra = extra
         self._snapshot = snapshot
+        self.bias: FloatArray | None = None  # the spreading term already in ``base`` (recent_busy)
         starts = cols.start[sub]
         ends = cols.end[sub]
         self.start_of = starts
@@ -684,6 +703,8 @@ class _Graph:
         cost = (
             cols.compute_ms(full_extra, self._snapshot, self.costs)[sub] + self.costs.reuse_penalty_ms * uses
         )
+        if self.bias is not None:
+            cost = cost + self.bias
         one = self.tx / (1.0 + self.costs.uplink_queue_share * (cols.active[sub] + self._extra))
         tx = one * (1.0 + self.costs.uplink_queue_share * (cols.active[sub] + load))
         return cost, tx

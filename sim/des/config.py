@@ -157,6 +157,14 @@ class PolicyConfig:
     uplink_queue_share: float = 0.5  # a frame waits behind this share of the other sessions' frames
     occupancy_weight: float = 0.0  # a term linear in the occupancy (1 with the others 0: the model before)
     max_occupancy: float = 0.95  # the occupancy is capped here (< 1 with a queue wait)
+    # How much the gateway -> first stage and last stage -> gateway legs count in a route's cost per
+    # token (tracker.routing.RoutingCosts.gateway_leg_weight; 1: every token pays them).
+    gateway_leg_weight: float = 1.0
+    # Spreading (tracker.routing.RoutingCosts.recent_busy_ms): a node busy a share b of the recent
+    # past costs b times this many ms more; "recent" is an exponential average of its busy share per
+    # heartbeat interval with this half-life.
+    recent_busy_ms: float = 0.0
+    recent_busy_halflife_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -277,11 +285,20 @@ def _validate_policy(policy: PolicyConfig) -> None:
         raise ScenarioError(f"policy.placement must be 'tracker' or 'random', got {policy.placement!r}")
     if policy.routing not in ("tracker", "blind", "nearest"):
         raise ScenarioError(f"policy.routing must be 'tracker', 'blind' or 'nearest', got {policy.routing!r}")
-    for name in ("batch_growth_per_session", "queue_wait_weight", "uplink_queue_share", "occupancy_weight"):
+    for name in (
+        "batch_growth_per_session",
+        "queue_wait_weight",
+        "uplink_queue_share",
+        "occupancy_weight",
+        "gateway_leg_weight",
+        "recent_busy_ms",
+    ):
         if not getattr(policy, name) >= 0:
             raise ScenarioError(f"policy.{name} must be >= 0")
     if policy.queue_wait_weight and not 0 <= policy.max_occupancy < 1:
         raise ScenarioError("policy.max_occupancy must be in [0, 1) when policy.queue_wait_weight > 0")
+    if not policy.recent_busy_halflife_s > 0:
+        raise ScenarioError("policy.recent_busy_halflife_s must be > 0")
 
 
 def _validate(s: Scenario) -> None:

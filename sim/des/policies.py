@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tracker.coordinates import NetCoord
@@ -77,8 +77,10 @@ class Routing:
         latency_ms: LatencyFn,
         origin: OriginFn = lambda _g: None,
         costs: RoutingCosts = DEFAULT_COSTS,
+        recent_busy: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.kind = kind
+        self._recent_busy = recent_busy  # node id -> recent busy share, for the spreading term
         self._latency_ms = latency_ms
         self._origin = origin if kind == "tracker" else (lambda _g: None)
         self.costs = costs
@@ -105,6 +107,7 @@ class Routing:
                 rng=rng,
                 costs=self.costs,
                 origin=self._origin(gateway),
+                recent_busy=self._recent_busy() if self._recent_busy is not None else None,
             )
             self.wall_s += time.perf_counter() - t0
             return [

@@ -47,6 +47,8 @@ class Simulation:
         seed = sc.run.seed
         self.loop = EventLoop()
         self.metrics = Metrics(len(sc.models))
+        self.recent_busy: dict[str, float] = {}  # node id -> recent busy share (policy.recent_busy_ms)
+        self._busy_seen: dict[str, float] = {}  # node id -> its busy seconds at the last heartbeat
         self.fingerprints = [_fingerprint(m.name) for m in sc.models]
         region_model = PRESETS[sc.network.preset]
         self.geo = Geography(
@@ -107,7 +109,10 @@ class Simulation:
                 uplink_queue_share=sc.policy.uplink_queue_share,
                 occupancy_weight=sc.policy.occupancy_weight,
                 max_occupancy=sc.policy.max_occupancy,
+                gateway_leg_weight=sc.policy.gateway_leg_weight,
+                recent_busy_ms=sc.policy.recent_busy_ms,
             ),
+            recent_busy=(lambda: self.recent_busy) if sc.policy.recent_busy_ms > 0 else None,
         )
         self.gateways = Gateways(
             sc.gateway,
@@ -171,7 +176,27 @@ class Simulation:
         self.gateways.submit(s)
         self._schedule_next_request()
 
+    def _track_busy(self) -> None:
+        """Each serving node's recent busy share (what its heartbeat's served tokens tell a tracker):
+        an exponential average, per heartbeat interval, of the share of it the node spent computing."""
+        dt = self.sc.nodes.heartbeat_interval_s
+        keep = 0.5 ** (dt / self.sc.policy.recent_busy_halflife_s)
+        seen, recent = self._busy_seen, {}
+        for n in self.swarm.nodes.values():
+            if n.state != SERVING:
+                continue
+            nid = n.node_id
+            before = seen.get(nid)
+            seen[nid] = n.busy_s
+            share = 0.0 if before is None else min((n.busy_s - before) / dt, 1.0)
+            recent[nid] = keep * self.recent_busy.get(nid, 0.0) + (1.0 - keep) * share
+        for nid in [k for k in seen if k not in recent]:
+            del seen[nid]
+        self.recent_busy = recent
+
     def _heartbeat(self) -> None:
+        if self.sc.policy.recent_busy_ms > 0:
+            self._track_busy()
         if self.coords is not None:
             serving = {n.node_id: n.endpoint for n in self.swarm.nodes.values() if n.state == SERVING}
             live = self.coords.sync(serving)

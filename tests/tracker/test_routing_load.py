@@ -165,3 +165,38 @@ def test_bad_cost_weights_are_refused() -> None:
     with pytest.raises(ValueError):
         RoutingCosts(prune_floor=0)
     RoutingCosts(queue_wait_weight=0.0, max_occupancy=1000.0)  # the model before: no wait term
+
+
+def test_recently_busy_nodes_cost_more_only_when_spreading_is_on() -> None:
+    """``recent_busy`` with ``recent_busy_ms``: of two equal nodes, the one busy lately loses, by
+    exactly its share times the weight; with the weight 0 (the default) the share changes nothing."""
+    snap = snapshot(10, [shard("a", 0, 10, 10.0), shard("b", 0, 10, 10.5)])
+    busy = {"a": 0.4}
+    plain = select_routes(snap, FP, 1, rng=random.Random(1), recent_busy=busy)
+    assert plain.routes[0].node_ids == ("a",)  # off: the faster node
+    spread = RoutingCosts(recent_busy_ms=100.0)
+    got = select_routes(snap, FP, 2, rng=random.Random(1), costs=spread, recent_busy=busy)
+    assert [r.node_ids for r in got.routes] == [("b",), ("a",)]
+    assert got.routes[1].expected_ms_per_token == pytest.approx(
+        select_routes(snap, FP, 1, rng=random.Random(1)).routes[0].expected_ms_per_token + 40.0
+    )
+    # Shares outside 0..1 are clipped; nodes not named are not charged.
+    over = select_routes(snap, FP, 1, rng=random.Random(1), costs=spread, recent_busy={"a": 7.0})
+    assert over.routes[0].node_ids == ("b",)
+    b_alone = select_routes(snap, FP, 1, rng=random.Random(1), exclude_nodes=frozenset({"a"}))
+    assert over.routes[0].expected_ms_per_token == pytest.approx(b_alone.routes[0].expected_ms_per_token)
+
+
+def test_pruning_with_light_gateway_legs_keeps_the_nodes_with_short_last_miles() -> None:
+    """With the gateway legs weighted down, a span's pruned candidates are still ranked by what
+    every hop into and out of a node costs at least (half its height each way), not by compute
+    alone: the node with the short last mile is kept and chosen."""
+    far = NetCoord((0.0, 0.0, 0.0), 40.0, 0.1)
+    near = NetCoord((0.0, 0.0, 0.0), 2.0, 0.1)
+    shards = [shard(f"slow{i}", 0, 5, 9.0, coord=far) for i in range(8)]
+    shards.append(shard("quick", 0, 5, 10.0, coord=near))
+    shards += [shard("tail", 5, 10, 1.0, coord=near)]
+    snap = snapshot(10, shards)
+    costs = RoutingCosts(gateway_leg_weight=0.0, prune_floor=1, prune_per_route=0)
+    got = select_routes(snap, FP, 1, rng=random.Random(3), costs=costs, origin=near)
+    assert got.routes[0].node_ids == ("quick", "tail")
