@@ -289,7 +289,12 @@ class NodeDaemon:
                     message="insecure_no_tickets: any OPEN is accepted; never use this on a network",
                 )
             draft = await self._draft_model(cfg, cache, meta.fingerprint)
-            self.machine = FrameServer(self.spec, self.verifier, None if draft is None else draft.proposer)
+            self.machine = FrameServer(
+                self.spec,
+                self.verifier,
+                None if draft is None else draft.proposer,
+                cfg.draft_model_choice,
+            )
             self.hub = Hub(
                 self.machine,
                 reply_buffer_bytes=cfg.reply_buffer_bytes,
@@ -425,7 +430,6 @@ class NodeDaemon:
                 cfg.draft_model,
                 vocab,
                 slots=self.spec.speculate_max_sessions,
-                choice=cfg.draft_model_choice,
             )
         )
         event(log, "draft_model_ready", path=str(self.draft.path), n_vocab=self.draft.n_vocab)

@@ -24,15 +24,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
 from common.logs import event
-from common.speculation import NgramProposer, ProposerChoice
+from common.speculation import NgramProposer
 from node.llama_runtime import (
     BatchBuffer,
     ContextSettings,
@@ -46,8 +45,6 @@ log = logging.getLogger("swarm.node.draft")
 
 DRAFT_CONTEXT_TOKENS = 2048  # positions one session's draft sequence holds (history + drafts)
 DRAFT_BATCH = 256  # tokens per llama_decode when a session's history is caught up
-# Which proposer drafts a session's windows: "auto" measures both (ProposerChoice), "always" the model.
-CHOICES = ("auto", "always")
 
 
 class DraftModelError(LlamaError):
@@ -109,13 +106,9 @@ class DraftModel:
         slots: int,
         context_tokens: int = DRAFT_CONTEXT_TOKENS,
         threads: int = 1,
-        choice: str = "auto",
     ) -> None:
         if slots < 1 or context_tokens < 64:
             raise ValueError("a draft model needs slots >= 1 and context_tokens >= 64")
-        if choice not in CHOICES:
-            raise ValueError(f"choice must be one of {CHOICES}")
-        self.choice = choice
         self.path = Path(path).expanduser()
         self.slots = slots
         self.context_tokens = context_tokens
@@ -252,8 +245,7 @@ class DraftModel:
         return tuple(drafts)
 
     def proposer(self, fallback: NgramProposer) -> DraftModelProposer:
-        choice = ProposerChoice(fixed="model" if self.choice == "always" else None)
-        return DraftModelProposer(self, fallback, choice)
+        return DraftModelProposer(self, fallback)
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -277,26 +269,15 @@ class DraftModelProposer:
 
     It keeps the session's history while it fits the draft context and feeds the n-gram
     ``fallback`` the same tokens; past the context (or if the model fails) it drafts by n-gram
-    lookup instead. Which of the two drafts a window is measured (:class:`ProposerChoice`): the
-    draft model's time is part of every pass, so where passes are cheap n-gram lookup can yield
-    more tokens per second; each pass's tokens and time (from one proposal to the next) are
-    credited to the proposer that drafted it.
+    lookup instead. (Whether a session drafts with the model or with n-gram lookup at all is the
+    session's choice: ``node.drafting.SessionDrafter``.)
     """
 
-    def __init__(
-        self,
-        model: DraftModel,
-        fallback: NgramProposer,
-        choice: ProposerChoice | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
+    def __init__(self, model: DraftModel, fallback: NgramProposer) -> None:
         self.model = model
         self.fallback = fallback
-        self.choice = choice or ProposerChoice()
-        self._clock = clock
         self._tokens: list[int] = []  # the history's first ``context_tokens`` tokens
         self._length = 0
-        self._last: tuple[str, float, int] | None = None  # the last proposal: arm, when, history length
         self.fallbacks = 0  # proposals made by n-gram lookup instead
 
     @property
@@ -319,14 +300,7 @@ class DraftModelProposer:
     def propose(self, k: int) -> tuple[int, ...]:
         if k <= 0:
             return ()
-        now = self._clock()
-        if self._last is not None:
-            arm, then, length = self._last
-            if self._length > length:  # a rollback (re-attach) measures nothing
-                self.choice.record(arm, self._length - length, now - then)
-        arm = self.choice.choose()
-        self._last = (arm, now, self._length)
-        if arm == "model" and self._length + k <= self.model.context_tokens and self.model._model is not None:
+        if self._length + k <= self.model.context_tokens and self.model._model is not None:
             try:
                 return self.model.draft(self, self._tokens, k)
             except DraftModelError as exc:

@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 
 from common.speculation import (
     DraftPolicy,
+    DraftState,
     NgramConfig,
     NgramProposer,
     Proposer,
+    ProposerChoice,
     Verdict,
     accept_greedy,
     draft_budget,
@@ -51,6 +53,8 @@ def max_drafts_for(architecture: str) -> int:
 
 
 NGRAM = NgramConfig(min_ngram=2, max_ngram=3, capacity=HISTORY_TOKENS)
+# How a session with a draft model picks the proposer of each window (draft_model_choice).
+CHOICES = ("auto", "always")
 
 
 # Makes a session's proposer around its n-gram proposer (the node's draft model, --draft-model:
@@ -59,16 +63,42 @@ ProposerFactory = Callable[[NgramProposer], Proposer]
 
 
 class SessionDrafter:
-    """One session's proposer and adaptive k."""
+    """One session's proposers and adaptive k.
 
-    def __init__(self, max_drafts: int, factory: ProposerFactory | None = None) -> None:
+    With a draft model (``factory``) the session has two proposers, the model and n-gram lookup,
+    and ``choice`` says which drafts: ``always`` the model, ``auto`` the one measured to yield more
+    tokens per second (:class:`ProposerChoice`: a pass's tokens over the time from one proposal to
+    the next, the machine's clock, drafting included). Each has its own adaptive k and back-off, so
+    n-gram windows that fail do not pause the model's.
+    """
+
+    def __init__(self, max_drafts: int, factory: ProposerFactory | None = None, choice: str = "auto") -> None:
+        if choice not in CHOICES:
+            raise ValueError(f"choice must be one of {CHOICES}")
         self.policy = DraftPolicy(max_k=max_drafts, start_k=min(4, max_drafts))
-        self.state = initial_state(self.policy)
-        ngram = NgramProposer(NGRAM)
-        self.proposer: Proposer = ngram if factory is None else factory(ngram)
+        self.ngram = NgramProposer(NGRAM)
+        # The proposer that follows the history (the model's feeds the n-gram one it wraps).
+        self.proposer: Proposer = self.ngram if factory is None else factory(self.ngram)
+        self.choice: ProposerChoice | None = None
+        self.arm = "ngram"  # the proposer of the last window
+        if factory is not None:
+            self.choice = ProposerChoice(fixed="model" if choice == "always" else None)
+            self.arm = "model"
+        self.states = {arm: initial_state(self.policy) for arm in ("model", "ngram")}
+        self._last: tuple[str, float, int] | None = None  # arm, when and history length of the last proposal
+
+    @property
+    def state(self) -> DraftState:
+        """The adaptive k of the proposer that drafted the last window."""
+        return self.states[self.arm]
 
     def drafts(
-        self, history: Sequence[int], applied: Sequence[int], token: int, room: int
+        self,
+        history: Sequence[int],
+        applied: Sequence[int],
+        token: int,
+        room: int,
+        now: float | None = None,
     ) -> tuple[int, ...]:
         """Drafts to follow ``token`` (at position ``len(history) + len(applied)``), at most ``room``.
 
@@ -87,14 +117,25 @@ class SessionDrafter:
             seen = len(history)
         self.proposer.extend(applied[seen - len(history) :])
         self.proposer.extend([token])
-        k = draft_budget(self.policy, self.state, room)
-        proposed = self.proposer.propose(k) if k else ()
+        if self.choice is not None:
+            length = self.proposer.length
+            if self._last is not None and now is not None:
+                arm, then, before = self._last
+                if length > before:  # a rollback (re-attach) measures nothing
+                    self.choice.record(arm, length - before, now - then)
+            self.arm = self.choice.choose()
+            self._last = None if now is None else (self.arm, now, length)
+        state = self.states[self.arm]
+        k = draft_budget(self.policy, state, room)
+        proposer = self.proposer if self.arm == "model" else self.ngram
+        proposed = proposer.propose(k) if k else ()
         if not proposed:
-            self.state = skip(self.state)
+            self.states[self.arm] = skip(state)
         return proposed
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.state = observe(self.policy, self.state, drafted, accepted)
+        """The last window (drafted by ``self.arm``) accepted ``accepted`` of its ``drafted`` drafts."""
+        self.states[self.arm] = observe(self.policy, self.states[self.arm], drafted, accepted)
 
 
 def verdict(window_tokens: Sequence[int], draws: Sequence[int], eog: Sequence[bool]) -> Verdict:

@@ -460,11 +460,18 @@ class FrameServer:
     """All Route Sessions of one node; transport-independent (see the module docstring)."""
 
     def __init__(
-        self, spec: ServingSpec, check_ticket: TicketCheck, proposers: ProposerFactory | None = None
+        self,
+        spec: ServingSpec,
+        check_ticket: TicketCheck,
+        proposers: ProposerFactory | None = None,
+        proposer_choice: str = "auto",
     ) -> None:
         self.spec = spec
         self._check_ticket = check_ticket
-        self._proposers = proposers  # a speculating session's proposer (--draft-model); None: n-gram
+        # A speculating session's draft model (--draft-model; None: n-gram lookup only) and how the
+        # session chooses between the two (--draft-model-choice; node.drafting.SessionDrafter).
+        self._proposers = proposers
+        self._proposer_choice = proposer_choice
         self._sessions: dict[str, _Session] = {}
         self._closed: OrderedDict[str, _Closed] = OrderedDict()
         self._jobs: dict[int, str] = {}  # job id -> session id, for queued or running jobs
@@ -785,7 +792,7 @@ class FrameServer:
         if not (self.spec.is_last and sess.ring is not None and max_drafts > 0 and not sess.sampling.grammar):
             sess.drafter = None  # grammar sessions never speculate: the grammar cannot roll back
         elif sess.drafter is None or sess.drafter.policy.max_k != max_drafts:
-            sess.drafter = SessionDrafter(max_drafts, self._proposers)
+            sess.drafter = SessionDrafter(max_drafts, self._proposers, self._proposer_choice)
         limit = 0 if self.spec.is_last else min(int(body.history_bytes), self.spec.max_history_bytes)
         if sess.history is not None and sess.history.limit != limit:
             self._drop_history(sess)
@@ -1440,7 +1447,7 @@ class FrameServer:
         if outcome.error_status is not None:
             return self._failed_step(sess, step, frame, outcome)
         try:
-            actions = self._outputs(sess, step, outcome)
+            actions = self._outputs(sess, step, outcome, now)
         except ProtocolError as exc:
             # Could not encode the output (e.g. f16 overflow): the KV advanced, so report it as applied
             # but failed; the gateway re-opens to truncate.
@@ -1474,7 +1481,7 @@ class FrameServer:
             sess.ignore_step = step.step_id
         return [] if sess.conn is None else [self._error(sess.conn, exc, frame, sess.kv_len)]
 
-    def _outputs(self, sess: _Session, step: codec.Step, outcome: StepOutcome) -> list[Action]:
+    def _outputs(self, sess: _Session, step: codec.Step, outcome: StepOutcome, now: float) -> list[Action]:
         """What a finished step sends: a report or result to the owner, pushes to the next stage."""
         actions: list[Action] = []
         owner = sess.conn
@@ -1518,6 +1525,7 @@ class FrameServer:
                         step.token_ids[: nxt - step.start].tolist(),
                         drawn.token_id,
                         sess.budget - nxt - 1,
+                        now,
                     )
                 frames = codec.step_frames(
                     codec.target_header(self._header(sess), ring),

@@ -16,10 +16,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from common.speculation import ChoicePolicy, NgramProposer, ProposerChoice
+from common.speculation import NgramProposer
 from common.vocab import Vocabulary
 from node.config import ConfigError, NodeConfig
-from node.draft_model import DraftModel, DraftModelError, DraftModelProposer, quantize, vocab_digest
+from node.draft_model import DraftModel, DraftModelError, quantize, vocab_digest
 from node.drafting import SessionDrafter
 from node.llama_runtime import ContextSettings, free_model, load_model, new_context
 from node.testmodel import gemma3_model_path
@@ -146,22 +146,18 @@ def test_the_config_refuses_a_missing_draft_model(tmp_path: Path) -> None:
 def test_where_the_draft_model_costs_more_than_it_saves_sessions_draft_by_ngram(
     draft: DraftModel, prompt: list[int]
 ) -> None:
-    """Auto choice, with a clock the test moves: passes drafted by the model yield 2 tokens in 1 s,
-    n-gram passes 1 token in 0.1 s; after the probe the session drafts by n-gram lookup."""
-    now = [0.0]
-    choice = ProposerChoice(ChoicePolicy(probe_passes=2, hold_passes=6))
-    p = DraftModelProposer(draft, NgramProposer(), choice, clock=lambda: now[0])
-    p.extend(prompt)
-    proposals = draft.proposals
+    """Auto choice, with times the test gives: passes drafted by the model take 1 s, n-gram passes
+    (no match here: plain steps of one token) 0.1 s; after the probe the session drafts by n-gram."""
+    drafter = SessionDrafter(4, draft.proposer, "auto")
+    history, token, now = list(prompt[:-1]), prompt[-1], 0.0
     arms = []
-    for _ in range(2 + 2 + 6):
+    for _ in range(4 + 4 + 8):
         before = draft.proposals
-        p.propose(2)
+        drafts = drafter.drafts(history, [], token, room=100, now=now)
         arms.append("model" if draft.proposals > before else "ngram")
-        tokens, seconds = (2, 1.0) if arms[-1] == "model" else (1, 0.1)
-        p.extend([5] * tokens)
-        now[0] += seconds
-    assert arms == ["model"] * 2 + ["ngram"] * (2 + 6)
-    assert draft.proposals == proposals + 2  # the two probe passes only
-    assert choice.passes == {"model": 2, "ngram": 2 + 6}
-    assert choice.rate("ngram") > choice.rate("model")
+        drafter.observe(len(drafts), len(drafts))  # every draft accepted
+        history += [token, *drafts]
+        token = 5
+        now += 1.0 if arms[-1] == "model" else 0.1
+    assert arms == ["model"] * 4 + ["ngram"] * (4 + 8)
+    assert drafter.choice is not None and drafter.choice.rate("ngram") > drafter.choice.rate("model")
