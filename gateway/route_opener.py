@@ -236,9 +236,15 @@ class RouteOpener:
         # n > 1 and warm-KV continuations are not checked yet: a shadow route holds neither the
         # forked nor the kept KV (see docs/security.md).
         checkable = request.n == 1 and kv_source is None
-        checked = checkable and self.checks.wants(
-            self._rng, any(self.spot.on_probation(h) for h in route.hops)
-        )
+        suspects = frozenset(h.node_id for h in route.hops if self.spot.on_probation(h))
+        if suspects and not checkable and self.config.unconfirmed_routes == "refuse":
+            # Nothing unconfirmed is served: another route without them, or 503 unconfirmable.
+            raise Unconfirmable(
+                "the route's nodes on probation cannot be checked on this request (n > 1 or kept KV)",
+                node_id=min(suspects),
+                failed_nodes=suspects,
+            )
+        checked = checkable and self.checks.wants(self._rng, bool(suspects))
         entered = False
 
         def freed() -> None:

@@ -543,6 +543,9 @@ def test_a_gateway_refusing_unconfirmed_routes_answers_unconfirmable_never_unche
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "unconfirmable", r.text
     assert int(r.headers["retry-after"]) >= 1
+    # Requests no shadow could check even with a second route (n > 1) are refused alike.
+    several = httpx.post(swarm.base_url + "/chat/completions", json={**body, "n": 2}, timeout=120)
+    assert several.status_code == 503 and several.json()["error"]["code"] == "unconfirmable", several.text
     gw = swarm.gateway.log_text()
     assert _events(gw, "route_unconfirmable")  # the routes were left out because nobody could check them
     # The same swarm through a gateway that serves unconfirmed routes (the default): the text, unchecked.
