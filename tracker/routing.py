@@ -59,7 +59,9 @@ Complexity (measured by ``sim/bench_tracker.py``, docs/tracker.md)
     simulator until the swarm changes). Per look-up: every shard's cost in one vectorised
     step, then *pruning*: within one span ``[a, b)``, shards are ranked by a lower bound of
     any route through them (their cost and transfer plus twice their leg to the gateway:
-    by the triangle inequality a route through a node goes there and back) and only the
+    by the triangle inequality a route through a node goes there and back; or, where the
+    legs are weighted down (``gateway_leg_weight``), twice half its height: the hop into it
+    and the hop out of it each pay its last mile) and only the
     best ``prune_floor + prune_per_route * k`` are searched. The search itself is exact
     over what is kept; pruning can lose the optimum only where a span has more shards
     than that and one ranked low is the best continuation of its neighbours (a swarm of
