@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from common.speculation import (
+    ChoicePolicy,
     DraftPolicy,
     DraftState,
     NgramConfig,
@@ -55,6 +56,16 @@ def max_drafts_for(architecture: str) -> int:
 NGRAM = NgramConfig(min_ngram=2, max_ngram=3, capacity=HISTORY_TOKENS)
 # How a session with a draft model picks the proposer of each window (draft_model_choice).
 CHOICES = ("auto", "always")
+# The node's comparison of the two: measured over all its speculating sessions' passes, since a
+# handful of passes of one session decide by chance (a pass yields 1 to k + 1 tokens).
+NODE_CHOICE = ChoicePolicy(probe_passes=8, hold_passes=64, decay=0.9)
+
+
+def proposer_choice(kind: str) -> ProposerChoice:
+    """The node's :class:`ProposerChoice` for ``draft_model_choice`` = ``kind``."""
+    if kind not in CHOICES:
+        raise ValueError(f"choice must be one of {CHOICES}")
+    return ProposerChoice(NODE_CHOICE, fixed="model" if kind == "always" else None)
 
 
 # Makes a session's proposer around its n-gram proposer (the node's draft model, --draft-model:
@@ -66,15 +77,16 @@ class SessionDrafter:
     """One session's proposers and adaptive k.
 
     With a draft model (``factory``) the session has two proposers, the model and n-gram lookup,
-    and ``choice`` says which drafts: ``always`` the model, ``auto`` the one measured to yield more
-    tokens per second (:class:`ProposerChoice`: a pass's tokens over the time from one proposal to
-    the next, the machine's clock, drafting included). Each has its own adaptive k and back-off, so
-    n-gram windows that fail do not pause the model's.
+    and ``choice`` -- the node's, shared by its sessions (:func:`proposer_choice`) -- says which
+    drafts each window: the one measured to yield more tokens per second (a pass's tokens over the
+    time from one proposal to the next, the machine's clock, drafting included), or always the
+    model. Each proposer has its own adaptive k and back-off, so n-gram windows that fail do not
+    pause the model's.
     """
 
-    def __init__(self, max_drafts: int, factory: ProposerFactory | None = None, choice: str = "auto") -> None:
-        if choice not in CHOICES:
-            raise ValueError(f"choice must be one of {CHOICES}")
+    def __init__(
+        self, max_drafts: int, factory: ProposerFactory | None = None, choice: ProposerChoice | None = None
+    ) -> None:
         self.policy = DraftPolicy(max_k=max_drafts, start_k=min(4, max_drafts))
         self.ngram = NgramProposer(NGRAM)
         # The proposer that follows the history (the model's feeds the n-gram one it wraps).
@@ -82,7 +94,7 @@ class SessionDrafter:
         self.choice: ProposerChoice | None = None
         self.arm = "ngram"  # the proposer of the last window
         if factory is not None:
-            self.choice = ProposerChoice(fixed="model" if choice == "always" else None)
+            self.choice = choice or proposer_choice("auto")
             self.arm = "model"
         self.states = {arm: initial_state(self.policy) for arm in ("model", "ngram")}
         self._last: tuple[str, float, int] | None = None  # arm, when and history length of the last proposal

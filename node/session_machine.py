@@ -88,7 +88,7 @@ import numpy.typing as npt
 
 from common.logs import event
 from common.prefix_chain import parse_source_id
-from node.drafting import ProposerFactory, SessionDrafter, verdict
+from node.drafting import ProposerFactory, SessionDrafter, proposer_choice, verdict
 from node.kept_sessions import KeptSessions
 from node.kvpool import BLOCK_TOKENS, blocks_for
 from node.preemption import Holder, choose_victims
@@ -464,14 +464,14 @@ class FrameServer:
         spec: ServingSpec,
         check_ticket: TicketCheck,
         proposers: ProposerFactory | None = None,
-        proposer_choice: str = "auto",
+        choice: str = "auto",
     ) -> None:
         self.spec = spec
         self._check_ticket = check_ticket
         # A speculating session's draft model (--draft-model; None: n-gram lookup only) and how the
         # session chooses between the two (--draft-model-choice; node.drafting.SessionDrafter).
         self._proposers = proposers
-        self._proposer_choice = proposer_choice
+        self._choice = None if proposers is None else proposer_choice(choice)
         self._sessions: dict[str, _Session] = {}
         self._closed: OrderedDict[str, _Closed] = OrderedDict()
         self._jobs: dict[int, str] = {}  # job id -> session id, for queued or running jobs
@@ -792,7 +792,7 @@ class FrameServer:
         if not (self.spec.is_last and sess.ring is not None and max_drafts > 0 and not sess.sampling.grammar):
             sess.drafter = None  # grammar sessions never speculate: the grammar cannot roll back
         elif sess.drafter is None or sess.drafter.policy.max_k != max_drafts:
-            sess.drafter = SessionDrafter(max_drafts, self._proposers, self._proposer_choice)
+            sess.drafter = SessionDrafter(max_drafts, self._proposers, self._choice)
         limit = 0 if self.spec.is_last else min(int(body.history_bytes), self.spec.max_history_bytes)
         if sess.history is not None and sess.history.limit != limit:
             self._drop_history(sess)

@@ -16,7 +16,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from common.speculation import NgramProposer
+from common.speculation import ChoicePolicy, NgramProposer, ProposerChoice
 from common.vocab import Vocabulary
 from node.config import ConfigError, NodeConfig
 from node.draft_model import DraftModel, DraftModelError, quantize, vocab_digest
@@ -148,7 +148,7 @@ def test_where_the_draft_model_costs_more_than_it_saves_sessions_draft_by_ngram(
 ) -> None:
     """Auto choice, with times the test gives: passes drafted by the model take 1 s, n-gram passes
     (no match here: plain steps of one token) 0.1 s; after the probe the session drafts by n-gram."""
-    drafter = SessionDrafter(4, draft.proposer, "auto")
+    drafter = SessionDrafter(4, draft.proposer, ProposerChoice(ChoicePolicy(probe_passes=4, hold_passes=8)))
     history, token, now = list(prompt[:-1]), prompt[-1], 0.0
     arms = []
     for _ in range(4 + 4 + 8):

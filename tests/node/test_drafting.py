@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from common.speculation import NgramProposer
-from node.drafting import SessionDrafter
+from node.drafting import SessionDrafter, proposer_choice
 
 
 class FixedProposer:
@@ -43,7 +43,7 @@ def drafter_with(choice: str) -> tuple[SessionDrafter, list[FixedProposer]]:
         made.append(FixedProposer(ngram, (7, 8, 9)))
         return made[-1]
 
-    return SessionDrafter(4, factory, choice), made
+    return SessionDrafter(4, factory, proposer_choice(choice)), made
 
 
 LOOP = [1, 2, 3] * 4  # n-gram lookup always finds a continuation here
@@ -53,13 +53,13 @@ def test_failing_ngram_windows_do_not_pause_the_model() -> None:
     drafter, (model,) = drafter_with("auto")
     history = list(LOOP)
     arms = []
-    for i in range(8):  # the probe: 4 passes each
+    for i in range(16):  # the node's probe: 8 passes each
         calls = model.calls
         drafts = drafter.drafts(history, [], history[i % 3], room=50, now=float(i))
         arms.append("model" if model.calls > calls else "ngram")
         drafter.observe(len(drafts), 0 if arms[-1] == "ngram" else len(drafts))
         history.append(history[i % 3])
-    assert arms == ["model"] * 4 + ["ngram"] * 4
+    assert arms == ["model"] * 8 + ["ngram"] * 8
     ngram = drafter.states["ngram"]
     assert ngram.accepted == 0 and ngram.next_pause > 0  # n-gram's windows failed: it backed off
     assert drafter.states["model"].pause_left == 0 and drafter.states["model"].accepted > 0
@@ -77,10 +77,33 @@ def test_always_drafts_with_the_model_and_without_times_nothing_is_measured() ->
     assert drafter.choice is not None and drafter.choice.passes == {"model": 20, "ngram": 0}
     assert drafter.choice.rate("model") == 0.0
     with pytest.raises(ValueError, match="choice must be one of"):
-        SessionDrafter(4, lambda ngram: ngram, "sometimes")
+        proposer_choice("sometimes")
 
 
 def test_without_a_draft_model_only_ngram_drafts() -> None:
     drafter = SessionDrafter(4)
     assert drafter.choice is None and drafter.proposer is drafter.ngram
     assert drafter.drafts(LOOP, [], 1, room=50, now=0.0) == (2, 3, 1)
+
+
+def test_sessions_share_the_nodes_measurements() -> None:
+    """A second session starts with what the first measured: no probe of its own."""
+    choice = proposer_choice("auto")
+    made: list[FixedProposer] = []
+
+    def factory(ngram: NgramProposer) -> FixedProposer:
+        made.append(FixedProposer(ngram, (7, 8, 9)))
+        return made[-1]
+
+    first = SessionDrafter(4, factory, choice)
+    history, now = list(LOOP), 0.0
+    for _ in range(16):  # the probe: model passes yield 4 tokens a second, n-gram passes 1 token in 0.1 s
+        calls = made[0].calls
+        drafts = first.drafts(history, [], 4, room=500, now=now)
+        drafted_by_model = made[0].calls > calls
+        first.observe(len(drafts), len(drafts) if drafted_by_model else 0)
+        history += [4, *drafts] if drafted_by_model else [4]
+        now += 1.0 if drafted_by_model else 0.1
+    second = SessionDrafter(4, factory, choice)
+    second.drafts(list(LOOP), [], 1, room=500, now=now)
+    assert second.arm == "ngram" and made[1].calls == 0
