@@ -43,6 +43,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+import numpy.typing as npt
 
 from tracker.errors import NoFittingSpan, UnknownModel
 from tracker.snapshot import ModelInfo, SwarmSnapshot
@@ -77,6 +81,30 @@ class SpanMemory:
         return need <= self.memory_bytes
 
 
+_START, _END, _DECODE = attrgetter("start"), attrgetter("end"), attrgetter("decode_ms_per_token")
+
+
+def _spans(
+    snapshot: SwarmSnapshot, model_fingerprint: str, n_layers: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.float64]]:
+    """Start, end and single-token time of the model's shards inside ``0..n_layers``, in snapshot
+    order, as arrays; once per snapshot (``SwarmSnapshot.memo``: a joining swarm of 10 000s of
+    nodes asks for every join)."""
+    key = ("placement.spans", model_fingerprint, n_layers)
+    found = snapshot.memo.get(key)
+    if found is not None:
+        return found  # type: ignore[return-value]
+    mine = [s for s in snapshot.shards if s.model_fingerprint == model_fingerprint]
+    n = len(mine)
+    start = np.fromiter(map(_START, mine), dtype=np.intp, count=n)
+    end = np.fromiter(map(_END, mine), dtype=np.intp, count=n)
+    decode = np.fromiter(map(_DECODE, mine), dtype=float, count=n)
+    ok = (start >= 0) & (start < end) & (end <= n_layers)
+    spans = (start[ok], end[ok], decode[ok])
+    snapshot.memo[key] = spans
+    return spans
+
+
 def layer_coverage(
     snapshot: SwarmSnapshot,
     model_fingerprint: str,
@@ -84,16 +112,21 @@ def layer_coverage(
     weights: PlacementWeights = DEFAULT_WEIGHTS,
 ) -> list[float]:
     """Tokens per second available at each layer ``0..n_layers-1``."""
-    diff = [0.0] * (n_layers + 1)
-    count = [0] * (n_layers + 1)  # exact, so float residue never hides an uncovered layer
-    for s in snapshot.shards:
-        if s.model_fingerprint != model_fingerprint or not 0 <= s.start < s.end <= n_layers:
-            continue
-        tps = 1000.0 / max(s.decode_ms_per_token, weights.min_decode_ms_per_token)
-        diff[s.start] += tps
-        diff[s.end] -= tps
-        count[s.start] += 1
-        count[s.end] -= 1
+    start, end, decode = _spans(snapshot, model_fingerprint, n_layers)
+    tps = 1000.0 / np.maximum(decode, weights.min_decode_ms_per_token)
+    # Each shard adds at its start and takes away at its end, in snapshot order (np.add.at is
+    # unbuffered and in order: the same sums, to the last bit, as one shard after another).
+    where = np.empty(2 * start.size, dtype=np.intp)
+    where[0::2], where[1::2] = start, end
+    amount = np.empty(2 * start.size)
+    amount[0::2], amount[1::2] = tps, -tps
+    summed = np.zeros(n_layers + 1)
+    np.add.at(summed, where, amount)
+    diff: list[float] = summed.tolist()
+    # exact, so float residue never hides an uncovered layer
+    count: list[int] = (
+        np.bincount(start, minlength=n_layers + 1) - np.bincount(end, minlength=n_layers + 1)
+    ).tolist()
     cover: list[float] = []
     run, holders = 0.0, 0
     for i in range(n_layers):
@@ -154,12 +187,9 @@ def recommend_span(
         prefix.append(prefix[-1] + 1.0 / (c + weights.epsilon_tokens_per_s))
 
     # Boundaries a route can continue from (a span may start there) and lead into (a span may end there).
-    open_starts = {0}
-    open_ends = {n}
-    for s in snapshot.shards:
-        if s.model_fingerprint == model_fingerprint and 0 <= s.start < s.end <= n:
-            open_starts.add(s.end)
-            open_ends.add(s.start)
+    starts, ends, _ = _spans(snapshot, model_fingerprint, n)
+    open_starts = {0, *ends.tolist()}
+    open_ends = {n, *starts.tolist()}
     open_starts.discard(n)
     open_ends.discard(0)
 
