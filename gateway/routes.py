@@ -92,6 +92,8 @@ class Hop:
     load: StageLoad | None = None
     # Heads of the KV block chains the node keeps (its last heartbeat; common/prefix_chain.py).
     prefix_heads: frozenset[str] = frozenset()
+    # The tracker's operator lists this node in its trusted_nodes: never on probation here either.
+    operator_trusted: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_count(h.get("kv_free_tokens")),
                     _stage_load(h),
                     prefix_heads=_prefix_heads(h.get("prefix_heads")),
+                    operator_trusted=h.get("operator_trusted") is True,
                 )
                 for h in r["hops"]
             )

@@ -244,7 +244,10 @@ class SpotChecks:
 
     def on_probation(self, hop: Hop) -> bool:
         """Always checked: the tracker says so, or this gateway has not seen it pass enough checks
-        (``probation_checks`` 0: nothing is, a swarm whose operator trusts every node)."""
+        (``probation_checks`` 0: nothing is, a swarm whose operator trusts every node). A node the
+        tracker's operator lists in ``trusted_nodes`` (``operator_trusted``) is not."""
+        if hop.operator_trusted and not hop.probation:
+            return False
         return self.standing.on_probation(hop.node_id, hop.probation, self.config.probation_checks)
 
     def avoided(self) -> frozenset[str]:

@@ -42,6 +42,7 @@ import httpx
 
 from common.keyfile import load_or_create_key_file
 from common.tls import fingerprint_pem
+from node.identity import KEY_FILE as NODE_KEY_FILE
 from node.testmodel import TestModelMissing, test_model_path
 from proto.signing import public_key_hex
 from sim.procs import LaunchError, Service, Supervisor, trust_only, wait_http
@@ -218,6 +219,7 @@ def start_local_swarm(
     register_gateway: bool = False,
     tracker_tls: bool = False,
     register_model: bool = False,
+    trust_nodes: bool = False,
 ) -> LocalSwarm:
     """Start tracker, nodes and gateway; return once the gateway can route the model.
 
@@ -235,6 +237,10 @@ def start_local_swarm(
     ``wan_profile``: run on an emulated WAN placed by ``wan_profile.place(n_nodes + spare)``
     (needs root; :class:`sim.wan.WanUnavailable` says why not). ``gateway_port`` is then the
     loopback port of the forwarder to the gateway; the services bind any port inside the WAN.
+
+    ``trust_nodes``: create every node's key first and start the tracker with them as its
+    ``--trusted-nodes`` (the operator's own nodes: off probation from their first announce, the
+    reference for newcomers' challenges; docs/security.md, section 3).
 
     ``tracker_tls``: the tracker serves HTTPS with the self-signed certificate it makes on first start
     (``--tls-self-signed``); the nodes and the gateway pin it (``--tracker-tls-fingerprint``).
@@ -258,6 +264,13 @@ def start_local_swarm(
             # The key the gateway will load from its data directory (Supervisor: <workdir>/gateway).
             gateway_key, _ = load_or_create_key_file(Path(workdir) / "gateway" / "gateway.key")
             tracker_args = [*(tracker_args or []), "--registered-gateways", public_key_hex(gateway_key)]
+        if trust_nodes:
+            # The keys the nodes will load from their data directories (Supervisor: <workdir>/nodeN).
+            keys = [
+                public_key_hex(load_or_create_key_file(Path(workdir) / f"node{i + 1}" / NODE_KEY_FILE)[0])
+                for i in range(total)
+            ]
+            tracker_args = [*(tracker_args or []), "--trusted-nodes", ",".join(keys)]
         if tracker_tls:
             tracker_args = [*(tracker_args or []), "--tls-self-signed"]
         tracker = sup.start_tracker(host=net.addr("tracker"), extra_args=tracker_args)
@@ -275,6 +288,8 @@ def start_local_swarm(
         _say(quiet, f"  tracker  ready at {tracker_url}  (pid {tracker.pid})")
         if tracker_pin:
             _say(quiet, f"  tracker  TLS certificate sha256 {tracker_pin} (nodes and gateway pin it)")
+        if trust_nodes:
+            _say(quiet, f"  tracker  trusts this swarm's {total} node(s) from the start (--trusted-nodes)")
         if register_model:
             _register_model(model, tracker_url, Path(workdir) / "tracker", net, pin_args)
             _say(quiet, f"  tracker  registered {model.name}: its name resolves to its fingerprint only")
@@ -545,6 +560,10 @@ def _up(
             tracker_tls=tracker_tls,
             register_model=True,  # the operator's path: the name is bound to this fingerprint
             tracker_args=["--unregistered-names", "trusted"],  # the tracker's default, not the harness's
+            # The operator's nodes are trusted from the start (--trusted-nodes), and the gateway serves
+            # no output nobody could check: a volunteer that joins is checked against them or refused.
+            trust_nodes=True,
+            gateway_args=["--unconfirmed-routes", "refuse"],
         )
     except (LaunchError, WanError) as err:
         raise click.ClickException(str(err)) from err

@@ -273,7 +273,12 @@ class Challenger:
 
     def _references(self, target: ChallengeTarget, recipe: str, input_id: str) -> set[str]:
         return self.registry.store.trust.challenge_references(
-            target, recipe, input_id, self.clock(), probation_checks=self.config.probation_checks
+            target,
+            recipe,
+            input_id,
+            self.clock(),
+            probation_checks=self.config.probation_checks,
+            trusted_nodes=self.config.trusted_node_keys(),
         )
 
     async def _finish(

@@ -151,6 +151,12 @@ class TrackerConfig:
         "hex public keys of the gateways allowed to report usage, statistics, spot checks and "
         "evidence (comma or space separated); empty = any gateway (private swarms only)",
     )
+    trusted_nodes: str = _trust(
+        "",
+        "hex public keys (node ids) of the operator's own nodes (comma or space separated): never on "
+        "probation, reference answers for the join challenge and holders that move an unregistered "
+        "name from their first announce; still banned by conclusive evidence",
+    )
     probation_checks: int = _trust(3, "spot checks a node must pass before it is off probation")
     probation_penalty_ms: float = _trust(
         1000.0, "routing cost added to a node on probation (trusted nodes first, probation still used)"
@@ -228,6 +234,14 @@ class TrackerConfig:
                 raise ConfigError(f"registered_gateways: {k[:20]!r} is not a 64-character lowercase hex key")
         return keys
 
+    def trusted_node_keys(self) -> frozenset[str]:
+        """The operator's trusted nodes' public keys (their node ids; empty: none)."""
+        keys = frozenset(k for k in self.trusted_nodes.replace(",", " ").split() if k)
+        for k in keys:
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ConfigError(f"trusted_nodes: {k[:20]!r} is not a 64-character lowercase hex key")
+        return keys
+
     def resolved_db_threads(self) -> int:
         if self.db_threads > 0:
             return self.db_threads
@@ -301,6 +315,7 @@ class TrackerConfig:
         if not 0.0 < self.observed_speed_alpha <= 1.0:
             raise ConfigError("observed_speed_alpha must be in (0, 1]")
         self.gateway_keys()  # raises on a malformed key
+        self.trusted_node_keys()
         if self.registry_max_body_bytes < self.max_body_bytes:
             raise ConfigError("registry_max_body_bytes must be at least max_body_bytes")
         for k in self.registry_key_ids():

@@ -518,6 +518,7 @@ class Registry:
                     probation_checks=self.config.probation_checks,
                     probation_penalty_ms=self.config.probation_penalty_ms,
                     observed_keep_s=self.config.observed_speed_keep_s,
+                    trusted_nodes=self.config.trusted_node_keys(),
                 )
             )
         except StorageUnavailable:
@@ -650,6 +651,9 @@ class Registry:
                             "rtt_ms": _ms(route.hop_rtt_ms[i]),
                             "bandwidth_mbit_s": route.hop_bandwidth_mbit_s[i],
                             "probation": shard_of[h.node_id].probation,
+                            # Listed in the operator's trusted_nodes: gateways count it trusted
+                            # without passes of their own (it is never on probation).
+                            "operator_trusted": shard_of[h.node_id].operator_trusted,
                             # Free KV positions of its last heartbeat (null before the first), its
                             # pool's size and the most one session may hold there (null: not said).
                             "kv_free_tokens": shard_of[h.node_id].kv_free_tokens,

@@ -93,6 +93,9 @@ class ShardView:
     # tracker's join challenge saw the node report; "" = not known (relayed, not challenged yet).
     # A route chains only shards of one recipe (unknown ones join any): tracker/recipes.py.
     recipe_fingerprint: str = ""
+    # Listed in the operator's ``trusted_nodes``: trusted and off probation from its first announce
+    # (gateways then need no checks of their own to count it trusted; evidence still bans it).
+    operator_trusted: bool = False
 
 
 @dataclass(frozen=True)

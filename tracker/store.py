@@ -663,12 +663,14 @@ class Store:
         probation_checks: int = 0,
         probation_penalty_ms: float = 0.0,
         observed_keep_s: float = 86_400.0,
+        trusted_nodes: frozenset[str] = frozenset(),
     ) -> SwarmSnapshot:
         """Models and the shards of nodes that are live and heard from within ``timeout_s``.
 
         A shard's decode time is the larger of the node's claim and what registered gateways
         measured (when measured within ``observed_keep_s``): claiming to be fast gains nothing.
-        A node with fewer than ``probation_checks`` passed spot checks is on probation."""
+        A node with fewer than ``probation_checks`` passed spot checks is on probation, unless the
+        operator lists it in ``trusted_nodes`` (trusted from its first announce)."""
         cutoff = now_s - timeout_s
         with Session(self.engine) as s:
             # Registered models carry what announces cannot: their split points and bytes per layer.
@@ -778,9 +780,12 @@ class Store:
                 region=r[13],
                 uplink_mbit_s=r[14],
                 coord=_coord(r[15], r[16], r[17], r[18], r[19]),
-                probation=(r[22] or 0) < probation_checks,
+                probation=r[0] not in trusted_nodes and (r[22] or 0) < probation_checks,
                 tls_fingerprint=r[23] or "",
-                trusted=probation_checks == 0 or (r[22] or 0) >= probation_checks or r[24] == "passed",
+                trusted=probation_checks == 0
+                or r[0] in trusted_nodes
+                or (r[22] or 0) >= probation_checks
+                or r[24] == "passed",
                 kv_pool_tokens=r[25],
                 kv_session_max_tokens=r[26],
                 kv_used_tokens=r[27],
@@ -788,6 +793,7 @@ class Store:
                 kv_preemptions=r[29],
                 kv_refusals=r[30],
                 prefix_heads=tuple((r[31] or "").split()),
+                operator_trusted=r[0] in trusted_nodes,
             )
             for r in rows
         )

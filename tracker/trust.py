@@ -174,7 +174,11 @@ class TrustService:
         gate = self.gate
         return await gate.run_db(
             functools.partial(
-                self.store.node_trust, node_id, gate.clock(), probation_checks=self.config.probation_checks
+                self.store.node_trust,
+                node_id,
+                gate.clock(),
+                probation_checks=self.config.probation_checks,
+                trusted_nodes=self.config.trusted_node_keys(),
             )
         )
 

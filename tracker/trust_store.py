@@ -266,7 +266,13 @@ class TrustStore:
         return EvidenceRecorded(node_id, True, until, tuple(hosts), node is not None)
 
     def node_trust(
-        self, node_id: str, now_s: float, *, probation_checks: int, evidence_limit: int = 20
+        self,
+        node_id: str,
+        now_s: float,
+        *,
+        probation_checks: int,
+        evidence_limit: int = 20,
+        trusted_nodes: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
         with Session(self.db.engine) as s:
             rep = s.get(Reputation, node_id)
@@ -286,7 +292,8 @@ class TrustStore:
                 "state": node.state if node is not None else None,
                 "checks_passed": passed,
                 "checks_failed": rep.checks_failed if rep is not None else 0,
-                "probation": passed < probation_checks,
+                "probation": node_id not in trusted_nodes and passed < probation_checks,
+                "operator_trusted": node_id in trusted_nodes,
                 "banned_until": rep.banned_until_s if banned and rep is not None else None,
                 "ban_reason": rep.ban_reason if banned and rep is not None else "",
                 "challenges": [
@@ -386,13 +393,21 @@ class TrustStore:
             return list(out.values())
 
     def challenge_references(
-        self, target: ChallengeTarget, recipe: str, input_id: str, now_s: float, *, probation_checks: int
+        self,
+        target: ChallengeTarget,
+        recipe: str,
+        input_id: str,
+        now_s: float,
+        *,
+        probation_checks: int,
+        trusted_nodes: frozenset[str] = frozenset(),
     ) -> set[str]:
-        """Digests trusted nodes (off probation, not banned, not the target) gave for the same input."""
+        """Digests trusted nodes (off probation or listed in the operator's ``trusted_nodes``; not
+        banned, not the target) gave for the same input."""
         with Session(self.db.engine) as s:
             rows = s.execute(
                 select(ChallengeResult.digest)
-                .join(Reputation, Reputation.node_id == ChallengeResult.node_id)
+                .outerjoin(Reputation, Reputation.node_id == ChallengeResult.node_id)
                 .where(
                     ChallengeResult.model_fingerprint == target.model_fingerprint,
                     ChallengeResult.recipe_fingerprint == recipe,
@@ -402,7 +417,10 @@ class TrustStore:
                     ChallengeResult.node_id != target.node_id,
                     ChallengeResult.digest != "",
                     ChallengeResult.outcome.in_(("passed", "no_reference")),
-                    Reputation.checks_passed >= probation_checks,
+                    or_(
+                        Reputation.checks_passed >= probation_checks,
+                        ChallengeResult.node_id.in_(sorted(trusted_nodes)),
+                    ),
                     or_(Reputation.banned_until_s.is_(None), Reputation.banned_until_s <= now_s),
                 )
             ).all()

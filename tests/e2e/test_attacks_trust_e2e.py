@@ -24,6 +24,11 @@ with keys made on the spot (tests/e2e/attackers.py).
   newcomer that replaces every token after answering its challenge honestly. Its runs are checked
   against the other ``[15, 30)`` node with the first stage shared; with no third node to judge, the
   trusted node's word decides: named on its first request, no wrong token delivered.
+- The README's swarm as ``swarm-sim up`` starts it: the operator's two nodes (one per half) in the
+  tracker's ``trusted_nodes``, a gateway with ``unconfirmed_routes = refuse``. The operator's nodes
+  serve at once; a fresh liar on ``[15, 30)`` is checked against the operator's ``[15, 30)`` node and
+  banned, and a fresh key on a span nobody else holds ``[0, 30)`` has its output confirmed by the
+  operator's nodes covering it: every answer the whole model's text, no wrong token delivered.
 """
 
 from __future__ import annotations
@@ -560,3 +565,116 @@ def test_a_gateway_refusing_unconfirmed_routes_answers_unconfirmable_never_unche
     assert served.status_code == 200, served.text
     assert served.json()["choices"][0]["message"]["content"] == want
     print(f"\nunconfirmable: refused with {r.status_code} {r.json()['error']['code']}; the other served")
+
+
+@pytest.fixture(scope="module")
+def operator_swarm(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache: Path
+) -> Iterator[LocalSwarm]:
+    # The README's swarm as `swarm-sim up` starts it: one node per half, both the operator's
+    # (--trusted-nodes), the model registered, a gateway serving no unconfirmed output. The test's
+    # own settings: probation costs nothing in routing (a liar claiming the fastest decode is routed
+    # first) and no host bans (every key here announces from loopback).
+    s = start_local_swarm(
+        tmp_path_factory.mktemp("operator"),
+        model=model_path,
+        n_nodes=2,
+        layers=["0:15", "15:30"],
+        node_cache=node_cache,
+        trust_nodes=True,
+        register_model=True,
+        gateway_args=["--route-ttl-s", "1", "--unconfirmed-routes", "refuse", "--kv-keep-s", "0"],
+        node_args=["--no-benchmark"],
+        tracker_args=[
+            "--heartbeat-interval-s",
+            "1",
+            "--probation-penalty-ms",
+            "0",
+            "--ban-host-s",
+            "0",
+            "--unregistered-names",
+            "trusted",
+        ],
+    )
+    yield s
+    s.stop()
+
+
+def _attack_clean(
+    swarm: LocalSwarm, want: str, fingerprint: str, liar_id: str, requests: int
+) -> tuple[int, int, int, list[str]]:
+    """``requests`` chats that may each be the whole model's text or a clean 503:
+    (the request after which the gateway had named the liar, exact answers, wrong answers, errors)."""
+    body = {
+        "model": fingerprint,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": N_NEW,
+        "temperature": 0,
+    }
+    named_after, exact, wrong, errors = 0, 0, 0, []
+    for i in range(requests):
+        r = httpx.post(swarm.base_url + "/chat/completions", json=body, timeout=120)
+        if r.status_code == 200:
+            text = r.json()["choices"][0]["message"]["content"]
+            exact, wrong = exact + (text == want), wrong + (text != want)
+        else:
+            assert r.status_code == 503, r.text  # a clean error, never a wrong answer
+            errors.append(r.json()["error"]["code"])
+        verdicts = _events(swarm.gateway.log_text(), "spot_check_verdict")
+        if not named_after and any(v.get("liar") == liar_id for v in verdicts):
+            named_after = i + 1
+    return named_after, exact, wrong, errors
+
+
+def test_the_readme_swarm_trusts_the_operators_nodes_and_delivers_no_unconfirmed_output(
+    operator_swarm: LocalSwarm, reference: Reference, model_path: Path, node_cache: Path
+) -> None:
+    swarm = operator_swarm
+    want = reference.chat(QUESTION, N_NEW)
+    model = _model(swarm)
+    ours = [_node_id(n) for n in swarm.nodes]
+    for node_id in ours:  # trusted from the first announce: no probation, no checks needed
+        trust = httpx.get(f"{swarm.tracker_url}/v1/trust/nodes/{node_id}", timeout=30).json()
+        assert (trust["probation"], trust["operator_trusted"], trust["checks_passed"]) == (False, True, 0)
+    # The refusing gateway serves the operator's nodes at once, by name and by fingerprint.
+    for name in (swarm.model_name, model.fingerprint):
+        reply = httpx.post(
+            swarm.base_url + "/chat/completions",
+            json={
+                "model": name,
+                "messages": [{"role": "user", "content": QUESTION}],
+                "max_tokens": N_NEW,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == want
+    # (a) A fresh liar on [15, 30) that answers its challenge honestly (compared with the operator's
+    # [15, 30) node's answer) and then replaces every token: checked against the operator's node
+    # with the first stage shared, named on the trusted node's word, banned.
+    liar = _start_liar(swarm, model_path, node_cache, "15:30", "swap_sampler,honest_steps=1", [])
+    liar_id = _node_id(liar)
+    assert wait_until(lambda: _states(swarm).get(liar_id) == "live", 90, "the liar past its challenge")
+    (challenge,) = _challenges(swarm, liar_id)
+    assert challenge["outcome"] == "passed", challenge  # the operator's node was its reference
+    named_a, exact_a, wrong_a, errors_a = _attack_clean(swarm, want, model.fingerprint, liar_id, 8)
+    print(
+        f"\n(a) liar on [15, 30): named after {named_a}; {exact_a} exact, {wrong_a} wrong, errors {errors_a}"
+    )
+    assert wrong_a == 0 and exact_a >= 1
+    assert 1 <= named_a <= 2, named_a
+    wait_until(lambda: _states(swarm).get(liar_id) == "banned", 30, "the tracker to ban the liar")
+    # (b) A fresh key on a span nobody else holds ([0, 30)), computing nothing: no trusted answer to
+    # compare its challenge with, so it is live on probation; its output is confirmed by the
+    # operator's nodes covering the span before any of it is delivered, and it is named.
+    whole = _start_liar(swarm, model_path, node_cache, "0:30", "no_model", [])
+    whole_id = _node_id(whole)
+    assert wait_until(lambda: _states(swarm).get(whole_id) == "live", 90, "the unique span live on probation")
+    named_b, exact_b, wrong_b, errors_b = _attack_clean(swarm, want, model.fingerprint, whole_id, 8)
+    print(f"(b) fresh key on [0, 30): named after {named_b}; {exact_b} exact, {wrong_b} wrong, {errors_b}")
+    assert wrong_b == 0 and exact_b >= 1
+    assert 1 <= named_b <= 2, named_b
+    wait_until(lambda: _states(swarm).get(whole_id) == "banned", 30, "the tracker to ban the fresh key")
+    for node_id in ours:  # the operator's nodes kept their standing
+        assert _states(swarm).get(node_id) == "live"
