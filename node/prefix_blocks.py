@@ -50,9 +50,6 @@ class PrefixBlocks:
         """Distinct blocks indexed (a block several sessions share counts once)."""
         return len(self._where)
 
-    def session_blocks(self, session_id: str) -> int:
-        return len(self._chains.get(session_id, ()))
-
     def add(self, session_id: str, tokens: Sequence[int]) -> int:
         """Index ``session_id``'s whole blocks of ``tokens`` (replacing what it held) as the most
         recently used; returns the blocks indexed."""
