@@ -207,10 +207,10 @@ class NodeConfig:
         "each (longer histories draft by n-gram); empty = n-gram lookup only",
     )
     draft_model_choice: str = _engine(
-        "auto",
-        "with draft_model: 'auto' = each session measures the tokens per second the draft model and "
-        "n-gram lookup yield (a few passes each, then the faster for 32, then both again), since the "
-        "model's time is part of every pass; 'always' = the draft model drafts every window",
+        "always",
+        "with draft_model: 'always' = the draft model drafts every window; 'auto' (experimental) = the "
+        "node measures the tokens per second the draft model and n-gram lookup yield over its sessions' "
+        "passes (8 each, then the faster for 64, then both again) and drafts with the faster",
         choices=("auto", "always"),
     )
     max_queued_steps: int = _engine(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")

@@ -94,7 +94,7 @@ class SessionDrafter:
         self.choice: ProposerChoice | None = None
         self.arm = "ngram"  # the proposer of the last window
         if factory is not None:
-            self.choice = choice or proposer_choice("auto")
+            self.choice = choice or proposer_choice("always")
             self.arm = "model"
         self.states = {arm: initial_state(self.policy) for arm in ("model", "ngram")}
         self._last: tuple[str, float, int] | None = None  # arm, when and history length of the last proposal

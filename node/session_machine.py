@@ -464,7 +464,7 @@ class FrameServer:
         spec: ServingSpec,
         check_ticket: TicketCheck,
         proposers: ProposerFactory | None = None,
-        choice: str = "auto",
+        choice: str = "always",
     ) -> None:
         self.spec = spec
         self._check_ticket = check_ticket
