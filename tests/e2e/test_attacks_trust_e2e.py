@@ -28,7 +28,9 @@ with keys made on the spot (tests/e2e/attackers.py).
   tracker's ``trusted_nodes``, a gateway with ``unconfirmed_routes = refuse``. The operator's nodes
   serve at once; a fresh liar on ``[15, 30)`` is checked against the operator's ``[15, 30)`` node and
   banned, and a fresh key on a span nobody else holds ``[0, 30)`` has its output confirmed by the
-  operator's nodes covering it: every answer the whole model's text, no wrong token delivered.
+  operator's nodes covering it: every answer the whole model's text, no wrong token delivered. When
+  the operator's ``[0, 15)`` node leaves and a fresh volunteer takes its span, nobody can check the
+  volunteer: every request gets 503 ``unconfirmable``, never its unchecked text.
 """
 
 from __future__ import annotations
@@ -678,3 +680,33 @@ def test_the_readme_swarm_trusts_the_operators_nodes_and_delivers_no_unconfirmed
     wait_until(lambda: _states(swarm).get(whole_id) == "banned", 30, "the tracker to ban the fresh key")
     for node_id in ours:  # the operator's nodes kept their standing
         assert _states(swarm).get(node_id) == "live"
+    # (c) The operator's [0, 15) node leaves and a fresh volunteer takes its span: nobody can check
+    # it (nobody else holds or covers [0, 15)), so it gets no client traffic: 503 unconfirmable.
+    swarm.nodes[0].stop()
+    wait_until(lambda: _states(swarm).get(ours[0]) != "live", 60, "the operator's [0, 15) node gone")
+    fresh = swarm.supervisor.start_node(
+        "fresh-0-15",
+        model=model_path,
+        layers="0:15",
+        tracker_url=swarm.tracker_url,
+        cache_dir=node_cache,
+        extra_args=["--no-benchmark"],
+    )
+    fresh.wait_port(120)
+    fresh_id = _node_id(fresh)
+    assert wait_until(lambda: _states(swarm).get(fresh_id) == "live", 90, "the volunteer live on probation")
+    body = {
+        "model": model.fingerprint,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": N_NEW,
+        "temperature": 0,
+    }
+    refused = []
+    for _ in range(4):
+        r = httpx.post(swarm.base_url + "/chat/completions", json=body, timeout=120)
+        assert r.status_code == 503, r.text  # never its unchecked text
+        refused.append(r.json()["error"]["code"])
+    print(f"(c) a fresh volunteer nobody can check: {refused}")
+    assert set(refused) == {"unconfirmable"}, refused
+    gw = swarm.gateway.log_text()
+    assert any(fresh_id in json.dumps(e) for e in _events(gw, "route_unconfirmable"))
