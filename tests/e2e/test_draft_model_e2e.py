@@ -127,7 +127,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
         cwd=tmp_path,
     )
     assert done.returncode != 0

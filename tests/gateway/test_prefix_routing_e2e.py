@@ -51,7 +51,7 @@ def prefilled(node: Service) -> float:
 
 
 def ask(gateway: Service, key: str, question: str, model: str, cache: bool = True) -> tuple[str, int]:
-    client = openai.OpenAI(base_url=url(gateway) + "/v1", api_key=key, max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=url(gateway) + "/v1", api_key=key, max_retries=0, timeout=120)
     r = client.chat.completions.create(
         model=model,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
