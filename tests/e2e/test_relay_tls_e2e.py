@@ -79,6 +79,13 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             extra_args=["--no-benchmark", "--relay", base, "--relay-tls-fingerprint", cert.fingerprint],
         )
         node.wait_port(120)
+        # A relayed newcomer serves only once its gateway has carried the tracker's join challenge.
+        relayed_id = httpx.get(f"http://127.0.0.1:{node.admin_port}/healthz", timeout=5).json()["node_id"]
+        wait_until(
+            lambda: _live(tracker_url, relayed_id),
+            120,
+            "the relayed node answered its join challenge and is live",
+        )
         models = wait_until(
             lambda: _ok(http, f"{base}/v1/models") and http.get(f"{base}/v1/models").json()["data"],
             120,
@@ -104,6 +111,14 @@ def _ok(http: httpx.Client, url: str) -> bool:
         return http.get(url).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _live(tracker_url: str, node_id: str) -> bool:
+    try:
+        nodes = httpx.get(f"{tracker_url}/v1/swarm", timeout=5).json().get("nodes", [])
+    except httpx.HTTPError:
+        return False
+    return any(n.get("node_id") == node_id and n.get("state") == "live" for n in nodes)
 
 
 def status(node: Service) -> dict:
