@@ -11,8 +11,10 @@ block before it.
 Two digests per block:
 
 * the **chain hash** (:func:`chain`, 32 bytes of BLAKE2b): what an OPEN names a prefix by
-  (``KvSource.session_id = "blocks:<hex>"``, docs/protocol.md). Computing it needs the tokens, so
-  only a party that knows the prompt can ask a node for the KV behind it.
+  (``KvSource.session_id = "blocks:<hex>[+<hex>...][/<step>]"``, docs/protocol.md: the deepest
+  prefix wanted first, then shallower ones the node may copy instead, at most
+  :data:`MAX_SOURCE_HASHES`). Computing it needs the tokens, so only a party that knows the prompt
+  can ask a node for the KV behind it.
 * the **head** (:func:`head`, 16 bytes, hex): a one-way digest of a chain hash that nodes report in
   their heartbeats and the tracker hands to gateways with its routes. A gateway recognises its
   prompt's heads among them; a head alone does not let anyone open the KV behind it.
@@ -30,6 +32,7 @@ CHAIN_BYTES = 32
 HEAD_BYTES = 16
 HEAD_HEX = 2 * HEAD_BYTES
 SOURCE_PREFIX = "blocks:"  # KvSource.session_id naming a prefix by its chain hash
+MAX_SOURCE_HASHES = 64  # chain hashes one KvSource may name (the deepest first)
 
 _BLOCK = struct.Struct(f"<{BLOCK_TOKENS}I")
 _HEAD_RE = re.compile(rf"[0-9a-f]{{{HEAD_HEX}}}")
@@ -70,21 +73,34 @@ def is_head(value: object) -> bool:
     return isinstance(value, str) and _HEAD_RE.fullmatch(value) is not None
 
 
-def source_id(chain_hash: bytes, step: int = 0) -> str:
+def source_id(chain_hash: bytes, step: int = 0, fallbacks: Sequence[bytes] = ()) -> str:
     """``KvSource.session_id`` naming the prefix that ends with ``chain_hash``; ``step`` > 0 asks for
     a copy only if the holder computed those positions in whole prefill steps of ``step`` from 0 (so
-    the rest runs in the batches a cold run uses: bit-exact)."""
-    return f"{SOURCE_PREFIX}{chain_hash.hex()}" + (f"/{step}" if step > 0 else "")
+    the rest runs in the batches a cold run uses: bit-exact). ``fallbacks``: chain hashes of shorter
+    prefixes of the same prompt, deepest first, that the node copies instead when it does not hold
+    ``chain_hash`` (the first it holds; the OPEN's ack says how many positions it copied). At most
+    :data:`MAX_SOURCE_HASHES` hashes in all (ValueError)."""
+    hashes = [chain_hash, *fallbacks]
+    if len(hashes) > MAX_SOURCE_HASHES:
+        raise ValueError(f"a KvSource names at most {MAX_SOURCE_HASHES} chain hashes, got {len(hashes)}")
+    return SOURCE_PREFIX + "+".join(h.hex() for h in hashes) + (f"/{step}" if step > 0 else "")
 
 
-def parse_source_id(value: str) -> tuple[bytes, int] | None:
-    """(chain hash, step) of a :func:`source_id`; None for anything else (a session id)."""
+def parse_source_id(value: str) -> tuple[tuple[bytes, ...], int] | None:
+    """(chain hashes, deepest first; step) of a :func:`source_id`; None for anything else (a
+    session id, or more than :data:`MAX_SOURCE_HASHES` hashes)."""
     if not value.startswith(SOURCE_PREFIX):
         return None
     body, _, step = value[len(SOURCE_PREFIX) :].partition("/")
-    if _CHAIN_RE.fullmatch(body) is None or (step and not step.isdigit()) or len(step) > 9:
+    parts = body.split("+", MAX_SOURCE_HASHES)
+    if (
+        len(parts) > MAX_SOURCE_HASHES
+        or any(_CHAIN_RE.fullmatch(p) is None for p in parts)
+        or (step and not step.isdigit())
+        or len(step) > 9
+    ):
         return None
-    return bytes.fromhex(body), int(step or 0)
+    return tuple(bytes.fromhex(p) for p in parts), int(step or 0)
 
 
 def held_blocks(heads: Sequence[str], prompt_heads: Sequence[str]) -> int:

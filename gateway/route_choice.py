@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import trio
 
-from common.prefix_chain import BLOCK_TOKENS, chain, head, held_blocks, source_id
+from common.prefix_chain import BLOCK_TOKENS, MAX_SOURCE_HASHES, chain, head, held_blocks, source_id
 from gateway import tools
 from gateway.admission import fits_kv, kv_room, kv_verdict
 from gateway.config import GatewayConfig
@@ -221,7 +221,7 @@ class RouteChoice:
         )
         if found is None:
             return route, prepared, None
-        holder, positions, chain_hash = found
+        holder, positions, named = found
         if holder is not route:
             self.routes.release(route)
             route = self.routes.acquire([holder])
@@ -237,7 +237,7 @@ class RouteChoice:
             "",
             route.model_fingerprint,
             tuple(h.node_id for h in route.hops),
-            source_id(chain_hash, step),
+            source_id(named[0], step, named[1:]),
             tuple(prepared.prompt[:positions]),
             math.inf,
             positions,
@@ -329,35 +329,48 @@ def reported_prefix(
     least: int,
     step: int = 0,
     suspect: Callable[[Route], bool] = lambda r: False,
-) -> tuple[Route, int, bytes] | None:
-    """Prefix-aware choice (pure): (route, positions, chain hash of the prefix's last block) of the
-    candidate whose every stage reported the longest prefix of ``prompt`` among its heads, or None.
+) -> tuple[Route, int, tuple[bytes, ...]] | None:
+    """Prefix-aware choice (pure): (route, positions, chain hashes) of the candidate whose every stage
+    reported the longest prefix of ``prompt`` among its heads, or None. The hashes name the prompt's
+    prefixes the OPEN asks for, the deepest first: ``positions`` long, then shorter ones down to what
+    the heads showed every stage holds (common.prefix_chain.source_id: each node copies the deepest it
+    holds, so a prompt sharing 1,500 positions with a kept one reuses them all, not only the heads'
+    ladder step below; at most MAX_SOURCE_HASHES of them, evenly spaced when the span holds more).
 
-    A route's reusable positions: the blocks every stage holds (as far as its heads tell), at least one
-    prompt token left to prefill, cut at a multiple of ``step`` (> 0: exact reuse, whole prefill
-    steps) and of the 16-position block; at least ``least``. Load: only routes carrying at most
-    ``slack`` more sessions than ``picked`` (the least loaded) qualify, so one hot prefix does not pile
-    every request on one route -- past the slack its requests go elsewhere and start another copy
-    there. Ties: the lighter route, then ``picked``. Routes with a node ``suspect`` (on probation,
-    when another route could check it: a warm request is not checked) are left out."""
+    Positions are cut at a multiple of ``step`` (> 0: exact reuse, whole prefill steps) and of the
+    16-position block, leave at least one prompt token to prefill, and are at least ``least``. A route
+    qualifies when every stage reported a head of the prompt at least one such cut deep; routes rank
+    by the positions every stage reported. Load: only routes carrying at most ``slack`` more sessions
+    than ``picked`` (the least loaded) qualify, so one hot prefix does not pile every request on one
+    route -- past the slack its requests go elsewhere and start another copy there. Ties: the lighter
+    route, then ``picked``. Routes with a node ``suspect`` (on probation, when another route could check it: a
+    warm request is not checked) are left out."""
     hashes = chain(fingerprint, prompt[: len(prompt) - 1])
     if not hashes:
         return None
     heads = [head(h) for h in hashes]
     unit = math.lcm(BLOCK_TOKENS, step) if step > 0 else BLOCK_TOKENS
+    ceiling = len(hashes) * BLOCK_TOKENS // unit * unit
+    low = -(-max(least, 1) // unit) * unit  # the shortest prefix worth naming
+    if ceiling < low:
+        return None
     limit = load(picked) + slack
-    best: tuple[int, int, int] | None = None  # (positions, -load, picked?)
+    best: tuple[int, int, int] | None = None  # (positions every stage reported, -load, picked?)
     chosen: Route | None = None
     for r in candidates:
         if load(r) > limit or suspect(r) or not all(h.prefix_heads for h in r.hops):
             continue
         blocks = min(held_blocks(tuple(h.prefix_heads), heads) for h in r.hops)
-        positions = (blocks * BLOCK_TOKENS) // unit * unit
-        if positions < max(least, 1):
-            continue
-        key = (positions, -load(r), int(r is picked))
+        key = ((blocks * BLOCK_TOKENS) // unit * unit, -load(r), int(r is picked))
+        if key[0] == 0:
+            continue  # not one whole step that every stage showed it holds
         if best is None or key > best:
             best, chosen = key, r
     if best is None or chosen is None:
         return None
-    return chosen, best[0], hashes[best[0] // BLOCK_TOKENS - 1]
+    wanted = list(range(ceiling, max(low, best[0]) - 1, -unit))  # deepest first, down to the floor
+    if len(wanted) > MAX_SOURCE_HASHES:
+        last = len(wanted) - 1
+        picks = sorted({round(k * last / (MAX_SOURCE_HASHES - 1)) for k in range(MAX_SOURCE_HASHES)})
+        wanted = [wanted[k] for k in picks]
+    return chosen, wanted[0], tuple(hashes[p // BLOCK_TOKENS - 1] for p in wanted)

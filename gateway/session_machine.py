@@ -96,6 +96,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.prefix_chain import parse_source_id
 from proto import codec
 from proto.codec import Sampled
 from proto.errors import ProtocolError, error_from_body
@@ -447,6 +448,8 @@ class RouteMachine:
         self.reused = 0  # prompt positions taken from the KV source instead of prefilled
         self._windows = self._window_tokens = self._drafted = 0  # speculative decoding (statistics)
         self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
+        named = None if config.kv_source is None else parse_source_id(config.kv_source[0])
+        self._shorter_ok = named is not None and len(named[0]) > 1
         # Decode timings (module docstring): step id -> when it started, and -> {stage: report time}.
         self._step_started: dict[int, float] = {}
         self._step_reports: dict[int, dict[int, float]] = {}
@@ -641,6 +644,8 @@ class RouteMachine:
             return []  # an ack of an older OPEN
         if self._reuse_open and frame.kv_len == 0:
             stage.keep = 0  # this node could not reuse the source: it starts empty
+        elif self._reuse_open and frame.kv_len < stage.keep and self._shorter_ok:
+            stage.keep = int(frame.kv_len)  # a shorter prefix the source named (blocks:<deep>+<shorter>)
         if frame.kv_len != stage.keep:
             return self._stage_failed(
                 k,

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from common.prefix_chain import BLOCK_TOKENS
 from node.kvpool import blocks_for
 from node.prefix_blocks import PrefixBlocks
 
@@ -38,6 +39,12 @@ class Entry(Protocol):
 
     @property
     def expires_at(self) -> float: ...
+
+    @property
+    def first_step(self) -> int: ...  # its first aligned_end positions were computed in steps of this
+
+    @property
+    def aligned_end(self) -> int: ...
 
 
 K = TypeVar("K", bound=Entry)
@@ -101,6 +108,24 @@ class KeptSessions(Generic[K]):
         if session_id in self._entries:
             self._entries.move_to_end(session_id)
             self.index.touch(session_id)
+
+    def prefix_source(self, hashes: Sequence[bytes], step: int, positions: int) -> tuple[str, int] | None:
+        """What an OPEN naming a prefix by chain hashes (common.prefix_chain.source_id) copies:
+        (kept session id, positions) for the first of ``hashes`` (the deepest first) that a kept
+        session holds whole -- the first exactly ``positions`` long, each later one shorter -- and
+        (``step`` > 0) computed in whole prefill steps of ``step`` from 0; None when none is."""
+        for i, chain_hash in enumerate(hashes):
+            found = self.index.find(chain_hash)
+            entry = None if found is None else self._entries.get(found[0])
+            if found is None or entry is None:
+                continue
+            held = found[1] * BLOCK_TOKENS
+            if (held != positions if i == 0 else held >= positions) or entry.kv_len < held:
+                continue
+            if step > 0 and not (entry.first_step == step and held % step == 0 and held <= entry.aligned_end):
+                continue
+            return found[0], held
+        return None
 
     def pop(self, session_id: str) -> K | None:
         """Remove an entry (taken over by a new session, or evicted by the caller)."""

@@ -734,28 +734,16 @@ class FrameServer:
             return source, positions, False
         return "", 0, False
 
-    def _kv_prefix(self, chain_hash: bytes, step: int, positions: int) -> tuple[str, int, bool]:
-        """A KvSource naming a prefix by its chain hash (common.prefix_chain.source_id): a copy of the
-        kept session holding it, when it holds exactly ``positions`` up to that block and (``step`` >
-        0) computed them in whole prefill steps of ``step`` from 0; else nothing (the session starts
-        empty and the gateway prefills it whole)."""
-        found = self._kept.index.find(chain_hash)
-        kept = None if found is None else self._kept.get(found[0])
-        usable = (
-            found is not None
-            and kept is not None
-            and found[1] * BLOCK_TOKENS == positions
-            and kept.kv_len >= positions
-            and (
-                step <= 0
-                or (kept.first_step == step and positions % step == 0 and positions <= kept.aligned_end)
-            )
-        )
-        if not usable or found is None:
+    def _kv_prefix(self, hashes: tuple[bytes, ...], step: int, positions: int) -> tuple[str, int, bool]:
+        """A KvSource naming a prefix by chain hashes (common.prefix_chain.source_id): a copy of the
+        deepest one a kept session holds (node.kept_sessions.KeptSessions.prefix_source); else
+        nothing (the session starts empty and the gateway prefills it whole)."""
+        found = self._kept.prefix_source(hashes, step, positions)
+        if found is None:
             self._prefix_misses += 1
             return "", 0, False
         self._prefix_hits += 1
-        return found[0], positions, False
+        return found[0], found[1], False
 
     def _evict_kept(self, sid: str) -> list[Action]:
         kept = self._kept.pop(sid)

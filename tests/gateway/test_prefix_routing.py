@@ -1,18 +1,50 @@
 """Prefix-aware route choice (gateway.route_choice.reported_prefix, pure): the route whose every stage
-reported the longest prefix of the prompt, weighed against load; exact cuts; what is never chosen."""
+reported the longest prefix of the prompt, weighed against load; exact cuts; what is never chosen; the
+hashes the OPEN names reach the last whole block a kept prompt shares (the nodes' real table decides)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.prefix_chain import BLOCK_TOKENS, chain, head, parse_source_id
+from common.prefix_chain import BLOCK_TOKENS, MAX_SOURCE_HASHES, chain, head, parse_source_id, source_id
 from gateway.route_choice import reported_prefix
 from gateway.routes import Hop, Route
+from node.kept_sessions import KeptSessions
 from node.prefix_blocks import PrefixBlocks
 
 FP = "5e" * 32
 SYSTEM = [3 + i % 97 for i in range(20 * BLOCK_TOKENS)]  # a 320-token system prompt
+
+
+@dataclass
+class Entry:
+    kv_len: int
+    expires_at: float = 1e9
+    first_step: int = 0
+    aligned_end: int = 0
+
+
+def node_keeping(*kept: list[int], step: int = 0) -> KeptSessions[Entry]:
+    """A node's real kept-session table holding these token lists (computed in whole steps of ``step``)."""
+    table: KeptSessions[Entry] = KeptSessions(64, 1 << 20, FP)
+    for i, toks in enumerate(kept):
+        table.keep(
+            f"s{i}", Entry(len(toks), first_step=step, aligned_end=len(toks) // max(step, 1) * step), toks
+        )
+    return table
+
+
+def copied(table: KeptSessions[Entry], found: tuple[Route, int, tuple[bytes, ...]], step: int = 0) -> int:
+    """Positions a node with ``table`` copies for the OPEN the gateway sends (0: none), through the
+    source id's text as the node receives it."""
+    _, positions, named = found
+    parsed = parse_source_id(source_id(named[0], step, named[1:]))
+    assert parsed is not None
+    got = table.prefix_source(parsed[0], parsed[1], positions)
+    return 0 if got is None else got[1]
 
 
 def heads_of(*kept: list[int]) -> frozenset[str]:
@@ -53,15 +85,21 @@ def test_the_route_holding_the_shared_system_prompt_on_every_stage_is_preferred(
     warm = route("warm", kept, kept)
     found = pick(b, [cold, half, warm])
     assert found is not None
-    chosen, positions, chain_hash = found
+    chosen, positions, named = found
     # A's chain is reported at its last block (22) and the ladder (2, 4, 8, 16 blocks): B shares 20
-    # blocks, so the deepest reported head B's prompt reaches is 16 blocks.
-    assert chosen is warm and positions == 16 * BLOCK_TOKENS
-    assert chain_hash == chain(FP, b)[15]
-    # Once a second client's turn is kept beside A's, the node reports where they part: all 20 blocks.
+    # blocks, so every stage reported 16 of them; the OPEN names B's prefixes from its last whole
+    # block (22, one token left to prefill) down to those 16, and each node copies the deepest it
+    # holds: all 20 blocks B shares with A.
+    assert chosen is warm and positions == 22 * BLOCK_TOKENS
+    assert named == tuple(chain(FP, b)[i] for i in range(21, 14, -1))
+    assert copied(node_keeping(a), found) == 20 * BLOCK_TOKENS
+    # A node that kept nothing of it since copies nothing (the route is re-opened empty).
+    assert copied(node_keeping(SYSTEM[:100]), found) == 0
+    # Once a second client's turn is kept beside A's, the node reports where they part: all 20 blocks
+    # are the floor.
     both = heads_of(a, SYSTEM + [5] * 40)
     found = pick(b, [cold, route("warm", both, both)])
-    assert found is not None and found[1] == 20 * BLOCK_TOKENS
+    assert found is not None and found[2][-1] == chain(FP, b)[19]
 
 
 def test_load_beyond_the_slack_sends_the_request_elsewhere() -> None:
@@ -81,13 +119,29 @@ def test_exact_reuse_is_cut_at_whole_prefill_steps_and_short_prefixes_are_not_wo
     both = heads_of(SYSTEM + [1] * 40, SYSTEM + [2] * 40)  # 20 blocks reported
     warm = route("warm", both, both)
     found = pick(SYSTEM + [3] * 40, [warm], step=128)
-    assert found is not None and found[1] == 256  # 320 cut at a multiple of 128
+    assert found is not None and found[1] == 256  # 359 positions cut at a multiple of 128
+    assert len(found[2]) == 1
     assert pick(SYSTEM + [3] * 40, [warm], step=512) is None  # not one whole step
     assert pick(SYSTEM + [3] * 40, [warm], least=400) is None
     # The prompt is the prefix itself: one token is always left to prefill, so its 20th block is not
-    # reusable and the deepest reported head below it is the ladder's 16th.
+    # reusable; the deepest the OPEN names is the 19th.
     found = pick(SYSTEM, [warm])
-    assert found is not None and found[1] == 16 * BLOCK_TOKENS
+    assert found is not None and found[1] == 19 * BLOCK_TOKENS
+    assert copied(node_keeping(SYSTEM + [1] * 40), found) == 19 * BLOCK_TOKENS
+
+
+def test_a_long_span_is_named_by_at_most_the_bound_of_hashes_evenly_spaced() -> None:
+    system = [3 + i % 89 for i in range(160 * BLOCK_TOKENS)]
+    kept = heads_of(system[: 3 * BLOCK_TOKENS] + [1] * 40)  # only 2 blocks reported in common
+    warm = route("warm", kept, kept)
+    found = pick(system + [2] * 40, [warm])
+    assert found is not None
+    _, positions, named = found
+    prompt_chain = chain(FP, system + [2] * 40)
+    assert len(named) == MAX_SOURCE_HASHES and positions == 162 * BLOCK_TOKENS
+    assert named[0] == prompt_chain[161] and named[-1] == prompt_chain[1]  # the deepest and the floor
+    depth = [prompt_chain.index(h) for h in named]
+    assert depth == sorted(depth, reverse=True) and len(set(depth)) == len(depth)
 
 
 def test_suspect_routes_and_other_recipes_are_never_chosen() -> None:
@@ -98,32 +152,36 @@ def test_suspect_routes_and_other_recipes_are_never_chosen() -> None:
     assert other is None  # the heads were computed under another recipe's chain
 
 
-@settings(max_examples=50)
+@settings(max_examples=60)
 @given(
     st.lists(st.lists(st.integers(0, 3), max_size=6 * BLOCK_TOKENS), min_size=1, max_size=3),
     st.lists(st.integers(0, 3), min_size=1, max_size=8 * BLOCK_TOKENS),
     st.sampled_from([0, 16, 32, 48]),
 )
-def test_a_chosen_prefix_is_held_by_every_stage_and_is_exactly_the_prompts(
+def test_what_every_stage_copies_is_the_longest_whole_step_prefix_it_shares_with_the_prompt(
     kept: list[list[int]], prompt: list[int], step: int
 ) -> None:
-    stage_a, stage_b = PrefixBlocks(FP), PrefixBlocks(FP)
-    for i, toks in enumerate(kept):
-        stage_a.add(f"s{i}", toks)
-        if i % 2 == 0:
-            stage_b.add(f"s{i}", toks)
-    r = route("r", frozenset(stage_a.heads()), frozenset(stage_b.heads()))
+    stage_a = node_keeping(*kept, step=step)
+    stage_b = node_keeping(*[k if i % 2 == 0 else [] for i, k in enumerate(kept)], step=step)
+    r = route("r", frozenset(stage_a.index.heads()), frozenset(stage_b.index.heads()))
     found = pick(prompt, [r], least=1, step=step)
     if found is None:
         return
-    _, positions, chain_hash = found
-    assert 0 < positions < len(prompt) and positions % BLOCK_TOKENS == 0
-    assert step == 0 or positions % step == 0
-    # Every stage finds the named hash and holds exactly these positions of exactly these tokens.
-    for stage in (stage_a, stage_b):
-        held = stage.find(chain_hash)
-        assert held is not None and held[1] * BLOCK_TOKENS == positions
-        holder = kept[int(held[0][1:])]
-        assert holder[:positions] == prompt[:positions]
-    assert head(chain_hash) in {head(h) for h in chain(FP, prompt)}
-    assert parse_source_id(f"blocks:{chain_hash.hex()}") == (chain_hash, 0)
+    _, positions, named = found
+    unit = step or BLOCK_TOKENS  # the steps drawn are whole blocks
+    assert 0 < positions < len(prompt) and positions % unit == 0
+    assert all(head(h) in {head(x) for x in chain(FP, prompt)} for h in named)
+    for stage, holders in ((stage_a, kept), (stage_b, kept[::2])):
+        got = copied(stage, found, step)
+        # The longest prefix of the prompt some kept list holds, in whole steps, at most ``positions``:
+        # exactly what the node copies (the floor the heads showed is always among the names).
+        best = max(
+            (
+                n
+                for k in holders
+                for n in range(0, positions + 1, unit)
+                if k[:n] == prompt[:n] and n <= len(k)
+            ),
+            default=0,
+        )
+        assert got == best and got > 0

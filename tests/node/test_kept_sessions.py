@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.prefix_chain import BLOCK_TOKENS, chain
 from node.kept_sessions import KeptSessions
 from node.kvpool import blocks_for
 
@@ -16,6 +17,8 @@ from node.kvpool import blocks_for
 class Entry:
     kv_len: int
     expires_at: float = 100.0
+    first_step: int = 0
+    aligned_end: int = 0
 
 
 def test_keeping_beyond_the_session_bound_names_the_least_recently_used() -> None:
@@ -93,3 +96,24 @@ def test_after_the_caller_evicts_what_keep_names_the_table_is_within_its_bounds_
             model = [(s, m) for s, m in model if s != sid]
         assert list(kept) == [s for s, _ in model]
         assert len(kept) <= max_sessions and kept.positions() <= max_positions
+
+
+def test_a_prefix_named_by_several_hashes_is_copied_as_deep_as_a_kept_session_holds_it() -> None:
+    fp = "ab" * 32
+    system = [5 + i % 40 for i in range(5 * BLOCK_TOKENS)]
+    kept: KeptSessions[Entry] = KeptSessions(max_sessions=8, max_positions=10_000, fingerprint=fp)
+    a = system + [1] * 40  # 7 whole blocks, 5 of them the system prompt
+    kept.keep("a", Entry(len(a), first_step=32, aligned_end=96), a)
+    b = chain(fp, system + [2] * 40)  # another prompt: blocks 0..4 agree with a's
+    deep = [b[6], b[5], b[4], b[3], b[1]]
+    assert kept.prefix_source(deep, 0, 7 * BLOCK_TOKENS) == ("a", 5 * BLOCK_TOKENS)
+    # The first hash must name exactly the positions asked; later ones must be shorter.
+    assert kept.prefix_source([b[4]], 0, 6 * BLOCK_TOKENS) is None
+    assert kept.prefix_source([b[4]], 0, 5 * BLOCK_TOKENS) == ("a", 5 * BLOCK_TOKENS)
+    assert kept.prefix_source(deep, 0, 5 * BLOCK_TOKENS) == ("a", 4 * BLOCK_TOKENS)  # b[4] is not shorter
+    assert kept.prefix_source([b[6], b[5]], 0, 7 * BLOCK_TOKENS) is None  # neither is held
+    # Exact (whole steps of 32 from 0, up to 96 computed so): 80 is not a whole step, 64 is.
+    assert kept.prefix_source(deep, 32, 7 * BLOCK_TOKENS) == ("a", 4 * BLOCK_TOKENS)
+    assert kept.prefix_source(deep, 16, 7 * BLOCK_TOKENS) is None  # computed in steps of 32, not 16
+    kept.pop("a")
+    assert kept.prefix_source(deep, 0, 7 * BLOCK_TOKENS) is None

@@ -57,8 +57,8 @@ def test_a_chain_depends_on_the_fingerprint_and_on_the_position_of_a_block() -> 
 def test_heads_and_source_ids_round_trip_and_refuse_nonsense() -> None:
     h = chain(FP, list(range(BLOCK_TOKENS)))[0]
     assert is_head(head(h)) and head(h) != h.hex()[:32]  # one-way, not a prefix of the hash
-    assert parse_source_id(source_id(h)) == (h, 0)
-    assert parse_source_id(source_id(h, 256)) == (h, 256)
+    assert parse_source_id(source_id(h)) == ((h,), 0)
+    assert parse_source_id(source_id(h, 256)) == ((h,), 256)
     for bad in (
         "0123",
         "blocks:xyz",
