@@ -213,6 +213,12 @@ class NodeConfig:
         "passes (8 each, then the faster for 64, then both again) and drafts with the faster",
         choices=("auto", "always"),
     )
+    speculate_windows_in_flight: int = _engine(
+        1,
+        "as the last stage of a speculating session: most verify windows round the ring at once (1..4); "
+        "above 1 the next window, drafted as if the ones before it are accepted, leaves before they "
+        "come back, and a rejection discards it on every stage (docs/protocol.md, Windows in flight)",
+    )
     max_queued_steps: int = _engine(64, "most steps waiting for the engine; more get RESOURCE_EXHAUSTED")
     max_frame_bytes: int = _engine(4 * 1024 * 1024, "largest frame accepted and sent (gRPC message limit)")
     idle_lease_s: float = _sessions(
@@ -327,6 +333,10 @@ class NodeConfig:
     def validate(self) -> NodeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not 1 <= self.speculate_windows_in_flight <= 4:
+            raise ConfigError(
+                f"speculate_windows_in_flight must be in 1..4, got {self.speculate_windows_in_flight}"
+            )
         if self.draft_model and not Path(self.draft_model).expanduser().is_file():
             raise ConfigError(f"draft_model: no such file {self.draft_model}")
         if self.tracker_url:

@@ -273,6 +273,7 @@ class NodeDaemon:
                 max_preemptions=cfg.max_preemptions,
                 limits=limits,
                 max_draft_tokens=max_drafts_for(meta.architecture),
+                windows_in_flight=cfg.speculate_windows_in_flight,
             )
             self.verifier = TicketVerifier(
                 node_id=self.node_id,

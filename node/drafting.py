@@ -145,6 +145,26 @@ class SessionDrafter:
             self.states[self.arm] = skip(state)
         return proposed
 
+    def continue_drafts(self, start: int, tail: Sequence[int], room: int) -> tuple[int, ...]:
+        """Windows in flight: tokens to follow ``tail`` -- the windows in flight, from position ``start``
+        on -- drafted as if every one of them were accepted; at most ``room``, none while backing off.
+
+        The proposer has followed the accepted history up to ``start`` at least (:meth:`drafts` came
+        first); it now follows the tail too (what it saw past ``start`` is an earlier part of the same
+        tail). The window carries them all as guesses: the window before it verifies the first one.
+        """
+        seen = self.proposer.length
+        end = start + len(tail)
+        if seen < start:
+            return ()  # it does not follow the history here: no guess
+        if seen > end:
+            self.proposer.truncate(end)
+            seen = end
+        self.proposer.extend(tail[seen - start :])
+        k = draft_budget(self.policy, self.states[self.arm], room)
+        proposer = self.proposer if self.arm == "model" else self.ngram
+        return proposer.propose(k) if k else ()
+
     def observe(self, drafted: int, accepted: int) -> None:
         """The last window (drafted by ``self.arm``) accepted ``accepted`` of its ``drafted`` drafts."""
         self.states[self.arm] = observe(self.policy, self.states[self.arm], drafted, accepted)

@@ -168,6 +168,9 @@ class ServingSpec:
     # compute-bound node every extra window position costs nearly a whole position, so under load the
     # rejected drafts would take compute from the other sessions.
     speculate_max_sessions: int = 4
+    # Windows in flight (last stage, docs/protocol.md): most verify windows round the ring at once; 1 =
+    # the next window leaves only when the last one is verified.
+    windows_in_flight: int = 1
 
 
 # --------------------------------------------------------------------------- actions and outcomes
@@ -322,6 +325,13 @@ class _Session:
     opened_seq: int = 0  # the order sessions opened here (higher = younger; kept across a preemption)
     drafter: SessionDrafter | None = None  # last stage of a speculating session (OpenSession.speculation)
     window_slack: int = 0  # drafts of the last accepted DECODE window: positions the next step may drop
+    # Windows in flight (Activation.window_gen): the number of the last head seen (every stage; the last
+    # stage's own count of the heads it pushed) and the lowest position a later head may drop.
+    window_gen: int = 0
+    spec_floor: int = 0
+    flight_limit: int = 1  # last stage: windows it keeps round the ring at once (1: one at a time)
+    # Last stage: the windows pushed and not verified yet, oldest first: (start, token ids).
+    flight: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     # Computed in whole steps of first_step positions from position 0 up to aligned_end: a copy of at
     # most that many positions, cut at a multiple of the step, is bit-exact with a cold prefill.
     first_step: int = 0
@@ -334,6 +344,7 @@ class _Pending:
     frame: frame_pb2.Frame
     conn: int
     nbytes: int
+    rollback: bool = False  # a head queued behind a discarded window: the KV goes back to its start first
 
 
 class _History:
@@ -485,6 +496,7 @@ class FrameServer:
         self._frames_out = 0
         self._frames_pushed = 0
         self._replays = 0
+        self._stale_windows = 0  # discarded windows dropped on arrival (windows in flight)
         self._evictions = 0
         self._errors: dict[str, int] = {}
         self._pending_bytes = 0
@@ -781,6 +793,12 @@ class FrameServer:
             sess.drafter = None  # grammar sessions never speculate: the grammar cannot roll back
         elif sess.drafter is None or sess.drafter.policy.max_k != max_drafts:
             sess.drafter = SessionDrafter(max_drafts, self._proposers, self._choice)
+        # A new epoch starts with one window at a time again: its first decode step comes from the
+        # gateway (window number 0), and the last stage's numbers start over.
+        sess.window_gen = sess.spec_floor = 0
+        sess.flight = []
+        direct = sess.ring is not None and bool(sess.ring.address)  # through the gateway: one at a time
+        sess.flight_limit = self.spec.windows_in_flight if sess.drafter is not None and direct else 1
         limit = 0 if self.spec.is_last else min(int(body.history_bytes), self.spec.max_history_bytes)
         if sess.history is not None and sess.history.limit != limit:
             self._drop_history(sess)
@@ -914,7 +932,18 @@ class FrameServer:
             return self._close(conn, frame, sess, "cancelled", now)
         if kind == "replay":
             return self._replay_history(conn, frame, sess)
+        head = False
+        if kind == "activation" and frame.activation.window_gen:
+            gen = int(frame.activation.window_gen)
+            if gen < sess.window_gen:
+                # A window discarded by a later head (windows in flight): it arrives after the stage
+                # that discarded it moved on, and is dropped unanswered, without touching the KV.
+                self._stale_windows += 1
+                return []
+            head = gen > sess.window_gen
         reply_conn = conn if owner else sess.conn
+        if head:
+            return self._step(conn, frame, sess, now, head=True)
         if frame.step_id == sess.last_step_id:
             if frame.HasField("chunk") and frame.chunk.index > 0:
                 return []  # chunks after chunk 0 of a replayed step
@@ -1088,7 +1117,9 @@ class FrameServer:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def _step(self, conn: int, frame: frame_pb2.Frame, sess: _Session, now: float) -> list[Action]:
+    def _step(
+        self, conn: int, frame: frame_pb2.Frame, sess: _Session, now: float, *, head: bool = False
+    ) -> list[Action]:
         chunked = frame.HasField("chunk")
         first_chunk = not chunked or frame.chunk.index == 0
         actions: list[Action] = []
@@ -1122,7 +1153,7 @@ class FrameServer:
             )
             return actions
         try:
-            step = self._assemble(frame, sess, first_chunk)
+            step = self._assemble(frame, sess, first_chunk, head)
         except ProtocolError as exc:
             sess.assembler = None
             sess.assembling_first = None
@@ -1135,15 +1166,25 @@ class FrameServer:
         sess.assembler = None
         sess.assembling_first = None
         try:
-            actions += self._accept(conn, frame, step, sess, now)
+            actions += self._accept(conn, frame, step, sess, now, head)
         except ProtocolError as exc:
             if chunked:
                 sess.ignore_step = int(frame.step_id)
             actions.append(self._error(conn, exc, frame, sess.kv_len))
         return actions
 
-    def _assemble(self, frame: frame_pb2.Frame, sess: _Session, first_chunk: bool) -> codec.Step | None:
-        if first_chunk:
+    def _assemble(
+        self, frame: frame_pb2.Frame, sess: _Session, first_chunk: bool, head: bool = False
+    ) -> codec.Step | None:
+        if head:
+            # A new head (windows in flight): its step id may repeat a discarded window's.
+            if not self._head_fits(frame, sess):
+                raise PositionMismatchError(
+                    f"window {frame.activation.window_gen} starts at {frame.expected_kv_len}; the node "
+                    f"holds {sess.kv_len}, may drop down to {self._head_floor(sess)} and has steps queued "
+                    f"up to {sess.accepted_end}"
+                )
+        elif first_chunk:
             if frame.step_id <= sess.accepted_step:
                 raise ResourceExhaustedError(
                     f"step {frame.step_id} is already queued or running on this node",
@@ -1170,6 +1211,38 @@ class FrameServer:
         assert sess.assembler is not None  # set just above for chunk 0; checked by the caller otherwise
         return sess.assembler.add(frame)
 
+    def _head_floor(self, sess: _Session) -> int:
+        """The lowest position a new head may start at: its predecessor's start + 1 (the positions after
+        a head are drafts until verified); before the first head, nothing may go."""
+        return sess.spec_floor if sess.window_gen else sess.accepted_end
+
+    def _head_fits(self, frame: frame_pb2.Frame, sess: _Session) -> bool:
+        """A new head (a higher window number) starts inside the drafts since the last head, and every
+        step the session still computes or queues is a discarded window: an older number, at or after
+        the head's start. Nothing accepted is ever dropped, nothing is computed on a wrong position."""
+        start = int(frame.expected_kv_len)
+        gen = int(frame.activation.window_gen)
+        if frame.phase != frame_pb2.PHASE_DECODE or not self._head_floor(sess) <= start <= sess.accepted_end:
+            return False
+        waiting = [p.step for p in sess.pending]
+        if sess.busy_step is not None:
+            waiting.append(sess.busy_step)
+        return all(0 < s.window_gen < gen and s.start >= start for s in waiting)
+
+    def _roll_back(self, sess: _Session, position: int) -> list[Action]:
+        """Drop KV positions from ``position`` on, with the token record and the kept outputs."""
+        actions: list[Action] = []
+        if position < sess.kv_len:
+            actions.append(TruncateKv(sess.session_id, position))
+            sess.kv_len = position
+        del sess.history_tokens[position:]
+        sess.aligned_end = min(sess.aligned_end, position)
+        if sess.history is not None:
+            before = sess.history.nbytes
+            sess.history.truncate(position)
+            self._history_bytes += sess.history.nbytes - before
+        return actions
+
     def _may_roll_back(self, frame: frame_pb2.Frame, sess: _Session) -> bool:
         """A DECODE step that starts inside the previous window's drafts: those were rejected.
 
@@ -1185,18 +1258,39 @@ class FrameServer:
         )
 
     def _accept(
-        self, conn: int, frame: frame_pb2.Frame, step: codec.Step, sess: _Session, now: float
+        self,
+        conn: int,
+        frame: frame_pb2.Frame,
+        step: codec.Step,
+        sess: _Session,
+        now: float,
+        head: bool = False,
     ) -> list[Action]:
         """A whole step passed every check: compute it now, or queue it behind the running one.
 
         A step that starts inside the previous window's drafts drops them first (speculation: the KV
-        is cut back to the step's start). With a KV pool, room for the step's growth is made next
-        (:meth:`_make_room`): it may preempt younger sessions, refuse the step (RESOURCE_EXHAUSTED,
-        retry SAME) or preempt this session."""
+        is cut back to the step's start); so does a new head of windows in flight (``head``: a higher
+        window number, :meth:`_head_fits`), after the step still computing, if any. With a KV pool,
+        room for the step's growth is made next (:meth:`_make_room`): it may preempt younger
+        sessions, refuse the step (RESOURCE_EXHAUSTED, retry SAME) or preempt this session."""
         job: StepJob | None = None
         nbytes = 0
         rollback: list[Action] = []
-        if step.start < sess.accepted_end:  # _may_roll_back allowed it: drop the rejected drafts
+        queued_rollback = False
+        if head:
+            # Windows in flight: the discarded windows queued here go unanswered; one still computing
+            # finishes (its output is a discarded window downstream too), and the KV goes back to the
+            # head's start before the head computes.
+            self._job(step, sess, check_queue=sess.busy_job is None)  # its checks first
+            for p in sess.pending:
+                self._pending_bytes -= p.nbytes
+            sess.pending.clear()
+            if sess.busy_job is None:
+                rollback += self._roll_back(sess, step.start)
+            else:
+                queued_rollback = True
+            sess.accepted_end = step.start
+        elif step.start < sess.accepted_end:  # _may_roll_back allowed it: drop the rejected drafts
             self._job(step, sess, check_queue=True)  # its checks first: a refusal changes nothing
             rollback.append(TruncateKv(sess.session_id, step.start))
             sess.kv_len = sess.accepted_end = step.start
@@ -1224,16 +1318,21 @@ class FrameServer:
         made, proceed = self._make_room(sess, step.end, frame)
         actions = [*rollback, *made]
         if not proceed:
-            return actions
+            return actions  # a head refused here is a head again when it is sent again
+        if head:
+            sess.window_gen = step.window_gen
+            sess.spec_floor = step.start + 1
         if job is not None:
             self._run(sess, job, step, frame, conn)
             actions.append(Compute(job))
         else:
-            sess.pending.append(_Pending(step, frame, conn, nbytes))
+            sess.pending.append(_Pending(step, frame, conn, nbytes, queued_rollback))
             self._pending_bytes += nbytes
         sess.accepted_end = step.end
         sess.accepted_step = step.step_id
         sess.window_slack = step.drafts
+        if not step.window_gen:
+            sess.spec_floor = step.end  # a step outside windows in flight is never dropped by a head
         sess.expires_at = now + self.spec.idle_lease_s
         return actions
 
@@ -1357,9 +1456,10 @@ class FrameServer:
             return []
         p = sess.pending.pop(0)
         self._pending_bytes -= p.nbytes
+        actions = self._roll_back(sess, p.step.start) if p.rollback else []
         job = self._job(p.step, sess, check_queue=False)
         self._run(sess, job, p.step, p.frame, p.conn)
-        return [Compute(job)]
+        return [*actions, Compute(job)]
 
     def _job(self, step: codec.Step, sess: _Session, *, check_queue: bool) -> StepJob:
         n = step.n_tokens
@@ -1498,6 +1598,8 @@ class FrameServer:
             ring = sess.ring
             drawn = produced[-1] if step.drafts and produced else outcome.sampled
             nxt = sess.kv_len if step.drafts else step.end  # the drawn token's position
+            if sess.flight_limit > 1:
+                return actions + self._fly(sess, step, drawn, nxt, now)
             if (
                 ring is not None
                 and drawn is not None
@@ -1562,6 +1664,7 @@ class FrameServer:
             hop_token=target.hop_token,
             max_frame_bytes=self.spec.limits.max_frame_bytes,
             drafts=step.drafts,
+            window_gen=step.window_gen,
         )
         if sess.history is not None:
             # Keep what the next stage received (decoded again when the encoding is lossy).
@@ -1582,6 +1685,82 @@ class FrameServer:
         if owner is not None:
             actions.append(self._send(owner, tuple(report)))
         return actions
+
+    def _fly(
+        self, sess: _Session, step: codec.Step, drawn: Sampled | None, nxt: int, now: float
+    ) -> list[Action]:
+        """Windows in flight (last stage; docs/protocol.md): after a step, keep up to ``flight_limit``
+        windows round the ring.
+
+        The windows pushed are ``sess.flight``, oldest first; the step that just finished is the oldest
+        (its drafts were verified, and ``drawn`` at position ``nxt`` is the target's token after the
+        accepted ones). The next window in flight was drafted as if this one were wholly accepted and
+        its first token were ``drawn``: if so it goes on. Otherwise every window after this one is
+        discarded -- the ones queued here now, the ones still on the way by their lower number -- and a
+        new head (the next number) leaves from ``nxt`` with ``drawn`` and fresh drafts. Then further
+        windows follow the last one in flight, each drafted as if all before it were accepted.
+        """
+        flight = sess.flight
+        if flight and flight[0][0] == step.start:
+            flight.pop(0)
+        ended = drawn is None or drawn.end_of_generation or nxt + 1 > sess.budget
+        goes_on = (
+            drawn is not None
+            and not ended
+            and bool(flight)
+            and flight[0][0] == nxt
+            and flight[0][1][0] == drawn.token_id
+        )
+        if flight and not goes_on:
+            flight.clear()
+            self._drop_pending(sess)  # discarded windows queued here
+            sess.window_gen += 1  # ... and the ones still on the way: a lower number from now on
+        ring = sess.ring
+        if ended or ring is None or drawn is None:
+            return []
+        actions: list[Action] = []
+        speculate = sess.drafter is not None and len(self._sessions) <= self.spec.speculate_max_sessions
+        if not goes_on:
+            drafts: tuple[int, ...] = ()
+            if speculate and sess.drafter is not None:
+                drafts = sess.drafter.drafts(
+                    sess.history_tokens,
+                    step.token_ids[: nxt - step.start].tolist(),
+                    drawn.token_id,
+                    sess.budget - nxt - 1,
+                    now,
+                )
+            sess.window_gen += 1
+            actions += self._push_window(sess, ring, nxt, (drawn.token_id, *drafts))
+        while speculate and sess.drafter is not None and flight and len(flight) < sess.flight_limit:
+            first = flight[0][0]
+            tail = [t for _, tokens in flight for t in tokens]
+            start = first + len(tail)
+            guess = sess.drafter.continue_drafts(first, tail, sess.budget - start)
+            if not guess:
+                break
+            actions += self._push_window(sess, ring, start, guess)
+        return actions
+
+    def _push_window(
+        self, sess: _Session, ring: frame_pb2.PushTarget, start: int, tokens: tuple[int, ...]
+    ) -> list[Action]:
+        """Push a window of ``tokens`` at ``start`` round the ring, numbered ``sess.window_gen``."""
+        frames = codec.step_frames(
+            codec.target_header(self._header(sess), ring),
+            frame_pb2.PHASE_DECODE,
+            step_id=sess.open_step_id + start + 1,
+            start=start,
+            token_ids=list(tokens),
+            sample=True,
+            hop_token=ring.hop_token,
+            max_frame_bytes=self.spec.limits.max_frame_bytes,
+            drafts=len(tokens) - 1,
+            window_gen=sess.window_gen,
+        )
+        sess.flight.append((start, tokens))
+        pushed = self._push(sess, ring, frames)
+        return [] if pushed is None else [pushed]
 
     def _verify_window(
         self, sess: _Session, step: codec.Step, outcome: StepOutcome, actions: list[Action]

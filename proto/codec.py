@@ -374,6 +374,8 @@ def _validate_step(frame: frame_pb2.Frame, kind: str, limits: FrameLimits) -> No
             raise BadFrameError("a replayed step samples nothing")
         if body.drafts and (not body.sample or body.replay):
             raise BadFrameError("a window of drafts is sampled and never a replay")
+        if body.window_gen and (frame.phase != frame_pb2.PHASE_DECODE or not body.sample or body.replay):
+            raise BadFrameError("only a sampled DECODE step (not a replay) carries a window number")
         _check_tensors(body.tensors, rows, limits)
     else:
         result = frame.result
@@ -781,12 +783,14 @@ def step_frames(
     hop_token: bytes = b"",
     replay: bool = False,
     drafts: int = 0,
+    window_gen: int = 0,
 ) -> list[frame_pb2.Frame]:
     """A PREFILL or DECODE step starting at position ``start`` (= the KV length expected).
 
     Splits by token rows into as many chunk frames as ``max_frame_bytes``
     needs; ``sample`` goes on the last one. ``hop_token`` marks a pushed step,
-    ``replay`` a recovery replay, ``drafts`` a DECODE window whose last ``drafts`` rows are drafted.
+    ``replay`` a recovery replay, ``drafts`` a DECODE window whose last ``drafts`` rows are drafted,
+    ``window_gen`` its number among windows in flight (Activation.window_gen).
     """
     if phase not in (frame_pb2.PHASE_PREFILL, frame_pb2.PHASE_DECODE):
         raise EncodeError(f"a step is PREFILL or DECODE, not {phase}")
@@ -794,6 +798,7 @@ def step_frames(
     template.activation.hop_token = hop_token  # in the template, so chunk sizing counts it
     template.activation.replay = replay
     template.activation.drafts = drafts
+    template.activation.window_gen = window_gen
     frames = _split(
         template,
         "activation",
@@ -883,6 +888,7 @@ class Step:
     n_frames: int = 1
     replay: bool = False  # a recovery replay: compute and report, push and sample nothing
     drafts: int = 0  # a DECODE window: its last ``drafts`` positions hold drafted tokens
+    window_gen: int = 0  # windows in flight: the window's number (Activation.window_gen)
 
     @property
     def n_tokens(self) -> int:
@@ -1009,6 +1015,7 @@ class StepAssembler:
             n_frames=self._next_index,
             replay=kind == "activation" and last.activation.replay,
             drafts=int(last.activation.drafts if kind == "activation" else last.result.drafts),
+            window_gen=int(last.activation.window_gen) if kind == "activation" else 0,
         )
 
 

@@ -234,20 +234,22 @@ class OpenAck(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., kv_tokens_granted: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("token_ids", "tensors", "sample", "hop_token", "replay", "drafts")
+    __slots__ = ("token_ids", "tensors", "sample", "hop_token", "replay", "drafts", "window_gen")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     HOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_GEN_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     sample: bool
     hop_token: bytes
     replay: bool
     drafts: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ..., hop_token: _Optional[bytes] = ..., replay: _Optional[bool] = ..., drafts: _Optional[int] = ...) -> None: ...
+    window_gen: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample: _Optional[bool] = ..., hop_token: _Optional[bytes] = ..., replay: _Optional[bool] = ..., drafts: _Optional[int] = ..., window_gen: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
