@@ -33,7 +33,9 @@ side in one run, in rounds whose order rotates.
   per draft mode, started with ``--draft-model`` (a Q4_0 copy of the test
   model made with llama.cpp's quantizer) and ``--draft-model-choice auto`` /
   ``always``, runs in the same WAN, and its speculating requests take their
-  turn beside plain decoding and n-gram drafts.
+  turn beside plain decoding and n-gram drafts. ``ngram-flight`` and
+  ``draft-always-flight`` are the same with windows in flight: routes whose
+  nodes run ``--speculate-windows-in-flight`` ``--windows`` (default 2).
 
 Needs root (network namespaces); says why and exits 2 without.
 """
@@ -150,17 +152,15 @@ def _swarm(
     workdir: Path,
     model: Path,
     cache: Path,
-    draft: Path | None = None,
-    choices: tuple[str, ...] = (),
+    routes: tuple[list[str], ...] = (),
 ) -> tuple[Any, Any, list[str]]:
-    """Three nodes in the WAN; with ``draft``, three more per ``choices`` entry, started with
-    ``--draft-model draft --draft-model-choice <entry>``."""
+    """Three nodes in the WAN; three more per ``routes`` entry, started with its extra arguments."""
     from sim.procs import Supervisor
     from sim.wan import WanEmulator, load_profile
 
     profile = load_profile(profile_name)
     region = next(iter(profile.regions))
-    spans = list(SPANS) * (1 + (len(choices) if draft is not None else 0))
+    spans = list(SPANS) * (1 + len(routes))
     hosts = {"client": region, **{f"node{i + 1}": region for i in range(len(spans))}}
     wan = WanEmulator(profile, hosts)
     wan.start()
@@ -169,10 +169,7 @@ def _swarm(
     try:
         for i, (a, b) in enumerate(spans):
             name = f"node{i + 1}"
-            drafting = []
-            if draft is not None and i >= len(SPANS):
-                choice = choices[i // len(SPANS) - 1]
-                drafting = ["--draft-model", str(draft), "--draft-model-choice", choice]
+            drafting = routes[i // len(SPANS) - 1] if i >= len(SPANS) else []
             node = sup.start_node(
                 name,
                 model=model,
@@ -277,11 +274,22 @@ def part_spec(
     profiles: list[str],
     draft: Path | None = None,
     draft_modes: tuple[str, ...] = (),
+    windows: int = 2,
 ) -> dict[str, Any]:
-    """Plain decoding, n-gram drafts ("spec") and, with ``draft``, draft-model drafts ("draft":
-    a route whose nodes choose per session, "draft-always": one whose nodes always draft with
-    it), in turns whose order rotates."""
-    choices = tuple({"draft": "auto", "draft-always": "always"}[m] for m in draft_modes)
+    """Plain decoding, n-gram drafts ("spec") and, each on a route of its own, draft-model drafts
+    ("draft": nodes that choose per session, "draft-always": nodes that always draft with it) and
+    windows in flight ("ngram-flight", "draft-always-flight": ``windows`` at once), in turns whose
+    order rotates."""
+    flight = ["--speculate-windows-in-flight", str(windows)]
+    model_args = [] if draft is None else ["--draft-model", str(draft), "--draft-model-choice"]
+    route_args = {
+        "draft": [*model_args, "auto"],
+        "draft-always": [*model_args, "always"],
+        "ngram-flight": flight,
+        "draft-always-flight": [*model_args, "always", *flight],
+    }
+    if draft is None and any(m.startswith("draft") for m in draft_modes):
+        raise ValueError("draft modes need a draft model")
     from gateway.route_session import DataPlane
     from sim.route_client import generate, route_on
     from sim.wan import load_profile
@@ -291,7 +299,8 @@ def part_spec(
     for profile_name in profiles:
         one_way_ms = max(p.delay_ms for p in load_profile(profile_name).paths.values())
         with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp:
-            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache, draft, choices)
+            extra = tuple(route_args[m] for m in draft_modes)
+            wan, sup, addresses = _swarm(profile_name, Path(tmp), model, cache, extra)
             try:
                 inproc = InProcess(model, cache)
 
@@ -300,7 +309,7 @@ def part_spec(
                 ) -> dict[str, Any]:
                     routes = {"plain": await route_on(channels, addresses[: len(SPANS)])}
                     routes["spec"] = routes["plain"]
-                    for j, mode in enumerate(draft_modes if draft is not None else ()):
+                    for j, mode in enumerate(draft_modes):
                         at = (j + 1) * len(SPANS)
                         routes[mode] = await route_on(channels, addresses[at : at + len(SPANS)])
                     for route, stages in {id(r): r for r in routes.values()}.values():
@@ -455,8 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--agreement-tokens", type=int, default=512)
     parser.add_argument(
-        "--proposers", default="ngram", help="spec part: ngram, and draft and/or draft-always (commas)"
+        "--proposers",
+        default="ngram",
+        help="spec part: ngram, and any of draft, draft-always, ngram-flight, draft-always-flight (commas)",
     )
+    parser.add_argument("--windows", type=int, default=2, help="spec part: windows in flight of *-flight")
     parser.add_argument("--out", type=Path, default=Path("bench-results/wan-data-plane.json"))
     args = parser.parse_args(argv)
 
@@ -497,8 +509,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if "spec" in parts:
             draft = None
-            draft_modes = tuple(m for m in ("draft", "draft-always") if m in args.proposers.split(","))
-            if draft_modes:
+            modes = ("draft", "draft-always", "ngram-flight", "draft-always-flight")
+            draft_modes = tuple(m for m in modes if m in args.proposers.split(","))
+            if any(m.startswith("draft") for m in draft_modes):
                 from node.draft_model import quantize
 
                 draft = quantize(model, cache / "draft-q4_0.gguf", "q4_0")
@@ -511,8 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.profiles.split(","),
                 draft,
                 draft_modes,
+                args.windows,
             )
             result["parts"]["spec"] = spec
+            result["windows_in_flight"] = args.windows
             print("speculative decoding, 3 stages, greedy, median ms per token:")
             for name, d in spec.items():
                 for cls in ("edit", "chat"):

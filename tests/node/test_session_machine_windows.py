@@ -266,3 +266,135 @@ def test_a_proposer_factory_drafts_instead_of_ngram_lookup_and_follows_the_accep
     assert TruncateKv("s1", 5) in out
     assert list(pushed(out).activation.token_ids) == [5, 7, 8]
     assert proposer.tokens == [10, 11, 12, 13, 7, 5]
+
+
+# --------------------------------------------------------------------------- windows in flight
+
+
+def computes(actions: list) -> list[Compute]:
+    return [a for a in actions if isinstance(a, Compute)]
+
+
+def all_pushed(actions: list) -> list[frame_pb2.Frame]:
+    return [f for a in actions if isinstance(a, Push) for f in a.frames]
+
+
+def feed_window(h: Harness, window: frame_pb2.Frame, *, first: bool = False) -> list:
+    """A pushed window as it reaches this stage (the same positions, tokens, drafts and number)."""
+    tokens = list(window.activation.token_ids)
+    start = int(window.positions.start)
+    frames = codec.step_frames(
+        h.header(),
+        frame_pb2.PHASE_DECODE,
+        step_id=1 + start + 1,
+        start=start,
+        token_ids=tokens,
+        hidden=None if first else np.ones((len(tokens), N_EMBD), np.float32),
+        sample=True,
+        drafts=int(window.activation.drafts),
+        window_gen=int(window.activation.window_gen),
+    )
+    return h.feed(frames[0])
+
+
+def last_stage_in_flight(windows: int) -> Harness:
+    h = Harness(is_last=True, shard_start=4, shard_end=8, windows_in_flight=windows)
+    frame = codec.open_frame(
+        h.header(),
+        step_id=1,
+        route_ticket=b"good",
+        kv_budget_tokens=40,
+        sampling=codec.SamplingSettings(temperature=0.0),
+        ring=RING,
+        max_drafts=4,
+    )
+    assert codec.body_kind(sends(h.feed(frame))[0]) == "open_ack"
+    return h
+
+
+def test_the_last_stage_keeps_windows_in_flight_and_discards_them_on_a_rejection() -> None:
+    h = last_stage_in_flight(2)
+    (c,) = computes(feed_step(h, 0, PROMPT))
+    head, nxt = all_pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
+    # Two windows leave at once: the second continues the first's drafts as if all were accepted.
+    gen = head.activation.window_gen
+    assert gen >= 1 and nxt.activation.window_gen == gen
+    assert head.positions.start == 6 and nxt.positions.start == head.positions.end
+    assert head.activation.token_ids[0] == 1 and nxt.activation.drafts == len(nxt.activation.token_ids) - 1
+    # The head comes back; the next window arrives while it computes and waits behind it.
+    (c,) = computes(feed_window(h, head))
+    assert computes(feed_window(h, nxt)) == []
+    # Every draft accepted and the draw after the last one is the next window's first token: it goes on
+    # (no new head), it starts computing, and a third window follows it.
+    toks = list(head.activation.token_ids)
+    draws = tuple(Sampled(t, -0.1) for t in [*toks[1:], nxt.activation.token_ids[0]])
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=head.positions.end, window=draws), 0)
+    assert not [a for a in out if isinstance(a, TruncateKv)]
+    (result,) = [f for f in sends(out) if codec.body_kind(f) == "result"]
+    assert [t.token_id for t in result.result.sampled] == [*toks[1:], nxt.activation.token_ids[0]]
+    (third,) = all_pushed(out)
+    assert third.activation.window_gen == gen and third.positions.start == nxt.positions.end
+    (c,) = computes(out)
+    assert c.job.start == nxt.positions.start
+    # The next window's first draft is wrong: the KV keeps its first position and the correction
+    # leaves as a new head (a higher number); the third window, still on the way, is discarded.
+    ntoks = list(nxt.activation.token_ids)
+    wrong = 1000 + ntoks[1] if len(ntoks) > 1 else 1000
+    draws = tuple(Sampled(wrong if i == 0 else 7, -0.1) for i in range(len(ntoks)))
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=nxt.positions.end, window=draws), 0)
+    keep = nxt.positions.start + 1
+    assert (TruncateKv("s1", keep) in out) == (nxt.positions.end > keep)
+    heads = all_pushed(out)
+    assert heads[0].activation.window_gen > gen and heads[0].positions.start == keep
+    assert heads[0].activation.token_ids[0] == wrong
+    assert feed_window(h, third) == []  # a discarded window: dropped unanswered, the KV untouched
+    assert h.m.kv_len("s1") == keep
+    (c,) = computes(feed_window(h, heads[0]))  # the new head computes on the accepted tokens
+    assert c.job.start == keep
+
+
+def test_a_stage_drops_discarded_windows_and_rolls_back_to_a_new_head_after_the_running_step() -> None:
+    h = first_stage()  # holds 4
+    window = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=6, start=4, token_ids=[9, 1, 2], sample=True, drafts=2
+    )[0]
+    window.activation.window_gen = 1
+    (c,) = computes(feed_window(h, window, first=True))
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=7, hidden=np.ones((3, N_EMBD), np.float32)), 0)
+    # Two windows in flight after it: one computing, one waiting.
+    cont = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=8, start=7, token_ids=[3, 4], sample=True, drafts=1
+    )[0]
+    cont.activation.window_gen = 1
+    (busy,) = computes(feed_window(h, cont, first=True))
+    later = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=10, start=9, token_ids=[5], sample=True
+    )[0]
+    later.activation.window_gen = 1
+    assert computes(feed_window(h, later, first=True)) == []
+    # The last stage rejected the first window at 5: a new head (number 2) from there. It waits for
+    # the running step; the waiting window is discarded.
+    head = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=6, start=5, token_ids=[7, 8], sample=True, drafts=1
+    )[0]
+    head.activation.window_gen = 2
+    out = feed_window(h, head, first=True)
+    assert computes(out) == [] and sends(out) == []
+    # A head that would drop a position below the last head's start + 1 is refused; nothing changes.
+    below = codec.step_frames(
+        h.header(), frame_pb2.PHASE_DECODE, step_id=5, start=4, token_ids=[7], sample=True
+    )[0]
+    below.activation.window_gen = 3
+    assert status_of(feed_window(h, below, first=True)) == status_pb2.STATUS_POSITION_MISMATCH
+    # The running (discarded) step finishes: the KV goes back to 5 before the head computes.
+    out = h.m.complete(StepOutcome(busy.job.job_id, kv_len=9, hidden=np.ones((2, N_EMBD), np.float32)), 0)
+    (trunc,) = [a for a in out if isinstance(a, TruncateKv)]
+    (c,) = computes(out)
+    assert trunc == TruncateKv("s1", 5) and out.index(trunc) < out.index(c)
+    assert c.job.start == 5 and h.m.kv_len("s1") == 5
+    h.m.complete(StepOutcome(c.job.job_id, kv_len=7, hidden=np.ones((2, N_EMBD), np.float32)), 0)
+    # The same head again (a duplicate) is answered from the cache; a discarded window is dropped.
+    again = feed_window(h, head, first=True)
+    assert computes(again) == [] and h.m.kv_len("s1") == 7
+    assert feed_window(h, later, first=True) == []
+    assert h.m.kv_len("s1") == 7
