@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -382,9 +382,10 @@ def update_many(
     rows = [[o for o in lst[:MAX_OBSERVATIONS] if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS] for lst in obs]
     width = max((len(r) for r in rows), default=0)
     x = np.array([o.vec for o in owns], dtype=float).reshape(n, DIMENSIONS)
-    h = np.maximum(np.array([o.height_ms for o in owns], dtype=float), MIN_HEIGHT_MS)
-    e = np.clip(np.array([o.error for o in owns], dtype=float), MIN_ERROR, 1.0)
+    h = np.array([o.height_ms for o in owns], dtype=float)
+    e = np.array([o.error for o in owns], dtype=float)
     if width == 0 or n == 0:
+        h, e = np.maximum(h, MIN_HEIGHT_MS), np.clip(e, MIN_ERROR, 1.0)
         return [
             NetCoord((float(a), float(b), float(c)), float(hh), float(ee))
             for (a, b, c), hh, ee in zip(x.tolist(), h, e, strict=True)
@@ -398,13 +399,59 @@ def update_many(
     y = np.zeros((n, width, DIMENSIONS))
     y[at_row, at_col] = np.array([o.peer.vec for o in flat], dtype=float).reshape(len(flat), DIMENSIONS)
     hj = np.full((n, width), MIN_HEIGHT_MS)
-    hj[at_row, at_col] = np.maximum([o.peer.height_ms for o in flat], MIN_HEIGHT_MS)
+    hj[at_row, at_col] = [o.peer.height_ms for o in flat]
     ej = np.ones((n, width))
-    ej[at_row, at_col] = np.clip([o.peer.error for o in flat], MIN_ERROR, 1.0)
+    ej[at_row, at_col] = [o.peer.error for o in flat]
     rtt = np.ones((n, width))
     rtt[at_row, at_col] = [o.rtt_ms for o in flat]
     confirmed = np.zeros((n, width), dtype=bool)
     confirmed[at_row, at_col] = [o.confirmed for o in flat]
+    x, h, e = update_arrays(
+        x, h, e, y, hj, ej, rtt, confirmed, valid, lambda i, j: rows[i][j].peer_key, params
+    )
+    out: list[NetCoord] = []
+    for i in range(n):
+        xi, hi, ei = x[i], float(h[i]), float(e[i])
+        if not (np.isfinite(xi).all() and math.isfinite(hi) and math.isfinite(ei)):
+            out.append(owns[i])
+        else:
+            out.append(NetCoord((float(xi[0]), float(xi[1]), float(xi[2])), hi, ei))
+    return out
+
+
+def update_arrays(
+    x: np.ndarray,
+    h: np.ndarray,
+    e: np.ndarray,
+    y: np.ndarray,
+    hj: np.ndarray,
+    ej: np.ndarray,
+    rtt: np.ndarray,
+    confirmed: np.ndarray,
+    valid: np.ndarray,
+    peer_key: Callable[[int, int], str],
+    params: VivaldiParams = DEFAULT_PARAMS,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The Vivaldi steps of :func:`update` for ``n`` endpoints at once, on arrays: ``x`` (n, 3),
+    ``h``, ``e`` (n,) the starting positions, heights and errors; per endpoint and observation
+    slot (n, w): the peer's position ``y`` (n, w, 3), height ``hj``, error ``ej``, the ``rtt``,
+    ``confirmed``, and ``valid`` (the slots that hold an observation, in the order
+    :func:`update` would take them; invalid slots may hold anything finite). ``peer_key(i, j)``
+    names the peer of slot ``j`` of endpoint ``i`` (only asked for when two points coincide).
+    Heights and errors are clamped as :func:`update` does. Returns the new ``(x, h, e)``; a row
+    may be non-finite only where :func:`update` would keep the old coordinate (the caller
+    checks). Nothing is filtered here: the caller leaves out-of-range RTTs and slots past
+    ``MAX_OBSERVATIONS`` invalid."""
+    n = x.shape[0]
+    width = valid.shape[1] if valid.ndim == 2 else 0
+    h = np.maximum(h, MIN_HEIGHT_MS)
+    e = np.clip(e, MIN_ERROR, 1.0)
+    if n == 0 or width == 0:
+        return x, h, e
+    hj = np.where(valid, np.maximum(hj, MIN_HEIGHT_MS), MIN_HEIGHT_MS)
+    ej = np.where(valid, np.clip(ej, MIN_ERROR, 1.0), 1.0)
+    rtt = np.where(valid, rtt, 1.0)
+    confirmed = confirmed & valid
     counts = valid.sum(axis=1)
     floor_ratio = math.log(params.min_outlier_ratio)
     quantile_at = np.minimum(counts - 1, (params.outlier_quantile * counts).astype(np.intp)).clip(0)
@@ -438,19 +485,46 @@ def update_many(
             together = live & ~apart
             if together.any():  # coincident points: a direction from the peer's id, as in update()
                 for i in np.flatnonzero(together).tolist():
-                    u = _unit_from_key(rows[i][j].peer_key, p)
+                    u = _unit_from_key(peer_key(i, j), p)
                     move[i] = (step[i] * u[0], step[i] * u[1], step[i] * u[2])
             x = np.where(live[:, None], x + move, x)
             h = np.where(live, np.maximum(MIN_HEIGHT_MS, h + step * (h + hj[:, j]) / dist), h)
             e = np.where(live, e_new, e)
-    out: list[NetCoord] = []
-    for i in range(n):
-        xi, hi, ei = x[i], float(h[i]), float(e[i])
-        if not (np.isfinite(xi).all() and math.isfinite(hi) and math.isfinite(ei)):
-            out.append(owns[i])
-        else:
-            out.append(NetCoord((float(xi[0]), float(xi[1]), float(xi[2])), hi, ei))
-    return out
+    return x, h, e
+
+
+@dataclass(frozen=True)
+class PairChecks:
+    """What :func:`check_pairs` decided, per endpoint (row) and claim slot."""
+
+    rtt: np.ndarray  # (n, w) the RTT an observation counts with (a two-sided pair: the larger claim)
+    confirmed: np.ndarray  # (n, w) both sides measured the pair alike
+    valid: np.ndarray  # (n, w) the slot is an observation update() takes
+    observed: np.ndarray  # (n,) observations() returned something (refit moves the endpoint)
+    both: np.ndarray  # (n,) two-sided pairs
+    disputes: np.ndarray  # (n,) disputed pairs among them
+
+
+def check_pairs(
+    rtt: np.ndarray, other: np.ndarray, usable: np.ndarray, params: VivaldiParams = DEFAULT_PARAMS
+) -> PairChecks:
+    """:func:`observations`' checks on arrays, for many endpoints' claims at once: ``rtt`` (n, w)
+    the endpoints' own claims, ``other`` (n, w) what the peer claimed about the endpoint (NaN:
+    nothing), ``usable`` (n, w) the slots that hold a claim about a known peer, in the order
+    :func:`observations` takes them (sorted by peer id). The same decisions as
+    :func:`observations` followed by :func:`update`'s filters (at most ``MAX_OBSERVATIONS``, the
+    RTT in range), made with the same comparisons."""
+    two_sided = usable & ~np.isnan(other)
+    theirs = np.where(two_sided, other, rtt)
+    lo = np.minimum(rtt, theirs)
+    hi = np.maximum(rtt, theirs)
+    disputed_ = two_sided & (hi > params.dispute_ratio * lo + DISPUTE_SLACK_MS)
+    confirmed = two_sided & (hi <= AGREE_RATIO * lo + DISPUTE_SLACK_MS)
+    value = np.where(two_sided, hi, rtt)
+    kept = usable & ~disputed_
+    kept &= np.cumsum(kept, axis=1) <= MAX_OBSERVATIONS
+    valid = kept & (value >= MIN_RTT_MS) & (value <= MAX_RTT_MS)
+    return PairChecks(value, confirmed, valid, kept.any(axis=1), two_sided.sum(axis=1), disputed_.sum(axis=1))
 
 
 def refit_many(
@@ -506,4 +580,7 @@ __all__ = [
     "typical_one_way_ms",
     "update",
     "update_many",
+    "update_arrays",
+    "check_pairs",
+    "PairChecks",
 ]
