@@ -1,6 +1,6 @@
 """Mixed load at equal KV memory: the KV pool against today's per-sequence slots (engine level).
 
-    python -m sim.bench_kvpool_mixed [--requests 32] [--sessions 32] [--layout auto] [--admit fifo|fit]
+    python -m sim.bench_kvpool_mixed [--requests 32] [--sessions 32] [--layout auto] [--admit fifo|fit|short]
         [--out docs/perf/kvpool-mixed-sparse.json]
 
 ``--requests`` requests with prompts of 100 to 6,000 tokens (log-uniform,
@@ -21,7 +21,8 @@ cheaper run of the same shape (concurrency depends on the ratios only).
 
 Requests arrive all at once and start first come, first served (``--admit
 fifo``: the head of the queue waits for room and everyone behind it) or, with
-``--admit fit``, any waiting request whose KV fits starts (in arrival order);
+``--admit fit``, any waiting request whose KV fits starts (in arrival order), or, with
+``--admit short``, the shortest waiting prompt first (the head of that order waits);
 each step batches every running session's next piece (prefill chunks of 256,
 decode steps). Reported: requests completed and refused, the most sessions
 running at once, the mean over steps, wall time, and how many completions are
@@ -89,15 +90,16 @@ def _run(
     reserved = 0  # admission's view: blocks the running requests will need at their end
     t0 = time.perf_counter()
     while waiting or running:
-        for r in list(waiting):
+        order = sorted(waiting, key=lambda r: (len(r.prompt), r.rid)) if admit == "short" else list(waiting)
+        for r in order:
             need = blocks_for(len(r.prompt) + n_new)
             if len(running) >= engine.config.max_sessions:
                 break
             if pool:
                 assert engine.pool is not None
                 if reserved + need > engine.pool.total_blocks:
-                    if admit == "fifo":
-                        break  # first come, first served: the head waits, and everyone behind it
+                    if admit in ("fifo", "short"):
+                        break  # the head of the order waits, and everyone behind it
                     continue  # "fit": a later request that fits starts now
             waiting.remove(r)
             engine.open_session(f"r{r.rid}")
@@ -166,7 +168,10 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=32, help="the pool's most sessions (sequence streams)")
     ap.add_argument("--layout", default="auto", help="the pool's layout (node.kvlayout): auto, unified ...")
     ap.add_argument(
-        "--admit", default="fifo", choices=["fifo", "fit"], help="fit: later requests that fit start first"
+        "--admit",
+        default="fifo",
+        choices=["fifo", "fit", "short"],
+        help="fit: later requests that fit start first; short: shortest prompt first",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

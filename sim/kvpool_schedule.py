@@ -8,8 +8,10 @@ bench generates exactly ``--new`` tokens per request whatever they are, so
 requests completed and refused, the most sessions at once, the mean and the
 step count depend on the schedule only, and equal a real run's (checked:
 the real runs of docs/perf/kvpool-mixed.json and
-docs/perf/kvpool-mixed-sparse-fifo.json give the same figures). For both
-admission policies (``fifo``, ``fit``) and both layouts; a table and JSON.
+docs/perf/kvpool-mixed-sparse-fifo.json give the same figures). For the three
+admission policies (``fifo``, ``fit``, ``short``) and both layouts; a table and JSON, and the bound
+of any policy that holds every running request's whole prompt plus generation (the shortest
+requests that fit the pool together).
 Not a measurement of speed or exactness: the real bench does those.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 from common.vocab import Vocabulary
 from node.engine import Work
-from node.kvpool import KvPool
+from node.kvpool import BLOCK_TOKENS, KvPool, blocks_for
 from node.testmodel import test_model_path
 from sim import bench_kvpool_mixed as mixed
 
@@ -51,7 +53,7 @@ class _Schedule:
         return None
 
     def step(self, works: list[Work]) -> list[_Result]:
-        return [_Result(w.n_tokens, types.SimpleNamespace(token=0)) for w in works]
+        return [_Result(w.n_tokens, types.SimpleNamespace(token_id=0)) for w in works]
 
     def statistics(self) -> Any:
         return types.SimpleNamespace(kv_pool=None, kv_pool_compactions=0)
@@ -72,7 +74,7 @@ def main() -> None:
     result: dict[str, Any] = {"requests": args.requests, "scale": args.scale, "kv_positions": kv, "rows": []}
     print("| admission | layout | completed | refused | most at once | mean at once | steps |")
     print("|---|---|---|---|---|---|---|")
-    for admit in ("fifo", "fit"):
+    for admit in ("fifo", "fit", "short"):
         for name, engine in (
             ("per_seq 8 x " + str(2048 // args.scale), _Schedule(8, 2048 // args.scale, 0)),
             (f"pool of {kv}, {args.sessions} sessions", _Schedule(args.sessions, min(8192, kv), kv)),
@@ -84,6 +86,16 @@ def main() -> None:
                 f"| {admit} | {name} | {row['completed']} | {row['refused']} | {row['peak_sessions']} | "
                 f"{row['mean_sessions']} | {row['steps']} |"
             )
+    # The bound of any admission that holds each running request's whole prompt plus generation: the
+    # most requests whose KV fits the pool at once are the shortest ones.
+    held, bound = 0, 0
+    for p in sorted(len(x) for x in prompts):
+        held += blocks_for(p + args.new)
+        if held * BLOCK_TOKENS > kv:
+            break
+        bound += 1
+    result["most_at_once_bound"] = bound
+    print(f"most requests whose prompt plus generation fit {kv} positions at once (the shortest): {bound}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
