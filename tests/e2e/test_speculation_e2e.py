@@ -2,14 +2,18 @@
 
 Tracker, four nodes ([0,10), [10,20), [20,30) and a spare [20,30); one llama.cpp thread each) and
 the gateway on loopback. Speculation is on by default for greedy requests; a request turns it off
-with extra_body {"speculation": false}. Shown here:
+with extra_body {"speculation": false}. The nodes keep up to 3 verify windows in flight
+(``--speculate-windows-in-flight 3``: the next window leaves before the last one is verified, and a
+rejection discards it on every stage); one window at a time is what test_draft_model_e2e runs.
+Shown here:
 
-1. greedy text is identical with speculation on and off, streamed and not, for an editing prompt
-   (the answer repeats the prompt: drafts are accepted, several tokens per pass) and an open chat;
+1. greedy text is identical with speculation (windows in flight) on and off, streamed and not, for
+   an editing prompt (the answer repeats the prompt: drafts are accepted, several tokens per pass)
+   and an open chat;
 2. the gateway's counters show windows were verified and produced more than one token per pass;
 3. a seeded sampled request (speculation asked for) gives the text of the same request without;
-4. the last stage killed mid-generation (its spare takes over, the accepted history is replayed):
-   the text is still the same.
+4. the last stage killed mid-generation, windows in flight (its spare takes over, the accepted
+   history is replayed): the text is still the same.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def swarm(
             "--route-ttl-s",
             "1",
         ],
-        node_args=["--no-benchmark"],
+        node_args=["--no-benchmark", "--speculate-windows-in-flight", "3"],
     )
     yield s
     s.stop()
