@@ -16,7 +16,13 @@ only the terms that change with load, with the same formulas, from here:
   the sessions it serves: ``n_embd * activation_bytes_per_value * 8 / uplink * (1 +
   uplink_queue_share * load)``;
 * :func:`repriced_ms`, a route's cost with its stages' load as it is now: the priced cost plus,
-  per stage, the change of those two terms between the load it was priced with and now.
+  per stage, the change of those two terms between the load it was priced with and now;
+* :func:`prefix_miss_ms`, what a stage that does not hold a request's prompt prefix costs beyond
+  one that does: the time it takes to prefill those positions again (``missing / prefill tokens
+  per second``), spread over ``prefix_answer_tokens`` tokens of the answer, per token. A route whose
+  every stage holds the longest prefix wins until its load terms grow past that saving, so one hot
+  prefix does not pile all traffic on one route. Only a look-up that names the request's prefix
+  (``tracker.routing.select_routes(prefix_heads=...)``) prices it.
 
 No I/O, no clock: plain numbers in, milliseconds out.
 """
@@ -52,10 +58,18 @@ class LoadCosts:
     # The uplink sends a step's frames one after another: a session's frame waits on average
     # behind this share of the others'.
     uplink_queue_share: float = 0.5
+    # A stage missing m positions of a request's prompt prefix that another candidate stage holds
+    # costs its prefill time of them spread over this many answer tokens, per token (a chat answer's
+    # order of magnitude: saving a 1,500-token prefill at 300 tokens/s is worth ~39 ms a token;
+    # 0: prefixes are not priced).
+    prefix_answer_tokens: float = 128.0
+    min_prefill_tokens_per_s: float = 1.0  # floor for nonsensical measurements
 
     def __post_init__(self) -> None:
         if self.queue_wait_weight and not 0.0 <= self.max_occupancy < 1.0:
             raise ValueError("max_occupancy must be in [0, 1) when queue_wait_weight is set")
+        if not self.prefix_answer_tokens >= 0.0 or not self.min_prefill_tokens_per_s > 0.0:
+            raise ValueError("prefix_answer_tokens must be >= 0 and min_prefill_tokens_per_s > 0")
 
 
 DEFAULT_LOAD_COSTS = LoadCosts()
@@ -95,6 +109,20 @@ def transfer_ms(
     mbit = uplink_mbit_s if uplink_mbit_s and uplink_mbit_s > 0 else costs.default_uplink_mbit_s
     one = n_embd * costs.activation_bytes_per_value * 8.0 / (mbit * 1000.0)
     return one * (1.0 + costs.uplink_queue_share * (load if load > 0 else 0.0))
+
+
+def prefix_miss_ms(
+    prefill_tokens_per_s: float, missing_positions: int, costs: LoadCosts = DEFAULT_LOAD_COSTS
+) -> float:
+    """What a stage prefilling ``prefill_tokens_per_s`` costs per token for not holding
+    ``missing_positions`` of the request's prompt prefix that another candidate stage holds (the
+    module docstring's formula; 0 when none is missing or prefixes are not priced)."""
+    if missing_positions <= 0 or not costs.prefix_answer_tokens > 0.0:
+        return 0.0
+    rate = prefill_tokens_per_s
+    if not rate >= costs.min_prefill_tokens_per_s:  # also NaN
+        rate = costs.min_prefill_tokens_per_s
+    return missing_positions * 1000.0 / rate / costs.prefix_answer_tokens
 
 
 @dataclass(frozen=True)

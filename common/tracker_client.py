@@ -250,11 +250,13 @@ class TrackerClient:
         *,
         sign: bool = False,
         kv_tokens: int = 0,
+        prefix_heads: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Routes for ``model``; with ``gateway_id`` priced from that gateway's network position.
 
         ``kv_tokens``: KV positions the request needs on every stage (0: any); routes whose nodes
-        announced less room are left out.
+        announced less room are left out. ``prefix_heads``: heads of the prompt's blocks, in order
+        (common.prefix_chain.head): routes holding the longest prefix of it are preferred.
 
         ``sign``: sign the request with this client's key as a gateway (``route_request``): the
         tickets then name this key, and a tracker with registered gateways answers only such requests.
@@ -262,6 +264,8 @@ class TrackerClient:
         request: dict[str, Any] = {"model": model, "k": k, "exclude": sorted(exclude)}
         if kv_tokens:
             request["kv_tokens"] = kv_tokens
+        if prefix_heads:
+            request["prefix_heads"] = list(prefix_heads)
         if sign:
             # 503 here is "no route" (the body says which layers are uncovered), not a replica in trouble.
             return await self._object(

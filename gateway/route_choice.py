@@ -165,7 +165,7 @@ class RouteChoice:
         hit = self.prefix.lookup(client, route.model_fingerprint, prepared.prompt, trio.current_time())
         if hit is None:
             self.prefix.take(None)
-            return await self._reported_prefix(request, route, prepared, candidates)
+            return await self._reported_prefix(request, route, prepared, candidates, model)
         holder = next((r for r in candidates if tuple(h.node_id for h in r.hops) == hit.entry.nodes), None)
         suspects = set() if holder is None else {h.node_id for h in holder.hops if self.spot.on_probation(h)}
         if suspects and any(not suspects <= {h.node_id for h in r.hops} for r in candidates):
@@ -192,16 +192,42 @@ class RouteChoice:
         return route, prepared, hit
 
     async def _reported_prefix(
-        self, request: GenerationRequest, route: Route, prepared: Prepared, candidates: list[Route]
+        self,
+        request: GenerationRequest,
+        route: Route,
+        prepared: Prepared,
+        candidates: list[Route],
+        model: str,
     ) -> tuple[Route, Prepared, Hit | None]:
         """The candidate whose every stage reported (heartbeat heads) the longest prefix of the prompt,
         when it carries at most ``prefix_route_slack`` more sessions than ``route`` (the one picked);
-        the hit names the prefix by its chain hash and is copied on every stage. None found: ``route``
-        as it was, cold."""
+        the hit names the prefix by its chain hashes and is copied on every stage. When no candidate
+        shows any of it and the prompt is long enough to share: the candidates of a look-up naming
+        the prompt's heads too (``RouteCache.routes_for_prefix``: the tracker prices the prefix,
+        weighed against load). None found: ``route`` as it was, cold."""
         share = self.config.prefix_share_min_tokens
-        if share <= 0 or not any(h.prefix_heads for r in candidates for h in r.hops):
+        least = max(self.config.prefix_min_tokens, share)
+        if share <= 0 or len(prepared.prompt) <= least:
             return route, prepared, None
         step = step_limit(prepared.stages, self.config.prefill_step_tokens) if self.prefix.exact else 0
+        fingerprint = prepared.stages[0].recipe_fingerprint
+        heads = [head(h) for h in chain(fingerprint, prepared.prompt[: len(prepared.prompt) - 1])]
+        wanted = set(heads)
+
+        def shows(routes: list[Route]) -> bool:
+            return any(not wanted.isdisjoint(h.prefix_heads) for r in routes for h in r.hops)
+
+        if not shows(candidates):
+            asked = await self.routes.routes_for_prefix(model, heads)
+            known = {tuple(h.node_id for h in r.hops) for r in candidates}
+            more = (
+                []
+                if asked is None
+                else [r for r in asked.routes if tuple(h.node_id for h in r.hops) not in known]
+            )
+            if not shows(more):
+                return route, prepared, None
+            candidates = [*candidates, *more]
 
         def suspect(r: Route) -> bool:
             # As for a kept prefix: not through a node on probation that another route could check.
@@ -210,12 +236,12 @@ class RouteChoice:
 
         found = reported_prefix(
             prepared.prompt,
-            prepared.stages[0].recipe_fingerprint,
+            fingerprint,
             candidates,
             route,
             self.routes.route_load,
             slack=self.config.prefix_route_slack,
-            least=max(self.config.prefix_min_tokens, share),
+            least=least,
             step=step,
             suspect=suspect,
         )

@@ -68,6 +68,9 @@ log = logging.getLogger("swarm.gateway")
 TICKET_MARGIN_S = 30.0
 STALE_MARGIN_S = 5.0  # a ticket served from the cache during an outage stays valid at least this long
 TRACKER_RETRY_S = 5.0  # after a failed look-up, the cache answers alone for this long
+MAX_ROUTE_PREFIX_HEADS = 256  # = tracker.routing.MAX_ROUTE_PREFIX_HEADS: heads one look-up names
+PREFIX_KEY_BLOCKS = 16  # a prompt's prefix look-up is remembered by its first 256 positions
+MAX_PREFIX_LOOKUPS = 1024  # prefix look-ups remembered
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,9 @@ class RouteCache:
         self.costs: LoadCosts = DEFAULT_LOAD_COSTS  # the tracker's defaults (tracker.routing.DEFAULT_COSTS)
         self._tracker_down_until = -math.inf  # clock time before which the tracker is not asked again
         self._outage = False  # serving stale routes since the last failed look-up
+        # (model, head of the prompt's PREFIX_KEY_BLOCKS-th block) -> the look-up naming that prefix
+        # (None: it failed), for ttl_s; bounded, the oldest go first.
+        self._by_prefix: dict[tuple[str, str], tuple[float, ModelRoutes | None]] = {}
 
     def _fresh(self, cached: ModelRoutes | None) -> bool:
         if cached is None or not cached.routes:
@@ -341,13 +347,18 @@ class RouteCache:
         return dataclasses.replace(cached, routes=valid)
 
     async def _fetch_or_hold(
-        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        *,
+        kv_tokens: int = 0,
+        prefix_heads: tuple[str, ...] = (),
     ) -> ModelRoutes:
         """:meth:`_fetch`, unless the tracker failed less than :data:`TRACKER_RETRY_S` ago."""
         if self._clock() < self._tracker_down_until:
             raise UpstreamFailed("the tracker is unreachable (a recent look-up failed)", retry_after_s=5)
         try:
-            fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens)
+            fetched = await self._fetch(model, exclude, kv_tokens=kv_tokens, prefix_heads=prefix_heads)
         except UpstreamFailed as err:
             # Logged for the look-ups that failed; the requests refused during the hold that follows
             # name it only as "a recent look-up failed".
@@ -366,13 +377,43 @@ class RouteCache:
             event(log, "routes_refreshed", model=fetched.name, routes=len(fetched.routes))
         return fetched
 
+    async def routes_for_prefix(self, model: str, heads: Sequence[str]) -> ModelRoutes | None:
+        """Routes the tracker prices for a prompt whose blocks have these heads (the route holding its
+        longest prefix preferred, weighed against load; at most MAX_ROUTE_PREFIX_HEADS sent), for a
+        warm request that no cached route shows a prefix of. One look-up per model and first
+        PREFIX_KEY_BLOCKS blocks (an app's system prompt) per ``ttl_s``, its answer reused in between;
+        None when the look-up failed (the request goes on without it)."""
+        if len(heads) < PREFIX_KEY_BLOCKS:
+            return None
+        key = (model, heads[PREFIX_KEY_BLOCKS - 1])
+        now = self._clock()
+        known = self._by_prefix.get(key)
+        if known is not None and now - known[0] <= self._ttl_s:
+            return known[1]
+        try:
+            found: ModelRoutes | None = await self._fetch_or_hold(
+                model, prefix_heads=tuple(heads[:MAX_ROUTE_PREFIX_HEADS])
+            )
+        except (UpstreamFailed, NoRoute, ModelNotFound):
+            found = None
+        self._by_prefix.pop(key, None)
+        self._by_prefix[key] = (now, found)
+        while len(self._by_prefix) > MAX_PREFIX_LOOKUPS:
+            self._by_prefix.pop(next(iter(self._by_prefix)))
+        return found
+
     async def fetch_for_kv(self, model: str, kv_tokens: int) -> ModelRoutes:
         """Fresh routes whose nodes announced room for ``kv_tokens`` positions (a prompt longer than
         every cached route holds, where the tracker says the swarm has a route for it); not cached."""
         return await self._fetch_or_hold(model, kv_tokens=kv_tokens)
 
     async def _fetch(
-        self, model: str, exclude: frozenset[str] = frozenset(), *, kv_tokens: int = 0
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        *,
+        kv_tokens: int = 0,
+        prefix_heads: tuple[str, ...] = (),
     ) -> ModelRoutes:
         try:
             with trio.fail_after(self._timeout_s):
@@ -387,6 +428,7 @@ class RouteCache:
                     gateway_id=self._tracker.key_id,
                     sign=True,
                     kv_tokens=kv_tokens,
+                    prefix_heads=prefix_heads,
                 )
         except TrackerClientError as err:
             self._metrics.inc("swarm_gateway_tracker_route_requests_total", outcome=str(err.status))

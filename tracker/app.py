@@ -34,6 +34,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from common.logs import event
 from common.metrics import CONTENT_TYPE
+from common.prefix_chain import is_head
 from proto.signing import SignatureError
 from tracker import relay_challenges
 from tracker.dashboard import STATIC_FILES, DashboardFeed
@@ -41,6 +42,7 @@ from tracker.errors import BadRequest, NotFound, PayloadTooLarge, RateLimited, T
 from tracker.json_input import parse_json
 from tracker.ratelimit import TokenBuckets
 from tracker.reachability import MAX_CONCURRENT_PROBES, probe
+from tracker.routing import MAX_ROUTE_PREFIX_HEADS
 from tracker.service import Registry
 
 log = logging.getLogger("swarm.tracker")
@@ -289,16 +291,18 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
                 body = registry.open_route_request(body)
                 bound = True
                 envelope_fields = {"kind", "gateway_id", "timestamp", "nonce"}
-                unknown = set(body) - {"model", "k", "exclude", "kv_tokens"} - envelope_fields
+                unknown = set(body) - {"model", "k", "exclude", "kv_tokens", "prefix_heads"} - envelope_fields
             else:
                 registry.require_signed_route_request()
-                unknown = set(body) - {"model", "k", "exclude", "gateway_id", "kv_tokens"}
+                unknown = set(body) - {"model", "k", "exclude", "gateway_id", "kv_tokens", "prefix_heads"}
             if unknown:
                 raise BadRequest(f"unknown field(s) {sorted(unknown)}")
             model, k, exclude = body.get("model"), body.get("k", 1), body.get("exclude", [])
             gateway_id = body.get("gateway_id")
             kv_tokens = body.get("kv_tokens", 0)
+            prefix_heads = body.get("prefix_heads", [])
         else:
+            prefix_heads = []
             registry.require_signed_route_request()
             model = request.args.get("model")
             k = _int_arg("k", request.args.get("k", "1"))
@@ -320,8 +324,23 @@ def create_app(registry: Registry, feed: DashboardFeed | None = None) -> QuartTr
             or len(exclude) > 1024
         ):
             raise BadRequest("exclude must be a list of at most 1024 node ids")
+        if (
+            not isinstance(prefix_heads, list)
+            or len(prefix_heads) > MAX_ROUTE_PREFIX_HEADS
+            or not all(is_head(x) for x in prefix_heads)
+        ):
+            raise BadRequest(
+                f"prefix_heads must be a list of at most {MAX_ROUTE_PREFIX_HEADS} heads of the prompt's "
+                "blocks (32 lowercase hex digits each, in order)"
+            )
         result = await registry.routes(
-            model, k, frozenset(exclude), gateway_id or None, bound=bound, kv_tokens=kv_tokens
+            model,
+            k,
+            frozenset(exclude),
+            gateway_id or None,
+            bound=bound,
+            kv_tokens=kv_tokens,
+            prefix_heads=tuple(prefix_heads),
         )
         return _json(result, 200 if result["routes"] else 503)
 

@@ -100,14 +100,15 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
 
-from common.route_cost import LoadCosts, compute_ms
+from common.prefix_chain import BLOCK_TOKENS, held_blocks
+from common.route_cost import LoadCosts, compute_ms, prefix_miss_ms
 from common.route_cost import transfer_ms as common_transfer_ms
 from tracker.coordinates import UNTRUSTED_ERROR, NetCoord
 from tracker.errors import UnknownModel
@@ -115,6 +116,7 @@ from tracker.recipes import recipe_exclusions
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 _INF = float("inf")
+MAX_ROUTE_PREFIX_HEADS = 256  # heads of a request's prompt one look-up may name (4,096 positions)
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -249,6 +251,7 @@ def select_routes(
     kv_tokens: int = 0,
     one_recipe: bool = True,
     recent_busy: Mapping[str, float] | None = None,
+    prefix_heads: Sequence[str] = (),
 ) -> RouteSelection:
     """Up to ``k`` distinct minimum-cost routes for the model, for a gateway at ``origin`` (its
     network coordinate; None = unknown); see the module docstring. ``extra_sessions``: node id ->
@@ -261,6 +264,12 @@ def select_routes(
 
     ``recent_busy``: node id -> the share of the recent past it spent computing (0..1); with
     ``costs.recent_busy_ms`` it makes recently busy nodes dearer (the price includes it).
+
+    ``prefix_heads``: the heads of the request's prompt blocks in order (common.prefix_chain.head,
+    at most :data:`MAX_ROUTE_PREFIX_HEADS`): a shard holding fewer of its first positions than the
+    shard holding the most, as far as the heads its node reported tell, costs
+    ``common.route_cost.prefix_miss_ms`` more (the price includes it), so the route whose every stage
+    holds the longest prefix wins while its load allows. Empty: prices as before.
 
     ``one_recipe``: every route chains shards of one runtime recipe (tracker/recipes.py; shards
     whose recipe is not known join any); False searches all shards together.
@@ -288,6 +297,7 @@ def select_routes(
                 kv_tokens=kv_tokens,
                 one_recipe=False,
                 recent_busy=recent_busy,
+                prefix_heads=prefix_heads,
             )
             for other in others
         ]
@@ -326,6 +336,22 @@ def select_routes(
             for i in cols.indices(node):
                 bias[i] = costs.recent_busy_ms * min(max(float(share), 0.0), 1.0)
         base_all = base_all + bias
+    if prefix_heads:
+        wanted = tuple(prefix_heads[:MAX_ROUTE_PREFIX_HEADS])
+        held = np.zeros(n_all)
+        for i, shard in enumerate(cols.shards):
+            if keep[i] and shard.prefix_heads:
+                held[i] = held_blocks(shard.prefix_heads, wanted) * BLOCK_TOKENS
+        most = float(held.max()) if n_all else 0.0
+        if most > 0:
+            miss = np.array(
+                [
+                    prefix_miss_ms(s.prefill_tokens_per_s, int(most - held[i]), costs)
+                    for i, s in enumerate(cols.shards)
+                ]
+            )
+            bias = bias + miss
+            base_all = base_all + miss
     tx_all = cols.transfer_ms(extra, model.n_embd, costs)
     entry_all = cols.entry_ms(origin, snapshot.default_latency_ms, costs.gateway_leg_weight)
     # Pruning: within one span, rank shards by a lower bound of any route through them (their own

@@ -578,8 +578,12 @@ class Registry:
         *,
         bound: bool = False,
         kv_tokens: int = 0,
+        prefix_heads: tuple[str, ...] = (),
     ) -> dict[str, Any]:
         """Routes for ``model``; priced from ``gateway_id``'s network coordinate when it has one.
+
+        ``prefix_heads``: heads of the request's prompt blocks, in order; routes whose stages hold
+        the longest prefix of it are preferred, weighed against load (tracker.routing.select_routes).
 
         ``kv_tokens``: KV positions the request needs on every stage; shards announcing less free KV
         are left out (tracker.routing.select_routes).
@@ -608,6 +612,7 @@ class Registry:
                 origin=origin,
                 extra_sessions=extra,
                 kv_tokens=kv_tokens,
+                prefix_heads=prefix_heads,
             )
             return found, time.perf_counter() - t0
 

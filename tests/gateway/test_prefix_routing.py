@@ -185,3 +185,74 @@ def test_what_every_stage_copies_is_the_longest_whole_step_prefix_it_shares_with
             default=0,
         )
         assert got == best and got > 0
+
+
+def test_a_prefix_look_up_names_the_prompts_heads_once_per_prefix_and_ttl() -> None:
+    """RouteCache.routes_for_prefix against a stand-in of the tracker client (what it is asked)."""
+    import secrets
+
+    import httpx
+    import nacl.signing
+    import trio
+
+    from gateway.metrics import Metrics
+    from gateway.routes import MAX_ROUTE_PREFIX_HEADS, PREFIX_KEY_BLOCKS, RouteCache
+    from gateway.tracker_key import TrackerKey
+    from proto.signing import RouteTicket, TicketHop, public_key_hex, sign_route_ticket
+
+    now = [1000.0]
+    asked: list[tuple[str, ...]] = []
+    down = [False]
+    tracker_key = nacl.signing.SigningKey(bytes([7]) * 32)
+
+    class Tracker:
+        key_id = "g" * 64
+
+        async def routes(self, model: str, *, prefix_heads: tuple[str, ...] = (), **_: object) -> dict:
+            asked.append(tuple(prefix_heads))
+            if down[0]:
+                raise httpx.ConnectError("connection refused")
+            ticket = RouteTicket(
+                "",
+                secrets.token_hex(16),
+                "f" * 64,
+                (TicketHop("a" * 64, 0, 30, "127.0.0.1:1"),),
+                now[0],
+                now[0] + 300,
+            )
+            route = {
+                "hops": [{"node_id": "a" * 64, "start": 0, "end": 30, "address": "127.0.0.1:1"}],
+                "ticket": sign_route_ticket(tracker_key, ticket),
+                "expires_at": now[0] + 300,
+                "expected_ms_per_token": 5,
+            }
+            return {"model": {"fingerprint": "f" * 64, "name": "m", "n_layers": 30}, "routes": [route]}
+
+    cache = RouteCache(
+        Tracker(),  # type: ignore[arg-type]
+        k=1,
+        ttl_s=10,
+        tracker_timeout_s=5,
+        metrics=Metrics(),
+        tracker_key=TrackerKey(public_key_hex(tracker_key)),
+        clock=lambda: now[0],
+    )
+    long_prompt = [3 + i % 97 for i in range((MAX_ROUTE_PREFIX_HEADS + 30) * BLOCK_TOKENS)]
+    heads = [head(h) for h in chain(FP, long_prompt)]
+    other = [head(h) for h in chain(FP, long_prompt[: 20 * BLOCK_TOKENS] + [1] * 64)]  # same first 320
+
+    async def main() -> None:
+        assert await cache.routes_for_prefix("m", heads[: PREFIX_KEY_BLOCKS - 1]) is None  # too short
+        assert asked == []
+        first = await cache.routes_for_prefix("m", heads)
+        assert first is not None and asked == [tuple(heads[:MAX_ROUTE_PREFIX_HEADS])]  # bounded
+        # Another prompt of the same app (the same first 256 positions): the answer is reused.
+        assert await cache.routes_for_prefix("m", other) is first and len(asked) == 1
+        now[0] += 11  # past ttl_s: asked again; a failure is remembered as None for ttl_s
+        down[0] = True
+        assert await cache.routes_for_prefix("m", other) is None and asked[-1] == tuple(other)
+        down[0] = False
+        now[0] += 6  # within ttl_s of the failure, and past the tracker's retry hold: not asked
+        assert await cache.routes_for_prefix("m", heads) is None and len(asked) == 2
+
+    trio.run(main)
