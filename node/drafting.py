@@ -98,6 +98,10 @@ class SessionDrafter:
             self.arm = "model"
         self.states = {arm: initial_state(self.policy) for arm in ("model", "ngram")}
         self._last: tuple[str, float, int] | None = None  # arm, when and history length of the last proposal
+        # Windows in flight: the last verified window accepted every draft. Only then do further windows
+        # follow a head before it is verified (a window after a rejection is itself likely rejected, and
+        # on every stage before the last it would delay the head behind it).
+        self.last_full = False
 
     @property
     def state(self) -> DraftState:
@@ -168,6 +172,7 @@ class SessionDrafter:
     def observe(self, drafted: int, accepted: int) -> None:
         """The last window (drafted by ``self.arm``) accepted ``accepted`` of its ``drafted`` drafts."""
         self.states[self.arm] = observe(self.policy, self.states[self.arm], drafted, accepted)
+        self.last_full = drafted > 0 and accepted == drafted
 
 
 def verdict(window_tokens: Sequence[int], draws: Sequence[int], eog: Sequence[bool]) -> Verdict:

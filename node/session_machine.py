@@ -1697,8 +1697,9 @@ class FrameServer:
         accepted ones). The next window in flight was drafted as if this one were wholly accepted and
         its first token were ``drawn``: if so it goes on. Otherwise every window after this one is
         discarded -- the ones queued here now, the ones still on the way by their lower number -- and a
-        new head (the next number) leaves from ``nxt`` with ``drawn`` and fresh drafts. Then further
-        windows follow the last one in flight, each drafted as if all before it were accepted.
+        new head (the next number) leaves from ``nxt`` with ``drawn`` and fresh drafts. Then, while the
+        last verified window accepted all its drafts, further windows follow the last one in flight,
+        each drafted as if all before it were accepted.
         """
         flight = sess.flight
         if flight and flight[0][0] == step.start:
@@ -1732,7 +1733,13 @@ class FrameServer:
                 )
             sess.window_gen += 1
             actions += self._push_window(sess, ring, nxt, (drawn.token_id, *drafts))
-        while speculate and sess.drafter is not None and flight and len(flight) < sess.flight_limit:
+        while (
+            speculate
+            and sess.drafter is not None
+            and sess.drafter.last_full
+            and flight
+            and len(flight) < sess.flight_limit
+        ):
             first = flight[0][0]
             tail = [t for _, tokens in flight for t in tokens]
             start = first + len(tail)

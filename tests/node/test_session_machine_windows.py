@@ -315,12 +315,19 @@ def last_stage_in_flight(windows: int) -> Harness:
 def test_the_last_stage_keeps_windows_in_flight_and_discards_them_on_a_rejection() -> None:
     h = last_stage_in_flight(2)
     (c,) = computes(feed_step(h, 0, PROMPT))
-    head, nxt = all_pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
-    # Two windows leave at once: the second continues the first's drafts as if all were accepted.
+    # The first window leaves alone: windows follow a head only after a window accepted all its drafts.
+    (first,) = all_pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
+    (c,) = computes(feed_window(h, first))
+    toks = list(first.activation.token_ids)
+    draws = tuple(Sampled(t, -0.1) for t in [*toks[1:], 2])
+    out = h.m.complete(StepOutcome(c.job.job_id, kv_len=first.positions.end, window=draws), 0)
+    head, nxt = all_pushed(out)
+    # Now two windows leave at once: the second continues the first's drafts as if all were accepted.
     gen = head.activation.window_gen
+    assert gen > first.activation.window_gen and head.activation.token_ids[0] == 2
     assert gen >= 1 and nxt.activation.window_gen == gen
-    assert head.positions.start == 6 and nxt.positions.start == head.positions.end
-    assert head.activation.token_ids[0] == 1 and nxt.activation.drafts == len(nxt.activation.token_ids) - 1
+    assert head.positions.start == first.positions.end and nxt.positions.start == head.positions.end
+    assert nxt.activation.drafts == len(nxt.activation.token_ids) - 1
     # The head comes back; the next window arrives while it computes and waits behind it.
     (c,) = computes(feed_window(h, head))
     assert computes(feed_window(h, nxt)) == []
