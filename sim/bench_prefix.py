@@ -11,7 +11,9 @@ streamed:
 * **shared prefix**: client A sends a long system prompt and a question, then client B (another API
   key) the same system prompt and another question. B's TTFT / A's TTFT on the swarm (goal <= 0.15:
   B copies A's kept KV, ``prefix_share_min_tokens``), and B's TTFT on the swarm / B's TTFT on the
-  server after the server saw A (goal <= 1.0; the server reuses its previous prompt's KV);
+  server after the server saw A (goal <= 1.0; the server reuses its previous prompt's KV); then the
+  floor of each: the TTFT of a short prompt (a few tokens, nothing reused) on the swarm and on the
+  server, and B / that floor on each (how much of B's time is the prefix's, how much any request's);
 * **conversation**: a ``--turns``-turn conversation by ``conversation_id`` sending only the new message
   each turn; the last turn's TTFT / the TTFT of the same whole history sent cold (``cache_prompt:
   false``) (goal <= 0.1).
@@ -66,6 +68,12 @@ def shared_round(
     out["swarm_b"], _ = ttft(client(swarm, f"b-{tag}"), model, b, {}, max_tokens)
     out["server_a"], _ = ttft(client(server, "x"), server_model, a, {}, max_tokens)
     out["server_b"], _ = ttft(client(server, "x"), server_model, b, {}, max_tokens)
+    # The floor of each: a short prompt (a few tokens, nothing reused) right after.
+    short = [{"role": "user", "content": "Hello" + tag + "."}]
+    out["swarm_short"], _ = ttft(client(swarm, f"s-{tag}"), model, short, {"cache_prompt": False}, max_tokens)
+    out["server_short"], _ = ttft(
+        client(server, "x"), server_model, short, {"cache_prompt": False}, max_tokens
+    )
     return out
 
 
@@ -132,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "shared_b_over_a": med["swarm_b"] / med["swarm_a"],
         "shared_b_over_server_b": med["swarm_b"] / med["server_b"],
+        "short_swarm_over_server": med["swarm_short"] / med["server_short"],
+        "swarm_b_over_swarm_short": med["swarm_b"] / med["swarm_short"],
+        "server_b_over_server_short": med["server_b"] / med["server_short"],
         "conversation_last_turn_over_cold": last / cold,
     }
     report = {
@@ -153,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shared prefix':<28}{'client A (s)':>14}{'client B (s)':>14}")
     print(f"{'swarm':<28}{med['swarm_a']:>14.3f}{med['swarm_b']:>14.3f}")
     print(f"{'llama-cpp-python server':<28}{med['server_a']:>14.3f}{med['server_b']:>14.3f}")
+    print(
+        f"short prompt (nothing reused): swarm {med['swarm_short']:.3f} s, server {med['server_short']:.3f} s"
+    )
     print(f"conversation: turn {args.turns} {last:.3f} s, the same history cold {cold:.3f} s")
     for key, value in ratios.items():
-        print(f"{key:<36}{value:>8.3f}   goal {report['goals'][key]}")
+        print(f"{key:<36}{value:>8.3f}   goal {report['goals'].get(key, '-')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
