@@ -99,9 +99,30 @@ def _spans(
     start = np.fromiter(map(_START, mine), dtype=np.intp, count=n)
     end = np.fromiter(map(_END, mine), dtype=np.intp, count=n)
     decode = np.fromiter(map(_DECODE, mine), dtype=float, count=n)
-    ok = (start >= 0) & (start < end) & (end <= n_layers)
-    spans = (start[ok], end[ok], decode[ok])
-    snapshot.memo[key] = spans
+    return provide_spans(snapshot, model_fingerprint, n_layers, start, end, decode)
+
+
+def provide_spans(
+    snapshot: SwarmSnapshot,
+    model_fingerprint: str,
+    n_layers: int,
+    start: npt.ArrayLike,
+    end: npt.ArrayLike,
+    decode_ms_per_token: npt.ArrayLike,
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], npt.NDArray[np.float64]]:
+    """Hand placement the start, end and single-token time of the model's shards in ``snapshot``,
+    in snapshot order, as arrays -- for a caller that keeps them anyway (the simulator's snapshot
+    cache: otherwise every join of a 10 000-node swarm, each on a new snapshot, reads every
+    shard again). They must be what the snapshot's shards say; shards outside ``0..n_layers``
+    are left out as when placement reads them itself. Returns what placement will use."""
+    a = np.asarray(start, dtype=np.intp)
+    b = np.asarray(end, dtype=np.intp)
+    d = np.asarray(decode_ms_per_token, dtype=float)
+    if not a.ndim == b.ndim == d.ndim == 1 or not a.size == b.size == d.size:
+        raise ValueError("provide_spans needs three one-dimensional arrays of one length")
+    ok = (a >= 0) & (a < b) & (b <= n_layers)
+    spans = (a[ok], b[ok], d[ok])
+    snapshot.memo[("placement.spans", model_fingerprint, n_layers)] = spans
     return spans
 
 
@@ -188,8 +209,8 @@ def recommend_span(
 
     # Boundaries a route can continue from (a span may start there) and lead into (a span may end there).
     starts, ends, _ = _spans(snapshot, model_fingerprint, n)
-    open_starts = {0, *ends.tolist()}
-    open_ends = {n, *starts.tolist()}
+    open_starts = {0, *np.unique(ends).tolist()}
+    open_ends = {n, *np.unique(starts).tolist()}
     open_starts.discard(n)
     open_ends.discard(0)
 
@@ -228,4 +249,11 @@ def recommend_span(
     return choice
 
 
-__all__ = ["PlacementWeights", "DEFAULT_WEIGHTS", "SpanMemory", "layer_coverage", "recommend_span"]
+__all__ = [
+    "PlacementWeights",
+    "DEFAULT_WEIGHTS",
+    "SpanMemory",
+    "layer_coverage",
+    "provide_spans",
+    "recommend_span",
+]

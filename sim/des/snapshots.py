@@ -30,9 +30,12 @@ latency as ``default_latency_ms``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from sim.des.coords import SimCoordinates
 from sim.des.node import LOADING, SERVING, SimNode
 from tracker.coordinates import UNTRUSTED_ERROR, typical_one_way_ms
+from tracker.placement import provide_spans
 from tracker.snapshot import ModelInfo, ShardView, SwarmSnapshot
 
 
@@ -60,12 +63,23 @@ class SnapshotCache:
         self._placed: SwarmSnapshot | None = None
         self.version = 0  # grows whenever the routable snapshot's content changes
         self.builds = 0  # how many times a snapshot tuple was actually rebuilt
+        # The placed views' spans as columns, in the placed snapshot's order (a node that comes back
+        # goes last, as in the dict; a gone one is masked out), so placement need not read 10 000
+        # views at every join (tracker.placement.provide_spans).
+        self._model_at = {m.fingerprint: i for i, m in enumerate(models)}
+        self._col: dict[str, int] = {}
+        self._cols = 0
+        self._start = np.zeros(1024, dtype=np.intp)
+        self._end = np.zeros(1024, dtype=np.intp)
+        self._decode = np.zeros(1024)
+        self._model = np.full(1024, -1, dtype=np.intp)  # -1: gone (or a model not in the list)
 
     # -- membership ---------------------------------------------------------
     def add(self, node: SimNode) -> None:
         nid = node.node_id
         self._nodes[nid] = node
         view = self._views[nid] = self._placed_views[nid] = self._view(node)
+        self._placed_span(view)
         self._placed = None
         if node.state == SERVING:
             self._routable_views[nid] = view
@@ -74,7 +88,8 @@ class SnapshotCache:
 
     def started_serving(self, node: SimNode) -> None:
         nid = node.node_id
-        self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = self._view(node)
+        self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = view = self._view(node)
+        self._placed_span(view)
         self._routable = None
         self._placed = None
         self.version += 1
@@ -84,6 +99,9 @@ class SnapshotCache:
         nid = node.node_id
         if self._nodes.pop(nid, None) is not None:
             self._placed_views.pop(nid, None)
+            col = self._col.pop(nid, None)
+            if col is not None:
+                self._model[col] = -1
             self._routable_views.pop(nid, None)
             self._routable = None
             self._placed = None
@@ -93,7 +111,10 @@ class SnapshotCache:
         """Heartbeat: every live node's load (and its latest coordinate) reaches the tracker."""
         nodes = self._nodes
         for nid in self._routable_views:
-            self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = self._view(nodes[nid])
+            self._views[nid] = self._placed_views[nid] = self._routable_views[nid] = view = self._view(
+                nodes[nid]
+            )
+            self._placed_span(view)
         if self._coords is not None:
             placed = [
                 c
@@ -123,13 +144,43 @@ class SnapshotCache:
 
     def placed(self) -> SwarmSnapshot:
         if self._placed is None:
-            self._placed = SwarmSnapshot(
+            self._placed = snap = SwarmSnapshot(
                 models=self.models,
                 shards=tuple(self._placed_views.values()),
                 default_latency_ms=self.default_latency_ms,
             )
+            n = self._cols
+            for i, m in enumerate(self.models):
+                mine = self._model[:n] == i
+                provide_spans(
+                    snap,
+                    m.fingerprint,
+                    m.n_layers,
+                    self._start[:n][mine],
+                    self._end[:n][mine],
+                    self._decode[:n][mine],
+                )
             self.builds += 1
         return self._placed
+
+    def _placed_span(self, view: ShardView) -> None:
+        """Keep the columns in step with ``_placed_views`` (call after each assignment there)."""
+        col = self._col.get(view.node_id)
+        if col is None:
+            col = self._col[view.node_id] = self._cols
+            self._cols += 1
+            if col >= len(self._model):
+                grow = 2 * len(self._model)
+                self._start = np.resize(self._start, grow)
+                self._end = np.resize(self._end, grow)
+                self._decode = np.resize(self._decode, grow)
+                self._model = np.concatenate(
+                    [self._model, np.full(grow - len(self._model), -1, dtype=np.intp)]
+                )
+        self._start[col] = view.start
+        self._end[col] = view.end
+        self._decode[col] = view.decode_ms_per_token
+        self._model[col] = self._model_at.get(view.model_fingerprint, -1)
 
     def _latency_pairs(self, shards: tuple[ShardView, ...]) -> dict[tuple[str, str], float]:
         if self._coords is not None or not self._single_gateway or len(shards) > self._max_pairs_nodes:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from swarm_strategies import FP, OTHER_FP, shard, snapshot
 
-from tracker.placement import DEFAULT_WEIGHTS, layer_coverage, recommend_span
+from tracker.placement import DEFAULT_WEIGHTS, layer_coverage, provide_spans, recommend_span
 
 
 def _reference(snap, fp: str, n: int) -> list[float]:  # type: ignore[no-untyped-def]
@@ -48,3 +49,25 @@ def test_coverage_is_the_shard_by_shard_sum(rows: list[tuple[int, int, float, bo
     assert layer_coverage(snap, FP, 12) == _reference(snap, FP, 12)  # from the memo, the same
     span = recommend_span(snap, FP, 5, rng=random.Random(seed))
     assert 0 <= span[0] < span[1] <= 12 and span[1] - span[0] <= 5
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.integers(-1, 12), st.integers(0, 13), st.floats(0.5, 500.0)), max_size=30),
+    st.integers(0, 2**32),
+)
+def test_provided_spans_place_as_read_ones(rows: list[tuple[int, int, float]], seed: int) -> None:
+    """A caller that keeps the columns (the simulator) hands them over: the same coverage and the
+    same recommendation as placement reading the shards itself."""
+    shards = [shard(f"n{i}", a, b, ms) for i, (a, b, ms) in enumerate(rows)]
+    read, given_ = snapshot(12, shards), snapshot(12, shards)
+    provide_spans(given_, FP, 12, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    assert layer_coverage(given_, FP, 12) == layer_coverage(read, FP, 12)
+    assert recommend_span(given_, FP, 5, rng=random.Random(seed)) == recommend_span(
+        read, FP, 5, rng=random.Random(seed)
+    )
+
+
+def test_provided_spans_must_be_columns_of_one_length() -> None:
+    with pytest.raises(ValueError, match="one length"):
+        provide_spans(snapshot(12, []), FP, 12, [0, 1], [3], [1.0, 1.0])
