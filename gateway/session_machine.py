@@ -40,7 +40,9 @@ node can fix, the stage before it cannot push to it (DOWNSTREAM_FAILED), or it
 misses its deadline. Deadlines follow the route's speed, so a stage that
 hangs (a stopped process, a tarpit) is noticed in seconds: decode waits
 ``20 x`` the measured step time ``+ 1 s`` (EWMA; before the first measurement
-``20 x`` the tracker's estimate ``+ 1 s``, at least twice the floor), between
+``20 x`` the tracker's estimate ``+ 1 s``, at least twice the floor; and at least twice the
+measured prefill step ``+ 1 s``: on a busy route a decode step rides in batches with other
+sessions' prefill slices), between
 ``decode_timeout_floor_s`` and ``decode_step_timeout_s``; a prefill step, which
 carries up to ``step_tokens`` positions, gets ``10 x`` the measured prefill
 step ``+ 2 s`` (before one was measured: ``20 x`` the decode estimate for every
@@ -812,12 +814,16 @@ class RouteMachine:
 
     def _decode_timeout(self) -> float:
         cfg = self.config
+        # A decode step rides in the nodes' batches beside other sessions' prefill slices: on a busy
+        # route it can take what a prefill step took, however quick the steps before it were.
+        busy = math.nan if math.isnan(self._ewma_prefill_s) else 2 * self._ewma_prefill_s + 1.0
         if math.isnan(self._ewma_step_s):
             if math.isnan(cfg.expected_step_s):
                 return cfg.decode_step_timeout_s
             prior = max(2 * cfg.decode_timeout_floor_s, 20 * cfg.expected_step_s + 1.0)
-            return min(cfg.decode_step_timeout_s, prior)
-        return min(cfg.decode_step_timeout_s, max(cfg.decode_timeout_floor_s, 20 * self._ewma_step_s + 1.0))
+            return min(cfg.decode_step_timeout_s, prior if math.isnan(busy) else max(prior, busy))
+        wanted = max(cfg.decode_timeout_floor_s, 20 * self._ewma_step_s + 1.0)
+        return min(cfg.decode_step_timeout_s, wanted if math.isnan(busy) else max(wanted, busy))
 
     def _prefill_timeout(self) -> float:
         cfg = self.config
