@@ -323,11 +323,52 @@ def run_layout(
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, dict):  # refusals by status, preemptions by outcome
+        counts: dict[str, float] = {}
+        for k, n in v.items():
+            key = k.split(" ", 1)[0].replace('outcome="', "").rstrip('"')
+            counts[key] = counts.get(key, 0) + n
+        return ", ".join(f"{k}: {_fmt(float(n))}" for k, n in sorted(counts.items())) or "0"
     if isinstance(v, list):
         return " / ".join(_fmt(x) for x in v)
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return str(v)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The table of a run's JSON (also ``--table FILE``: a table of an earlier run)."""
+    layouts = list(result["layouts"])
+    keys = [
+        ("completed", "completed"),
+        ("refused", "failed or refused (by HTTP status)"),
+        ("identical", "identical to the request alone (reference)"),
+        ("differing_but_identical_alone", "differing under load, identical sent alone"),
+        ("most_sessions_at_once", "most sessions at once (node 1 / node 2)"),
+        ("most_pool_blocks_used", "most pool blocks used"),
+        ("node_preemptions", "node preemptions"),
+        ("node_pool_refusals", "node pool refusals"),
+        ("gateway_kv_waits", "gateway KV waits"),
+        ("gateway_preemptions", "gateway preemptions (by outcome)"),
+        ("pool_blocks_used_after", "pool blocks used after"),
+        ("rss_peak_mib", "peak RSS MiB (VmHWM)"),
+        ("cgroup_peak_mib", "peak of its memory cgroup MiB (since it moved in)"),
+        ("wall_s", "wall s"),
+    ]
+    for row in result["layouts"].values():
+        row["cgroup_peak_mib"] = [
+            round(int(g.get("max_usage_bytes", g.get("peak_bytes", 0))) / 2**20, 1) if g else "--"
+            for g in row.get("cgroup") or [None, None]
+        ]
+    print("\n| | " + " | ".join(layouts) + " |")
+    print("|---|" + "---|" * len(layouts))
+    for key, label in keys:
+        print(f"| {label} | " + " | ".join(_fmt(result["layouts"][n][key]) for n in layouts) + " |")
+    if "pool" in layouts and "slots" in layouts:
+        a = max(result["layouts"]["pool"]["most_sessions_at_once"])
+        b = max(result["layouts"]["slots"]["most_sessions_at_once"])
+        result["most_at_once_pool_over_slots"] = round(a / max(1, b), 2)
+        print(f"most at once, pool / slots: {result['most_at_once_pool_over_slots']}")
 
 
 def main() -> None:
@@ -350,7 +391,11 @@ def main() -> None:
         "--ref-cache", type=Path, default=None, help="a folder keeping the reference texts between runs"
     )
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--table", type=Path, default=None, help="print the table of an earlier run's JSON")
     args = ap.parse_args()
+    if args.table is not None:
+        print_table(json.loads(args.table.read_text()))
+        return
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     if not layouts or any(x not in ("pool", "slots") for x in layouts):
         raise SystemExit("--layouts takes pool and/or slots")
@@ -386,30 +431,7 @@ def main() -> None:
         row = run_layout(name, workdir, model, prompts, want, args)
         result["layouts"][name] = row
         print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'requests'})}", flush=True)
-    keys = [
-        ("completed", "completed"),
-        ("refused", "refused (status reason: count)"),
-        ("identical", "identical to the request alone (reference)"),
-        ("differing_but_identical_alone", "differing under load, identical sent alone"),
-        ("most_sessions_at_once", "most sessions at once (node 1 / node 2)"),
-        ("most_pool_blocks_used", "most pool blocks used"),
-        ("node_preemptions", "node preemptions"),
-        ("node_pool_refusals", "node pool refusals"),
-        ("gateway_kv_waits", "gateway KV waits"),
-        ("gateway_preemptions", "gateway preemptions (by outcome)"),
-        ("pool_blocks_used_after", "pool blocks used after"),
-        ("rss_peak_mib", "peak RSS MiB (VmHWM)"),
-        ("wall_s", "wall s"),
-    ]
-    print("\n| | " + " | ".join(layouts) + " |")
-    print("|---|" + "---|" * len(layouts))
-    for key, label in keys:
-        print(f"| {label} | " + " | ".join(_fmt(result["layouts"][n][key]) for n in layouts) + " |")
-    if "pool" in layouts and "slots" in layouts:
-        a = max(result["layouts"]["pool"]["most_sessions_at_once"])
-        b = max(result["layouts"]["slots"]["most_sessions_at_once"])
-        result["most_at_once_pool_over_slots"] = round(a / max(1, b), 2)
-        print(f"most at once, pool / slots: {result['most_at_once_pool_over_slots']}")
+    print_table(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
