@@ -186,6 +186,10 @@ def test_window_frames_are_validated() -> None:
         h.header(), frame_pb2.PHASE_DECODE, step_id=6, start=4, token_ids=[1, 2], drafts=1
     )
     assert status_of(h.feed(unsampled[0])) == status_pb2.STATUS_BAD_FRAME
+    numbered = codec.step_frames(
+        h.header(), frame_pb2.PHASE_PREFILL, step_id=6, start=4, token_ids=[1, 2], sample=True, window_gen=1
+    )
+    assert status_of(h.feed(numbered[0])) == status_pb2.STATUS_BAD_FRAME  # window numbers: DECODE only
     assert h.m.kv_len("s1") == 4
     assert isinstance(sends(run_first(h, 4, [1, 2], drafts=1)), list)
 
