@@ -14,6 +14,12 @@ A node started with a draft model (``draft_model``, :mod:`node.draft_model`) dra
 the machine's ``ProposerFactory`` wraps each session's n-gram proposer in the draft model's, which
 drafts greedily with the small model and falls back on n-gram lookup past its bounds.
 
+With windows in flight (``speculate_windows_in_flight`` > 1, docs/protocol.md) the proposer also
+drafts past the windows still round the ring (:meth:`SessionDrafter.continue_drafts`: it follows
+their tokens as if accepted), but only while the last verified window accepted all its drafts; a
+rejection makes it forget them again (the next :meth:`SessionDrafter.drafts` truncates it to the
+accepted history).
+
 Bounds: one :class:`SessionDrafter` per speculating session on the last stage; its n-gram proposer
 keeps at most ``HISTORY_TOKENS`` tokens and ``2 x HISTORY_TOKENS`` n-grams (n = 2 and 3); the draft
 model's own bounds are in :mod:`node.draft_model`.
