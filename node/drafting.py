@@ -17,8 +17,7 @@ drafts greedily with the small model and falls back on n-gram lookup past its bo
 With windows in flight (``speculate_windows_in_flight`` > 1, docs/protocol.md) the proposer also
 drafts past the windows still round the ring (:meth:`SessionDrafter.continue_drafts`: it follows
 their tokens as if accepted), but only while the last verified window accepted all its drafts; a
-rejection makes it forget them again (the next :meth:`SessionDrafter.drafts` truncates it to the
-accepted history).
+rejection makes it forget them again (:meth:`SessionDrafter.forget`).
 
 Bounds: one :class:`SessionDrafter` per speculating session on the last stage; its n-gram proposer
 keeps at most ``HISTORY_TOKENS`` tokens and ``2 x HISTORY_TOKENS`` n-grams (n = 2 and 3); the draft
@@ -174,6 +173,11 @@ class SessionDrafter:
         k = draft_budget(self.policy, self.states[self.arm], room)
         proposer = self.proposer if self.arm == "model" else self.ngram
         return proposer.propose(k) if k else ()
+
+    def forget(self, length: int) -> None:
+        """Windows in flight were discarded: the proposer forgets what it followed from ``length`` on."""
+        if self.proposer.length > length:
+            self.proposer.truncate(length)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """The last window (drafted by ``self.arm``) accepted ``accepted`` of its ``drafted`` drafts."""

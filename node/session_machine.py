@@ -1716,6 +1716,8 @@ class FrameServer:
             flight.clear()
             self._drop_pending(sess)  # discarded windows queued here
             sess.window_gen += 1  # ... and the ones still on the way: a lower number from now on
+            if sess.drafter is not None:
+                sess.drafter.forget(nxt)  # the proposer followed their guesses
         ring = sess.ring
         if ended or ring is None or drawn is None:
             return []
