@@ -23,6 +23,7 @@ Every route returned is acquired (``RouteCache.acquire``): the caller releases i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -189,7 +190,33 @@ class RouteChoice:
             except BaseException:
                 self.routes.release(route)
                 raise
+        if hit.shared:
+            hit = self._by_blocks(hit, prepared)
         return route, prepared, hit
+
+    def _by_blocks(self, hit: Hit, prepared: Prepared) -> Hit:
+        """Another client's kept prefix, named by the prompt's chain hashes instead of that session's id
+        (``blocks:<deepest>+...``, down to ``prefix_share_min_tokens``): each node copies the deepest of
+        them any kept session holds. The session this gateway remembers may be gone (a node keeps fewer
+        sessions than this index, and evicts the least recently used first) while another kept session
+        of the same app holds the same system prompt; by its id the request would start empty and
+        prefill the whole prompt. Cut at whole blocks (and steps, with ``prefix_exact``); a hit too
+        short for that stays as it was."""
+        step = step_limit(prepared.stages, self.config.prefill_step_tokens) if self.prefix.exact else 0
+        unit = math.lcm(BLOCK_TOKENS, step) if step > 0 else BLOCK_TOKENS
+        deepest = hit.positions // unit * unit
+        low = -(-max(self.config.prefix_min_tokens, self.config.prefix_share_min_tokens, 1) // unit) * unit
+        if deepest < low:
+            return hit
+        named = prefix_names(prepared.stages[0].recipe_fingerprint, prepared.prompt, deepest, low, unit)
+        entry = dataclasses.replace(
+            hit.entry,
+            session_id=source_id(named[0], step, named[1:]),
+            tokens=tuple(prepared.prompt[:deepest]),
+            exact=deepest,
+            step=max(1, step),
+        )
+        return Hit(entry, deepest, shared=True)
 
     async def _reported_prefix(
         self,
@@ -394,9 +421,25 @@ def reported_prefix(
             best, chosen = key, r
     if best is None or chosen is None:
         return None
-    wanted = list(range(ceiling, max(low, best[0]) - 1, -unit))  # deepest first, down to the floor
+    return chosen, ceiling, prefix_names(fingerprint, prompt, ceiling, max(low, best[0]), unit, hashes)
+
+
+def prefix_names(
+    fingerprint: str,
+    prompt: Sequence[int],
+    deepest: int,
+    low: int,
+    unit: int,
+    hashes: Sequence[bytes] | None = None,
+) -> tuple[bytes, ...]:
+    """The chain hashes of ``prompt``'s prefixes of ``deepest``, ``deepest - unit``, ... down to
+    ``low`` positions (multiples of ``unit``, itself a multiple of the 16-position block; ``low`` >= 1
+    unit), deepest first; at most MAX_SOURCE_HASHES, evenly spaced (the deepest and ``low`` always
+    among them) when the span holds more. ``hashes``: the prompt's chain, when computed already."""
+    chained = chain(fingerprint, prompt[:deepest]) if hashes is None else hashes
+    wanted = list(range(deepest, low - 1, -unit))
     if len(wanted) > MAX_SOURCE_HASHES:
         last = len(wanted) - 1
         picks = sorted({round(k * last / (MAX_SOURCE_HASHES - 1)) for k in range(MAX_SOURCE_HASHES)})
         wanted = [wanted[k] for k in picks]
-    return chosen, wanted[0], tuple(hashes[p // BLOCK_TOKENS - 1] for p in wanted)
+    return tuple(chained[p // BLOCK_TOKENS - 1] for p in wanted)

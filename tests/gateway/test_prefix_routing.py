@@ -256,3 +256,35 @@ def test_a_prefix_look_up_names_the_prompts_heads_once_per_prefix_and_ttl() -> N
         assert await cache.routes_for_prefix("m", heads) is None and len(asked) == 2
 
     trio.run(main)
+
+
+def test_another_clients_prefix_is_named_by_blocks_and_copied_from_any_session_holding_it() -> None:
+    """A shared hit of the gateway's index names the prompt's chain hashes, not the session it
+    remembers: a node that evicted that session copies the same prefix from another kept one."""
+    from types import SimpleNamespace
+
+    from gateway.config import GatewayConfig
+    from gateway.prefix_cache import PrefixCache
+    from gateway.route_choice import Prepared, RouteChoice
+
+    config = GatewayConfig(prefix_share_min_tokens=72, prefix_min_tokens=32)
+    index = PrefixCache(ttl_s=60, exact=False, share_min_tokens=72)
+    choice = RouteChoice(config, None, None, None, None, index, None, lambda: 1)  # type: ignore[arg-type]
+    a, b1, b5 = SYSTEM + [1] * 30, SYSTEM + [2] * 30, SYSTEM + [2] * 5 + [9] * 30
+    index.put("alice", "m", ("n0", "n1"), "sess-a", a, 0.0)
+    index.put("bob", "m", ("n0", "n1"), "sess-b1", b1, 0.0)
+    hit = index.lookup("carol", "m", b5, 1.0)
+    assert hit is not None and hit.shared and hit.entry.session_id == "sess-b1" and hit.positions == 325
+    stages = [SimpleNamespace(recipe_fingerprint=FP)] * 2
+    prepared = Prepared(None, stages, None, b5, 8, 400)  # type: ignore[arg-type]
+    named = choice._by_blocks(hit, prepared)
+    assert named.shared and named.positions == 320 and named.entry.nodes == ("n0", "n1")
+    parsed = parse_source_id(named.entry.session_id)
+    assert parsed is not None and parsed[0][0] == chain(FP, b5)[19] and parsed[0][-1] == chain(FP, b5)[4]
+    # The node evicted b1's session (it keeps fewer than the gateway remembers); a's still holds the
+    # 320 system-prompt positions: copied from it, not an empty start and a whole prefill.
+    node = node_keeping(a)
+    assert node.prefix_source(parsed[0], parsed[1], named.positions) == ("s0", 320)
+    # Too short to name by whole blocks at or above the sharing floor (75 -> 64 < 80): as it was.
+    short = index.lookup("carol", "m", SYSTEM[:75] + [4] * 10, 1.0)
+    assert short is not None and choice._by_blocks(short, prepared) is short
