@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracker.coordinates import (
+    MAX_RTT_MS,
+    MIN_RTT_MS,
     NetCoord,
     Observation,
+    check_pairs,
+    observations,
     refit,
     refit_many,
     update,
@@ -126,3 +131,31 @@ def test_first_coordinates_off_the_origin_settle_in_tens_of_rounds() -> None:
     slow = _rounds_to_settle(keyed=False)
     assert fast is not None and fast <= 40
     assert slow is None or slow > 3 * fast
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdefghij"), st.one_of(st.floats(0.5, 400.0), st.just(70_000.0)), max_size=10
+    ),
+    st.dictionaries(st.sampled_from("abcdefghij"), st.floats(0.5, 400.0), max_size=10),
+    st.sets(st.sampled_from("abcdefghij")),
+)
+def test_check_pairs_decides_as_observations(mine: dict, about: dict, known: set) -> None:  # type: ignore[type-arg]
+    """The array checks the simulator uses: the same observations (RTT, confirmed, in order), the
+    same two-sided and disputed counts as :func:`observations` followed by :func:`update`'s range
+    filter, disputes and confirmations included."""
+    peers = {p: None for p in known}
+    want, both, disputes = observations(mine, about, peers)
+    order = sorted(mine)
+    rtt = np.array([[mine[p] for p in order]]).reshape(1, len(order))
+    other = np.array([[about.get(p, np.nan) for p in order]]).reshape(1, len(order))
+    usable = np.array([[p in known for p in order]], dtype=bool).reshape(1, len(order))
+    got = check_pairs(rtt, other, usable)
+    picked = [
+        (p, float(got.rtt[0, j]), bool(got.confirmed[0, j])) for j, p in enumerate(order) if got.valid[0, j]
+    ]
+    in_range = [(o.peer_key, o.rtt_ms, o.confirmed) for o in want if MIN_RTT_MS <= o.rtt_ms <= MAX_RTT_MS]
+    assert picked == in_range
+    assert bool(got.observed[0]) == bool(want)
+    assert (int(got.both[0]), int(got.disputes[0])) == (both, disputes)
