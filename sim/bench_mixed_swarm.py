@@ -16,9 +16,10 @@ of the same KV memory on every node:
 * ``slots``: ``--kv-pool-tokens 0``, today's layout of 8 slots of 2,048 positions.
 
 ``--scale k`` divides the prompt lengths, the pool and the slots by ``k`` (a cheaper run of the same
-shape). The gateway runs as an operator would for such a load: up to 64 Route Sessions and 64
-waiting, KV waits long enough for the slowest request on this machine, no warm-kept KV (so the
-pools must be empty afterwards) and no spot checks (one route).
+shape). The gateway runs as an operator would for such a load: up to ``--gateway-sessions`` (64)
+Route Sessions and 64 waiting, KV waits long enough for the slowest request on this machine, no
+warm-kept KV (so the pools must be empty afterwards) and no spot checks (one route); its step
+deadlines' ceilings are raised (the run measures memory and exactness, not latency).
 
 Every completion is compared with the same request alone through the whole model in one llama.cpp
 context computed the way the e2e tests' reference is (``node.reference.ReferenceModel``: flash
@@ -63,8 +64,6 @@ from sim.launcher import LocalSwarm, start_local_swarm
 
 REF_BATCH = 512  # the e2e tests' reference prefills in 512-position batches (test_kvpool_e2e)
 GATEWAY_ARGS = [
-    "--max-sessions",
-    "64",
     "--max-queue",
     "64",
     "--queue-timeout-s",
@@ -77,9 +76,15 @@ GATEWAY_ARGS = [
     "0",
     "--check-fraction",
     "0",
-    # A node busy with 32 sessions' prefill acknowledges an OPEN in seconds, not the default 2.
+    # A node busy with 32 sessions' prefill acknowledges an OPEN in seconds, not the default 2, and
+    # on this shared 2-core machine a step of a loaded route took longer than the default ceilings
+    # (30 s a decode step, 120 s a prefill step): this measures memory and exactness, not latency.
     "--open-timeout-s",
     "30",
+    "--decode-step-timeout-s",
+    "300",
+    "--prefill-step-timeout-s",
+    "600",
 ]
 _METRIC = re.compile(r"^([a-z_]+)(\{[^}]*\})? (\S+)$", re.M)
 
@@ -218,7 +223,7 @@ def run_layout(
         max_sessions=32 if name == "pool" else 8,
         session_kv_tokens=slot,
         node_args=node_args,
-        gateway_args=GATEWAY_ARGS,
+        gateway_args=["--max-sessions", str(args.gateway_sessions), *GATEWAY_ARGS],
         timeout_s=300,
         trust_nodes=args.trust_nodes,
     )
@@ -388,6 +393,12 @@ def main() -> None:
         help="nodes not listed as the operator's trusted nodes (swarm-sim up lists them): on probation",
     )
     ap.add_argument(
+        "--gateway-sessions",
+        type=int,
+        default=64,
+        help="the gateway's --max-sessions (Route Sessions at once; more wait in its queue)",
+    )
+    ap.add_argument(
         "--ref-cache", type=Path, default=None, help="a folder keeping the reference texts between runs"
     )
     ap.add_argument("--out", type=Path, default=None)
@@ -399,8 +410,8 @@ def main() -> None:
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     if not layouts or any(x not in ("pool", "slots") for x in layouts):
         raise SystemExit("--layouts takes pool and/or slots")
-    if args.requests < 1 or args.new < 1 or args.scale < 1:
-        raise SystemExit("--requests, --new and --scale must be >= 1")
+    if args.requests < 1 or args.new < 1 or args.scale < 1 or args.gateway_sessions < 1:
+        raise SystemExit("--requests, --new, --scale and --gateway-sessions must be >= 1")
     model = test_model_path()
     with Vocabulary(model) as vocab:
         prompts = mixed._requests(vocab, args.requests, args.seed, args.scale)
@@ -422,7 +433,7 @@ def main() -> None:
         "seed": args.seed,
         "scale": args.scale,
         "kv_positions_per_node": 16384 // args.scale,
-        "gateway_args": GATEWAY_ARGS,
+        "gateway_args": ["--max-sessions", str(args.gateway_sessions), *GATEWAY_ARGS],
         "trusted_nodes": args.trust_nodes,
         "layouts": {},
     }
