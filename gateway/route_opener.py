@@ -364,6 +364,7 @@ class RouteOpener:
             self.channels,
             route,
             stage_infos,
+            busy_sessions=max(1, int(max(self.routes.sessions_now(route), default=1))),
             session_id=session_id or secrets.token_hex(16),
             request_id=job.request_id,
             sampling=sampling,

@@ -475,6 +475,7 @@ async def open_route_session(
     on_timing: Callable[[StepTimed | HopTimed], None] | None = None,
     encodings: Sequence[frame_pb2.Encoding] | None = None,
     max_drafts: int = 0,
+    busy_sessions: int = 1,
 ) -> AsyncIterator[RouteSession]:
     """Open the session on every stage of ``route`` and yield it; close it on the way out.
 
@@ -519,6 +520,7 @@ async def open_route_session(
         decode_timeout_floor_s=plane.decode_timeout_floor_s,
         close_timeout_s=plane.close_timeout_s,
         expected_step_s=route.expected_ms_per_token / 1000 if route.expected_ms_per_token > 0 else math.nan,
+        busy_sessions=busy_sessions,
         kv_source=kv_source,
         kv_copy=kv_copy,
         keep_ms=keep_ms,

@@ -46,9 +46,10 @@ sessions' prefill slices), between
 ``decode_timeout_floor_s`` and ``decode_step_timeout_s``; a prefill step, which
 carries up to ``step_tokens`` positions, gets ``10 x`` the measured prefill
 step ``+ 2 s`` (before one was measured: ``20 x`` the decode estimate for every
-8 positions ``+ 2 s``), between ``prefill_timeout_floor_s`` and
-``prefill_step_timeout_s``. Without any estimate the ceilings apply. Then: CANCEL to the failed
-stage, a replacement with the same layers from the tracker, the next epoch
+8 positions ``+ 2 s``, times the sessions this gateway has on the route's busiest
+stage), between ``prefill_timeout_floor_s`` and ``prefill_step_timeout_s``. Without any
+estimate the ceilings apply. Then: CANCEL to the failed stage, a replacement with the same
+layers from the tracker, the next epoch
 OPENed on every stage (survivors keep the ``committed`` positions, the ones the
 last stage reported), the replacement's inputs replayed (stage 0: the token
 ids; stage j: ``REPLAY`` asks stage j-1 to push the outputs it kept), then
@@ -157,6 +158,9 @@ class RouteConfig:
     # The tracker's estimate of one decode step through the route (its expected_ms_per_token), the
     # prior of both deadlines until steps were measured; nan: unknown (the ceilings apply).
     expected_step_s: float = math.nan
+    # Sessions this gateway had on the route's busiest stage when it opened, this one included: a
+    # first prefill step waits behind theirs, so the prior of its deadline is that many times longer.
+    busy_sessions: int = 1
     close_timeout_s: float = 5.0
     # Start from another session's KV on every stage (its first positions): a kept session of an
     # earlier request (warm conversations) or the live session of choice 0 (n > 1). Nodes that cannot
@@ -830,7 +834,9 @@ class RouteMachine:
         if not math.isnan(self._ewma_prefill_s):
             wanted = 10 * self._ewma_prefill_s + 2.0
         elif not math.isnan(cfg.expected_step_s):
-            wanted = 20 * cfg.expected_step_s * max(1.0, cfg.step_tokens / 8) + 2.0
+            wanted = (20 * cfg.expected_step_s * max(1.0, cfg.step_tokens / 8) + 2.0) * max(
+                1, cfg.busy_sessions
+            )
         else:
             return cfg.prefill_step_timeout_s
         return min(cfg.prefill_step_timeout_s, max(cfg.prefill_timeout_floor_s, wanted))

@@ -9,6 +9,7 @@ seconds (tests/gateway/test_gateway_access.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from gateway.session_machine import RouteConfig, RouteMachine, StageSpec
@@ -52,3 +53,26 @@ def test_after_quick_decode_steps_a_slow_prefill_still_widens_the_deadline() -> 
     assert math.isclose(m._decode_timeout(), 3.0)
     m._ewma_prefill_s = 5.0
     assert math.isclose(m._decode_timeout(), 11.0)
+
+
+def test_a_first_prefill_step_waits_behind_the_sessions_this_gateway_has_on_the_route() -> None:
+    # 20 x 10 ms for every 8 of 256 positions + 2 s = 8.4 s, floored at 15 s alone; 32 sessions at
+    # once on the busiest stage: 32 x 8.4 s, capped at the 120 s ceiling. Once a prefill step was
+    # measured, the measurement rules (10 x it + 2 s), whatever the load.
+    def machine(busy: int) -> RouteMachine:
+        m = _machine(expected_step_s=0.01)
+        m.config = dataclasses.replace(
+            m.config,
+            step_tokens=256,
+            prefill_timeout_floor_s=15.0,
+            prefill_step_timeout_s=120.0,
+            busy_sessions=busy,
+        )
+        return m
+
+    assert math.isclose(machine(1)._prefill_timeout(), 15.0)
+    assert math.isclose(machine(4)._prefill_timeout(), 4 * 8.4)
+    busy = machine(32)
+    assert math.isclose(busy._prefill_timeout(), 120.0)
+    busy._ewma_prefill_s = 2.0
+    assert math.isclose(busy._prefill_timeout(), 22.0)
