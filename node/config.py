@@ -213,6 +213,11 @@ class NodeConfig:
         "passes (8 each, then the faster for 64, then both again) and drafts with the faster",
         choices=("auto", "always"),
     )
+    no_draft_lookahead: bool = _engine(
+        False,
+        "with draft_model: draft each window only when it is due; by default the drafting thread drafts "
+        "the window after it while it travels (used when every draft is accepted)",
+    )
     speculate_windows_in_flight: int = _engine(
         1,
         "as the last stage of a speculating session: most verify windows round the ring at once (1..4); "

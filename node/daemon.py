@@ -293,7 +293,9 @@ class NodeDaemon:
             self.machine = FrameServer(
                 self.spec,
                 self.verifier,
-                None if draft is None else draft.proposer,
+                None
+                if draft is None
+                else functools.partial(draft.proposer, lookahead=not cfg.no_draft_lookahead),
                 cfg.draft_model_choice,
             )
             self.hub = Hub(

@@ -15,8 +15,17 @@ drafts by n-gram lookup instead (:class:`DraftModelProposer`), as a session does
 is not available. The context is created when the first session drafts (a stage that is not the
 last never creates it).
 
-Not thread-safe: one thread calls it (the node's event loop, from the session machine). Its time
-is part of the pass: a window cannot leave before its drafts exist.
+Threads: the draft context is used by one thread only, the model's drafting thread (started with
+the first proposal, one per node), fed by a bounded queue (``QUEUE_JOBS``); the node's event loop
+only hands it jobs and waits for their tokens, so llama.cpp's passes run beside the loop (they
+release the GIL) and the loop's other sessions and I/O go on meanwhile. Look-ahead: when a proposer
+has proposed drafts for a window, it at once queues the drafts that would follow them -- the draft
+model's guess of the target's next token and ``k + 1`` more -- which the thread computes while the
+window travels round the ring. The next proposal takes them where the history turned out as guessed
+(every draft accepted and the correction the guessed token: the next head; or a window in flight
+drafted after the last one), and otherwise drops them and drafts after the real history (the wait
+for those ``k`` passes is still on the ring's path). Drafts never change the text, only how much of
+it a window carries (the target verifies every one).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import queue
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +57,8 @@ log = logging.getLogger("swarm.node.draft")
 
 DRAFT_CONTEXT_TOKENS = 2048  # positions one session's draft sequence holds (history + drafts)
 DRAFT_BATCH = 256  # tokens per llama_decode when a session's history is caught up
+QUEUE_JOBS = 64  # jobs waiting for the drafting thread (look-aheads past it are not made)
+DRAFT_WAIT_S = 30.0  # the longest a proposal waits for the drafting thread
 
 
 class DraftModelError(LlamaError):
@@ -95,6 +109,20 @@ class _Slot:
         self.used = 0  # the model's use counter when last used (least recently used goes first)
 
 
+class _Job:
+    """One request to the drafting thread: up to ``k`` drafts after ``history`` in ``owner``'s sequence
+    (``k`` = 0: free the sequence). ``tokens`` grows as the thread drafts them."""
+
+    def __init__(self, owner: object, history: tuple[int, ...], k: int) -> None:
+        self.owner = owner
+        self.history = history
+        self.k = k
+        self.tokens: list[int] = []
+        self.finished = False
+        self.cancelled = False
+        self.error: BaseException | None = None
+
+
 class DraftModel:
     """The draft model and its context (see the module docstring)."""
 
@@ -139,6 +167,13 @@ class DraftModel:
         self.drafted = 0  # tokens it drafted
         self.decoded = 0  # positions it computed (history caught up and drafts)
         self.steals = 0  # sequences taken from a less recently used session
+        self.lookahead_hits = 0  # proposals taken from a look-ahead
+        self.lookahead_misses = 0  # look-aheads dropped (the history went another way)
+        self.waited_s = 0.0  # time proposals waited for the drafting thread
+        self._queue: queue.Queue[_Job | None] = queue.Queue(QUEUE_JOBS)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
 
     # -- the context, lazily ----------------------------------------------------------------------
 
@@ -180,12 +215,82 @@ class DraftModel:
         return slot
 
     def release(self, owner: object) -> None:
-        """Free the sequence ``owner`` holds, if any."""
+        """Free the sequence ``owner`` holds, if any (by the drafting thread)."""
+        if self._thread is not None:
+            self._put(_Job(owner, (), 0), DRAFT_WAIT_S)
+
+    def _release_now(self, owner: object) -> None:
         for slot in self._slots:
             if slot.owner is owner:
                 if self._mem is not None:
                     llama_cpp.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
                 slot.owner, slot.tokens = None, []
+
+    # -- the drafting thread ----------------------------------------------------------------------
+
+    def _put(self, job: _Job, timeout: float | None) -> bool:
+        """Queue ``job`` for the drafting thread (started the first time); False if the queue stays full."""
+        if self._model is None or self._closing:
+            raise DraftModelError("the draft model is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="draft-model", daemon=True)
+            self._thread.start()
+        try:
+            if timeout is None:
+                self._queue.put_nowait(job)
+            else:
+                self._queue.put(job, timeout=timeout)
+        except queue.Full:
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.k == 0:
+                    self._release_now(job.owner)
+                elif not job.cancelled:
+                    self._draft_now(job)
+            except BaseException as exc:  # handed to the waiting proposal
+                job.error = exc
+            with self._cond:
+                job.finished = True
+                self._cond.notify_all()
+
+    def _wait(self, job: _Job, count: int) -> None:
+        """Wait until ``job`` has ``count`` tokens or has finished (at most ``DRAFT_WAIT_S``)."""
+        t0 = time.monotonic()
+        deadline = t0 + DRAFT_WAIT_S
+        with self._cond:
+            while not job.finished and len(job.tokens) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    job.cancelled = True
+                    raise DraftModelError(f"the drafting thread gave no drafts within {DRAFT_WAIT_S:.0f} s")
+                self._cond.wait(left)
+        self.waited_s += time.monotonic() - t0
+        if job.error is not None:
+            if isinstance(job.error, DraftModelError):
+                raise job.error
+            raise DraftModelError(f"the drafting thread failed: {job.error}") from job.error
+
+    def settle(self) -> None:
+        """Wait until the drafting thread has done every job queued before (look-aheads included)."""
+        if self._thread is not None:
+            job = _Job(object(), (), 0)
+            if not self._put(job, DRAFT_WAIT_S):
+                raise DraftModelError("the drafting thread's queue stayed full")
+            self._wait(job, 1)  # a job that drafts nothing: until it is done
+
+    def submit(self, owner: object, history: Sequence[int], k: int) -> _Job | None:
+        """Queue a look-ahead: up to ``k`` drafts after ``history``; None if the queue is full."""
+        if k <= 0 or not history or len(history) + k > self.context_tokens:
+            return None
+        job = _Job(owner, tuple(history), k)
+        return job if self._put(job, None) else None
 
     # -- drafting ---------------------------------------------------------------------------------
 
@@ -214,11 +319,21 @@ class DraftModel:
         return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
 
     def draft(self, owner: object, history: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to ``k`` greedy tokens of the draft model after ``history`` (the owner's sequence)."""
+        """Up to ``k`` greedy tokens of the draft model after ``history`` (the owner's sequence),
+        drafted by the drafting thread while this one waits."""
         if k <= 0 or not history:
             return ()
         if len(history) + k > self.context_tokens:
             raise ValueError(f"{len(history)} tokens and {k} drafts exceed the draft context")
+        job = _Job(owner, tuple(history), k)
+        if not self._put(job, DRAFT_WAIT_S):
+            raise DraftModelError("the drafting thread's queue stayed full")
+        self._wait(job, k)
+        return tuple(job.tokens)
+
+    def _draft_now(self, job: _Job) -> None:
+        """The drafting thread: draft ``job`` (its tokens published one by one; stops when cancelled)."""
+        owner, history, k = job.owner, job.history, job.k
         self._ensure_context()
         slot = self._slot_for(owner)
         kept = slot.tokens
@@ -232,20 +347,21 @@ class DraftModel:
             piece = history[off : off + DRAFT_BATCH]
             self._decode(slot.seq, off, piece)
             slot.tokens.extend(piece)
-        drafts: list[int] = []
-        while True:
+        drafts = job.tokens
+        while not job.cancelled:
             token = self._greedy()
-            drafts.append(token)
+            with self._cond:
+                drafts.append(token)
+                self._cond.notify_all()
             if len(drafts) == k or llama_cpp.llama_vocab_is_eog(self._vocab, token):
                 break
             self._decode(slot.seq, len(slot.tokens), [token])
             slot.tokens.append(token)
         self.proposals += 1
         self.drafted += len(drafts)
-        return tuple(drafts)
 
-    def proposer(self, fallback: NgramProposer) -> DraftModelProposer:
-        return DraftModelProposer(self, fallback)
+    def proposer(self, fallback: NgramProposer, lookahead: bool = True) -> DraftModelProposer:
+        return DraftModelProposer(self, fallback, lookahead)
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -253,9 +369,30 @@ class DraftModel:
             "drafted": self.drafted,
             "decoded": self.decoded,
             "steals": self.steals,
+            "lookahead_hits": self.lookahead_hits,
+            "lookahead_misses": self.lookahead_misses,
+            "waited_ms": round(self.waited_s * 1000),
         }
 
     def close(self) -> None:
+        self._closing = True
+        if self._thread is not None:
+            while True:  # drop what waits, then stop the thread
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.cancelled = True
+                    with self._cond:
+                        job.finished = True
+                        self._cond.notify_all()
+            self._queue.put(None)
+            self._thread.join(DRAFT_WAIT_S)
+            if self._thread.is_alive():
+                log.error("the drafting thread did not stop; the draft model is left loaded")
+                return
+            self._thread = None
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -273,9 +410,11 @@ class DraftModelProposer:
     session's choice: ``node.drafting.SessionDrafter``.)
     """
 
-    def __init__(self, model: DraftModel, fallback: NgramProposer) -> None:
+    def __init__(self, model: DraftModel, fallback: NgramProposer, lookahead: bool = True) -> None:
         self.model = model
         self.fallback = fallback
+        self.lookahead = lookahead
+        self._ahead: _Job | None = None  # the look-ahead queued after the last proposal
         self._tokens: list[int] = []  # the history's first ``context_tokens`` tokens
         self._length = 0
         self.fallbacks = 0  # proposals made by n-gram lookup instead
@@ -302,11 +441,42 @@ class DraftModelProposer:
             return ()
         if self._length + k <= self.model.context_tokens and self.model._model is not None:
             try:
-                return self.model.draft(self, self._tokens, k)
+                drafts = self._from_lookahead(k)
+                if drafts is None:
+                    drafts = self.model.draft(self, self._tokens, k)
+                if self.lookahead and drafts:
+                    # What would follow if every draft is accepted: the target's next token (guessed)
+                    # and the k + 1 drafts after it (k may grow by one), drafted while the window travels.
+                    self._ahead = self.model.submit(self, [*self._tokens, *drafts], k + 2)
+                return drafts
             except DraftModelError as exc:
                 log.warning("draft model failed, drafting by n-gram lookup: %s", exc)
         self.fallbacks += 1
         return self.fallback.propose(k)
+
+    def _from_lookahead(self, k: int) -> tuple[int, ...] | None:
+        """Drafts from the look-ahead if the history went as it guessed, else None (it is dropped)."""
+        job, self._ahead = self._ahead, None
+        if job is None:
+            return None
+        base, history = job.history, self._tokens
+        n = len(base)
+        extra = len(history) - n
+        if extra < 0 or tuple(history[:n]) != base:
+            self._miss(job)
+            return None
+        for i in range(extra + 1):  # the tokens it guessed, one by one: a wrong one ends the wait
+            self.model._wait(job, i + 1)
+            if len(job.tokens) <= i or (i < extra and job.tokens[i] != history[n + i]):
+                self._miss(job)
+                return None
+        self.model._wait(job, extra + k)
+        self.model.lookahead_hits += 1
+        return tuple(job.tokens[extra : extra + k])
+
+    def _miss(self, job: _Job) -> None:
+        job.cancelled = True
+        self.model.lookahead_misses += 1
 
 
 QUANT_TYPES = {

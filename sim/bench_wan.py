@@ -36,6 +36,9 @@ side in one run, in rounds whose order rotates.
   turn beside plain decoding and n-gram drafts. ``ngram-flight`` and
   ``draft-always-flight`` are the same with windows in flight: routes whose
   nodes run ``--speculate-windows-in-flight`` ``--windows`` (default 2).
+  ``draft-always-due`` and ``draft-always-flight-due`` are the two draft
+  modes with ``--no-draft-lookahead`` (each window drafted only when it is
+  due, not while the one before travels): the look-ahead's baseline.
 
 Needs root (network namespaces); says why and exits 2 without.
 """
@@ -287,6 +290,9 @@ def part_spec(
         "draft-always": [*model_args, "always"],
         "ngram-flight": flight,
         "draft-always-flight": [*model_args, "always", *flight],
+        # The draft model's look-ahead off: each window drafted only when it is due (the baseline of it).
+        "draft-always-due": [*model_args, "always", "--no-draft-lookahead"],
+        "draft-always-flight-due": [*model_args, "always", *flight, "--no-draft-lookahead"],
     }
     if draft is None and any(m.startswith("draft") for m in draft_modes):
         raise ValueError("draft modes need a draft model")
@@ -466,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--proposers",
         default="ngram",
-        help="spec part: ngram, and any of draft, draft-always, ngram-flight, draft-always-flight (commas)",
+        help="spec part: ngram, and any of draft, draft-always, ngram-flight, draft-always-flight, "
+        "draft-always-due, draft-always-flight-due (commas)",
     )
     parser.add_argument("--windows", type=int, default=2, help="spec part: windows in flight of *-flight")
     parser.add_argument("--out", type=Path, default=Path("bench-results/wan-data-plane.json"))
@@ -509,7 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if "spec" in parts:
             draft = None
-            modes = ("draft", "draft-always", "ngram-flight", "draft-always-flight")
+            modes = (
+                "draft",
+                "draft-always",
+                "ngram-flight",
+                "draft-always-flight",
+                "draft-always-due",
+                "draft-always-flight-due",
+            )
             draft_modes = tuple(m for m in modes if m in args.proposers.split(","))
             if any(m.startswith("draft") for m in draft_modes):
                 from node.draft_model import quantize

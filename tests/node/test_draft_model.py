@@ -72,7 +72,7 @@ def greedy_reference(path: Path, history: list[int], k: int) -> list[int]:
 def test_proposals_are_the_draft_models_greedy_continuation_across_rollbacks(
     draft: DraftModel, draft_path: Path, prompt: list[int]
 ) -> None:
-    p = draft.proposer(NgramProposer())
+    p = draft.proposer(NgramProposer(), lookahead=False)  # counts only its own passes
     p.extend(prompt)
     first = p.propose(6)
     assert list(first) == greedy_reference(draft_path, prompt, 6)
@@ -89,6 +89,33 @@ def test_proposals_are_the_draft_models_greedy_continuation_across_rollbacks(
     third = p.propose(3)
     assert list(third) == greedy_reference(draft_path, history[: len(prompt) + 1], 3)
     assert p.fallbacks == 0
+
+
+def test_a_look_ahead_drafts_the_next_window_while_this_one_travels(
+    draft: DraftModel, draft_path: Path, prompt: list[int]
+) -> None:
+    p = draft.proposer(NgramProposer())
+    p.extend(prompt)
+    first = p.propose(4)
+    # Every draft accepted and the target's token the one the draft model guessed: the next window's
+    # drafts were drafted by the thread meanwhile, and they are the greedy continuation.
+    after = greedy_reference(draft_path, [*prompt, *first], 6)
+    history = [*prompt, *first, after[0]]
+    hits, misses = draft.lookahead_hits, draft.lookahead_misses
+    p.extend(history[len(prompt) :])
+    second = p.propose(4)
+    assert list(second) == after[1:5]
+    assert draft.lookahead_hits == hits + 1 and draft.lookahead_misses == misses
+    # The target took another token: the look-ahead is dropped, the drafts follow the real history.
+    wrong = [*history, *second[:1], (second[1] + 1) % draft.n_vocab]
+    p.extend(wrong[len(history) :])
+    third = p.propose(3)
+    assert list(third) == greedy_reference(draft_path, wrong, 3)
+    assert draft.lookahead_misses == misses + 1 and p.fallbacks == 0
+    # Windows discarded (SessionDrafter.forget): back to a shorter history, the drafts follow it.
+    p.truncate(len(history))
+    fourth = p.propose(2)
+    assert list(fourth) == greedy_reference(draft_path, history, 2)
 
 
 def test_a_third_session_takes_the_least_recently_used_sequence(
@@ -108,9 +135,10 @@ def test_a_third_session_takes_the_least_recently_used_sequence(
 
 def test_a_history_past_the_draft_context_drafts_by_ngram_lookup(draft: DraftModel) -> None:
     ngram = NgramProposer()
-    p = draft.proposer(ngram)
+    p = draft.proposer(ngram, lookahead=False)
     loop = [11, 12, 13, 14, 15]
     p.extend(loop * 30)  # 150 tokens > the 128-position context
+    draft.settle()  # earlier tests' look-aheads are done
     proposals = draft.proposals
     assert p.propose(3) == ngram.propose(3) == (11, 12, 13)
     assert p.fallbacks == 1 and draft.proposals == proposals
@@ -121,6 +149,7 @@ def test_a_history_past_the_draft_context_drafts_by_ngram_lookup(draft: DraftMod
 
 def test_a_session_drafter_uses_the_draft_model(draft: DraftModel, prompt: list[int]) -> None:
     drafter = SessionDrafter(4, draft.proposer)
+    draft.settle()
     proposals = draft.proposals
     drafts = drafter.drafts(prompt[:-1], [], prompt[-1], room=100)
     assert len(drafts) == 4 and draft.proposals == proposals + 1
