@@ -47,6 +47,10 @@ ALLOWED: dict[str, dict[str, str]] = {
         "threading": "sparse KV streams: one short-lived thread drops the KV buffer's pages while "
         "llama.cpp clears it at context creation (no trio, no llama.cpp call in it)"
     },
+    "node.draft_model": {
+        "threading": "llama.cpp compute of the draft model: its one drafting thread (bounded queue, the only "
+        "user of the draft context), so drafting runs beside the event loop"
+    },
     "tracker.gatekeeper": {"trio.to_thread": "the database driver (SQLAlchemy is blocking)"},
     "tracker.service": {"trio.to_thread": "route search and snapshot builds (CPU work off the event loop)"},
     "tracker.server": {"trio.to_thread": "opening and closing the database"},
