@@ -102,6 +102,12 @@ MAX_OBSERVATIONS = 96  # observations one refit looks at
 DISPUTE_SLACK_MS = 10.0  # two claims within this (plus the ratio) never dispute: jitter on short paths
 UNTRUSTED_ERROR = 0.5  # a coordinate with a larger error estimate is not used for routing
 AGREE_RATIO = 1.25  # two claims about a pair this close (plus the slack) confirm each other
+# A refit of an endpoint that is new or whose error estimate is above ``EAGER_ERROR`` repeats the
+# update over the same observations up to ``EAGER_ROUNDS`` times in all, stopping once a repeat
+# moves the coordinate less than ``EAGER_MIN_STEP_MS`` (see :func:`refit`).
+EAGER_ERROR = 0.5
+EAGER_ROUNDS = 8
+EAGER_MIN_STEP_MS = 1.0
 
 Vec = tuple[float, float, float]
 
@@ -309,6 +315,11 @@ def first_position(key: str, own_claims: Mapping[str, float]) -> NetCoord:
     return NetCoord((radius * u[0], radius * u[1], radius * u[2]), MIN_HEIGHT_MS, 1.0)
 
 
+def _eager(own: NetCoord | None) -> bool:
+    """A refit of this endpoint repeats its update (new, or its error estimate still high)."""
+    return own is None or own.error > EAGER_ERROR
+
+
 def refit(
     own: NetCoord | None,
     own_claims: Mapping[str, float],
@@ -317,15 +328,37 @@ def refit(
     params: VivaldiParams = DEFAULT_PARAMS,
     *,
     key: str = "",
+    eager: bool = True,
 ) -> NetCoord | None:
     """The endpoint's new coordinate, or its old one (None: still unknown) when it has no
     observation of a known peer. A first coordinate starts at :func:`first_position` of
     ``key`` (the endpoint's id; the origin without one). The error estimate is at least the
     share of its two-sided pairs that are disputed (an endpoint others contradict counts for
-    little in their refits, and routing prices it as unknown past ``UNTRUSTED_ERROR``)."""
+    little in their refits, and routing prices it as unknown past ``UNTRUSTED_ERROR``).
+
+    An *eager* refit -- the endpoint is new or its error estimate is above ``EAGER_ERROR`` --
+    repeats :func:`update` over the same observations, up to ``EAGER_ROUNDS`` updates in all,
+    stopping after a repeat that moved the coordinate (position plus height) less than
+    ``EAGER_MIN_STEP_MS``, unless one of its two-sided pairs is disputed (repeats would fit a
+    liar's claims faster too). The repeats move the point and the height; the error estimate
+    stays the first update's, so it still falls one update per report and a newcomer does not
+    look confident sooner than before. Each repeat is an ordinary update (the dispute, confirmed and outlier
+    rules and the step clipping apply to every pass), so a newcomer's coordinate covers in one
+    report the distance it would otherwise cover in several. A settled endpoint (error at most
+    ``EAGER_ERROR``) gets exactly one update, as before. Only the tracker's refit does this; the
+    simulator's array refit (:func:`update_arrays`) takes one update per report, as this does
+    with ``eager=False``."""
     obs, both, disputes = observations(own_claims, claims_about, peers, params)
     start = own if own is not None else first_position(key, own_claims)
     new = update(start, obs, params) if obs else own
+    if eager and new is not None and obs and not disputes and _eager(own):
+        error = new.error  # the repeats move the point, not the error estimate (see above)
+        for _ in range(EAGER_ROUNDS - 1):
+            again = update(new, obs, params)
+            moved = math.dist(again.vec, new.vec) + abs(again.height_ms - new.height_ms)
+            new = NetCoord(again.vec, again.height_ms, error)
+            if moved < EAGER_MIN_STEP_MS:
+                break
     share = disputes / both if both else 0.0
     if new is not None and share > new.error:
         new = NetCoord(new.vec, new.height_ms, min(1.0, share))
@@ -532,10 +565,13 @@ def refit_many(
         tuple[str, NetCoord | None, Mapping[str, float], Mapping[str, float], Mapping[str, NetCoord | None]]
     ],
     params: VivaldiParams = DEFAULT_PARAMS,
+    *,
+    eager: bool = True,
 ) -> list[NetCoord | None]:
     """:func:`refit` of many endpoints at once, each item ``(key, own, own_claims, claims_about,
     peers)``; the Vivaldi steps run vectorised (:func:`update_many`), so each result equals
-    ``refit(own, own_claims, claims_about, peers, key=key)`` up to floating-point rounding."""
+    ``refit(own, own_claims, claims_about, peers, key=key, eager=eager)`` up to floating-point
+    rounding."""
     prepared = [observations(own_claims, about, peers, params) for _k, _o, own_claims, about, peers in items]
     todo = [i for i, (obs, _b, _d) in enumerate(prepared) if obs]
     starts = [
@@ -543,6 +579,24 @@ def refit_many(
         for key, own, own_claims, _a, _p in (items[i] for i in todo)
     ]
     updated = update_many(starts, [prepared[i][0] for i in todo], params)
+    # The repeats of the eager refits (see refit), each endpoint until its own repeat moves little.
+    again_rows = [x for x, i in enumerate(todo) if eager and not prepared[i][2] and _eager(items[i][1])]
+    for _ in range(EAGER_ROUNDS - 1):
+        if not again_rows:
+            break
+        again = update_many(
+            [updated[x] for x in again_rows], [prepared[todo[x]][0] for x in again_rows], params
+        )
+        still: list[int] = []
+        for x, moved_c in zip(again_rows, again, strict=True):
+            old_c = updated[x]
+            updated[x] = NetCoord(moved_c.vec, moved_c.height_ms, old_c.error)
+            if (
+                math.dist(moved_c.vec, old_c.vec) + abs(moved_c.height_ms - old_c.height_ms)
+                >= EAGER_MIN_STEP_MS
+            ):
+                still.append(x)
+        again_rows = still
     result: list[NetCoord | None] = [own for _k, own, _c, _a, _p in items]
     for i, new in zip(todo, updated, strict=True):
         result[i] = new
@@ -577,6 +631,9 @@ __all__ = [
     "DISPUTE_SLACK_MS",
     "refit",
     "refit_many",
+    "EAGER_ERROR",
+    "EAGER_ROUNDS",
+    "EAGER_MIN_STEP_MS",
     "typical_one_way_ms",
     "update",
     "update_many",

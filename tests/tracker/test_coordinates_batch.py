@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracker.coordinates import (
+    EAGER_ERROR,
+    EAGER_ROUNDS,
     MAX_RTT_MS,
     MIN_RTT_MS,
     NetCoord,
@@ -108,8 +110,9 @@ def _settled(coords: dict[str, NetCoord | None]) -> bool:
     )  # type: ignore[arg-type]
 
 
-def _rounds_to_settle(keyed: bool, limit: int = 400) -> int | None:
-    """Endpoints join one per round (as they come up live) and are refitted every round."""
+def _rounds_to_settle(keyed: bool, limit: int = 400, *, eager: bool = False) -> int | None:
+    """Endpoints join one per round (as they come up live) and are refitted every round; the last
+    one joins in round 6, so 6 is the fewest possible."""
     order = ["asia1", "asia0", "eu0", "us0", "us1", "eu1", "gw"]
     coords: dict[str, NetCoord | None] = dict.fromkeys(order)
     for rnd in range(limit):
@@ -118,7 +121,7 @@ def _rounds_to_settle(keyed: bool, limit: int = 400) -> int | None:
             own = {p: _rtt(k, p) for p in live if p != k and p != "gw"}  # nobody measures a gateway
             about = {} if k == "gw" else {p: _rtt(p, k) for p in live if p != k}
             peers = {p: coords[p] for p in {*own, *about}}
-            coords[k] = refit(coords[k], own, about, peers, key=k if keyed else "")
+            coords[k] = refit(coords[k], own, about, peers, key=k if keyed else "", eager=eager)
         if len(live) == len(order) and _settled(coords):
             return rnd
     return None
@@ -131,6 +134,54 @@ def test_first_coordinates_off_the_origin_settle_in_tens_of_rounds() -> None:
     slow = _rounds_to_settle(keyed=False)
     assert fast is not None and fast <= 40
     assert slow is None or slow > 3 * fast
+
+
+def test_eager_refits_of_newcomers_settle_in_fewer_rounds() -> None:
+    """A new endpoint's refit repeats its update (up to EAGER_ROUNDS): the staggered replay settles
+    the round the last endpoint joins (6) instead of 14 rounds with one update per refit."""
+    one = _rounds_to_settle(keyed=True)
+    repeated = _rounds_to_settle(keyed=True, eager=True)
+    assert one is not None and repeated is not None
+    assert repeated == 6 < one
+
+
+def _misfit(c: NetCoord, obs: list[Observation]) -> float:
+    return sum(abs(c.rtt_ms(o.peer) - o.rtt_ms) for o in obs)
+
+
+def test_a_settled_endpoints_refit_is_one_update() -> None:
+    """An endpoint with an error estimate at most EAGER_ERROR gets exactly today's refit: one update."""
+    peers = {p: NetCoord((40.0 * i, 10.0, -5.0), 2.0, 0.2) for i, p in enumerate("abcd")}
+    mine = {"a": 30.0, "b": 70.0, "c": 95.0, "d": 140.0}
+    about = {"a": 31.0, "c": 90.0}
+    for error in (0.01, 0.2, EAGER_ERROR):
+        own = NetCoord((15.0, -20.0, 3.0), 1.5, error)
+        obs, _both, _disputes = observations(mine, about, peers)
+        got = refit(own, mine, about, peers, key="me")
+        assert got == update(own, obs)
+        assert got == refit(own, mine, about, peers, key="me", eager=False)
+        many = refit_many([("me", own, mine, about, peers)])[0]
+        assert many is not None
+        close(many, got)  # the vectorised update: equal up to rounding
+
+
+def test_a_newcomers_refit_repeats_its_update_and_keeps_the_first_error() -> None:
+    """New (or error above EAGER_ERROR): the repeats fit its claims better than one update, the error
+    estimate is the first update's, and an endpoint with a disputed pair gets one update only."""
+    peers = {p: NetCoord((60.0 * i, 25.0 * (i % 2), 0.0), 1.0, 0.1) for i, p in enumerate("abcd")}
+    mine = {"a": 20.0, "b": 55.0, "c": 120.0, "d": 180.0}
+    obs, _both, _disputes = observations(mine, {}, peers)
+    for own in (None, NetCoord((300.0, -200.0, 50.0), 0.05, 0.9)):
+        once = refit(own, mine, {}, peers, key="new", eager=False)
+        repeated = refit(own, mine, {}, peers, key="new")
+        assert once is not None and repeated is not None
+        assert _misfit(repeated, obs) < 0.5 * _misfit(once, obs)
+        assert repeated.error == once.error
+        assert EAGER_ROUNDS > 1
+    disputed_about = {"a": 20.0, "b": 500.0}  # b says 500 ms, we said 55: a dispute
+    assert refit(None, mine, disputed_about, peers, key="new") == refit(
+        None, mine, disputed_about, peers, key="new", eager=False
+    )
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
