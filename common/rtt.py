@@ -20,6 +20,16 @@ latest hints (``hint()``: e.g. the tracker's probe list), at most
 pass a gRPC ``Health`` call through ``common.grpc_adapter``). The first ping
 to an address is repeated and only the second counts: the first one pays for
 the TCP and HTTP/2 set-up. A failed or late ping gives no sample.
+
+Warm-up: a new sampler does not wait ``interval_s`` between its first rounds but
+``warmup_s``, then twice that each round (1, 2, 4, 8 s, then ``interval_s``), so
+a newcomer's first reports already carry claims and the tracker places it
+within a few reports (docs/tracker.md, Network coordinates). The warm-up
+restarts when more than half of a round's targets were never measured (e.g.
+the tracker's first probe list arrived), at most once per
+``WARMUP_RESTART_MIN_S_FACTOR * interval_s``: a big swarm whose random probe
+lists are always new costs at most one extra warm-up (four rounds) per four
+intervals.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ log = logging.getLogger("swarm.rtt")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 Target = tuple[str, str]  # (peer id, gRPC address)
+WARMUP_RESTART_MIN_S_FACTOR = 4.0  # warm-ups start at most once per this many intervals
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,15 @@ class RttSettings:
     window: int = 3  # round trips kept per peer (the report is their minimum)
     max_peers: int = 256  # peers remembered
     max_hints: int = 16  # hinted targets kept (the latest hints replace the previous ones)
+    # While new (and after its targets changed a lot) the sampler measures sooner: this long after
+    # the first round, then twice as long each round up to ``interval_s`` (0: no warm-up).
+    warmup_s: float = 1.0
 
     def validate(self) -> RttSettings:
         if not (self.interval_s > 0 and self.timeout_s > 0):
             raise ValueError("interval_s and timeout_s must be > 0")
+        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
+            raise ValueError("warmup_s must be >= 0 (0: no warm-up)")
         if min(self.max_targets, self.concurrency, self.window, self.max_peers) < 1 or self.max_hints < 0:
             raise ValueError("max_targets, concurrency, window and max_peers must be >= 1, max_hints >= 0")
         return self
@@ -148,6 +164,10 @@ class RttSampler:
         self._hints: list[Target] = []
         self._seen: OrderedDict[str, None] = OrderedDict()  # addresses pinged before (bounded)
         self._rounds = self._pings = self._failures = 0
+        self._fresh_targets = 0  # targets of the last round never measured before it
+        self._last_targets = 0
+        self._pause = self.settings.warmup_s or self.settings.interval_s  # the next sleep
+        self._warmup_at: float | None = None  # when the last warm-up started (None: not yet)
 
     def hint(self, targets: Iterable[Target]) -> None:
         """Replace the hinted targets (e.g. the tracker's latest probe list)."""
@@ -177,10 +197,32 @@ class RttSampler:
     async def measure_once(self) -> None:
         """One round: ping this round's targets (bounded concurrency) and record what answered."""
         limiter = trio.CapacityLimiter(self.settings.concurrency)
+        targets = self.round_targets()
+        self._last_targets = len(targets)
+        self._fresh_targets = sum(1 for peer_id, _a in targets if self.book.best(peer_id) is None)
         async with trio.open_nursery() as nursery:
-            for peer_id, address in self.round_targets():
+            for peer_id, address in targets:
                 nursery.start_soon(self._measure, peer_id, address, limiter)
         self._rounds += 1
+
+    def next_pause(self, now: float) -> float:
+        """How long to wait after the round just measured (at ``now``): the warm-up's doubling
+        pauses (restarted when more than half of the round's targets were new, at most once per
+        ``WARMUP_RESTART_MIN_S_FACTOR * interval_s``), else ``interval_s``."""
+        s = self.settings
+        if s.warmup_s <= 0 or s.warmup_s >= s.interval_s:
+            return s.interval_s
+        if self._warmup_at is None:
+            self._warmup_at = now  # the first round starts the first warm-up
+            self._pause = s.warmup_s
+            return self._pause
+        many_new = 2 * self._fresh_targets > self._last_targets
+        if many_new and now - self._warmup_at >= WARMUP_RESTART_MIN_S_FACTOR * s.interval_s:
+            self._warmup_at = now
+            self._pause = s.warmup_s
+        else:
+            self._pause = min(s.interval_s, 2.0 * self._pause)
+        return self._pause
 
     async def _measure(self, peer_id: str, address: str, limiter: trio.CapacityLimiter) -> None:
         async with limiter:
@@ -206,11 +248,19 @@ class RttSampler:
         return (trio.current_time() - t0) * 1000.0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Measure every ``interval_s`` until cancelled."""
+        """Measure every ``interval_s`` (sooner while warming up: :meth:`next_pause`) until cancelled."""
         task_status.started()
         while True:
             await self.measure_once()
-            await trio.sleep(self.settings.interval_s)
+            await trio.sleep(self.next_pause(trio.current_time()))
 
 
-__all__ = ["RttBook", "RttSampler", "RttSettings", "RttStatistics", "Target", "parse_hints"]
+__all__ = [
+    "WARMUP_RESTART_MIN_S_FACTOR",
+    "RttBook",
+    "RttSampler",
+    "RttSettings",
+    "RttStatistics",
+    "Target",
+    "parse_hints",
+]
