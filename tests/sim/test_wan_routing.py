@@ -10,6 +10,11 @@ measure round trips (gRPC Health) to the peers the tracker hands them and report
 heartbeats and statistics; the tracker turns them into network coordinates. Then the
 route the tracker gives the eu gateway stays in eu, the per-hop estimates match the real
 round trips, and a real request through the gateway runs on the eu nodes only.
+
+Intervals: probes, heartbeats and gateway statistics every 1 s; with
+``SWARM_WAN_DEFAULT_INTERVALS=1`` the services' defaults instead (RTT probes every 15 s,
+heartbeats every 10 s, gateway statistics every 5 s), to measure how long coordinates take
+to settle as deployed (docs/tracker.md, "Settling in seconds").
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ NODES = {
 RTT_MS = {("eu", "eu"): 10.0, ("eu", "us"): 80.0, ("us", "asia"): 120.0, ("eu", "asia"): 150.0}
 
 
+DEFAULT_INTERVALS = os.environ.get("SWARM_WAN_DEFAULT_INTERVALS") == "1"
+
+
+def fast_intervals(*flags: str) -> list[str]:
+    """``flag 1`` for each flag (1 s intervals), or nothing: the defaults (see the module docstring)."""
+    return [] if DEFAULT_INTERVALS else [x for f in flags for x in (f, "1")]
+
+
 def true_rtt(a: str, b: str) -> float:
     return RTT_MS.get((a, b)) or RTT_MS.get((b, a)) or 10.0
 
@@ -75,6 +88,7 @@ class Swarm:
         )
 
     model = ""
+    started = 0.0  # time.monotonic() when the tracker was started
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +99,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
     wan.start()
     sup = Supervisor(workdir, place=wan.argv)
     try:
-        tracker = sup.start_tracker(host=wan.address("tracker"), extra_args=["--heartbeat-interval-s", "1"])
+        started = time.monotonic()
+        tracker = sup.start_tracker(
+            host=wan.address("tracker"), extra_args=fast_intervals("--heartbeat-interval-s")
+        )
         tracker.wait_port(120)
         url = f"http://{wan.address('tracker')}:{tracker.port}"
         wan.call("tracker", wait_http, tracker, f"{url}/healthz", 120)
@@ -95,10 +112,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             # Routing is what is measured: no spot checks (every node is new, so every request would
             # also run on a shadow route of other nodes, here the us pair).
             extra_args=[
-                "--stats-interval-s",
-                "1",
-                "--rtt-probe-interval-s",
-                "1",
+                *fast_intervals("--stats-interval-s", "--rtt-probe-interval-s"),
                 "--route-ttl-s",
                 "2",
                 *NO_SPOT_CHECKS,
@@ -120,10 +134,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
                     str(ms),
                     "--uplink-mbit-s",
                     uplink,
-                    "--heartbeat-interval-s",
-                    "1",
-                    "--rtt-probe-interval-s",
-                    "1",
+                    *fast_intervals("--heartbeat-interval-s", "--rtt-probe-interval-s"),
                 ],
             )
             node.wait_port(120)
@@ -145,6 +156,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, model_path: Path, node_cache
             time.sleep(1)
         models = s.get("/v1/models")["models"]
         s.model = models[0]["fingerprint"]
+        s.started = started
         yield s
     finally:
         names = wan.namespaces()
@@ -195,7 +207,9 @@ def _trace(swarm: Swarm, t_s: float, route: dict, blind: dict) -> None:
         return
     names = {v: k for k, v in swarm.node_ids.items()}
     line = {
-        "t": round(t_s, 1),
+        "t": round(t_s, 1),  # since every node was live
+        "since_start": round(time.monotonic() - swarm.started, 1),  # since the tracker was started
+        "default_intervals": DEFAULT_INTERVALS,
         "route": regions_of(swarm, route) if route else [],
         "near": bool(route) and near(route),
         "blind": regions_of(swarm, blind),
@@ -212,10 +226,11 @@ def _trace(swarm: Swarm, t_s: float, route: dict, blind: dict) -> None:
 
 
 def test_routes_for_an_eu_gateway_stay_in_eu_once_measured(swarm: Swarm) -> None:
-    # Coordinates converge over rounds of measurement (1 s apart here): wait for a state that holds
-    # every claim below, then check each claim (a failure names the one that never held). This took
-    # 90 s to over 300 s while every first coordinate started at the origin (the embedding collapsed
-    # onto a line; docs/tracker.md, Network coordinates); from hashed starting points it takes seconds.
+    # Coordinates converge over rounds of measurement (1 s apart here; see DEFAULT_INTERVALS): wait
+    # for a state that holds every claim below, then check each claim (a failure names the one that
+    # never held). This took 90 s to over 300 s while every first coordinate started at the origin
+    # (the embedding collapsed onto a line; docs/tracker.md, Network coordinates); from hashed
+    # starting points it takes seconds at 1 s intervals.
     # SWARM_WAN_TRACE=<file> appends what the tracker knew at every poll (JSON lines).
     t0 = time.monotonic()
     deadline = t0 + 120
