@@ -25,6 +25,7 @@ from typing import Protocol
 from gateway.errors import ContextLengthExceeded, PromptTooLong
 from gateway.protocol import GenerationRequest
 from proto import codec
+from proto.swarm.v1 import frame_pb2
 
 SEED_MODULUS = 1 << 63
 
@@ -100,6 +101,14 @@ def budget(request: GenerationRequest, prompt_tokens: int, limit: int) -> Budget
     return Budget(max_new, prompt_tokens + max_new - 1)
 
 
+# The request's speculation proposer (GenerationRequest.proposer) as the OPEN carries it.
+PROPOSERS = {
+    "": frame_pb2.PROPOSER_UNSPECIFIED,
+    "ngram": frame_pb2.PROPOSER_NGRAM,
+    "draft": frame_pb2.PROPOSER_DRAFT,
+}
+
+
 def sampling_settings(
     request: GenerationRequest,
     *,
@@ -124,4 +133,5 @@ def sampling_settings(
         grammar=grammar,
         completion_start=prompt_tokens,
         choices=request.n if index == 0 else 1,
+        proposer=PROPOSERS[request.proposer],
     )

@@ -9,7 +9,8 @@ logprobs formats (chat: ``content[]``; completions: parallel lists).
 
 Extensions beyond the OpenAI API are marked ``# extension``: ``top_k``,
 ``min_p``, ``repetition_penalty``, ``cache_prompt``, ``speculation`` (true/false: speculative
-decoding for this request, overriding the gateway's default), llama.cpp's ``grammar`` (GBNF or
+decoding for this request, overriding the gateway's default; or the proposer: "off", "ngram",
+"draft", "auto"), llama.cpp's ``grammar`` (GBNF or
 Lark) and ``json_schema``, and (chat) ``conversation_id`` (:mod:`gateway.conversations`).
 
 Fields this module does not know are ignored (their names are returned in
@@ -158,6 +159,7 @@ class GenerationRequest:
     cache_prompt: bool = True  # extension (llama.cpp's name): reuse a kept prefix of this client
     conversation_id: str | None = None  # extension (chat): the gateway keeps the history (conversations)
     speculation: bool | None = None  # extension: speculative decoding on/off; None: the gateway decides
+    proposer: str = ""  # extension (speculation "ngram"/"draft"): who drafts; "": the last stage decides
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (logged at debug level)
 
     @property
@@ -258,6 +260,29 @@ def _boolean(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+SPECULATION_CHOICES = ("off", "ngram", "draft", "auto")
+
+
+def _speculation(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``speculation`` extension: true/false, or the proposer -- "off", "ngram" (n-gram lookup),
+    "draft" (the last stage's draft model; n-gram lookup where it has none), "auto" (the gateway
+    decides whether, the last stage with what: as if absent)."""
+    value = body.get("speculation")
+    if value is None or isinstance(value, bool):
+        return {"speculation": value, "proposer": ""}
+    if value not in SPECULATION_CHOICES:
+        raise _bad(
+            f"'speculation' must be true, false or one of {', '.join(map(repr, SPECULATION_CHOICES))}",
+            "speculation",
+            "invalid_value" if isinstance(value, str) else "invalid_type",
+        )
+    if value == "off":
+        return {"speculation": False, "proposer": ""}
+    if value == "auto":
+        return {"speculation": None, "proposer": ""}
+    return {"speculation": True, "proposer": value}
+
+
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -350,7 +375,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "n": n,
         "logit_bias": _logit_bias(body),
         "cache_prompt": body.get("cache_prompt") is not False,
-        "speculation": _boolean(body, "speculation") if body.get("speculation") is not None else None,
+        **_speculation(body),
         "response_format": _grammar_fields(body),
     }
 

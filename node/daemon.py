@@ -867,6 +867,13 @@ class NodeDaemon:
                 (("direction", "out"),): float(stats.frames_out),
             },
             "swarm_node_replays_total": one(stats.replays),
+            "swarm_node_draft_lookahead_total": {
+                (("outcome", "hit"),): float(0 if self.draft is None else self.draft.lookahead_hits),
+                (("outcome", "miss"),): float(0 if self.draft is None else self.draft.lookahead_misses),
+            },
+            "swarm_node_spec_sessions_total": {
+                (("proposer", k),): float(v) for k, v in sorted(stats.spec_proposers.items())
+            },
             "swarm_node_evictions_total": one(stats.evictions),
             "swarm_node_refusals_total": {
                 (("status", k),): float(v) for k, v in sorted(stats.errors_by_status.items())

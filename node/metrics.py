@@ -93,6 +93,14 @@ SPECS: dict[str, m.Spec] = {
     ),
     "swarm_node_frames_total": m.counter("Session frames", "direction", scraped=True),
     "swarm_node_replays_total": m.counter("replies re-sent from the idempotency cache", scraped=True),
+    "swarm_node_draft_lookahead_total": m.counter(
+        "draft model look-aheads taken (hit) or dropped (miss) by the next proposal", "outcome", scraped=True
+    ),
+    "swarm_node_spec_sessions_total": m.counter(
+        "speculating sessions (last stage) by proposer: ngram, draft, draft_unavailable (none here)",
+        "proposer",
+        scraped=True,
+    ),
     "swarm_node_evictions_total": m.counter("sessions evicted by lease or re-attach window", scraped=True),
     "swarm_node_refusals_total": m.counter("error replies by status", "status", scraped=True),
     "swarm_node_tickets_total": m.counter("route tickets checked", "outcome", scraped=True),

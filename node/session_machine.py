@@ -446,6 +446,9 @@ class MachineStats:
     prefix_lookups_hit: int = 0  # OPENs naming a prefix by its chain hash that found it here
     prefix_lookups_miss: int = 0  # ... that did not (or could not use it): the session started empty
     reused_positions: int = 0  # positions sessions started with from another session's KV
+    # Speculating sessions (last stage) by the proposer they draft with: "ngram", "draft", and
+    # "draft_unavailable" (the request asked for the draft model, this node has none: n-gram lookup).
+    spec_proposers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -497,6 +500,7 @@ class FrameServer:
         self._frames_pushed = 0
         self._replays = 0
         self._stale_windows = 0  # discarded windows dropped on arrival (windows in flight)
+        self._spec_proposers: dict[str, int] = {}  # speculating sessions by proposer (MachineStats)
         self._evictions = 0
         self._errors: dict[str, int] = {}
         self._pending_bytes = 0
@@ -769,6 +773,31 @@ class FrameServer:
         event(log, "kept_session_dropped", session_id=sid, freed_kv_tokens=kept.kv_len)
         return [FreeKv(sid)]
 
+    def _drafter(self, sess: _Session, max_drafts: int, wanted: int) -> SessionDrafter:
+        """A speculating session's drafter, with the proposer its request chose (SamplingParams.proposer):
+        n-gram lookup, the draft model (n-gram lookup where this node has none: counted and logged), or
+        unspecified (or a value this node does not know): the node's own (its draft model and
+        --draft-model-choice, else n-gram lookup)."""
+        if wanted == frame_pb2.PROPOSER_NGRAM or (
+            wanted != frame_pb2.PROPOSER_DRAFT and self._proposers is None
+        ):
+            kind, drafter = "ngram", SessionDrafter(max_drafts)
+        elif self._proposers is None:  # the draft model was asked for
+            kind, drafter = "draft_unavailable", SessionDrafter(max_drafts)
+            event(
+                log,
+                "draft_model_unavailable",
+                level=logging.WARNING,
+                session_id=sess.session_id,
+                message="the request asked for the draft model; this node has none: n-gram lookup drafts",
+            )
+        elif wanted == frame_pb2.PROPOSER_DRAFT:  # the request's choice: the model drafts every window
+            kind, drafter = "draft", SessionDrafter(max_drafts, self._proposers, proposer_choice("always"))
+        else:
+            kind, drafter = "draft", SessionDrafter(max_drafts, self._proposers, self._choice)
+        self._spec_proposers[kind] = self._spec_proposers.get(kind, 0) + 1
+        return drafter
+
     def _check_targets(self, body: frame_pb2.OpenSession) -> None:
         if body.HasField("downstream") and self.spec.is_last:
             raise BadFrameError("the last stage has no downstream stage")
@@ -792,7 +821,7 @@ class FrameServer:
         if not (self.spec.is_last and sess.ring is not None and max_drafts > 0 and not sess.sampling.grammar):
             sess.drafter = None  # grammar sessions never speculate: the grammar cannot roll back
         elif sess.drafter is None or sess.drafter.policy.max_k != max_drafts:
-            sess.drafter = SessionDrafter(max_drafts, self._proposers, self._choice)
+            sess.drafter = self._drafter(sess, max_drafts, int(body.sampling.proposer))
         # A new epoch starts with one window at a time again: its first decode step comes from the
         # gateway (window number 0), and the last stage's numbers start over.
         sess.window_gen = sess.spec_floor = 0
@@ -1909,4 +1938,5 @@ class FrameServer:
             reused_positions=self._reused,
             preemptions=self._preemptions,
             kv_refusals=self._kv_refusals,
+            spec_proposers=dict(self._spec_proposers),
         )

@@ -247,9 +247,12 @@ class SamplingSettings:
     grammar: str = ""
     completion_start: int = 0
     choices: int = 1
+    # Speculative decoding's proposer (the request's); a value a node does not know means unspecified.
+    proposer: int = frame_pb2.PROPOSER_UNSPECIFIED
 
     def to_wire(self) -> frame_pb2.SamplingParams:
         return frame_pb2.SamplingParams(
+            proposer=self.proposer,  # type: ignore[arg-type]
             logit_bias=[frame_pb2.TokenBias(token_id=t, bias=b) for t, b in self.logit_bias],
             grammar=self.grammar,
             completion_start=self.completion_start,

@@ -7,7 +7,10 @@ loopback, the official openai client. Shown here:
 1. greedy text is identical with speculation on (drafts from the draft model) and off, streamed
    and not, on an editing prompt and an open chat; windows produced more than one token per pass,
    and the last stage's log shows the draft model's context was created (it drafted);
-2. a node whose draft model has another vocabulary (Gemma 3 against SmolLM2) refuses to start,
+2. the request chooses the proposer (``extra_body={"speculation": "ngram" | "draft" | "off"}``):
+   the same greedy text, the last stage counts a session per proposer (n-gram lookup where the
+   request said so, although it has a draft model), and an unknown value is a 400 naming the field;
+3. a node whose draft model has another vocabulary (Gemma 3 against SmolLM2) refuses to start,
    with an error naming the difference.
 """
 
@@ -66,7 +69,16 @@ def swarm(
     s.stop()
 
 
-def chat(client: openai.OpenAI, model: str, content: str, *, spec: bool, stream: bool) -> str:
+def node_metric(swarm: LocalSwarm, span: tuple[int, int], name: str, label: str) -> float:
+    node = next(n for n in swarm.nodes if n.extra["span"] == span)
+    text = httpx.get(f"http://127.0.0.1:{node.admin_port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{label}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def chat(client: openai.OpenAI, model: str, content: str, *, spec: bool | str, stream: bool) -> str:
     kw = dict(
         model=model,
         messages=[{"role": "user", "content": content}],
@@ -96,8 +108,26 @@ def test_greedy_text_is_identical_with_the_draft_model(swarm: LocalSwarm) -> Non
     per = tokens / max(1, windows)
     print(f"draft model: {windows:.0f} windows produced {tokens:.0f} tokens ({per:.2f} per pass)")
     assert windows > 0 and tokens > windows  # drafts were accepted
+    hits = node_metric(swarm, (15, 30), "swarm_node_draft_lookahead_total", 'outcome="hit"')
+    misses = node_metric(swarm, (15, 30), "swarm_node_draft_lookahead_total", 'outcome="miss"')
+    print(f"draft model look-ahead: {hits:.0f} taken, {misses:.0f} dropped")
     last = next(n for n in swarm.nodes if n.extra["span"] == (15, 30))
     assert '"event":"draft_context_ready"' in last.log_text()  # the draft model drafted
+
+
+def test_the_request_chooses_the_proposer(swarm: LocalSwarm) -> None:
+    client = openai.OpenAI(base_url=swarm.base_url, api_key="test", max_retries=0, timeout=120)
+    plain = chat(client, swarm.model_name, EDIT, spec="off", stream=False)
+    sessions = "swarm_node_spec_sessions_total"
+    for proposer in ("ngram", "draft"):
+        label = f'proposer="{proposer}"'
+        before = node_metric(swarm, (15, 30), sessions, label)
+        assert chat(client, swarm.model_name, EDIT, spec=proposer, stream=False) == plain
+        assert node_metric(swarm, (15, 30), sessions, label) == before + 1, proposer
+    assert chat(client, swarm.model_name, EDIT, spec="auto", stream=True) == plain
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, swarm.model_name, EDIT, spec="fast", stream=False)
+    assert caught.value.status_code == 400 and "'speculation' must be" in str(caught.value)
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(

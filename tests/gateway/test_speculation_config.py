@@ -6,7 +6,10 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import InvalidRequest
+from gateway.prompt_plan import PROPOSERS, sampling_settings
 from gateway.protocol import parse_chat_request
+from proto import codec
+from proto.swarm.v1 import frame_pb2
 
 
 def drafts(config: GatewayConfig, temperature: float, override: bool | None = None, **kw: bool) -> int:
@@ -37,10 +40,37 @@ def test_modes_and_bounds() -> None:
         GatewayConfig(speculation_max_drafts=16).validate()
 
 
-def test_the_request_field_is_a_boolean() -> None:
+def test_the_request_field_is_a_boolean_or_a_proposer() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat_request(base).speculation is None
     assert parse_chat_request({**base, "speculation": False}).speculation is False
     assert parse_chat_request({**base, "speculation": True}).speculation is True
-    with pytest.raises(InvalidRequest, match="speculation"):
-        parse_chat_request({**base, "speculation": "yes"})
+    want = {
+        "off": (False, ""),
+        "ngram": (True, "ngram"),
+        "draft": (True, "draft"),
+        "auto": (None, ""),
+    }
+    for value, (on, proposer) in want.items():
+        request = parse_chat_request({**base, "speculation": value})
+        assert (request.speculation, request.proposer) == (on, proposer)
+        assert (
+            sampling_settings(request, seed=0, index=0, grammar="", prompt_tokens=1, check_top_logprobs=0)
+            .to_wire()
+            .proposer
+            == PROPOSERS[proposer]
+        )
+    assert parse_chat_request({**base, "speculation": True}).proposer == ""
+    for bad in ("yes", "Draft", 1, ["ngram"]):
+        with pytest.raises(InvalidRequest, match="'speculation' must be true, false or one of") as caught:
+            parse_chat_request({**base, "speculation": bad})
+        assert caught.value.param == "speculation"
+
+
+def test_the_proposer_travels_in_the_open() -> None:
+    wire = codec.SamplingSettings(proposer=frame_pb2.PROPOSER_DRAFT).to_wire().SerializeToString()
+    assert (
+        codec.sampling_settings(frame_pb2.SamplingParams.FromString(wire)).proposer
+        == frame_pb2.PROPOSER_DRAFT
+    )
+    assert codec.sampling_settings(frame_pb2.SamplingParams()).proposer == frame_pb2.PROPOSER_UNSPECIFIED

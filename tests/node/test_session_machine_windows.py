@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from common.speculation import NgramProposer
 from node.session_machine import Compute, FrameServer, Push, StepOutcome, TruncateKv
 from proto import codec
 from proto.codec import Sampled
@@ -409,3 +410,61 @@ def test_a_stage_drops_discarded_windows_and_rolls_back_to_a_new_head_after_the_
     assert computes(again) == [] and h.m.kv_len("s1") == 7
     assert feed_window(h, later, first=True) == []
     assert h.m.kv_len("s1") == 7
+
+
+class SevensProposer:
+    """A stand-in for the draft model in the machine's harness: it follows the history (feeding the
+    n-gram proposer it wraps, as the real one does) and always proposes 7s."""
+
+    def __init__(self, ngram: NgramProposer) -> None:
+        self.ngram = ngram
+
+    @property
+    def length(self) -> int:
+        return self.ngram.length
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.ngram.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        self.ngram.truncate(length)
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        return (7,) * k
+
+
+def first_window(proposer: int, with_model: bool) -> tuple[Harness, frame_pb2.Frame]:
+    """The first window of a session whose request chose ``proposer``, on a last stage with or without
+    a draft model."""
+    h = Harness(is_last=True, shard_start=4, shard_end=8)
+    h.m = FrameServer(h.spec, lambda *_: None, proposers=SevensProposer if with_model else None)
+    h.conn = h.m.connect()
+    frame = codec.open_frame(
+        h.header(),
+        step_id=1,
+        route_ticket=b"good",
+        kv_budget_tokens=40,
+        sampling=codec.SamplingSettings(temperature=0.0, proposer=proposer),
+        ring=RING,
+        max_drafts=3,
+    )
+    assert codec.body_kind(sends(h.feed(frame))[0]) == "open_ack"
+    (c,) = [a for a in feed_step(h, 0, PROMPT) if isinstance(a, Compute)]
+    return h, pushed(h.m.complete(StepOutcome(c.job.job_id, kv_len=6, sampled=Sampled(1, -0.1)), 0))
+
+
+def test_the_request_chooses_the_proposer_and_without_a_draft_model_ngram_drafts() -> None:
+    ngram, model = [1, 2, 3, 1], [1, 7, 7, 7]  # "2 3 1" occurred before, after 1; the model's 7s
+    want = {
+        (frame_pb2.PROPOSER_NGRAM, True): (ngram, "ngram"),
+        (frame_pb2.PROPOSER_DRAFT, True): (model, "draft"),
+        (frame_pb2.PROPOSER_UNSPECIFIED, True): (model, "draft"),  # the node's own: its model
+        (9, True): (model, "draft"),  # a value this node does not know: as unspecified
+        (frame_pb2.PROPOSER_NGRAM, False): (ngram, "ngram"),
+        (frame_pb2.PROPOSER_DRAFT, False): (ngram, "draft_unavailable"),  # no model here: said so
+        (frame_pb2.PROPOSER_UNSPECIFIED, False): (ngram, "ngram"),
+    }
+    for (proposer, with_model), (tokens, kind) in want.items():
+        h, window = first_window(proposer, with_model)
+        assert list(window.activation.token_ids) == tokens, (proposer, with_model)
+        assert h.m.statistics().spec_proposers == {kind: 1}, (proposer, with_model)

@@ -41,6 +41,12 @@ class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKSUM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_CRC32: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_BLAKE2B_128: _ClassVar[ChecksumAlgorithm]
+
+class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_UNSPECIFIED: _ClassVar[Proposer]
+    PROPOSER_NGRAM: _ClassVar[Proposer]
+    PROPOSER_DRAFT: _ClassVar[Proposer]
 PHASE_UNSPECIFIED: Phase
 PHASE_OPEN: Phase
 PHASE_PREFILL: Phase
@@ -60,6 +66,9 @@ BYTE_ORDER_BIG: ByteOrder
 CHECKSUM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_CRC32: ChecksumAlgorithm
 CHECKSUM_BLAKE2B_128: ChecksumAlgorithm
+PROPOSER_UNSPECIFIED: Proposer
+PROPOSER_NGRAM: Proposer
+PROPOSER_DRAFT: Proposer
 
 class LayerRange(_message.Message):
     __slots__ = ("start", "end")
@@ -110,7 +119,7 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "penalty_last_n", "frequency_penalty", "presence_penalty", "n_top_logprobs", "logit_bias", "grammar", "completion_start", "choices")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "penalty_last_n", "frequency_penalty", "presence_penalty", "n_top_logprobs", "logit_bias", "grammar", "completion_start", "choices", "proposer")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +134,7 @@ class SamplingParams(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_START_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -139,7 +149,8 @@ class SamplingParams(_message.Message):
     grammar: str
     completion_start: int
     choices: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., grammar: _Optional[str] = ..., completion_start: _Optional[int] = ..., choices: _Optional[int] = ...) -> None: ...
+    proposer: Proposer
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n_top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[TokenBias, _Mapping]]] = ..., grammar: _Optional[str] = ..., completion_start: _Optional[int] = ..., choices: _Optional[int] = ..., proposer: _Optional[_Union[Proposer, str]] = ...) -> None: ...
 
 class TokenBias(_message.Message):
     __slots__ = ("token_id", "bias")
