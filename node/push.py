@@ -54,8 +54,15 @@ class PushOpener(Protocol):
 
 FailureCallback = Callable[[str, str, int | None], None]  # (session_id, message, epoch of the push)
 # Refusals that only say a push came too late (the session moved to a new epoch or ended): not failures.
+# PREEMPTED among them: the preempting node tells the session's owner itself (its notice, and its answer
+# to the owner's own late frames), so the owner resumes the session rather than replacing this stage.
 STALE = frozenset(
-    {status_pb2.STATUS_ROUTE_EPOCH, status_pb2.STATUS_SESSION_CLOSED, status_pb2.STATUS_UNKNOWN_SESSION}
+    {
+        status_pb2.STATUS_ROUTE_EPOCH,
+        status_pb2.STATUS_SESSION_CLOSED,
+        status_pb2.STATUS_UNKNOWN_SESSION,
+        status_pb2.STATUS_PREEMPTED,
+    }
 )
 
 

@@ -947,6 +947,12 @@ class FrameServer:
                 return [self._send(conn, closed.reply, replay=True)]
             if frame.HasField("chunk") and frame.chunk.index > 0:
                 return []  # the rest of a step whose first chunk was already refused
+            if closed.reason == "preempted":
+                # A frame sent before the owner read the preemption notice: answer it as the notice
+                # did, so the owner resumes the session instead of taking this node for failed.
+                raise PreemptedError(
+                    f"session {sid!r} was preempted here: its KV was freed for an older session"
+                )
             raise SessionClosedError(f"session {sid!r} was {closed.reason}")
         owner = conn == sess.conn
         if frame.route_epoch != sess.epoch:

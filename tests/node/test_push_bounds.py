@@ -49,3 +49,57 @@ async def test_a_link_whose_peer_does_not_read_fails_past_its_byte_bound() -> No
         assert [f[0] for f in failures] == ["s"] and "fast enough" in failures[0][1]
         assert links.statistics().links == 0
         nursery.cancel_scope.cancel()
+
+
+class _Refusing:
+    """A push stream whose peer takes every step and answers with the given refusals, then waits."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self._replies = list(replies)
+
+    async def send(self, data: bytes) -> None:
+        return None
+
+    async def receive(self) -> bytes:
+        if self._replies:
+            return self._replies.pop(0)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_preempted_or_closed_next_stage_is_not_reported_failed_but_a_real_refusal_is() -> None:
+    # A next stage that preempted the session tells the session's owner itself (and answers the owner's
+    # own late frames PREEMPTED), so the owner resumes it; reporting the stage failed as well would make
+    # the owner replace a healthy node. A refusal of another kind is a failure of the next stage.
+    from proto import codec
+    from proto.errors import BadFrameError, PreemptedError, SessionClosedError
+
+    replies = [
+        codec.serialize_frame(codec.error_frame(PreemptedError("freed for an older session"))),
+        codec.serialize_frame(codec.error_frame(SessionClosedError("was released"))),
+        codec.serialize_frame(codec.error_frame(BadFrameError("positions out of order"))),
+    ]
+
+    @asynccontextmanager
+    async def _open_refusing(address: str, *, pin: str | None) -> AsyncIterator[_Refusing]:
+        yield _Refusing(replies)
+
+    failures: list[tuple[str, str, int | None]] = []
+    failed = trio.Event()
+
+    def on_failure(*f: object) -> None:
+        failures.append(f)  # type: ignore[arg-type]
+        failed.set()
+
+    links = PushLinks(_open_refusing, on_failure, queue_frames=64, queue_bytes=1_000_000)
+    target = frame_pb2.PushTarget(
+        node_id="n" * 64, address="127.0.0.1:1", hop_token=b"t" * 16, tls_fingerprint=PIN
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(links.run)
+        links.push("s", target, [b"x" * 100], 1)
+        with trio.fail_after(5):
+            await failed.wait()
+        await trio.testing.wait_all_tasks_blocked()  # every reply read
+        nursery.cancel_scope.cancel()
+    assert len(failures) == 1 and "BAD_FRAME" in failures[0][1], failures
