@@ -246,7 +246,9 @@ class NodeConfig:
         10.0, "a Session stream that opened no session and pushed no step is closed after this long"
     )
     max_idle_streams_per_address: int = _sessions(
-        16, "most such unproven Session streams from one source address; one more closes the oldest"
+        0,
+        "most such unproven Session streams from one source address; one more closes the oldest "
+        "(0 = twice max_sessions, at least 16: one gateway may open a stream per session at once)",
     )
     reply_buffer_bytes: int = _sessions(
         32 * 1024 * 1024, "most bytes of replies a stream's peer may leave unread before it loses the stream"
@@ -321,6 +323,14 @@ class NodeConfig:
             return Path(self.cache_dir).expanduser()
         return Path(_xdg("XDG_CACHE_HOME", ".cache", "swarm-node"))
 
+    def resolved_idle_streams_per_address(self) -> int:
+        """The bound on one address's unproven Session streams: as configured, or (0) twice
+        ``max_sessions``, at least 16 -- a gateway bursting a request per session opens that many
+        streams within milliseconds, before the node has read their OPENs."""
+        if self.max_idle_streams_per_address > 0:
+            return self.max_idle_streams_per_address
+        return max(16, 2 * self.max_sessions)
+
     def resolved_threads(self) -> int:
         if self.threads > 0:
             return self.threads
@@ -361,10 +371,13 @@ class NodeConfig:
             "batch_tokens",
             "prefill_chunk_tokens",
             "max_queued_steps",
-            "max_idle_streams_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.max_idle_streams_per_address < 0:
+            raise ConfigError(
+                "max_idle_streams_per_address must be >= 0 (0 = twice max_sessions, at least 16)"
+            )
         if self.max_kept_sessions < 0 or self.max_kept_kv_tokens < 0 or self.max_keep_s < 0:
             raise ConfigError("max_kept_sessions, max_kept_kv_tokens and max_keep_s must be >= 0")
         if self.session_kv_tokens < 16:

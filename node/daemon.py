@@ -302,7 +302,7 @@ class NodeDaemon:
                 self.machine,
                 reply_buffer_bytes=cfg.reply_buffer_bytes,
                 stream_idle_timeout_s=cfg.stream_idle_timeout_s,
-                max_idle_streams_per_address=cfg.max_idle_streams_per_address,
+                max_idle_streams_per_address=cfg.resolved_idle_streams_per_address(),
             )
             on_outcome = self.hub.on_outcome
             if self.failpoints.active:

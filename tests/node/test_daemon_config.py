@@ -54,6 +54,15 @@ def test_kept_session_bounds_reach_the_session_machine_from_the_command_line() -
     assert (cfg.max_kept_sessions, cfg.max_kept_kv_tokens, cfg.max_keep_s) == (0, 100, 5.0)
 
 
+def test_one_address_may_open_a_stream_per_session_slot_before_its_opens_are_read() -> None:
+    # A gateway bursting a request per session opens that many streams within milliseconds; a bound
+    # below max_sessions closed the first ones before the node read their OPENs (502s under a burst).
+    assert load_config(env={}).resolved_idle_streams_per_address() == 16  # 8 sessions: the floor
+    assert load_config(env={}, flags={"max_sessions": 32}).resolved_idle_streams_per_address() == 64
+    explicit = load_config(env={}, flags={"max_sessions": 32, "max_idle_streams_per_address": 5})
+    assert explicit.resolved_idle_streams_per_address() == 5
+
+
 def dataclasses_frozen_error() -> type[Exception]:
     import dataclasses
 
@@ -73,6 +82,7 @@ def dataclasses_frozen_error() -> type[Exception]:
         ("batch_tokens = 32\n", {}, "batch_tokens must be >= 64"),  # an isolated slice is one ubatch
         ("kv_pool_tokens = 100\n", {}, "kv_pool_tokens must be 0 \\(no pool\\), -1 \\(auto\\) or >= 256"),
         ("max_session_kv_tokens = 8\n", {}, "max_session_kv_tokens must be 0"),
+        ("max_idle_streams_per_address = -1\n", {}, "max_idle_streams_per_address must be >= 0"),
     ],
 )
 def test_config_errors(tmp_path: Path, file_text: str, env: dict[str, str], message: str) -> None:
