@@ -12,7 +12,10 @@ sessions do not speculate (the grammar's state would have to roll back with reje
 
 A node started with a draft model (``draft_model``, :mod:`node.draft_model`) drafts with it instead:
 the machine's ``ProposerFactory`` wraps each session's n-gram proposer in the draft model's, which
-drafts greedily with the small model and falls back on n-gram lookup past its bounds.
+drafts greedily with the small model and falls back on n-gram lookup past its bounds (on a thread of
+its own, drafting the next window ahead: :mod:`node.draft_model`). A request may choose the proposer
+(``SamplingParams.proposer``: n-gram lookup, or the draft model for every window); the machine makes
+the session's drafter accordingly (``FrameServer._drafter``).
 
 With windows in flight (``speculate_windows_in_flight`` > 1, docs/protocol.md) the proposer also
 drafts past the windows still round the ring (:meth:`SessionDrafter.continue_drafts`: it follows
