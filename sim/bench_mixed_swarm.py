@@ -423,6 +423,7 @@ def main() -> None:
     else:
         want = reference(model, prompts, args.new)
         if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text(json.dumps(want))
     print(f"reference: {len(prompts)} requests alone in {time.monotonic() - t0:.0f} s", flush=True)
     result: dict[str, Any] = {
