@@ -210,8 +210,9 @@ def run_layout(
         "--no-benchmark",
         "--kv-pool-tokens",
         str(pool_tokens if name == "pool" else 0),
-        # One gateway opens all its streams from one address: at the default (16) a burst of 32
-        # requests has its oldest streams closed before their OPENs are read (docs/engine.md).
+        # One gateway opens all its streams from one address: the default bound on unproven streams
+        # is twice max_sessions (64 for the pool's 32 sessions, 16 for the slots' 8, which a burst of
+        # 32 would cut before their OPENs are read: docs/engine.md). The same bound for both layouts.
         "--max-idle-streams-per-address",
         str(2 * args.requests),
     ]
