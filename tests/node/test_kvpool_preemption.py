@@ -137,9 +137,11 @@ async def test_the_younger_session_is_preempted_and_the_older_completes_exactly(
         assert engine.pool.used_blocks == blocks_for(old.pos) and old.pos == 240 + 23
         stats = machine.statistics()
         assert stats.preemptions == 1 and stats.sessions == 1
-        # The preempted session is closed here: a late step is refused, nothing reaches the engine.
+        # The preempted session is closed here: a late step is refused as the notice was (PREEMPTED, so
+        # its owner resumes it rather than taking this node for failed), nothing reaches the engine.
         late = await young.step([1])
-        assert late.error.status == status_pb2.STATUS_SESSION_CLOSED
+        assert late.error.status == status_pb2.STATUS_PREEMPTED
+        assert late.error.retry == status_pb2.RETRY_RESUME and late.error.session_closed
         release = codec.release_frame(old.header, step_id=2 + old.pos, expected_kv_len=old.pos)
         await hub.feed(old.conn, codec.serialize_frame(release))
         assert codec.body_kind(await old.recv()) == "closed"
