@@ -208,7 +208,7 @@ class Gateways:
             route = self._choose(pool)
         if route is None:
             return False
-        s.route = list(route)
+        self._set_route(s, list(route))
         for n in route:
             n.sessions[s.id] = s
         self.metrics.stages_per_session[len(route)] += 1
@@ -239,11 +239,20 @@ class Gateways:
         return list(pairs)
 
     # -- the session's work ----------------------------------------------------
+    def _set_route(self, s: Session, route: list[SimNode]) -> None:
+        """The session's route, and with direct push the one-way latency (s) of each hop after
+        each stage: stage i -> stage i + 1, and last -> first (the ring)."""
+        s.route = route
+        if self._push:
+            s.hop_s = [self._one_way_s(a, b) for a, b in zip(route, route[1:] + route[:1], strict=True)]
+        else:
+            s.hop_s = []
+
     def _send(self, s: Session, item: WorkItem, hidden: bool) -> None:
         node = s.route[item.hop]
         n_bytes = item.n_tokens * (self.models[s.model_index].n_embd * 2 if hidden else 4)
-        t = self.loop.now + n_bytes * 8.0 / self._bps + node.gateway_latency_s[s.gateway]
-        self.loop.schedule_at(t, node.arrive, item)
+        loop = self.loop
+        loop.push(loop.now + n_bytes * 8.0 / self._bps + node.gateway_latency_s[s.gateway], node.arrive, item)
 
     def _send_prefill(self, s: Session) -> None:
         chunk = self.cfg.prefill_chunk_tokens
@@ -262,16 +271,17 @@ class Gateways:
         """A stage's output frame left ``node``'s uplink at ``t_sent``."""
         s = item.session
         if self._push:
-            if item.stale:
+            if s.epoch != item.epoch or s.phase == DONE or s.phase == FAILED:  # item.stale
                 return
-            if item.hop < item.last_hop:  # straight to the next stage
-                nxt = s.route[item.hop + 1]
-                item.hop += 1
-                self.loop.schedule_at(t_sent + self._one_way_s(node, nxt), nxt.arrive, item)
+            hop = item.hop
+            if hop < item.last_hop:  # straight to the next stage
+                nxt = s.route[hop + 1]
+                item.hop = hop + 1
+                self.loop.push(t_sent + s.hop_s[hop], nxt.arrive, item)
                 return
             if item.kind != "replay" and item.last_hop == len(s.route) - 1:
                 self._ring(node, item, t_sent)
-            self.loop.schedule_at(t_sent + node.gateway_latency_s[s.gateway], self._pass_done, item)
+            self.loop.push(t_sent + node.gateway_latency_s[s.gateway], self._pass_done, item)
             return
         t_at_gateway = t_sent + node.gateway_latency_s[s.gateway]
         if item.hop < item.last_hop:
@@ -302,9 +312,9 @@ class Gateways:
             s.ring_tokens += 1
         if s.ring_tokens >= s.output_tokens:
             return
-        first = s.route[0]
-        step = WorkItem(s, 0, len(s.route) - 1, 1, float(s.prompt_tokens + s.ring_tokens), True, "decode")
-        self.loop.schedule_at(t_sent + self._one_way_s(last, first), first.arrive, step)
+        route = s.route
+        step = WorkItem(s, 0, len(route) - 1, 1, float(s.prompt_tokens + s.ring_tokens), True, "decode")
+        self.loop.push(t_sent + s.hop_s[-1], route[0].arrive, step)
 
     def _pass_done(self, item: WorkItem) -> None:
         if item.stale:
@@ -359,7 +369,8 @@ class Gateways:
 
     def _end(self, s: Session) -> None:
         self.sessions.pop(s.id, None)
-        route, s.route = s.route, []
+        route = s.route
+        self._set_route(s, [])
         self._release(s, route)
         if route:
             self.drain_queues(s.model_index)
@@ -413,7 +424,7 @@ class Gateways:
         for n in new_route:
             n.sessions[s.id] = s
         changed = [i for i, n in enumerate(new_route) if id(n) not in old]
-        s.route = new_route
+        self._set_route(s, new_route)
         context = s.committed_context
         if not changed or context == 0:
             self._resume(s)

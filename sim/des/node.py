@@ -25,6 +25,8 @@ from sim.des.events import EventLoop
 from sim.des.geography import Endpoint
 from sim.des.hardware import HardwareProfile, StepCost
 
+from sim.des.session import DONE, FAILED
+
 if TYPE_CHECKING:
     from sim.des.session import Session
 
@@ -87,6 +89,9 @@ class SimNode:
         self.start = start
         self.end = end
         self.cost = cost
+        # What it announces (fixed for the node's life): read at every heartbeat's view.
+        self.single_token_ms = cost.single_token_ms
+        self.prefill_tokens_per_s = cost.prefill_tokens_per_s
         self.gateway_latency_s = [ms / 1000.0 for ms in gateway_latency_ms]
         self.is_last = end == n_layers_model
         self._frame_bytes_per_token = 8 if self.is_last else n_embd * 2
@@ -118,7 +123,11 @@ class SimNode:
 
     def arrive(self, item: WorkItem) -> None:
         """Event: a frame of ``item`` reached this node."""
-        if self.state == GONE or self.state == LOADING or item.stale:
+        state = self.state
+        if state == GONE or state == LOADING:
+            return
+        s = item.session
+        if s.epoch != item.epoch or s.phase == DONE or s.phase == FAILED:  # item.stale, inlined
             return
         (self.decode_q if item.decode else self.prefill_q).append(item)
         if not self.busy:
@@ -132,14 +141,16 @@ class SimNode:
         dq, pq = self.decode_q, self.prefill_q
         while dq and decode_tokens < budget:
             it = dq.popleft()
-            if it.stale:
+            s = it.session
+            if s.epoch != it.epoch or s.phase == DONE or s.phase == FAILED:  # stale
                 continue
             batch.append(it)
             decode_tokens += 1
             decode_ctx += it.ctx_work
         while pq:
             it = pq[0]
-            if it.stale:
+            s = it.session
+            if s.epoch != it.epoch or s.phase == DONE or s.phase == FAILED:  # stale
                 pq.popleft()
                 continue
             if batch and decode_tokens + prefill_tokens + it.n_tokens > budget:
@@ -155,22 +166,27 @@ class SimNode:
         self.busy_s += dt
         self.tokens_processed += decode_tokens + prefill_tokens
         self.steps += 1
-        self._loop.schedule_in(dt, self._step_done, batch)
+        loop = self._loop
+        loop.push(loop.now + max(dt, 0.0), self._step_done, batch)  # schedule_in(dt, ...)
 
     def _step_done(self, batch: list[WorkItem]) -> None:
         if self.state == GONE:
             return
         self.busy = False
         now = self._loop.now
+        out = self._on_output
+        bits_per_s = self._uplink_bps
+        free_at = self._uplink_free_at
         for it in batch:
-            if it.stale:
+            s = it.session
+            if s.epoch != it.epoch or s.phase == DONE or s.phase == FAILED:  # stale
                 continue
             # A stage's output frame: hidden states for every token, or the sampled token (last stage).
             n_bytes = (1 if self.is_last else it.n_tokens) * self._frame_bytes_per_token
-            start = now if now > self._uplink_free_at else self._uplink_free_at
-            done = start + n_bytes * 8.0 / self._uplink_bps
-            self._uplink_free_at = done
-            self._on_output(self, it, done)
+            start = now if now > free_at else free_at
+            free_at = start + n_bytes * 8.0 / bits_per_s
+            self._uplink_free_at = free_at
+            out(self, it, free_at)
         if self.decode_q or self.prefill_q:
             self._start_step()
 

@@ -42,6 +42,7 @@ class Session:
         "phase",
         "epoch",
         "route",
+        "hop_s",
         "prefill_tokens_done",
         "tokens_out",
         "last_token_s",
@@ -74,6 +75,9 @@ class Session:
         self.phase = QUEUED
         self.epoch = 0
         self.route: list[SimNode] = []
+        # With direct push: one-way latency (s) from stage i to stage i + 1, the last entry the
+        # ring's (last -> first); set with the route (the gateway's _set_route).
+        self.hop_s: list[float] = []
         self.prefill_tokens_done = 0  # prompt tokens that went through every stage
         self.tokens_out = 0
         self.last_token_s = 0.0
