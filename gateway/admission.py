@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -153,35 +153,77 @@ class KvWaitStats:
     rejected_total: int  # refused at once: the wait was full
     timed_out_total: int  # gave up after kv_wait_s
     waited_s_total: float  # time spent waiting by those that left the wait
+    overdue_total: int = 0  # waiters that reached the starvation bound and went first
+
+
+KV_ADMISSION_ORDERS = ("fifo", "fit", "shortest")
+
+
+@dataclass
+class _Waiting:
+    entered: float
+    seq: int  # arrival order
+    need: int | None  # KV positions it needs on every stage (None: not known yet, taken as fitting)
+    key: str  # the pool it waits for (the model): waiters of different models never block each other
+    bypassed: int = 0  # waiters that arrived after it and were served before it
+    overdue: bool = False  # reached the starvation bound (counted once)
 
 
 class KvWaitPolicy:
-    """Who waits for KV room, first come first served (pure).
+    """Who waits for KV room, and in which order they go (pure).
 
-    A request whose prompt plus ``max_tokens`` fits some route's context but no
-    route's free KV now, and a session a node preempted, wait here::
+    A request whose prompt plus ``max_tokens`` fits some route's context but not the free KV the
+    gateway believes its routes have now (their last heartbeats less what this gateway committed
+    since, :class:`KvLedger`), a request arriving while others of its model wait, and a session a
+    node preempted, wait here::
 
         enter() --> QUEUE  (room in the wait: it waits its turn)
                 --> REJECT (``max_waiters`` already wait -> 503 kv_exhausted)
         QUEUE --leave(served=True)-->  gone (it found a route with room)
               --leave(served=False)--> gone (timed out -> 503 kv_exhausted, or the client left)
 
-    Only the first in line tries the routes again (:meth:`is_first`), so a long
-    request is not overtaken for ever by short ones that happen to fit a gap.
-    Invariants: ``waiting <= max_waiters``; order of arrival is kept.
-    ``Retry-After`` estimates from the mean of the waits served so far.
+    :meth:`next_up` names the one waiter that may try the routes now, given the room each model's
+    routes have (``room(key)``: the most positions one route can take now, None = not known):
+
+    * ``fifo``: the first in line, when it fits; nobody behind it goes before it (head of line).
+    * ``fit``: the first in line that fits.
+    * ``shortest``: of those that fit, the one needing the fewest positions (ties: arrival order).
+
+    Starvation bound (``fit`` and ``shortest``): a waiter that later arrivals went before
+    ``max_bypass`` times, or that waited ``max_wait_s``, is *overdue*: it goes first, and nobody of
+    its model that arrived after it goes until it has (0 turns either bound off). So a waiter is
+    bypassed at most ``max_bypass`` times, and not after ``max_wait_s``.
+
+    Invariants: ``waiting <= max_waiters``; among waiters of equal need, arrival order; the waiter
+    named fits the room given (or the room is not known). ``Retry-After`` estimates from the mean of
+    the waits served so far.
     """
 
-    def __init__(self, max_waiters: int, mean_wait_s: float = 5.0) -> None:
-        if max_waiters < 0:
-            raise ValueError("max_waiters >= 0")
+    def __init__(
+        self,
+        max_waiters: int,
+        mean_wait_s: float = 5.0,
+        *,
+        order: str = "fifo",
+        max_bypass: int = 8,
+        max_wait_s: float = 30.0,
+    ) -> None:
+        if max_waiters < 0 or max_bypass < 0 or max_wait_s < 0:
+            raise ValueError("max_waiters, max_bypass and max_wait_s must be >= 0")
+        if order not in KV_ADMISSION_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(KV_ADMISSION_ORDERS)}, not {order!r}")
         self.max_waiters = max_waiters
-        self._queue: OrderedDict[int, float] = OrderedDict()  # ticket -> when it entered
+        self.order = order
+        self.max_bypass = max_bypass
+        self.max_wait_s = max_wait_s
+        self._queue: OrderedDict[int, _Waiting] = OrderedDict()  # ticket -> its wait, in arrival order
+        self._seq = 0
         self._mean_s = mean_wait_s
         self._waits = 0
         self._served = 0
         self._rejected = 0
         self._timed_out = 0
+        self._overdue = 0
         self._waited_s = 0.0
 
     def stats(self) -> KvWaitStats:
@@ -193,13 +235,16 @@ class KvWaitPolicy:
             self._rejected,
             self._timed_out,
             self._waited_s,
+            self._overdue,
         )
 
     def retry_after_s(self) -> int:
         """Seconds until KV room plausibly comes for one more: the waits ahead of it, each a mean wait."""
         return max(1, min(60, math.ceil(self._mean_s * (len(self._queue) + 1))))
 
-    def enter(self, ticket: int, now: float) -> Decision:
+    def enter(self, ticket: int, now: float, need: int | None = None, key: str = "") -> Decision:
+        if need is not None and need < 0:
+            raise ValueError("need must be >= 0")
         if ticket in self._queue:
             return Decision("queue")
         if len(self._queue) >= self.max_waiters:
@@ -210,9 +255,16 @@ class KvWaitPolicy:
                 f"{len(self._queue)} requests already wait for KV room (the limit)",
                 self.retry_after_s(),
             )
-        self._queue[ticket] = now
+        self._seq += 1
+        self._queue[ticket] = _Waiting(now, self._seq, need, key)
         self._waits += 1
         return Decision("queue")
+
+    def set_need(self, ticket: int, need: int) -> None:
+        """What a waiter needs, once known (its last try computed it)."""
+        waiting = self._queue.get(ticket)
+        if waiting is not None and need >= 0:
+            waiting.need = need
 
     def is_first(self, ticket: int) -> bool:
         return next(iter(self._queue), None) == ticket
@@ -220,17 +272,177 @@ class KvWaitPolicy:
     def is_waiting(self, ticket: int) -> bool:
         return ticket in self._queue
 
+    def waiting_for(self, key: str) -> bool:
+        """Someone waits for room of this model (a newcomer then waits its turn too)."""
+        return any(w.key == key for w in self._queue.values())
+
+    def bypassed(self, ticket: int) -> int:
+        waiting = self._queue.get(ticket)
+        return 0 if waiting is None else waiting.bypassed
+
+    def _is_overdue(self, waiting: _Waiting, now: float) -> bool:
+        if self.order == "fifo":
+            return False  # nobody is ever bypassed
+        return bool(
+            (self.max_bypass and waiting.bypassed >= self.max_bypass)
+            or (self.max_wait_s and now - waiting.entered >= self.max_wait_s)
+        )
+
+    def need(self, ticket: int) -> int | None:
+        waiting = self._queue.get(ticket)
+        return None if waiting is None else waiting.need
+
+    def next_up(self, now: float, room: Callable[[str], int | None], skip: Container[int] = ()) -> int | None:
+        """The waiter that may try the routes now (class docstring), None when none may. ``skip``:
+        waiters already trying (not named again; a first-in-line or overdue one still holds the
+        rest of its model back)."""
+        blocked: set[str] = set()  # models whose first-in-line (fifo) or overdue waiter holds the rest
+        best: tuple[tuple[float, ...], int] | None = None
+        for ticket, w in self._queue.items():
+            if w.key in blocked:
+                continue
+            if ticket in skip:
+                if self.order == "fifo" or self._is_overdue(w, now):
+                    blocked.add(w.key)
+                continue
+            free = room(w.key)
+            fits = w.need is None or free is None or w.need <= free
+            overdue = self._is_overdue(w, now)
+            if overdue and not w.overdue:
+                w.overdue = True
+                self._overdue += 1
+            if overdue or self.order == "fifo":
+                blocked.add(w.key)
+            if not fits:
+                continue
+            if overdue:
+                rank: tuple[float, ...] = (0, w.seq)
+            elif self.order == "shortest":
+                rank = (1, math.inf if w.need is None else w.need, w.seq)
+            else:
+                rank = (1, w.seq)
+            if best is None or rank < best[0]:
+                best = (rank, ticket)
+        return None if best is None else best[1]
+
     def leave(self, ticket: int, now: float, *, served: bool, timed_out: bool = False) -> None:
-        since = self._queue.pop(ticket, None)
-        if since is None:
+        waiting = self._queue.pop(ticket, None)
+        if waiting is None:
             return
-        waited = max(0.0, now - since)
+        waited = max(0.0, now - waiting.entered)
         self._waited_s += waited
         if served:
             self._served += 1
             self._mean_s = 0.8 * self._mean_s + 0.2 * waited
+            for other in self._queue.values():  # everyone of its model that came before was bypassed
+                if other.seq < waiting.seq and other.key == waiting.key:
+                    other.bypassed += 1
         elif timed_out:
             self._timed_out += 1
+
+
+@dataclass
+class _Commit:
+    nodes: tuple[str, ...]
+    tokens: int  # what was committed: the prompt plus max_tokens
+    committed_at: float
+    settled_at: float | None = None  # its whole prompt was in every stage's KV from then (first token)
+    released_at: float | None = None
+    used: int = 0  # positions it held when released (0: gave nothing back we can count on)
+
+
+class KvLedger:
+    """The KV this gateway committed to nodes that their announced free KV may not show yet (pure).
+
+    A node announces its free KV with its heartbeat (at most ``lag_s`` before the tracker's answer
+    that carried it, fetched at ``fetched_at``). A burst of requests admitted on that figure would
+    all see the same free KV, so each admitted session is committed here, on every node of its
+    route, with the positions it needs (prompt plus ``max_tokens``), and :meth:`free` is the
+    announced figure less what the figure cannot show yet:
+
+    * a live session whose whole prompt was not in KV ``lag_s`` before the figure was fetched (not
+      *settled*: its first token had not come) counts in full;
+    * a session this gateway released after the figure was fetched, that was settled before its
+      heartbeat, gives its positions back (``used``: prompt plus generated; 0 when its KV was
+      kept warm or it was never settled -- its KV may not have been counted);
+    * anything else is what the figure shows.
+
+    Conservative where it cannot know (a session half prefilled at the heartbeat counts in full).
+    Bounded: released entries go after ``keep_s``, and at most ``max_entries`` (the oldest released
+    first, then the oldest).
+    """
+
+    def __init__(self, lag_s: float, *, keep_s: float = 120.0, max_entries: int = 4096) -> None:
+        if lag_s < 0 or keep_s < 0 or max_entries < 1:
+            raise ValueError("lag_s >= 0, keep_s >= 0, max_entries >= 1")
+        self.lag_s = lag_s
+        self.keep_s = keep_s
+        self.max_entries = max_entries
+        self._commits: OrderedDict[int, _Commit] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._commits)
+
+    def commit(self, key: int, nodes: Sequence[str], tokens: int, now: float) -> None:
+        """``key`` (one request's choice) now holds ``tokens`` positions on each of ``nodes``
+        (a new commit of the same key replaces the old)."""
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        self._commits.pop(key, None)
+        self._commits[key] = _Commit(tuple(nodes), tokens, now)
+        self._trim(now)
+
+    def settle(self, key: int, now: float) -> None:
+        """The session's whole prompt is in every stage's KV (its first token came)."""
+        c = self._commits.get(key)
+        if c is not None and c.released_at is None and c.settled_at is None:
+            c.settled_at = now
+
+    def release(self, key: int, now: float, used: int = 0) -> None:
+        """The session ended (or was preempted) and every stage freed its KV; ``used`` positions held."""
+        c = self._commits.get(key)
+        if c is None or c.released_at is not None:
+            return
+        c.released_at = now
+        c.used = max(0, min(used, c.tokens)) if c.settled_at is not None else 0
+        self._trim(now)
+
+    def live(self, key: int) -> bool:
+        c = self._commits.get(key)
+        return c is not None and c.released_at is None
+
+    def adjustment(self, node: str, fetched_at: float) -> int:
+        """Positions to add to ``node``'s free KV as announced in an answer fetched at ``fetched_at``."""
+        seen_from = fetched_at - self.lag_s  # the heartbeat behind the figure came no earlier
+        out = 0
+        for c in self._commits.values():
+            if node not in c.nodes:
+                continue
+            shown_used = c.settled_at is not None and c.settled_at < seen_from
+            if c.released_at is None:
+                if not shown_used:
+                    out -= c.tokens
+            elif shown_used and c.released_at > fetched_at:
+                out += c.used
+        return out
+
+    def free(self, node: str, announced: int | None, fetched_at: float) -> int | None:
+        """``node``'s free KV as this gateway believes it: announced plus :meth:`adjustment`, at
+        least 0; None when the node announced nothing."""
+        if announced is None:
+            return None
+        return max(0, announced + self.adjustment(node, fetched_at))
+
+    def _trim(self, now: float) -> None:
+        for key in [
+            k
+            for k, c in self._commits.items()
+            if c.released_at is not None and c.released_at < now - self.keep_s
+        ]:
+            del self._commits[key]
+        while len(self._commits) > self.max_entries:
+            released = next((k for k, c in self._commits.items() if c.released_at is not None), None)
+            del self._commits[released if released is not None else next(iter(self._commits))]
 
 
 def kv_room(free_per_stage: Sequence[int | None]) -> int | None:

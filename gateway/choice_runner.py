@@ -19,6 +19,7 @@ re-run, wait for KV, or give up (the route plan, :mod:`gateway.route_plan`, deci
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import AsyncExitStack
 from typing import NoReturn
 
@@ -27,7 +28,7 @@ import trio
 from common.logs import event
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, KvExhausted, Preempted, StageBusy, StageFailed
-from gateway.gate import KvGate, KvWaiter
+from gateway.gate import KvGate, KvShort, KvWaiter
 from gateway.generation import Event, Finished
 from gateway.jobs import Fork, Job, Progress, deliver
 from gateway.metrics import Metrics
@@ -131,9 +132,10 @@ class ChoiceRunner:
     ) -> KvWaiter:
         """Enter the KV wait (or stay in it) and wait for this request's turn to try the routes again;
         KvExhausted when the wait is full or ``kv_wait_s`` passed."""
+        need = error.need_tokens if isinstance(error, KvShort) else None
         if waiter is None or not self.kv_gate.policy.is_waiting(waiter.ticket):
             try:
-                waiter = self.kv_gate.enter()
+                waiter = self.kv_gate.enter(job.model_key or job.request.model, need, id(job.request))
             except KvExhausted:
                 self.metrics.inc("swarm_gateway_kv_waits_total", outcome="rejected")
                 if progress.preempted_since is not None:
@@ -142,18 +144,21 @@ class ChoiceRunner:
             event(
                 log, "kv_wait", request_id=job.request_id, choice=progress.index, reason=error.message[:300]
             )
+        elif need is not None:
+            waiter.set_need(need)
         try:
             # A preemption's retry_after hint is not slept: the wait itself is the pause (until another
             # session ends, at most kv_retry_s), and the node answers again if it still has no room.
-            await waiter.turn()
+            stale = await waiter.turn(after_try=not (isinstance(error, KvShort) and error.queued))
         except KvExhausted:
             self.metrics.inc("swarm_gateway_kv_waits_total", outcome="timed_out")
             self.metrics.observe("swarm_gateway_kv_wait_seconds", self.config.kv_wait_s)
             if progress.preempted_since is not None:
                 self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
             raise
-        # The announced free KV is as old as the route cache: look again (the first in line only).
-        self.routes.invalidate(job.model_key or job.request.model)
+        if stale:
+            # Let through on no figure (nothing changed for kv_retry_s): look at fresh ones.
+            self.routes.invalidate(job.model_key or job.request.model)
         return waiter
 
     def _kv_left(self, waiter: KvWaiter) -> None:
@@ -180,6 +185,7 @@ class ChoiceRunner:
         while True:
             in_body = False
             failed_before = progress.last_failure
+            held = 0  # positions the session held on its stages when it ended (for the KV ledger)
             try:
                 async with AsyncExitStack() as stack:
                     session, prepared = await self.opener.open(
@@ -204,7 +210,11 @@ class ChoiceRunner:
                         if index == 0:
                             self.metrics.inc("swarm_gateway_prompt_tokens_total", progress.prompt_tokens)
                             task_status.started()
-                    reason = await self._generate(job, session, prepared, send, arrived, progress, fork)
+                    try:
+                        reason = await self._generate(job, session, prepared, send, arrived, progress, fork)
+                    finally:
+                        if not self.choice.warm(request):  # kept warm: its KV stays on the route
+                            held = len(prepared.prompt) + len(progress.generated)
                     session.finished = True
                     progress.finish_reason = reason
                     if index == 0:
@@ -266,6 +276,11 @@ class ChoiceRunner:
             finally:
                 if fork is not None and index == 0 and not fork.ready.is_set():
                     fork.ready.set()  # choice 0 failed before its first token: the others try alone
+                # The session is closed on every stage (or never opened): what it held goes back.
+                if fork is None or index == 0:  # choices 1.. share choice 0's key (and route)
+                    self.kv_gate.ledger.release(id(request), time.time(), held)
+                self.kv_gate.not_holding(id(progress))
+                self.kv_gate.changed_now()
 
     def _too_many_preemptions(self, progress: Progress, err: GatewayError) -> NoReturn:
         self.metrics.inc("swarm_gateway_preemptions_total", outcome="failed")
@@ -327,6 +342,9 @@ class ChoiceRunner:
                     )
                     fork.firsts = (first, *sampled.choices)
                     fork.ready.set()
+        # Every stage holds the whole prompt (and, on a resume, the tokens replayed) from here on.
+        self.kv_gate.ledger.settle(id(request), time.time())
+        self.kv_gate.holding(id(progress), tuple(h.node_id for h in prepared.route.hops))
         if progress.preempted_since is not None:
             self.metrics.inc("swarm_gateway_preemptions_total", outcome="resumed")
             event(

@@ -24,6 +24,7 @@ ENV_PREFIX = "SWARM_GATEWAY_"
 
 BATCH_ISOLATION_MODES = ("auto", "off", "checked", "all")
 UNCONFIRMED_ROUTES = ("serve", "refuse")
+KV_ADMISSION_ORDERS = ("fifo", "fit", "shortest")  # gateway.admission.KV_ADMISSION_ORDERS
 DATA_PLANES = ("push", "relay")
 ACTIVATION_ENCODINGS = ("f32", "f16", "int8", "auto")
 COMPACTION_POLICIES = ("drop_oldest", "summary")
@@ -95,6 +96,30 @@ class GatewayConfig:
         1.0,
         "while waiting for KV room, the first in line tries again this often (at once when a session of"
         " this gateway ends)",
+    )
+    kv_admission: str = _admission(
+        "shortest",
+        "in which order requests waiting for KV room go: fifo (first come; nobody passes the first in "
+        "line) | fit (the first in line that fits the room this gateway believes free) | shortest (of "
+        "those that fit, the one needing the fewest positions: prompt plus max_tokens); fit and "
+        "shortest are bounded by kv_admission_max_bypass and kv_admission_max_wait_s "
+        "(docs/concurrency.md, the KV wait)",
+        choices=KV_ADMISSION_ORDERS,
+    )
+    kv_admission_max_bypass: int = _admission(
+        8,
+        "a request waiting for KV room that later ones went before this many times goes first, and "
+        "nobody after it goes until it has (0 = no bound by count)",
+    )
+    kv_admission_max_wait_s: float = _admission(
+        30.0,
+        "a request that waited this long for KV room goes first, and nobody after it goes until it has "
+        "(0 = no bound by time)",
+    )
+    kv_heartbeat_lag_s: float = _admission(
+        15.0,
+        "how much older than the tracker's answer a node's announced free KV may be (its heartbeat "
+        "interval and some): KV this gateway committed since then is taken off the figure",
     )
     exact_resume: bool = _plane(
         True,
@@ -412,6 +437,9 @@ class GatewayConfig:
             "max_queue",
             "max_sessions_per_client",
             "max_kv_waiters",
+            "kv_admission_max_bypass",
+            "kv_admission_max_wait_s",
+            "kv_heartbeat_lag_s",
             "max_preemptions",
             "anonymous_max_tokens",
             "anonymous_tokens_per_minute",

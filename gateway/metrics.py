@@ -153,6 +153,19 @@ SPECS: dict[str, m.Spec] = {
         "requests refused with 413 prompt_too_long (prompt plus max_tokens past every route's context)"
     ),
     "swarm_gateway_kv_waiting": m.gauge("requests and preempted sessions waiting for KV room now"),
+    "swarm_gateway_kv_overdue_total": m.counter(
+        "requests waiting for KV room that reached the starvation bound (kv_admission_max_bypass or "
+        "kv_admission_max_wait_s) and went first",
+        scraped=True,
+    ),
+    "swarm_gateway_kv_holding_sessions": m.gauge(
+        "this gateway's sessions holding their whole prompt on the node now (from their first token to "
+        "their end or preemption)",
+        "node",
+    ),
+    "swarm_gateway_kv_holding_sessions_peak": m.gauge(
+        "the most of this gateway's sessions that held their whole prompt on the node at once", "node"
+    ),
     "swarm_gateway_sessions_active": m.gauge("Route Sessions running now"),
     "swarm_gateway_requests_queued": m.gauge("requests waiting for a session slot"),
     "swarm_gateway_route_inflight_sessions": m.gauge(

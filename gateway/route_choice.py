@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from gateway import tools
 from gateway.admission import fits_kv, kv_room, kv_verdict
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidRequest, KvExhausted, NoRoute, StageFailed
+from gateway.gate import KvGate, KvShort
 from gateway.groups import single_exception
 from gateway.metrics import Metrics
 from gateway.prefix_cache import Hit, Kept, PrefixCache
@@ -72,6 +74,7 @@ class RouteChoice:
         prefix: PrefixCache,
         spot: SpotChecks,
         kv_retry_after_s: Callable[[], int],
+        kv_gate: KvGate | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -81,6 +84,7 @@ class RouteChoice:
         self.prefix = prefix
         self.spot = spot
         self._kv_retry_after_s = kv_retry_after_s
+        self.kv_gate = kv_gate  # its ledger: the KV this gateway committed since the heartbeats
 
     async def fits(self, request: GenerationRequest, model: str) -> bool:
         """Whether the request's prompt plus max_tokens fits a route of ``model`` now: the prompt is
@@ -160,7 +164,7 @@ class RouteChoice:
         except BaseException:
             self.routes.release(route)
             raise
-        route, prepared = await self._kv_fit(request, route, prepared, candidates)
+        route, prepared = await self._kv_fit(request, route, prepared, candidates, model)
         if not self.warm(request):
             return route, prepared, None
         hit = self.prefix.lookup(client, route.model_fingerprint, prepared.prompt, trio.current_time())
@@ -338,36 +342,78 @@ class RouteChoice:
         self.metrics.inc("swarm_gateway_prompt_too_long_total")
         raise too_long.refusal(largest)
 
+    def _free(self, route: Route) -> list[int | None]:
+        """Each stage's free KV as this gateway believes it: announced less what it committed since
+        (gateway.admission.KvLedger)."""
+        if self.kv_gate is None:
+            return [h.kv_free_tokens for h in route.hops]
+        ledger = self.kv_gate.ledger
+        return [ledger.free(h.node_id, h.kv_free_tokens, route.fetched_at_s) for h in route.hops]
+
+    def kv_room_now(self, model: str) -> int | None:
+        """The most positions one cached route of ``model`` can take now, as this gateway believes
+        (None: not known -- no answer, or a stage announced nothing)."""
+        cached = self.routes.cached(model)
+        if cached is None or not cached.routes:
+            return None
+        rooms = [kv_room(self._free(r)) for r in cached.routes]
+        if any(r is None for r in rooms):
+            return None
+        return max(r for r in rooms if r is not None)
+
+    def _commit(self, request: GenerationRequest, route: Route, need: int) -> None:
+        if self.kv_gate is not None:
+            self.kv_gate.ledger.commit(id(request), [h.node_id for h in route.hops], need, time.time())
+
     async def _kv_fit(
-        self, request: GenerationRequest, route: Route, prepared: Prepared, candidates: list[Route]
+        self,
+        request: GenerationRequest,
+        route: Route,
+        prepared: Prepared,
+        candidates: list[Route],
+        model: str = "",
     ) -> tuple[Route, Prepared]:
-        """The picked route, or another candidate when the picked one's nodes announced less free KV
-        than the prompt plus max_tokens needs and the other's did not (gateway.admission.fits_kv).
-        When no candidate announced room: :class:`KvExhausted`, which the caller waits out in the
-        KV wait (gateway.gate.KvGate) -- the request fits a route's context (``prepare`` checked),
-        not the free KV now."""
+        """The picked route, or another candidate when the picked one's nodes have less free KV than
+        the prompt plus max_tokens needs and the other's do not (gateway.admission.fits_kv, on the
+        free KV this gateway believes: :meth:`_free`). When no candidate has room, or others of the
+        model wait for KV room before it (its turn comes in the wait): :class:`KvExhausted`, which the
+        caller waits out in the KV wait (gateway.gate.KvGate) -- the request fits a route's context
+        (``prepare`` checked), not the free KV now. The route returned has the request's need
+        committed in the ledger (the caller releases it)."""
         need = len(prepared.prompt) + (request.max_tokens or 1)  # a pool grows on demand: no max_tokens, no
-        if fits_kv([h.kv_free_tokens for h in route.hops], need):
+        if self.kv_gate is not None and self.kv_gate.must_wait(id(request), model):
+            self.routes.release(route)
+            raise KvShort(
+                f"other requests wait for KV room before this one ({need} positions)",
+                need_tokens=need,
+                queued=True,
+                retry_after_s=self._kv_retry_after_s(),
+            )
+        if fits_kv(self._free(route), need):
+            self._commit(request, route, need)
             return route, prepared
-        roomy = [
-            r for r in candidates if r is not route and fits_kv([h.kv_free_tokens for h in r.hops], need)
-        ]
+        roomy = [r for r in candidates if r is not route and fits_kv(self._free(r), need)]
         if not roomy:
-            rooms = [kv_room([h.kv_free_tokens for h in r.hops]) for r in candidates]
+            rooms = [kv_room(self._free(r)) for r in candidates]
             if kv_verdict(need, None, rooms) == "wait":
                 self.routes.release(route)
-                raise KvExhausted(
+                raise KvShort(
                     f"no route announced {need} free KV positions (the prompt's {len(prepared.prompt)} "
                     f"plus max_tokens)",
+                    need_tokens=need,
                     retry_after_s=self._kv_retry_after_s(),
                 )
+            self._commit(request, route, need)
             return route, prepared
         self.routes.release(route)
         other = self.routes.acquire(roomy)
+        self._commit(request, other, need)
         try:
             return other, await self.prepare(request, other)
         except BaseException:
             self.routes.release(other)
+            if self.kv_gate is not None:
+                self.kv_gate.ledger.release(id(request), time.time())
             raise
 
 

@@ -112,6 +112,9 @@ class Route:
     ring_rtt_ms: float | None = None  # estimated round trip last stage <-> first stage (the decode ring)
     exit_rtt_ms: float | None = None  # estimated round trip last stage <-> this gateway
     n_embd: int = 0  # the model's width (what a stage sends the next per token); 0 = not said
+    # When this gateway got the answer (its clock): the hops' kv_free_tokens are at most one heartbeat
+    # older (gateway.admission.KvLedger); -inf = not known.
+    fetched_at_s: float = -math.inf
 
     @property
     def stage_loads(self) -> tuple[StageLoad, ...] | None:
@@ -239,6 +242,7 @@ def parse_routes(body: dict[str, Any], now_s: float) -> ModelRoutes:
                     _opt_float(r.get("ring_rtt_ms")),
                     _opt_float(r.get("exit_rtt_ms")),
                     _opt_count(model.get("n_embd")) or 0,
+                    now_s,
                 )
             )
         raw_kv = body.get("kv")
@@ -521,6 +525,10 @@ class RouteCache:
         cached = self._models.get(model)
         if cached is not None:
             self._models[model] = dataclasses.replace(cached, fetched_at_s=-math.inf)
+
+    def cached(self, model: str) -> ModelRoutes | None:
+        """The last answer for ``model`` (fresh or not), without asking the tracker."""
+        return self._models.get(model)
 
     def route_load(self, route: Route) -> int:
         """Sessions this gateway runs on the route's nodes (a refresh may pair the same nodes differently)."""

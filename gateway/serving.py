@@ -34,7 +34,7 @@ from common.logs import event
 from common.tracker_client import TrackerClient, TrackerClientError
 from gateway import structured, tools
 from gateway.access import Access, anonymous_limits
-from gateway.admission import AdmissionPolicy, KvWaitPolicy
+from gateway.admission import AdmissionPolicy, KvLedger, KvWaitPolicy
 from gateway.api_keys import AuthPolicy, Principal
 from gateway.catalog import ModelCatalog
 from gateway.checks import CHECK_TOP_LOGPROBS
@@ -88,7 +88,16 @@ class GatewayService:
             queue_timeout_s=config.queue_timeout_s,
         )
         self.kv_gate = KvGate(
-            KvWaitPolicy(config.max_kv_waiters), wait_s=config.kv_wait_s, retry_s=config.kv_retry_s
+            KvWaitPolicy(
+                config.max_kv_waiters,
+                order=config.kv_admission,
+                max_bypass=config.kv_admission_max_bypass,
+                max_wait_s=config.kv_admission_max_wait_s,
+            ),
+            wait_s=config.kv_wait_s,
+            retry_s=config.kv_retry_s,
+            ledger=KvLedger(config.kv_heartbeat_lag_s),
+            room=lambda model: self.choice.kv_room_now(model),
         )
         self.routes = RouteCache(
             tracker,
@@ -140,6 +149,7 @@ class GatewayService:
             self.prefix,
             self.spot,
             lambda: self.kv_gate.policy.retry_after_s(),
+            self.kv_gate,
         )
         checks_on = config.check_fraction > 0 or config.probation_checks > 0
         self.opener = RouteOpener(
@@ -204,6 +214,13 @@ class GatewayService:
             "swarm_gateway_sessions_active": {(): float(stats.active)},
             "swarm_gateway_requests_queued": {(): float(stats.queued)},
             "swarm_gateway_kv_waiting": {(): float(self.kv_gate.statistics().waiting)},
+            "swarm_gateway_kv_overdue_total": {(): float(self.kv_gate.statistics().overdue_total)},
+            "swarm_gateway_kv_holding_sessions": {
+                (("node", n),): float(v) for n, v in self.kv_gate.holding_now().items()
+            },
+            "swarm_gateway_kv_holding_sessions_peak": {
+                (("node", n),): float(v) for n, v in self.kv_gate.holding_peak().items()
+            },
             "swarm_gateway_route_inflight_sessions": inflight,
             "swarm_gateway_routes_cached": cached,
             "swarm_gateway_conversations_live": {(): float(len(self.conversations))},

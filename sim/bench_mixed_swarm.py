@@ -55,6 +55,7 @@ import httpx
 import openai
 
 from common.vocab import Vocabulary
+from gateway.admission import KV_ADMISSION_ORDERS as ORDERS
 from node.llama_runtime import ContextSettings
 from node.reference import ReferenceModel
 from node.testmodel import test_model_path
@@ -201,9 +202,22 @@ def ask(swarm: LocalSwarm, prompt: list[int], n_new: int) -> dict[str, Any]:
     }
 
 
+def whole_prompt_peaks(gw: dict[str, float], node_ids: list[str]) -> list[int]:
+    """Each node's most sessions holding their whole prompt at once, from the gateway's
+    ``swarm_gateway_kv_holding_sessions_peak{node=...}`` (counted as they happen, not sampled)."""
+    return [int(gw.get(f'swarm_gateway_kv_holding_sessions_peak{{node="{n}"}}', 0)) for n in node_ids]
+
+
 def run_layout(
-    name: str, workdir: Path, model: Path, prompts: list[list[int]], want: list[str], args: argparse.Namespace
+    label: str,
+    workdir: Path,
+    model: Path,
+    prompts: list[list[int]],
+    want: list[str],
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
+    name, _, order = label.partition(":")
+    order = order or "fifo"
     pool_tokens = 16384 // args.scale
     slot = 2048 // args.scale
     node_args = [
@@ -216,21 +230,36 @@ def run_layout(
         "--max-idle-streams-per-address",
         str(2 * args.requests),
     ]
+    gateway_args = [
+        "--max-sessions",
+        str(args.gateway_sessions),
+        *GATEWAY_ARGS,
+        "--kv-admission",
+        order,
+        "--kv-admission-max-bypass",
+        str(args.max_bypass),
+        "--kv-admission-max-wait-s",
+        str(args.max_wait_s),
+    ]
     swarm = start_local_swarm(
-        workdir / name,
+        workdir / label.replace(":", "-"),
         model=model,
         n_nodes=2,
         layers=["0:15", "15:30"],
         max_sessions=32 if name == "pool" else 8,
         session_kv_tokens=slot,
         node_args=node_args,
-        gateway_args=["--max-sessions", str(args.gateway_sessions), *GATEWAY_ARGS],
+        gateway_args=gateway_args,
         timeout_s=300,
         trust_nodes=args.trust_nodes,
     )
     groups: list[Cgroup | None] = []
     try:
         node_urls = [f"http://127.0.0.1:{n.admin_port}/metrics" for n in swarm.nodes]
+        node_ids = [
+            str(httpx.get(f"http://127.0.0.1:{n.admin_port}/status", timeout=10).json()["node_id"])
+            for n in swarm.nodes
+        ]
         gw_url = swarm.base_url.removesuffix("/v1") + "/metrics"
         if args.cgroup_mb:
             stamp = int(time.time())
@@ -286,7 +315,9 @@ def run_layout(
                 refused[key] = refused.get(key, 0) + 1
         return {
             "layout": name,
+            "kv_admission": order,
             "node_args": node_args,
+            "gateway_args": gateway_args,
             "max_sessions": 32 if name == "pool" else 8,
             "wall_s": round(wall, 1),
             "completed": sum(r["status"] == 200 for r in rows),
@@ -294,6 +325,8 @@ def run_layout(
             "identical": sum(r["identical"] for r in rows),
             "differing_but_identical_alone": sum(bool(r.get("alone_identical")) for r in rows),
             "most_sessions_at_once": sampler.peak_sessions,
+            "most_whole_prompt_at_once": whole_prompt_peaks(after_gw, node_ids),
+            "gateway_kv_overdue": delta_gw("swarm_gateway_kv_overdue_total"),
             "most_pool_blocks_used": sampler.peak_used_blocks,
             "node_preemptions": [
                 m.get("swarm_node_kv_preemptions_total", 0) - b.get("swarm_node_kv_preemptions_total", 0)
@@ -350,7 +383,8 @@ def print_table(result: dict[str, Any]) -> None:
         ("refused", "failed or refused (by HTTP status)"),
         ("identical", "identical to the request alone (reference)"),
         ("differing_but_identical_alone", "differing under load, identical sent alone"),
-        ("most_sessions_at_once", "most sessions at once (node 1 / node 2)"),
+        ("most_whole_prompt_at_once", "most sessions holding their whole prompt at once (node 1 / node 2)"),
+        ("most_sessions_at_once", "most sessions open at once (node 1 / node 2)"),
         ("most_pool_blocks_used", "most pool blocks used"),
         ("node_preemptions", "node preemptions"),
         ("node_pool_refusals", "node pool refusals"),
@@ -370,11 +404,15 @@ def print_table(result: dict[str, Any]) -> None:
     print("|---|" + "---|" * len(layouts))
     for key, label in keys:
         print(f"| {label} | " + " | ".join(_fmt(result["layouts"][n][key]) for n in layouts) + " |")
-    if "pool" in layouts and "slots" in layouts:
-        a = max(result["layouts"]["pool"]["most_sessions_at_once"])
-        b = max(result["layouts"]["slots"]["most_sessions_at_once"])
-        result["most_at_once_pool_over_slots"] = round(a / max(1, b), 2)
-        print(f"most at once, pool / slots: {result['most_at_once_pool_over_slots']}")
+    rows = result["layouts"]
+    if "slots" in rows:
+        base = max(rows["slots"].get("most_whole_prompt_at_once") or rows["slots"]["most_sessions_at_once"])
+        for label, row in rows.items():
+            if label == "slots" or "most_whole_prompt_at_once" not in row:
+                continue
+            ratio = round(max(row["most_whole_prompt_at_once"]) / max(1, base), 2)
+            result.setdefault("whole_prompt_at_once_over_slots", {})[label] = ratio
+            print(f"most sessions holding their whole prompt at once, {label} / slots: {ratio}")
 
 
 def main() -> None:
@@ -383,7 +421,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16, help="greedy tokens per request")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--scale", type=int, default=1, help="divide prompt lengths, pool and slots by this")
-    ap.add_argument("--layouts", default="pool,slots", help="comma-separated: pool, slots")
+    ap.add_argument(
+        "--layouts",
+        default="pool:shortest,pool:fifo,slots",
+        help="comma-separated: pool[:ORDER] (the gateway's --kv-admission: fifo, fit, shortest) and slots",
+    )
+    ap.add_argument("--max-bypass", type=int, default=8, help="the gateway's --kv-admission-max-bypass")
+    ap.add_argument("--max-wait-s", type=float, default=30.0, help="the gateway's --kv-admission-max-wait-s")
     ap.add_argument(
         "--cgroup-mb", type=int, default=4096, help="each node in a memory cgroup of this (0: none)"
     )
@@ -409,8 +453,11 @@ def main() -> None:
         print_table(json.loads(args.table.read_text()))
         return
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    if not layouts or any(x not in ("pool", "slots") for x in layouts):
-        raise SystemExit("--layouts takes pool and/or slots")
+    if not layouts or any(
+        x != "slots" and not (x.partition(":")[0] == "pool" and x.partition(":")[2] in ("", *ORDERS))
+        for x in layouts
+    ):
+        raise SystemExit(f"--layouts takes pool[:ORDER] (ORDER: {', '.join(ORDERS)}) and slots")
     if args.requests < 1 or args.new < 1 or args.scale < 1 or args.gateway_sessions < 1:
         raise SystemExit("--requests, --new, --scale and --gateway-sessions must be >= 1")
     model = test_model_path()
@@ -435,7 +482,6 @@ def main() -> None:
         "seed": args.seed,
         "scale": args.scale,
         "kv_positions_per_node": 16384 // args.scale,
-        "gateway_args": ["--max-sessions", str(args.gateway_sessions), *GATEWAY_ARGS],
         "trusted_nodes": args.trust_nodes,
         "layouts": {},
     }
