@@ -76,7 +76,11 @@ What a liar can do (and what it cannot)
     * Many identities (Sybils) are out of scope: each one is placed only by its
       own claims, and each pair with an honest node is checked from both sides.
     * Gateways cannot be measured back (they accept no gRPC): a gateway's claims
-      place only that gateway, and so only change its own routes.
+      place only that gateway, and so only change its own routes. For that reason
+      they are *vouched* (``refit(vouched=True)``): counted as confirmed, never
+      filtered as outliers -- with no pair ever two-sided, the filter alone would
+      decide which of a gateway's claims count, and it can drop the claims about the
+      nodes nearest it for good.
 
 Bounds
     A claim's RTT is in ``[MIN_RTT_MS, MAX_RTT_MS]`` (others are skipped); a refit looks at most
@@ -256,6 +260,8 @@ def observations(
     claims_about: Mapping[str, float],
     peers: Mapping[str, NetCoord | None],
     params: VivaldiParams = DEFAULT_PARAMS,
+    *,
+    vouched: bool = False,
 ) -> tuple[list[Observation], int, int]:
     """The observations one endpoint's refit uses (see the module docstring), in a fixed
     order, with the number of two-sided pairs and how many of them are disputed.
@@ -265,7 +271,13 @@ def observations(
     for a known peer without one yet (it counts as the origin, so a new swarm can start);
     a peer id missing from ``peers`` is not a known endpoint and is skipped. At most
     ``MAX_OBSERVATIONS``, sorted by peer id. A claim only the peer made is not used here
-    (see :func:`probe_back`)."""
+    (see :func:`probe_back`).
+
+    ``vouched``: the endpoint's one-sided claims count as confirmed (never filtered as outliers).
+    For a gateway: nobody can measure a gateway back, so without this none of its pairs is ever
+    confirmed, and the outlier filter alone decides which of its claims count -- it can drop the
+    claims about the nodes nearest the gateway, the legs its routes use most, for good (see
+    docs/tracker.md, Network coordinates). Its claims still place only the gateway itself."""
     out: list[Observation] = []
     both = disputes = 0
     ratio = params.dispute_ratio
@@ -284,7 +296,7 @@ def observations(
             confirmed = hi <= AGREE_RATIO * lo + DISPUTE_SLACK_MS
             rtt = hi
         else:
-            confirmed = False
+            confirmed = vouched
         out.append(Observation(peer_id, peers[peer_id] or ORIGIN, rtt, confirmed))
     return out[:MAX_OBSERVATIONS], both, disputes
 
@@ -329,6 +341,7 @@ def refit(
     *,
     key: str = "",
     eager: bool = True,
+    vouched: bool = False,
 ) -> NetCoord | None:
     """The endpoint's new coordinate, or its old one (None: still unknown) when it has no
     observation of a known peer. A first coordinate starts at :func:`first_position` of
@@ -347,8 +360,11 @@ def refit(
     report the distance it would otherwise cover in several. A settled endpoint (error at most
     ``EAGER_ERROR``) gets exactly one update, as before. Only the tracker's refit does this; the
     simulator's array refit (:func:`update_arrays`) takes one update per report, as this does
-    with ``eager=False``."""
-    obs, both, disputes = observations(own_claims, claims_about, peers, params)
+    with ``eager=False``.
+
+    ``vouched``: the endpoint's one-sided claims count as confirmed (a gateway's; see
+    :func:`observations`)."""
+    obs, both, disputes = observations(own_claims, claims_about, peers, params, vouched=vouched)
     start = own if own is not None else first_position(key, own_claims)
     new = update(start, obs, params) if obs else own
     if eager and new is not None and obs and not disputes and _eager(own):

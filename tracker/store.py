@@ -380,7 +380,8 @@ class Store:
             mine = {p: r for p, (r, _) in table.items()}
             peers = self._coordinates(s, set(mine) | set(about))
             own = _coord_of(own_row)
-            new = coordinates.refit(own, mine, about, peers, key=reporter_id)
+            vouched = isinstance(own_row, Gateway)  # nobody measures a gateway back: see observations()
+            new = coordinates.refit(own, mine, about, peers, key=reporter_id, vouched=vouched)
             if new is not None and new != own:
                 _set_coord(own_row, new, now_s)
             wanted = coordinates.probe_back(mine, about, 4 * probe_back_max)
