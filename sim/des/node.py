@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from sim.des.events import EventLoop
 from sim.des.geography import Endpoint
 from sim.des.hardware import HardwareProfile, StepCost
-
 from sim.des.session import DONE, FAILED
 
 if TYPE_CHECKING:

@@ -56,6 +56,7 @@ class SnapshotCache:
         self._max_pairs_nodes = max_latency_pairs_nodes
         self._nodes: dict[str, SimNode] = {}  # serving or loading
         self._views: dict[str, ShardView] = {}  # latest view of every node ever seen (also draining, gone)
+        self._fields: dict[str, dict[str, object]] = {}  # node id -> its view's fields (see _view)
         # The two snapshots' contents, kept current so a rebuild is a C-level tuple(dict.values()).
         self._placed_views: dict[str, ShardView] = {}  # loading or serving
         self._routable_views: dict[str, ShardView] = {}  # serving
@@ -190,19 +191,37 @@ class SnapshotCache:
 
     def _view(self, node: SimNode) -> ShardView:
         loading = node.state == LOADING
-        positioned = self._coords is not None
-        return ShardView(
-            node_id=node.node_id,
-            model_fingerprint=node.model_fingerprint,
-            start=node.start,
-            end=node.end,
-            decode_ms_per_token=node.single_token_ms,
-            prefill_tokens_per_s=node.prefill_tokens_per_s,
-            active_sessions=0 if loading else len(node.sessions),
-            max_sessions=node.profile.max_sessions,
-            queue_depth=0 if loading else node.queue_depth,
-            address=node.node_id,
-            region=node.endpoint.region,
-            coord=self._coords.coord(node.node_id) if self._coords is not None else None,
-            uplink_mbit_s=node.profile.uplink_mbps if positioned else None,
-        )
+        active = 0 if loading else len(node.sessions)
+        queued = 0 if loading else node.queue_depth
+        coord = self._coords.coord(node.node_id) if self._coords is not None else None
+        fields = self._fields.get(node.node_id)
+        if fields is None:
+            view = ShardView(
+                node_id=node.node_id,
+                model_fingerprint=node.model_fingerprint,
+                start=node.start,
+                end=node.end,
+                decode_ms_per_token=node.single_token_ms,
+                prefill_tokens_per_s=node.prefill_tokens_per_s,
+                active_sessions=active,
+                max_sessions=node.profile.max_sessions,
+                queue_depth=queued,
+                address=node.node_id,
+                region=node.endpoint.region,
+                coord=coord,
+                uplink_mbit_s=node.profile.uplink_mbps if self._coords is not None else None,
+            )
+            self._fields[node.node_id] = dict(vars(view))
+            return view
+        # The same view as ShardView(...) above (only load and coordinate change between a node's
+        # views), made by copying the node's fields: the generated __init__ of a frozen dataclass
+        # sets its 25 fields one by one, and this runs for every node at every heartbeat.
+        fields["active_sessions"] = active
+        fields["queue_depth"] = queued
+        fields["coord"] = coord
+        view = _new_view(ShardView)
+        view.__dict__.update(fields)
+        return view
+
+
+_new_view = object.__new__
