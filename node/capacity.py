@@ -109,9 +109,10 @@ class Sizing:
             best = k
         return best
 
-    def split_gpu(self, start: int, end: int, gpu_free_bytes: int) -> int:
-        """How many of the span's layers (from its end, as llama.cpp offloads) fit in device memory."""
-        room = gpu_free_bytes - GPU_MARGIN_BYTES
+    def split_gpu(self, start: int, end: int, gpu_free_bytes: int, reserve_bytes: int = 0) -> int:
+        """How many of the span's layers (from its end, as llama.cpp offloads) fit in device memory
+        (less :data:`GPU_MARGIN_BYTES` and ``reserve_bytes``: the KV pool's attention mask)."""
+        room = gpu_free_bytes - GPU_MARGIN_BYTES - reserve_bytes
         count = 0
         for il in range(end - 1, start - 1, -1):
             need = self.layer_bytes[il] + self.kv_bytes_per_layer[il]
@@ -159,14 +160,150 @@ def auto_pool_tokens(
     ``copies`` times the span's KV bytes per position (1: the per-sequence layouts, sparse or
     resident; 2: the unified layout, whose compaction makes a transient copy of the used KV:
     node.engine) plus llama.cpp's attention mask (f32, ``n_batch`` rows, one per position). A
-    multiple of 256 (llama.cpp's padding); 0 when nothing is left.
+    multiple of 256 (llama.cpp's padding); 0 when nothing is left. The RAM-only case of
+    :func:`pool_size` (no layer offloaded).
     """
-    kv = sum(sizing.kv_bytes_per_layer[start:end])
-    if kv <= 0 or sized_positions <= 0:
-        return 0
-    per_position = copies * kv / sized_positions + 4 * n_batch
-    room = budget_bytes * (1 - POOL_MARGIN) - (sizing.span_bytes(start, end) - kv)
-    return max(0, int(room / per_position) // 256 * 256)
+    return pool_size(sizing, start, end, budget_bytes, sized_positions, n_batch, copies=copies).tokens
+
+
+# ------------------------------------------------------------------ the pool against RAM and devices
+
+
+@dataclass(frozen=True)
+class DeviceRoom:
+    """A device llama.cpp offloads to, as the pool sizing sees it: its name and its free bytes now
+    (before this node's weights are loaded: ``ggml_backend_dev_memory``, else the vendor's tool)."""
+
+    name: str
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolBound:
+    """One memory's limit on the KV pool: what it has left for KV after what it holds besides, and
+    what one pool position costs in it."""
+
+    memory: str  # "RAM (<the binding limit>)" or "GPU <device>"
+    room_bytes: float  # after the weights, the fixed overhead and the margin (< 0: nothing left)
+    bytes_per_position: float  # KV (and copies, and the attention mask's row) of one position here
+
+    @property
+    def tokens(self) -> int:
+        """Positions that fit, a multiple of 256 (llama.cpp's padding); 0 when nothing is left."""
+        if self.room_bytes < 0:
+            return 0
+        if self.bytes_per_position <= 0:
+            return 1 << 40  # this memory holds none of the pool's KV: no limit from it
+        return max(0, int(self.room_bytes / self.bytes_per_position) // 256 * 256)
+
+    def holds(self, tokens: int) -> bool:
+        return tokens * self.bytes_per_position <= self.room_bytes
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The pool's positions: the least that any memory holding part of its KV allows."""
+
+    bounds: tuple[PoolBound, ...]  # RAM first, then each device that holds offloaded layers
+
+    @property
+    def binding(self) -> PoolBound:
+        return min(self.bounds, key=lambda b: b.tokens)  # the first (RAM) on a tie
+
+    @property
+    def tokens(self) -> int:
+        return self.binding.tokens
+
+
+def offload_plan(n_layers: int, n_gpu_layers: int, device_free: Sequence[int]) -> list[int | None]:
+    """Where llama.cpp puts each of a shard's ``n_layers`` layers and its output (index ``n_layers``):
+    a device's index, or None for the CPU. The last ``n_gpu_layers`` go to the devices (more than
+    ``n_layers``: the output too), spread over them in proportion to their free memory, in device
+    order (llama.cpp's default layer split, ``tensor_split`` unset)."""
+    if n_gpu_layers <= 0 or not device_free:
+        return [None] * (n_layers + 1)
+    first = max(n_layers - n_gpu_layers, 0)
+    active = min(n_gpu_layers, n_layers + 1)
+    free = [max(0, f) for f in device_free]
+    if sum(free) == 0:
+        free = [1] * len(free)  # no device reports free memory: an even split
+    # The split points, cumulative shares of the free memory (exact here; llama.cpp sums floats, so a
+    # layer exactly on a split point may land on the other device there).
+    splits = [sum(free[: i + 1]) / sum(free) for i in range(len(free))]
+    plan: list[int | None] = []
+    for il in range(n_layers + 1):
+        if il < first or il - first >= active:
+            plan.append(None)
+            continue
+        point = (il - first) / active
+        plan.append(
+            min(next((i for i, s in enumerate(splits) if s > point), len(splits) - 1), len(splits) - 1)
+        )
+    return plan
+
+
+def pool_size(
+    sizing: Sizing,
+    start: int,
+    end: int,
+    budget_bytes: int,
+    sized_positions: int,
+    n_batch: int,
+    *,
+    copies: int = 1,
+    gpu_layers: int = 0,
+    devices: Sequence[DeviceRoom] = (),
+    budget_source: str = "budget",
+    ram_margin: float = POOL_MARGIN,
+) -> PoolSize:
+    """The KV pool the span ``[start, end)`` leaves room for, bounded by RAM and by every device.
+
+    ``sizing`` prices ``sized_positions`` KV positions per layer. llama.cpp keeps each layer's KV on
+    that layer's device (``offload_kqv``, its default), so of the shard's layers (llama.cpp's plan:
+    :func:`offload_plan` with ``gpu_layers`` over ``devices``) those on the CPU take their weights and
+    KV from ``budget_bytes`` less ``ram_margin`` of it, and those offloaded take theirs from their
+    device's free bytes less :data:`GPU_MARGIN_BYTES` (its compute buffer and driver). RAM also holds
+    the fixed overhead, the token table (first stage), the LM head (last stage: counted in RAM even
+    when offloaded, a conservative bound), the unified layout's compaction copy of *all* the KV
+    (``copies`` = 2: a host copy) and the attention mask's row (f32, ``n_batch`` per position); a
+    device holding layers holds a copy of the mask too, and the LM head when the output is offloaded.
+
+    With nothing offloaded, only RAM bounds it (:func:`auto_pool_tokens`).
+    """
+    end = min(end, sizing.n_layers)
+    span = list(range(start, end))
+    plan = offload_plan(len(span), gpu_layers, [d.free_bytes for d in devices])
+    kv_all = sum(sizing.kv_bytes_per_layer[start:end])
+    on_cpu = [il for il, where in zip(span, plan, strict=False) if where is None]
+    ram_weights = sizing.span_bytes(start, end) - kv_all
+    ram_weights -= sum(sizing.layer_bytes[il] for il in span if il not in on_cpu)
+    ram_kv = sum(sizing.kv_bytes_per_layer[il] for il in on_cpu) + (copies - 1) * kv_all
+    mask = 4.0 * n_batch
+    bounds = [
+        PoolBound(
+            f"RAM ({budget_source})",
+            budget_bytes * (1 - ram_margin) - ram_weights,
+            ram_kv / sized_positions + mask if kv_all > 0 and sized_positions > 0 else 0.0,
+        )
+    ]
+    for index, device in enumerate(devices):
+        layers = [il for il, where in zip(span, plan, strict=False) if where == index]
+        output_here = plan[-1] == index and end == sizing.n_layers
+        if not layers and not output_here:
+            continue
+        weights = sum(sizing.layer_bytes[il] for il in layers)
+        weights += sizing.last_extra_bytes if output_here else 0
+        kv = sum(sizing.kv_bytes_per_layer[il] for il in layers)
+        bounds.append(
+            PoolBound(
+                f"GPU {device.name}",
+                float(device.free_bytes - GPU_MARGIN_BYTES - weights),
+                kv / sized_positions + mask if sized_positions > 0 else 0.0,
+            )
+        )
+    if kv_all <= 0 or sized_positions <= 0:  # nothing to price positions by: no pool
+        bounds[0] = PoolBound(bounds[0].memory, 0.0, 1.0)
+    return PoolSize(tuple(bounds))
 
 
 def compute_buffer_bytes(shape: ModelShape, n_batch: int, *, is_last: bool = True) -> int:
@@ -175,6 +312,15 @@ def compute_buffer_bytes(shape: ModelShape, n_batch: int, *, is_last: bool = Tru
     per_position = 8 * shape.n_embd + 3 * shape.n_ff
     logits = shape.n_vocab * n_batch if is_last else 0
     return 4 * (n_batch * per_position + logits)
+
+
+def priced_positions(max_sessions: int, session_kv_tokens: int, kv_pool_tokens: int = 0) -> int:
+    """The KV positions a node's sizing prices: an explicit pool's (``kv_pool_tokens`` > 0), else
+    ``max_sessions`` sequences of ``session_kv_tokens`` each, padded (as llama.cpp pads a sequence's
+    context) to a multiple of 256 -- what the automatic pool's layers are sized with."""
+    if kv_pool_tokens > 0:
+        return kv_pool_tokens
+    return max_sessions * (-(-session_kv_tokens // 256) * 256)
 
 
 def sizing_for(
@@ -187,10 +333,12 @@ def sizing_for(
     n_batch: int,
     kv_type: str = "f16",
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+    kv_positions: int = 0,
 ) -> Sizing:
-    """The sizing of a model for a node with these settings (``globals_bytes``: non-block tensors)."""
-    # llama.cpp pads each sequence's context to a multiple of 256 positions.
-    n_ctx = max_sessions * (-(-session_kv_tokens // 256) * 256)
+    """The sizing of a model for a node with these settings (``globals_bytes``: non-block tensors);
+    its KV priced at ``kv_positions`` (an explicit pool's), else ``max_sessions`` sequences of
+    ``session_kv_tokens`` (:func:`priced_positions`)."""
+    n_ctx = kv_positions or priced_positions(max_sessions, session_kv_tokens)
     per_elem = KV_TYPE_BYTES.get(kv_type, 2.0)
     kv = tuple(int(n_ctx * w * per_elem) for w in shape.kv_width_per_layer)
     embd = int(globals_bytes.get("token_embd.weight", 0))

@@ -807,6 +807,9 @@ class NodeDaemon:
             "memory_budget_source": j.budget.source if j.budget else None,
             "gpu_layers": j.gpu_layers,
             "gpu": j.device.description if j.device else None,
+            # The pool's positions each memory holds (RAM, each device) and the one that bound it.
+            "kv_pool_bounds": j.kv_pool_bounds,
+            "kv_pool_bound_by": j.kv_pool_bound_by or None,
             "backend": self.engine.backend,
             "join_s": round(j.join_s, 3),
             "serving_span_bytes": self.tensors.statistics().bytes_sent if self.tensors is not None else None,

@@ -2,7 +2,11 @@
 
 GPUs are found through the vendors' tools when they are installed
 (``nvidia-smi``, ``rocm-smi``), else through llama.cpp's own device list;
-none of it is required. The backends list ``cpu`` always, and the GPU backend
+none of it is required. The free device memory the KV pool is sized by
+(:func:`offload_rooms`) comes from llama.cpp's device API
+(``ggml_backend_dev_memory``), falling back to ``nvidia-smi``'s
+``memory.free`` for a CUDA device llama.cpp reports no memory of. The
+backends list ``cpu`` always, and the GPU backend
 (``cuda``, ``vulkan``, ``metal`` ...) plus ``gpu-offload`` only when this node
 actually offloads layers of its shard (a build that could offload but does
 not says nothing about it). Nothing here fails the node: a probe that cannot
@@ -15,9 +19,15 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from node.capacity import DeviceRoom
 from proto.announce import Gpu, Hardware
+
+if TYPE_CHECKING:
+    from node.llama_runtime import Device
 
 log = logging.getLogger("swarm.node.hardware")
 
@@ -54,6 +64,44 @@ def rocm_gpus() -> list[Gpu]:
         if len(parts) >= 2 and parts[1].isdigit():
             gpus.append(Gpu(f"amd {parts[0]}"[:200], int(parts[1])))
     return gpus
+
+
+def nvidia_free_bytes() -> list[int]:
+    """Free memory of each NVIDIA GPU, in ``nvidia-smi``'s order; [] without the tool."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    found = []
+    for line in _run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"]).splitlines():
+        try:
+            found.append(int(float(line.strip())) * 1024 * 1024)
+        except ValueError:
+            continue
+    return found
+
+
+def llama_offload_targets(devices: Sequence[Device]) -> list[Device]:
+    """Of ggml's devices, those llama.cpp spreads offloaded layers over by default: the dedicated
+    GPUs, or the integrated ones where there is no dedicated GPU."""
+    gpus = [d for d in devices if d.kind == "gpu"]
+    return gpus or [d for d in devices if d.kind == "igpu"]
+
+
+def offload_rooms(
+    devices: Sequence[Device], vendor_free: Callable[[], list[int]] = nvidia_free_bytes
+) -> list[DeviceRoom]:
+    """The free memory of each device llama.cpp offloads to (llama.cpp's own figure), in its order;
+    a CUDA device it reports no memory of takes ``nvidia-smi``'s figure for the same index among
+    the CUDA devices (best effort: CUDA's device order may differ from ``nvidia-smi``'s), else 0."""
+    rooms, cuda_index, vendor = [], 0, None
+    for d in llama_offload_targets(devices):
+        free = d.free_bytes
+        if d.backend == "cuda":
+            if free <= 0:
+                vendor = vendor_free() if vendor is None else vendor
+                free = vendor[cuda_index] if cuda_index < len(vendor) else 0
+            cuda_index += 1
+        rooms.append(DeviceRoom(f"{d.name} ({d.description})" if d.description else d.name, max(0, free)))
+    return rooms
 
 
 def llama_backends(offloading: str | None = None) -> list[str]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +50,15 @@ from node.assemble import (
     resolve,
 )
 from node.capacity import (
+    GPU_MARGIN_BYTES,
+    POOL_MARGIN,
+    DeviceRoom,
     MemoryLimit,
     ModelShape,
     Sizing,
-    auto_pool_tokens,
     memory_limits,
+    pool_size,
+    priced_positions,
     sizing_for,
     span_budget_bytes,
 )
@@ -62,6 +66,7 @@ from node.config import NodeConfig
 from node.errors import CapacityError, NotGGUFError
 from node.fetch import FetchStatistics
 from node.fingerprint import load_manifest, local_manifest
+from node.hardware import llama_offload_targets, offload_rooms
 from node.llama_runtime import Device, offload_devices
 from node.manifest import Manifest
 from node.progress import Progress
@@ -92,6 +97,8 @@ class Joined:
     device: Device | None
     join_s: float
     kv_pool_tokens: int = 0  # kv_pool_tokens = -1: the pool sized from the memory the span leaves
+    kv_pool_bounds: dict[str, int] | None = None  # positions each memory holds (RAM, each device)
+    kv_pool_bound_by: str = ""  # the memory that bound the automatic pool
 
 
 def _memory_bytes(cfg: NodeConfig) -> int:
@@ -112,13 +119,28 @@ def model_sizing(meta: ModelMeta, manifest: Manifest, reader_path: Path, cfg: No
         session_kv_tokens=cfg.session_kv_tokens,
         n_batch=cfg.batch_tokens,
         overhead_bytes=cfg.memory_overhead_mb * 1024 * 1024,
+        kv_positions=_priced(cfg),
     )
 
 
-def _gpu_device(cfg: NodeConfig) -> Device | None:
+DeviceSource = Callable[[], list[Device]]  # ggml's devices and their free memory now (injected in tests)
+
+
+def _mask_bytes(cfg: NodeConfig) -> int:
+    """llama.cpp's attention mask over the priced positions (f32, one row per batch position): a
+    device holding layers holds a copy of it."""
+    return 4 * cfg.batch_tokens * _priced(cfg)
+
+
+def _priced(cfg: NodeConfig) -> int:
+    """The KV positions the node's sizing prices: an explicit pool's, else max_sessions sequences."""
+    return priced_positions(cfg.max_sessions, cfg.session_kv_tokens, cfg.kv_pool_tokens)
+
+
+def _gpu_device(cfg: NodeConfig, source: DeviceSource = offload_devices) -> Device | None:
     if cfg.gpu_layers == "0":
         return None
-    devices = offload_devices()
+    devices = llama_offload_targets(source())
     if not devices:
         event(
             log,
@@ -144,17 +166,28 @@ def gpu_layer_count(
     if cfg.gpu_layers == "auto":
         if sizing is None:
             return 0
-        k = sizing.split_gpu(start, end, device.free_bytes)
-        return n + 1 if k == n else k
+        mask = _mask_bytes(cfg)
+        k = sizing.split_gpu(start, end, device.free_bytes, mask)
+        if k < n or end < sizing.n_layers:  # some layers stay on the CPU, or no LM head in the shard
+            return n + 1 if k == n else k
+        # Every layer fits: the output (the LM head) goes too when it fits beside them.
+        used = sum(sizing.layer_bytes[il] + sizing.kv_bytes_per_layer[il] for il in range(start, end))
+        left = device.free_bytes - GPU_MARGIN_BYTES - mask - used
+        return n + 1 if left >= sizing.last_extra_bytes else n
     return min(int(cfg.gpu_layers), n + 1)
 
 
 class _Joiner:
-    def __init__(self, cfg: NodeConfig, key: Any, tracker_url: str) -> None:
+    def __init__(
+        self, cfg: NodeConfig, key: Any, tracker_url: str, devices: DeviceSource = offload_devices
+    ) -> None:
         self.cfg = cfg
         self.key = key
         self.tracker_url = tracker_url
         self.cache = cfg.resolved_cache_dir()
+        self.devices = devices
+        self.pool_bounds: dict[str, int] | None = None  # set by _pool_tokens
+        self.pool_bound_by = ""
 
     @contextlib.asynccontextmanager
     async def _clients(self) -> AsyncIterator[tuple[httpx.AsyncClient, Any, Any]]:
@@ -196,7 +229,7 @@ class _Joiner:
             prepared = await prepare_remote(source, self.cache, sources)
             meta = prepared.meta
             sizing, budget, capacity, device = None, None, 0, None
-            if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens < 0:
+            if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens != 0:
                 sizing, budget, capacity, device = await self._size(
                     meta, source.manifest, prepared.header_file
                 )
@@ -209,8 +242,10 @@ class _Joiner:
                 stall_timeout_s=cfg.fetch_stall_timeout_s, slow_bytes_per_s=float(cfg.fetch_slow_bytes_per_s),
             )  # fmt: skip
         if device is None and cfg.gpu_layers not in ("0", "auto"):
-            device = await run_sync(_gpu_device, cfg)
+            device = await run_sync(_gpu_device, cfg, self.devices)
         self._warn_if_too_big(sizing, budget, start, end, device)
+        gpu_layers = gpu_layer_count(cfg, sizing, start, end, device)
+        pool = self._pool_tokens(sizing, budget, start, end, gpu_layers, await self._rooms(gpu_layers))
         return Joined(
             files=done.files,
             manifest=source.manifest,
@@ -220,42 +255,88 @@ class _Joiner:
             capacity_layers=capacity,
             budget=budget,
             sizing=sizing,
-            gpu_layers=gpu_layer_count(cfg, sizing, start, end, device),
+            gpu_layers=gpu_layers,
             device=device,
             join_s=time.monotonic() - t0,
-            kv_pool_tokens=self._pool_tokens(sizing, budget, start, end),
+            kv_pool_tokens=pool,
+            kv_pool_bounds=self.pool_bounds,
+            kv_pool_bound_by=self.pool_bound_by,
         )
 
-    def _pool_tokens(self, sizing: Sizing | None, budget: MemoryLimit | None, start: int, end: int) -> int:
-        """The configured KV pool, or (kv_pool_tokens = -1) what the span leaves of the memory budget."""
+    async def _rooms(self, gpu_layers: int) -> list[DeviceRoom]:
+        """The free memory of the devices the offloaded layers go to (none offloaded: none)."""
+        if gpu_layers <= 0:
+            return []
+        return await run_sync(lambda: offload_rooms(self.devices()))
+
+    def _pool_tokens(
+        self,
+        sizing: Sizing | None,
+        budget: MemoryLimit | None,
+        start: int,
+        end: int,
+        gpu_layers: int = 0,
+        devices: list[DeviceRoom] | tuple[DeviceRoom, ...] = (),
+    ) -> int:
+        """The KV pool's positions: with kv_pool_tokens = -1 what the span leaves of RAM (the memory
+        budget) and of each device its offloaded layers are on, the least of them; a configured pool,
+        checked against the same memories (a clear error when one cannot hold it)."""
         cfg = self.cfg
-        if cfg.kv_pool_tokens >= 0:
-            return cfg.kv_pool_tokens
+        if cfg.kv_pool_tokens == 0:
+            return 0
         if sizing is None or budget is None:
+            if cfg.kv_pool_tokens > 0:
+                return cfg.kv_pool_tokens
             raise CapacityError("kv_pool_tokens = -1 needs the node's memory sizing, which was not made")
         end = min(end, sizing.n_layers)
-        sized = cfg.max_sessions * (-(-cfg.session_kv_tokens // 256) * 256)
-        copies = 2 if cfg.kv_pool_layout == "unified" else 1  # the unified layout's compaction copy
-        tokens = auto_pool_tokens(sizing, start, end, budget.bytes, sized, cfg.batch_tokens, copies=copies)
-        if tokens < 256:
+        explicit = cfg.kv_pool_tokens > 0
+        size = pool_size(
+            sizing, start, end, budget.bytes, _priced(cfg), cfg.batch_tokens,
+            copies=2 if cfg.kv_pool_layout == "unified" else 1,  # the unified layout's compaction copy
+            gpu_layers=gpu_layers, devices=devices, budget_source=budget.source,
+            ram_margin=0.0 if explicit else POOL_MARGIN,  # a configured pool may use the whole budget
+        )  # fmt: skip
+        bounds = {b.memory: b.tokens for b in size.bounds}
+        self.pool_bounds = bounds
+        if explicit:
+            short = [b for b in size.bounds if not b.holds(cfg.kv_pool_tokens)]
+            if short:
+                b = short[0]
+                need_mib = cfg.kv_pool_tokens * b.bytes_per_position / 2**20
+                raise CapacityError(
+                    f"kv_pool_tokens = {cfg.kv_pool_tokens} does not fit {b.memory}: its KV there needs "
+                    f"{need_mib:.0f} MiB and layers [{start}, {end}) "
+                    f"leave {max(0.0, b.room_bytes) / 2**20:.0f} MiB (at most {b.tokens} positions): lower "
+                    "kv_pool_tokens (-1 sizes it from the memory), serve fewer layers, or offload fewer"
+                )
+            event(log, "kv_pool_checked", kv_pool_tokens=cfg.kv_pool_tokens, fits=bounds)
+            return cfg.kv_pool_tokens
+        binding = size.binding
+        self.pool_bound_by = binding.memory
+        if size.tokens < 256:
             raise CapacityError(
-                f"the memory left after layers [{start}, {end}) ({budget.bytes / 2**20:.0f} MiB budget, "
-                f"from {budget.source}) holds no KV pool: serve fewer layers or raise memory_limit_mb"
+                f"the memory left after layers [{start}, {end}) holds no KV pool: {binding.memory} has "
+                f"{max(0.0, binding.room_bytes) / 2**20:.0f} MiB left "
+                f"({budget.bytes / 2**20:.0f} MiB budget, from {budget.source}): serve fewer layers, "
+                "offload fewer, or raise memory_limit_mb"
             )
         event(
             log,
             "kv_pool_sized",
-            kv_pool_tokens=tokens,
+            kv_pool_tokens=size.tokens,
+            bound_by=binding.memory,
+            bounds=bounds,
+            gpu_layers=gpu_layers,
             budget_bytes=budget.bytes,
             budget_source=budget.source,
         )
-        return tokens
+        return size.tokens
 
     async def _local(self, path: Path, t0: float) -> Joined:
         cfg = self.cfg
         sizing, budget, capacity, device = None, None, 0, None
         meta: ModelMeta | None = None
-        if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens < 0:
+        if cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens != 0:
             found, whole = await run_sync(self._local_meta, path)
             sizing, budget, capacity, device = await self._size(found, whole, path)
             meta = found
@@ -269,8 +350,10 @@ class _Joiner:
         stored: Manifest | None = await run_sync(load_manifest, self.cache, files.model.fingerprint)
         manifest = stored if stored is not None else await run_sync(local_manifest, path, self.cache)
         if device is None and cfg.gpu_layers not in ("0", "auto"):
-            device = await run_sync(_gpu_device, cfg)
+            device = await run_sync(_gpu_device, cfg, self.devices)
         self._warn_if_too_big(sizing, budget, start, end, device)
+        gpu_layers = gpu_layer_count(cfg, sizing, start, end, device)
+        pool = self._pool_tokens(sizing, budget, start, end, gpu_layers, await self._rooms(gpu_layers))
         return Joined(
             files=files,
             manifest=manifest,
@@ -280,10 +363,12 @@ class _Joiner:
             capacity_layers=capacity,
             budget=budget,
             sizing=sizing,
-            gpu_layers=gpu_layer_count(cfg, sizing, start, end, device),
+            gpu_layers=gpu_layers,
             device=device,
             join_s=time.monotonic() - t0,
-            kv_pool_tokens=self._pool_tokens(sizing, budget, start, end),
+            kv_pool_tokens=pool,
+            kv_pool_bounds=self.pool_bounds,
+            kv_pool_bound_by=self.pool_bound_by,
         )
 
     def _local_meta(self, path: Path) -> tuple[ModelMeta, Manifest]:
@@ -308,11 +393,11 @@ class _Joiner:
         sizing = await run_sync(model_sizing, meta, manifest, reader_path, cfg)
         limits = await run_sync(memory_limits, _memory_bytes(cfg))
         budget = limits[-1]
-        device = await run_sync(_gpu_device, cfg) if cfg.gpu_layers == "auto" else None
+        device = await run_sync(_gpu_device, cfg, self.devices) if cfg.gpu_layers == "auto" else None
         ram_layers = sizing.max_layers(span_budget_bytes(budget.bytes, auto_pool=cfg.kv_pool_tokens < 0))
         gpu_layers = 0
         if device is not None:
-            gpu_layers = sizing.split_gpu(0, meta.n_layers, device.free_bytes)
+            gpu_layers = sizing.split_gpu(0, meta.n_layers, device.free_bytes, _mask_bytes(cfg))
         capacity = min(meta.n_layers, ram_layers + gpu_layers)
         if cfg.capacity_layers:
             capacity = min(capacity, cfg.capacity_layers)
@@ -333,14 +418,16 @@ class _Joiner:
             capacity_layers_setting=cfg.capacity_layers,
             gpu=device.description if device else None,
         )
-        if capacity < 1:
+        if capacity < 1 and (cfg.layers == "auto" or cfg.gpu_layers == "auto" or cfg.kv_pool_tokens < 0):
             need = sizing.fixed_bytes + min(
                 sizing.layer_bytes[i] + sizing.kv_bytes_per_layer[i] for i in range(sizing.n_layers)
             )
             raise CapacityError(
                 f"this node's memory ({budget.bytes / 2**20:.0f} MiB, from {budget.source}) cannot hold even "
                 f"one layer of {meta.name} (one layer with its KV and the node's fixed overhead needs "
-                f"{need / 2**20:.0f} MiB): lower max_sessions or session_kv_tokens, or raise memory_limit_mb"
+                f"{need / 2**20:.0f} MiB): lower "
+                + ("kv_pool_tokens" if cfg.kv_pool_tokens > 0 else "max_sessions or session_kv_tokens")
+                + ", or raise memory_limit_mb"
             )
         return sizing, budget, capacity, device
 
@@ -349,7 +436,7 @@ class _Joiner:
     ) -> bool:
         if sizing is None or budget is None:
             return True
-        on_gpu = sizing.split_gpu(a, b, device.free_bytes) if device is not None else 0
+        on_gpu = sizing.split_gpu(a, b, device.free_bytes, _mask_bytes(self.cfg)) if device is not None else 0
         ram = sizing.span_bytes(a, b) - sum(
             sizing.layer_bytes[i] + sizing.kv_bytes_per_layer[i] for i in range(b - on_gpu, b)
         )
