@@ -368,15 +368,18 @@ class KvLedger:
     * anything else is what the figure shows.
 
     Conservative where it cannot know (a session half prefilled at the heartbeat counts in full).
-    Bounded: released entries go after ``keep_s``, and at most ``max_entries`` (the oldest released
-    first, then the oldest).
+    Bounded: released entries go after ``keep_s``, live ones (never released: a path that forgot)
+    after ``live_s``, and at most ``max_entries`` (the oldest released first, then the oldest).
     """
 
-    def __init__(self, lag_s: float, *, keep_s: float = 120.0, max_entries: int = 4096) -> None:
-        if lag_s < 0 or keep_s < 0 or max_entries < 1:
-            raise ValueError("lag_s >= 0, keep_s >= 0, max_entries >= 1")
+    def __init__(
+        self, lag_s: float, *, keep_s: float = 120.0, live_s: float = 3600.0, max_entries: int = 4096
+    ) -> None:
+        if lag_s < 0 or keep_s < 0 or live_s <= 0 or max_entries < 1:
+            raise ValueError("lag_s >= 0, keep_s >= 0, live_s > 0, max_entries >= 1")
         self.lag_s = lag_s
         self.keep_s = keep_s
+        self.live_s = live_s
         self.max_entries = max_entries
         self._commits: OrderedDict[int, _Commit] = OrderedDict()
 
@@ -434,11 +437,13 @@ class KvLedger:
         return max(0, announced + self.adjustment(node, fetched_at))
 
     def _trim(self, now: float) -> None:
-        for key in [
+        gone = [
             k
             for k, c in self._commits.items()
-            if c.released_at is not None and c.released_at < now - self.keep_s
-        ]:
+            if (c.released_at is not None and c.released_at < now - self.keep_s)
+            or (c.released_at is None and c.committed_at < now - self.live_s)
+        ]
+        for key in gone:
             del self._commits[key]
         while len(self._commits) > self.max_entries:
             released = next((k for k, c in self._commits.items() if c.released_at is not None), None)

@@ -173,6 +173,10 @@ def test_the_ledger_takes_a_burst_off_a_stale_figure_and_gives_back_what_it_show
     # Bounded: released entries go after keep_s, and the count is capped.
     ledger.commit(4, ["n1"], 1, 200.0)
     assert not any(ledger.live(k) for k in (1, 2)) and len(ledger) == 2
+    forgot = KvLedger(lag_s=1.0, live_s=100.0)
+    forgot.commit(1, ["n"], 5, 0.0)
+    forgot.commit(2, ["n"], 5, 150.0)  # 1 was never released: gone after live_s
+    assert not forgot.live(1) and forgot.live(2) and len(forgot) == 1
     small = KvLedger(lag_s=1.0, max_entries=3)
     for k in range(10):
         small.commit(k, ["n"], 1, float(k))
