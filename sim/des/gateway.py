@@ -323,8 +323,9 @@ class Gateways:
         now = self.loop.now
         if item.kind == "decode":
             s.tokens_out += 1
-            self.metrics.token()
-            self.metrics.inter_token_s.append(now - s.last_token_s)
+            metrics = self.metrics
+            metrics.tokens_delivered += 1  # metrics.token()
+            metrics.inter_token_s.append(now - s.last_token_s)
             s.last_token_s = now
             if s.tokens_out >= s.output_tokens:
                 self._complete(s)

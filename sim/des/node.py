@@ -160,7 +160,14 @@ class SimNode:
             prefill_ctx += it.ctx_work
         if not batch:
             return
-        dt = self.cost.step_ms(decode_tokens, prefill_tokens, decode_ctx, prefill_ctx) / 1000.0
+        c = self.cost  # c.step_ms(decode_tokens, prefill_tokens, decode_ctx, prefill_ctx), written out
+        dt = (
+            c.fixed_ms
+            + c.per_decode_token_ms * decode_tokens
+            + c.per_prefill_token_ms * prefill_tokens
+            + c.per_ctx_token_ms * decode_ctx
+            + c.per_prefill_ctx_token_ms * prefill_ctx
+        ) / 1000.0
         self.busy = True
         self.busy_s += dt
         self.tokens_processed += decode_tokens + prefill_tokens
