@@ -84,7 +84,12 @@ add up to the time from the step's start to its latest report, which is the
 step's time when the reports arrive in stage order. A step cut by a stage
 replacement is timed again from its re-send in the next epoch (the replacement
 itself is the recovery's time, not the step's); timings are kept for at most
-``TIMED_STEPS`` steps at once.
+``TIMED_STEPS`` steps at once. With windows in flight a new head may carry the
+step id of a window it discarded (ids follow positions), and a stage before the
+last may have reported that window already: a stage's second report of a step id
+that differs from its first (other positions or output digest) replaces it, as
+the first one was the discarded window's; the same report again (a replayed
+reply) changes nothing.
 
 Invariants: tokens are emitted in position order, once each; a stage's KV is
 freed by RELEASE/CANCEL when the session ends (or by the node's lease when it
@@ -341,6 +346,16 @@ def _sampled(frame: frame_pb2.Frame) -> Sampled | None:
     return Sampled(first.token_id, first.logprob, first.top_logprobs, first.end_of_generation, tuple(others))
 
 
+# What a stage's report of a decode step said: its positions and output digest. Two reports of one step
+# id from one stage that differ here are two windows (windows in flight: a head reusing a discarded
+# window's id), the same again a replayed reply.
+_ReportMark = tuple[int, int, bytes]
+
+
+def _report_mark(frame: frame_pb2.Frame) -> _ReportMark:
+    return int(frame.positions.start), int(frame.positions.end), bytes(frame.result.output_digest)
+
+
 def _window_tokens(frame: frame_pb2.Frame) -> list[Sampled]:
     """The tokens a decode window produced (a last stage's result with ``drafts``), in position order."""
     return [
@@ -456,9 +471,10 @@ class RouteMachine:
         self._reuse_open = config.kv_source is not None and config.kv_source[1] > 0
         named = None if config.kv_source is None else parse_source_id(config.kv_source[0])
         self._shorter_ok = named is not None and len(named[0]) > 1
-        # Decode timings (module docstring): step id -> when it started, and -> {stage: report time}.
+        # Decode timings (module docstring): step id -> when it started, and -> {stage: (report time,
+        # what the report said: positions and output digest)}.
         self._step_started: dict[int, float] = {}
-        self._step_reports: dict[int, dict[int, float]] = {}
+        self._step_reports: dict[int, dict[int, tuple[float, _ReportMark]]] = {}
 
     # -- small helpers ------------------------------------------------------------------------------
 
@@ -559,15 +575,18 @@ class RouteMachine:
         self._step_started.clear()
         self._step_reports.clear()
 
-    def _timed(self, k: int, step_id: int, now: float) -> list[Command]:
-        """Stage ``k`` reported decode step ``step_id``: the step's time (last stage), and every stage's
-        share once all of them reported it. A report may come before the gateway learnt that the step
-        started (stage 0's report overtaking the last stage's report of the step before); the last
-        report of a step always comes after its start."""
+    def _timed(self, k: int, frame: frame_pb2.Frame, now: float) -> list[Command]:
+        """Stage ``k`` reported decode step ``frame.step_id``: the step's time (last stage), and every
+        stage's share once all of them reported it. A report may come before the gateway learnt that
+        the step started (stage 0's report overtaking the last stage's report of the step before); the
+        last report of a step always comes after its start. A stage's second report of the step id
+        replaces its first unless it is the same report (module docstring: windows in flight)."""
+        step_id = int(frame.step_id)
+        mark = _report_mark(frame)
         seen = self._step_reports.setdefault(step_id, {})
-        if k in seen:
+        if k in seen and seen[k][1] == mark:
             return []  # a duplicate report
-        seen[k] = now
+        seen[k] = (now, mark)
         self._bound_timing()
         started = self._step_started.get(step_id)
         if started is None:
@@ -578,7 +597,7 @@ class RouteMachine:
         if len(seen) == self.n:
             previous = started
             for j in range(self.n):
-                at = seen[j]
+                at = seen[j][0]
                 out.append(HopTimed(j, self._stages[j].spec.node_id, max(0.0, at - previous)))
                 previous = max(previous, at)
             del self._step_started[step_id]
@@ -890,7 +909,7 @@ class RouteMachine:
                 return self._maybe_closed(now)
             if kind == "result" and frame.phase == frame_pb2.PHASE_DECODE:
                 # The last step's earlier stages may report after the last stage (and the stop).
-                return self._timed(k, int(frame.step_id), now)
+                return self._timed(k, frame, now)
             return []
         if kind == "open_ack":
             return self._acked(k, frame, now)
@@ -941,7 +960,7 @@ class RouteMachine:
                 )
             )
         if self.phase == _RUNNING and frame.phase == frame_pb2.PHASE_DECODE:
-            reported += self._timed(k, int(frame.step_id), now)
+            reported += self._timed(k, frame, now)
         if self.phase == _RECOVERING:
             rec = self._recovery
             if rec is not None and rec.replaying and k == rec.index and end >= self.committed:
