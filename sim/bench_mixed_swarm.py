@@ -82,6 +82,10 @@ GATEWAY_ARGS = [
     # (30 s a decode step, 120 s a prefill step): this measures memory and exactness, not latency.
     "--open-timeout-s",
     "30",
+    # ... and a node's Info answer (the default 1.5 s, then the node is avoided for 60 s) under a
+    # load average of 10-15 from the other sessions on this machine:
+    "--dial-timeout-s",
+    "30",
     "--decode-step-timeout-s",
     "300",
     "--prefill-step-timeout-s",
