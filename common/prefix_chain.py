@@ -64,6 +64,27 @@ def chain(fingerprint: str, tokens: Sequence[int], *, start: bytes | None = None
     return out
 
 
+def tails(parent: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """The **tail hashes** of the first 1, 2, ... ``len(tokens)`` tokens after the whole block whose
+    chain hash is ``parent`` (at most ``BLOCK_TOKENS - 1`` tokens: a whole block has a chain hash).
+    A KvSource names them (longest first, before the whole blocks' hashes) to ask for the positions
+    of a prompt that agree with a kept session's inside its next block: a node holding ``parent``
+    copies as far as its own tokens give one of them, else falls back to the whole blocks. Like a
+    chain hash, computing one needs the tokens."""
+    if len(tokens) >= BLOCK_TOKENS:
+        raise ValueError(f"a tail holds at most {BLOCK_TOKENS - 1} tokens, got {len(tokens)}")
+    out: list[bytes] = []
+    state = parent
+    for token in tokens:
+        try:
+            packed = struct.pack("<I", token)
+        except struct.error as err:
+            raise ValueError(f"token ids must be 0..2**32-1: {token}") from err
+        state = hashlib.blake2b(state + packed, digest_size=CHAIN_BYTES, person=b"swarm-kv-tail").digest()
+        out.append(state)
+    return out
+
+
 def head(chain_hash: bytes) -> str:
     """The reported form of a chain hash: 32 lowercase hex digits, one-way."""
     return hashlib.blake2b(chain_hash, digest_size=HEAD_BYTES, person=b"swarm-kv-head").hexdigest()

@@ -43,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.prefix_chain import BLOCK_TOKENS, MAX_SOURCE_HASHES, chain, parse_source_id, source_id, tails
+
 
 @dataclass(frozen=True)
 class Kept:
@@ -164,3 +166,35 @@ class PrefixCache:
         """A node failed or left: what it kept is gone."""
         for sid in [k for k, e in self._entries.items() if node_id in e.nodes]:
             del self._entries[sid]
+
+
+def with_tails(source: tuple[str, int], prompt: Sequence[int], fingerprint: str) -> tuple[str, int]:
+    """A KvSource naming a shared prefix by whole blocks (``blocks:<deepest>+...``, not exact), asking
+    for the prompt's positions inside the next block too: the tail hashes of its next 1..15 tokens
+    (common.prefix_chain.tails, the longest first; at least one prompt token is left to prefill) go
+    before the blocks' hashes, and the positions asked grow by them. A node holding the deepest
+    block copies as far as its kept tokens give one of the tails (a node that does not know tails
+    copies the whole blocks, and the OPEN's ack says so). Two prompts sharing a system prompt part a
+    few tokens into a block: without the tails those positions are prefilled again, each attending
+    over the whole prefix. Anything else (a session id, exact reuse by whole steps, a cut inside a
+    block, a deepest hash that is not the prompt's) comes back as it was."""
+    named = parse_source_id(source[0])
+    positions = source[1]
+    if named is None or named[1] != 0 or positions % BLOCK_TOKENS or positions < BLOCK_TOKENS:
+        return source
+    hashes, _step = named
+    own = chain(fingerprint, prompt[:positions])
+    if len(own) * BLOCK_TOKENS != positions or own[-1] != hashes[0]:
+        return source
+    after = prompt[positions : min(positions + BLOCK_TOKENS - 1, len(prompt) - 1)]
+    if not after:
+        return source
+    tail = tails(hashes[0], after)[::-1]
+    rest = list(hashes[1:])
+    room = MAX_SOURCE_HASHES - len(tail) - 1
+    if len(rest) > room:
+        # Thin the shallower fallbacks evenly, keeping the shallowest (the floor).
+        last = len(rest) - 1
+        rest = [rest[k] for k in sorted({round(i * last / max(1, room - 1)) for i in range(room)})]
+    names = [*tail, hashes[0], *rest]
+    return source_id(names[0], 0, names[1:]), positions + len(tail)

@@ -37,7 +37,7 @@ from gateway.grpc_bridge import NodeChannels
 from gateway.jobs import Fork, Job, Progress
 from gateway.metrics import Metrics
 from gateway.open_plan import AfterOpenFailure, OpenPlan
-from gateway.prefix_cache import Hit, PrefixCache
+from gateway.prefix_cache import Hit, PrefixCache, with_tails
 from gateway.prompt_plan import sampling_settings
 from gateway.protocol import GenerationRequest
 from gateway.recovery import RecoveryPolicy, RecoveryReport
@@ -215,6 +215,9 @@ class RouteOpener:
         kv_source: tuple[str, int] | None = None
         if hit is not None:
             kv_source = (hit.entry.session_id, hit.positions)
+            if hit.shared:
+                # Named by whole blocks: ask for the shared positions inside the next block too.
+                kv_source = with_tails(kv_source, prepared.prompt, prepared.stages[0].recipe_fingerprint)
         elif (
             use_fork is not None
             and use_fork.route is not None

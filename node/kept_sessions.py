@@ -113,7 +113,16 @@ class KeptSessions(Generic[K]):
         """What an OPEN naming a prefix by chain hashes (common.prefix_chain.source_id) copies:
         (kept session id, positions) for the first of ``hashes`` (the deepest first) that a kept
         session holds whole -- the first exactly ``positions`` long, each later one shorter -- and
-        (``step`` > 0) computed in whole prefill steps of ``step`` from 0; None when none is."""
+        (``step`` > 0) computed in whole prefill steps of ``step`` from 0; None when none is.
+
+        Tails (``step`` 0, ``positions`` inside a block): ``hashes`` may start with the tail hashes of
+        the prompt's tokens after its deepest whole block (common.prefix_chain.tails, the longest
+        first), then that block's chain hash: a kept session holding the block whose own next tokens
+        give one of them is copied that far (the longest); else the whole blocks as above."""
+        if step == 0 and positions % BLOCK_TOKENS:
+            found_tail = self._tail_source(hashes, positions)
+            if found_tail is not None:
+                return found_tail
         for i, chain_hash in enumerate(hashes):
             found = self.index.find(chain_hash)
             entry = None if found is None else self._entries.get(found[0])
@@ -125,6 +134,23 @@ class KeptSessions(Generic[K]):
             if step > 0 and not (entry.first_step == step and held % step == 0 and held <= entry.aligned_end):
                 continue
             return found[0], held
+        return None
+
+    def _tail_source(self, hashes: Sequence[bytes], positions: int) -> tuple[str, int] | None:
+        whole = positions // BLOCK_TOKENS * BLOCK_TOKENS
+        for i, chain_hash in enumerate(hashes[:BLOCK_TOKENS]):
+            found = self.index.find(chain_hash)
+            if found is None:
+                continue  # a tail (or a block no kept session holds)
+            if found[1] * BLOCK_TOKENS != whole:
+                return None  # the first whole block named is not the one the tails follow
+            tail = self.index.find_tail(chain_hash, hashes[:i])
+            if tail is None:
+                return None
+            entry = self._entries.get(tail[0])
+            if entry is None or entry.kv_len < tail[1] or tail[1] > positions:
+                return None
+            return tail
         return None
 
     def pop(self, session_id: str) -> K | None:

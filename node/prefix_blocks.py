@@ -9,6 +9,11 @@ compute only the rest (``KvSource.session_id = "blocks:<hex>"``, docs/protocol.m
 * :meth:`PrefixBlocks.find`: the holder of a chain hash (the most recently used when several hold
   it) and the blocks up to it.
 * :meth:`PrefixBlocks.longest`: the longest cached prefix of a token list.
+* :meth:`PrefixBlocks.find_tail`: a prefix that ends inside a block (a KvSource naming the tail
+  hashes of the 1..15 tokens after a whole block, common.prefix_chain.tails): the kept session whose
+  own tokens after that block give the longest of them. Two clients' prompts that share a system
+  prompt part a few tokens into a block; copying only the whole blocks would leave up to 15 shared
+  positions to prefill again, each attending over the whole prefix.
 * :meth:`PrefixBlocks.heads`: what the node reports in its heartbeat (bounded): for each kept
   session, most recently used first, the head of its last whole block and of its deepest block that
   another kept session shares (where two conversations of one app part ways: the end of their common
@@ -26,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from common.prefix_chain import chain, head
+from common.prefix_chain import BLOCK_TOKENS, chain, head, tails
 from proto.announce import MAX_PREFIX_HEADS
 
 MAX_HEADS = MAX_PREFIX_HEADS  # heads one heartbeat carries (proto.announce refuses more)
@@ -39,6 +44,7 @@ class PrefixBlocks:
         self.fingerprint = fingerprint
         self._chains: OrderedDict[str, list[bytes]] = OrderedDict()
         self._where: dict[bytes, dict[str, int]] = {}  # chain hash -> {session id: its block index}
+        self._tokens: dict[str, tuple[int, ...]] = {}  # session id -> its indexed tokens (for tails)
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -56,11 +62,13 @@ class PrefixBlocks:
         self.remove(session_id)
         hashes = chain(self.fingerprint, tokens)
         self._chains[session_id] = hashes
+        self._tokens[session_id] = tuple(tokens)
         for i, h in enumerate(hashes):
             self._where.setdefault(h, {})[session_id] = i
         return len(hashes)
 
     def remove(self, session_id: str) -> None:
+        self._tokens.pop(session_id, None)
         for h in self._chains.pop(session_id, ()):
             holders = self._where.get(h)
             if holders is not None:
@@ -81,6 +89,28 @@ class PrefixBlocks:
             return None
         sid = max(holders, key=self._recency)
         return sid, holders[sid] + 1
+
+    def find_tail(self, parent: bytes, named: Sequence[bytes]) -> tuple[str, int] | None:
+        """(session id, positions) of the kept session whose tokens after the whole block ``parent``
+        give the longest tail hash among ``named`` (common.prefix_chain.tails; the most recently used
+        on a tie); positions end inside the block after ``parent``. None when no holder of ``parent``
+        gives any of them."""
+        holders = self._where.get(parent)
+        if not holders or not named:
+            return None
+        wanted = set(named)
+        best: tuple[int, int, str] | None = None  # (positions, recency, session id)
+        for sid, index in holders.items():
+            start = (index + 1) * BLOCK_TOKENS
+            after = self._tokens.get(sid, ())[start : start + BLOCK_TOKENS - 1]
+            hashes = tails(parent, after)
+            for k in range(len(hashes), 0, -1):
+                if hashes[k - 1] in wanted:
+                    key = (start + k, self._recency(sid), sid)
+                    if best is None or key[:2] > best[:2]:
+                        best = key
+                    break
+        return None if best is None else (best[2], best[0])
 
     def longest(self, tokens: Sequence[int]) -> tuple[str, int] | None:
         """The longest cached prefix of ``tokens``: (session id, whole blocks); None when not even the

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.prefix_cache import PrefixCache, common_prefix
+from common.prefix_chain import BLOCK_TOKENS, MAX_SOURCE_HASHES, chain, parse_source_id, source_id, tails
+from gateway.prefix_cache import PrefixCache, common_prefix, with_tails
 
 NODES = ("n1", "n2")
 TOKENS = list(range(1000, 1600))
@@ -89,3 +90,35 @@ def test_a_hit_is_always_an_exact_prefix_of_the_prompt(a: list[int], b: list[int
     hit = cache.lookup("c", "m", b, now=0)
     if hit is not None:
         assert 1 <= hit.positions < len(b) and list(hit.entry.tokens[: hit.positions]) == b[: hit.positions]
+
+
+def test_a_shared_prefix_named_by_blocks_asks_for_the_positions_inside_the_next_block_too() -> None:
+    fp = "ef" * 32
+    prompt = [3 + i % 70 for i in range(5 * BLOCK_TOKENS + 9)]  # 5 whole blocks and 9 tokens
+    hashes = chain(fp, prompt[: 5 * BLOCK_TOKENS])
+    source = (source_id(hashes[4], 0, [hashes[2], hashes[0]]), 5 * BLOCK_TOKENS)
+    name, positions = with_tails(source, prompt, fp)
+    # The 8 tokens after the blocks (one prompt token is left to prefill): their tails, the longest
+    # first, then the blocks' hashes as they were; the positions asked end at the longest tail.
+    assert positions == 5 * BLOCK_TOKENS + 8
+    parsed = parse_source_id(name)
+    assert parsed == ((*tails(hashes[4], prompt[80:88])[::-1], hashes[4], hashes[2], hashes[0]), 0)
+    # Left as they were: exact reuse by whole steps, a session id, a cut inside a block, a deepest
+    # hash that is not the prompt's, a prompt with nothing after the blocks but its last token.
+    for same in (
+        (source_id(hashes[4], 32), 5 * BLOCK_TOKENS),
+        ("0123abcd" * 4, 5 * BLOCK_TOKENS),
+        (source_id(hashes[4]), 5 * BLOCK_TOKENS - 3),
+        (source_id(hashes[3]), 5 * BLOCK_TOKENS),
+    ):
+        assert with_tails(same, prompt, fp) == same
+    assert with_tails(source, prompt[: 5 * BLOCK_TOKENS + 1], fp) == source
+    # A long ladder of fallbacks is thinned so that the tails fit (the shallowest kept).
+    long_prompt = [3 + i % 70 for i in range(70 * BLOCK_TOKENS + 15)]
+    ladder = chain(fp, long_prompt[: 70 * BLOCK_TOKENS])
+    names = [ladder[k] for k in range(69, 5, -1)]  # 64 hashes: the most a source names
+    name, positions = with_tails((source_id(names[0], 0, names[1:]), 70 * BLOCK_TOKENS), long_prompt, fp)
+    parsed = parse_source_id(name)
+    assert parsed is not None and len(parsed[0]) == MAX_SOURCE_HASHES
+    assert positions == 70 * BLOCK_TOKENS + 14
+    assert parsed[0][14] == ladder[69] and parsed[0][-1] == ladder[6]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.prefix_chain import BLOCK_TOKENS, chain
+from common.prefix_chain import BLOCK_TOKENS, chain, tails
 from node.kept_sessions import KeptSessions
 from node.kvpool import blocks_for
 
@@ -117,3 +117,36 @@ def test_a_prefix_named_by_several_hashes_is_copied_as_deep_as_a_kept_session_ho
     assert kept.prefix_source(deep, 16, 7 * BLOCK_TOKENS) is None  # computed in steps of 32, not 16
     kept.pop("a")
     assert kept.prefix_source(deep, 0, 7 * BLOCK_TOKENS) is None
+
+
+def test_a_prefix_ending_inside_a_block_is_copied_by_its_tail_hashes() -> None:
+    fp = "cd" * 32
+    system = [5 + i % 40 for i in range(5 * BLOCK_TOKENS + 6)]  # 5 whole blocks and 6 tokens
+    kept: KeptSessions[Entry] = KeptSessions(max_sessions=8, max_positions=10_000, fingerprint=fp)
+    a = system + [1] * 30
+    kept.keep("a", Entry(len(a)), a)
+    b = system + [2] * 30  # agrees with a for 86 positions: 5 blocks and 6 tokens into the sixth
+    whole = 5 * BLOCK_TOKENS
+    parent = chain(fp, b[:whole])[-1]
+    named = [*tails(parent, b[whole : whole + 15])[::-1], parent]  # the longest first, then the block
+    # a's own next tokens give the tail of 6 (of the 15 named): copied 86 positions, not 80.
+    assert kept.prefix_source(named, 0, whole + 15) == ("a", whole + 6)
+    # Asking fewer positions: only the tails up to them are named, the longest a holds is taken.
+    assert kept.prefix_source([*tails(parent, b[whole : whole + 4])[::-1], parent], 0, whole + 4) == (
+        "a",
+        whole + 4,
+    )
+    # A kept session that parts sooner inside the block: the deeper one wins; on its own, its 3.
+    c = system[: whole + 3] + [3] * 30
+    kept.keep("c", Entry(len(c)), c)
+    assert kept.prefix_source(named, 0, whole + 15) == ("a", whole + 6)
+    kept.pop("a")
+    assert kept.prefix_source(named, 0, whole + 15) == ("c", whole + 3)
+    # No holder's tokens give any of the tails: the whole blocks, as before.
+    other = tails(parent, [9] * 15)[::-1]
+    assert kept.prefix_source([*other, parent], 0, whole + 15) == ("c", whole)
+    # Exact reuse (whole steps) never takes a tail; a KV shorter than the tail is not copied past it.
+    assert kept.prefix_source(named, 16, whole + 15) is None
+    kept.keep("d", Entry(whole + 2), system)  # its KV holds only 2 tokens after the blocks
+    kept.pop("c")
+    assert kept.prefix_source(named, 0, whole + 15) == ("d", whole + 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.prefix_chain import chain, source_id, tails
 from node.session_machine import FreeKv, OpenKv, Send, TruncateKv
 from proto import codec
 from proto.swarm.v1 import status_pb2
@@ -218,6 +219,27 @@ def test_a_prefix_named_by_its_chain_hash_is_copied_from_the_kept_session_holdin
     # Its tokens came with it: f is indexed under the same chain once kept.
     release(h, "f", 999, keep_ms=60_000, keep_positions=48)
     assert h.m.statistics().kept_sessions == 2 and h.m.statistics().prefix_cached_blocks == 4
+
+
+def test_a_shared_prefix_ending_inside_a_block_is_copied_to_its_last_agreeing_position() -> None:
+    """Two clients' prompts share a system prompt and part 6 tokens into a block: the OPEN names the
+    tail hashes of the tokens after the last whole block (gateway.prefix_cache.with_tails), the node
+    copies the 54 agreeing positions (not 48) and its ack says so; the counters count a hit."""
+    h = Harness(max_sessions=8, session_kv_tokens=128, n_ctx_train=256)
+    system = [7 + i % 50 for i in range(54)]  # 3 whole blocks and 6 tokens
+    a = system + [1] * 14
+    h.open("a", budget=128)
+    _steps_with_tokens(h, "a", a, 16)
+    release(h, "a", 999, keep_ms=60_000, keep_positions=len(a))
+    b = system + [2] * 14
+    parent = chain(h.m.spec.recipe_fingerprint, b[:48])[-1]
+    named = [*tails(parent, b[48:63])[::-1], parent]
+    actions = open_from(h, "b", source_id(named[0], 0, named[1:]), 63, budget=128, copy=True)
+    (opened,) = [x for x in actions if isinstance(x, OpenKv)]
+    assert (opened.source, opened.source_positions, opened.move) == ("a", 54, False)
+    assert ack_kv(actions) == 54 and h.m.kv_len("b") == 54
+    stats = h.m.statistics()
+    assert (stats.prefix_lookups_hit, stats.prefix_lookups_miss, stats.kept_sessions) == (1, 0, 1)
 
 
 def test_a_kept_session_that_leaves_takes_its_blocks_out_of_the_heads() -> None:
