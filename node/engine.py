@@ -82,6 +82,8 @@ from proto.recipe import Recipe, cpu_features_from_system_info
 
 log = logging.getLogger("swarm.engine")
 
+SCRATCH_KEEP_BYTES = 64 << 20  # the KV copy's buffer is kept between copies up to this size
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -345,6 +347,7 @@ class ShardEngine:
         # of attention), so the pool is compacted before the next growth (see _compact).
         self._holes = False
         self._compactions = 0
+        self._scratch: np.ndarray | None = None  # _copy_kv's buffer, kept up to SCRATCH_KEEP_BYTES
         # Only the unified layout shares cells between sessions; the per-sequence ones never compact.
         self._compacts = self.layout is not None and self.layout.layout == "unified"
         self.n_batch = settings.n_batch
@@ -511,7 +514,14 @@ class ShardEngine:
             llama_cpp.llama_memory_seq_cp(self._mem, source_seq, seq, -1, -1)
             return
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, source_seq))
-        buf = (ctypes.c_uint8 * size)()
+        # One buffer reused from copy to copy (np.empty: not zeroed): a fresh zeroed one of a ~1,400-
+        # position prefix (16 MB of SmolLM2's half) cost a third of the copy, on a shared prefix's
+        # first step; kept only up to SCRATCH_KEEP_BYTES, a larger copy gets its own.
+        scratch = self._scratch
+        if scratch is None or len(scratch) < size:
+            scratch = np.empty(size, dtype=np.uint8)
+            self._scratch = scratch if size <= SCRATCH_KEEP_BYTES else None
+        buf = scratch.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         if int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, source_seq)) != size:
             raise DecodeError("could not copy out the source session's KV")
         if int(llama_cpp.llama_state_seq_set_data(self._ctx, buf, size, seq)) == 0:

@@ -167,6 +167,25 @@ def test_a_copied_session_is_exact_and_counted(sparse: ShardEngine, alone: Refer
     assert got.tobytes() == alone.prefill(toks[200:].tolist(), start=200).tobytes()
 
 
+def test_copies_of_several_sizes_through_the_reused_buffer_stay_exact(
+    sparse: ShardEngine, alone: ReferenceModel
+) -> None:
+    """The copy's buffer is kept from copy to copy (node.engine.SCRATCH_KEEP_BYTES): a short copy, a
+    longer one (the buffer grows), a short one again (the buffer holds more than it needs), each cut
+    inside a 16-position block (a shared prefix's tail), each continuing as the prompt alone does."""
+    for sid, n, cut in (("short", 60, 37), ("long", 260, 213), ("again", 60, 41)):
+        toks = _tokens(n + 8, n + cut)
+        sparse.open_session(sid)
+        _prefill(sparse, sid, toks[:n])
+        sparse.open_session(sid + "-copy", source=sid, positions=cut)
+        sparse.release(sid)
+        got = _prefill(sparse, sid + "-copy", toks[cut : n + 8], start=cut)
+        sparse.release(sid + "-copy")
+        alone.clear()
+        alone.prefill(toks[:cut].tolist())
+        assert got.tobytes() == alone.prefill(toks[cut : n + 8].tolist(), start=cut).tobytes(), sid
+
+
 FALLBACK = """
 import json, resource, sys
 from pathlib import Path
