@@ -14,20 +14,25 @@ streamed:
   server after the server saw A (goal <= 1.0; the server reuses its previous prompt's KV); then the
   floor of each: the TTFT of a short prompt (a few tokens, nothing reused) on the swarm and on the
   server, and B / that floor on each (how much of B's time is the prefix's, how much any request's);
+  B's reused positions per round come from the gateway's access log (``reused_tokens``): with the
+  prefix's tail hashes (docs/gateway.md, The first step) every position B shares with A, not only
+  A's whole 16-position blocks;
 * **conversation**: a ``--turns``-turn conversation by ``conversation_id`` sending only the new message
   each turn; the last turn's TTFT / the TTFT of the same whole history sent cold (``cache_prompt:
   false``) (goal <= 0.1).
 
-Rounds alternate the setups; medians are reported with every sample. Prints a table and writes JSON.
-The machine is shared: compare figures within one run only.
+Rounds alternate the setups; medians are reported with every sample, and the load average before and
+after. Prints a table and writes JSON. The machine is shared: compare figures within one run only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +63,52 @@ def client(base: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=900)
 
 
+def first_token(
+    c: openai.OpenAI, model: str, messages: list[dict[str, Any]], extra: dict[str, Any], max_tokens: int
+) -> tuple[float, str]:
+    """As :func:`sim.bench_warm.ttft` (seconds to the first generated text), and the response's id (the
+    gateway's request id: its access log says how many prompt positions the request reused)."""
+    started = time.perf_counter()
+    first = None
+    rid = ""
+    stream: Any = c.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body=extra,
+    )
+    for chunk in stream:
+        rid = rid or chunk.id
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+    return (first if first is not None else time.perf_counter() - started), rid
+
+
+def reused_positions(log: Path) -> dict[str, int]:
+    """Request id -> prompt positions taken from kept KV, from a gateway's access log (JSON lines)."""
+    out: dict[str, int] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "request_done" and rec.get("reused_tokens") is not None:
+            out[str(rec.get("request_id"))] = int(rec["reused_tokens"])
+    return out
+
+
 def shared_round(
     swarm: str, server: str, model: str, server_model: str, system: str, tag: str, max_tokens: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     a = [{"role": "system", "content": tag + system}, {"role": "user", "content": QUESTIONS[0]}]
     b = [{"role": "system", "content": tag + system}, {"role": "user", "content": QUESTIONS[1]}]
-    out = {}
+    out: dict[str, Any] = {}
     out["swarm_a"], _ = ttft(client(swarm, f"a-{tag}"), model, a, {}, max_tokens)
-    out["swarm_b"], _ = ttft(client(swarm, f"b-{tag}"), model, b, {}, max_tokens)
+    out["swarm_b"], out["swarm_b_request_id"] = first_token(
+        client(swarm, f"b-{tag}"), model, b, {}, max_tokens
+    )
     out["server_a"], _ = ttft(client(server, "x"), server_model, a, {}, max_tokens)
     out["server_b"], _ = ttft(client(server, "x"), server_model, b, {}, max_tokens)
     # The floor of each: a short prompt (a few tokens, nothing reused) right after.
@@ -118,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     sup, swarm_url, _exact_url, model_id = start_swarm(
         model, args.workdir / "swarm", args.layers, args.layers // 2, args.session_kv_tokens
     )
-    shared: list[dict[str, float]] = []
+    shared: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     convs: list[dict[str, Any]] = []
     try:
         ttft(client(swarm_url, "warmup"), model_id, [{"role": "user", "content": "Hello."}], {}, 2)
@@ -134,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sup.stop_all()
         server.stop()
-    med = {k: statistics.median(s[k] for s in shared) for k in shared[0]}
+    load_after = os.getloadavg()
+    reused = reused_positions(sup.workdir / "logs" / "gw-default.log")
+    for row in shared:
+        row["swarm_b_reused_positions"] = reused.get(row.pop("swarm_b_request_id"))
+    timed = [k for k in shared[0] if k.endswith(("_a", "_b", "_short"))]
+    med = {k: statistics.median(s[k] for s in shared) for k in timed}
     last = statistics.median(c["turns_s"][-1] for c in convs)
     cold = statistics.median(c["last_turn_cold_s"] for c in convs)
     ratios = {
@@ -150,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "system_prompt_chars": len(system),
         "rounds": args.rounds,
         "turns": args.turns,
+        "load_average_1m_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        "swarm_b_reused_positions": [row["swarm_b_reused_positions"] for row in shared],
         "shared_prefix_ttft_s_median": med,
         "conversation_last_turn_ttft_s_median": last,
         "conversation_whole_history_cold_ttft_s_median": cold,
@@ -168,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         f"short prompt (nothing reused): swarm {med['swarm_short']:.3f} s, server {med['server_short']:.3f} s"
     )
     print(f"conversation: turn {args.turns} {last:.3f} s, the same history cold {cold:.3f} s")
+    print(f"B's reused positions per round: {report['swarm_b_reused_positions']}")
+    print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     for key, value in ratios.items():
         print(f"{key:<36}{value:>8.3f}   goal {report['goals'].get(key, '-')}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
