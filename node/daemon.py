@@ -597,8 +597,14 @@ class NodeDaemon:
                 "swarm_node_kv_layout": layout,
             }
         stats = self.machine.statistics()
+        joined = getattr(self, "joined", None)
+        bounds = {
+            (("memory", memory[:120]), ("bound", "1" if memory == joined.kv_pool_bound_by else "0")): float(n)
+            for memory, n in ((joined.kv_pool_bounds or {}) if joined is not None else {}).items()
+        }
         # Plain int reads of what the compute thread updates (no iteration over its dicts).
         return {
+            "swarm_node_kv_pool_bound_tokens": bounds,
             "swarm_node_kv_pool_blocks": one(pool.total_blocks),
             "swarm_node_kv_pool_used_blocks": one(pool.used_blocks),
             "swarm_node_kv_pool_free_blocks": one(pool.free_blocks),

@@ -61,6 +61,13 @@ SPECS: dict[str, m.Spec] = {
         "blocks of the KV pool holding sessions' KV (the engine's count)"
     ),
     "swarm_node_kv_pool_free_blocks": m.gauge("free blocks of the KV pool"),
+    "swarm_node_kv_pool_bound_tokens": m.gauge(
+        "KV pool positions each memory holding part of the pool left room for at start (RAM, each "
+        "device); bound=1 for the one that sized an automatic pool",
+        "memory",
+        "bound",
+        max_series=16,
+    ),
     "swarm_node_kv_pool_reserved_blocks": m.gauge(
         "blocks sessions hold or have steps accepted for, kept sessions included (admission's count)"
     ),

@@ -128,6 +128,10 @@ def test_the_pools_are_announced_and_hold_only_kept_sessions_after_the_requests(
         gauges = _pool_gauges(node.admin_port)
         assert gauges["swarm_node_kv_pool_blocks"] == POOL_TOKENS // 16
         assert gauges["swarm_node_kv_tokens_capacity"] == POOL_TOKENS
+        # The configured pool was checked against the node's memory at start: RAM held it (no device here).
+        text = httpx.get(f"http://127.0.0.1:{node.admin_port}/metrics", timeout=10).text
+        ram = re.findall(r'^swarm_node_kv_pool_bound_tokens\{[^}]*memory="RAM [^}]*\} (\S+)$', text, re.M)
+        assert len(ram) == 1 and float(ram[0]) >= POOL_TOKENS, ram
         used = gauges["swarm_node_kv_pool_blocks"] - gauges["swarm_node_kv_pool_free_blocks"]
         kept, kept_sessions = gauges["swarm_node_kept_kv_tokens"], gauges["swarm_node_kept_sessions"]
         assert -(-kept // 16) <= used <= -(-kept // 16) + kept_sessions

@@ -312,3 +312,32 @@ def test_the_real_model_with_an_injected_device_is_bound_by_it(model_path: Path,
     gpu_kv = sum(base.sizing.kv_bytes_per_layer[12:15]) / 1024 + 4 * 256
     room = free - GPU_MARGIN_BYTES - sum(base.sizing.layer_bytes[12:15])
     assert joined.kv_pool_tokens == int(room / gpu_kv) // 256 * 256 < base.kv_pool_tokens
+
+
+def test_the_pool_bounds_are_on_metrics() -> None:
+    """``swarm_node_kv_pool_bound_tokens{memory, bound}``: each memory's room at start, the binding one
+    marked (the daemon's scrape on a stand-in for its engine, machine and join; the node's own Metrics)."""
+    from types import SimpleNamespace
+
+    from node.daemon import NodeDaemon
+    from node.kvpool import KvPool
+    from node.metrics import Metrics
+
+    joined = SimpleNamespace(
+        kv_pool_bounds={"RAM (cgroup v2 memory.max (4096 MiB))": 929536, "GPU CUDA0 (fake)": 16384},
+        kv_pool_bound_by="GPU CUDA0 (fake)",
+    )
+    stats = SimpleNamespace(kv_blocks_reserved=0, kv_refusals=0, preemptions=0)
+    engine = SimpleNamespace(pool=KvPool(16384), layout_name="resident", pool_refusals=0, pool_compactions=0)
+    daemon = SimpleNamespace(engine=engine, machine=SimpleNamespace(statistics=lambda: stats), joined=joined)
+
+    def one(value: float) -> dict[tuple[tuple[str, str], ...], float]:
+        return {(): float(value)}
+
+    text = Metrics().render(NodeDaemon._pool_metrics(daemon, one))  # type: ignore[arg-type]
+    assert 'swarm_node_kv_pool_bound_tokens{bound="1",memory="GPU CUDA0 (fake)"} 16384.0' in text
+    assert (
+        'swarm_node_kv_pool_bound_tokens{bound="0",memory="RAM (cgroup v2 memory.max (4096 MiB))"} 929536.0'
+        in text
+    )
+    assert "swarm_node_kv_pool_free_blocks 1024.0" in text
