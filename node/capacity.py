@@ -26,7 +26,9 @@ per-layer bytes checks spans exactly) and checks the span it gets with
 
 With GPU offload, offloaded layers live in device memory: their weights and
 KV count against the device's free memory (less :data:`GPU_MARGIN_BYTES`)
-instead of the budget above (see :meth:`Sizing.split_gpu`).
+instead of the budget above (see :meth:`Sizing.split_gpu`). The KV pool
+(:func:`pool_size`) is bounded by both: what the span leaves of the budget for
+the CPU layers' KV, and what each device leaves for its layers' KV.
 """
 
 from __future__ import annotations

@@ -18,7 +18,12 @@ engine. In order (each step logs one event):
 4. the shard files: cut from the local file (``extracting``), or fetched and
    verified tensor by tensor (``fetching``); progress bars on a terminal,
    ``progress`` events in the log;
-5. the offload: how many of the shard's layers go to the GPU.
+5. the offload: how many of the shard's layers go to the GPU;
+6. the KV pool: with ``kv_pool_tokens = -1`` the least of what the span
+   leaves of RAM and of each device holding offloaded layers
+   (``kv_pool_sized`` names every bound and the one that bound it); a
+   configured pool is checked against the same memories and refused at start
+   when one cannot hold it.
 
 An explicit range that does not fit the memory is served anyway (the
 volunteer asked for it) with a ``shard_exceeds_memory`` warning.
