@@ -112,9 +112,10 @@ class GatewayConfig:
         "nobody after it goes until it has (0 = no bound by count)",
     )
     kv_admission_max_wait_s: float = _admission(
-        30.0,
+        0.0,
         "a request that waited this long for KV room goes first, and nobody after it goes until it has "
-        "(0 = no bound by time)",
+        "(0 = no bound by time: the default, since under a slow burst every waiter passes any such bound "
+        "and the order becomes fifo; kv_admission_max_bypass bounds bypasses whatever the speed)",
     )
     kv_heartbeat_lag_s: float = _admission(
         15.0,

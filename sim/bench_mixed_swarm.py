@@ -431,7 +431,7 @@ def main() -> None:
         help="comma-separated: pool[:ORDER] (the gateway's --kv-admission: fifo, fit, shortest) and slots",
     )
     ap.add_argument("--max-bypass", type=int, default=8, help="the gateway's --kv-admission-max-bypass")
-    ap.add_argument("--max-wait-s", type=float, default=30.0, help="the gateway's --kv-admission-max-wait-s")
+    ap.add_argument("--max-wait-s", type=float, default=0.0, help="the gateway's --kv-admission-max-wait-s")
     ap.add_argument(
         "--cgroup-mb", type=int, default=4096, help="each node in a memory cgroup of this (0: none)"
     )
