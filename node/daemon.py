@@ -598,10 +598,11 @@ class NodeDaemon:
             }
         stats = self.machine.statistics()
         joined = getattr(self, "joined", None)
-        bounds = {
-            (("memory", memory[:120]), ("bound", "1" if memory == joined.kv_pool_bound_by else "0")): float(n)
-            for memory, n in ((joined.kv_pool_bounds or {}) if joined is not None else {}).items()
-        }
+        bounds: dict[tuple[tuple[str, str], ...], float] = {}
+        if joined is not None:
+            for memory, n in (joined.kv_pool_bounds or {}).items():
+                bound = "1" if memory == joined.kv_pool_bound_by else "0"
+                bounds[(("memory", str(memory)[:120]), ("bound", bound))] = float(n)
         # Plain int reads of what the compute thread updates (no iteration over its dicts).
         return {
             "swarm_node_kv_pool_bound_tokens": bounds,
