@@ -112,7 +112,6 @@ class SimCoordinates:
         # A round's writes to the claim arrays, applied at its end: row * K + slot -> value.
         self._put_peer: dict[int, int] = {}
         self._put_rtt: dict[int, float] = {}
-        self._put_back: dict[int, int] = {}
         self._put_at = 0.0  # the round's time
         self._known = np.zeros(cap, dtype=bool)  # a live node or a gateway
         self._gateway = np.zeros(cap, dtype=bool)
@@ -360,7 +359,7 @@ class SimCoordinates:
         ``MAX_CLAIMS_PER_REPORTER`` per reporter, the oldest goes). The arrays change at
         :meth:`_apply_claims`."""
         slots_of = self._slots
-        back, put_peer, put_rtt = self._put_back, self._put_peer, self._put_rtt
+        put_peer, put_rtt = self._put_peer, self._put_rtt
         k = MAX_CLAIMS_PER_REPORTER
         for reporter, peer, rtt in zip(reporters, peers, rtts, strict=True):
             slots = slots_of[reporter]
@@ -368,30 +367,46 @@ class SimCoordinates:
             if j is None:
                 if len(slots) < k:
                     j = len(slots)
-                else:  # full: the oldest claim goes, and the other side of its pair with it
-                    oldest = next(iter(slots))
-                    j = slots.pop(oldest)
-                    jo = slots_of[oldest].get(reporter)
-                    if jo is not None:
-                        back[oldest * k + jo] = -1
-                jp = slots_of[peer].get(reporter)  # the peer's claim about the reporter, if any
-                back[reporter * k + j] = -1 if jp is None else jp
-                if jp is not None:
-                    back[peer * k + jp] = j
+                else:  # full: the oldest claim goes (the other sides are redone in _apply_claims)
+                    j = slots.pop(next(iter(slots)))
                 put_peer[reporter * k + j] = peer
             slots[peer] = j
             put_rtt[reporter * k + j] = rtt
         if reporters:
             self._put_at = now_s
 
+    def _link_back(self, at: np.ndarray, new_peer: np.ndarray, old_peer: np.ndarray) -> None:
+        """The other sides of the round's new claims (flat slots ``at``, the peer each now names,
+        the peer it named before; ``_peer`` already updated): ``_back[r, j]`` is the slot of the
+        claim of ``_peer[r, j]`` about ``r``, -1 where it made none. What keeping it up claim by
+        claim gives: an evicted claim's other side loses it, then each new claim finds its other
+        side and becomes the other side of it."""
+        k = MAX_CLAIMS_PER_REPORTER
+        r, j = at // k, at % k
+        back = self._back
+        gone = old_peer >= 0
+        if gone.any():
+            o, ro = old_peer[gone], r[gone]
+            m = self._peer[o] == ro[:, None]
+            hit = m.any(axis=1)
+            back[o[hit], m[hit].argmax(axis=1)] = -1
+        m = self._peer[new_peer] == r[:, None]  # where the new peer's row claims the reporter
+        hit = m.any(axis=1)
+        jp = m.argmax(axis=1)
+        back[r, j] = np.where(hit, jp, -1)
+        back[new_peer[hit], jp[hit]] = j[hit]
+
     def _apply_claims(self) -> None:
         """The round's claims into the arrays (a later write to a slot wins, as it would one by one)."""
-        for put, a in ((self._put_peer, self._peer), (self._put_back, self._back)):
-            if put:
-                a.reshape(-1)[np.fromiter(put, np.int64, len(put))] = np.fromiter(
-                    put.values(), np.int64, len(put)
-                )
-                put.clear()
+        put = self._put_peer
+        if put:
+            at = np.fromiter(put, np.int64, len(put))
+            new_peer = np.fromiter(put.values(), np.int64, len(put))
+            flat = self._peer.reshape(-1)
+            old_peer = flat[at]
+            flat[at] = new_peer
+            put.clear()
+            self._link_back(at, new_peer, old_peer)
         rtts = self._put_rtt
         if rtts:
             at = np.fromiter(rtts, np.int64, len(rtts))
