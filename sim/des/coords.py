@@ -37,6 +37,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable
+from typing import cast
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def uniforms(rng: random.Random, n: int) -> np.ndarray:
     mt = np.random.RandomState()
     mt.set_state(("MT19937", np.array(state[:_MT_WORDS], dtype=np.uint32), state[_MT_WORDS], 0, 0.0))
     out = mt.random_sample(n)
-    _, key, pos, _, _ = mt.get_state()
+    _, key, pos, _, _ = cast("tuple[str, np.ndarray, int, int, float]", mt.get_state())
     rng.setstate((version, (*key.tolist(), int(pos)), gauss))
     return out
 
