@@ -193,19 +193,19 @@ async def test_the_gate_lets_the_shorter_waiter_through_while_the_long_one_waits
     )
     order: list[str] = []
 
-    async def wait(name: str, need: int) -> None:
+    async def queue_up(name: str, need: int) -> None:
         async with gate.waiting("m", need) as waiter:
             await waiter.turn(after_try=name == "long")  # the long one tried; the others queued
             order.append(name)
             waiter.served = True
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(wait, "long", 900)
+        nursery.start_soon(queue_up, "long", 900)
         await trio.sleep(0.01)
-        nursery.start_soon(wait, "short1", 100)
+        nursery.start_soon(queue_up, "short1", 100)
         await trio.sleep(0.01)
         assert order == ["short1"]  # fits the room while the long one waits
-        nursery.start_soon(wait, "short2", 100)
+        nursery.start_soon(queue_up, "short2", 100)
         await trio.sleep(0.01)
         assert order == ["short1"]  # the long one was bypassed once (the bound): short2 waits
         room["m"] = 1000
