@@ -20,8 +20,14 @@ The decision, in order
     2. A node stays if leaving would leave a layer of its span with fewer than
        ``min_holders`` holders (2: never cut a model, nor make a single point of failure;
        others should join next to it).
-    Demand: a model's counts as at least ``demand_floor_share`` of the mean over the
-    models, so a model nobody asks for right now keeps some capacity.
+    Demand: a model's own, except that a model with a layer nobody holds counts as at
+    least ``demand_floor_share`` of the mean over the models, so a model nobody asks for
+    right now is drawn one node (it stays servable). A model that is served (every layer
+    held) counts its own demand only: a node never leaves a model with live demand for
+    one without any that is already served -- that would take capacity from the users
+    asking now for users who may come (when they do, their look-ups are demand, and nodes
+    follow within a few of the meter's half-lives). An idle model keeps ``min_holders``
+    nodes per layer through rule 2.
     3. For every model the node may serve (``capacity_layers``), the span it would take
        on the swarm without it (:func:`tracker.placement.recommend_span`: the weakest
        layers, aligned with the existing boundaries).
@@ -53,8 +59,8 @@ from tracker.snapshot import ShardView, SwarmSnapshot
 class RebalanceParams:
     min_gain: float = 0.25  # the layers left must stay this much richer than those joined
     min_holders: int = 2  # a node does not leave layers that would then have fewer holders than this
-    # A model's demand counts as at least this share of the mean demand of the models (an idle
-    # model keeps some capacity for when its demand comes back).
+    # A model with a layer nobody holds counts a demand of at least this share of the models' mean
+    # (it is drawn a node, and stays servable); a served model counts its own demand only.
     demand_floor_share: float = 0.5
     max_spof_cost: float = 0.1  # a move that removes a single point of failure may cost this share
     min_decode_ms_per_token: float = 0.001
@@ -126,10 +132,13 @@ def advise(
     fp = here.model_fingerprint
     if _fewest_holders(snapshot, fp, here.start, here.end) - 1 < max(1, params.min_holders):
         return None  # leaving would cut the model, or leave one of its layers with too few holders
-    floor = params.demand_floor_share * sum(demand.values()) / max(1, len(demand))
-    demand = {m: max(demand.get(m, 0.0), floor) for m in {fp, *capacity_layers, *demand}}
     per_layer_ms = max(here.decode_ms_per_token, params.min_decode_ms_per_token) / (here.end - here.start)
     without = replace(snapshot, shards=tuple(s for s in snapshot.shards if s.node_id != node_id))
+    floor = params.demand_floor_share * sum(demand.values()) / max(1, len(demand))
+    demand = {
+        m: max(demand.get(m, 0.0), floor) if throughput(without, m) <= 0 else demand.get(m, 0.0)
+        for m in {fp, *capacity_layers, *demand}
+    }
     # What the layers it serves would have without it, per unit of their model's demand.
     source = _span_level(without, fp, here.start, here.end, demand)
 

@@ -57,7 +57,8 @@ def test_demand_moves_a_node_to_the_model_that_needs_it() -> None:
     snap = snapshot(10, [shard(n, 0, 10, ms=10.0) for n in ("a", "b", "c")])
     move = advise(snap, "b", {FP: 10, OTHER_FP: 10}, {OTHER_FP: 5.0}, rng=random.Random(0))
     assert move is not None and move.model_fingerprint == OTHER_FP and (move.start, move.end) == (0, 10)
-    # With the demand on FP, an OTHER nobody serves still gets one node (its demand floor) ...
+    # With the demand on FP, an OTHER nobody serves still gets one node (its demand floor: a model
+    # with a layer nobody holds) ...
     floor = advise(snap, "b", {FP: 10, OTHER_FP: 10}, {FP: 5.0}, rng=random.Random(0))
     assert floor is not None and floor.model_fingerprint == OTHER_FP
     # ... but once it has a copy, b stays; and with two copies left, nobody leaves (min_holders).
@@ -65,6 +66,32 @@ def test_demand_moves_a_node_to_the_model_that_needs_it() -> None:
     assert advise(served, "b", {FP: 10, OTHER_FP: 10}, {FP: 5.0}, rng=random.Random(0)) is None
     two = snapshot(10, [shard(n, 0, 10, ms=10.0) for n in ("a", "b")])
     assert advise(two, "b", {FP: 10, OTHER_FP: 10}, {OTHER_FP: 5.0}, rng=random.Random(0)) is None
+
+
+def test_a_served_model_without_demand_draws_no_node_from_one_with_demand() -> None:
+    # The live swarm's start (sim/bench_wan_rebalance.py): five fast copies of FP, one slower copy
+    # of OTHER; all demand on FP. OTHER is served, so its floor does not apply: nobody moves
+    # (before, OTHER's floor -- a quarter of FP's demand -- drew two of the five to it).
+    five = [shard(n, 0, 10, ms=10.0) for n in ("a", "b", "c", "d", "e")]
+    snap = snapshot(10, [*five, shard("o", 0, 10, ms=20.0, fp=OTHER_FP)])
+    caps = {FP: 10, OTHER_FP: 10}
+    for node in "abcde":
+        assert advise(snap, node, caps, {FP: 5.0}, rng=random.Random(0)) is None
+        assert advise(snap, node, caps, {FP: 5.0, OTHER_FP: 0.0}, rng=random.Random(0)) is None
+    # Some demand on OTHER, far below FP's: weighed as it is (100 tokens/s for 0.1 against 400
+    # for 5 left on FP: OTHER is richer per unit of demand), still nobody moves.
+    assert advise(snap, "a", caps, {FP: 5.0, OTHER_FP: 0.1}, rng=random.Random(0)) is None
+    # Once the demand is on OTHER, a node of FP moves there.
+    move = advise(snap, "a", caps, {FP: 0.5, OTHER_FP: 5.0}, rng=random.Random(0))
+    assert move is not None and move.model_fingerprint == OTHER_FP and move.reason == "throughput"
+    # A node of an idle model leaves it for one with demand, down to min_holders copies.
+    idle = snapshot(10, [shard(n, 0, 10, ms=10.0, fp=OTHER_FP) for n in ("x", "y", "z")])
+    move = advise(idle, "x", caps, {FP: 0.0, OTHER_FP: 0.0}, rng=random.Random(0))
+    assert move is None  # nothing asked for anywhere: nobody moves
+    move = advise(idle, "x", caps, {FP: 5.0}, rng=random.Random(0))  # FP asked for, nobody on it
+    assert move is not None and move.model_fingerprint == FP and (move.start, move.end) == (0, 10)
+    two = snapshot(10, [*idle.shards[:2], shard("a", 0, 10, ms=10.0)])
+    assert advise(two, "x", caps, {FP: 5.0}, rng=random.Random(0)) is None  # two left: min_holders
 
 
 def test_a_move_that_removes_a_single_point_of_failure() -> None:
