@@ -48,7 +48,7 @@ Bounds: the caller runs this once per node per interval (O(shards) per model eac
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from tracker.placement import layer_coverage, recommend_span
@@ -107,6 +107,35 @@ def single_holders(snapshot: SwarmSnapshot, model_fingerprint: str) -> list[int]
             for layer in range(s.start, s.end):
                 holders[layer].add(s.node_id)
     return [i for i, h in enumerate(holders) if len(h) == 1]
+
+
+def removable(snapshot: SwarmSnapshot, node_ids: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Of ``node_ids`` (in order): those that can leave routing one after another without leaving a
+    layer of their model with no holder, and those spared because they then hold some layer alone.
+
+    The tracker sends the nodes a gateway could not reach back to their challenge (out of routing
+    until they answer); a node that is the last live holder of a layer is spared that: out of
+    routing it would turn a slow or suspect model into one nobody can use (503 "not covered" for
+    every gateway), while the gateway that named it routes around it anyway. A node not in the
+    snapshot holds nothing in it and can leave. O(named nodes' shards x their models' layers)."""
+    fps = {s.model_fingerprint for s in snapshot.shards if s.node_id in set(node_ids)}
+    holders: dict[tuple[str, int], set[str]] = {}
+    for s in snapshot.shards:
+        if s.model_fingerprint in fps:
+            for layer in range(s.start, s.end):
+                holders.setdefault((s.model_fingerprint, layer), set()).add(s.node_id)
+    out: list[str] = []
+    spared: list[str] = []
+    for node in node_ids:
+        cells = [(s.model_fingerprint, layer) for s in snapshot.shards if s.node_id == node
+                 for layer in range(s.start, s.end)]  # fmt: skip
+        if any(holders.get(c, set()) <= {node} for c in cells):
+            spared.append(node)
+            continue
+        for c in cells:
+            holders[c].discard(node)
+        out.append(node)
+    return out, spared
 
 
 def advise(
@@ -291,6 +320,7 @@ __all__ = [
     "RebalanceParams",
     "advise",
     "apply_moves",
+    "removable",
     "single_holders",
     "throughput",
 ]

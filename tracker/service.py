@@ -71,6 +71,7 @@ from tracker.metrics import MAX_KV_NODES, Labels, Metrics
 from tracker.models import NODE_CHALLENGING, NODE_LIVE, NODE_STATES
 from tracker.names import resolve_names
 from tracker.placement import SpanMemory, layer_coverage, recommend_span
+from tracker.rebalance import removable
 from tracker.registry import KIND as REGISTRATION_KIND
 from tracker.registry import REMOVAL_KIND, SIGNER_FIELD, ModelRegistration, check_name, profile
 from tracker.routing import RouteSelection, kv_contexts, select_routes
@@ -261,10 +262,16 @@ class Registry:
 
     async def _rechallenge(self, gateway_id: str, node_ids: tuple[str, ...]) -> None:
         """Nodes a gateway could not reach leave routing until they answer a challenge again, so the
-        next clients do not pay the dial deadline for them (a node that answers is back in seconds)."""
+        next clients do not pay the dial deadline for them (a node that answers is back in seconds);
+        not a node that is the last live holder of a layer of its model (out of routing, its model
+        could serve nobody)."""
         if not node_ids or not self._challenges(False) or self.challenger is None:
             return
-        moved = await self.gate.run_db(self.store.trust.rechallenge, node_ids)
+        # The last live holder of a layer stays routable (tracker.rebalance.removable).
+        named, spared = removable(await self.snapshot(), node_ids)
+        for node_id in spared:
+            event(log, "node_rechallenge_spared", level=logging.WARNING, node_id=node_id, reporter=gateway_id)
+        moved = await self.gate.run_db(self.store.trust.rechallenge, tuple(named))
         if not moved:
             return
         self.invalidate_snapshot()
