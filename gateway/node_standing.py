@@ -77,6 +77,10 @@ class NodeStanding:
                     del table[node]
         return frozenset(self._liars) | frozenset(self._silent)
 
+    def avoided_silent(self, now: float) -> frozenset[str]:
+        """The nodes routed around only for being silent when last dialled (not caught lying)."""
+        return self.avoided(now) & frozenset(self._silent) - frozenset(self._liars)
+
     # -- checks -------------------------------------------------------------------------------
 
     def passed(self, node_ids: Iterable[str]) -> None:

@@ -5,8 +5,12 @@ replaced by another, at most ``attempts`` times:
 
 * **Candidates.** The cached routes that avoid every excluded node (the caller's ``avoid``: the
   nodes a failed run named; the nodes this gateway avoids; the nodes that failed here). None left:
-  a fresh look-up without them. None there either: when some nodes were left out only because no
-  route could check them (on probation, :class:`gateway.errors.Unconfirmable`), they are let back
+  a fresh look-up without them. None there either: the nodes this gateway avoids only because they
+  were silent when last dialled (``silent``; not those that failed in this request) are let back in
+  once -- a node slow to answer once is a better bet than a sure 503, and for the last holder of a
+  layer there is no other (issue 26: on a loaded machine one slow ``Info`` kept a model
+  unroutable here for ``avoid_unreachable_s``). Still none: when some nodes were left out only
+  because no route could check them (on probation, :class:`gateway.errors.Unconfirmable`), they are let back
   in once and run unconfirmed (a swarm where nobody can check anybody yet, docs/security.md) --
   unless ``serve_unconfirmed`` is off (``unconfirmed_routes = refuse``): then the client gets the
   503 ``unconfirmable`` (with Retry-After); else the look-up's refusal stands, or the last failure
@@ -55,6 +59,9 @@ class OpenPlan:
     allow_unconfirmed: bool = False
     serve_unconfirmed: bool = True  # False: a route nobody can check is refused, never run unchecked
     last_error: StageFailed | None = None
+    silent: frozenset[str] = frozenset()  # avoided by this gateway only for being silent when dialled
+    failed: set[str] = field(default_factory=set)  # nodes that failed in this request
+    silent_let_in: bool = False
 
     def __post_init__(self) -> None:
         self.excluded |= self.avoid
@@ -68,8 +75,13 @@ class OpenPlan:
 
     def no_route(self) -> bool:
         """The look-up found no route without the excluded nodes: True to look again (the nodes
-        nobody could check let back in, unconfirmed), False to stop (:meth:`give_up`, or the
-        look-up's refusal when nothing failed here)."""
+        nobody could check let back in, unconfirmed; or first the nodes avoided for silence), False to
+        stop (:meth:`give_up`, or the look-up's refusal when nothing failed here)."""
+        back = (self.silent & self.excluded) - self.avoid - self.failed - self.unconfirmable
+        if back and not self.silent_let_in:
+            self.silent_let_in = True
+            self.excluded -= back
+            return True
         if self.unconfirmable and not self.allow_unconfirmed and self.serve_unconfirmed:
             self.allow_unconfirmed = True
             self.excluded -= self.unconfirmable
@@ -84,6 +96,7 @@ class OpenPlan:
     def unreachable(self, err: StageFailed) -> None:
         """A node of the route picked did not answer before its session was opened (Info)."""
         self.excluded.add(err.node_id)
+        self.failed.add(err.node_id)
         self.last_error = err
 
     def cannot_check(self, err: Unconfirmable) -> None:
@@ -98,6 +111,7 @@ class OpenPlan:
         if fork and isinstance(err, StageBusy):
             return AfterOpenFailure.NEXT  # the fork's route is full: another, with a prefill of its own
         self.excluded.add(err.node_id)
+        self.failed.add(err.node_id)
         self.last_error = err
         if isinstance(err, Preempted) or (isinstance(err, StageBusy) and err.kv_short):
             return AfterOpenFailure.NEXT  # short of KV, not broken: another route now, this one later

@@ -130,7 +130,10 @@ class RouteOpener:
         model = job.model_key or request.model
         model_routes = await self.routes.routes(model)
         plan = OpenPlan(
-            avoid, set(self.spot.avoided()), serve_unconfirmed=self.config.unconfirmed_routes == "serve"
+            avoid,
+            set(self.spot.avoided()),
+            serve_unconfirmed=self.config.unconfirmed_routes == "serve",
+            silent=self.spot.avoided_silent(),
         )
         index = progress.index if progress is not None else 0
         while plan.more():

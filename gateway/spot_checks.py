@@ -254,6 +254,10 @@ class SpotChecks:
         """The nodes this gateway routes around: caught lying, or silent when last dialled."""
         return self.standing.avoided(self._clock())
 
+    def avoided_silent(self) -> frozenset[str]:
+        """The nodes this gateway routes around only for being silent when last dialled (not liars)."""
+        return self.standing.avoided_silent(self._clock())
+
     def note_unreachable(self, request_id: str, err: StageFailed) -> None:
         """A node failed before its session opened without answering an error of its own (dead,
         silent, not the node announced): route around it for a while and tell the tracker. An
