@@ -77,8 +77,9 @@ class RebalanceService:
         demand = self.demand.rates(now)
         view = apply_moves(snap, self.pending.active(now, besides=req.node_id))
         decide = functools.partial(
-            advise, view, req.node_id, capacities, demand, rng=reg.rng, pinned=req.pinned, params=self.params
-        )
+            advise, view, req.node_id, capacities, demand, rng=reg.rng, pinned=req.pinned, params=self.params,
+            present=snap,
+        )  # fmt: skip
         move: Move | None = await reg.on_route_cpu(decide)
         here = mine[0].model_fingerprint
         why = ""

@@ -19,7 +19,9 @@ The decision, in order
     1. A pinned node (an operator fixed its span) stays.
     2. A node stays if leaving would leave a layer of its span with fewer than
        ``min_holders`` holders (2: never cut a model, nor make a single point of failure;
-       others should join next to it).
+       others should join next to it) -- counted on the swarm as it is (``present``) as well
+       as on the view with the pending moves applied: a node advised to come takes minutes
+       to drain, fetch and load (or fails), and until it serves it holds nothing.
     Demand: a model's own, except that a model with a layer nobody holds counts as at
     least ``demand_floor_share`` of the mean over the models, so a model nobody asks for
     right now is drawn one node (it stays servable). A model that is served (every layer
@@ -147,20 +149,24 @@ def advise(
     rng: random.Random,
     pinned: bool = False,
     params: RebalanceParams = DEFAULT_PARAMS,
+    present: SwarmSnapshot | None = None,
 ) -> Move | None:
     """Where ``node_id`` should move, or None to stay (see the module docstring).
 
     ``capacity_layers``: model fingerprint -> how many layers of it the node can hold (the
     models it may serve); ``demand``: model fingerprint -> recent demand (any unit, the same
-    for all models). A node that serves no shard, or several, is not moved (None).
+    for all models). A node that serves no shard, or several, is not moved (None). ``present``: the
+    swarm as it is when ``snapshot`` has pending moves applied (:func:`apply_moves`); rule 2 holds
+    on both.
     """
     mine = [s for s in snapshot.shards if s.node_id == node_id]
     if pinned or len(mine) != 1:
         return None
     here = mine[0]
     fp = here.model_fingerprint
-    if _fewest_holders(snapshot, fp, here.start, here.end) - 1 < max(1, params.min_holders):
-        return None  # leaving would cut the model, or leave one of its layers with too few holders
+    for swarm in (snapshot, present or snapshot):
+        if _fewest_holders(swarm, fp, here.start, here.end) - 1 < max(1, params.min_holders):
+            return None  # leaving would cut the model, or leave one of its layers with too few holders
     per_layer_ms = max(here.decode_ms_per_token, params.min_decode_ms_per_token) / (here.end - here.start)
     without = replace(snapshot, shards=tuple(s for s in snapshot.shards if s.node_id != node_id))
     floor = params.demand_floor_share * sum(demand.values()) / max(1, len(demand))

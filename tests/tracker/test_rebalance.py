@@ -146,6 +146,24 @@ def test_pending_moves_are_applied_and_forgotten() -> None:
     assert apply_moves(done, {"b": Move(FP, 5, 10, "throughput", 1.0)}).shards == done.shards
 
 
+def test_a_node_stays_while_the_holders_advised_to_join_it_do_not_serve_yet() -> None:
+    from tracker.rebalance import apply_moves
+
+    # o alone serves OTHER; a and b are advised to join it (pending: they drain, fetch, load for
+    # minutes). Demand moves back to FP. In the view with the moves applied OTHER has three holders,
+    # so o could leave -- but o is the only node serving OTHER now: it stays.
+    snap = snapshot(10, [shard(n, 0, 10, ms=10.0) for n in "abc"] + [shard("o", 0, 10, ms=10.0, fp=OTHER_FP)])
+    moves = {n: Move(OTHER_FP, 0, 10, "throughput", 1.0) for n in "ab"}
+    view = apply_moves(snap, moves)
+    caps = {FP: 10, OTHER_FP: 10}
+    demand = {FP: 5.0, OTHER_FP: 0.1}
+    assert advise(view, "o", caps, demand, rng=random.Random(0)) is not None  # the view alone: o goes
+    assert advise(view, "o", caps, demand, rng=random.Random(0), present=snap) is None
+    # Once they serve it (announced there), o may go.
+    served = snapshot(10, [shard("c", 0, 10)] + [shard(n, 0, 10, fp=OTHER_FP) for n in "abo"])
+    assert advise(served, "o", caps, demand, rng=random.Random(0), present=served) is not None
+
+
 def test_pending_moves_name_trades_and_price_other_models_at_their_speed() -> None:
     from tracker.rebalance import PendingMoves, apply_moves
 
