@@ -22,14 +22,15 @@ The decision, in order
        others should join next to it) -- counted on the swarm as it is (``present``) as well
        as on the view with the pending moves applied: a node advised to come takes minutes
        to drain, fetch and load (or fails), and until it serves it holds nothing.
-    Demand: a model's own, except that a model with a layer nobody holds counts as at
-    least ``demand_floor_share`` of the mean over the models, so a model nobody asks for
-    right now is drawn one node (it stays servable). A model that is served (every layer
-    held) counts its own demand only: a node never leaves a model with live demand for
-    one without any that is already served -- that would take capacity from the users
-    asking now for users who may come (when they do, their look-ups are demand, and nodes
-    follow within a few of the meter's half-lives). An idle model keeps ``min_holders``
-    nodes per layer through rule 2.
+    Demand: a model's counts as at least ``demand_floor_share`` of the mean over the
+    models where it protects: for the model the node would leave (an idle model keeps
+    some capacity for when its demand comes back), for another span of the node's own
+    model, and for a model with a layer nobody holds (it is drawn one node and stays
+    servable). It does not draw: towards another model that is served (every layer
+    held) only that model's own demand counts, so a node never leaves a model with live
+    demand for one without any that is already served -- that would take capacity from
+    the users asking now for users who may come (when they do, their look-ups are
+    demand, and nodes follow within a few of the meter's half-lives).
     3. For every model the node may serve (``capacity_layers``), the span it would take
        on the swarm without it (:func:`tracker.placement.recommend_span`: the weakest
        layers, aligned with the existing boundaries).
@@ -61,8 +62,8 @@ from tracker.snapshot import ShardView, SwarmSnapshot
 class RebalanceParams:
     min_gain: float = 0.25  # the layers left must stay this much richer than those joined
     min_holders: int = 2  # a node does not leave layers that would then have fewer holders than this
-    # A model with a layer nobody holds counts a demand of at least this share of the models' mean
-    # (it is drawn a node, and stays servable); a served model counts its own demand only.
+    # A model's demand counts as at least this share of the models' mean where it protects (the model
+    # a node would leave; a model with a layer nobody holds), never to draw a node to a served model.
     demand_floor_share: float = 0.5
     max_spof_cost: float = 0.1  # a move that removes a single point of failure may cost this share
     min_decode_ms_per_token: float = 0.001
@@ -170,12 +171,11 @@ def advise(
     per_layer_ms = max(here.decode_ms_per_token, params.min_decode_ms_per_token) / (here.end - here.start)
     without = replace(snapshot, shards=tuple(s for s in snapshot.shards if s.node_id != node_id))
     floor = params.demand_floor_share * sum(demand.values()) / max(1, len(demand))
-    demand = {
-        m: max(demand.get(m, 0.0), floor) if throughput(without, m) <= 0 else demand.get(m, 0.0)
-        for m in {fp, *capacity_layers, *demand}
-    }
+    floored = {m: max(demand.get(m, 0.0), floor) for m in {fp, *capacity_layers, *demand}}
+    # Towards another served model, its own demand only: the floor protects, it does not draw.
+    drawn = {m: floored[m] if m == fp or throughput(without, m) <= 0 else demand.get(m, 0.0) for m in floored}
     # What the layers it serves would have without it, per unit of their model's demand.
-    source = _span_level(without, fp, here.start, here.end, demand)
+    source = _span_level(without, fp, here.start, here.end, floored)
 
     best: tuple[float, Move] | None = None
     for target in sorted(capacity_layers):
@@ -185,7 +185,7 @@ def advise(
         a, b = recommend_span(without, target, cap, rng=rng)
         if target == fp and (a, b) == (here.start, here.end):
             continue
-        goal = _span_level(without, target, a, b, demand)
+        goal = _span_level(without, target, a, b, drawn)
         gain = _relative(source, goal)  # how much richer the layers it leaves are than those it joins
         reason = ""
         if gain >= params.min_gain:

@@ -70,7 +70,7 @@ def test_demand_moves_a_node_to_the_model_that_needs_it() -> None:
 
 def test_a_served_model_without_demand_draws_no_node_from_one_with_demand() -> None:
     # The live swarm's start (sim/bench_wan_rebalance.py): five fast copies of FP, one slower copy
-    # of OTHER; all demand on FP. OTHER is served, so its floor does not apply: nobody moves
+    # of OTHER; all demand on FP. OTHER is served, so its floor does not draw: nobody moves
     # (before, OTHER's floor -- a quarter of FP's demand -- drew two of the five to it).
     five = [shard(n, 0, 10, ms=10.0) for n in ("a", "b", "c", "d", "e")]
     snap = snapshot(10, [*five, shard("o", 0, 10, ms=20.0, fp=OTHER_FP)])
@@ -84,7 +84,8 @@ def test_a_served_model_without_demand_draws_no_node_from_one_with_demand() -> N
     # Once the demand is on OTHER, a node of FP moves there.
     move = advise(snap, "a", caps, {FP: 0.5, OTHER_FP: 5.0}, rng=random.Random(0))
     assert move is not None and move.model_fingerprint == OTHER_FP and move.reason == "throughput"
-    # A node of an idle model leaves it for one with demand, down to min_holders copies.
+    # A node of an idle model leaves it for a model with demand that nobody serves; not below
+    # min_holders copies.
     idle = snapshot(10, [shard(n, 0, 10, ms=10.0, fp=OTHER_FP) for n in ("x", "y", "z")])
     move = advise(idle, "x", caps, {FP: 0.0, OTHER_FP: 0.0}, rng=random.Random(0))
     assert move is None  # nothing asked for anywhere: nobody moves
