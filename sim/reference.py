@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.vocab import Vocabulary
-from gateway.chat_template import ChatTemplate
+from gateway.chat_template import ChatTemplate, template_source
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
 
@@ -17,13 +17,28 @@ from node.reference import ReferenceModel
 NODE_ENGINE = EngineConfig(threads=1, max_sessions=8, session_kv_tokens=2048)
 
 
+def chat_template_of(vocab: Vocabulary) -> ChatTemplate:
+    """The chat template the gateway renders for this model (gateway/vocab_store.py): the file's own,
+    else its architecture's built-in one (Gemma's turns for a Gemma file without one), with its BOS
+    and EOS texts. (ChatML for a template-less Gemma 3 made every Gemma answer of
+    sim.bench_wan_rebalance look wrong against the reference, though the swarm's text was exact.)"""
+    n = vocab.n_vocab
+    special = {
+        t: vocab.token_bytes(t, special=True).decode("utf-8", "replace")
+        for t in (vocab.bos, vocab.eos)
+        if 0 <= t < n
+    }
+    source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
+    return ChatTemplate(source, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, ""))
+
+
 class Reference:
     """The whole model in one plain llama.cpp context, prompted through the model's chat template."""
 
     def __init__(self, model_path: Path) -> None:
         self.ref = ReferenceModel(model_path, NODE_ENGINE.context_settings())
         self.vocab = Vocabulary(model_path)
-        self.template = ChatTemplate(self.vocab.chat_template)
+        self.template = chat_template_of(self.vocab)
 
     def chat(self, question: str, n_new: int) -> str:
         text = self.template.render([{"role": "user", "content": question}], add_generation_prompt=True)
