@@ -24,7 +24,11 @@ address): model A = SmolLM2-135M (30 layers) and model B = Gemma 3 270M (18 laye
 
 Recorded per request: model, phase, start, end, TTFT, per-token latency (streamed chunks),
 success or the error, and the text; every move from the nodes' logs (advice, drain, hand
-back, rejoin) and the tracker's view once a second. Reported: B's median latency while the
+back, rejoin); the tracker's and the gateway's events that take a node out of routing or
+a route from a request (challenges, expiries, nodes a gateway could not reach, failed
+opens, replaced stages, failed requests); and the tracker's view -- which node serves
+which model while ``live``, and the state of the others -- each time it changed (polled
+once a second). Reported: B's median latency while the
 swarm is moving (from the shift until the last move is live) against after the moves, the
 failed requests (the goal is none), and a sample of texts against the whole model alone
 (greedy, one plain llama.cpp context).
@@ -126,7 +130,10 @@ class Run:
     scenario: Scenario
     requests: list[RequestRecord] = field(default_factory=list)
     node_events: list[dict[str, Any]] = field(default_factory=list)
-    tracker_view: list[tuple[float, dict[str, str]]] = field(default_factory=list)  # (t, host -> model)
+    # (t, host -> model of the live nodes), and (t, host -> state of the others), each on a change
+    tracker_view: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+    tracker_states: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+    service_events: list[dict[str, Any]] = field(default_factory=list)  # the tracker's and gateway's
     shift_s: float = 0.0
     moves: list[dict[str, Any]] = field(default_factory=list)  # host, from, to, live_s
     end_s: float = 0.0
@@ -250,22 +257,41 @@ def _register(wan: Any, tracker: Any, url: str, path: Path, name: str, source: s
     raise RuntimeError(f"model add {name}: no fingerprint in {done.stdout!r}")
 
 
-def _node_events(log: str, host: str, t0_wall: float) -> list[dict[str, Any]]:
-    names = ("rebalance_advice", "rebalance_draining", "rebalance_drained", "rebalance_moving",
-             "rebalance_move_failed")  # fmt: skip
-    out = []
+NODE_EVENTS = ("rebalance_advice", "rebalance_draining", "rebalance_drained", "rebalance_moving",
+               "rebalance_move_failed", "tracker_refused", "announced")  # fmt: skip
+# What takes a node out of routing at the tracker, or a route from a request at the gateway.
+TRACKER_EVENTS = ("node_rechallenged", "node_rechallenge_spared", "node_challenged", "node_expired",
+                  "node_restored", "node_left", "node_announced")  # fmt: skip
+GATEWAY_EVENTS = ("node_unreachable", "route_open_failed", "session_recovering", "stage_replacement_failed",
+                  "request_failed", "routes_served_stale", "tracker_lookup_failed")  # fmt: skip
+MAX_EVENTS = 5000  # per log
+DROPPED = ("logger", "level", "ts", "start", "end", "model", "tracker", "tracker_id", "reporter")
+
+
+def _node_events(log: str, host: str, t0_wall: float, names: Sequence[str] = NODE_EVENTS,
+                 hosts: dict[str, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The events ``names`` of a JSON log since ``t0_wall`` (wall clock), trimmed; node ids become
+    host names where ``hosts`` knows them."""
+    out: list[dict[str, Any]] = []
     for line in log.splitlines():
+        if len(out) >= MAX_EVENTS:
+            break
         if not line.startswith("{") or not any(f'"{n}"' in line for n in names):
             continue
         try:
             e = json.loads(line)
         except ValueError:
             continue
+        if e.get("event") not in names or float(e.get("ts", 0.0)) < t0_wall - 30.0:
+            continue
         if e.get("event") == "rebalance_advice" and e.get("advice") == "stay":
             continue  # the many "stay" answers are counted, not listed
-        e = {k: v for k, v in e.items() if k not in ("logger", "level")}
+        t = round(float(e.get("ts", 0.0)) - t0_wall, 2)
+        e = {k: (v[:200] if isinstance(v, str) else v) for k, v in e.items() if k not in DROPPED}
+        if hosts is not None and "node_id" in e:
+            e["node"] = hosts.get(str(e.pop("node_id")), "?")
         e["host"] = host
-        e["t_s"] = round(float(e.get("ts", 0.0)) - t0_wall, 2)
+        e["t_s"] = t
         out.append(e)
     return out
 
@@ -343,10 +369,12 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
         base = f"http://127.0.0.1:{wan.forward('gateway', gateway.port)}/v1"
 
         last: dict[str, str] = {}
+        states: dict[str, str] = {}
 
         def view() -> dict[str, str]:
-            """Host -> the model it serves, live nodes only (the last answer if the tracker is slow)."""
-            nonlocal last
+            """Host -> the model it serves, live nodes only (the last answer if the tracker is slow);
+            the others' states go to ``states``."""
+            nonlocal last, states
             try:
                 got = httpx.get(f"{tracker_local}/v1/swarm", timeout=30).json()["nodes"]
             except httpx.HTTPError as err:
@@ -357,7 +385,16 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
                 for x in got
                 if x["state"] == "live" and x["node_id"] in ids
             }
+            states = {ids[x["node_id"]]: str(x["state"]) for x in got
+                      if x["state"] != "live" and x["node_id"] in ids}  # fmt: skip
             return dict(last)
+
+        def record(t: float, v: dict[str, str]) -> None:
+            """The view and the states, each when it changed."""
+            if not run.tracker_view or run.tracker_view[-1][1] != v:
+                run.tracker_view.append((t, v))
+            if not run.tracker_states or run.tracker_states[-1][1] != states:
+                run.tracker_states.append((t, dict(states)))
 
         deadline = time.monotonic() + sc.ready_s
         while len(view()) < len(sc.nodes):
@@ -375,7 +412,7 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
         with Clients(base, sc, clock) as clients:
             # Phase A
             while clock() < sc.phase_a_s:
-                run.tracker_view.append((round(clock(), 2), view()))
+                record(round(clock(), 2), view())
                 time.sleep(1)
             clients.phase = "B"
             run.shift_s = clock()
@@ -383,7 +420,7 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
             stop_at = run.shift_s + sc.max_shift_s
             while clock() < stop_at:
                 v = view()
-                run.tracker_view.append((round(clock(), 2), v))
+                record(round(clock(), 2), v)
                 for host, m in v.items():
                     if m != initial[host] and host not in moved:
                         moved[host] = clock()
@@ -396,6 +433,9 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
         for host, node in nodes.items():
             run.node_events += _node_events(node.log_text(), host, t0_wall)
         run.node_events.sort(key=lambda e: e["t_s"])
+        for host, svc, names in (("tracker", tracker, TRACKER_EVENTS), ("gateway", gateway, GATEWAY_EVENTS)):
+            run.service_events += _node_events(svc.log_text(), host, t0_wall, names, ids)
+        run.service_events.sort(key=lambda e: e["t_s"])
         final = run.tracker_view[-1][1]
         run.moves = [
             {"host": h, "from": initial[h], "to": final.get(h, "?"), "live_s": round(t, 2)}
@@ -484,11 +524,68 @@ def summarize(run: Run) -> dict[str, Any]:
         "b_after_moves": b_after,
         "b_after_over_during": (a / d) if d and a else None,
         "a_trickle_after_shift": window([r for r in reqs if r.model == "A" and r.phase == "B"]),
+        "move_seconds": _move_seconds(run),
+        "service_events": {
+            name: sum(1 for e in run.service_events if e.get("event") == name)
+            for name in (*TRACKER_EVENTS, *GATEWAY_EVENTS)
+        },  # fmt: skip
+        "left_live_without_moving": _left_live(run),
         "texts_compared": len(compared),
         "texts_same": sum(1 for r in compared if r.same_as_alone),
         "load_before": run.load_before,
         "load_after": run.load_after,
     }
+
+
+def _move_seconds(run: Run) -> list[dict[str, Any]]:
+    """Per move: from the drain's start to live again at the tracker (None: not live by the end)."""
+    out = []
+    for e in run.node_events:
+        if e.get("event") == "rebalance_draining":
+            live = next(
+                (m["live_s"] for m in run.moves if m["host"] == e["host"] and m["live_s"] >= e["t_s"]), None
+            )
+            out.append(
+                {
+                    "host": e["host"],
+                    "drain_s": e["t_s"],
+                    "seconds": None if live is None else round(live - e["t_s"], 1),
+                }
+            )
+    return out
+
+
+def _left_live(run: Run) -> list[dict[str, Any]]:
+    """Spells in which a node that was not moving was out of the tracker's ``live`` view (a spell
+    that starts within 10 s after the node began to drain is its move)."""
+    drains: dict[str, list[float]] = {}
+    for e in run.node_events:
+        if e.get("event") == "rebalance_draining":
+            drains.setdefault(e["host"], []).append(e["t_s"])
+    spells: list[dict[str, Any]] = []
+    out_since: dict[str, float] = {}
+    hosts = {n.name for n in run.scenario.nodes}
+    for t, v in [*run.tracker_view, (None, {h: "" for h in hosts})]:
+        for h in sorted(hosts):
+            if h not in v and h not in out_since:
+                out_since[h] = t
+            elif h in v and h in out_since:
+                since = out_since.pop(h)
+                if not any(d - 1.0 <= since <= d + 10.0 for d in drains.get(h, [])):
+                    spells.append({"host": h, "from_s": since, "to_s": t})
+    return spells
+
+
+def _request_row(r: RequestRecord) -> dict[str, Any]:
+    """One request for the JSON: times rounded to 10 ms, the text only where it was compared."""
+    row = asdict(r)
+    for k in ("start_s", "end_s"):
+        row[k] = round(row[k], 2)
+    for k in ("ttft_ms", "per_token_ms"):
+        row[k] = None if row[k] is None else round(row[k], 1)
+    if r.same_as_alone is None:
+        row["text"] = None
+    return row
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -551,9 +648,11 @@ def main(argv: list[str] | None = None) -> int:
         "summaries": summaries,
         "runs": [
             {
-                "requests": [asdict(r) for r in run.requests],
+                "requests": [_request_row(r) for r in run.requests],
                 "node_events": run.node_events,
+                "service_events": run.service_events,
                 "tracker_view": run.tracker_view,
+                "tracker_states": run.tracker_states,
             }
             for run in runs
         ],
