@@ -625,10 +625,12 @@ class NodeInfoCache:
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
         self._clock = clock
-        self._infos: dict[tuple[str, str], StageInfo] = {}
+        # (node id, address, model fingerprint, start, end): a node that moved to another model or span
+        # (tracker/rebalance.py) at the same address and id is asked again, not served its old Info.
+        self._infos: dict[tuple[str, str, str, int, int], StageInfo] = {}
 
     async def get(self, hop: Hop, model_fingerprint: str) -> StageInfo:
-        key = (hop.node_id, hop.address)
+        key = (hop.node_id, hop.address, model_fingerprint, hop.start, hop.end)
         if hop.relay:
             # Relayed through us: the Info the node sent when its socket connected (gateway/relay.py).
             relay_info = getattr(self._channels, "relay_info", None)
@@ -699,7 +701,8 @@ class NodeInfoCache:
         return stage
 
     def forget(self, hop: Hop) -> None:
-        self._infos.pop((hop.node_id, hop.address), None)
+        for key in [k for k in self._infos if k[:2] == (hop.node_id, hop.address)]:  # at most 4096
+            del self._infos[key]
 
 
 def step_limit(stages: Sequence[StageInfo], wanted: int) -> int:
