@@ -257,8 +257,11 @@ def _register(wan: Any, tracker: Any, url: str, path: Path, name: str, source: s
     raise RuntimeError(f"model add {name}: no fingerprint in {done.stdout!r}")
 
 
+# The moves (advice, drain, the new span's source, fetched and cut, loaded, announced) and the nodes'
+# refusals by the tracker.
 NODE_EVENTS = ("rebalance_advice", "rebalance_draining", "rebalance_drained", "rebalance_moving",
-               "rebalance_move_failed", "tracker_refused", "announced")  # fmt: skip
+               "rebalance_move_failed", "model_source", "fetch_source_slow", "fetch_retry", "shard_ready",
+               "node_serving", "announced", "tracker_refused")  # fmt: skip
 # What takes a node out of routing at the tracker, or a route from a request at the gateway.
 TRACKER_EVENTS = ("node_rechallenged", "node_rechallenge_spared", "node_challenged", "node_expired",
                   "node_restored", "node_left", "node_announced")  # fmt: skip
