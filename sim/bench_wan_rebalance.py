@@ -436,8 +436,8 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
         for host, node in nodes.items():
             run.node_events += _node_events(node.log_text(), host, t0_wall)
         run.node_events.sort(key=lambda e: e["t_s"])
-        for host, svc, names in (("tracker", tracker, TRACKER_EVENTS), ("gateway", gateway, GATEWAY_EVENTS)):
-            run.service_events += _node_events(svc.log_text(), host, t0_wall, names, ids)
+        for host, svc, wanted in (("tracker", tracker, TRACKER_EVENTS), ("gateway", gateway, GATEWAY_EVENTS)):
+            run.service_events += _node_events(svc.log_text(), host, t0_wall, wanted, ids)
         run.service_events.sort(key=lambda e: e["t_s"])
         final = run.tracker_view[-1][1]
         run.moves = [
@@ -568,9 +568,10 @@ def _left_live(run: Run) -> list[dict[str, Any]]:
     spells: list[dict[str, Any]] = []
     out_since: dict[str, float] = {}
     hosts = {n.name for n in run.scenario.nodes}
-    for t, v in [*run.tracker_view, (None, {h: "" for h in hosts})]:
+    end: tuple[float | None, dict[str, str]] = (None, {h: "" for h in hosts})  # still out at the end
+    for t, v in [*run.tracker_view, end]:
         for h in sorted(hosts):
-            if h not in v and h not in out_since:
+            if h not in v and h not in out_since and t is not None:
                 out_since[h] = t
             elif h in v and h in out_since:
                 since = out_since.pop(h)
