@@ -25,6 +25,8 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from common.prefix_chain import BLOCK_TOKENS
+
 R = TypeVar("R")
 
 
@@ -454,6 +456,15 @@ def kv_room(free_per_stage: Sequence[int | None]) -> int | None:
     """Free KV positions a route has for a new request: its tightest stage's, None if no stage said."""
     known = [f for f in free_per_stage if f is not None]
     return min(known) if known else None
+
+
+def kv_need(prompt_tokens: int, max_tokens: int | None) -> int:
+    """The KV positions a request needs on every stage: its prompt plus ``max_tokens`` (a pool grows on
+    demand: without max_tokens, the prompt and one token), rounded up to whole blocks of
+    :data:`~common.prefix_chain.BLOCK_TOKENS` -- a node's pool hands out and announces whole blocks, and
+    counted in positions a burst of a few dozen sessions overran the pools by up to 15 positions each."""
+    positions = max(0, prompt_tokens) + (max_tokens or 1)
+    return -(-positions // BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 def fits_kv(free_per_stage: Sequence[int | None], need_tokens: int) -> bool:

@@ -33,7 +33,7 @@ import trio
 
 from common.prefix_chain import BLOCK_TOKENS, MAX_SOURCE_HASHES, chain, head, held_blocks, source_id
 from gateway import tools
-from gateway.admission import fits_kv, kv_room, kv_verdict
+from gateway.admission import fits_kv, kv_need, kv_room, kv_verdict
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidRequest, KvExhausted, NoRoute, StageFailed
 from gateway.gate import KvGate, KvShort
@@ -380,7 +380,7 @@ class RouteChoice:
         caller waits out in the KV wait (gateway.gate.KvGate) -- the request fits a route's context
         (``prepare`` checked), not the free KV now. The route returned has the request's need
         committed in the ledger (the caller releases it)."""
-        need = len(prepared.prompt) + (request.max_tokens or 1)  # a pool grows on demand: no max_tokens, no
+        need = kv_need(len(prepared.prompt), request.max_tokens)
         if self.kv_gate is not None and self.kv_gate.must_wait(id(request), model):
             self.routes.release(route)
             raise KvShort(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from gateway.admission import KvWaitPolicy, fits_kv, kv_room, kv_verdict, route_context
+from gateway.admission import KvWaitPolicy, fits_kv, kv_need, kv_room, kv_verdict, route_context
 from gateway.errors import KvExhausted
 from gateway.gate import KvGate
 from gateway.routes import parse_routes
@@ -40,6 +40,16 @@ def test_the_tightest_stage_decides_and_unknown_stages_are_trusted() -> None:
     assert fits_kv([8192, 6016], 6000) and not fits_kv([8192, 5999], 6000)
     assert fits_kv([None, None], 10**6)  # nothing announced: the nodes decide
     assert not fits_kv([None, 100], 101)
+
+
+def test_a_request_needs_whole_blocks() -> None:
+    # The pool hands out and announces whole 16-position blocks: 40 positions take 3 blocks.
+    assert kv_need(30, 10) == 48 and kv_need(32, 16) == 48 and kv_need(31, 1) == 32
+    assert kv_need(0, None) == 16 and kv_need(100, None) == 112  # no max_tokens: prompt and one token
+    # Two requests of 40 positions each on 80 free: in positions both would fit, in blocks one does.
+    free = 80
+    first = kv_need(30, 10)
+    assert fits_kv([free], first) and not fits_kv([free - first], kv_need(30, 10))
 
 
 def test_the_answer_carries_the_swarms_largest_contexts() -> None:
