@@ -106,6 +106,10 @@ class Scenario:
     text_sample: int = 40  # per model; 0 = compare every request's text
     after_grace_s: float = 5.0  # "after the moves" starts this long after the last move is live
     ready_s: float = 180.0  # how long the nodes may take to load and go live
+    # Each node's memory (node memory_limit_mb): six nodes share this one machine, and a node sizes its
+    # KV pool from the memory it may use -- by default the whole machine's, so three nodes moving to
+    # Gemma 3 at once (4-5 GB each) got the only Gemma node OOM-killed (2026-12-07).
+    memory_limit_mb: int = 2048
 
 
 @dataclass
@@ -318,7 +322,7 @@ def run_scenario(sc: Scenario, workdir: Path, *, say: Callable[[str], None] = pr
     (workdir / "node.toml").write_text(
         _toml("node", {
             "rebalance_cooldown_s": sc.cooldown_s, "rebalance_confirmations": sc.confirmations,
-            "rebalance_drain_s": sc.drain_s,
+            "rebalance_drain_s": sc.drain_s, "memory_limit_mb": sc.memory_limit_mb,
         })
     )  # fmt: skip
     wan = WanEmulator(load_profile(sc.profile), hosts)
