@@ -663,6 +663,11 @@ class NodeDaemon:
                                 state=answer.get("state"),
                                 heartbeat_interval_s=interval,
                             )
+                            # The announce carries no load or KV figures (the tracker clears them):
+                            # the first heartbeat follows at once, so gateways do not admit on "not
+                            # known" (every request let through, the pools overrun) for a whole
+                            # interval after a join, a move or a re-announce.
+                            continue
                         else:
                             answer = await client.heartbeat(self._heartbeat())
                             if self.rtt is not None:  # whom the tracker wants measured next

@@ -276,6 +276,16 @@ def run_layout(
         # sessions on this machine, 32 first handshakes at once missed their 5 s and the nodes were
         # avoided for a minute (every request 503). Not counted: the figures below are deltas, and
         # the whole-prompt peak of one request alone is 1.
+        # And only once the tracker has the nodes' KV figures (their heartbeats): a route answer without
+        # them is "not known" to the gateway's KV admission, which then lets every request through.
+        deadline = time.monotonic() + 60
+        while not all(
+            (x.get("shard") or {}).get("kv_free_tokens") is not None
+            for x in httpx.get(f"{swarm.tracker_url}/v1/swarm", timeout=10).json()["nodes"]
+        ):
+            if time.monotonic() > deadline:
+                raise SystemExit("the nodes' heartbeats announced no KV figures within 60 s")
+            time.sleep(0.5)
         warm = ask(swarm, prompts[0][:8], 2)
         if warm["status"] != 200:
             raise SystemExit(f"the warm-up request failed: {warm}")
