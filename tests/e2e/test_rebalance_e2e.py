@@ -60,6 +60,9 @@ NODE_TOML = """
 rebalance_cooldown_s = 4.0
 rebalance_confirmations = 2
 rebalance_drain_s = 1.0
+# Three nodes share this machine: each sizes its KV pool from this, not from the whole machine's memory
+# (a pool of gigabytes made the move's load phase take 55 s, and the move past the 120 s wait).
+memory_limit_mb = 2048
 """
 
 
