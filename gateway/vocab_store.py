@@ -97,18 +97,25 @@ class LoadedVocab:
             )
 
 
-def _load(path: Path, fingerprint: str) -> LoadedVocab:
-    vocab = Vocabulary(path)
+def template_of(vocab: Vocabulary) -> TemplateSource:
+    """The chat template the gateway renders for this model: the file's own, else its architecture's
+    built-in one, with its BOS and EOS texts."""
     n = int(vocab.n_vocab)
-    pieces = tuple(vocab.token_bytes(t) for t in range(n))
-    eog = frozenset(t for t in range(n) if vocab.is_eog(t))
     special = {
         t: vocab.token_bytes(t, special=True).decode("utf-8", "replace")
         for t in (vocab.bos, vocab.eos)
         if 0 <= t < n
     }
     source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
-    template = TemplateSource(source, special.get(vocab.bos, ""), special.get(vocab.eos, ""))
+    return TemplateSource(source, special.get(vocab.bos, ""), special.get(vocab.eos, ""))
+
+
+def _load(path: Path, fingerprint: str) -> LoadedVocab:
+    vocab = Vocabulary(path)
+    n = int(vocab.n_vocab)
+    pieces = tuple(vocab.token_bytes(t) for t in range(n))
+    eog = frozenset(t for t in range(n) if vocab.is_eog(t))
+    template = template_of(vocab)
     return LoadedVocab(
         fingerprint,
         vocab,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.vocab import Vocabulary
-from gateway.chat_template import ChatTemplate, template_source
+from gateway.chat_template import ChatTemplate
+from gateway.vocab_store import template_of
 from node.engine import EngineConfig
 from node.reference import ReferenceModel
 
@@ -18,18 +19,10 @@ NODE_ENGINE = EngineConfig(threads=1, max_sessions=8, session_kv_tokens=2048)
 
 
 def chat_template_of(vocab: Vocabulary) -> ChatTemplate:
-    """The chat template the gateway renders for this model (gateway/vocab_store.py): the file's own,
-    else its architecture's built-in one (Gemma's turns for a Gemma file without one), with its BOS
-    and EOS texts. (ChatML for a template-less Gemma 3 made every Gemma answer of
-    sim.bench_wan_rebalance look wrong against the reference, though the swarm's text was exact.)"""
-    n = vocab.n_vocab
-    special = {
-        t: vocab.token_bytes(t, special=True).decode("utf-8", "replace")
-        for t in (vocab.bos, vocab.eos)
-        if 0 <= t < n
-    }
-    source = template_source(vocab.chat_template, vocab.metadata("general.architecture"))
-    return ChatTemplate(source, bos_token=special.get(vocab.bos, ""), eos_token=special.get(vocab.eos, ""))
+    """The chat template the gateway renders for this model (gateway.vocab_store.template_of: Gemma's
+    turns for a Gemma file without one, not ChatML -- which made every Gemma answer of
+    sim.bench_wan_rebalance look wrong against the reference, though the swarm's text was exact)."""
+    return template_of(vocab).compile()
 
 
 class Reference:

@@ -121,7 +121,8 @@ def removable(snapshot: SwarmSnapshot, node_ids: Sequence[str]) -> tuple[list[st
     routing it would turn a slow or suspect model into one nobody can use (503 "not covered" for
     every gateway), while the gateway that named it routes around it anyway. A node not in the
     snapshot holds nothing in it and can leave. O(named nodes' shards x their models' layers)."""
-    fps = {s.model_fingerprint for s in snapshot.shards if s.node_id in set(node_ids)}
+    named = set(node_ids)
+    fps = {s.model_fingerprint for s in snapshot.shards if s.node_id in named}
     holders: dict[tuple[str, int], set[str]] = {}
     for s in snapshot.shards:
         if s.model_fingerprint in fps:
